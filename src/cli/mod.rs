@@ -1,0 +1,96 @@
+//! Command-line interface: clap definitions and one file per subcommand. Errors are `anyhow` with
+//! context here at the edge; exit codes: 0 success, 1 runtime error, 2 usage error.
+
+mod load;
+mod run;
+mod score;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "deltafin",
+    version,
+    about = "Runs Kimi K3 exactly on one machine by streaming its MXFP4 experts from SSDs"
+)]
+pub struct Cli {
+    /// Worker threads for the kernels (default: all cores). Results do not depend on it.
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate greedily from a prompt.
+    Run(run::RunArgs),
+    /// Compute logits at every position of a prompt and write them to a safetensors file.
+    Score(score::ScoreArgs),
+}
+
+/// Parses arguments, runs the subcommand and maps errors to exit codes.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("DELTAFIN_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    if let Some(n) = cli.threads
+        && let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global()
+    {
+        eprintln!("error: cannot set up {n} threads: {e}");
+        return ExitCode::from(1);
+    }
+    let result = match cli.cmd {
+        Cmd::Run(a) => run::run(a),
+        Cmd::Score(a) => score::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Token ids given on the command line as "1,2,3".
+#[derive(Clone, Debug)]
+pub(crate) struct TokenIds(pub Vec<u32>);
+
+/// Parses "1,2,3" (spaces allowed) into token ids.
+pub(crate) fn parse_ids(s: &str) -> Result<TokenIds, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            t.parse::<u32>().map_err(|_| {
+                format!("`{t}` is not a token id (expected comma-separated non-negative integers)")
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(|v| {
+            if v.is_empty() {
+                Err("the prompt is empty".to_string())
+            } else {
+                Ok(TokenIds(v))
+            }
+        })
+}

@@ -1,0 +1,471 @@
+//! CPU kernels: bf16 and MXFP4 matrix-vector / matrix-matrix products, norms and activations.
+//!
+//! Contract: every output element of a product is computed by one fixed sequence of f32 operations —
+//! 16 lanes, lane `l` accumulating elements `16c + l` with fused multiply-add, zero-padded tail,
+//! then the fixed reduction tree of [`reduce16`]. The scalar reference, AVX2, AVX-512 and NEON
+//! kernels all follow that sequence, so results are bit-identical across instruction sets, thread
+//! counts and the number of rows processed together (one row or a whole prompt). MXFP4 rows are
+//! dequantised inside the kernel (`code value * 2^(scale-127)`, exact in f32), in the blocked
+//! "deinterleaved" element order produced by [`deinterleave_mxfp4_input`]; there is never an f32
+//! copy of an expert, only of one weight row at a time in a small scratch buffer.
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
+pub mod ops;
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+/// Number of accumulation lanes every dot product uses, whatever the instruction set.
+pub const LANES: usize = 16;
+/// MXFP4 block: 32 inputs share one E8M0 scale byte.
+pub const MXFP4_BLOCK: usize = 32;
+
+/// E2M1 code -> value (codes 8..15 are the negated 0..7; code 8 is -0.0).
+pub const E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// E8M0 scale byte -> 2^(s-127); 255 is NaN by the OCP MX definition.
+pub fn e8m0(s: u8) -> f32 {
+    match s {
+        255 => f32::NAN,
+        // 2^-127 is subnormal: bit 22 of the mantissa.
+        0 => f32::from_bits(0x0040_0000),
+        s => f32::from_bits((s as u32) << 23),
+    }
+}
+
+/// Instruction set used by the product kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    Avx2,
+    Avx512,
+    Neon,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+            Isa::Neon => "neon",
+        }
+    }
+
+    /// The instruction sets this machine can run, best last.
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                v.push(Isa::Avx2);
+            }
+            if std::is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            if std::arch::is_aarch64_feature_detected!("neon") {
+                v.push(Isa::Neon);
+            }
+        }
+        v
+    }
+}
+
+/// The instruction set chosen at startup: the best available, or `DELTAFIN_ISA` (scalar|avx2|
+/// avx512|neon) when it names an available one. Results do not depend on the choice.
+pub fn isa() -> Isa {
+    static CHOSEN: OnceLock<Isa> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        let avail = Isa::available();
+        let best = *avail.last().unwrap_or(&Isa::Scalar);
+        match std::env::var("DELTAFIN_ISA") {
+            Ok(want) => avail
+                .iter()
+                .copied()
+                .find(|i| i.name() == want)
+                .unwrap_or(best),
+            Err(_) => best,
+        }
+    })
+}
+
+/// The fixed reduction tree of the 16 lanes: (i, i+8), then (i, i+4), (i, i+2), (i, i+1).
+#[inline(always)]
+pub fn reduce16(acc: &[f32; LANES]) -> f32 {
+    let mut v8 = [0f32; 8];
+    for i in 0..8 {
+        v8[i] = acc[i] + acc[i + 8];
+    }
+    let mut v4 = [0f32; 4];
+    for i in 0..4 {
+        v4[i] = v8[i] + v8[i + 4];
+    }
+    let v2 = [v4[0] + v4[2], v4[1] + v4[3]];
+    v2[0] + v2[1]
+}
+
+/// A row-major bf16 matrix borrowed from a checkpoint (little-endian, any alignment).
+#[derive(Clone, Copy, Debug)]
+pub struct Bf16Mat<'a> {
+    pub data: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> Bf16Mat<'a> {
+    /// Panics if `data` does not hold exactly `rows * cols` bf16 values (checked by the roster).
+    pub fn new(data: &'a [u8], rows: usize, cols: usize) -> Self {
+        assert_eq!(data.len(), rows * cols * 2, "bf16 matrix size");
+        Bf16Mat { data, rows, cols }
+    }
+    #[inline]
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        &self.data[r * self.cols * 2..(r + 1) * self.cols * 2]
+    }
+    /// Rows `start..start+n` as a matrix of their own.
+    pub fn rows_slice(&self, start: usize, n: usize) -> Bf16Mat<'a> {
+        Bf16Mat::new(
+            &self.data[start * self.cols * 2..(start + n) * self.cols * 2],
+            n,
+            self.cols,
+        )
+    }
+}
+
+/// One MXFP4 matrix as shipped: packed nibbles [rows, cols/2] and E8M0 scales [rows, cols/32].
+#[derive(Clone, Copy, Debug)]
+pub struct Mxfp4Mat<'a> {
+    pub packed: &'a [u8],
+    pub scales: &'a [u8],
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> Mxfp4Mat<'a> {
+    /// Panics on inconsistent sizes (checked before compute by the roster).
+    pub fn new(packed: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Self {
+        assert_eq!(cols % MXFP4_BLOCK, 0, "mxfp4 cols must be a multiple of 32");
+        assert_eq!(packed.len(), rows * cols / 2, "mxfp4 packed size");
+        assert_eq!(scales.len(), rows * cols / MXFP4_BLOCK, "mxfp4 scale size");
+        Mxfp4Mat {
+            packed,
+            scales,
+            rows,
+            cols,
+        }
+    }
+    #[inline]
+    fn row(&self, r: usize) -> (&'a [u8], &'a [u8]) {
+        let pb = self.cols / 2;
+        let sb = self.cols / MXFP4_BLOCK;
+        (
+            &self.packed[r * pb..(r + 1) * pb],
+            &self.scales[r * sb..(r + 1) * sb],
+        )
+    }
+}
+
+/// Reorders an MXFP4 input vector into the kernels' element order: for each block of 32, the 16
+/// even-indexed inputs (low nibbles) then the 16 odd-indexed ones (high nibbles).
+pub fn deinterleave_mxfp4_input(x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len() % MXFP4_BLOCK, 0);
+    assert_eq!(x.len(), out.len());
+    for (xb, ob) in x
+        .chunks_exact(MXFP4_BLOCK)
+        .zip(out.chunks_exact_mut(MXFP4_BLOCK))
+    {
+        for j in 0..16 {
+            ob[j] = xb[2 * j];
+            ob[16 + j] = xb[2 * j + 1];
+        }
+    }
+}
+
+/// Dequantises one MXFP4 row into `out` in the deinterleaved order (exact values).
+pub fn decode_mxfp4_row(packed: &[u8], scales: &[u8], out: &mut [f32]) {
+    for (b, (pb, ob)) in packed
+        .chunks_exact(16)
+        .zip(out.chunks_exact_mut(MXFP4_BLOCK))
+        .enumerate()
+    {
+        let s = e8m0(scales[b]);
+        for j in 0..16 {
+            ob[j] = E2M1[(pb[j] & 0x0f) as usize] * s;
+            ob[16 + j] = E2M1[(pb[j] >> 4) as usize] * s;
+        }
+    }
+}
+
+/// Converts one bf16 row to f32 (exact).
+pub fn decode_bf16_row(row: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+        *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+    }
+}
+
+// ---- per-ISA dispatch of the three primitive kernels -------------------------------------
+
+/// Dots of four bf16 weight rows with one f32 vector.
+#[inline]
+pub(crate) fn dot4_bf16(isa: Isa, w: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
+    for r in &w {
+        assert_eq!(r.len(), x.len() * 2);
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Isa::Avx512 is only chosen when avx512f was detected; lengths checked above.
+        Isa::Avx512 => unsafe { x86::dot4_bf16_avx512(w, x) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Isa::Avx2 is only chosen when avx2 and fma were detected; lengths checked above.
+        Isa::Avx2 => unsafe { x86::dot4_bf16_avx2(w, x) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: Isa::Neon is only chosen when neon was detected; lengths checked above.
+        Isa::Neon => unsafe { neon::dot4_bf16(w, x) },
+        _ => scalar::dot4_bf16(w, x),
+    }
+}
+
+/// Dots of one f32 row with four f32 vectors.
+#[inline]
+pub(crate) fn dot4_f32(isa: Isa, a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
+    for r in &b {
+        assert_eq!(r.len(), a.len());
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: feature detected for this Isa; lengths checked above.
+        Isa::Avx512 => unsafe { x86::dot4_f32_avx512(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: feature detected for this Isa; lengths checked above.
+        Isa::Avx2 => unsafe { x86::dot4_f32_avx2(a, b) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: feature detected for this Isa; lengths checked above.
+        Isa::Neon => unsafe { neon::dot4_f32(a, b) },
+        _ => scalar::dot4_f32(a, b),
+    }
+}
+
+/// Dots of four MXFP4 rows (packed, scales) with one deinterleaved input vector.
+#[inline]
+pub(crate) fn dot4_mxfp4(isa: Isa, w: [(&[u8], &[u8]); 4], xd: &[f32]) -> [f32; 4] {
+    for (p, s) in &w {
+        assert_eq!(p.len() * 2, xd.len());
+        assert_eq!(s.len() * MXFP4_BLOCK, xd.len());
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: feature detected for this Isa; lengths checked above.
+        Isa::Avx512 => unsafe { x86::dot4_mxfp4_avx512(w, xd) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: feature detected for this Isa; lengths checked above.
+        Isa::Avx2 => unsafe { x86::dot4_mxfp4_avx2(w, xd) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: feature detected for this Isa; lengths checked above.
+        Isa::Neon => unsafe { neon::dot4_mxfp4(w, xd) },
+        _ => scalar::dot4_mxfp4(w, xd),
+    }
+}
+
+// ---- public products ----------------------------------------------------------------------
+
+/// Below this many multiply-adds a product runs on the calling thread.
+const PAR_MIN_WORK: usize = 1 << 16;
+/// Output rows per parallel task.
+const ROWS_PER_TASK: usize = 16;
+
+/// out[r] = W[r] . x for a bf16 matrix.
+pub fn matvec_bf16(w: &Bf16Mat, x: &[f32], out: &mut [f32]) {
+    matvec_bf16_isa(isa(), w, x, out)
+}
+
+pub fn matvec_bf16_isa(isa: Isa, w: &Bf16Mat, x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), w.cols);
+    assert_eq!(out.len(), w.rows);
+    let task = |(t, chunk): (usize, &mut [f32])| {
+        let base = t * ROWS_PER_TASK;
+        for (q, quad) in chunk.chunks_mut(4).enumerate() {
+            let r0 = base + 4 * q;
+            let rows = std::array::from_fn(|i| w.row(r0 + i.min(quad.len() - 1)));
+            let d = dot4_bf16(isa, rows, x);
+            quad.copy_from_slice(&d[..quad.len()]);
+        }
+    };
+    if w.rows * w.cols < PAR_MIN_WORK {
+        out.chunks_mut(ROWS_PER_TASK).enumerate().for_each(task);
+    } else {
+        out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(task);
+    }
+}
+
+/// out[r] = W[r] . x for an MXFP4 matrix; `xd` is the deinterleaved input.
+pub fn matvec_mxfp4(w: &Mxfp4Mat, xd: &[f32], out: &mut [f32]) {
+    matvec_mxfp4_isa(isa(), w, xd, out)
+}
+
+pub fn matvec_mxfp4_isa(isa: Isa, w: &Mxfp4Mat, xd: &[f32], out: &mut [f32]) {
+    assert_eq!(xd.len(), w.cols);
+    assert_eq!(out.len(), w.rows);
+    let task = |(t, chunk): (usize, &mut [f32])| {
+        let base = t * ROWS_PER_TASK;
+        for (q, quad) in chunk.chunks_mut(4).enumerate() {
+            let r0 = base + 4 * q;
+            let rows = std::array::from_fn(|i| w.row(r0 + i.min(quad.len() - 1)));
+            let d = dot4_mxfp4(isa, rows, xd);
+            quad.copy_from_slice(&d[..quad.len()]);
+        }
+    };
+    if w.rows * w.cols < PAR_MIN_WORK {
+        out.chunks_mut(ROWS_PER_TASK).enumerate().for_each(task);
+    } else {
+        out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(task);
+    }
+}
+
+/// A weight matrix whose rows can be decoded one at a time into f32.
+trait RowDecode: Sync {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    fn decode(&self, r: usize, out: &mut [f32]);
+}
+
+impl RowDecode for Bf16Mat<'_> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn decode(&self, r: usize, out: &mut [f32]) {
+        decode_bf16_row(self.row(r), out)
+    }
+}
+
+impl RowDecode for Mxfp4Mat<'_> {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn decode(&self, r: usize, out: &mut [f32]) {
+        let (p, s) = self.row(r);
+        decode_mxfp4_row(p, s, out)
+    }
+}
+
+/// Weight rows decoded per task in a matrix-matrix product: bounds the scratch to a few rows.
+const MM_WROWS: usize = 8;
+
+/// out[i, r] = W[r] . xs[i] for `n = xs.len() / cols` input rows; each element bit-identical to the
+/// matrix-vector product of that row alone.
+fn matmul_decoded<M: RowDecode>(isa: Isa, w: &M, xs: &[f32], out: &mut [f32]) {
+    let cols = w.cols();
+    let rows = w.rows();
+    assert_eq!(xs.len() % cols, 0);
+    let n = xs.len() / cols;
+    assert_eq!(out.len(), n * rows);
+    if n == 0 || rows == 0 {
+        return;
+    }
+    // Each task owns a band of weight rows and writes a column band of `out`; results are gathered
+    // per task, then scattered, so no two tasks write the same memory.
+    let bands: Vec<(usize, Vec<f32>)> = (0..rows.div_ceil(MM_WROWS))
+        .into_par_iter()
+        .with_min_len(if rows * cols * n < PAR_MIN_WORK {
+            usize::MAX
+        } else {
+            1
+        })
+        .map(|band| {
+            let r0 = band * MM_WROWS;
+            let nr = MM_WROWS.min(rows - r0);
+            let mut wdec = vec![0f32; nr * cols];
+            for (i, dst) in wdec.chunks_exact_mut(cols).enumerate() {
+                w.decode(r0 + i, dst);
+            }
+            let mut res = vec![0f32; nr * n];
+            for i in (0..n).step_by(4) {
+                let nx = 4.min(n - i);
+                let xrows: [&[f32]; 4] =
+                    std::array::from_fn(|k| &xs[(i + k.min(nx - 1)) * cols..][..cols]);
+                for (rr, wrow) in wdec.chunks_exact(cols).enumerate() {
+                    let d = dot4_f32(isa, wrow, xrows);
+                    for k in 0..nx {
+                        res[rr * n + i + k] = d[k];
+                    }
+                }
+            }
+            (r0, res)
+        })
+        .collect();
+    for (r0, res) in bands {
+        let nr = res.len() / n;
+        for rr in 0..nr {
+            for i in 0..n {
+                out[i * rows + r0 + rr] = res[rr * n + i];
+            }
+        }
+    }
+}
+
+/// Matrix-matrix product for bf16 weights: `xs` is [n, cols] row-major, `out` is [n, rows].
+pub fn matmul_bf16(w: &Bf16Mat, xs: &[f32], out: &mut [f32]) {
+    matmul_bf16_isa(isa(), w, xs, out)
+}
+
+pub fn matmul_bf16_isa(isa: Isa, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) {
+    if xs.len() == w.cols {
+        return matvec_bf16_isa(isa, w, xs, out);
+    }
+    matmul_decoded(isa, w, xs, out)
+}
+
+/// Matrix-matrix product for MXFP4 weights: `xds` holds n deinterleaved inputs, `out` is [n, rows].
+pub fn matmul_mxfp4(w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
+    matmul_mxfp4_isa(isa(), w, xds, out)
+}
+
+pub fn matmul_mxfp4_isa(isa: Isa, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
+    if xds.len() == w.cols {
+        return matvec_mxfp4_isa(isa, w, xds, out);
+    }
+    matmul_decoded(isa, w, xds, out)
+}
+
+/// Plain f32 dot product with the kernels' fixed operation order (used for attention scores).
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    dot4_f32(isa(), a, [b, b, b, b])[0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e8m0_table() {
+        assert_eq!(e8m0(127), 1.0);
+        assert_eq!(e8m0(128), 2.0);
+        assert_eq!(e8m0(126), 0.5);
+        assert_eq!(e8m0(0), 2f32.powi(-127));
+        assert_eq!(e8m0(1), 2f32.powi(-126));
+        assert!(e8m0(255).is_nan());
+    }
+
+    #[test]
+    fn reduce_tree_order() {
+        let mut a = [0f32; 16];
+        a[0] = 1e8;
+        a[8] = -1e8;
+        a[1] = 1.0;
+        assert_eq!(reduce16(&a), 1.0);
+    }
+}

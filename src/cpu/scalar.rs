@@ -1,0 +1,60 @@
+//! Scalar reference kernels: the defining operation order that the SIMD kernels reproduce bit for
+//! bit (16 lanes, fused multiply-add per lane, zero-padded tail, `reduce16`).
+
+use super::{E2M1, LANES, e8m0, reduce16};
+
+#[inline(always)]
+fn bf16_at(row: &[u8], i: usize) -> f32 {
+    f32::from_bits((u16::from_le_bytes([row[2 * i], row[2 * i + 1]]) as u32) << 16)
+}
+
+pub(super) fn dot4_bf16(w: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
+    let n = x.len();
+    let mut acc = [[0f32; LANES]; 4];
+    for c in 0..n.div_ceil(LANES) {
+        for l in 0..LANES {
+            let i = c * LANES + l;
+            let xi = if i < n { x[i] } else { 0.0 };
+            for r in 0..4 {
+                let wi = if i < n { bf16_at(w[r], i) } else { 0.0 };
+                acc[r][l] = wi.mul_add(xi, acc[r][l]);
+            }
+        }
+    }
+    std::array::from_fn(|r| reduce16(&acc[r]))
+}
+
+pub(super) fn dot4_f32(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
+    let n = a.len();
+    let mut acc = [[0f32; LANES]; 4];
+    for c in 0..n.div_ceil(LANES) {
+        for l in 0..LANES {
+            let i = c * LANES + l;
+            let ai = if i < n { a[i] } else { 0.0 };
+            for r in 0..4 {
+                let bi = if i < n { b[r][i] } else { 0.0 };
+                acc[r][l] = ai.mul_add(bi, acc[r][l]);
+            }
+        }
+    }
+    std::array::from_fn(|r| reduce16(&acc[r]))
+}
+
+pub(super) fn dot4_mxfp4(w: [(&[u8], &[u8]); 4], xd: &[f32]) -> [f32; 4] {
+    let mut acc = [[0f32; LANES]; 4];
+    for (b, xb) in xd.chunks_exact(32).enumerate() {
+        for r in 0..4 {
+            let s = e8m0(w[r].1[b]);
+            let p = &w[r].0[b * 16..b * 16 + 16];
+            for j in 0..16 {
+                let lo = E2M1[(p[j] & 0x0f) as usize] * s;
+                acc[r][j] = lo.mul_add(xb[j], acc[r][j]);
+            }
+            for j in 0..16 {
+                let hi = E2M1[(p[j] >> 4) as usize] * s;
+                acc[r][j] = hi.mul_add(xb[16 + j], acc[r][j]);
+            }
+        }
+    }
+    std::array::from_fn(|r| reduce16(&acc[r]))
+}

@@ -1,0 +1,85 @@
+//! Attention residuals (AttnRes): instead of one residual stream, each token keeps block
+//! snapshots (pushed every `attn_res_block_size` layers) plus a running prefix sum, and every
+//! sublayer input is a softmax-weighted mix of them. Scores use the RMS-normalised sources, the
+//! sum uses the raw ones.
+
+use crate::cpu::dot_f32;
+
+/// out = sum_s p_s * v_s, p = softmax_s( (v_s . score_w) / sqrt(mean(v_s^2) + eps) ).
+/// Sources are summed in the order given (blocks oldest first, then the prefix).
+pub fn mix(sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
+    let h = score_w.len();
+    debug_assert!(sources.iter().all(|s| s.len() == h));
+    let mut scores: Vec<f32> = sources
+        .iter()
+        .map(|v| dot_f32(v, score_w) / (dot_f32(v, v) / h as f32 + eps).sqrt())
+        .collect();
+    crate::cpu::ops::softmax_inplace(&mut scores);
+    for (o, &v0) in out.iter_mut().zip(sources[0]) {
+        *o = scores[0] * v0;
+    }
+    for (v, &p) in sources.iter().zip(&scores).skip(1) {
+        crate::cpu::ops::axpy(out, p, v);
+    }
+}
+
+/// The residual state of a batch of rows through the layer stack (rows are [n, hidden]).
+pub struct Residual {
+    pub hidden: usize,
+    /// Completed block snapshots, oldest first.
+    pub blocks: Vec<Vec<f32>>,
+    /// Running sum of sublayer outputs in the current block (None right after a push).
+    pub prefix: Option<Vec<f32>>,
+}
+
+impl Residual {
+    pub fn new(embeddings: Vec<f32>, hidden: usize) -> Self {
+        Residual {
+            hidden,
+            blocks: Vec::new(),
+            prefix: Some(embeddings),
+        }
+    }
+
+    /// Mixes blocks + prefix for every row. With no blocks yet, the input is the prefix itself.
+    pub fn mixed(&self, score_w: &[f32], eps: f32) -> Vec<f32> {
+        let prefix = self.prefix.as_ref().expect("mix needs a prefix");
+        if self.blocks.is_empty() {
+            return prefix.clone();
+        }
+        let h = self.hidden;
+        let n = prefix.len() / h;
+        let mut out = vec![0f32; n * h];
+        let mix_row = |(r, o): (usize, &mut [f32])| {
+            let mut src: Vec<&[f32]> = self.blocks.iter().map(|b| &b[r * h..(r + 1) * h]).collect();
+            src.push(&prefix[r * h..(r + 1) * h]);
+            mix(&src, score_w, eps, o);
+        };
+        use rayon::prelude::*;
+        if n > 1 {
+            out.par_chunks_mut(h).enumerate().for_each(mix_row);
+        } else {
+            out.chunks_mut(h).enumerate().for_each(mix_row);
+        }
+        out
+    }
+
+    /// Moves the prefix into the block list (at the first layer of each block).
+    pub fn push_block(&mut self) {
+        if let Some(p) = self.prefix.take() {
+            self.blocks.push(p);
+        }
+    }
+
+    /// prefix += delta (or prefix = delta right after a push).
+    pub fn add(&mut self, delta: Vec<f32>) {
+        match &mut self.prefix {
+            None => self.prefix = Some(delta),
+            Some(p) => {
+                for (a, b) in p.iter_mut().zip(&delta) {
+                    *a += b;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! Kimi Delta Attention (linear attention with a per-channel decay and a delta-rule update).
+//!
+//! Per token and head: q, k, v = SiLU(causal depthwise conv(x W^T)); q = l2norm(q) / sqrt(dk);
+//! k = l2norm(k); g = lower_bound * sigmoid(exp(A_log[h]) * (f_b(f_a(x)) + dt_bias));
+//! beta = sigmoid(x W_b^T); S = diag(exp(g)) S; S += k (x) beta (v - S^T k); o = S^T q;
+//! out = o_proj(RMSNorm_head(o) * sigmoid(g_proj(x))).
+//!
+//! Two equivalent evaluations of the state update: the token recurrence (decode) and a chunked
+//! form for prompts (WY-style: within a chunk the delta-rule corrections are solved as a
+//! triangular system). They agree to rounding; tests check both against each other and the
+//! fp64 reference.
+
+use super::state::KdaState;
+use super::weights::KdaWeights;
+use crate::cpu::ops::{l2_norm_inplace, rms_norm_inplace, sigmoid, silu};
+use crate::cpu::{dot_f32, matmul_bf16};
+use crate::model::K3Config;
+use crate::model::config::{KDA_CHUNK, KDA_L2_EPS};
+use rayon::prelude::*;
+
+/// How the KDA state update is evaluated for a batch of rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KdaMode {
+    /// Chunked form for more than one row, recurrence for one.
+    Auto,
+    Recurrent,
+    Chunked,
+}
+
+/// Causal depthwise conv (taps [P, width], last tap = current token) followed by SiLU, in place
+/// on `x` [n, P]; `tail` holds the previous width-1 input rows and is advanced.
+fn conv_silu(x: &mut [f32], tail: &mut [f32], taps: &[f32], p: usize, width: usize) {
+    let n = x.len() / p;
+    let hist = width - 1;
+    let mut ext = Vec::with_capacity((hist + n) * p);
+    ext.extend_from_slice(tail);
+    ext.extend_from_slice(x);
+    for t in 0..n {
+        let row = &mut x[t * p..(t + 1) * p];
+        for (c, y) in row.iter_mut().enumerate() {
+            let w = &taps[c * width..(c + 1) * width];
+            let mut acc = 0f32;
+            for (j, &wj) in w.iter().enumerate() {
+                acc += wj * ext[(t + j) * p + c];
+            }
+            *y = silu(acc);
+        }
+    }
+    tail.copy_from_slice(&ext[n * p..]);
+}
+
+/// Per-head inputs, each [n, d] for one head.
+struct HeadIn {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+}
+
+/// Token recurrence for one head; `s` is [dk][dv]; writes o [n, dv].
+fn recurrent_head(s: &mut [f32], dk: usize, dv: usize, x: &HeadIn, o: &mut [f32]) {
+    let n = x.beta.len();
+    let mut u = vec![0f32; dv];
+    for t in 0..n {
+        let (qt, kt, vt, gt) = (
+            &x.q[t * dk..][..dk],
+            &x.k[t * dk..][..dk],
+            &x.v[t * dv..][..dv],
+            &x.g[t * dk..][..dk],
+        );
+        u.fill(0.0);
+        for i in 0..dk {
+            let e = gt[i].exp();
+            let row = &mut s[i * dv..(i + 1) * dv];
+            for (sj, uj) in row.iter_mut().zip(u.iter_mut()) {
+                *sj *= e;
+                *uj += kt[i] * *sj;
+            }
+        }
+        let b = x.beta[t];
+        for (uj, &vj) in u.iter_mut().zip(vt) {
+            *uj = b * (vj - *uj);
+        }
+        let ot = &mut o[t * dv..(t + 1) * dv];
+        ot.fill(0.0);
+        for i in 0..dk {
+            let row = &mut s[i * dv..(i + 1) * dv];
+            for ((sj, &dj), oj) in row.iter_mut().zip(&u).zip(ot.iter_mut()) {
+                *sj += kt[i] * dj;
+                *oj += qt[i] * *sj;
+            }
+        }
+    }
+}
+
+/// Chunked form for one head (chunks of `KDA_CHUNK` rows); same contract as `recurrent_head`.
+///
+/// Within a chunk with cumulative log-decay G_t and start state S0:
+///   u_t = beta_t (v_t - S0^T (e^{G_t} k_t)) - sum_{i<t} beta_t (k_t . e^{G_t-G_i} k_i) u_i
+///   o_t = S0^T (e^{G_t} q_t) + sum_{i<=t} (q_t . e^{G_t-G_i} k_i) u_i
+///   S   = e^{G_C} S0 + sum_t e^{G_C-G_t} k_t u_t^T
+fn chunked_head(s: &mut [f32], dk: usize, dv: usize, x: &HeadIn, o: &mut [f32]) {
+    let n = x.beta.len();
+    let mut t0 = 0;
+    while t0 < n {
+        let c = KDA_CHUNK.min(n - t0);
+        let k = &x.k[t0 * dk..(t0 + c) * dk];
+        let q = &x.q[t0 * dk..(t0 + c) * dk];
+        let v = &x.v[t0 * dv..(t0 + c) * dv];
+        let beta = &x.beta[t0..t0 + c];
+        // Cumulative log-decay per channel, in f64: differences G_t - G_i of sums that reach
+        // hundreds would otherwise lose the precision the recurrence keeps.
+        let mut gc = vec![0f64; c * dk];
+        for t in 0..c {
+            for i in 0..dk {
+                let prev = if t == 0 { 0.0 } else { gc[(t - 1) * dk + i] };
+                gc[t * dk + i] = prev + x.g[(t0 + t) * dk + i] as f64;
+            }
+        }
+        // Start-state terms: w_t = beta (v - S0^T kd_t), o_t = S0^T qd_t.
+        let mut u = vec![0f32; c * dv];
+        let ot = &mut o[t0 * dv..(t0 + c) * dv];
+        ot.fill(0.0);
+        for t in 0..c {
+            let ut = &mut u[t * dv..(t + 1) * dv];
+            let oc = &mut ot[t * dv..(t + 1) * dv];
+            for i in 0..dk {
+                let decay = (gc[t * dk + i] as f32).exp();
+                let kd = k[t * dk + i] * decay;
+                let qd = q[t * dk + i] * decay;
+                let row = &s[i * dv..(i + 1) * dv];
+                for j in 0..dv {
+                    ut[j] += kd * row[j];
+                    oc[j] += qd * row[j];
+                }
+            }
+            for j in 0..dv {
+                ut[j] = beta[t] * (v[t * dv + j] - ut[j]);
+            }
+        }
+        // Pairwise decayed products, then the triangular solve for u and the intra-chunk output.
+        let mut e = vec![0f32; dk];
+        let mut kq = vec![0f32; dk];
+        for t in 0..c {
+            let (done, rest) = u.split_at_mut(t * dv);
+            let ut = &mut rest[..dv];
+            let oc = &mut ot[t * dv..(t + 1) * dv];
+            for i in 0..=t {
+                for ch in 0..dk {
+                    e[ch] = ((gc[t * dk + ch] - gc[i * dk + ch]) as f32).exp();
+                    kq[ch] = k[i * dk + ch] * e[ch];
+                }
+                let qk = dot_f32(&q[t * dk..(t + 1) * dk], &kq);
+                if i < t {
+                    let a = beta[t] * dot_f32(&k[t * dk..(t + 1) * dk], &kq);
+                    let ui = &done[i * dv..(i + 1) * dv];
+                    for j in 0..dv {
+                        ut[j] -= a * ui[j];
+                    }
+                }
+                // u_t is final once every i < t has been subtracted; i == t comes last.
+                let ui: &[f32] = if i < t {
+                    &done[i * dv..(i + 1) * dv]
+                } else {
+                    ut
+                };
+                for j in 0..dv {
+                    oc[j] += qk * ui[j];
+                }
+            }
+        }
+        // State at the end of the chunk.
+        let last = &gc[(c - 1) * dk..c * dk];
+        for i in 0..dk {
+            let row = &mut s[i * dv..(i + 1) * dv];
+            let d0 = (last[i] as f32).exp();
+            for sj in row.iter_mut() {
+                *sj *= d0;
+            }
+            for t in 0..c {
+                let f = ((last[i] - gc[t * dk + i]) as f32).exp() * k[t * dk + i];
+                let ut = &u[t * dv..(t + 1) * dv];
+                for j in 0..dv {
+                    row[j] += f * ut[j];
+                }
+            }
+        }
+        t0 += c;
+    }
+}
+
+/// Runs one KDA layer on `n` rows of normalised input `xn` [n, hidden]; returns [n, hidden].
+pub fn forward(
+    c: &K3Config,
+    w: &KdaWeights,
+    st: &mut KdaState,
+    xn: &[f32],
+    mode: KdaMode,
+) -> Vec<f32> {
+    let h = c.hidden;
+    let n = xn.len() / h;
+    let p = c.kda_dim();
+    let (nh, dk) = (c.kda_heads, c.kda_head_dim);
+    let dv = dk;
+
+    let mut proj: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0f32; n * p]);
+    for (i, (m, taps)) in [
+        (&w.q_proj, &w.q_conv),
+        (&w.k_proj, &w.k_conv),
+        (&w.v_proj, &w.v_conv),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        matmul_bf16(m, xn, &mut proj[i]);
+        conv_silu(&mut proj[i], &mut st.tail[i], taps, p, c.conv_width);
+    }
+    let mut fa = vec![0f32; n * dk];
+    matmul_bf16(&w.f_a, xn, &mut fa);
+    let mut g = vec![0f32; n * p];
+    matmul_bf16(&w.f_b, &fa, &mut g);
+    let lb = c.kda_gate_lower_bound;
+    for row in g.chunks_exact_mut(p) {
+        for (ch, gv) in row.iter_mut().enumerate() {
+            *gv = lb * sigmoid(w.a_exp[ch / dk] * (*gv + w.dt_bias[ch]));
+        }
+    }
+    let mut beta = vec![0f32; n * nh];
+    matmul_bf16(&w.b_proj, xn, &mut beta);
+    beta.iter_mut().for_each(|b| *b = sigmoid(*b));
+
+    // Gather per-head inputs; normalise q and k per head.
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    let heads: Vec<HeadIn> = (0..nh)
+        .map(|hd| {
+            let gather = |src: &[f32]| -> Vec<f32> {
+                let mut out = Vec::with_capacity(n * dk);
+                for t in 0..n {
+                    out.extend_from_slice(&src[t * p + hd * dk..t * p + (hd + 1) * dk]);
+                }
+                out
+            };
+            let mut q = gather(&proj[0]);
+            let mut k = gather(&proj[1]);
+            for (qt, kt) in q.chunks_exact_mut(dk).zip(k.chunks_exact_mut(dk)) {
+                l2_norm_inplace(qt, KDA_L2_EPS);
+                qt.iter_mut().for_each(|x| *x *= q_scale);
+                l2_norm_inplace(kt, KDA_L2_EPS);
+            }
+            HeadIn {
+                q,
+                k,
+                v: gather(&proj[2]),
+                g: gather(&g),
+                beta: (0..n).map(|t| beta[t * nh + hd]).collect(),
+            }
+        })
+        .collect();
+
+    let chunked = match mode {
+        KdaMode::Auto => n > 1,
+        KdaMode::Recurrent => false,
+        KdaMode::Chunked => true,
+    };
+    let mut o_heads = vec![0f32; nh * n * dv];
+    st.s.par_chunks_mut(dk * dv)
+        .zip(o_heads.par_chunks_mut(n * dv))
+        .zip(heads.par_iter())
+        .for_each(|((s, o), x)| {
+            if chunked {
+                chunked_head(s, dk, dv, x, o)
+            } else {
+                recurrent_head(s, dk, dv, x, o)
+            }
+        });
+
+    // Per-head RMSNorm, output gate, o_proj.
+    let mut gate = vec![0f32; n * p];
+    matmul_bf16(&w.g_proj, xn, &mut gate);
+    let mut o = vec![0f32; n * p];
+    for t in 0..n {
+        for hd in 0..nh {
+            let dst = &mut o[t * p + hd * dv..t * p + (hd + 1) * dv];
+            dst.copy_from_slice(&o_heads[hd * n * dv + t * dv..][..dv]);
+            rms_norm_inplace(dst, &w.o_norm, c.rms_eps);
+            for (x, &gv) in dst
+                .iter_mut()
+                .zip(&gate[t * p + hd * dv..t * p + (hd + 1) * dv])
+            {
+                *x *= sigmoid(gv);
+            }
+        }
+    }
+    let mut out = vec![0f32; n * h];
+    matmul_bf16(&w.o_proj, &o, &mut out);
+    out
+}

@@ -1,0 +1,203 @@
+//! The K3 forward pass over a batch of rows of one sequence, layer by layer.
+//!
+//! Contract: `forward` consumes `tokens` after the `SeqState`'s current position and returns
+//! logits for the requested rows. Every row passes layer L (attention, then the MoE with one
+//! fetch of the layer's expert union) before any row enters layer L+1. Results are independent of
+//! how the tokens are split into calls (prefill + decode == full recompute, to rounding of the
+//! KDA chunked form), of thread count and of expert arrival order.
+
+pub mod attn_res;
+pub mod kda;
+pub mod mla;
+pub mod moe;
+pub mod state;
+pub mod weights;
+
+use crate::cpu::matmul_bf16;
+use crate::cpu::ops::{Situ, rms_norm_inplace};
+use crate::model::{Checkpoint, K3Config, ModelError, Roster};
+use crate::store::{ExpertSource, StoreError};
+use attn_res::Residual;
+pub use kda::KdaMode;
+pub use state::SeqState;
+use std::time::Instant;
+use weights::{Attn, Ffn, Weights};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("token id {id} at position {pos} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange { id: u32, pos: usize, vocab: usize },
+    #[error("context is full: {have} + {new} tokens exceeds the model's {max}")]
+    ContextFull { have: usize, new: usize, max: usize },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Which rows get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last row (generation).
+    Last,
+    /// Every row (scoring).
+    All,
+}
+
+/// Counters and phase timers accumulated over forward calls.
+#[derive(Default, Clone, Debug)]
+pub struct ForwardStats {
+    pub forward_calls: u64,
+    pub rows: u64,
+    pub layer_passes: u64,
+    pub experts_run: u64,
+    pub expert_rows: u64,
+    pub attention_s: f64,
+    pub moe_s: f64,
+    pub other_s: f64,
+}
+
+pub struct K3<'a> {
+    pub cfg: K3Config,
+    pub w: Weights<'a>,
+    pub experts: Option<&'a dyn ExpertSource>,
+    pub kda_mode: KdaMode,
+}
+
+impl<'a> K3<'a> {
+    /// Builds the model from a checked checkpoint; `experts` must be given when there are MoE layers.
+    pub fn new(
+        cfg: K3Config,
+        ck: &'a Checkpoint,
+        _roster: &Roster,
+        experts: Option<&'a dyn ExpertSource>,
+    ) -> Result<Self, ModelError> {
+        let w = Weights::load(&cfg, ck)?;
+        Ok(K3 {
+            cfg,
+            w,
+            experts,
+            kda_mode: KdaMode::Auto,
+        })
+    }
+
+    pub fn new_state(&self) -> SeqState {
+        SeqState::new(&self.cfg)
+    }
+
+    /// Runs `tokens` through the model after `st`'s position; returns logits [rows, vocab].
+    pub fn forward(
+        &self,
+        st: &mut SeqState,
+        tokens: &[u32],
+        which: Logits,
+        stats: &mut ForwardStats,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.cfg;
+        let h = c.hidden;
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if st.pos + n > c.max_context {
+            return Err(ForwardError::ContextFull {
+                have: st.pos,
+                new: n,
+                max: c.max_context,
+            });
+        }
+        let t_start = Instant::now();
+        let mut embeds = vec![0f32; n * h];
+        for (i, &id) in tokens.iter().enumerate() {
+            if id as usize >= c.vocab {
+                return Err(ForwardError::TokenOutOfRange {
+                    id,
+                    pos: st.pos + i,
+                    vocab: c.vocab,
+                });
+            }
+            crate::cpu::decode_bf16_row(
+                self.w.embed.row(id as usize),
+                &mut embeds[i * h..(i + 1) * h],
+            );
+        }
+        let situ = Situ {
+            beta: c.situ_beta,
+            linear_beta: c.situ_linear_beta,
+        };
+        let mut res = Residual::new(embeds, h);
+        let (mut attn_s, mut moe_s) = (0f64, 0f64);
+        for (l, lw) in self.w.layers.iter().enumerate() {
+            let t0 = Instant::now();
+            let mut x = res.mixed(&lw.attn_res_score, c.rms_eps);
+            if l % c.attn_res_block == 0 {
+                res.push_block();
+            }
+            for r in x.chunks_exact_mut(h) {
+                rms_norm_inplace(r, &lw.input_norm, c.rms_eps);
+            }
+            let a = match (&lw.attn, &mut st.layers[l]) {
+                (Attn::Kda(w), state::LayerState::Kda(s)) => {
+                    kda::forward(c, w, s, &x, self.kda_mode)
+                }
+                (Attn::Mla(w), state::LayerState::Mla(s)) => mla::forward(c, w, s, &x),
+                _ => unreachable!("state layout follows the config"),
+            };
+            res.add(a);
+            let mut x = res.mixed(&lw.mlp_res_score, c.rms_eps);
+            for r in x.chunks_exact_mut(h) {
+                rms_norm_inplace(r, &lw.post_attn_norm, c.rms_eps);
+            }
+            attn_s += t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
+            let f = match &lw.ffn {
+                Ffn::Dense(w) => moe::mlp(w, situ, &x),
+                Ffn::Moe(w) => {
+                    let src = self.experts.ok_or(StoreError::NoHolder {
+                        layer: l,
+                        expert: 0,
+                    })?;
+                    let (out, ls) = moe::forward(c, w, l, src, &x)?;
+                    stats.layer_passes += 1;
+                    stats.experts_run += ls.distinct_experts as u64;
+                    stats.expert_rows += ls.expert_rows as u64;
+                    out
+                }
+            };
+            res.add(f);
+            moe_s += t1.elapsed().as_secs_f64();
+        }
+        let out = res.mixed(&self.w.output_res_score, c.rms_eps);
+        let rows: Vec<usize> = match which {
+            Logits::Last => vec![n - 1],
+            Logits::All => (0..n).collect(),
+        };
+        let mut xs = Vec::with_capacity(rows.len() * h);
+        for &r in &rows {
+            let mut row = out[r * h..(r + 1) * h].to_vec();
+            rms_norm_inplace(&mut row, &self.w.final_norm, c.rms_eps);
+            xs.extend_from_slice(&row);
+        }
+        let mut logits = vec![0f32; rows.len() * c.vocab];
+        matmul_bf16(&self.w.lm_head, &xs, &mut logits);
+        if c.logit_scale != 1.0 {
+            logits.iter_mut().for_each(|x| *x *= c.logit_scale);
+        }
+        st.pos += n;
+        stats.forward_calls += 1;
+        stats.rows += n as u64;
+        stats.attention_s += attn_s;
+        stats.moe_s += moe_s;
+        stats.other_s += (t_start.elapsed().as_secs_f64() - attn_s - moe_s).max(0.0);
+        Ok(logits)
+    }
+}
+
+/// Index of the largest logit (lowest index on ties; NaN never wins).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] || (logits[best].is_nan() && !v.is_nan()) {
+            best = i;
+        }
+    }
+    best as u32
+}
