@@ -79,7 +79,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         "decode_tok_s": if decoded > 0 { decoded as f64 / decode_s.max(1e-9) } else { 0.0 },
         "layer_passes": fs.layer_passes,
         "experts_run": fs.experts_run,
-        "expert_bytes_requested": experts.as_ref().map_or(0, |e| crate::store::ExpertSource::bytes_requested(e)),
+        "expert_bytes_requested": experts.as_ref().map_or(0, crate::store::ExpertSource::bytes_requested),
         "attention_s": fs.attention_s,
         "moe_s": fs.moe_s,
         "other_s": fs.other_s,

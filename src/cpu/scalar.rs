@@ -1,6 +1,9 @@
 //! Scalar reference kernels: the defining operation order that the SIMD kernels reproduce bit for
 //! bit (16 lanes, fused multiply-add per lane, zero-padded tail, `reduce16`).
 
+// Lane-indexed loops over several arrays in lockstep read clearer than zipped iterators here.
+#![allow(clippy::needless_range_loop)]
+
 use super::{E2M1, LANES, e8m0, reduce16};
 
 #[inline(always)]

@@ -70,7 +70,7 @@ pub(super) unsafe fn dot4_bf16_avx512(w: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
             a3 = _mm512_fmadd_ps(bf16x16_512(wp[3].add(c * 32)), xv, a3);
         }
     }
-    if n % LANES != 0 {
+    if !n.is_multiple_of(LANES) {
         let xb = pad_f32(x, full * LANES);
         let wb = w.map(|r| pad_bf16(r, full * LANES));
         // SAFETY: the padded buffers hold 16 elements each.
@@ -108,7 +108,7 @@ pub(super) unsafe fn dot4_f32_avx512(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
             a3 = _mm512_fmadd_ps(av, _mm512_loadu_ps(bp[3].add(c * LANES)), a3);
         }
     }
-    if n % LANES != 0 {
+    if !n.is_multiple_of(LANES) {
         let ab = pad_f32(a, full * LANES);
         let bb = b.map(|r| pad_f32(r, full * LANES));
         // SAFETY: padded buffers hold 16 elements.
@@ -202,7 +202,7 @@ pub(super) unsafe fn dot4_bf16_avx2(w: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
         // SAFETY: as above for x.
         step(wp, unsafe { x.as_ptr().add(c * LANES) }, &mut lo, &mut hi);
     }
-    if n % LANES != 0 {
+    if !n.is_multiple_of(LANES) {
         let xb = pad_f32(x, full * LANES);
         let wb = w.map(|r| pad_bf16(r, full * LANES));
         step(
@@ -241,7 +241,7 @@ pub(super) unsafe fn dot4_f32_avx2(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
         // SAFETY: as above.
         step(unsafe { a.as_ptr().add(c * LANES) }, bp, &mut lo, &mut hi);
     }
-    if n % LANES != 0 {
+    if !n.is_multiple_of(LANES) {
         let ab = pad_f32(a, full * LANES);
         let bb = b.map(|r| pad_f32(r, full * LANES));
         step(

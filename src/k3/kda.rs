@@ -296,3 +296,124 @@ pub fn forward(
     matmul_bf16(&w.o_proj, &o, &mut out);
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic pseudo-random values in [-1, 1).
+    fn rand_vec(seed: &mut u64, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                *seed = seed
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((*seed >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+            })
+            .collect()
+    }
+
+    fn inputs(seed: &mut u64, n: usize, dk: usize, dv: usize, gate_floor: f32) -> HeadIn {
+        let mut q = rand_vec(seed, n * dk);
+        let mut k = rand_vec(seed, n * dk);
+        for (qt, kt) in q.chunks_exact_mut(dk).zip(k.chunks_exact_mut(dk)) {
+            l2_norm_inplace(qt, KDA_L2_EPS);
+            l2_norm_inplace(kt, KDA_L2_EPS);
+        }
+        // g in (gate_floor, 0): the shipped gate lies in (-5, 0).
+        let g = rand_vec(seed, n * dk)
+            .iter()
+            .map(|x| gate_floor * 0.5 * (x + 1.0))
+            .collect();
+        let beta = rand_vec(seed, n).iter().map(|x| sigmoid(3.0 * x)).collect();
+        HeadIn {
+            q,
+            k,
+            v: rand_vec(seed, n * dv),
+            g,
+            beta,
+        }
+    }
+
+    fn rel(a: &[f32], b: &[f32]) -> f64 {
+        let num: f64 = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+            .sum();
+        let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+        (num / den.max(1e-30)).sqrt()
+    }
+
+    #[test]
+    fn chunked_form_equals_recurrence() {
+        let mut seed = 42u64;
+        for &(n, dk, floor) in &[
+            (1usize, 16usize, -5.0f32),
+            (5, 8, -5.0),
+            (63, 16, -5.0),
+            (64, 16, -0.1),
+            (65, 24, -5.0),
+            (130, 16, -1.0),
+            (200, 32, -5.0),
+        ] {
+            let dv = dk;
+            let x = inputs(&mut seed, n, dk, dv, floor);
+            let s0 = rand_vec(&mut seed, dk * dv);
+            let (mut s_rec, mut s_chk) = (s0.clone(), s0.clone());
+            let (mut o_rec, mut o_chk) = (vec![0f32; n * dv], vec![0f32; n * dv]);
+            recurrent_head(&mut s_rec, dk, dv, &x, &mut o_rec);
+            chunked_head(&mut s_chk, dk, dv, &x, &mut o_chk);
+            for t in 0..n {
+                let e = rel(&o_chk[t * dv..(t + 1) * dv], &o_rec[t * dv..(t + 1) * dv]);
+                assert!(
+                    e < 1e-5,
+                    "n={n} dk={dk}: output of token {t} differs by {e:.2e}"
+                );
+            }
+            let e = rel(&s_chk, &s_rec);
+            assert!(e < 1e-5, "n={n} dk={dk}: final state differs by {e:.2e}");
+        }
+    }
+
+    #[test]
+    fn chunked_calls_compose() {
+        // Two chunked calls (state carried) equal one call over the concatenation, to rounding.
+        let mut seed = 7u64;
+        let (n, dk) = (150usize, 16usize);
+        let x = inputs(&mut seed, n, dk, dk, -5.0);
+        let split = |a: usize, b: usize| HeadIn {
+            q: x.q[a * dk..b * dk].to_vec(),
+            k: x.k[a * dk..b * dk].to_vec(),
+            v: x.v[a * dk..b * dk].to_vec(),
+            g: x.g[a * dk..b * dk].to_vec(),
+            beta: x.beta[a..b].to_vec(),
+        };
+        let mut s1 = vec![0f32; dk * dk];
+        let mut o1 = vec![0f32; n * dk];
+        chunked_head(&mut s1, dk, dk, &x, &mut o1);
+        let mut s2 = vec![0f32; dk * dk];
+        let mut o2 = vec![0f32; n * dk];
+        chunked_head(&mut s2, dk, dk, &split(0, 37), &mut o2[..37 * dk]);
+        chunked_head(&mut s2, dk, dk, &split(37, n), &mut o2[37 * dk..]);
+        assert!(rel(&o2, &o1) < 1e-5);
+        assert!(rel(&s2, &s1) < 1e-5);
+    }
+
+    #[test]
+    fn conv_uses_the_last_tap_for_the_current_token() {
+        // One channel, taps [1, 10, 100, 1000]: y_t = x_{t-3} + 10 x_{t-2} + 100 x_{t-1} + 1000 x_t.
+        let taps = [1.0f32, 10.0, 100.0, 1000.0];
+        let mut tail = vec![0f32; 3];
+        let mut x = vec![0.001f32, 0.0, 0.0, 0.0];
+        conv_silu(&mut x, &mut tail, &taps, 1, 4);
+        let want: Vec<f32> = [1.0f32, 0.1, 0.01, 0.001]
+            .iter()
+            .map(|&v| silu(v))
+            .collect();
+        for (a, b) in x.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-6, "{x:?} vs {want:?}");
+        }
+        assert_eq!(tail, vec![0.0, 0.0, 0.0]);
+    }
+}

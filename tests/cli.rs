@@ -1,0 +1,138 @@
+//! The `run` and `score` subcommands end to end (real binary, real files), including bit-identical
+//! results whatever instruction set and thread count the kernels use.
+
+mod common;
+use common::*;
+use std::process::Command;
+
+fn score_file(name: &str, out: &std::path::Path, isa: Option<&str>, threads: Option<usize>) {
+    let r = reference(name);
+    let mut cmd = Command::new(bin());
+    if let Some(t) = threads {
+        cmd.args(["--threads", &t.to_string()]);
+    }
+    cmd.args(["score", "--model"])
+        .arg(fixture(name))
+        .args(["--prompt-ids", &ids_arg(&r.prompt), "--logits-out"])
+        .arg(out);
+    if let Some(i) = isa {
+        cmd.env("DELTAFIN_ISA", i);
+    }
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn score_writes_logits_matching_the_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("logits.safetensors");
+    score_file("k3-tiny-b", &out, None, None);
+    let (got, shape) = read_f32_tensor(&out, "logits");
+    let r = reference("k3-tiny-b");
+    assert_eq!(shape, vec![r.prompt.len(), r.vocab]);
+    let (err, _) = max_rel_l2(&got, &r.logits, r.vocab);
+    assert!(err < 1e-4, "{err}");
+}
+
+#[test]
+fn every_instruction_set_and_thread_count_gives_the_same_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base.safetensors");
+    score_file("k3-tiny-a", &base, Some("scalar"), Some(1));
+    let want = std::fs::read(&base).unwrap();
+    for isa in deltafin::cpu::Isa::available() {
+        for threads in [1, 2] {
+            let out = tmp
+                .path()
+                .join(format!("{}-{threads}.safetensors", isa.name()));
+            score_file("k3-tiny-a", &out, Some(isa.name()), Some(threads));
+            assert!(
+                std::fs::read(&out).unwrap() == want,
+                "{} with {threads} threads differs from scalar",
+                isa.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn run_json_reports_ids_and_stats() {
+    let r = reference("k3-tiny-c");
+    let o = Command::new(bin())
+        .args(["run", "--model"])
+        .arg(fixture("k3-tiny-c"))
+        .args([
+            "--prompt-ids",
+            &ids_arg(&r.prompt),
+            "--max-new",
+            "32",
+            "--ignore-eos",
+            "--format",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ids = |k: &str| {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ids("prompt_ids"), r.prompt);
+    assert_eq!(ids("output_ids"), r.greedy);
+    let stats = &v["stats"];
+    assert_eq!(stats["generated_tokens"], 32);
+    assert_eq!(stats["prompt_tokens"], r.prompt.len());
+    // One pass over the MoE layers for the prompt, then one per decoded token.
+    assert_eq!(stats["layer_passes"], 3 * 32);
+    assert!(stats["decode_tok_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn run_text_streams_comma_separated_ids() {
+    let r = reference("k3-tiny-c");
+    let o = Command::new(bin())
+        .args(["run", "--model"])
+        .arg(fixture("k3-tiny-c"))
+        .args([
+            "--prompt-ids",
+            &ids_arg(&r.prompt),
+            "--max-new",
+            "5",
+            "--ignore-eos",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        ids_arg(&r.greedy[..5])
+    );
+}
+
+#[test]
+fn run_stops_at_end_of_message() {
+    // The fixture's eos id is vocab-2; force it by starting generation where the reference emits it
+    // is not possible with random weights, so check the flag's effect instead: with eos set to the
+    // first greedy token, generation ends after one token.
+    let r = reference("k3-tiny-c");
+    let tmp = copy_fixture("k3-tiny-c");
+    let p = tmp.path().join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    v["text_config"]["eos_token_id"] = r.greedy[0].into();
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+    let o = Command::new(bin())
+        .args(["run", "--model"])
+        .arg(tmp.path())
+        .args(["--prompt-ids", &ids_arg(&r.prompt), "--max-new", "10"])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        r.greedy[0].to_string()
+    );
+}
