@@ -9,6 +9,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod roster;
+pub mod tokenizer;
 
 use std::path::PathBuf;
 
