@@ -6,6 +6,7 @@
 //! shard, and every routed expert is one contiguous byte range with the same internal layout.
 //! Every failure is a [`ModelError`] naming the file and the field or tensor.
 
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod roster;

@@ -341,6 +341,15 @@ impl Tokenizer {
 
     /// Text whose special-token strings are real specials (the chat template's output).
     pub fn encode_with_specials(&self, text: &str) -> Vec<u32> {
+        self.encode_with_specials_mapped(text, |s| s.to_string())
+    }
+
+    /// As `encode_with_specials`, passing each ordinary segment through `map` before BPE.
+    pub fn encode_with_specials_mapped(
+        &self,
+        text: &str,
+        map: impl Fn(&str) -> String,
+    ) -> Vec<u32> {
         let mut out = Vec::new();
         let mut plain_start = 0;
         let mut i = 0;
@@ -351,7 +360,7 @@ impl Tokenizer {
                     .iter()
                     .find(|(s, _)| text[i..].starts_with(s.as_str()))
             {
-                out.extend(self.encode(&text[plain_start..i]));
+                out.extend(self.encode(&map(&text[plain_start..i])));
                 out.push(*id);
                 i += name.len();
                 plain_start = i;
@@ -359,8 +368,13 @@ impl Tokenizer {
             }
             i += text[i..].chars().next().map_or(1, char::len_utf8);
         }
-        out.extend(self.encode(&text[plain_start..]));
+        out.extend(self.encode(&map(&text[plain_start..])));
         out
+    }
+
+    /// Names of the special tokens, in id order.
+    pub fn special_names(&self) -> &[String] {
+        &self.specials
     }
 
     /// The bytes a token stands for (a special's name for specials).
