@@ -5,6 +5,8 @@
 pub mod cli;
 pub mod cpu;
 pub mod k3;
+pub mod memory;
 pub mod model;
+pub mod stats;
 pub mod store;
 pub mod util;

@@ -25,9 +25,7 @@ fn edit_header(path: &Path, edit: impl FnOnce(&mut Map<String, Value>)) {
 
 /// The shard file holding `tensor`, from the index.
 fn shard_of(dir: &Path, tensor: &str) -> String {
-    let idx: Value =
-        serde_json::from_slice(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap())
-            .unwrap();
+    let idx: Value = serde_json::from_slice(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap()).unwrap();
     idx["weight_map"][tensor].as_str().unwrap().to_string()
 }
 
@@ -47,18 +45,11 @@ fn expect_failure(dir: &Path, needles: &[&str]) {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(
-        out.status.code(),
-        Some(1),
-        "expected exit code 1; stderr:\n{err}"
-    );
+    assert_eq!(out.status.code(), Some(1), "expected exit code 1; stderr:\n{err}");
     for n in needles {
         assert!(err.contains(n), "stderr should mention `{n}`:\n{err}");
     }
-    assert!(
-        !dir.join("out.safetensors").exists(),
-        "no output may be written on failure"
-    );
+    assert!(!dir.join("out.safetensors").exists(), "no output may be written on failure");
 }
 
 const A: &str = "k3-tiny-a";
@@ -98,19 +89,14 @@ fn wrong_shape() {
         let shape = h[QB]["shape"].as_array_mut().unwrap();
         shape.reverse();
     });
-    expect_failure(
-        tmp.path(),
-        &[&shard, QB, "shape [32, 96]", "expected [96, 32]"],
-    );
+    expect_failure(tmp.path(), &[&shard, QB, "shape [32, 96]", "expected [96, 32]"]);
 }
 
 #[test]
 fn wrong_dtype() {
     let tmp = copy_fixture(A);
     let shard = shard_of(tmp.path(), QB);
-    edit_header(&tmp.path().join(&shard), |h| {
-        h[QB]["dtype"] = Value::from("F16")
-    });
+    edit_header(&tmp.path().join(&shard), |h| h[QB]["dtype"] = Value::from("F16"));
     expect_failure(tmp.path(), &[&shard, QB, "dtype F16", "expected BF16"]);
 }
 
@@ -119,9 +105,7 @@ fn wrong_expert_shape() {
     let tmp = copy_fixture(A);
     let name = "language_model.model.layers.3.block_sparse_moe.experts.5.w2.weight_packed";
     let shard = shard_of(tmp.path(), name);
-    edit_header(&tmp.path().join(&shard), |h| {
-        h[name]["shape"] = serde_json::json!([16, 32])
-    });
+    edit_header(&tmp.path().join(&shard), |h| h[name]["shape"] = serde_json::json!([16, 32]));
     expect_failure(tmp.path(), &[&shard, name, "expected [32, 16]"]);
 }
 
@@ -132,14 +116,7 @@ fn truncated_shard() {
     let len = std::fs::metadata(&path).unwrap().len();
     let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     f.set_len(len - 1000).unwrap();
-    expect_failure(
-        tmp.path(),
-        &[
-            "model-00002-of-00003.safetensors",
-            "truncated",
-            &format!("{len} bytes"),
-        ],
-    );
+    expect_failure(tmp.path(), &["model-00002-of-00003.safetensors", "truncated", &format!("{len} bytes")]);
 }
 
 #[test]
@@ -162,31 +139,16 @@ fn malformed_config_json() {
 fn missing_config_field() {
     let tmp = copy_fixture(A);
     edit_json(&tmp.path().join("config.json"), |v| {
-        v["text_config"]
-            .as_object_mut()
-            .unwrap()
-            .remove("hidden_size");
+        v["text_config"].as_object_mut().unwrap().remove("hidden_size");
     });
-    expect_failure(
-        tmp.path(),
-        &["config.json", "text_config.hidden_size", "missing"],
-    );
+    expect_failure(tmp.path(), &["config.json", "text_config.hidden_size", "missing"]);
 }
 
 #[test]
 fn inconsistent_config_top_k() {
     let tmp = copy_fixture(A);
-    edit_json(&tmp.path().join("config.json"), |v| {
-        v["text_config"]["num_experts_per_token"] = Value::from(99)
-    });
-    expect_failure(
-        tmp.path(),
-        &[
-            "config.json",
-            "text_config.num_experts_per_token",
-            "more than num_experts",
-        ],
-    );
+    edit_json(&tmp.path().join("config.json"), |v| v["text_config"]["num_experts_per_token"] = Value::from(99));
+    expect_failure(tmp.path(), &["config.json", "text_config.num_experts_per_token", "more than num_experts"]);
 }
 
 #[test]
@@ -202,33 +164,16 @@ fn inconsistent_config_layer_lists() {
 fn wrong_quantization() {
     let tmp = copy_fixture(A);
     edit_json(&tmp.path().join("config.json"), |v| {
-        v["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] =
-            Value::from(16);
+        v["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = Value::from(16);
     });
-    expect_failure(
-        tmp.path(),
-        &[
-            "config.json",
-            "quantization_config.config_groups.group_0.weights",
-            "group_size 32",
-        ],
-    );
+    expect_failure(tmp.path(), &["config.json", "quantization_config.config_groups.group_0.weights", "group_size 32"]);
 }
 
 #[test]
 fn config_disagrees_with_checkpoint() {
     let tmp = copy_fixture(A);
-    edit_json(&tmp.path().join("config.json"), |v| {
-        v["text_config"]["vocab_size"] = Value::from(1000)
-    });
-    expect_failure(
-        tmp.path(),
-        &[
-            "embed_tokens.weight",
-            "expected [1000, 64]",
-            "lm_head.weight",
-        ],
-    );
+    edit_json(&tmp.path().join("config.json"), |v| v["text_config"]["vocab_size"] = Value::from(1000));
+    expect_failure(tmp.path(), &["embed_tokens.weight", "expected [1000, 64]", "lm_head.weight"]);
 }
 
 #[test]
@@ -242,26 +187,15 @@ fn token_outside_vocabulary_is_a_runtime_error() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("token id 99999 at position 1 is outside the vocabulary"),
-        "{err}"
-    );
+    assert!(err.contains("token id 99999 at position 1 is outside the vocabulary"), "{err}");
 }
 
 #[test]
 fn usage_errors_exit_with_2() {
     let dir = fixture(A);
-    let out = Command::new(bin())
-        .args(["run", "--model"])
-        .arg(&dir)
-        .args(["--prompt-ids", "1,x"])
-        .output()
-        .unwrap();
+    let out = Command::new(bin()).args(["run", "--model"]).arg(&dir).args(["--prompt-ids", "1,x"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("`x` is not a token id"));
-    let out = Command::new(bin())
-        .args(["run", "--bogus"])
-        .output()
-        .unwrap();
+    let out = Command::new(bin()).args(["run", "--bogus"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }

@@ -28,20 +28,10 @@ fn template_path() -> PathBuf {
 /// A byte-level tokenizer (256 base tokens) with K3's specials after it.
 fn byte_tokenizer(dir: &Path) -> Tokenizer {
     use base64::Engine as _;
-    let lines: String = (0..=255u8)
-        .map(|b| {
-            format!(
-                "{} {b}\n",
-                base64::engine::general_purpose::STANDARD.encode([b])
-            )
-        })
-        .collect();
+    let lines: String =
+        (0..=255u8).map(|b| format!("{} {b}\n", base64::engine::general_purpose::STANDARD.encode([b]))).collect();
     std::fs::write(dir.join("tiktoken.model"), lines).unwrap();
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        k3_tokenizer_config(256).to_string(),
-    )
-    .unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), k3_tokenizer_config(256).to_string()).unwrap();
     Tokenizer::load(dir, None).unwrap()
 }
 
@@ -54,11 +44,7 @@ fn setup() -> (tempfile::TempDir, Tokenizer, ChatTemplate) {
 }
 
 fn opts(thinking: Thinking, generation_prompt: bool, tools: Option<Value>) -> ChatOptions {
-    ChatOptions {
-        thinking,
-        add_generation_prompt: generation_prompt,
-        tools,
-    }
+    ChatOptions { thinking, add_generation_prompt: generation_prompt, tools }
 }
 
 fn cases() -> Vec<(Value, ChatOptions)> {
@@ -76,18 +62,9 @@ fn cases() -> Vec<(Value, ChatOptions)> {
         {"role": "user", "content": "Thanks!"}
     ]);
     vec![
-        (
-            json!([{"role": "user", "content": "Hello"}]),
-            ChatOptions::default(),
-        ),
-        (
-            json!([{"role": "user", "content": "Hello"}]),
-            opts(Thinking::Off, true, None),
-        ),
-        (
-            json!([{"role": "user", "content": "Hello"}]),
-            opts(Thinking::Low, false, None),
-        ),
+        (json!([{"role": "user", "content": "Hello"}]), ChatOptions::default()),
+        (json!([{"role": "user", "content": "Hello"}]), opts(Thinking::Off, true, None)),
+        (json!([{"role": "user", "content": "Hello"}]), opts(Thinking::Low, false, None)),
         (
             json!([{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "2+2?"},
                 {"role": "assistant", "content": "4", "reasoning_content": "simple arithmetic"},
@@ -98,10 +75,7 @@ fn cases() -> Vec<(Value, ChatOptions)> {
             json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]),
             opts(Thinking::Off, false, None),
         ),
-        (
-            tool_call_turn.clone(),
-            opts(Thinking::Max, true, Some(tools.clone())),
-        ),
+        (tool_call_turn.clone(), opts(Thinking::Max, true, Some(tools.clone()))),
         (tool_call_turn, opts(Thinking::Off, true, None)),
         (
             json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
@@ -124,20 +98,14 @@ fn cases() -> Vec<(Value, ChatOptions)> {
             json!([{"role": "user", "content": "中文 😀 e\u{301} \t tabs\nnewlines\r\n \u{F8F0} marker"}]),
             opts(Thinking::Low, true, None),
         ),
-        (
-            json!([{"role": "user", "content": "image here: <|kimi_image_placeholder|> ok"}]),
-            ChatOptions::default(),
-        ),
+        (json!([{"role": "user", "content": "image here: <|kimi_image_placeholder|> ok"}]), ChatOptions::default()),
         // Errors raised by the template itself.
         (json!([{"content": "no role"}]), ChatOptions::default()),
         (
             json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": ["not a mapping"]}]),
             ChatOptions::default(),
         ),
-        (
-            json!([{"role": "tool", "content": "orphan"}]),
-            ChatOptions::default(),
-        ),
+        (json!([{"role": "tool", "content": "orphan"}]), ChatOptions::default()),
         (
             json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}]),
             ChatOptions::default(),
@@ -171,12 +139,7 @@ fn renders_like_hugging_face_jinja2() {
     let path = tmp.path().join("cases.json");
     std::fs::write(&path, serde_json::to_vec(&ctxs).unwrap()).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chat/render_jinja2.py");
-    let out = Command::new("python3")
-        .arg(&script)
-        .arg(template_path())
-        .arg(&path)
-        .output()
-        .expect("python3");
+    let out = Command::new("python3").arg(&script).arg(template_path()).arg(&path).output().expect("python3");
     assert!(
         out.status.success(),
         "jinja2 rendering failed (pip install jinja2):\n{}",
@@ -184,27 +147,17 @@ fn renders_like_hugging_face_jinja2() {
     );
     let want: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
     let errors = want.iter().filter(|w| w.get("error").is_some()).count();
-    assert_eq!(
-        (want.len() - errors, errors),
-        (13, 4),
-        "expected 13 renderings and 4 template errors"
-    );
+    assert_eq!((want.len() - errors, errors), (13, 4), "expected 13 renderings and 4 template errors");
     for (i, ((m, o), w)) in cases.iter().zip(&want).enumerate() {
         let got = chat.render(m, o);
         match (w.get("text").and_then(Value::as_str), got) {
             (Some(t), Ok(g)) => assert_eq!(g, t, "case {i}: rendering differs from jinja2"),
             (None, Err(e)) => {
                 let we = w["error"].as_str().unwrap();
-                assert!(
-                    e.to_string().contains(we),
-                    "case {i}: error `{e}` should contain jinja2's `{we}`"
-                );
+                assert!(e.to_string().contains(we), "case {i}: error `{e}` should contain jinja2's `{we}`");
             }
             (Some(_), Err(e)) => panic!("case {i}: engine failed but jinja2 rendered: {e}"),
-            (None, Ok(g)) => panic!(
-                "case {i}: jinja2 failed ({}) but engine rendered {g:?}",
-                w["error"]
-            ),
+            (None, Ok(g)) => panic!("case {i}: jinja2 failed ({}) but engine rendered {g:?}", w["error"]),
         }
     }
 }
@@ -217,25 +170,14 @@ fn structure_matches_k3_md() {
     let effort = "<|open|>message role=\"system\" type=\"thinking-effort\"<|sep|>";
     assert!(s.starts_with(effort), "{s}");
     assert!(s.contains("`thinking_effort=max`"));
-    assert!(s.contains(
-        "<|open|>message role=\"user\"<|sep|>Hello<|close|>message<|sep|><|end_of_msg|>"
-    ));
-    assert!(
-        s.ends_with("<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>"),
-        "{s}"
-    );
-    let s = chat
-        .render(&msgs, &opts(Thinking::Off, true, None))
-        .unwrap();
+    assert!(s.contains("<|open|>message role=\"user\"<|sep|>Hello<|close|>message<|sep|><|end_of_msg|>"));
+    assert!(s.ends_with("<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>"), "{s}");
+    let s = chat.render(&msgs, &opts(Thinking::Off, true, None)).unwrap();
     assert!(!s.contains("thinking-effort"));
-    assert!(
-        s.ends_with("<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>"),
-        "{s}"
-    );
-    let hist = json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]);
-    let s = chat
-        .render(&hist, &opts(Thinking::High, false, None))
-        .unwrap();
+    assert!(s.ends_with("<|open|>message role=\"assistant\"<|sep|><|open|>response<|sep|>"), "{s}");
+    let hist =
+        json!([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]);
+    let s = chat.render(&hist, &opts(Thinking::High, false, None)).unwrap();
     assert!(s.contains("<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>r<|close|>think<|sep|><|open|>response<|sep|>a<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"), "{s}");
 }
 
@@ -256,21 +198,9 @@ fn caller_text_never_becomes_special_ids() {
         };
         let ids = chat.encode(&tok, &m, &o).unwrap();
         let pids = chat.encode(&tok, &poisoned, &o).unwrap();
-        assert_eq!(
-            tok.decode(&ids).unwrap(),
-            text,
-            "case {i}: ids do not decode to the rendering"
-        );
-        assert_eq!(
-            tok.decode(&pids).unwrap(),
-            ptext,
-            "case {i}: poisoned ids do not decode to the rendering"
-        );
-        assert_eq!(
-            count_specials(&pids),
-            count_specials(&ids),
-            "case {i}: caller text produced special ids"
-        );
+        assert_eq!(tok.decode(&ids).unwrap(), text, "case {i}: ids do not decode to the rendering");
+        assert_eq!(tok.decode(&pids).unwrap(), ptext, "case {i}: poisoned ids do not decode to the rendering");
+        assert_eq!(count_specials(&pids), count_specials(&ids), "case {i}: caller text produced special ids");
     }
 }
 

@@ -42,15 +42,9 @@ fn every_instruction_set_and_thread_count_gives_the_same_bits() {
     let want = std::fs::read(&base).unwrap();
     for isa in deltafin::cpu::Isa::available() {
         for threads in [1, 2] {
-            let out = tmp
-                .path()
-                .join(format!("{}-{threads}.safetensors", isa.name()));
+            let out = tmp.path().join(format!("{}-{threads}.safetensors", isa.name()));
             score_file("k3-tiny-a", &out, Some(isa.name()), Some(threads));
-            assert!(
-                std::fs::read(&out).unwrap() == want,
-                "{} with {threads} threads differs from scalar",
-                isa.name()
-            );
+            assert!(std::fs::read(&out).unwrap() == want, "{} with {threads} threads differs from scalar", isa.name());
         }
     }
 }
@@ -61,26 +55,12 @@ fn run_json_reports_ids_and_stats() {
     let o = Command::new(bin())
         .args(["run", "--model"])
         .arg(fixture("k3-tiny-c"))
-        .args([
-            "--prompt-ids",
-            &ids_arg(&r.prompt),
-            "--max-new",
-            "32",
-            "--ignore-eos",
-            "--format",
-            "json",
-        ])
+        .args(["--prompt-ids", &ids_arg(&r.prompt), "--max-new", "32", "--ignore-eos", "--format", "json"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let ids = |k: &str| {
-        v[k].as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect::<Vec<_>>()
-    };
+    let ids = |k: &str| v[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
     assert_eq!(ids("prompt_ids"), r.prompt);
     assert_eq!(ids("output_ids"), r.greedy);
     let stats = &v["stats"];
@@ -97,20 +77,11 @@ fn run_text_streams_comma_separated_ids() {
     let o = Command::new(bin())
         .args(["run", "--model"])
         .arg(fixture("k3-tiny-c"))
-        .args([
-            "--prompt-ids",
-            &ids_arg(&r.prompt),
-            "--max-new",
-            "5",
-            "--ignore-eos",
-        ])
+        .args(["--prompt-ids", &ids_arg(&r.prompt), "--max-new", "5", "--ignore-eos"])
         .output()
         .unwrap();
     assert!(o.status.success());
-    assert_eq!(
-        String::from_utf8_lossy(&o.stdout).trim(),
-        ids_arg(&r.greedy[..5])
-    );
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), ids_arg(&r.greedy[..5]));
 }
 
 #[test]
@@ -131,8 +102,5 @@ fn run_stops_at_end_of_message() {
         .output()
         .unwrap();
     assert!(o.status.success());
-    assert_eq!(
-        String::from_utf8_lossy(&o.stdout).trim(),
-        r.greedy[0].to_string()
-    );
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), r.greedy[0].to_string());
 }

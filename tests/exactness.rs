@@ -35,10 +35,7 @@ fn greedy_continuation_matches_reference() {
     for name in FIXTURES {
         let r = reference(name);
         let got = with_model(&fixture(name), |m| greedy(m, &r.prompt, r.greedy.len()));
-        assert_eq!(
-            got, r.greedy,
-            "{name}: greedy continuation differs from the fp64 reference"
-        );
+        assert_eq!(got, r.greedy, "{name}: greedy continuation differs from the fp64 reference");
     }
 }
 
@@ -51,9 +48,7 @@ fn incremental_vs_full(name: &str, mode: KdaMode, split: usize) -> (Vec<f32>, Ve
         let full = score(m, toks);
         let mut st = m.new_state();
         let mut fs = ForwardStats::default();
-        let mut inc = m
-            .forward(&mut st, &toks[..split], Logits::All, &mut fs)
-            .unwrap();
+        let mut inc = m.forward(&mut st, &toks[..split], Logits::All, &mut fs).unwrap();
         for &t in &toks[split..] {
             inc.extend(m.forward(&mut st, &[t], Logits::All, &mut fs).unwrap());
         }
@@ -66,17 +61,11 @@ fn incremental_decode_equals_full_recompute() {
     for name in FIXTURES {
         // Token recurrence everywhere: the same operations, so the same bits.
         let (full, inc) = incremental_vs_full(name, KdaMode::Recurrent, 70);
-        assert!(
-            full == inc,
-            "{name}: recurrent prefill + decode differs from full recompute"
-        );
+        assert!(full == inc, "{name}: recurrent prefill + decode differs from full recompute");
         // Chunked prompt form: equal to rounding.
         let (full, inc) = incremental_vs_full(name, KdaMode::Auto, 70);
         let (err, row) = max_rel_l2(&inc, &full, full.len() / 110);
-        assert!(
-            err <= 2e-5,
-            "{name}: chunked prefill + decode vs full recompute: {err:.3e} at {row}"
-        );
+        assert!(err <= 2e-5, "{name}: chunked prefill + decode vs full recompute: {err:.3e} at {row}");
     }
 }
 
@@ -85,10 +74,7 @@ fn one_thread_and_two_threads_give_identical_bits() {
     for name in FIXTURES {
         let r = reference(name);
         let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             pool.install(|| {
                 with_model(&fixture(name), |m| {
                     let mut all = score(m, &r.prompt);
@@ -99,12 +85,7 @@ fn one_thread_and_two_threads_give_identical_bits() {
         };
         let one = run(1);
         let two = run(2);
-        assert!(
-            one.iter()
-                .zip(&two)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{name}: 1 vs 2 threads differ"
-        );
+        assert!(one.iter().zip(&two).all(|(a, b)| a.to_bits() == b.to_bits()), "{name}: 1 vs 2 threads differ");
     }
 }
 
@@ -115,12 +96,7 @@ impl ExpertSource for Reversed<'_> {
     fn layout(&self) -> &ExpertLayout {
         self.0.layout()
     }
-    fn fetch(
-        &self,
-        layer: usize,
-        experts: &[u32],
-        land: &mut dyn FnMut(u32, &[u8]),
-    ) -> Result<(), StoreError> {
+    fn fetch(&self, layer: usize, experts: &[u32], land: &mut dyn FnMut(u32, &[u8])) -> Result<(), StoreError> {
         let mut rev = experts.to_vec();
         rev.reverse();
         self.0.fetch(layer, &rev, land)
@@ -144,12 +120,7 @@ fn expert_arrival_order_does_not_change_bits() {
     let rev = Reversed(&src);
     let m = deltafin::k3::K3::new(cfg, &ck, &roster, Some(&rev as &dyn ExpertSource)).unwrap();
     let backward = score(&m, &r.prompt);
-    assert!(
-        forward
-            .iter()
-            .zip(&backward)
-            .all(|(a, b)| a.to_bits() == b.to_bits())
-    );
+    assert!(forward.iter().zip(&backward).all(|(a, b)| a.to_bits() == b.to_bits()));
 }
 
 #[test]
@@ -174,17 +145,10 @@ fn fixtures_cover_the_required_shapes() {
         shared2 |= c.shared_experts == 2;
         let ck = deltafin::model::Checkpoint::open(&dir).unwrap();
         let kda_layer = c.attn.iter().position(|a| *a == AttnKind::Kda).unwrap();
-        let a_log = ck
-            .get(&deltafin::model::roster::layer(
-                kda_layer,
-                "self_attn.A_log",
-            ))
-            .unwrap();
+        let a_log = ck.get(&deltafin::model::roster::layer(kda_layer, "self_attn.A_log")).unwrap();
         a_log_longer |= a_log.shape.iter().product::<usize>() > c.kda_heads;
         long_seq |= reference(name).prompt.len() >= 130;
         sharded |= ck.shards.len() >= 2 && dir.join("model.safetensors.index.json").exists();
     }
-    assert!(
-        blocks2 && mla_last && dense0 && experts && shared2 && a_log_longer && long_seq && sharded
-    );
+    assert!(blocks2 && mla_last && dense0 && experts && shared2 && a_log_longer && long_seq && sharded);
 }

@@ -31,17 +31,8 @@ fn mxfp4(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
     (packed, scales)
 }
 
-const SHAPES: [(usize, usize); 9] = [
-    (1, 1),
-    (3, 7),
-    (4, 16),
-    (5, 17),
-    (9, 33),
-    (16, 64),
-    (13, 100),
-    (33, 257),
-    (64, 1000),
-];
+const SHAPES: [(usize, usize); 9] =
+    [(1, 1), (3, 7), (4, 16), (5, 17), (9, 33), (16, 64), (13, 100), (33, 257), (64, 1000)];
 
 #[test]
 fn bf16_products_are_bit_identical_across_isas_and_match_f64() {
@@ -54,11 +45,7 @@ fn bf16_products_are_bit_identical_across_isas_and_match_f64() {
         matvec_bf16_isa(Isa::Scalar, &m, &x, &mut want);
         for r in 0..rows {
             let exact: f64 = (0..cols).map(|c| wv[r * cols + c] * x[c] as f64).sum();
-            let tol = 1e-5
-                * (0..cols)
-                    .map(|c| (wv[r * cols + c] * x[c] as f64).abs())
-                    .sum::<f64>()
-                + 1e-30;
+            let tol = 1e-5 * (0..cols).map(|c| (wv[r * cols + c] * x[c] as f64).abs()).sum::<f64>() + 1e-30;
             assert!(
                 (want[r] as f64 - exact).abs() <= tol,
                 "scalar bf16 row {r} of {rows}x{cols}: {} vs {exact}",
@@ -68,11 +55,7 @@ fn bf16_products_are_bit_identical_across_isas_and_match_f64() {
         for isa in Isa::available() {
             let mut got = vec![0f32; rows];
             matvec_bf16_isa(isa, &m, &x, &mut got);
-            assert_eq!(
-                bits(&got),
-                bits(&want),
-                "matvec bf16 {rows}x{cols} on {isa:?}"
-            );
+            assert_eq!(bits(&got), bits(&want), "matvec bf16 {rows}x{cols} on {isa:?}");
             // Several input rows at once must give each row's matvec result.
             for n in [2usize, 3, 5] {
                 let xs = rng.vec(n * cols);
@@ -95,15 +78,7 @@ fn bf16_products_are_bit_identical_across_isas_and_match_f64() {
 #[test]
 fn mxfp4_products_are_bit_identical_across_isas_and_match_f64() {
     let mut rng = Rng(2);
-    for &(rows, cols) in &[
-        (1usize, 32usize),
-        (3, 64),
-        (4, 96),
-        (7, 128),
-        (16, 32),
-        (17, 288),
-        (40, 512),
-    ] {
+    for &(rows, cols) in &[(1usize, 32usize), (3, 64), (4, 96), (7, 128), (16, 32), (17, 288), (40, 512)] {
         let (p, s) = mxfp4(&mut rng, rows, cols);
         let m = Mxfp4Mat::new(&p, &s, rows, cols);
         let x = rng.vec(cols);
@@ -118,8 +93,7 @@ fn mxfp4_products_are_bit_identical_across_isas_and_match_f64() {
             for c in 0..cols {
                 let byte = p[r * cols / 2 + c / 2];
                 let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
-                let w =
-                    E2M1[code as usize] as f64 * 2f64.powi(s[r * cols / 32 + c / 32] as i32 - 127);
+                let w = E2M1[code as usize] as f64 * 2f64.powi(s[r * cols / 32 + c / 32] as i32 - 127);
                 exact += w * x[c] as f64;
                 mag += (w * x[c] as f64).abs();
             }
@@ -132,11 +106,7 @@ fn mxfp4_products_are_bit_identical_across_isas_and_match_f64() {
         for isa in Isa::available() {
             let mut got = vec![0f32; rows];
             matvec_mxfp4_isa(isa, &m, &xd, &mut got);
-            assert_eq!(
-                bits(&got),
-                bits(&want),
-                "matvec mxfp4 {rows}x{cols} on {isa:?}"
-            );
+            assert_eq!(bits(&got), bits(&want), "matvec mxfp4 {rows}x{cols} on {isa:?}");
             for n in [2usize, 4, 5] {
                 let mut xs = vec![0f32; n * cols];
                 for i in 0..n {
@@ -165,19 +135,10 @@ fn mxfp4_row_decode_is_exact() {
     let mut out = vec![0f32; 64];
     decode_mxfp4_row(&p, &s, &mut out);
     for c in 0..64 {
-        let code = if c % 2 == 0 {
-            p[c / 2] & 15
-        } else {
-            p[c / 2] >> 4
-        };
+        let code = if c % 2 == 0 { p[c / 2] & 15 } else { p[c / 2] >> 4 };
         let want = E2M1[code as usize] as f64 * 2f64.powi(s[c / 32] as i32 - 127);
         // Deinterleaved position of natural element c.
-        let pos = (c / 32) * 32
-            + if c % 2 == 0 {
-                (c % 32) / 2
-            } else {
-                16 + (c % 32) / 2
-            };
+        let pos = (c / 32) * 32 + if c % 2 == 0 { (c % 32) / 2 } else { 16 + (c % 32) / 2 };
         assert_eq!(out[pos] as f64, want, "element {c}");
     }
 }
@@ -189,15 +150,8 @@ fn f32_dot_matches_f64() {
         let a = rng.vec(n);
         let b = rng.vec(n);
         let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-        let mag: f64 = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (*x as f64 * *y as f64).abs())
-            .sum();
-        assert!(
-            (dot_f32(&a, &b) as f64 - exact).abs() <= 1e-5 * mag + 1e-30,
-            "n={n}"
-        );
+        let mag: f64 = a.iter().zip(&b).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum();
+        assert!((dot_f32(&a, &b) as f64 - exact).abs() <= 1e-5 * mag + 1e-30, "n={n}");
     }
 }
 

@@ -19,11 +19,7 @@ fn o200k_path() -> PathBuf {
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "cargo metadata failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
     let meta: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let pkg = meta["packages"]
         .as_array()
@@ -32,10 +28,7 @@ fn o200k_path() -> PathBuf {
         .find(|p| p["name"] == "tiktoken-rs")
         .expect("tiktoken-rs dev-dependency");
     let manifest = PathBuf::from(pkg["manifest_path"].as_str().unwrap());
-    manifest
-        .parent()
-        .unwrap()
-        .join("assets/o200k_base.tiktoken")
+    manifest.parent().unwrap().join("assets/o200k_base.tiktoken")
 }
 
 /// A K3-shaped tokenizer directory in `dir`.
@@ -161,11 +154,7 @@ fn token_ids_match_python_tiktoken() {
     for (i, (text, want)) in texts.iter().zip(&want).enumerate() {
         let got = tok.encode(text);
         if &got != want {
-            let at = got
-                .iter()
-                .zip(want)
-                .position(|(a, b)| a != b)
-                .unwrap_or(got.len().min(want.len()));
+            let at = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(got.len().min(want.len()));
             panic!(
                 "text #{i} ({} chars): ids differ at index {at}: ours {:?} vs tiktoken {:?}",
                 text.chars().count(),
@@ -173,15 +162,8 @@ fn token_ids_match_python_tiktoken() {
                 &want[at.saturating_sub(2)..(at + 3).min(want.len())]
             );
         }
-        assert!(
-            got.iter().all(|&id| id < tok.n_base()),
-            "text #{i}: ordinary text produced a special id"
-        );
-        assert_eq!(
-            tok.decode(&got).unwrap(),
-            *text,
-            "text #{i}: decode(encode(x)) != x"
-        );
+        assert!(got.iter().all(|&id| id < tok.n_base()), "text #{i}: ordinary text produced a special id");
+        assert_eq!(tok.decode(&got).unwrap(), *text, "text #{i}: decode(encode(x)) != x");
         total += text.len();
     }
     println!("{} texts, {total} bytes: identical ids", texts.len());

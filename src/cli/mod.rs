@@ -4,6 +4,7 @@
 mod load;
 mod run;
 mod score;
+mod synth;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -28,6 +29,26 @@ enum Cmd {
     Run(run::RunArgs),
     /// Compute logits at every position of a prompt and write them to a safetensors file.
     Score(score::ScoreArgs),
+    /// Write a random-weight checkpoint in the exact shipped layout (any size).
+    Synth(synth::SynthArgs),
+}
+
+/// How KDA evaluates a prompt (hidden option for tests and comparisons).
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum KdaArg {
+    Auto,
+    Chunked,
+    Recurrent,
+}
+
+impl From<KdaArg> for crate::k3::KdaMode {
+    fn from(k: KdaArg) -> Self {
+        match k {
+            KdaArg::Auto => crate::k3::KdaMode::Auto,
+            KdaArg::Chunked => crate::k3::KdaMode::Chunked,
+            KdaArg::Recurrent => crate::k3::KdaMode::Recurrent,
+        }
+    }
 }
 
 /// Parses arguments, runs the subcommand and maps errors to exit codes.
@@ -36,24 +57,15 @@ pub fn main() -> ExitCode {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
-            return if e.use_stderr() {
-                ExitCode::from(2)
-            } else {
-                ExitCode::SUCCESS
-            };
+            return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
         }
     };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DELTAFIN_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("DELTAFIN_LOG").unwrap_or_else(|_| "warn".into()))
         .init();
     if let Some(n) = cli.threads
-        && let Err(e) = rayon::ThreadPoolBuilder::new()
-            .num_threads(n.max(1))
-            .build_global()
+        && let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).build_global()
     {
         eprintln!("error: cannot set up {n} threads: {e}");
         return ExitCode::from(1);
@@ -61,6 +73,7 @@ pub fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Run(a) => run::run(a),
         Cmd::Score(a) => score::run(a),
+        Cmd::Synth(a) => synth::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -81,16 +94,9 @@ pub(crate) fn parse_ids(s: &str) -> Result<TokenIds, String> {
         .map(str::trim)
         .filter(|t| !t.is_empty())
         .map(|t| {
-            t.parse::<u32>().map_err(|_| {
-                format!("`{t}` is not a token id (expected comma-separated non-negative integers)")
-            })
+            t.parse::<u32>()
+                .map_err(|_| format!("`{t}` is not a token id (expected comma-separated non-negative integers)"))
         })
         .collect::<Result<Vec<_>, _>>()
-        .and_then(|v| {
-            if v.is_empty() {
-                Err("the prompt is empty".to_string())
-            } else {
-                Ok(TokenIds(v))
-            }
-        })
+        .and_then(|v| if v.is_empty() { Err("the prompt is empty".to_string()) } else { Ok(TokenIds(v)) })
 }

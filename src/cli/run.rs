@@ -1,97 +1,220 @@
-//! `deltafin run`: greedy generation from token ids, streaming ids to stdout as they are produced.
+//! `deltafin run`: one-shot greedy generation. Text streams to stdout as tokens are produced
+//! (held back only inside a UTF-8 character); diagnostics, the startup line and `--stats` go to
+//! stderr, so stdout can be piped.
 
-use super::load;
+use super::load::{self, Opened};
+use super::{KdaArg, TokenIds};
 use crate::k3::{ForwardStats, Logits, argmax};
-use anyhow::{Context, Result};
-use clap::{Args, ValueEnum};
-use std::io::Write;
+use crate::memory::{MemoryPlan, machine_available};
+use crate::model::chat::{ChatOptions, ChatTemplate, Thinking};
+use crate::model::tokenizer::{StreamDecoder, Tokenizer};
+use anyhow::{Context, Result, bail};
+use clap::{ArgGroup, Args, ValueEnum};
+use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::time::Instant;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Format {
+    /// Generated text streamed as it is produced (token ids if the model has no tokenizer).
     Text,
+    /// One JSON object at the end: prompt_ids, output_ids, text, stats.
     Json,
 }
 
 #[derive(Args)]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompt_ids"])))]
 pub struct RunArgs {
-    /// Model directory (config.json + safetensors shards).
+    /// Model directory (config.json, safetensors shards, tokenizer files).
+    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    pub model: Option<PathBuf>,
+    /// Use the built-in demo model: random weights in the K3 layout, created on first use, no download.
     #[arg(long)]
-    model: PathBuf,
-    /// Prompt as comma-separated token ids, e.g. 1,2,3.
+    pub demo: bool,
+    /// Prompt text ("-" reads standard input).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Read the prompt text from a file ("-" for standard input).
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
     #[arg(long, value_parser = super::parse_ids)]
-    prompt_ids: super::TokenIds,
+    pub prompt_ids: Option<TokenIds>,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// Thinking effort for --chat (the template's default is max; off answers directly).
+    #[arg(long, value_enum, default_value_t = Thinking::Max)]
+    pub thinking: Thinking,
     /// Maximum number of tokens to generate.
-    #[arg(long, default_value_t = 64)]
-    max_new: usize,
+    #[arg(long, default_value_t = 256)]
+    pub max_new: usize,
     /// Keep generating past the end-of-message token.
     #[arg(long)]
-    ignore_eos: bool,
-    /// text: ids streamed as produced; json: one object with prompt_ids, output_ids and stats.
+    pub ignore_eos: bool,
+    /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
-    format: Format,
+    pub format: Format,
+    /// Print the counters (DESIGN.md names) to stderr at the end.
+    #[arg(long)]
+    pub stats: bool,
+    /// Write the counters as JSON to this file.
+    #[arg(long)]
+    pub stats_json: Option<PathBuf>,
+    /// Memory budget in GB (default: what the machine has available).
+    #[arg(long)]
+    pub memory_gb: Option<f64>,
+    /// No startup line.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// How KDA processes the prompt.
+    #[arg(long, value_enum, default_value_t = KdaArg::Auto, hide = true)]
+    pub kda: KdaArg,
+}
+
+fn read_text(arg: &str, from_file: bool) -> Result<String> {
+    if arg == "-" {
+        let mut s = String::new();
+        std::io::stdin().read_to_string(&mut s).context("cannot read the prompt from standard input")?;
+        return Ok(s);
+    }
+    if from_file {
+        return std::fs::read_to_string(arg).with_context(|| format!("cannot read the prompt file {arg}"));
+    }
+    Ok(arg.to_string())
+}
+
+/// Prompt ids from the arguments (and the tokenizer / chat template when text is given).
+fn prompt_ids(a: &RunArgs, opened: &Opened, tok: Option<&Tokenizer>) -> Result<Vec<u32>> {
+    if let Some(ids) = &a.prompt_ids {
+        if a.chat {
+            bail!("--chat needs a text prompt (--prompt or --prompt-file), not --prompt-ids");
+        }
+        return Ok(ids.0.clone());
+    }
+    let text = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => read_text(p, false)?,
+        (None, Some(f)) => read_text(&f.to_string_lossy(), true)?,
+        (None, None) => bail!("no prompt given"),
+    };
+    let tok = tok.context("text prompts need a tokenizer")?;
+    let ids = if a.chat {
+        let chat = ChatTemplate::load(&opened.dir, tok).context("cannot load the chat template")?;
+        let mut messages = Vec::new();
+        if let Some(s) = &a.system {
+            messages.push(serde_json::json!({"role": "system", "content": s}));
+        }
+        messages.push(serde_json::json!({"role": "user", "content": text}));
+        let opts = ChatOptions { thinking: a.thinking, ..ChatOptions::default() };
+        chat.encode(tok, &serde_json::Value::Array(messages), &opts)?
+    } else {
+        tok.encode(&text)
+    };
+    if ids.is_empty() {
+        bail!("the prompt is empty");
+    }
+    Ok(ids)
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
-    let opened = load::open(&a.model)?;
+    let dir = match (&a.model, a.demo) {
+        (Some(m), _) => m.clone(),
+        (None, true) => load::demo_dir()?,
+        (None, false) => bail!("give --model DIR or --demo"),
+    };
+    let opened = load::open(&dir)?;
+    let needs_tok = a.prompt_ids.is_none() || a.chat;
+    let tok = if needs_tok || dir.join("tiktoken.model").exists() { Some(opened.tokenizer()?) } else { None };
+    let prompt = prompt_ids(&a, &opened, tok.as_ref())?;
+
     let experts = opened.experts();
-    let model = opened.model(experts.as_ref())?;
+    let mut model = opened.model(experts.as_ref())?;
+    model.kda_mode = a.kda.into();
+    let budget = a.memory_gb.map_or_else(machine_available, |g| (g * 1e9) as u64);
+    let plan = MemoryPlan::new(&opened.cfg, budget, model.w.resident_bytes() as u64, 0, prompt.len())?;
+    if prompt.len() + a.max_new > plan.context_bound {
+        bail!(
+            "the prompt ({} tokens) plus --max-new {} exceeds the usable context of {} tokens",
+            prompt.len(),
+            a.max_new,
+            plan.context_bound
+        );
+    }
+    if !a.quiet {
+        eprintln!("{}", opened.startup_line(&model, &plan));
+    }
+    if a.demo {
+        eprintln!(
+            "deltafin: note: the demo model has RANDOM weights, so its text is meaningless; it runs the real K3 code path."
+        );
+    }
+
+    // Stop at the end-of-message token (the chat format's), else the config's eos.
     let eos = if a.ignore_eos {
         None
     } else {
-        model.cfg.eos_token
+        tok.as_ref().and_then(|t| t.special_id("<|end_of_msg|>")).or(opened.cfg.eos_token)
     };
     let mut st = model.new_state();
-    let mut fs = ForwardStats::default();
+    let mut stats = ForwardStats { prompt_tokens: prompt.len() as u64, ..Default::default() };
+    let mut out = std::io::stdout().lock();
+    let mut decoder = StreamDecoder::default();
+    let mut text = String::new();
     let t0 = Instant::now();
-    let mut stdout = std::io::stdout().lock();
-
-    let logits = model
-        .forward(&mut st, &a.prompt_ids.0, Logits::Last, &mut fs)
-        .context("prefill failed")?;
-    let ttft = t0.elapsed().as_secs_f64();
-    let mut out_ids = Vec::with_capacity(a.max_new);
+    let logits = model.forward(&mut st, &prompt, Logits::Last, &mut stats).context("prefill failed")?;
+    stats.ttft_s = t0.elapsed().as_secs_f64();
+    stats.prefill_s = stats.ttft_s;
     let mut next = argmax(&logits);
+    let mut ids = Vec::with_capacity(a.max_new);
     let t_dec = Instant::now();
-    while out_ids.len() < a.max_new {
-        out_ids.push(next);
-        if a.format == Format::Text {
-            write!(stdout, "{}{next}", if out_ids.len() > 1 { "," } else { "" })?;
-            stdout.flush()?;
+    while ids.len() < a.max_new {
+        ids.push(next);
+        let stop = Some(next) == eos;
+        let piece = match &tok {
+            // Reserved (unnamed) specials carry no text.
+            Some(t) if !stop && !t.is_reserved(next) => decoder.push(t.token_bytes(next)?),
+            Some(_) => String::new(),
+            None => format!("{}{next}", if ids.len() > 1 { "," } else { "" }),
+        };
+        text.push_str(&piece);
+        if a.format == Format::Text && !piece.is_empty() {
+            out.write_all(piece.as_bytes())?;
+            out.flush()?;
         }
-        if Some(next) == eos || out_ids.len() == a.max_new {
+        if stop || ids.len() == a.max_new {
             break;
         }
-        let logits = model
-            .forward(&mut st, &[next], Logits::Last, &mut fs)
-            .context("decode failed")?;
+        let logits = model.forward(&mut st, &[next], Logits::Last, &mut stats).context("decode failed")?;
         next = argmax(&logits);
     }
-    let decode_s = t_dec.elapsed().as_secs_f64();
-    let decoded = out_ids.len().saturating_sub(1);
-    let stats = serde_json::json!({
-        "prompt_tokens": a.prompt_ids.0.len(),
-        "generated_tokens": out_ids.len(),
-        "ttft_s": ttft,
-        "prefill_tok_s": a.prompt_ids.0.len() as f64 / ttft.max(1e-9),
-        "decode_s": decode_s,
-        "decode_tok_s": if decoded > 0 { decoded as f64 / decode_s.max(1e-9) } else { 0.0 },
-        "layer_passes": fs.layer_passes,
-        "experts_run": fs.experts_run,
-        "expert_bytes_requested": experts.as_ref().map_or(0, crate::store::ExpertSource::bytes_requested),
-        "attention_s": fs.attention_s,
-        "moe_s": fs.moe_s,
-        "other_s": fs.other_s,
-        "threads": rayon::current_num_threads(),
-        "isa": crate::cpu::isa().name(),
-    });
+    let tail = decoder.finish();
+    text.push_str(&tail);
+    stats.decode_s = t_dec.elapsed().as_secs_f64();
+    stats.generated_tokens = ids.len() as u64;
+    stats.expert_bytes_requested = experts.as_ref().map_or(0, crate::store::ExpertSource::bytes_requested);
+
     match a.format {
-        Format::Text => writeln!(stdout)?,
-        Format::Json => {
-            let obj = serde_json::json!({ "prompt_ids": a.prompt_ids.0, "output_ids": out_ids, "stats": stats });
-            writeln!(stdout, "{obj}")?;
+        Format::Text => {
+            out.write_all(tail.as_bytes())?;
+            writeln!(out)?;
         }
+        Format::Json => {
+            let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json()});
+            if tok.is_some() {
+                obj["text"] = serde_json::Value::String(text);
+            }
+            writeln!(out, "{obj}")?;
+        }
+    }
+    if a.stats {
+        eprint!("{}", stats.to_text());
+    }
+    if let Some(p) = &a.stats_json {
+        let body = serde_json::to_vec_pretty(&stats.to_json())?;
+        crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
     }
     Ok(())
 }

@@ -1,17 +1,11 @@
 //! `deltafin score`: logits at every prompt position, written as the f32 tensor `logits` [T, vocab].
 
+use super::KdaArg;
 use super::load;
 use crate::k3::{ForwardStats, Logits};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
-
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum KdaArg {
-    Auto,
-    Chunked,
-    Recurrent,
-}
 
 #[derive(Args)]
 pub struct ScoreArgs {
@@ -33,24 +27,13 @@ pub fn run(a: ScoreArgs) -> Result<()> {
     let opened = load::open(&a.model)?;
     let experts = opened.experts();
     let mut model = opened.model(experts.as_ref())?;
-    model.kda_mode = match a.kda {
-        KdaArg::Auto => crate::k3::KdaMode::Auto,
-        KdaArg::Chunked => crate::k3::KdaMode::Chunked,
-        KdaArg::Recurrent => crate::k3::KdaMode::Recurrent,
-    };
+    model.kda_mode = a.kda.into();
     let mut st = model.new_state();
     let mut fs = ForwardStats::default();
-    let logits = model
-        .forward(&mut st, &a.prompt_ids.0, Logits::All, &mut fs)
-        .context("forward pass failed")?;
+    let logits = model.forward(&mut st, &a.prompt_ids.0, Logits::All, &mut fs).context("forward pass failed")?;
     let shape = vec![a.prompt_ids.0.len(), model.cfg.vocab];
     crate::util::write_f32_safetensors(&a.logits_out, "logits", &shape, &logits)
         .with_context(|| format!("cannot write {}", a.logits_out.display()))?;
-    eprintln!(
-        "wrote logits [{} x {}] to {}",
-        shape[0],
-        shape[1],
-        a.logits_out.display()
-    );
+    eprintln!("wrote logits [{} x {}] to {}", shape[0], shape[1], a.logits_out.display());
     Ok(())
 }

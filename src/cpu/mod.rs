@@ -25,9 +25,7 @@ pub const LANES: usize = 16;
 pub const MXFP4_BLOCK: usize = 32;
 
 /// E2M1 code -> value (codes 8..15 are the negated 0..7; code 8 is -0.0).
-pub const E2M1: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+pub const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// E8M0 scale byte -> 2^(s-127); 255 is NaN by the OCP MX definition.
 pub fn e8m0(s: u8) -> f32 {
@@ -88,11 +86,7 @@ pub fn isa() -> Isa {
         let avail = Isa::available();
         let best = *avail.last().unwrap_or(&Isa::Scalar);
         match std::env::var("DELTAFIN_ISA") {
-            Ok(want) => avail
-                .iter()
-                .copied()
-                .find(|i| i.name() == want)
-                .unwrap_or(best),
+            Ok(want) => avail.iter().copied().find(|i| i.name() == want).unwrap_or(best),
             Err(_) => best,
         }
     })
@@ -133,11 +127,7 @@ impl<'a> Bf16Mat<'a> {
     }
     /// Rows `start..start+n` as a matrix of their own.
     pub fn rows_slice(&self, start: usize, n: usize) -> Bf16Mat<'a> {
-        Bf16Mat::new(
-            &self.data[start * self.cols * 2..(start + n) * self.cols * 2],
-            n,
-            self.cols,
-        )
+        Bf16Mat::new(&self.data[start * self.cols * 2..(start + n) * self.cols * 2], n, self.cols)
     }
 }
 
@@ -156,21 +146,13 @@ impl<'a> Mxfp4Mat<'a> {
         assert_eq!(cols % MXFP4_BLOCK, 0, "mxfp4 cols must be a multiple of 32");
         assert_eq!(packed.len(), rows * cols / 2, "mxfp4 packed size");
         assert_eq!(scales.len(), rows * cols / MXFP4_BLOCK, "mxfp4 scale size");
-        Mxfp4Mat {
-            packed,
-            scales,
-            rows,
-            cols,
-        }
+        Mxfp4Mat { packed, scales, rows, cols }
     }
     #[inline]
     fn row(&self, r: usize) -> (&'a [u8], &'a [u8]) {
         let pb = self.cols / 2;
         let sb = self.cols / MXFP4_BLOCK;
-        (
-            &self.packed[r * pb..(r + 1) * pb],
-            &self.scales[r * sb..(r + 1) * sb],
-        )
+        (&self.packed[r * pb..(r + 1) * pb], &self.scales[r * sb..(r + 1) * sb])
     }
 }
 
@@ -179,10 +161,7 @@ impl<'a> Mxfp4Mat<'a> {
 pub fn deinterleave_mxfp4_input(x: &[f32], out: &mut [f32]) {
     assert_eq!(x.len() % MXFP4_BLOCK, 0);
     assert_eq!(x.len(), out.len());
-    for (xb, ob) in x
-        .chunks_exact(MXFP4_BLOCK)
-        .zip(out.chunks_exact_mut(MXFP4_BLOCK))
-    {
+    for (xb, ob) in x.chunks_exact(MXFP4_BLOCK).zip(out.chunks_exact_mut(MXFP4_BLOCK)) {
         for j in 0..16 {
             ob[j] = xb[2 * j];
             ob[16 + j] = xb[2 * j + 1];
@@ -192,11 +171,7 @@ pub fn deinterleave_mxfp4_input(x: &[f32], out: &mut [f32]) {
 
 /// Dequantises one MXFP4 row into `out` in the deinterleaved order (exact values).
 pub fn decode_mxfp4_row(packed: &[u8], scales: &[u8], out: &mut [f32]) {
-    for (b, (pb, ob)) in packed
-        .chunks_exact(16)
-        .zip(out.chunks_exact_mut(MXFP4_BLOCK))
-        .enumerate()
-    {
+    for (b, (pb, ob)) in packed.chunks_exact(16).zip(out.chunks_exact_mut(MXFP4_BLOCK)).enumerate() {
         let s = e8m0(scales[b]);
         for j in 0..16 {
             ob[j] = E2M1[(pb[j] & 0x0f) as usize] * s;
@@ -380,11 +355,7 @@ fn matmul_decoded<M: RowDecode>(isa: Isa, w: &M, xs: &[f32], out: &mut [f32]) {
     // per task, then scattered, so no two tasks write the same memory.
     let bands: Vec<(usize, Vec<f32>)> = (0..rows.div_ceil(MM_WROWS))
         .into_par_iter()
-        .with_min_len(if rows * cols * n < PAR_MIN_WORK {
-            usize::MAX
-        } else {
-            1
-        })
+        .with_min_len(if rows * cols * n < PAR_MIN_WORK { usize::MAX } else { 1 })
         .map(|band| {
             let r0 = band * MM_WROWS;
             let nr = MM_WROWS.min(rows - r0);
@@ -395,8 +366,7 @@ fn matmul_decoded<M: RowDecode>(isa: Isa, w: &M, xs: &[f32], out: &mut [f32]) {
             let mut res = vec![0f32; nr * n];
             for i in (0..n).step_by(4) {
                 let nx = 4.min(n - i);
-                let xrows: [&[f32]; 4] =
-                    std::array::from_fn(|k| &xs[(i + k.min(nx - 1)) * cols..][..cols]);
+                let xrows: [&[f32]; 4] = std::array::from_fn(|k| &xs[(i + k.min(nx - 1)) * cols..][..cols]);
                 for (rr, wrow) in wdec.chunks_exact(cols).enumerate() {
                     let d = dot4_f32(isa, wrow, xrows);
                     for k in 0..nx {

@@ -102,16 +102,8 @@ pub(super) unsafe fn dot4_mxfp4(w: [(&[u8], &[u8]); 4], xd: &[f32]) -> [f32; 4] 
             for q in 0..4 {
                 // SAFETY: every buffer holds 16 (xb: 32) elements; q * 4 + 4 <= 16.
                 unsafe {
-                    let t = vfmaq_f32(
-                        acc[r][q],
-                        vld1q_f32(lo.as_ptr().add(4 * q)),
-                        vld1q_f32(xb.as_ptr().add(4 * q)),
-                    );
-                    acc[r][q] = vfmaq_f32(
-                        t,
-                        vld1q_f32(hi.as_ptr().add(4 * q)),
-                        vld1q_f32(xb.as_ptr().add(16 + 4 * q)),
-                    );
+                    let t = vfmaq_f32(acc[r][q], vld1q_f32(lo.as_ptr().add(4 * q)), vld1q_f32(xb.as_ptr().add(4 * q)));
+                    acc[r][q] = vfmaq_f32(t, vld1q_f32(hi.as_ptr().add(4 * q)), vld1q_f32(xb.as_ptr().add(16 + 4 * q)));
                 }
             }
         }

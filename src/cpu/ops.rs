@@ -65,11 +65,7 @@ impl Situ {
     #[inline]
     pub fn apply(self, g: f32, u: f32) -> f32 {
         let a = self.beta * (g / self.beta).tanh() * sigmoid(g);
-        let b = if self.linear_beta > 0.0 {
-            self.linear_beta * (u / self.linear_beta).tanh()
-        } else {
-            u
-        };
+        let b = if self.linear_beta > 0.0 { self.linear_beta * (u / self.linear_beta).tanh() } else { u };
         a * b
     }
 

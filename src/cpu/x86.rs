@@ -126,21 +126,11 @@ pub(super) unsafe fn dot4_f32_avx512(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
 
 /// One 32-input MXFP4 block of one row: acc += lo * xe; acc += hi * xo (dequantised in-register).
 #[target_feature(enable = "avx512f")]
-unsafe fn mxfp4_block_512(
-    p: *const u8,
-    scale: u8,
-    lut: __m512,
-    xe: __m512,
-    xo: __m512,
-    acc: __m512,
-) -> __m512 {
+unsafe fn mxfp4_block_512(p: *const u8, scale: u8, lut: __m512, xe: __m512, xo: __m512, acc: __m512) -> __m512 {
     // SAFETY: caller guarantees 16 readable bytes at p.
     let codes = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p as *const __m128i) });
     let s = _mm512_set1_ps(e8m0(scale));
-    let lo = _mm512_mul_ps(
-        _mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), lut),
-        s,
-    );
+    let lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), lut), s);
     let hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut), s);
     _mm512_fmadd_ps(hi, xo, _mm512_fmadd_ps(lo, xe, acc))
 }
@@ -159,8 +149,7 @@ pub(super) unsafe fn dot4_mxfp4_avx512(w: [(&[u8], &[u8]); 4], xd: &[f32]) -> [f
             let xe = _mm512_loadu_ps(xd.as_ptr().add(b * 32));
             let xo = _mm512_loadu_ps(xd.as_ptr().add(b * 32 + 16));
             for r in 0..4 {
-                acc[r] =
-                    mxfp4_block_512(w[r].0.as_ptr().add(b * 16), w[r].1[b], lut, xe, xo, acc[r]);
+                acc[r] = mxfp4_block_512(w[r].0.as_ptr().add(b * 16), w[r].1[b], lut, xe, xo, acc[r]);
             }
         }
     }
@@ -205,12 +194,7 @@ pub(super) unsafe fn dot4_bf16_avx2(w: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
     if !n.is_multiple_of(LANES) {
         let xb = pad_f32(x, full * LANES);
         let wb = w.map(|r| pad_bf16(r, full * LANES));
-        step(
-            wb.each_ref().map(|b| b.as_ptr() as *const u8),
-            xb.as_ptr(),
-            &mut lo,
-            &mut hi,
-        );
+        step(wb.each_ref().map(|b| b.as_ptr() as *const u8), xb.as_ptr(), &mut lo, &mut hi);
     }
     // SAFETY: avx is implied by avx2.
     std::array::from_fn(|r| unsafe { reduce256(_mm256_add_ps(lo[r], hi[r])) })
@@ -244,12 +228,7 @@ pub(super) unsafe fn dot4_f32_avx2(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
     if !n.is_multiple_of(LANES) {
         let ab = pad_f32(a, full * LANES);
         let bb = b.map(|r| pad_f32(r, full * LANES));
-        step(
-            ab.as_ptr(),
-            bb.each_ref().map(|x| x.as_ptr()),
-            &mut lo,
-            &mut hi,
-        );
+        step(ab.as_ptr(), bb.each_ref().map(|x| x.as_ptr()), &mut lo, &mut hi);
     }
     // SAFETY: avx is implied by avx2.
     std::array::from_fn(|r| unsafe { reduce256(_mm256_add_ps(lo[r], hi[r])) })
@@ -284,10 +263,8 @@ pub(super) unsafe fn dot4_mxfp4_avx2(w: [(&[u8], &[u8]); 4], xd: &[f32]) -> [f32
                 let c0 = _mm256_cvtepu8_epi32(bytes);
                 let c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
                 let s = _mm256_set1_ps(e8m0(w[r].1[b]));
-                let lo0 =
-                    _mm256_mul_ps(e2m1x8(_mm256_and_si256(c0, _mm256_set1_epi32(15)), mag), s);
-                let lo1 =
-                    _mm256_mul_ps(e2m1x8(_mm256_and_si256(c1, _mm256_set1_epi32(15)), mag), s);
+                let lo0 = _mm256_mul_ps(e2m1x8(_mm256_and_si256(c0, _mm256_set1_epi32(15)), mag), s);
+                let lo1 = _mm256_mul_ps(e2m1x8(_mm256_and_si256(c1, _mm256_set1_epi32(15)), mag), s);
                 let hi0 = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c0, 4), mag), s);
                 let hi1 = _mm256_mul_ps(e2m1x8(_mm256_srli_epi32(c1, 4), mag), s);
                 lo[r] = _mm256_fmadd_ps(hi0, xo0, _mm256_fmadd_ps(lo0, xe0, lo[r]));

@@ -10,10 +10,8 @@ use crate::cpu::dot_f32;
 pub fn mix(sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
     let h = score_w.len();
     debug_assert!(sources.iter().all(|s| s.len() == h));
-    let mut scores: Vec<f32> = sources
-        .iter()
-        .map(|v| dot_f32(v, score_w) / (dot_f32(v, v) / h as f32 + eps).sqrt())
-        .collect();
+    let mut scores: Vec<f32> =
+        sources.iter().map(|v| dot_f32(v, score_w) / (dot_f32(v, v) / h as f32 + eps).sqrt()).collect();
     crate::cpu::ops::softmax_inplace(&mut scores);
     for (o, &v0) in out.iter_mut().zip(sources[0]) {
         *o = scores[0] * v0;
@@ -34,11 +32,7 @@ pub struct Residual {
 
 impl Residual {
     pub fn new(embeddings: Vec<f32>, hidden: usize) -> Self {
-        Residual {
-            hidden,
-            blocks: Vec::new(),
-            prefix: Some(embeddings),
-        }
+        Residual { hidden, blocks: Vec::new(), prefix: Some(embeddings) }
     }
 
     /// Mixes blocks + prefix for every row. With no blocks yet, the input is the prefix itself.

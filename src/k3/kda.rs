@@ -63,12 +63,7 @@ fn recurrent_head(s: &mut [f32], dk: usize, dv: usize, x: &HeadIn, o: &mut [f32]
     let n = x.beta.len();
     let mut u = vec![0f32; dv];
     for t in 0..n {
-        let (qt, kt, vt, gt) = (
-            &x.q[t * dk..][..dk],
-            &x.k[t * dk..][..dk],
-            &x.v[t * dv..][..dv],
-            &x.g[t * dk..][..dk],
-        );
+        let (qt, kt, vt, gt) = (&x.q[t * dk..][..dk], &x.k[t * dk..][..dk], &x.v[t * dv..][..dv], &x.g[t * dk..][..dk]);
         u.fill(0.0);
         for i in 0..dk {
             let e = gt[i].exp();
@@ -160,11 +155,7 @@ fn chunked_head(s: &mut [f32], dk: usize, dv: usize, x: &HeadIn, o: &mut [f32]) 
                     }
                 }
                 // u_t is final once every i < t has been subtracted; i == t comes last.
-                let ui: &[f32] = if i < t {
-                    &done[i * dv..(i + 1) * dv]
-                } else {
-                    ut
-                };
+                let ui: &[f32] = if i < t { &done[i * dv..(i + 1) * dv] } else { ut };
                 for j in 0..dv {
                     oc[j] += qk * ui[j];
                 }
@@ -191,13 +182,7 @@ fn chunked_head(s: &mut [f32], dk: usize, dv: usize, x: &HeadIn, o: &mut [f32]) 
 }
 
 /// Runs one KDA layer on `n` rows of normalised input `xn` [n, hidden]; returns [n, hidden].
-pub fn forward(
-    c: &K3Config,
-    w: &KdaWeights,
-    st: &mut KdaState,
-    xn: &[f32],
-    mode: KdaMode,
-) -> Vec<f32> {
+pub fn forward(c: &K3Config, w: &KdaWeights, st: &mut KdaState, xn: &[f32], mode: KdaMode) -> Vec<f32> {
     let h = c.hidden;
     let n = xn.len() / h;
     let p = c.kda_dim();
@@ -205,13 +190,8 @@ pub fn forward(
     let dv = dk;
 
     let mut proj: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0f32; n * p]);
-    for (i, (m, taps)) in [
-        (&w.q_proj, &w.q_conv),
-        (&w.k_proj, &w.k_conv),
-        (&w.v_proj, &w.v_conv),
-    ]
-    .into_iter()
-    .enumerate()
+    for (i, (m, taps)) in
+        [(&w.q_proj, &w.q_conv), (&w.k_proj, &w.k_conv), (&w.v_proj, &w.v_conv)].into_iter().enumerate()
     {
         matmul_bf16(m, xn, &mut proj[i]);
         conv_silu(&mut proj[i], &mut st.tail[i], taps, p, c.conv_width);
@@ -248,13 +228,7 @@ pub fn forward(
                 qt.iter_mut().for_each(|x| *x *= q_scale);
                 l2_norm_inplace(kt, KDA_L2_EPS);
             }
-            HeadIn {
-                q,
-                k,
-                v: gather(&proj[2]),
-                g: gather(&g),
-                beta: (0..n).map(|t| beta[t * nh + hd]).collect(),
-            }
+            HeadIn { q, k, v: gather(&proj[2]), g: gather(&g), beta: (0..n).map(|t| beta[t * nh + hd]).collect() }
         })
         .collect();
 
@@ -267,13 +241,7 @@ pub fn forward(
     st.s.par_chunks_mut(dk * dv)
         .zip(o_heads.par_chunks_mut(n * dv))
         .zip(heads.par_iter())
-        .for_each(|((s, o), x)| {
-            if chunked {
-                chunked_head(s, dk, dv, x, o)
-            } else {
-                recurrent_head(s, dk, dv, x, o)
-            }
-        });
+        .for_each(|((s, o), x)| if chunked { chunked_head(s, dk, dv, x, o) } else { recurrent_head(s, dk, dv, x, o) });
 
     // Per-head RMSNorm, output gate, o_proj.
     let mut gate = vec![0f32; n * p];
@@ -284,10 +252,7 @@ pub fn forward(
             let dst = &mut o[t * p + hd * dv..t * p + (hd + 1) * dv];
             dst.copy_from_slice(&o_heads[hd * n * dv + t * dv..][..dv]);
             rms_norm_inplace(dst, &w.o_norm, c.rms_eps);
-            for (x, &gv) in dst
-                .iter_mut()
-                .zip(&gate[t * p + hd * dv..t * p + (hd + 1) * dv])
-            {
+            for (x, &gv) in dst.iter_mut().zip(&gate[t * p + hd * dv..t * p + (hd + 1) * dv]) {
                 *x *= sigmoid(gv);
             }
         }
@@ -305,9 +270,7 @@ mod tests {
     fn rand_vec(seed: &mut u64, n: usize) -> Vec<f32> {
         (0..n)
             .map(|_| {
-                *seed = seed
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
+                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 ((*seed >> 40) as f32 / (1u64 << 23) as f32) - 1.0
             })
             .collect()
@@ -321,26 +284,13 @@ mod tests {
             l2_norm_inplace(kt, KDA_L2_EPS);
         }
         // g in (gate_floor, 0): the shipped gate lies in (-5, 0).
-        let g = rand_vec(seed, n * dk)
-            .iter()
-            .map(|x| gate_floor * 0.5 * (x + 1.0))
-            .collect();
+        let g = rand_vec(seed, n * dk).iter().map(|x| gate_floor * 0.5 * (x + 1.0)).collect();
         let beta = rand_vec(seed, n).iter().map(|x| sigmoid(3.0 * x)).collect();
-        HeadIn {
-            q,
-            k,
-            v: rand_vec(seed, n * dv),
-            g,
-            beta,
-        }
+        HeadIn { q, k, v: rand_vec(seed, n * dv), g, beta }
     }
 
     fn rel(a: &[f32], b: &[f32]) -> f64 {
-        let num: f64 = a
-            .iter()
-            .zip(b)
-            .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
-            .sum();
+        let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
         let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
         (num / den.max(1e-30)).sqrt()
     }
@@ -366,10 +316,7 @@ mod tests {
             chunked_head(&mut s_chk, dk, dv, &x, &mut o_chk);
             for t in 0..n {
                 let e = rel(&o_chk[t * dv..(t + 1) * dv], &o_rec[t * dv..(t + 1) * dv]);
-                assert!(
-                    e < 1e-5,
-                    "n={n} dk={dk}: output of token {t} differs by {e:.2e}"
-                );
+                assert!(e < 1e-5, "n={n} dk={dk}: output of token {t} differs by {e:.2e}");
             }
             let e = rel(&s_chk, &s_rec);
             assert!(e < 1e-5, "n={n} dk={dk}: final state differs by {e:.2e}");
@@ -407,10 +354,7 @@ mod tests {
         let mut tail = vec![0f32; 3];
         let mut x = vec![0.001f32, 0.0, 0.0, 0.0];
         conv_silu(&mut x, &mut tail, &taps, 1, 4);
-        let want: Vec<f32> = [1.0f32, 0.1, 0.01, 0.001]
-            .iter()
-            .map(|&v| silu(v))
-            .collect();
+        let want: Vec<f32> = [1.0f32, 0.1, 0.01, 0.001].iter().map(|&v| silu(v)).collect();
         for (a, b) in x.iter().zip(&want) {
             assert!((a - b).abs() < 1e-6, "{x:?} vs {want:?}");
         }

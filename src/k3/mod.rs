@@ -42,18 +42,7 @@ pub enum Logits {
     All,
 }
 
-/// Counters and phase timers accumulated over forward calls.
-#[derive(Default, Clone, Debug)]
-pub struct ForwardStats {
-    pub forward_calls: u64,
-    pub rows: u64,
-    pub layer_passes: u64,
-    pub experts_run: u64,
-    pub expert_rows: u64,
-    pub attention_s: f64,
-    pub moe_s: f64,
-    pub other_s: f64,
-}
+pub use crate::stats::Stats as ForwardStats;
 
 pub struct K3<'a> {
     pub cfg: K3Config,
@@ -71,12 +60,7 @@ impl<'a> K3<'a> {
         experts: Option<&'a dyn ExpertSource>,
     ) -> Result<Self, ModelError> {
         let w = Weights::load(&cfg, ck)?;
-        Ok(K3 {
-            cfg,
-            w,
-            experts,
-            kda_mode: KdaMode::Auto,
-        })
+        Ok(K3 { cfg, w, experts, kda_mode: KdaMode::Auto })
     }
 
     pub fn new_state(&self) -> SeqState {
@@ -98,33 +82,20 @@ impl<'a> K3<'a> {
             return Ok(Vec::new());
         }
         if st.pos + n > c.max_context {
-            return Err(ForwardError::ContextFull {
-                have: st.pos,
-                new: n,
-                max: c.max_context,
-            });
+            return Err(ForwardError::ContextFull { have: st.pos, new: n, max: c.max_context });
         }
         let t_start = Instant::now();
+        let moe_before = stats.router_s + stats.expert_kernel_s + stats.read_wait_s;
         let mut embeds = vec![0f32; n * h];
         for (i, &id) in tokens.iter().enumerate() {
             if id as usize >= c.vocab {
-                return Err(ForwardError::TokenOutOfRange {
-                    id,
-                    pos: st.pos + i,
-                    vocab: c.vocab,
-                });
+                return Err(ForwardError::TokenOutOfRange { id, pos: st.pos + i, vocab: c.vocab });
             }
-            crate::cpu::decode_bf16_row(
-                self.w.embed.row(id as usize),
-                &mut embeds[i * h..(i + 1) * h],
-            );
+            crate::cpu::decode_bf16_row(self.w.embed.row(id as usize), &mut embeds[i * h..(i + 1) * h]);
         }
-        let situ = Situ {
-            beta: c.situ_beta,
-            linear_beta: c.situ_linear_beta,
-        };
+        let situ = Situ { beta: c.situ_beta, linear_beta: c.situ_linear_beta };
         let mut res = Residual::new(embeds, h);
-        let (mut attn_s, mut moe_s) = (0f64, 0f64);
+        let mut attn_s = 0f64;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let t0 = Instant::now();
             let mut x = res.mixed(&lw.attn_res_score, c.rms_eps);
@@ -135,9 +106,7 @@ impl<'a> K3<'a> {
                 rms_norm_inplace(r, &lw.input_norm, c.rms_eps);
             }
             let a = match (&lw.attn, &mut st.layers[l]) {
-                (Attn::Kda(w), state::LayerState::Kda(s)) => {
-                    kda::forward(c, w, s, &x, self.kda_mode)
-                }
+                (Attn::Kda(w), state::LayerState::Kda(s)) => kda::forward(c, w, s, &x, self.kda_mode),
                 (Attn::Mla(w), state::LayerState::Mla(s)) => mla::forward(c, w, s, &x),
                 _ => unreachable!("state layout follows the config"),
             };
@@ -147,23 +116,19 @@ impl<'a> K3<'a> {
                 rms_norm_inplace(r, &lw.post_attn_norm, c.rms_eps);
             }
             attn_s += t0.elapsed().as_secs_f64();
-            let t1 = Instant::now();
             let f = match &lw.ffn {
-                Ffn::Dense(w) => moe::mlp(w, situ, &x),
-                Ffn::Moe(w) => {
-                    let src = self.experts.ok_or(StoreError::NoHolder {
-                        layer: l,
-                        expert: 0,
-                    })?;
-                    let (out, ls) = moe::forward(c, w, l, src, &x)?;
-                    stats.layer_passes += 1;
-                    stats.experts_run += ls.distinct_experts as u64;
-                    stats.expert_rows += ls.expert_rows as u64;
+                Ffn::Dense(w) => {
+                    let t1 = Instant::now();
+                    let out = moe::mlp(w, situ, &x);
+                    attn_s += t1.elapsed().as_secs_f64();
                     out
+                }
+                Ffn::Moe(w) => {
+                    let src = self.experts.ok_or(StoreError::NoHolder { layer: l, expert: 0 })?;
+                    moe::forward(c, w, l, src, &x, stats)?
                 }
             };
             res.add(f);
-            moe_s += t1.elapsed().as_secs_f64();
         }
         let out = res.mixed(&self.w.output_res_score, c.rms_eps);
         let rows: Vec<usize> = match which {
@@ -185,7 +150,7 @@ impl<'a> K3<'a> {
         stats.forward_calls += 1;
         stats.rows += n as u64;
         stats.attention_s += attn_s;
-        stats.moe_s += moe_s;
+        let moe_s = stats.router_s + stats.expert_kernel_s + stats.read_wait_s - moe_before;
         stats.other_s += (t_start.elapsed().as_secs_f64() - attn_s - moe_s).max(0.0);
         Ok(logits)
     }

@@ -14,7 +14,9 @@ use crate::cpu::ops::{Situ, rms_norm_inplace, sigmoid};
 use crate::cpu::{Mxfp4Mat, deinterleave_mxfp4_input, matmul_bf16, matmul_mxfp4};
 use crate::model::K3Config;
 use crate::model::roster::ExpertLayout;
+use crate::stats::Stats;
 use crate::store::{ExpertSource, StoreError};
+use std::time::Instant;
 
 /// Dense SiTU-GLU MLP on rows `xn` [n, hidden].
 pub fn mlp(w: &MlpWeights, situ: Situ, xn: &[f32]) -> Vec<f32> {
@@ -66,9 +68,7 @@ pub fn route(c: &K3Config, w: &MoeWeights, xn: &[f32]) -> Routes {
         // Descending biased score, lower id first on ties; NaN sorts last.
         order.sort_by(|&a, &b| {
             let (x, y) = (choice[a as usize], choice[b as usize]);
-            y.partial_cmp(&x)
-                .unwrap_or_else(|| x.is_nan().cmp(&y.is_nan()))
-                .then(a.cmp(&b))
+            y.partial_cmp(&x).unwrap_or_else(|| x.is_nan().cmp(&y.is_nan())).then(a.cmp(&b))
         });
         let sel = &order[..k];
         let mut sum = 0f32;
@@ -81,11 +81,7 @@ pub fn route(c: &K3Config, w: &MoeWeights, xn: &[f32]) -> Routes {
             weights.push(s[i as usize] / denom * c.routed_scaling);
         }
     }
-    Routes {
-        k,
-        experts,
-        weights,
-    }
+    Routes { k, experts, weights }
 }
 
 /// The three MXFP4 matrices of one expert, borrowed from its raw bytes.
@@ -112,22 +108,12 @@ pub fn run_expert(layout: &ExpertLayout, bytes: &[u8], situ: Situ, zd: &[f32]) -
     let mut a = vec![0f32; m * layout.inter];
     situ.apply_rows(&g, &u, &mut a);
     let mut ad = vec![0f32; m * layout.inter];
-    for (src, dst) in a
-        .chunks_exact(layout.inter)
-        .zip(ad.chunks_exact_mut(layout.inter))
-    {
+    for (src, dst) in a.chunks_exact(layout.inter).zip(ad.chunks_exact_mut(layout.inter)) {
         deinterleave_mxfp4_input(src, dst);
     }
     let mut out = vec![0f32; m * layout.latent];
     matmul_mxfp4(&w2, &ad, &mut out);
     out
-}
-
-/// What one MoE layer did, for the counters.
-#[derive(Default, Clone, Copy, Debug)]
-pub struct MoeLayerStats {
-    pub distinct_experts: usize,
-    pub expert_rows: usize,
 }
 
 /// Runs one MoE layer on rows `xn` [n, hidden]; returns [n, hidden].
@@ -137,16 +123,17 @@ pub fn forward(
     layer: usize,
     src: &dyn ExpertSource,
     xn: &[f32],
-) -> Result<(Vec<f32>, MoeLayerStats), StoreError> {
+    stats: &mut Stats,
+) -> Result<Vec<f32>, StoreError> {
+    let t_start = Instant::now();
     let h = c.hidden;
     let n = xn.len() / h;
     let lat = c.expert_latent;
-    let situ = Situ {
-        beta: c.situ_beta,
-        linear_beta: c.situ_linear_beta,
-    };
+    let situ = Situ { beta: c.situ_beta, linear_beta: c.situ_linear_beta };
     let routes = route(c, w, xn);
     let k = routes.k;
+    let t_routed = Instant::now();
+    stats.router_s += (t_routed - t_start).as_secs_f64();
 
     let mut z = vec![0f32; n * lat];
     matmul_bf16(&w.down_proj, xn, &mut z);
@@ -159,15 +146,13 @@ pub fn forward(
     let mut slots = vec![0f32; n * k * lat];
     let union = routes.union();
     let layout = src.layout().clone();
-    let mut stats = MoeLayerStats {
-        distinct_experts: union.len(),
-        expert_rows: 0,
-    };
+    let mut kernel_s = 0f64;
+    let mut expert_rows = 0usize;
+    let t_fetch = Instant::now();
     src.fetch(layer, &union, &mut |e, bytes| {
-        let targets: Vec<(usize, usize)> = (0..n * k)
-            .filter(|&i| routes.experts[i] == e)
-            .map(|i| (i / k, i % k))
-            .collect();
+        let t = Instant::now();
+        let targets: Vec<(usize, usize)> =
+            (0..n * k).filter(|&i| routes.experts[i] == e).map(|i| (i / k, i % k)).collect();
         let mut rows_in = Vec::with_capacity(targets.len() * lat);
         for &(r, _) in &targets {
             rows_in.extend_from_slice(&zd[r * lat..(r + 1) * lat]);
@@ -176,18 +161,24 @@ pub fn forward(
         for (i, &(r, j)) in targets.iter().enumerate() {
             slots[(r * k + j) * lat..][..lat].copy_from_slice(&y[i * lat..(i + 1) * lat]);
         }
-        stats.expert_rows += targets.len();
+        expert_rows += targets.len();
+        kernel_s += t.elapsed().as_secs_f64();
     })?;
+    let fetch_s = t_fetch.elapsed().as_secs_f64();
+    stats.layer_passes += 1;
+    stats.experts_fetched += union.len() as u64;
+    stats.expert_rows += expert_rows as u64;
+    stats.expert_bytes_requested += (union.len() * layout.len) as u64;
+    stats.expert_bytes = layout.len as u64;
+    stats.distinct_experts.extend(union.iter().map(|&e| (layer as u32, e)));
+    stats.read_wait_s += (fetch_s - kernel_s).max(0.0);
+    let t_tail = Instant::now();
 
     let mut routed = vec![0f32; n * lat];
     for r in 0..n {
         let acc = &mut routed[r * lat..(r + 1) * lat];
         for j in 0..k {
-            crate::cpu::ops::axpy(
-                acc,
-                routes.weights[r * k + j],
-                &slots[(r * k + j) * lat..][..lat],
-            );
+            crate::cpu::ops::axpy(acc, routes.weights[r * k + j], &slots[(r * k + j) * lat..][..lat]);
         }
         if let Some(norm) = &w.routed_norm {
             rms_norm_inplace(acc, norm, c.rms_eps);
@@ -201,5 +192,7 @@ pub fn forward(
             *o += v;
         }
     }
-    Ok((out, stats))
+    // z, the weighted sum, the latent norm/up-projection and shared experts count as expert work.
+    stats.expert_kernel_s += kernel_s + t_tail.elapsed().as_secs_f64() + (t_fetch - t_routed).as_secs_f64();
+    Ok(out)
 }

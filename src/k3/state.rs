@@ -49,10 +49,7 @@ impl SeqState {
     pub fn footprint(c: &K3Config) -> (usize, usize) {
         let kda = c.attn.iter().filter(|a| **a == AttnKind::Kda).count();
         let mla = c.layers - kda;
-        let fixed = kda
-            * 4
-            * (c.kda_heads * c.kda_head_dim * c.kda_head_dim
-                + 3 * (c.conv_width - 1) * c.kda_dim());
+        let fixed = kda * 4 * (c.kda_heads * c.kda_head_dim * c.kda_head_dim + 3 * (c.conv_width - 1) * c.kda_dim());
         let per_token = mla * 4 * (c.kv_lora + c.qk_rope);
         (fixed, per_token)
     }

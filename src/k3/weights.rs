@@ -111,14 +111,8 @@ impl<'a> Loader<'a> {
         let e = self.entry(name)?;
         let b = self.ck.bytes(e);
         match e.dtype {
-            Dtype::F32 => Ok(b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect()),
-            Dtype::BF16 => Ok(b
-                .chunks_exact(2)
-                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect()),
+            Dtype::F32 => Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+            Dtype::BF16 => Ok(b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()),
             d => Err(ModelError::Safetensors {
                 path: self.ck.shard_path(e.shard).to_path_buf(),
                 msg: format!("tensor `{name}` has dtype {d:?}, expected BF16 or F32"),
@@ -201,10 +195,7 @@ impl<'a> Weights<'a> {
             layers.push(LayerWeights {
                 input_norm: ld.vec(&n("input_layernorm.weight"))?,
                 post_attn_norm: ld.vec(&n("post_attention_layernorm.weight"))?,
-                attn_res_score: ld.score(
-                    &n("self_attention_res_norm.weight"),
-                    &n("self_attention_res_proj.weight"),
-                )?,
+                attn_res_score: ld.score(&n("self_attention_res_norm.weight"), &n("self_attention_res_proj.weight"))?,
                 mlp_res_score: ld.score(&n("mlp_res_norm.weight"), &n("mlp_res_proj.weight"))?,
                 attn,
                 ffn,
@@ -214,10 +205,7 @@ impl<'a> Weights<'a> {
             embed: ld.mat(&top("embed_tokens.weight"))?,
             lm_head: ld.mat(LM_HEAD)?,
             final_norm: ld.vec(&top("norm.weight"))?,
-            output_res_score: ld.score(
-                &top("output_attn_res_norm.weight"),
-                &top("output_attn_res_proj.weight"),
-            )?,
+            output_res_score: ld.score(&top("output_attn_res_norm.weight"), &top("output_attn_res_proj.weight"))?,
             layers,
         })
     }
@@ -226,34 +214,22 @@ impl<'a> Weights<'a> {
     pub fn resident_bytes(&self) -> usize {
         let m = |m: &Bf16Mat| m.data.len();
         let v = |v: &Vec<f32>| v.len() * 4;
-        let mut total =
-            m(&self.embed) + m(&self.lm_head) + v(&self.final_norm) + v(&self.output_res_score);
+        let mut total = m(&self.embed) + m(&self.lm_head) + v(&self.final_norm) + v(&self.output_res_score);
         for l in &self.layers {
-            total += v(&l.input_norm)
-                + v(&l.post_attn_norm)
-                + v(&l.attn_res_score)
-                + v(&l.mlp_res_score);
+            total += v(&l.input_norm) + v(&l.post_attn_norm) + v(&l.attn_res_score) + v(&l.mlp_res_score);
             total += match &l.attn {
                 Attn::Kda(k) => {
-                    [
-                        &k.q_proj, &k.k_proj, &k.v_proj, &k.f_a, &k.f_b, &k.b_proj, &k.g_proj,
-                        &k.o_proj,
-                    ]
-                    .iter()
-                    .map(|x| m(x))
-                    .sum::<usize>()
-                        + [
-                            &k.q_conv, &k.k_conv, &k.v_conv, &k.a_exp, &k.dt_bias, &k.o_norm,
-                        ]
-                        .iter()
-                        .map(|x| v(x))
-                        .sum::<usize>()
-                }
-                Attn::Mla(a) => {
-                    [&a.q_a, &a.q_b, &a.kv_a, &a.kv_b, &a.g_proj, &a.o_proj]
+                    [&k.q_proj, &k.k_proj, &k.v_proj, &k.f_a, &k.f_b, &k.b_proj, &k.g_proj, &k.o_proj]
                         .iter()
                         .map(|x| m(x))
                         .sum::<usize>()
+                        + [&k.q_conv, &k.k_conv, &k.v_conv, &k.a_exp, &k.dt_bias, &k.o_norm]
+                            .iter()
+                            .map(|x| v(x))
+                            .sum::<usize>()
+                }
+                Attn::Mla(a) => {
+                    [&a.q_a, &a.q_b, &a.kv_a, &a.kv_b, &a.g_proj, &a.o_proj].iter().map(|x| m(x)).sum::<usize>()
                         + v(&a.q_a_norm)
                         + v(&a.kv_a_norm)
                 }

@@ -21,10 +21,7 @@ const MARK: char = '\u{F8F0}';
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
     #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     #[error("{}: the chat template does not compile: {msg}", path.display())]
     Compile { path: PathBuf, msg: String },
     #[error("rendering the chat template failed: {0}")]
@@ -52,11 +49,7 @@ pub struct ChatOptions {
 
 impl Default for ChatOptions {
     fn default() -> Self {
-        ChatOptions {
-            thinking: Thinking::Max,
-            add_generation_prompt: true,
-            tools: None,
-        }
+        ChatOptions { thinking: Thinking::Max, add_generation_prompt: true, tools: None }
     }
 }
 
@@ -74,10 +67,7 @@ impl ChatTemplate {
     /// Loads `dir/chat_template.jinja`; `tok` supplies the special-token names.
     pub fn load(dir: &Path, tok: &Tokenizer) -> Result<Self, ChatError> {
         let path = dir.join("chat_template.jinja");
-        let source = std::fs::read_to_string(&path).map_err(|source| ChatError::Io {
-            path: path.clone(),
-            source,
-        })?;
+        let source = std::fs::read_to_string(&path).map_err(|source| ChatError::Io { path: path.clone(), source })?;
         Self::from_source(&path, source, tok)
     }
 
@@ -87,25 +77,15 @@ impl ChatTemplate {
             .trim_blocks(true)
             .lstrip_blocks(true)
             .build()
-            .map_err(|e| ChatError::Compile {
-                path: path.to_path_buf(),
-                msg: e.to_string(),
-            })?;
+            .map_err(|e| ChatError::Compile { path: path.to_path_buf(), msg: e.to_string() })?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source)
-            .map_err(|e| ChatError::Compile {
-                path: path.to_path_buf(),
-                msg: format!("{e:#}"),
-            })?;
-        let mut special_first: Vec<char> = tok
-            .special_names()
-            .iter()
-            .filter_map(|s| s.chars().next())
-            .collect();
+            .map_err(|e| ChatError::Compile { path: path.to_path_buf(), msg: format!("{e:#}") })?;
+        let mut special_first: Vec<char> = tok.special_names().iter().filter_map(|s| s.chars().next()).collect();
         special_first.sort_unstable();
         special_first.dedup();
         let name = |id: Option<u32>| {
@@ -128,18 +108,9 @@ impl ChatTemplate {
 
     /// Renders `messages` (a JSON list of {role, content, ...}) to the template's text, with caller
     /// strings escaped (see the module doc). Use [`Self::encode`] to get token ids.
-    fn render_escaped(
-        &self,
-        messages: &serde_json::Value,
-        opts: &ChatOptions,
-    ) -> Result<String, ChatError> {
-        let tmpl = self
-            .env
-            .get_template("chat")
-            .map_err(|e| ChatError::Render(format!("{e:#}")))?;
-        let escape = |v: &serde_json::Value| {
-            Value::from(minijinja::value::Serde(escape_json(v, &self.special_first)))
-        };
+    fn render_escaped(&self, messages: &serde_json::Value, opts: &ChatOptions) -> Result<String, ChatError> {
+        let tmpl = self.env.get_template("chat").map_err(|e| ChatError::Render(format!("{e:#}")))?;
+        let escape = |v: &serde_json::Value| Value::from(minijinja::value::Serde(escape_json(v, &self.special_first)));
         let (thinking, effort) = match opts.thinking {
             Thinking::Off => (false, None),
             Thinking::Low => (true, Some("low")),
@@ -148,10 +119,7 @@ impl ChatTemplate {
         };
         let mut ctx = vec![
             ("messages", escape(messages)),
-            (
-                "add_generation_prompt",
-                Value::from(opts.add_generation_prompt),
-            ),
+            ("add_generation_prompt", Value::from(opts.add_generation_prompt)),
             ("thinking", Value::from(thinking)),
             ("bos_token", Value::from(self.bos.clone())),
             ("eos_token", Value::from(self.eos.clone())),
@@ -163,16 +131,11 @@ impl ChatTemplate {
             ctx.push(("tools", escape(t)));
         }
         let ctx: std::collections::BTreeMap<&str, Value> = ctx.into_iter().collect();
-        tmpl.render(ctx)
-            .map_err(|e| ChatError::Render(render_error(&e)))
+        tmpl.render(ctx).map_err(|e| ChatError::Render(render_error(&e)))
     }
 
     /// The rendered prompt as plain text (caller strings unescaped), for display and tests.
-    pub fn render(
-        &self,
-        messages: &serde_json::Value,
-        opts: &ChatOptions,
-    ) -> Result<String, ChatError> {
+    pub fn render(&self, messages: &serde_json::Value, opts: &ChatOptions) -> Result<String, ChatError> {
         Ok(unescape(&self.render_escaped(messages, opts)?))
     }
 
@@ -204,10 +167,7 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
 
 /// `strftime_now(fmt)` as HF provides it; only the common date fields are supported.
 fn strftime_now(fmt: String) -> Result<Value, Error> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let days = (secs / 86_400) as i64;
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
     let z = days + 719_468;
@@ -259,11 +219,7 @@ fn escape_json(v: &serde_json::Value, first: &[char]) -> serde_json::Value {
     match v {
         J::String(s) => J::String(escape_str(s, first)),
         J::Array(a) => J::Array(a.iter().map(|x| escape_json(x, first)).collect()),
-        J::Object(o) => J::Object(
-            o.iter()
-                .map(|(k, x)| (escape_str(k, first), escape_json(x, first)))
-                .collect(),
-        ),
+        J::Object(o) => J::Object(o.iter().map(|(k, x)| (escape_str(k, first), escape_json(x, first))).collect()),
         other => other.clone(),
     }
 }
@@ -302,11 +258,7 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
         },
     };
     let mut out = String::new();
-    let opts = JsonOpts {
-        ascii: ensure_ascii.unwrap_or(false),
-        indent,
-        sort_keys: sort_keys.unwrap_or(false),
-    };
+    let opts = JsonOpts { ascii: ensure_ascii.unwrap_or(false), indent, sort_keys: sort_keys.unwrap_or(false) };
     write_json(&mut out, value, &opts, 0)?;
     Ok(Value::from_safe_string(out))
 }
@@ -326,11 +278,7 @@ fn write_json(out: &mut String, v: &Value, o: &JsonOpts, depth: usize) -> Result
             }
         }
     };
-    let (item_sep, key_sep) = if o.indent.is_some() {
-        (",", ": ")
-    } else {
-        (", ", ": ")
-    };
+    let (item_sep, key_sep) = if o.indent.is_some() { (",", ": ") } else { (", ", ": ") };
     match v.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
@@ -376,11 +324,7 @@ fn write_json(out: &mut String, v: &Value, o: &JsonOpts, depth: usize) -> Result
                     out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                let ks = if let Some(s) = k.as_str() {
-                    s.to_string()
-                } else {
-                    k.to_string()
-                };
+                let ks = if let Some(s) = k.as_str() { s.to_string() } else { k.to_string() };
                 write_json_str(out, &ks, o.ascii);
                 out.push_str(key_sep);
                 write_json(out, &v.get_item(k)?, o, depth + 1)?;
@@ -423,11 +367,7 @@ fn py_float(f: f64) -> String {
         return "NaN".into();
     }
     if f.is_infinite() {
-        return if f > 0.0 {
-            "Infinity".into()
-        } else {
-            "-Infinity".into()
-        };
+        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
     }
     let sci = format!("{f:e}"); // e.g. "-1.5e-7"
     let (mant, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
@@ -442,24 +382,12 @@ fn py_float(f: f64) -> String {
         } else if point as usize >= digits.len() {
             format!("{}{}.0", digits, "0".repeat(point as usize - digits.len()))
         } else {
-            format!(
-                "{}.{}",
-                &digits[..point as usize],
-                &digits[point as usize..]
-            )
+            format!("{}.{}", &digits[..point as usize], &digits[point as usize..])
         };
         format!("{sign}{s}")
     } else {
-        let m = if digits.len() > 1 {
-            format!("{}.{}", &digits[..1], &digits[1..])
-        } else {
-            digits
-        };
-        format!(
-            "{sign}{m}e{}{:02}",
-            if exp < 0 { '-' } else { '+' },
-            exp.abs()
-        )
+        let m = if digits.len() > 1 { format!("{}.{}", &digits[..1], &digits[1..]) } else { digits };
+        format!("{sign}{m}e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs())
     }
 }
 
@@ -486,14 +414,7 @@ mod tests {
     #[test]
     fn escaping_round_trips_and_blocks_specials() {
         let first = ['<', '['];
-        for s in [
-            "plain",
-            "<|open|>",
-            "[BOS]",
-            "a\u{F8F0}b",
-            "\u{F8F0}\u{F8F0}<",
-            "",
-        ] {
+        for s in ["plain", "<|open|>", "[BOS]", "a\u{F8F0}b", "\u{F8F0}\u{F8F0}<", ""] {
             let e = escape_str(s, &first);
             assert!(!e.contains("<|") && !e.contains("[B"), "{e:?}");
             assert_eq!(unescape(&e), s);

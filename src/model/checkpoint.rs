@@ -42,56 +42,39 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
-        let (shard_names, weight_map): (Vec<String>, Option<HashMap<String, String>>) =
-            if index_path.exists() {
-                let text =
-                    std::fs::read_to_string(&index_path).map_err(|source| ModelError::Io {
+        let (shard_names, weight_map): (Vec<String>, Option<HashMap<String, String>>) = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|source| ModelError::Io { path: index_path.clone(), source })?;
+            let idx: Index =
+                serde_json::from_str(&text).map_err(|source| ModelError::Json { path: index_path.clone(), source })?;
+            let mut names: Vec<String> = idx.weight_map.values().cloned().collect();
+            names.sort();
+            names.dedup();
+            for n in &names {
+                if n.contains('/') || n.contains('\\') || n == ".." {
+                    return Err(ModelError::Config {
                         path: index_path.clone(),
-                        source,
-                    })?;
-                let idx: Index =
-                    serde_json::from_str(&text).map_err(|source| ModelError::Json {
-                        path: index_path.clone(),
-                        source,
-                    })?;
-                let mut names: Vec<String> = idx.weight_map.values().cloned().collect();
-                names.sort();
-                names.dedup();
-                for n in &names {
-                    if n.contains('/') || n.contains('\\') || n == ".." {
-                        return Err(ModelError::Config {
-                            path: index_path.clone(),
-                            field: "weight_map".into(),
-                            msg: format!(
-                                "shard name {n:?} must be a plain file name in the model directory"
-                            ),
-                        });
-                    }
+                        field: "weight_map".into(),
+                        msg: format!("shard name {n:?} must be a plain file name in the model directory"),
+                    });
                 }
-                (names, Some(idx.weight_map))
-            } else if single.exists() {
-                (vec!["model.safetensors".to_string()], None)
-            } else {
-                return Err(ModelError::NoCheckpoint {
-                    dir: dir.to_path_buf(),
-                });
-            };
+            }
+            (names, Some(idx.weight_map))
+        } else if single.exists() {
+            (vec!["model.safetensors".to_string()], None)
+        } else {
+            return Err(ModelError::NoCheckpoint { dir: dir.to_path_buf() });
+        };
 
         let mut shards = Vec::with_capacity(shard_names.len());
         let mut tensors = HashMap::new();
         let mut shard_of_name = HashMap::new();
         for (si, name) in shard_names.iter().enumerate() {
             let path = dir.join(name);
-            let file = File::open(&path).map_err(|source| ModelError::Io {
-                path: path.clone(),
-                source,
-            })?;
+            let file = File::open(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
             // SAFETY: the file is mapped read-only; the engine never writes checkpoint files and
             // treats a concurrent external modification as user error (as every mmap loader does).
-            let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
-                path: path.clone(),
-                source,
-            })?;
+            let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io { path: path.clone(), source })?;
             let meta = read_header(&path, &mmap)?;
             let (n, meta) = meta;
             let data_start = 8 + n as u64;
@@ -119,10 +102,7 @@ impl Checkpoint {
                         return Err(ModelError::Config {
                             path: index_path,
                             field: format!("weight_map.{tname}"),
-                            msg: format!(
-                                "says {file} but the tensor is in {}",
-                                shard_names[e.shard]
-                            ),
+                            msg: format!("says {file} but the tensor is in {}", shard_names[e.shard]),
                         });
                     }
                     None => {
@@ -136,11 +116,7 @@ impl Checkpoint {
                 }
             }
         }
-        Ok(Checkpoint {
-            dir: dir.to_path_buf(),
-            shards,
-            tensors,
-        })
+        Ok(Checkpoint { dir: dir.to_path_buf(), shards, tensors })
     }
 
     pub fn get(&self, name: &str) -> Option<&TensorEntry> {
@@ -168,22 +144,13 @@ impl Checkpoint {
 
 /// Parses and validates a shard's header; the file must hold exactly the data it describes.
 fn read_header(path: &Path, buf: &[u8]) -> Result<(usize, Metadata), ModelError> {
-    let bad = |msg: String| ModelError::Safetensors {
-        path: path.to_path_buf(),
-        msg,
-    };
+    let bad = |msg: String| ModelError::Safetensors { path: path.to_path_buf(), msg };
     if buf.len() < 8 {
-        return Err(ModelError::Truncated {
-            path: path.to_path_buf(),
-            expected: 8,
-            actual: buf.len() as u64,
-        });
+        return Err(ModelError::Truncated { path: path.to_path_buf(), expected: 8, actual: buf.len() as u64 });
     }
     let n = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
     if n > 100 << 20 {
-        return Err(bad(format!(
-            "header length {n} is implausible (over 100 MiB): not a safetensors file?"
-        )));
+        return Err(bad(format!("header length {n} is implausible (over 100 MiB): not a safetensors file?")));
     }
     let n = n as usize;
     if buf.len() < 8 + n {
@@ -193,23 +160,14 @@ fn read_header(path: &Path, buf: &[u8]) -> Result<(usize, Metadata), ModelError>
             actual: buf.len() as u64,
         });
     }
-    let header = std::str::from_utf8(&buf[8..8 + n])
-        .map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
-    let meta: Metadata =
-        serde_json::from_str(header).map_err(|e| bad(format!("malformed header: {e}")))?;
+    let header = std::str::from_utf8(&buf[8..8 + n]).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
+    let meta: Metadata = serde_json::from_str(header).map_err(|e| bad(format!("malformed header: {e}")))?;
     let expected = (8 + n + meta.data_len()) as u64;
     if (buf.len() as u64) < expected {
-        return Err(ModelError::Truncated {
-            path: path.to_path_buf(),
-            expected,
-            actual: buf.len() as u64,
-        });
+        return Err(ModelError::Truncated { path: path.to_path_buf(), expected, actual: buf.len() as u64 });
     }
     if (buf.len() as u64) > expected {
-        return Err(bad(format!(
-            "{} trailing bytes after the last tensor",
-            buf.len() as u64 - expected
-        )));
+        return Err(bad(format!("{} trailing bytes after the last tensor", buf.len() as u64 - expected)));
     }
     Ok((n, meta))
 }

@@ -104,9 +104,10 @@ impl Fields<'_> {
     fn usize(&self, field: &str) -> Result<usize, ModelError> {
         match self.get(field) {
             None => Err(self.err(field, "missing (expected a non-negative integer)")),
-            Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| {
-                self.err(field, format!("expected a non-negative integer, found {v}"))
-            }),
+            Some(v) => v
+                .as_u64()
+                .map(|x| x as usize)
+                .ok_or_else(|| self.err(field, format!("expected a non-negative integer, found {v}"))),
         }
     }
     fn pos(&self, field: &str) -> Result<usize, ModelError> {
@@ -119,51 +120,36 @@ impl Fields<'_> {
     fn f32(&self, field: &str) -> Result<f32, ModelError> {
         match self.get(field) {
             None => Err(self.err(field, "missing (expected a number)")),
-            Some(v) => v
-                .as_f64()
-                .map(|x| x as f32)
-                .ok_or_else(|| self.err(field, format!("expected a number, found {v}"))),
+            Some(v) => {
+                v.as_f64().map(|x| x as f32).ok_or_else(|| self.err(field, format!("expected a number, found {v}")))
+            }
         }
     }
     fn usize_or(&self, field: &str, default: usize) -> Result<usize, ModelError> {
-        if self.get(field).is_none() {
-            Ok(default)
-        } else {
-            self.usize(field)
-        }
+        if self.get(field).is_none() { Ok(default) } else { self.usize(field) }
     }
     fn f32_or(&self, field: &str, default: f32) -> Result<f32, ModelError> {
-        if self.get(field).is_none() {
-            Ok(default)
-        } else {
-            self.f32(field)
-        }
+        if self.get(field).is_none() { Ok(default) } else { self.f32(field) }
     }
     fn bool_or(&self, field: &str, default: bool) -> Result<bool, ModelError> {
         match self.get(field) {
             None => Ok(default),
-            Some(v) => v
-                .as_bool()
-                .ok_or_else(|| self.err(field, format!("expected true or false, found {v}"))),
+            Some(v) => v.as_bool().ok_or_else(|| self.err(field, format!("expected true or false, found {v}"))),
         }
     }
     fn str_opt(&self, field: &str) -> Result<Option<&str>, ModelError> {
         match self.get(field) {
             None => Ok(None),
-            Some(v) => v
-                .as_str()
-                .map(Some)
-                .ok_or_else(|| self.err(field, format!("expected a string, found {v}"))),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| self.err(field, format!("expected a string, found {v}"))),
         }
     }
     fn token(&self, field: &str) -> Result<Option<u32>, ModelError> {
         match self.get(field) {
             None => Ok(None),
             // Some configs list several EOS ids; the first is the end-of-message token.
-            Some(Value::Array(a)) if !a.is_empty() => a[0]
-                .as_u64()
-                .map(|x| Some(x as u32))
-                .ok_or_else(|| self.err(field, "expected a token id")),
+            Some(Value::Array(a)) if !a.is_empty() => {
+                a[0].as_u64().map(|x| Some(x as u32)).ok_or_else(|| self.err(field, "expected a token id"))
+            }
             Some(v) => v
                 .as_u64()
                 .map(|x| Some(x as u32))
@@ -176,60 +162,36 @@ impl K3Config {
     /// Reads and validates `dir/config.json`.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-            path: path.clone(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
         Self::parse(&path, &text)
     }
 
     /// Parses config text; `path` is only used in error messages.
     pub fn parse(path: &Path, text: &str) -> Result<Self, ModelError> {
-        let root: Value = serde_json::from_str(text).map_err(|source| ModelError::Json {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let root: Value =
+            serde_json::from_str(text).map_err(|source| ModelError::Json { path: path.to_path_buf(), source })?;
         let root_obj = root.as_object().ok_or_else(|| ModelError::Config {
             path: path.to_path_buf(),
             field: "(root)".into(),
             msg: "expected a JSON object".into(),
         })?;
-        let top = Fields {
-            path,
-            obj: root_obj,
-            prefix: "",
-        };
+        let top = Fields { path, obj: root_obj, prefix: "" };
         match top.str_opt("model_type")? {
             Some("kimi_k3") => {}
             other => {
-                return Err(top.err(
-                    "model_type",
-                    format!("expected \"kimi_k3\", found {other:?}"),
-                ));
+                return Err(top.err("model_type", format!("expected \"kimi_k3\", found {other:?}")));
             }
         }
         let text_obj = top
             .get("text_config")
-            .ok_or_else(|| {
-                top.err(
-                    "text_config",
-                    "missing (the language model's configuration)",
-                )
-            })?
+            .ok_or_else(|| top.err("text_config", "missing (the language model's configuration)"))?
             .as_object()
             .ok_or_else(|| top.err("text_config", "expected an object"))?;
-        let t = Fields {
-            path,
-            obj: text_obj,
-            prefix: "text_config.",
-        };
+        let t = Fields { path, obj: text_obj, prefix: "text_config." };
         match t.str_opt("model_type")? {
             Some("kimi_linear") | None => {}
             Some(other) => {
-                return Err(t.err(
-                    "model_type",
-                    format!("expected \"kimi_linear\", found \"{other}\""),
-                ));
+                return Err(t.err("model_type", format!("expected \"kimi_linear\", found \"{other}\"")));
             }
         }
         check_quantization(path, root_obj, text_obj)?;
@@ -239,10 +201,7 @@ impl K3Config {
         let vocab = t.pos("vocab_size")?;
         let rms_eps = t.f32("rms_norm_eps")?;
         if !(rms_eps > 0.0 && rms_eps < 1.0) {
-            return Err(t.err(
-                "rms_norm_eps",
-                format!("expected a small positive number, found {rms_eps}"),
-            ));
+            return Err(t.err("rms_norm_eps", format!("expected a small positive number, found {rms_eps}")));
         }
         if let Some(act) = t.str_opt("hidden_act")?
             && act != "situ"
@@ -250,10 +209,7 @@ impl K3Config {
             return Err(t.err("hidden_act", format!("expected \"situ\", found \"{act}\"")));
         }
         if t.bool_or("tie_word_embeddings", false)? {
-            return Err(t.err(
-                "tie_word_embeddings",
-                "K3 has an untied lm_head; tied embeddings are not supported",
-            ));
+            return Err(t.err("tie_word_embeddings", "K3 has an untied lm_head; tied embeddings are not supported"));
         }
         let attn_res_block = t.pos("attn_res_block_size")?;
         let situ_beta = t.f32("activation_situ_beta")?;
@@ -265,23 +221,17 @@ impl K3Config {
         let max_context = t.usize_or("max_position_embeddings", 1 << 20)?;
 
         // Linear attention (KDA) and the layer split.
-        let lac_val = t
-            .get("linear_attn_config")
-            .ok_or_else(|| t.err("linear_attn_config", "missing"))?;
+        let lac_val = t.get("linear_attn_config").ok_or_else(|| t.err("linear_attn_config", "missing"))?;
         let lac: LinearAttnConfig = serde_json::from_value(lac_val.clone())
             .map_err(|e| t.err("linear_attn_config", format!("malformed: {e}")))?;
         let lf = |f: &str, m: String| t.err(&format!("linear_attn_config.{f}"), m);
         let mut attn = vec![None; layers];
-        for (list, kind, name) in [
-            (&lac.kda_layers, AttnKind::Kda, "kda_layers"),
-            (&lac.full_attn_layers, AttnKind::Mla, "full_attn_layers"),
-        ] {
+        for (list, kind, name) in
+            [(&lac.kda_layers, AttnKind::Kda, "kda_layers"), (&lac.full_attn_layers, AttnKind::Mla, "full_attn_layers")]
+        {
             for &l1 in list {
                 if l1 == 0 || l1 > layers {
-                    return Err(lf(
-                        name,
-                        format!("layer {l1} is outside 1..={layers} (the lists are 1-based)"),
-                    ));
+                    return Err(lf(name, format!("layer {l1} is outside 1..={layers} (the lists are 1-based)")));
                 }
                 if attn[l1 - 1].is_some() {
                     return Err(lf(name, format!("layer {l1} is listed twice")));
@@ -294,13 +244,7 @@ impl K3Config {
             .enumerate()
             .map(|(i, a)| {
                 a.ok_or_else(|| {
-                    lf(
-                        "kda_layers",
-                        format!(
-                            "layer {} is in neither kda_layers nor full_attn_layers",
-                            i + 1
-                        ),
-                    )
+                    lf("kda_layers", format!("layer {} is in neither kda_layers nor full_attn_layers", i + 1))
                 })
             })
             .collect::<Result<_, _>>()?;
@@ -311,22 +255,13 @@ impl K3Config {
             return Err(lf("short_conv_kernel_size", "must be >= 1".into()));
         }
         if lac.use_full_rank_gate == Some(false) {
-            return Err(lf(
-                "use_full_rank_gate",
-                "only K3's full-rank output gate is supported".into(),
-            ));
+            return Err(lf("use_full_rank_gate", "only K3's full-rank output gate is supported".into()));
         }
-        let kda_gate_lower_bound = lac.gate_lower_bound.ok_or_else(|| {
-            lf(
-                "gate_lower_bound",
-                "missing: K3's KDA gate is lower_bound * sigmoid(...)".into(),
-            )
-        })?;
+        let kda_gate_lower_bound = lac
+            .gate_lower_bound
+            .ok_or_else(|| lf("gate_lower_bound", "missing: K3's KDA gate is lower_bound * sigmoid(...)".into()))?;
         if kda_gate_lower_bound >= 0.0 {
-            return Err(lf(
-                "gate_lower_bound",
-                format!("expected a negative bound, found {kda_gate_lower_bound}"),
-            ));
+            return Err(lf("gate_lower_bound", format!("expected a negative bound, found {kda_gate_lower_bound}")));
         }
 
         // MLA.
@@ -355,34 +290,18 @@ impl K3Config {
         let moe_freq = t.usize_or("moe_layer_freq", 1)?.max(1);
         let experts = t.usize_or("num_experts", 0)?;
         let ffn: Vec<FfnKind> = (0..layers)
-            .map(|l| {
-                if experts > 0 && l >= first_dense && l % moe_freq == 0 {
-                    FfnKind::Moe
-                } else {
-                    FfnKind::Dense
-                }
-            })
+            .map(|l| if experts > 0 && l >= first_dense && l % moe_freq == 0 { FfnKind::Moe } else { FfnKind::Dense })
             .collect();
-        let dense_inter = if ffn.contains(&FfnKind::Dense) {
-            t.pos("intermediate_size")?
-        } else {
-            0
-        };
+        let dense_inter = if ffn.contains(&FfnKind::Dense) { t.pos("intermediate_size")? } else { 0 };
         let has_moe = ffn.contains(&FfnKind::Moe);
         let (top_k, shared_experts, expert_inter, expert_latent) = if has_moe {
             let k = t.pos("num_experts_per_token")?;
             if k > experts {
-                return Err(t.err(
-                    "num_experts_per_token",
-                    format!("{k} is more than num_experts = {experts}"),
-                ));
+                return Err(t.err("num_experts_per_token", format!("{k} is more than num_experts = {experts}")));
             }
             let inter = t.pos("moe_intermediate_size")?;
             let latent = t.pos("routed_expert_hidden_size")?;
-            for (f, v) in [
-                ("moe_intermediate_size", inter),
-                ("routed_expert_hidden_size", latent),
-            ] {
+            for (f, v) in [("moe_intermediate_size", inter), ("routed_expert_hidden_size", latent)] {
                 if v % 32 != 0 {
                     return Err(t.err(f, format!("{v} is not a multiple of 32 (the MXFP4 block)")));
                 }
@@ -395,19 +314,13 @@ impl K3Config {
             if let Some(f) = t.str_opt("moe_router_activation_func")?
                 && f != "sigmoid"
             {
-                return Err(t.err(
-                    "moe_router_activation_func",
-                    format!("expected \"sigmoid\", found \"{f}\""),
-                ));
+                return Err(t.err("moe_router_activation_func", format!("expected \"sigmoid\", found \"{f}\"")));
             }
             for f in ["num_expert_group", "topk_group"] {
                 if let Some(v) = t.get(f)
                     && v.as_u64() != Some(1)
                 {
-                    return Err(t.err(
-                        f,
-                        format!("group-limited routing is not supported (expected 1, found {v})"),
-                    ));
+                    return Err(t.err(f, format!("group-limited routing is not supported (expected 1, found {v})")));
                 }
             }
         }
@@ -419,11 +332,8 @@ impl K3Config {
             let v = t.token(f)?;
             if v.is_some() { Ok(v) } else { top.token(f) }
         };
-        let (bos_token, eos_token, pad_token) = (
-            token("bos_token_id")?,
-            token("eos_token_id")?,
-            token("pad_token_id")?,
-        );
+        let (bos_token, eos_token, pad_token) =
+            (token("bos_token_id")?, token("eos_token_id")?, token("pad_token_id")?);
 
         Ok(K3Config {
             hidden,
@@ -486,10 +396,7 @@ fn check_quantization(
     root: &serde_json::Map<String, Value>,
     text: &serde_json::Map<String, Value>,
 ) -> Result<(), ModelError> {
-    let (q, prefix) = match (
-        root.get("quantization_config"),
-        text.get("quantization_config"),
-    ) {
+    let (q, prefix) = match (root.get("quantization_config"), text.get("quantization_config")) {
         (Some(q), _) => (q, ""),
         (None, Some(q)) => (q, "text_config."),
         (None, None) => {
@@ -507,10 +414,7 @@ fn check_quantization(
     };
     let method = q.get("quant_method").and_then(Value::as_str);
     if method != Some("compressed-tensors") {
-        return Err(err(
-            "quant_method",
-            format!("expected \"compressed-tensors\", found {method:?}"),
-        ));
+        return Err(err("quant_method", format!("expected \"compressed-tensors\", found {method:?}")));
     }
     let groups = q
         .get("config_groups")
@@ -523,27 +427,20 @@ fn check_quantization(
         if format != Some("mxfp4-pack-quantized") {
             continue;
         }
-        let w = g
-            .get("weights")
-            .ok_or_else(|| err(&format!("config_groups.{name}.weights"), "missing".into()))?;
+        let w = g.get("weights").ok_or_else(|| err(&format!("config_groups.{name}.weights"), "missing".into()))?;
         let bits = w.get("num_bits").and_then(Value::as_u64);
         let typ = w.get("type").and_then(Value::as_str);
         let gs = w.get("group_size").and_then(Value::as_u64);
         if bits != Some(4) || typ != Some("float") || gs != Some(32) {
             return Err(err(
                 &format!("config_groups.{name}.weights"),
-                format!(
-                    "expected num_bits 4, type \"float\", group_size 32; found {bits:?}, {typ:?}, {gs:?}"
-                ),
+                format!("expected num_bits 4, type \"float\", group_size 32; found {bits:?}, {typ:?}, {gs:?}"),
             ));
         }
         found = true;
     }
     if !found {
-        return Err(err(
-            "config_groups",
-            "no group has format \"mxfp4-pack-quantized\"".into(),
-        ));
+        return Err(err("config_groups", "no group has format \"mxfp4-pack-quantized\"".into()));
     }
     Ok(())
 }

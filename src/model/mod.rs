@@ -6,10 +6,12 @@
 //! shard, and every routed expert is one contiguous byte range with the same internal layout.
 //! Every failure is a [`ModelError`] naming the file and the field or tensor.
 
+pub mod bpe_train;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod roster;
+pub mod synth;
 pub mod tokenizer;
 
 use std::path::PathBuf;
@@ -21,29 +23,15 @@ pub use roster::Roster;
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     #[error("{}: malformed JSON: {source}", path.display())]
-    Json {
-        path: PathBuf,
-        source: serde_json::Error,
-    },
+    Json { path: PathBuf, source: serde_json::Error },
     #[error("{}: field `{field}`: {msg}", path.display())]
-    Config {
-        path: PathBuf,
-        field: String,
-        msg: String,
-    },
+    Config { path: PathBuf, field: String, msg: String },
     #[error("{}: {msg}", path.display())]
     Safetensors { path: PathBuf, msg: String },
     #[error("{}: truncated: the header promises {expected} bytes but the file has {actual}", path.display())]
-    Truncated {
-        path: PathBuf,
-        expected: u64,
-        actual: u64,
-    },
+    Truncated { path: PathBuf, expected: u64, actual: u64 },
     #[error("{}: no model.safetensors.index.json and no model.safetensors", dir.display())]
     NoCheckpoint { dir: PathBuf },
     #[error("tensor roster check failed for {} ({} problem{}):\n{}", dir.display(), problems.len(), if problems.len() == 1 { "" } else { "s" }, format_problems(problems))]

@@ -105,19 +105,13 @@ impl Shape {
         match self {
             Shape::Exact(e) => s == e.as_slice(),
             Shape::OneOf(v) => v.iter().any(|e| s == e.as_slice()),
-            Shape::AtLeast(n) => {
-                s.iter().filter(|&&d| d != 1).count() <= 1 && s.iter().product::<usize>() >= *n
-            }
+            Shape::AtLeast(n) => s.iter().filter(|&&d| d != 1).count() <= 1 && s.iter().product::<usize>() >= *n,
         }
     }
     fn describe(&self) -> String {
         match self {
             Shape::Exact(e) => format!("{e:?}"),
-            Shape::OneOf(v) => v
-                .iter()
-                .map(|e| format!("{e:?}"))
-                .collect::<Vec<_>>()
-                .join(" or "),
+            Shape::OneOf(v) => v.iter().map(|e| format!("{e:?}")).collect::<Vec<_>>().join(" or "),
             Shape::AtLeast(n) => format!("a vector of >= {n} elements"),
         }
     }
@@ -130,11 +124,7 @@ struct Expect {
 }
 
 fn ex(name: String, kind: Kind, shape: Vec<usize>) -> Expect {
-    Expect {
-        name,
-        kind,
-        shape: Shape::Exact(shape),
-    }
+    Expect { name, kind, shape: Shape::Exact(shape) }
 }
 
 /// Every tensor the forward pass reads, except routed experts.
@@ -162,22 +152,14 @@ fn trunk_expectations(c: &K3Config) -> Vec<Expect> {
             v.push(ex(n(norm), Kind::Vec, vec![h]));
         }
         for proj in ["self_attention_res_proj.weight", "mlp_res_proj.weight"] {
-            v.push(Expect {
-                name: n(proj),
-                kind: Kind::Vec,
-                shape: Shape::OneOf(vec![vec![1, h], vec![h]]),
-            });
+            v.push(Expect { name: n(proj), kind: Kind::Vec, shape: Shape::OneOf(vec![vec![1, h], vec![h]]) });
         }
         match c.attn[l] {
             AttnKind::Kda => {
                 let p = c.kda_dim();
                 let dk = c.kda_head_dim;
                 for q in ["q", "k", "v"] {
-                    v.push(ex(
-                        n(&format!("self_attn.{q}_proj.weight")),
-                        Kind::Bf16,
-                        vec![p, h],
-                    ));
+                    v.push(ex(n(&format!("self_attn.{q}_proj.weight")), Kind::Bf16, vec![p, h]));
                     v.push(Expect {
                         name: n(&format!("self_attn.{q}_conv1d.weight")),
                         kind: Kind::F32,
@@ -186,129 +168,45 @@ fn trunk_expectations(c: &K3Config) -> Vec<Expect> {
                 }
                 v.push(ex(n("self_attn.f_a_proj.weight"), Kind::Bf16, vec![dk, h]));
                 v.push(ex(n("self_attn.f_b_proj.weight"), Kind::Bf16, vec![p, dk]));
-                v.push(ex(
-                    n("self_attn.b_proj.weight"),
-                    Kind::Bf16,
-                    vec![c.kda_heads, h],
-                ));
+                v.push(ex(n("self_attn.b_proj.weight"), Kind::Bf16, vec![c.kda_heads, h]));
                 v.push(ex(n("self_attn.g_proj.weight"), Kind::Bf16, vec![p, h]));
-                v.push(Expect {
-                    name: n("self_attn.A_log"),
-                    kind: Kind::F32,
-                    shape: Shape::AtLeast(c.kda_heads),
-                });
+                v.push(Expect { name: n("self_attn.A_log"), kind: Kind::F32, shape: Shape::AtLeast(c.kda_heads) });
                 v.push(ex(n("self_attn.dt_bias"), Kind::F32, vec![p]));
                 v.push(ex(n("self_attn.o_norm.weight"), Kind::Vec, vec![dk]));
                 v.push(ex(n("self_attn.o_proj.weight"), Kind::Bf16, vec![h, p]));
             }
             AttnKind::Mla => {
                 let nh = c.mla_heads;
-                v.push(ex(
-                    n("self_attn.q_a_proj.weight"),
-                    Kind::Bf16,
-                    vec![c.q_lora, h],
-                ));
-                v.push(ex(
-                    n("self_attn.q_a_layernorm.weight"),
-                    Kind::Vec,
-                    vec![c.q_lora],
-                ));
-                v.push(ex(
-                    n("self_attn.q_b_proj.weight"),
-                    Kind::Bf16,
-                    vec![nh * (c.qk_nope + c.qk_rope), c.q_lora],
-                ));
-                v.push(ex(
-                    n("self_attn.kv_a_proj_with_mqa.weight"),
-                    Kind::Bf16,
-                    vec![c.kv_lora + c.qk_rope, h],
-                ));
-                v.push(ex(
-                    n("self_attn.kv_a_layernorm.weight"),
-                    Kind::Vec,
-                    vec![c.kv_lora],
-                ));
-                v.push(ex(
-                    n("self_attn.kv_b_proj.weight"),
-                    Kind::Bf16,
-                    vec![nh * (c.qk_nope + c.v_head), c.kv_lora],
-                ));
-                v.push(ex(
-                    n("self_attn.g_proj.weight"),
-                    Kind::Bf16,
-                    vec![nh * c.v_head, h],
-                ));
-                v.push(ex(
-                    n("self_attn.o_proj.weight"),
-                    Kind::Bf16,
-                    vec![h, nh * c.v_head],
-                ));
+                v.push(ex(n("self_attn.q_a_proj.weight"), Kind::Bf16, vec![c.q_lora, h]));
+                v.push(ex(n("self_attn.q_a_layernorm.weight"), Kind::Vec, vec![c.q_lora]));
+                v.push(ex(n("self_attn.q_b_proj.weight"), Kind::Bf16, vec![nh * (c.qk_nope + c.qk_rope), c.q_lora]));
+                v.push(ex(n("self_attn.kv_a_proj_with_mqa.weight"), Kind::Bf16, vec![c.kv_lora + c.qk_rope, h]));
+                v.push(ex(n("self_attn.kv_a_layernorm.weight"), Kind::Vec, vec![c.kv_lora]));
+                v.push(ex(n("self_attn.kv_b_proj.weight"), Kind::Bf16, vec![nh * (c.qk_nope + c.v_head), c.kv_lora]));
+                v.push(ex(n("self_attn.g_proj.weight"), Kind::Bf16, vec![nh * c.v_head, h]));
+                v.push(ex(n("self_attn.o_proj.weight"), Kind::Bf16, vec![h, nh * c.v_head]));
             }
         }
         match c.ffn[l] {
             FfnKind::Dense => {
-                v.push(ex(
-                    n("mlp.gate_proj.weight"),
-                    Kind::Bf16,
-                    vec![c.dense_inter, h],
-                ));
-                v.push(ex(
-                    n("mlp.up_proj.weight"),
-                    Kind::Bf16,
-                    vec![c.dense_inter, h],
-                ));
-                v.push(ex(
-                    n("mlp.down_proj.weight"),
-                    Kind::Bf16,
-                    vec![h, c.dense_inter],
-                ));
+                v.push(ex(n("mlp.gate_proj.weight"), Kind::Bf16, vec![c.dense_inter, h]));
+                v.push(ex(n("mlp.up_proj.weight"), Kind::Bf16, vec![c.dense_inter, h]));
+                v.push(ex(n("mlp.down_proj.weight"), Kind::Bf16, vec![h, c.dense_inter]));
             }
             FfnKind::Moe => {
                 let lat = c.expert_latent;
-                v.push(ex(
-                    n("block_sparse_moe.gate.weight"),
-                    Kind::Bf16,
-                    vec![c.experts, h],
-                ));
-                v.push(ex(
-                    n("block_sparse_moe.gate.e_score_correction_bias"),
-                    Kind::F32,
-                    vec![c.experts],
-                ));
-                v.push(ex(
-                    n("block_sparse_moe.routed_expert_down_proj.weight"),
-                    Kind::Bf16,
-                    vec![lat, h],
-                ));
+                v.push(ex(n("block_sparse_moe.gate.weight"), Kind::Bf16, vec![c.experts, h]));
+                v.push(ex(n("block_sparse_moe.gate.e_score_correction_bias"), Kind::F32, vec![c.experts]));
+                v.push(ex(n("block_sparse_moe.routed_expert_down_proj.weight"), Kind::Bf16, vec![lat, h]));
                 if c.latent_norm {
-                    v.push(ex(
-                        n("block_sparse_moe.routed_expert_norm.weight"),
-                        Kind::Vec,
-                        vec![lat],
-                    ));
+                    v.push(ex(n("block_sparse_moe.routed_expert_norm.weight"), Kind::Vec, vec![lat]));
                 }
-                v.push(ex(
-                    n("block_sparse_moe.routed_expert_up_proj.weight"),
-                    Kind::Bf16,
-                    vec![h, lat],
-                ));
+                v.push(ex(n("block_sparse_moe.routed_expert_up_proj.weight"), Kind::Bf16, vec![h, lat]));
                 if c.shared_experts > 0 {
                     let si = c.shared_experts * c.expert_inter;
-                    v.push(ex(
-                        n("block_sparse_moe.shared_experts.gate_proj.weight"),
-                        Kind::Bf16,
-                        vec![si, h],
-                    ));
-                    v.push(ex(
-                        n("block_sparse_moe.shared_experts.up_proj.weight"),
-                        Kind::Bf16,
-                        vec![si, h],
-                    ));
-                    v.push(ex(
-                        n("block_sparse_moe.shared_experts.down_proj.weight"),
-                        Kind::Bf16,
-                        vec![h, si],
-                    ));
+                    v.push(ex(n("block_sparse_moe.shared_experts.gate_proj.weight"), Kind::Bf16, vec![si, h]));
+                    v.push(ex(n("block_sparse_moe.shared_experts.up_proj.weight"), Kind::Bf16, vec![si, h]));
+                    v.push(ex(n("block_sparse_moe.shared_experts.down_proj.weight"), Kind::Bf16, vec![h, si]));
                 }
             }
         }
@@ -320,11 +218,7 @@ fn expert_expectations(c: &K3Config, l: usize, e: usize) -> [Expect; 6] {
     let (i, lat) = (c.expert_inter, c.expert_latent);
     let shape = |proj: &str, part: &str| -> Vec<usize> {
         let (rows, cols) = if proj == "w2" { (lat, i) } else { (i, lat) };
-        if part == "weight_packed" {
-            vec![rows, cols / 2]
-        } else {
-            vec![rows, cols / 32]
-        }
+        if part == "weight_packed" { vec![rows, cols / 2] } else { vec![rows, cols / 32] }
     };
     EXPERT_PARTS.map(|(proj, part)| ex(expert(l, e, proj, part), Kind::U8, shape(proj, part)))
 }
@@ -396,12 +290,7 @@ impl Roster {
                 for (p, t) in parts.iter_mut().zip(&ents) {
                     *p = ((t.start - start) as usize, (t.end - t.start) as usize);
                 }
-                let this = ExpertLayout {
-                    parts,
-                    len: total as usize,
-                    inter: c.expert_inter,
-                    latent: c.expert_latent,
-                };
+                let this = ExpertLayout { parts, len: total as usize, inter: c.expert_inter, latent: c.expert_latent };
                 match &layout {
                     None => layout = Some(this),
                     Some(first) if *first != this => {
@@ -418,14 +307,8 @@ impl Roster {
             experts[l] = Some(locs);
         }
         if !problems.is_empty() {
-            return Err(ModelError::Roster {
-                dir: ck.dir.clone(),
-                problems,
-            });
+            return Err(ModelError::Roster { dir: ck.dir.clone(), problems });
         }
-        Ok(Roster {
-            expert_layout: layout,
-            experts,
-        })
+        Ok(Roster { expert_layout: layout, experts })
     }
 }

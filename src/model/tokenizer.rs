@@ -31,16 +31,9 @@ pub const NUM_SPECIALS: usize = 256;
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
     #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     #[error("{}: line {line}: {msg}", path.display())]
-    RankFile {
-        path: PathBuf,
-        line: usize,
-        msg: String,
-    },
+    RankFile { path: PathBuf, line: usize, msg: String },
     #[error("{}: {msg}", path.display())]
     Config { path: PathBuf, msg: String },
     #[error("building the BPE tokenizer failed: {0}")]
@@ -67,8 +60,7 @@ fn byte_to_char() -> [char; 256] {
     let mut map = ['\0'; 256];
     let mut extra = 0u32;
     for b in 0..256u32 {
-        let printable =
-            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         map[b as usize] = if printable {
             char::from_u32(b).unwrap_or('?')
         } else {
@@ -109,17 +101,11 @@ fn bpe_parts(piece: &[u8], ranks: &HashMap<&[u8], u32>, max_rank: u32) -> Vec<(u
 
 /// Reads a tiktoken rank file: `base64(token) rank` per line, ranks 0..n without gaps.
 pub fn read_rank_file(path: &Path) -> Result<Vec<Vec<u8>>, TokenizerError> {
-    let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text =
+        std::fs::read_to_string(path).map_err(|source| TokenizerError::Io { path: path.to_path_buf(), source })?;
     let mut tokens: Vec<Option<Vec<u8>>> = Vec::new();
     for (i, line) in text.lines().enumerate() {
-        let err = |msg: String| TokenizerError::RankFile {
-            path: path.to_path_buf(),
-            line: i + 1,
-            msg,
-        };
+        let err = |msg: String| TokenizerError::RankFile { path: path.to_path_buf(), line: i + 1, msg };
         if line.trim().is_empty() {
             continue;
         }
@@ -127,12 +113,9 @@ pub fn read_rank_file(path: &Path) -> Result<Vec<Vec<u8>>, TokenizerError> {
         let (Some(b64), Some(rank), None) = (it.next(), it.next(), it.next()) else {
             return Err(err("expected `<base64 token> <rank>`".into()));
         };
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(b64)
-            .map_err(|e| err(format!("bad base64: {e}")))?;
-        let rank: usize = rank
-            .parse()
-            .map_err(|_| err(format!("bad rank `{rank}`")))?;
+        let bytes =
+            base64::engine::general_purpose::STANDARD.decode(b64).map_err(|e| err(format!("bad base64: {e}")))?;
+        let rank: usize = rank.parse().map_err(|_| err(format!("bad rank `{rank}`")))?;
         if rank > 10_000_000 {
             return Err(err(format!("rank {rank} is implausibly large")));
         }
@@ -193,27 +176,16 @@ pub fn k3_tokenizer_config(n_base: usize) -> serde_json::Value {
 /// Special token names from `tokenizer_config.json`'s `added_tokens_decoder`; unnamed ids get
 /// `<|reserved_token_{id}|>`.
 pub fn read_specials(path: &Path, n_base: usize) -> Result<Vec<String>, TokenizerError> {
-    let err = |msg: String| TokenizerError::Config {
-        path: path.to_path_buf(),
-        msg,
-    };
-    let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| err(format!("malformed JSON: {e}")))?;
-    let mut names: Vec<String> = (0..NUM_SPECIALS)
-        .map(|i| format!("<|reserved_token_{}|>", n_base + i))
-        .collect();
+    let err = |msg: String| TokenizerError::Config { path: path.to_path_buf(), msg };
+    let text =
+        std::fs::read_to_string(path).map_err(|source| TokenizerError::Io { path: path.to_path_buf(), source })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("malformed JSON: {e}")))?;
+    let mut names: Vec<String> = (0..NUM_SPECIALS).map(|i| format!("<|reserved_token_{}|>", n_base + i)).collect();
     if let Some(dec) = v.get("added_tokens_decoder") {
-        let dec = dec
-            .as_object()
-            .ok_or_else(|| err("`added_tokens_decoder` must be an object".into()))?;
+        let dec = dec.as_object().ok_or_else(|| err("`added_tokens_decoder` must be an object".into()))?;
         for (id, entry) in dec {
-            let id: usize = id
-                .parse()
-                .map_err(|_| err(format!("added_tokens_decoder key `{id}` is not a token id")))?;
+            let id: usize =
+                id.parse().map_err(|_| err(format!("added_tokens_decoder key `{id}` is not a token id")))?;
             let content = entry
                 .get("content")
                 .and_then(|c| c.as_str())
@@ -239,11 +211,7 @@ impl Tokenizer {
         let specials = read_specials(&dir.join("tokenizer_config.json"), token_bytes.len())?;
         let key = cache_key(&rank_path, &specials)?;
         let cached = cache_dir.map(|d| d.join(format!("tokenizer-{key}.json")));
-        let bpe = match cached
-            .as_ref()
-            .filter(|p| p.exists())
-            .and_then(|p| tokenizers::Tokenizer::from_file(p).ok())
-        {
+        let bpe = match cached.as_ref().filter(|p| p.exists()).and_then(|p| tokenizers::Tokenizer::from_file(p).ok()) {
             Some(t) => t,
             None => {
                 let t = build_bpe(&token_bytes)?;
@@ -260,27 +228,16 @@ impl Tokenizer {
     }
 
     /// Builds from in-memory ranks and specials (no cache).
-    pub fn from_parts(
-        token_bytes: Vec<Vec<u8>>,
-        specials: Vec<String>,
-    ) -> Result<Self, TokenizerError> {
+    pub fn from_parts(token_bytes: Vec<Vec<u8>>, specials: Vec<String>) -> Result<Self, TokenizerError> {
         let bpe = build_bpe(&token_bytes)?;
         Ok(Self::assemble(bpe, token_bytes, specials))
     }
 
-    fn assemble(
-        bpe: tokenizers::Tokenizer,
-        token_bytes: Vec<Vec<u8>>,
-        specials: Vec<String>,
-    ) -> Self {
+    fn assemble(bpe: tokenizers::Tokenizer, token_bytes: Vec<Vec<u8>>, specials: Vec<String>) -> Self {
         let n_base = token_bytes.len() as u32;
-        let special_ids: HashMap<String, u32> = specials
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.clone(), n_base + i as u32))
-            .collect();
-        let mut special_order: Vec<(String, u32)> =
-            special_ids.iter().map(|(s, &i)| (s.clone(), i)).collect();
+        let special_ids: HashMap<String, u32> =
+            specials.iter().enumerate().map(|(i, s)| (s.clone(), n_base + i as u32)).collect();
+        let mut special_order: Vec<(String, u32)> = special_ids.iter().map(|(s, &i)| (s.clone(), i)).collect();
         special_order.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         let mut special_first = [false; 256];
         for s in &specials {
@@ -288,14 +245,7 @@ impl Tokenizer {
                 special_first[b as usize] = true;
             }
         }
-        Tokenizer {
-            bpe,
-            token_bytes,
-            specials,
-            special_ids,
-            special_order,
-            special_first,
-        }
+        Tokenizer { bpe, token_bytes, specials, special_ids, special_order, special_first }
     }
 
     pub fn n_base(&self) -> u32 {
@@ -345,20 +295,13 @@ impl Tokenizer {
     }
 
     /// As `encode_with_specials`, passing each ordinary segment through `map` before BPE.
-    pub fn encode_with_specials_mapped(
-        &self,
-        text: &str,
-        map: impl Fn(&str) -> String,
-    ) -> Vec<u32> {
+    pub fn encode_with_specials_mapped(&self, text: &str, map: impl Fn(&str) -> String) -> Vec<u32> {
         let mut out = Vec::new();
         let mut plain_start = 0;
         let mut i = 0;
         while i < text.len() {
             if self.special_first[text.as_bytes()[i] as usize]
-                && let Some((name, id)) = self
-                    .special_order
-                    .iter()
-                    .find(|(s, _)| text[i..].starts_with(s.as_str()))
+                && let Some((name, id)) = self.special_order.iter().find(|(s, _)| text[i..].starts_with(s.as_str()))
             {
                 out.extend(self.encode(&map(&text[plain_start..i])));
                 out.push(*id);
@@ -372,6 +315,11 @@ impl Tokenizer {
         out
     }
 
+    /// True for the unnamed `<|reserved_token_N|>` specials.
+    pub fn is_reserved(&self, id: u32) -> bool {
+        self.is_special(id) && self.specials[(id - self.n_base()) as usize].starts_with("<|reserved_token_")
+    }
+
     /// Names of the special tokens, in id order.
     pub fn special_names(&self) -> &[String] {
         &self.specials
@@ -383,10 +331,7 @@ impl Tokenizer {
         if id < n {
             Ok(&self.token_bytes[id as usize])
         } else {
-            self.specials
-                .get((id - n) as usize)
-                .map(|s| s.as_bytes())
-                .ok_or(TokenizerError::UnknownId(id))
+            self.specials.get((id - n) as usize).map(|s| s.as_bytes()).ok_or(TokenizerError::UnknownId(id))
         }
     }
 
@@ -451,10 +396,8 @@ fn split_long_runs(s: &str, max: usize) -> Vec<&str> {
 
 fn cache_key(rank_path: &Path, specials: &[String]) -> Result<String, TokenizerError> {
     use sha2::Digest;
-    let bytes = std::fs::read(rank_path).map_err(|source| TokenizerError::Io {
-        path: rank_path.to_path_buf(),
-        source,
-    })?;
+    let bytes =
+        std::fs::read(rank_path).map_err(|source| TokenizerError::Io { path: rank_path.to_path_buf(), source })?;
     let mut h = sha2::Sha256::new();
     h.update(b"deltafin-bpe-v1\0");
     h.update(KIMI_PATTERN.as_bytes());
@@ -463,11 +406,7 @@ fn cache_key(rank_path: &Path, specials: &[String]) -> Result<String, TokenizerE
         h.update(s.as_bytes());
         h.update([0]);
     }
-    Ok(h.finalize()
-        .iter()
-        .take(12)
-        .map(|b| format!("{b:02x}"))
-        .collect())
+    Ok(h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect())
 }
 
 /// Converts tiktoken ranks to a byte-level BPE: each multi-byte token's merge is the final merge
@@ -479,16 +418,10 @@ fn build_bpe(token_bytes: &[Vec<u8>]) -> Result<tokenizers::Tokenizer, Tokenizer
     use tokenizers::pre_tokenizers::sequence::Sequence;
     use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
     let map = byte_to_char();
-    let ranks: HashMap<&[u8], u32> = token_bytes
-        .iter()
-        .enumerate()
-        .map(|(r, b)| (b.as_slice(), r as u32))
-        .collect();
+    let ranks: HashMap<&[u8], u32> = token_bytes.iter().enumerate().map(|(r, b)| (b.as_slice(), r as u32)).collect();
     for b in 0..=255u8 {
         if !ranks.contains_key(&[b][..]) {
-            return Err(TokenizerError::Build(format!(
-                "tiktoken.model has no token for byte {b:#04x}"
-            )));
+            return Err(TokenizerError::Build(format!("tiktoken.model has no token for byte {b:#04x}")));
         }
     }
     let mut vocab = Vocab::default();
@@ -507,17 +440,11 @@ fn build_bpe(token_bytes: &[Vec<u8>]) -> Result<tokenizers::Tokenizer, Tokenizer
         .ignore_merges(true)
         .build()
         .map_err(|e| TokenizerError::Build(e.to_string()))?;
-    let split = Split::new(
-        SplitPattern::Regex(KIMI_PATTERN.to_string()),
-        tokenizers::SplitDelimiterBehavior::Isolated,
-        false,
-    )
-    .map_err(|e| TokenizerError::Build(e.to_string()))?;
+    let split =
+        Split::new(SplitPattern::Regex(KIMI_PATTERN.to_string()), tokenizers::SplitDelimiterBehavior::Isolated, false)
+            .map_err(|e| TokenizerError::Build(e.to_string()))?;
     let mut tok = tokenizers::Tokenizer::new(bpe);
-    tok.with_pre_tokenizer(Some(Sequence::new(vec![
-        split.into(),
-        ByteLevel::new(false, false, false).into(),
-    ])));
+    tok.with_pre_tokenizer(Some(Sequence::new(vec![split.into(), ByteLevel::new(false, false, false).into()])));
     Ok(tok)
 }
 
@@ -563,9 +490,7 @@ mod tests {
         t.push(b"ab".to_vec());
         t.push(b"abc".to_vec());
         t.push(b"<|".to_vec());
-        let mut sp: Vec<String> = (0..NUM_SPECIALS)
-            .map(|i| format!("<|reserved_token_{}|>", 259 + i))
-            .collect();
+        let mut sp: Vec<String> = (0..NUM_SPECIALS).map(|i| format!("<|reserved_token_{}|>", 259 + i)).collect();
         sp[0] = "<|open|>".into();
         sp[1] = "<|op|>".into();
         Tokenizer::from_parts(t, sp).unwrap()
@@ -592,15 +517,9 @@ mod tests {
     fn long_runs_are_cut_like_kimi() {
         let s = format!("{}{}ab", " ".repeat(7), "x".repeat(5));
         // Cuts happen only when a run grows past the limit, not at every change of kind.
-        assert_eq!(
-            split_long_runs(&s, 3),
-            vec!["   ", "   ", " xxx", "xxa", "b"]
-        );
+        assert_eq!(split_long_runs(&s, 3), vec!["   ", "   ", " xxx", "xxa", "b"]);
         assert_eq!(split_long_runs("", 3), vec![""]);
-        assert_eq!(
-            split_long_runs("\u{1c}\u{1c}\u{1c}\u{1c}", 3),
-            vec!["\u{1c}\u{1c}\u{1c}", "\u{1c}"]
-        );
+        assert_eq!(split_long_runs("\u{1c}\u{1c}\u{1c}\u{1c}", 3), vec!["\u{1c}\u{1c}\u{1c}", "\u{1c}"]);
         let chunks: Vec<&str> = char_chunks("h\u{e9}llo", 2).collect();
         assert_eq!(chunks, vec!["h\u{e9}", "ll", "o"]);
     }

@@ -11,9 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error(
-        "expert {expert} of layer {layer} has no holder (layer has no routed experts or the id is out of range)"
-    )]
+    #[error("expert {expert} of layer {layer} has no holder (layer has no routed experts or the id is out of range)")]
     NoHolder { layer: usize, expert: u32 },
 }
 
@@ -23,12 +21,7 @@ pub trait ExpertSource: Send + Sync {
     fn layout(&self) -> &ExpertLayout;
 
     /// Calls `land(expert, bytes)` once for each of `experts` (distinct ids) of `layer`.
-    fn fetch(
-        &self,
-        layer: usize,
-        experts: &[u32],
-        land: &mut dyn FnMut(u32, &[u8]),
-    ) -> Result<(), StoreError>;
+    fn fetch(&self, layer: usize, experts: &[u32], land: &mut dyn FnMut(u32, &[u8])) -> Result<(), StoreError>;
 
     /// Bytes handed to the forward pass so far.
     fn bytes_requested(&self) -> u64;
@@ -59,22 +52,12 @@ impl ExpertSource for ShardExperts<'_> {
         &self.layout
     }
 
-    fn fetch(
-        &self,
-        layer: usize,
-        experts: &[u32],
-        land: &mut dyn FnMut(u32, &[u8]),
-    ) -> Result<(), StoreError> {
+    fn fetch(&self, layer: usize, experts: &[u32], land: &mut dyn FnMut(u32, &[u8])) -> Result<(), StoreError> {
         let locs = self.experts.get(layer).and_then(|l| l.as_ref());
         for &e in experts {
-            let loc = locs
-                .and_then(|l| l.get(e as usize))
-                .ok_or(StoreError::NoHolder { layer, expert: e })?;
-            let bytes = self
-                .ck
-                .range(loc.shard, loc.start, loc.start + self.layout.len as u64);
-            self.requested
-                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            let loc = locs.and_then(|l| l.get(e as usize)).ok_or(StoreError::NoHolder { layer, expert: e })?;
+            let bytes = self.ck.range(loc.shard, loc.start, loc.start + self.layout.len as u64);
+            self.requested.fetch_add(bytes.len() as u64, Ordering::Relaxed);
             land(e, bytes);
         }
         Ok(())

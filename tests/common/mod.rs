@@ -7,9 +7,7 @@ use std::path::{Path, PathBuf};
 pub const FIXTURES: [&str; 3] = ["k3-tiny-a", "k3-tiny-b", "k3-tiny-c"];
 
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
 pub struct Reference {
@@ -22,22 +20,10 @@ pub struct Reference {
 
 pub fn reference(name: &str) -> Reference {
     let dir = fixture(name);
-    let j: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
-    let ids = |k: &str| {
-        j[k].as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect::<Vec<_>>()
-    };
+    let j: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
+    let ids = |k: &str| j[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
     let (logits, shape) = read_f32_tensor(&dir.join("reference.safetensors"), "logits");
-    Reference {
-        prompt: ids("prompt_ids"),
-        greedy: ids("greedy_ids"),
-        logits,
-        vocab: shape[1],
-    }
+    Reference { prompt: ids("prompt_ids"), greedy: ids("greedy_ids"), logits, vocab: shape[1] }
 }
 
 pub fn read_f32_tensor(path: &Path, name: &str) -> (Vec<f32>, Vec<usize>) {
@@ -45,11 +31,7 @@ pub fn read_f32_tensor(path: &Path, name: &str) -> (Vec<f32>, Vec<usize>) {
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let t = st.tensor(name).unwrap();
     assert_eq!(t.dtype(), safetensors::Dtype::F32);
-    let v = t
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
+    let v = t.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     (v, t.shape().to_vec())
 }
 
@@ -58,11 +40,7 @@ pub fn max_rel_l2(got: &[f32], want: &[f32], cols: usize) -> (f64, usize) {
     assert_eq!(got.len(), want.len());
     let mut worst = (0f64, 0usize);
     for (r, (g, w)) in got.chunks(cols).zip(want.chunks(cols)).enumerate() {
-        let num: f64 = g
-            .iter()
-            .zip(w)
-            .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
-            .sum();
+        let num: f64 = g.iter().zip(w).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
         let den: f64 = w.iter().map(|b| (*b as f64).powi(2)).sum();
         let e = (num / den).sqrt();
         if e > worst.0 {
@@ -116,10 +94,7 @@ pub fn bin() -> &'static str {
 }
 
 pub fn ids_arg(ids: &[u32]) -> String {
-    ids.iter()
-        .map(|x| x.to_string())
-        .collect::<Vec<_>>()
-        .join(",")
+    ids.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
 }
 
 use deltafin::k3::{ForwardStats, K3, Logits};
@@ -139,8 +114,7 @@ pub fn with_model<R>(dir: &Path, f: impl FnOnce(&mut K3) -> R) -> R {
 /// Logits at every position of `tokens` in one forward call.
 pub fn score(m: &K3, tokens: &[u32]) -> Vec<f32> {
     let mut st = m.new_state();
-    m.forward(&mut st, tokens, Logits::All, &mut ForwardStats::default())
-        .unwrap()
+    m.forward(&mut st, tokens, Logits::All, &mut ForwardStats::default()).unwrap()
 }
 
 /// Greedy generation: prefill `prompt`, then decode one token at a time.

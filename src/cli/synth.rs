@@ -1,0 +1,111 @@
+//! `deltafin synth`: writes a random-weight checkpoint in the exact shipped layout, with a tokenizer
+//! and chat template, so a rig can be tested without the 1.7 TB download.
+
+use crate::model::synth::{self, SynthSpec};
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Preset {
+    /// Small and fast (the built-in demo's shape).
+    Demo,
+    /// Real K3 expert dimensions (hidden 7168, latent 3584, FFN 3072: 17.55 MB experts), light trunk.
+    K3Experts,
+}
+
+#[derive(Args)]
+pub struct SynthArgs {
+    /// Output directory (created; must not exist unless --force).
+    #[arg(long)]
+    out: PathBuf,
+    /// Starting point; the options below override it.
+    #[arg(long, value_enum, default_value_t = Preset::Demo)]
+    preset: Preset,
+    /// Replace --out if it exists.
+    #[arg(long)]
+    force: bool,
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long)]
+    experts: Option<usize>,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Vocabulary including the 256 specials.
+    #[arg(long)]
+    vocab: Option<usize>,
+    #[arg(long)]
+    shared_experts: Option<usize>,
+    /// Routed expert FFN width (multiple of 32).
+    #[arg(long)]
+    expert_inter: Option<usize>,
+    /// Routed expert latent width (multiple of 32).
+    #[arg(long)]
+    expert_latent: Option<usize>,
+    #[arg(long)]
+    dense_layers: Option<usize>,
+    #[arg(long)]
+    dense_inter: Option<usize>,
+    #[arg(long)]
+    kda_heads: Option<usize>,
+    #[arg(long)]
+    head_dim: Option<usize>,
+    /// Every N-th layer (1-based) is MLA, and so is the last.
+    #[arg(long)]
+    mla_every: Option<usize>,
+    #[arg(long)]
+    mla_heads: Option<usize>,
+    /// AttnRes block size.
+    #[arg(long)]
+    block: Option<usize>,
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Target shard size in GB.
+    #[arg(long)]
+    shard_gb: Option<f64>,
+}
+
+pub fn run(a: SynthArgs) -> Result<()> {
+    let mut s = match a.preset {
+        Preset::Demo => SynthSpec::demo(),
+        Preset::K3Experts => SynthSpec::k3_experts(),
+    };
+    macro_rules! set {
+        ($($f:ident => $g:ident),*) => { $(if let Some(v) = a.$f { s.$g = v; })* };
+    }
+    set!(layers => layers, experts => experts, top_k => top_k, hidden => hidden, vocab => vocab,
+         shared_experts => shared_experts, expert_inter => expert_inter, expert_latent => expert_latent,
+         dense_layers => dense_layers, dense_inter => dense_inter, kda_heads => kda_heads,
+         head_dim => kda_head_dim, mla_every => mla_every, mla_heads => mla_heads, block => attn_res_block, seed => seed);
+    if let Some(g) = a.shard_gb {
+        s.shard_bytes = (g * 1e9).max(1.0) as u64;
+    }
+    s.validate()?;
+    let total = s.total_bytes();
+    eprintln!(
+        "deltafin synth: {} layers, {} experts/layer (top-{}), hidden {}, {} per expert, {} in all -> {}",
+        s.layers,
+        s.experts,
+        s.top_k,
+        s.hidden,
+        crate::util::human_bytes(
+            ((2 * s.expert_inter * s.expert_latent) * 17 / 16) as u64
+                + (s.expert_inter * s.expert_latent * 17 / 32) as u64
+        ),
+        crate::util::human_bytes(total),
+        a.out.display()
+    );
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    synth::write(&s, &a.out, a.force, &|done, _| bar.set_position(done))
+        .with_context(|| format!("synth into {} failed", a.out.display()))?;
+    bar.finish_and_clear();
+    eprintln!("deltafin synth: wrote {} (random weights)", a.out.display());
+    Ok(())
+}

@@ -1,0 +1,96 @@
+//! The memory budget: one number (`--memory-gb`, default from the machine) split into the resident
+//! trunk, the expert cache, per-sequence state and activations, and the context length that fits.
+//!
+//! Contract: [`MemoryPlan::new`] fails with a clear message when the trunk and fixed state do not fit;
+//! otherwise `context_bound` tokens of cache fit in what is left. The plan is computed before any
+//! work starts and printed on the startup line.
+
+use crate::k3::state::SeqState;
+use crate::model::K3Config;
+use crate::util::human_bytes;
+
+#[derive(Clone, Debug)]
+pub struct MemoryPlan {
+    pub budget: u64,
+    pub trunk: u64,
+    pub expert_cache: u64,
+    pub state_fixed: u64,
+    pub state_per_token: u64,
+    pub activations: u64,
+    /// Tokens of context that fit (also capped by the model's maximum).
+    pub context_bound: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "memory budget {} is too small: the resident trunk needs {}, the expert cache {}, fixed sequence state {} and activations {} (raise --memory-gb or lower --expert-cache-gb)",
+    human_bytes(*budget), human_bytes(*trunk), human_bytes(*expert_cache), human_bytes(*state_fixed), human_bytes(*activations)
+)]
+pub struct BudgetError {
+    pub budget: u64,
+    pub trunk: u64,
+    pub expert_cache: u64,
+    pub state_fixed: u64,
+    pub activations: u64,
+}
+
+/// Memory this machine can give us: MemAvailable (Linux), else 8 GiB.
+pub fn machine_available() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+        })
+        .unwrap_or(8 << 30)
+}
+
+/// Bytes of f32 activations for a batch of `rows` rows (generous: the widest intermediates of
+/// one layer, the MoE slots, and logits for one row).
+pub fn activation_bytes(c: &K3Config, rows: usize) -> u64 {
+    let widest = [
+        c.hidden,
+        c.kda_dim(),
+        c.dense_inter,
+        c.shared_experts * c.expert_inter,
+        c.mla_heads * (c.qk_nope + c.qk_rope),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(c.hidden);
+    let per_row = 16 * c.hidden + 8 * widest + c.top_k * c.expert_latent + 4 * c.expert_inter;
+    (4 * (rows * per_row + c.vocab)) as u64
+}
+
+impl MemoryPlan {
+    pub fn new(
+        c: &K3Config,
+        budget: u64,
+        trunk: u64,
+        expert_cache: u64,
+        prefill_rows: usize,
+    ) -> Result<Self, BudgetError> {
+        let (fixed, per_token) = SeqState::footprint(c);
+        let (state_fixed, state_per_token) = (fixed as u64, per_token.max(1) as u64);
+        let activations = activation_bytes(c, prefill_rows.max(1));
+        let committed = trunk + expert_cache + state_fixed + activations;
+        if committed > budget {
+            return Err(BudgetError { budget, trunk, expert_cache, state_fixed, activations });
+        }
+        let context_bound = (((budget - committed) / state_per_token) as usize).min(c.max_context);
+        Ok(MemoryPlan { budget, trunk, expert_cache, state_fixed, state_per_token, activations, context_bound })
+    }
+
+    /// "trunk 12 MiB + expert cache 0 B + state 1.2 MiB + 2.3 KiB/token + activations 3 MiB of 20 GiB"
+    pub fn summary(&self) -> String {
+        format!(
+            "trunk {} + expert cache {} + state {} + {}/token + activations {} of {}",
+            human_bytes(self.trunk),
+            human_bytes(self.expert_cache),
+            human_bytes(self.state_fixed),
+            human_bytes(self.state_per_token),
+            human_bytes(self.activations),
+            human_bytes(self.budget)
+        )
+    }
+}

@@ -1,0 +1,579 @@
+//! Synthetic checkpoints in the exact shipped layout: random weights of any size (up to real K3
+//! expert dimensions), nested config.json with a compressed-tensors MXFP4 quantization_config,
+//! `language_model.`-prefixed safetensors shards + index, MXFP4 experts as
+//! weight_packed/weight_scale, and a working tokenizer (tiktoken.model, tokenizer_config.json,
+//! chat_template.jinja). Used by the demo and by benchmarks that must exceed RAM.
+//!
+//! Contract: the output directory appears only when complete (written to a temporary sibling and
+//! renamed); content is a pure function of the spec (seeded per tensor and chunk, independent of
+//! thread count); writing streams in chunks, so memory use does not grow with the model.
+
+use super::bpe_train::{TRAINING_TEXT, rank_file, train_ranks};
+use super::roster::{LM_HEAD, expert, layer, top};
+use super::tokenizer::{NUM_SPECIALS, k3_tokenizer_config};
+use rayon::prelude::*;
+use serde_json::{Value, json};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SynthError {
+    #[error("invalid synth settings: {0}")]
+    Spec(String),
+    #[error("{} already exists (use --force to replace it)", .0.display())]
+    Exists(PathBuf),
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+/// Shape of a synthetic model (field names follow config.json).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SynthSpec {
+    pub hidden: usize,
+    pub layers: usize,
+    /// Total vocabulary, including the 256 reserved specials.
+    pub vocab: usize,
+    pub attn_res_block: usize,
+    pub kda_heads: usize,
+    pub kda_head_dim: usize,
+    pub conv_width: usize,
+    /// Every `mla_every`-th layer (1-based) is MLA, and so is the last layer.
+    pub mla_every: usize,
+    pub mla_heads: usize,
+    pub q_lora: usize,
+    pub kv_lora: usize,
+    pub qk_nope: usize,
+    pub qk_rope: usize,
+    pub v_head: usize,
+    pub dense_layers: usize,
+    pub dense_inter: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub shared_experts: usize,
+    pub expert_inter: usize,
+    pub expert_latent: usize,
+    pub max_context: usize,
+    pub seed: u64,
+    /// Target shard size in bytes (a shard holds whole layers or whole experts).
+    pub shard_bytes: u64,
+}
+
+impl SynthSpec {
+    /// The built-in demo: small, K3-shaped (KDA + MLA, AttnRes, dense layer 0, latent MoE).
+    pub fn demo() -> Self {
+        SynthSpec {
+            hidden: 256,
+            layers: 8,
+            vocab: 2048,
+            attn_res_block: 4,
+            kda_heads: 4,
+            kda_head_dim: 32,
+            conv_width: 4,
+            mla_every: 4,
+            mla_heads: 4,
+            q_lora: 64,
+            kv_lora: 64,
+            qk_nope: 32,
+            qk_rope: 16,
+            v_head: 32,
+            dense_layers: 1,
+            dense_inter: 512,
+            experts: 32,
+            top_k: 4,
+            shared_experts: 2,
+            expert_inter: 128,
+            expert_latent: 128,
+            max_context: 8192,
+            seed: 1,
+            shard_bytes: 4 << 20,
+        }
+    }
+
+    /// Real K3 expert dimensions (hidden 7168, latent 3584, FFN 3072: 17.55 MB per expert) with
+    /// fewer layers and experts and a light trunk.
+    pub fn k3_experts() -> Self {
+        SynthSpec {
+            hidden: 7168,
+            layers: 8,
+            vocab: 8192,
+            attn_res_block: 12,
+            kda_heads: 4,
+            kda_head_dim: 128,
+            conv_width: 4,
+            mla_every: 4,
+            mla_heads: 4,
+            q_lora: 256,
+            kv_lora: 512,
+            qk_nope: 128,
+            qk_rope: 64,
+            v_head: 128,
+            dense_layers: 1,
+            dense_inter: 2048,
+            experts: 64,
+            top_k: 16,
+            shared_experts: 2,
+            expert_inter: 3072,
+            expert_latent: 3584,
+            max_context: 1 << 20,
+            seed: 1,
+            shard_bytes: 4 << 30,
+        }
+    }
+
+    pub fn is_mla(&self, l: usize) -> bool {
+        (l + 1) % self.mla_every == 0 || l + 1 == self.layers
+    }
+
+    pub fn validate(&self) -> Result<(), SynthError> {
+        let bad = |m: String| Err(SynthError::Spec(m));
+        if self.layers < 1 || self.hidden < 1 || self.kda_heads < 1 || self.kda_head_dim < 1 || self.mla_heads < 1 {
+            return bad("layers, hidden and head counts must be >= 1".into());
+        }
+        if self.vocab < 256 + NUM_SPECIALS {
+            return bad(format!(
+                "--vocab must be at least {} (256 byte tokens + {NUM_SPECIALS} specials)",
+                256 + NUM_SPECIALS
+            ));
+        }
+        if self.experts > 0 {
+            if self.top_k < 1 || self.top_k > self.experts {
+                return bad(format!("--top-k must be in 1..={} (the number of experts)", self.experts));
+            }
+            if self.expert_inter % 32 != 0 || self.expert_latent % 32 != 0 {
+                return bad("--expert-inter and --expert-latent must be multiples of 32 (the MXFP4 block)".into());
+            }
+        }
+        if self.dense_layers > self.layers {
+            return bad("--dense-layers exceeds --layers".into());
+        }
+        if self.conv_width < 1 || self.attn_res_block < 1 || self.mla_every < 1 {
+            return bad("--conv-width, --block and --mla-every must be >= 1".into());
+        }
+        Ok(())
+    }
+
+    fn n_base(&self) -> usize {
+        self.vocab - NUM_SPECIALS
+    }
+
+    /// config.json in the shipped format.
+    pub fn config_json(&self) -> Value {
+        let kda: Vec<usize> = (0..self.layers).filter(|&l| !self.is_mla(l)).map(|l| l + 1).collect();
+        let mla: Vec<usize> = (0..self.layers).filter(|&l| self.is_mla(l)).map(|l| l + 1).collect();
+        let nb = self.n_base();
+        json!({
+            "model_type": "kimi_k3",
+            "architectures": ["KimiK3ForConditionalGeneration"],
+            "text_config": {
+                "model_type": "kimi_linear",
+                "hidden_size": self.hidden, "num_hidden_layers": self.layers, "vocab_size": self.vocab,
+                "rms_norm_eps": 1e-5, "hidden_act": "situ", "intermediate_size": self.dense_inter,
+                "tie_word_embeddings": false, "max_position_embeddings": self.max_context,
+                "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+                "attn_res_block_size": self.attn_res_block,
+                "linear_attn_config": {
+                    "kda_layers": kda, "full_attn_layers": mla, "num_heads": self.kda_heads,
+                    "head_dim": self.kda_head_dim, "short_conv_kernel_size": self.conv_width,
+                    "use_full_rank_gate": true, "gate_lower_bound": -5.0
+                },
+                "num_attention_heads": self.mla_heads, "q_lora_rank": self.q_lora, "kv_lora_rank": self.kv_lora,
+                "qk_nope_head_dim": self.qk_nope, "qk_rope_head_dim": self.qk_rope, "v_head_dim": self.v_head,
+                "mla_use_nope": true, "mla_use_output_gate": true,
+                "num_experts": self.experts, "num_experts_per_token": self.top_k,
+                "num_shared_experts": self.shared_experts, "moe_intermediate_size": self.expert_inter,
+                "routed_expert_hidden_size": self.expert_latent, "latent_moe_use_norm": true,
+                "moe_renormalize": true, "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 1.0,
+                "num_expert_group": 1, "topk_group": 1, "first_k_dense_replace": self.dense_layers,
+                "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
+                "bos_token_id": nb, "eos_token_id": nb + 2, "pad_token_id": nb + 255
+            },
+            "quantization_config": {
+                "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+                "config_groups": {"group_0": {
+                    "format": "mxfp4-pack-quantized",
+                    "targets": ["re:.*block_sparse_moe\\.experts\\..*"],
+                    "weights": {"num_bits": 4, "type": "float", "symmetric": true, "group_size": 32,
+                                "strategy": "group", "scale_dtype": "torch.uint8"},
+                    "input_activations": null
+                }},
+                "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\..*"]
+            },
+            "deltafin_synth": {"random_weights": true, "spec": self}
+        })
+    }
+
+    /// Every tensor, grouped: [trunk of the model and each layer] then one group per expert.
+    fn plan(&self) -> Vec<Vec<TensorPlan>> {
+        let (h, v) = (self.hidden, self.vocab);
+        let mut groups = vec![vec![
+            TensorPlan::bf16(top("embed_tokens.weight"), vec![v, h], Fill::Uniform(1.0)),
+            TensorPlan::bf16(LM_HEAD.into(), vec![v, h], Fill::Uniform(3.0 / (h as f32).sqrt())),
+            TensorPlan::bf16(top("norm.weight"), vec![h], Fill::Norm),
+            TensorPlan::bf16(top("output_attn_res_norm.weight"), vec![h], Fill::Norm),
+            TensorPlan::bf16(top("output_attn_res_proj.weight"), vec![1, h], Fill::Uniform(1.0 / (h as f32).sqrt())),
+        ]];
+        let lin = |name: String, o: usize, i: usize| {
+            TensorPlan::bf16(name, vec![o, i], Fill::Uniform(1.0 / (i as f32).sqrt()))
+        };
+        for l in 0..self.layers {
+            let n = |s: &str| layer(l, s);
+            let mut g = vec![
+                TensorPlan::bf16(n("input_layernorm.weight"), vec![h], Fill::Norm),
+                TensorPlan::bf16(n("post_attention_layernorm.weight"), vec![h], Fill::Norm),
+                TensorPlan::bf16(n("self_attention_res_norm.weight"), vec![h], Fill::Norm),
+                TensorPlan::bf16(n("mlp_res_norm.weight"), vec![h], Fill::Norm),
+                TensorPlan::bf16(
+                    n("self_attention_res_proj.weight"),
+                    vec![1, h],
+                    Fill::Uniform(1.0 / (h as f32).sqrt()),
+                ),
+                TensorPlan::bf16(n("mlp_res_proj.weight"), vec![1, h], Fill::Uniform(1.0 / (h as f32).sqrt())),
+            ];
+            if self.is_mla(l) {
+                let nh = self.mla_heads;
+                g.push(lin(n("self_attn.q_a_proj.weight"), self.q_lora, h));
+                g.push(TensorPlan::bf16(n("self_attn.q_a_layernorm.weight"), vec![self.q_lora], Fill::Norm));
+                g.push(lin(n("self_attn.q_b_proj.weight"), nh * (self.qk_nope + self.qk_rope), self.q_lora));
+                g.push(lin(n("self_attn.kv_a_proj_with_mqa.weight"), self.kv_lora + self.qk_rope, h));
+                g.push(TensorPlan::bf16(n("self_attn.kv_a_layernorm.weight"), vec![self.kv_lora], Fill::Norm));
+                g.push(lin(n("self_attn.kv_b_proj.weight"), nh * (self.qk_nope + self.v_head), self.kv_lora));
+                g.push(lin(n("self_attn.g_proj.weight"), nh * self.v_head, h));
+                g.push(lin(n("self_attn.o_proj.weight"), h, nh * self.v_head));
+            } else {
+                let (dk, p) = (self.kda_head_dim, self.kda_heads * self.kda_head_dim);
+                for q in ["q", "k", "v"] {
+                    g.push(lin(n(&format!("self_attn.{q}_proj.weight")), p, h));
+                    g.push(TensorPlan::f32(
+                        n(&format!("self_attn.{q}_conv1d.weight")),
+                        vec![p, 1, self.conv_width],
+                        Fill::Uniform(0.8),
+                    ));
+                }
+                g.push(lin(n("self_attn.f_a_proj.weight"), dk, h));
+                g.push(lin(n("self_attn.f_b_proj.weight"), p, dk));
+                g.push(lin(n("self_attn.b_proj.weight"), self.kda_heads, h));
+                g.push(lin(n("self_attn.g_proj.weight"), p, h));
+                g.push(TensorPlan::f32(n("self_attn.A_log"), vec![self.kda_heads], Fill::Uniform(0.8)));
+                g.push(TensorPlan::f32(n("self_attn.dt_bias"), vec![p], Fill::Uniform(1.5)));
+                g.push(TensorPlan::bf16(n("self_attn.o_norm.weight"), vec![dk], Fill::Norm));
+                g.push(lin(n("self_attn.o_proj.weight"), h, p));
+            }
+            let moe = self.experts > 0 && l >= self.dense_layers;
+            if !moe {
+                g.push(lin(n("mlp.gate_proj.weight"), self.dense_inter, h));
+                g.push(lin(n("mlp.up_proj.weight"), self.dense_inter, h));
+                g.push(lin(n("mlp.down_proj.weight"), h, self.dense_inter));
+                groups.push(g);
+                continue;
+            }
+            let (e, lat, fi) = (self.experts, self.expert_latent, self.expert_inter);
+            g.push(TensorPlan::bf16(
+                n("block_sparse_moe.gate.weight"),
+                vec![e, h],
+                Fill::Uniform(2.0 / (h as f32).sqrt()),
+            ));
+            g.push(TensorPlan::f32(n("block_sparse_moe.gate.e_score_correction_bias"), vec![e], Fill::Uniform(0.05)));
+            g.push(lin(n("block_sparse_moe.routed_expert_down_proj.weight"), lat, h));
+            g.push(TensorPlan::bf16(n("block_sparse_moe.routed_expert_norm.weight"), vec![lat], Fill::Norm));
+            g.push(lin(n("block_sparse_moe.routed_expert_up_proj.weight"), h, lat));
+            if self.shared_experts > 0 {
+                let si = self.shared_experts * fi;
+                g.push(lin(n("block_sparse_moe.shared_experts.gate_proj.weight"), si, h));
+                g.push(lin(n("block_sparse_moe.shared_experts.up_proj.weight"), si, h));
+                g.push(lin(n("block_sparse_moe.shared_experts.down_proj.weight"), h, si));
+            }
+            groups.push(g);
+            for x in 0..e {
+                let mut eg = Vec::with_capacity(6);
+                for (proj, rows, cols) in [("w1", fi, lat), ("w3", fi, lat), ("w2", lat, fi)] {
+                    // rms(w) ~ 1/sqrt(cols): E2M1 codes have rms ~3.2.
+                    let centre = 127 - (3.2 * (cols as f32).sqrt()).log2().round() as i32;
+                    eg.push(TensorPlan::u8(expert(l, x, proj, "weight_packed"), vec![rows, cols / 2], Fill::Bytes));
+                    eg.push(TensorPlan::u8(
+                        expert(l, x, proj, "weight_scale"),
+                        vec![rows, cols / 32],
+                        Fill::Scale(centre as u8),
+                    ));
+                }
+                groups.push(eg);
+            }
+        }
+        groups
+    }
+
+    /// Bytes of all tensors.
+    pub fn total_bytes(&self) -> u64 {
+        self.plan().iter().flatten().map(|t| t.bytes()).sum()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Fill {
+    /// Uniform in [-a, a].
+    Uniform(f32),
+    /// 1 + uniform in [-0.1, 0.1] (norm weights).
+    Norm,
+    /// Uniformly random bytes (MXFP4 codes).
+    Bytes,
+    /// E8M0 scale bytes in centre-1 ..= centre+1.
+    Scale(u8),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Dtype {
+    Bf16,
+    F32,
+    U8,
+}
+
+struct TensorPlan {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    fill: Fill,
+}
+
+impl TensorPlan {
+    fn bf16(name: String, shape: Vec<usize>, fill: Fill) -> Self {
+        TensorPlan { name, dtype: Dtype::Bf16, shape, fill }
+    }
+    fn f32(name: String, shape: Vec<usize>, fill: Fill) -> Self {
+        TensorPlan { name, dtype: Dtype::F32, shape, fill }
+    }
+    fn u8(name: String, shape: Vec<usize>, fill: Fill) -> Self {
+        TensorPlan { name, dtype: Dtype::U8, shape, fill }
+    }
+    fn elem(&self) -> usize {
+        match self.dtype {
+            Dtype::Bf16 => 2,
+            Dtype::F32 => 4,
+            Dtype::U8 => 1,
+        }
+    }
+    fn bytes(&self) -> u64 {
+        (self.shape.iter().product::<usize>() * self.elem()) as u64
+    }
+    fn dtype_name(&self) -> &'static str {
+        match self.dtype {
+            Dtype::Bf16 => "BF16",
+            Dtype::F32 => "F32",
+            Dtype::U8 => "U8",
+        }
+    }
+
+    /// Bytes `[chunk * CHUNK, ..)` of this tensor, a pure function of (seed, name, chunk).
+    fn chunk_bytes(&self, seed: u64, chunk: usize) -> Vec<u8> {
+        let total = self.bytes() as usize;
+        let start = chunk * CHUNK;
+        let len = CHUNK.min(total - start);
+        let mut rng = Rng::new(seed ^ fnv(self.name.as_bytes()) ^ (chunk as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut out = Vec::with_capacity(len);
+        match (self.dtype, self.fill) {
+            (_, Fill::Bytes) => {
+                while out.len() < len {
+                    out.extend_from_slice(&rng.next().to_le_bytes());
+                }
+                out.truncate(len);
+            }
+            (_, Fill::Scale(c)) => out.extend((0..len).map(|_| c.wrapping_add((rng.next() % 3) as u8).wrapping_sub(1))),
+            (Dtype::Bf16, f) => {
+                for _ in 0..len / 2 {
+                    let x = sample(&mut rng, f);
+                    out.extend_from_slice(&bf16_bits(x).to_le_bytes());
+                }
+            }
+            (Dtype::F32, f) => {
+                for _ in 0..len / 4 {
+                    out.extend_from_slice(&sample(&mut rng, f).to_le_bytes());
+                }
+            }
+            (Dtype::U8, _) => out.resize(len, 0),
+        }
+        out
+    }
+}
+
+/// Generation chunk (bytes); a multiple of 4 so element boundaries never straddle chunks.
+const CHUNK: usize = 1 << 20;
+
+fn sample(rng: &mut Rng, f: Fill) -> f32 {
+    let u = (rng.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+    match f {
+        Fill::Uniform(a) => u * a,
+        Fill::Norm => 1.0 + 0.1 * u,
+        _ => 0.0,
+    }
+}
+
+fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16
+}
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// splitmix64.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// A small chat template in K3's format (messages, thinking-effort system message, generation
+/// prompt inside `<|open|>think<|sep|>`), for synthetic models.
+pub const SYNTH_CHAT_TEMPLATE: &str = r#"{%- if thinking is undefined -%}{%- set thinking = true -%}{%- endif -%}
+{%- if thinking_effort is undefined -%}{%- set thinking_effort = 'max' -%}{%- endif -%}
+{%- if thinking -%}
+{{- '<|open|>message role="system" type="thinking-effort"<|sep|>Now the system is invoked with `thinking_effort=' + thinking_effort + '`.<|close|>message<|sep|><|end_of_msg|>' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if 'role' not in message -%}{{- raise_exception('messages require a role.') -}}{%- endif -%}
+{{- '<|open|>message role="' + message.role + '"<|sep|>' -}}
+{%- if message.role == 'assistant' -%}
+{%- if thinking -%}{{- '<|open|>think<|sep|>' + (message.get('reasoning_content') or '') + '<|close|>think<|sep|>' -}}{%- endif -%}
+{{- '<|open|>response<|sep|>' + (message.content or '') + '<|close|>response<|sep|>' -}}
+{%- elif message.content is string -%}
+{{- message.content -}}
+{%- else -%}
+{%- for part in message.content -%}{{- part.text -}}{%- endfor -%}
+{%- endif -%}
+{{- '<|close|>message<|sep|><|end_of_msg|>' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|open|>message role="assistant"<|sep|>' -}}{{- '<|open|>think<|sep|>' if thinking else '<|open|>response<|sep|>' -}}
+{%- endif -%}
+"#;
+
+/// Writes the model to `out` (atomically: a temporary sibling renamed at the end).
+/// `progress(done, total)` is called as bytes are written.
+pub fn write(
+    spec: &SynthSpec,
+    out: &Path,
+    force: bool,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<(), SynthError> {
+    spec.validate()?;
+    if out.exists() && !force {
+        return Err(SynthError::Exists(out.to_path_buf()));
+    }
+    let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|source| SynthError::Io { path: parent.to_path_buf(), source })?;
+    let tmp = parent.join(format!(".{name}.synth-tmp-{}", std::process::id()));
+    let result = write_into(spec, &tmp, progress).and_then(|()| {
+        if out.exists() {
+            let old = parent.join(format!(".{name}.synth-old-{}", std::process::id()));
+            std::fs::rename(out, &old).map_err(|source| SynthError::Io { path: out.to_path_buf(), source })?;
+            std::fs::rename(&tmp, out).map_err(|source| SynthError::Io { path: out.to_path_buf(), source })?;
+            let _ = std::fs::remove_dir_all(&old);
+        } else {
+            std::fs::rename(&tmp, out).map_err(|source| SynthError::Io { path: out.to_path_buf(), source })?;
+        }
+        Ok(())
+    });
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> SynthError + '_ {
+    move |source| SynthError::Io { path: path.to_path_buf(), source }
+}
+
+fn write_into(spec: &SynthSpec, dir: &Path, progress: &(dyn Fn(u64, u64) + Sync)) -> Result<(), SynthError> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let text = |name: &str, body: &str| -> Result<(), SynthError> {
+        let p = dir.join(name);
+        std::fs::write(&p, body).map_err(io(&p))
+    };
+    text("config.json", &serde_json::to_string_pretty(&spec.config_json()).unwrap_or_default())?;
+    let vocab = train_ranks(TRAINING_TEXT, spec.n_base());
+    text("tiktoken.model", &rank_file(&vocab))?;
+    text(
+        "tokenizer_config.json",
+        &serde_json::to_string_pretty(&k3_tokenizer_config(spec.n_base())).unwrap_or_default(),
+    )?;
+    text("chat_template.jinja", SYNTH_CHAT_TEMPLATE)?;
+
+    // Pack groups into shards of about `shard_bytes`.
+    let groups = spec.plan();
+    let mut shards: Vec<Vec<TensorPlan>> = vec![Vec::new()];
+    let mut size = 0u64;
+    for g in groups {
+        let gb: u64 = g.iter().map(|t| t.bytes()).sum();
+        if size > 0 && size + gb > spec.shard_bytes {
+            shards.push(Vec::new());
+            size = 0;
+        }
+        size += gb;
+        shards.last_mut().map(|s| s.extend(g));
+    }
+    let total: u64 = shards.iter().flatten().map(|t| t.bytes()).sum();
+    let n = shards.len();
+    let mut done = 0u64;
+    let mut weight_map = serde_json::Map::new();
+    for (si, mut tensors) in shards.into_iter().enumerate() {
+        let file =
+            if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{n:05}.safetensors", si + 1) };
+        // Standard order: larger element alignment first, then by name.
+        tensors.sort_by(|a, b| b.elem().cmp(&a.elem()).then_with(|| a.name.cmp(&b.name)));
+        let mut header = serde_json::Map::new();
+        let mut off = 0u64;
+        for t in &tensors {
+            header.insert(
+                t.name.clone(),
+                json!({"dtype": t.dtype_name(), "shape": t.shape, "data_offsets": [off, off + t.bytes()]}),
+            );
+            off += t.bytes();
+            weight_map.insert(t.name.clone(), json!(file));
+        }
+        let mut h = serde_json::to_vec(&Value::Object(header)).unwrap_or_default();
+        while !h.len().is_multiple_of(8) {
+            h.push(b' ');
+        }
+        let path = dir.join(&file);
+        let f = std::fs::File::create(&path).map_err(io(&path))?;
+        let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
+        w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io(&path))?;
+        w.write_all(&h).map_err(io(&path))?;
+        for t in &tensors {
+            let chunks = (t.bytes() as usize).div_ceil(CHUNK);
+            // Generate a batch of chunks in parallel, write them in order.
+            for batch in (0..chunks).collect::<Vec<_>>().chunks(16) {
+                let data: Vec<Vec<u8>> = batch.par_iter().map(|&c| t.chunk_bytes(spec.seed, c)).collect();
+                for d in data {
+                    w.write_all(&d).map_err(io(&path))?;
+                    done += d.len() as u64;
+                }
+                progress(done, total);
+            }
+        }
+        let f = w.into_inner().map_err(|e| SynthError::Io { path: path.clone(), source: e.into_error() })?;
+        f.sync_all().map_err(io(&path))?;
+    }
+    if n > 1 {
+        let idx = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        text("model.safetensors.index.json", &serde_json::to_string_pretty(&idx).unwrap_or_default())?;
+    }
+    Ok(())
+}
+
+/// True when `dir` holds a synthetic (random-weight) model written by `synth`.
+pub fn is_synthetic(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .is_some_and(|v| v["deltafin_synth"]["random_weights"] == json!(true))
+}

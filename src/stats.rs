@@ -1,0 +1,122 @@
+//! Counters and phase timers with the stable names of DESIGN.md, and their JSON and text reports.
+//!
+//! The forward pass adds to a [`Stats`]; the CLI fills the run-level fields (ttft, rates) and
+//! prints `--stats` (text, stderr) or writes `--stats-json FILE`. Counters that a component does
+//! not measure yet are reported as null, never as a made-up zero.
+
+use serde_json::{Value, json};
+use std::collections::HashSet;
+
+#[derive(Default, Clone, Debug)]
+pub struct Stats {
+    // Work.
+    pub forward_calls: u64,
+    pub rows: u64,
+    /// MoE layers passed over (one pass reads that layer's expert union once).
+    pub layer_passes: u64,
+    /// Sum over layer passes of the distinct experts needed.
+    pub experts_fetched: u64,
+    /// Expert-row products computed.
+    pub expert_rows: u64,
+    /// Bytes handed over by the expert source (cache hits included).
+    pub expert_bytes_requested: u64,
+    /// Bytes actually read from drives (None when the source cannot tell, e.g. mmap).
+    pub expert_bytes_read: Option<u64>,
+    pub cache_hits: Option<u64>,
+    pub cache_misses: Option<u64>,
+    /// Distinct (layer, expert) pairs used over the whole run.
+    pub distinct_experts: HashSet<(u32, u32)>,
+    pub expert_bytes: u64,
+    // Phases (seconds).
+    pub read_wait_s: f64,
+    pub expert_kernel_s: f64,
+    pub attention_s: f64,
+    pub router_s: f64,
+    pub other_s: f64,
+    // Run level.
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    pub ttft_s: f64,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    pub drafts_proposed: u64,
+    pub drafts_accepted: u64,
+}
+
+impl Stats {
+    pub fn expert_bytes_unique(&self) -> u64 {
+        self.distinct_experts.len() as u64 * self.expert_bytes
+    }
+
+    /// Bytes read from drives / bytes of the distinct experts needed.
+    pub fn read_amplification(&self) -> Option<f64> {
+        let unique = self.expert_bytes_unique();
+        self.expert_bytes_read.filter(|_| unique > 0).map(|r| r as f64 / unique as f64)
+    }
+
+    pub fn prefill_tok_s(&self) -> f64 {
+        if self.prefill_s > 0.0 { self.prompt_tokens as f64 / self.prefill_s } else { 0.0 }
+    }
+
+    /// Decode rate over the tokens produced after the first one.
+    pub fn decode_tok_s(&self) -> f64 {
+        let n = self.generated_tokens.saturating_sub(1);
+        if n > 0 && self.decode_s > 0.0 { n as f64 / self.decode_s } else { 0.0 }
+    }
+
+    pub fn to_json(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "ttft_s": self.ttft_s,
+            "prefill_tok_s": self.prefill_tok_s(),
+            "decode_tok_s": self.decode_tok_s(),
+            "decode_s": self.decode_s,
+            "layer_passes": self.layer_passes,
+            "experts_fetched": self.experts_fetched,
+            "expert_rows": self.expert_rows,
+            "expert_bytes_requested": self.expert_bytes_requested,
+            "expert_bytes_read": self.expert_bytes_read,
+            "expert_bytes_unique": self.expert_bytes_unique(),
+            "read_amplification": self.read_amplification(),
+            "cache_hits": self.cache_hits,
+            "cache_misses": self.cache_misses,
+            "read_wait_s": self.read_wait_s,
+            "expert_kernel_s": self.expert_kernel_s,
+            "attention_s": self.attention_s,
+            "router_s": self.router_s,
+            "other_s": self.other_s,
+            "drafts_proposed": self.drafts_proposed,
+            "drafts_accepted": self.drafts_accepted,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "forward_calls": self.forward_calls,
+            "threads": rayon::current_num_threads(),
+            "isa": crate::cpu::isa().name(),
+        })
+    }
+
+    /// Human-readable report, one counter per line.
+    pub fn to_text(&self) -> String {
+        let j = self.to_json();
+        let mut s = String::from("stats:\n");
+        if let Value::Object(m) = j {
+            for (k, v) in m {
+                let shown = match &v {
+                    Value::Null => "n/a".to_string(),
+                    Value::Number(n) if n.is_f64() => format!("{:.4}", n.as_f64().unwrap_or(0.0)),
+                    other => other.to_string().trim_matches('"').to_string(),
+                };
+                s.push_str(&format!("  {k:<24} {shown}\n"));
+            }
+        }
+        s
+    }
+}
+
+/// Peak resident set size of this process (VmHWM), where the OS reports it.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
