@@ -44,7 +44,7 @@ pub fn train_ranks(text: &str, n_base: usize) -> Vec<Vec<u8>> {
         x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         x ^= x >> 31;
-        let mut t = if x % 2 == 0 { vec![b' '] } else { Vec::new() };
+        let mut t = if x.is_multiple_of(2) { vec![b' '] } else { Vec::new() };
         x /= 2;
         let syllables = 1 + x % 3;
         x /= 3;

@@ -121,7 +121,7 @@ impl SynthSpec {
     }
 
     pub fn is_mla(&self, l: usize) -> bool {
-        (l + 1) % self.mla_every == 0 || l + 1 == self.layers
+        (l + 1).is_multiple_of(self.mla_every) || l + 1 == self.layers
     }
 
     pub fn validate(&self) -> Result<(), SynthError> {
@@ -139,7 +139,7 @@ impl SynthSpec {
             if self.top_k < 1 || self.top_k > self.experts {
                 return bad(format!("--top-k must be in 1..={} (the number of experts)", self.experts));
             }
-            if self.expert_inter % 32 != 0 || self.expert_latent % 32 != 0 {
+            if !self.expert_inter.is_multiple_of(32) || !self.expert_latent.is_multiple_of(32) {
                 return bad("--expert-inter and --expert-latent must be multiples of 32 (the MXFP4 block)".into());
             }
         }
@@ -518,7 +518,9 @@ fn write_into(spec: &SynthSpec, dir: &Path, progress: &(dyn Fn(u64, u64) + Sync)
             size = 0;
         }
         size += gb;
-        shards.last_mut().map(|s| s.extend(g));
+        if let Some(s) = shards.last_mut() {
+            s.extend(g);
+        }
     }
     let total: u64 = shards.iter().flatten().map(|t| t.bytes()).sum();
     let n = shards.len();

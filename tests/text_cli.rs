@@ -1,0 +1,238 @@
+//! Text in, text out: the built-in demo on a fresh cache, `synth` output checked by the loader and
+//! by the independent fp64 reference, prompts from flags, files and stdin, chat mode, output
+//! formats, counters, and exit codes.
+
+mod common;
+use common::*;
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+fn deltafin(cache: &Path) -> Command {
+    let mut c = Command::new(bin());
+    c.env("DELTAFIN_CACHE", cache);
+    c
+}
+
+fn ok(c: &mut Command) -> (String, String) {
+    let o = c.output().unwrap();
+    let (out, err) = (String::from_utf8(o.stdout).unwrap(), String::from_utf8_lossy(&o.stderr).into_owned());
+    assert!(o.status.success(), "command failed ({:?}):\n{err}", o.status);
+    (out, err)
+}
+
+fn json_run(cache: &Path, args: &[&str]) -> serde_json::Value {
+    let (out, _) = ok(deltafin(cache).args(["run", "--format", "json", "-q"]).args(args));
+    serde_json::from_str(&out).unwrap()
+}
+
+#[test]
+fn demo_works_on_a_fresh_machine_and_says_it_is_random() {
+    let cache = tempfile::tempdir().unwrap();
+    let (out, err) = ok(deltafin(cache.path()).args(["run", "--demo", "--prompt", "Hello", "--max-new", "12"]));
+    assert!(err.contains("creating the demo checkpoint"), "{err}");
+    assert!(err.contains("RANDOM weights"), "{err}");
+    assert!(err.contains("context <="), "startup line: {err}");
+    assert!(!out.trim().is_empty());
+    // Second run reuses the checkpoint and gives the same text.
+    let (out2, err2) = ok(deltafin(cache.path()).args(["run", "--demo", "--prompt", "Hello", "--max-new", "12"]));
+    assert!(!err2.contains("creating the demo checkpoint"));
+    assert_eq!(out, out2);
+}
+
+#[test]
+fn synth_writes_the_shipped_layout_and_matches_the_fp64_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    ok(Command::new(bin()).args(["synth", "--out"]).arg(&dir).args([
+        "--layers",
+        "4",
+        "--experts",
+        "16",
+        "--top-k",
+        "4",
+        "--hidden",
+        "64",
+        "--vocab",
+        "768",
+        "--expert-inter",
+        "64",
+        "--expert-latent",
+        "32",
+        "--kda-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--mla-heads",
+        "2",
+        "--block",
+        "2",
+        "--mla-every",
+        "2",
+        "--dense-inter",
+        "96",
+        "--shard-gb",
+        "0.0005",
+    ]));
+    for f in [
+        "config.json",
+        "model.safetensors.index.json",
+        "tiktoken.model",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        assert!(dir.join(f).exists(), "{f} missing");
+    }
+    let shards = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".safetensors"))
+        .count();
+    assert!(shards >= 2, "expected several shards, got {shards}");
+    // Refuses to overwrite without --force.
+    let o = Command::new(bin()).args(["synth", "--out"]).arg(&dir).output().unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("already exists"));
+
+    // Logits for a short prompt, engine vs the independent reference.
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 500).collect();
+    let out = tmp.path().join("l.safetensors");
+    ok(Command::new(bin())
+        .args(["score", "--model"])
+        .arg(&dir)
+        .args(["--prompt-ids", &ids_arg(&prompt), "--logits-out"])
+        .arg(&out));
+    let script = format!(
+        "import sys, numpy as np; sys.path.insert(0, {ref_dir:?}); from k3_reference import Reference, read_safetensors\n\
+         r = Reference({dir:?}); want = r.logits({prompt:?}); got = read_safetensors({out:?})['logits']\n\
+         print(float(np.max(np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1))))",
+        ref_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference").display().to_string(),
+        dir = dir.display().to_string(),
+        out = out.display().to_string(),
+    );
+    let o = Command::new("python3").args(["-c", &script]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let err: f64 = String::from_utf8_lossy(&o.stdout).trim().parse().unwrap();
+    assert!(err < 1e-4, "synth model: relative error vs fp64 reference {err}");
+}
+
+#[test]
+fn synth_is_deterministic() {
+    let tmp = tempfile::tempdir().unwrap();
+    for d in ["a", "b"] {
+        ok(Command::new(bin()).args(["synth", "--out"]).arg(tmp.path().join(d)).args([
+            "--layers",
+            "3",
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+        ]));
+    }
+    for e in std::fs::read_dir(tmp.path().join("a")).unwrap() {
+        let name = e.unwrap().file_name();
+        assert!(
+            std::fs::read(tmp.path().join("a").join(&name)).unwrap()
+                == std::fs::read(tmp.path().join("b").join(&name)).unwrap(),
+            "{name:?} differs"
+        );
+    }
+}
+
+#[test]
+fn prompt_from_flag_file_and_stdin_agree() {
+    let cache = tempfile::tempdir().unwrap();
+    let text = "Grüße, 世界! 😀 The experts are read once.";
+    let a = json_run(cache.path(), &["--demo", "--prompt", text, "--max-new", "4"]);
+    let f = cache.path().join("p.txt");
+    std::fs::write(&f, text).unwrap();
+    let b = json_run(cache.path(), &["--demo", "--prompt-file", f.to_str().unwrap(), "--max-new", "4"]);
+    let mut child = deltafin(cache.path())
+        .args(["run", "--demo", "--prompt-file", "-", "--max-new", "4", "--format", "json", "-q"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success());
+    let c: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(a["prompt_ids"], b["prompt_ids"]);
+    assert_eq!(a["prompt_ids"], c["prompt_ids"]);
+    assert_eq!(a["output_ids"], c["output_ids"]);
+    assert!(a["text"].is_string());
+}
+
+#[test]
+fn chat_mode_uses_the_template_and_text_output_is_the_decoded_ids() {
+    let cache = tempfile::tempdir().unwrap();
+    let v = json_run(
+        cache.path(),
+        &["--demo", "--chat", "--prompt", "Hi <|open|> there", "--thinking", "low", "--max-new", "8", "--ignore-eos"],
+    );
+    let ids: Vec<u32> = v["prompt_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let dir = cache.path().join("demo-v1");
+    let tok = deltafin::model::tokenizer::Tokenizer::load(&dir, None).unwrap();
+    let rendered = tok.decode(&ids).unwrap();
+    assert!(
+        rendered.contains("<|open|>message role=\"user\"<|sep|>Hi <|open|> there<|close|>message<|sep|><|end_of_msg|>"),
+        "{rendered}"
+    );
+    assert!(rendered.ends_with("<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>"), "{rendered}");
+    // Only the template's specials: thinking-effort message (5) + user message (5) + generation prompt (4).
+    assert_eq!(ids.iter().filter(|&&i| tok.is_special(i)).count(), 14);
+    // Streamed text equals decoding the output ids (reserved specials carry no text).
+    let out: Vec<u32> = v["output_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    let visible: Vec<u32> = out.iter().copied().filter(|&i| !tok.is_reserved(i)).collect();
+    assert_eq!(v["text"].as_str().unwrap(), tok.decode(&visible).unwrap());
+}
+
+#[test]
+fn stats_are_printed_and_written() {
+    let cache = tempfile::tempdir().unwrap();
+    let sj = cache.path().join("stats.json");
+    let (_, err) = ok(deltafin(cache.path())
+        .args(["run", "--demo", "--prompt", "Hello", "--max-new", "5", "--stats", "--stats-json"])
+        .arg(&sj));
+    for name in [
+        "expert_bytes_requested",
+        "layer_passes",
+        "read_wait_s",
+        "expert_kernel_s",
+        "attention_s",
+        "router_s",
+        "ttft_s",
+        "decode_tok_s",
+        "peak_rss_bytes",
+    ] {
+        assert!(err.contains(name), "--stats lacks {name}:\n{err}");
+    }
+    let j: serde_json::Value = serde_json::from_slice(&std::fs::read(&sj).unwrap()).unwrap();
+    assert_eq!(j["layer_passes"], 7 * 5, "7 MoE layers, prompt pass + 4 decode steps");
+    assert!(j["expert_bytes_unique"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn exit_codes_and_messages() {
+    let cache = tempfile::tempdir().unwrap();
+    // Usage: no prompt at all.
+    let o = deltafin(cache.path()).args(["run", "--demo"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    // Runtime: a text prompt on a model without a tokenizer.
+    let o = deltafin(cache.path())
+        .args(["run", "--model"])
+        .arg(fixture("k3-tiny-a"))
+        .args(["--prompt", "hi"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("has no tiktoken.model"));
+    // Runtime: context too small for the request.
+    let o = deltafin(cache.path()).args(["run", "--demo", "--prompt", "hi", "--max-new", "100000"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("exceeds the usable context"));
+    // Runtime: a memory budget below the trunk.
+    let o = deltafin(cache.path()).args(["run", "--demo", "--prompt", "hi", "--memory-gb", "0.001"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("memory budget"));
+}
