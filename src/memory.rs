@@ -14,6 +14,8 @@ pub struct MemoryPlan {
     pub budget: u64,
     pub trunk: u64,
     pub expert_cache: u64,
+    /// Slots for reads in flight (besides the cache).
+    pub staging: u64,
     pub state_fixed: u64,
     pub state_per_token: u64,
     pub activations: u64,
@@ -34,15 +36,42 @@ pub struct BudgetError {
     pub activations: u64,
 }
 
-/// Memory this machine can give us: MemAvailable (Linux), else 8 GiB.
+/// Memory this machine can give us: MemAvailable, capped by the limit of our memory cgroup
+/// (v1 or v2) when there is one; 8 GiB where neither can be read.
 pub fn machine_available() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
-            line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
-        })
-        .unwrap_or(8 << 30)
+    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+    });
+    match (avail, cgroup_limit()) {
+        (Some(a), Some(l)) => a.min(l),
+        (Some(a), None) => a,
+        (None, Some(l)) => l,
+        (None, None) => 8 << 30,
+    }
+}
+
+/// The memory limit of this process's cgroup, if any.
+fn cgroup_limit() -> Option<u64> {
+    let cg = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let read = |p: String| std::fs::read_to_string(p).ok().and_then(|t| t.trim().parse::<u64>().ok());
+    for line in cg.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, ctrl, path) = (parts.next()?, parts.next()?, parts.next()?);
+        if ctrl.split(',').any(|c| c == "memory") {
+            // cgroup v1; "no limit" is a huge number.
+            if let Some(l) =
+                read(format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")).filter(|&l| l < (1u64 << 60))
+            {
+                return Some(l);
+            }
+        } else if ctrl.is_empty()
+            && let Some(l) = read(format!("/sys/fs/cgroup{path}/memory.max"))
+        {
+            return Some(l);
+        }
+    }
+    None
 }
 
 /// Bytes of f32 activations for a batch of `rows` rows (generous: the widest intermediates of
@@ -68,25 +97,36 @@ impl MemoryPlan {
         budget: u64,
         trunk: u64,
         expert_cache: u64,
+        staging: u64,
         prefill_rows: usize,
     ) -> Result<Self, BudgetError> {
         let (fixed, per_token) = SeqState::footprint(c);
         let (state_fixed, state_per_token) = (fixed as u64, per_token.max(1) as u64);
         let activations = activation_bytes(c, prefill_rows.max(1));
-        let committed = trunk + expert_cache + state_fixed + activations;
+        let committed = trunk + expert_cache + staging + state_fixed + activations;
         if committed > budget {
-            return Err(BudgetError { budget, trunk, expert_cache, state_fixed, activations });
+            return Err(BudgetError { budget, trunk, expert_cache: expert_cache + staging, state_fixed, activations });
         }
         let context_bound = (((budget - committed) / state_per_token) as usize).min(c.max_context);
-        Ok(MemoryPlan { budget, trunk, expert_cache, state_fixed, state_per_token, activations, context_bound })
+        Ok(MemoryPlan {
+            budget,
+            trunk,
+            expert_cache,
+            staging,
+            state_fixed,
+            state_per_token,
+            activations,
+            context_bound,
+        })
     }
 
-    /// "trunk 12 MiB + expert cache 0 B + state 1.2 MiB + 2.3 KiB/token + activations 3 MiB of 20 GiB"
+    /// "trunk 12 MiB + expert cache 0 B + read slots 70 MiB + state 1.2 MiB + 2.3 KiB/token + activations 3 MiB of 20 GiB"
     pub fn summary(&self) -> String {
         format!(
-            "trunk {} + expert cache {} + state {} + {}/token + activations {} of {}",
+            "trunk {} + expert cache {} + read slots {} + state {} + {}/token + activations {} of {}",
             human_bytes(self.trunk),
             human_bytes(self.expert_cache),
+            human_bytes(self.staging),
             human_bytes(self.state_fixed),
             human_bytes(self.state_per_token),
             human_bytes(self.activations),

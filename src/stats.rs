@@ -41,17 +41,44 @@ pub struct Stats {
     pub decode_s: f64,
     pub drafts_proposed: u64,
     pub drafts_accepted: u64,
+    /// The expert source's counters (filled at the end of a run).
+    pub source: Option<crate::store::SourceReport>,
+    /// Routing counts per (layer, expert), for `--trace-routes`.
+    pub routes: std::collections::BTreeMap<u32, Vec<u64>>,
 }
 
 impl Stats {
+    /// Adds one routing decision per (row, selected expert) of `layer`.
+    pub fn record_routes(&mut self, layer: usize, experts: &[u32], n_experts: usize) {
+        let counts = self.routes.entry(layer as u32).or_insert_with(|| vec![0; n_experts]);
+        for &e in experts {
+            if let Some(c) = counts.get_mut(e as usize) {
+                *c += 1;
+            }
+        }
+    }
+
+    /// The route counts in the trace format `place --policy hot` reads.
+    pub fn route_trace(&self) -> crate::store::placement::RouteTrace {
+        crate::store::placement::RouteTrace {
+            version: 1,
+            layers: self.routes.iter().map(|(l, c)| (l.to_string(), c.clone())).collect(),
+        }
+    }
+
     pub fn expert_bytes_unique(&self) -> u64 {
         self.distinct_experts.len() as u64 * self.expert_bytes
+    }
+
+    /// Bytes read from drives (from the source's report when present).
+    pub fn bytes_read(&self) -> Option<u64> {
+        self.source.as_ref().and_then(|s| s.expert_bytes_read).or(self.expert_bytes_read)
     }
 
     /// Bytes read from drives / bytes of the distinct experts needed.
     pub fn read_amplification(&self) -> Option<f64> {
         let unique = self.expert_bytes_unique();
-        self.expert_bytes_read.filter(|_| unique > 0).map(|r| r as f64 / unique as f64)
+        self.bytes_read().filter(|_| unique > 0).map(|r| r as f64 / unique as f64)
     }
 
     pub fn prefill_tok_s(&self) -> f64 {
@@ -76,11 +103,15 @@ impl Stats {
             "experts_fetched": self.experts_fetched,
             "expert_rows": self.expert_rows,
             "expert_bytes_requested": self.expert_bytes_requested,
-            "expert_bytes_read": self.expert_bytes_read,
+            "expert_bytes_read": self.bytes_read(),
             "expert_bytes_unique": self.expert_bytes_unique(),
             "read_amplification": self.read_amplification(),
-            "cache_hits": self.cache_hits,
-            "cache_misses": self.cache_misses,
+            "cache_hits": self.source.as_ref().and_then(|s| s.cache_hits).or(self.cache_hits),
+            "cache_misses": self.source.as_ref().and_then(|s| s.cache_misses).or(self.cache_misses),
+            "inflight_joins": self.source.as_ref().and_then(|s| s.inflight_joins),
+            "prefetch_issued": self.source.as_ref().map(|s| s.prefetch_issued),
+            "prefetch_used": self.source.as_ref().map(|s| s.prefetch_used),
+            "drives": self.source.as_ref().map(|s| serde_json::to_value(&s.drives).unwrap_or_default()),
             "read_wait_s": self.read_wait_s,
             "expert_kernel_s": self.expert_kernel_s,
             "attention_s": self.attention_s,
@@ -101,6 +132,19 @@ impl Stats {
         let mut s = String::from("stats:\n");
         if let Value::Object(m) = j {
             for (k, v) in m {
+                if k == "drives" {
+                    if let Value::Array(ds) = &v {
+                        for d in ds {
+                            s.push_str(&format!(
+                                "  drive {} {}: {} in {} reads, p50 {} ms, p99 {} ms, max {} ms, lands_last {}, failures {}{}\n",
+                                d["drive"], d["root"].as_str().unwrap_or(""), crate::util::human_bytes(d["bytes_read"].as_u64().unwrap_or(0)),
+                                d["reads"], fmt_ms(&d["read_ms_p50"]), fmt_ms(&d["read_ms_p99"]), fmt_ms(&d["read_ms_max"]),
+                                d["lands_last"], d["failures"], d["failed"].as_str().map(|f| format!(" (FAILED: {f})")).unwrap_or_default()
+                            ));
+                        }
+                    }
+                    continue;
+                }
                 let shown = match &v {
                     Value::Null => "n/a".to_string(),
                     Value::Number(n) if n.is_f64() => format!("{:.4}", n.as_f64().unwrap_or(0.0)),
@@ -111,6 +155,10 @@ impl Stats {
         }
         s
     }
+}
+
+fn fmt_ms(v: &Value) -> String {
+    v.as_f64().map_or("n/a".into(), |x| format!("{x:.2}"))
 }
 
 /// Peak resident set size of this process (VmHWM), where the OS reports it.

@@ -8,7 +8,6 @@ use crate::model::config::{AttnKind, FfnKind};
 use crate::model::synth::{self, SynthSpec};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{Checkpoint, K3Config, Roster};
-use crate::store::ShardExperts;
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 
@@ -30,13 +29,8 @@ pub fn open(dir: &Path) -> Result<Opened> {
 }
 
 impl Opened {
-    pub fn experts(&self) -> Option<ShardExperts<'_>> {
-        ShardExperts::new(&self.ck, &self.roster)
-    }
-
-    pub fn model<'a>(&'a self, experts: Option<&'a ShardExperts<'a>>) -> Result<K3<'a>> {
-        let src = experts.map(|s| s as &dyn crate::store::ExpertSource);
-        Ok(K3::new(self.cfg.clone(), &self.ck, &self.roster, src)?)
+    pub fn model<'a>(&'a self, experts: Option<&'a dyn crate::store::ExpertSource>) -> Result<K3<'a>> {
+        Ok(K3::new(self.cfg.clone(), &self.ck, &self.roster, experts)?)
     }
 
     /// The tokenizer (`tiktoken.model` + `tokenizer_config.json`), converted once and cached.
@@ -68,14 +62,13 @@ impl Opened {
     }
 
     /// One line: model, layers, experts, memory split, usable context bound.
-    pub fn startup_line(&self, model: &K3, plan: &MemoryPlan) -> String {
+    pub fn startup_line(&self, source: &str, plan: &MemoryPlan) -> String {
         let c = &self.cfg;
         let kda = c.attn.iter().filter(|a| **a == AttnKind::Kda).count();
         let dense = c.ffn.iter().filter(|f| **f == FfnKind::Dense).count();
         let random = if synth::is_synthetic(&self.dir) { " [RANDOM WEIGHTS]" } else { "" };
-        let _ = model;
         format!(
-            "deltafin: {}{random} | {} layers ({kda} KDA + {} MLA, {dense} dense + {} MoE), {} experts/layer top-{} + {} shared, hidden {}, vocab {} | experts {} via mmap | memory: {} | context <= {} tokens | {} x{}",
+            "deltafin: {}{random} | {} layers ({kda} KDA + {} MLA, {dense} dense + {} MoE), {} experts/layer top-{} + {} shared, hidden {}, vocab {} | experts {} on disk, {source} | memory: {} | context <= {} tokens | {} x{}",
             self.dir.display(),
             c.layers,
             c.layers - kda,

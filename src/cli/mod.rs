@@ -1,7 +1,9 @@
 //! Command-line interface: clap definitions and one file per subcommand. Errors are `anyhow` with
 //! context here at the edge; exit codes: 0 success, 1 runtime error, 2 usage error.
 
+mod engine;
 mod load;
+mod place;
 mod run;
 mod score;
 mod synth;
@@ -31,6 +33,8 @@ enum Cmd {
     Score(score::ScoreArgs),
     /// Write a random-weight checkpoint in the exact shipped layout (any size).
     Synth(synth::SynthArgs),
+    /// Place experts on drives: pack files + placement.json (or --verify an existing placement).
+    Place(place::PlaceArgs),
 }
 
 /// How KDA evaluates a prompt (hidden option for tests and comparisons).
@@ -74,6 +78,7 @@ pub fn main() -> ExitCode {
         Cmd::Run(a) => run::run(a),
         Cmd::Score(a) => score::run(a),
         Cmd::Synth(a) => synth::run(a),
+        Cmd::Place(a) => place::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -5,7 +5,6 @@
 use super::load::{self, Opened};
 use super::{KdaArg, TokenIds};
 use crate::k3::{ForwardStats, Logits, argmax};
-use crate::memory::{MemoryPlan, machine_available};
 use crate::model::chat::{ChatOptions, ChatTemplate, Thinking};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use anyhow::{Context, Result, bail};
@@ -64,9 +63,11 @@ pub struct RunArgs {
     /// Write the counters as JSON to this file.
     #[arg(long)]
     pub stats_json: Option<PathBuf>,
-    /// Memory budget in GB (default: what the machine has available).
+    /// Record how often each expert is routed (input for `place --policy hot`).
     #[arg(long)]
-    pub memory_gb: Option<f64>,
+    pub trace_routes: Option<PathBuf>,
+    #[command(flatten)]
+    pub engine: super::engine::EngineArgs,
     /// No startup line.
     #[arg(long, short)]
     pub quiet: bool,
@@ -130,11 +131,10 @@ pub fn run(a: RunArgs) -> Result<()> {
     let tok = if needs_tok || dir.join("tiktoken.model").exists() { Some(opened.tokenizer()?) } else { None };
     let prompt = prompt_ids(&a, &opened, tok.as_ref())?;
 
-    let experts = opened.experts();
-    let mut model = opened.model(experts.as_ref())?;
+    let trunk = crate::k3::weights::Weights::load(&opened.cfg, &opened.ck)?.resident_bytes() as u64;
+    let (source, plan) = a.engine.open(&opened, trunk, prompt.len())?;
+    let mut model = opened.model(Some(source.as_dyn()))?;
     model.kda_mode = a.kda.into();
-    let budget = a.memory_gb.map_or_else(machine_available, |g| (g * 1e9) as u64);
-    let plan = MemoryPlan::new(&opened.cfg, budget, model.w.resident_bytes() as u64, 0, prompt.len())?;
     if prompt.len() + a.max_new > plan.context_bound {
         bail!(
             "the prompt ({} tokens) plus --max-new {} exceeds the usable context of {} tokens",
@@ -144,7 +144,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         );
     }
     if !a.quiet {
-        eprintln!("{}", opened.startup_line(&model, &plan));
+        eprintln!("{}", opened.startup_line(&source.describe(), &plan));
     }
     if a.demo {
         eprintln!(
@@ -194,7 +194,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     text.push_str(&tail);
     stats.decode_s = t_dec.elapsed().as_secs_f64();
     stats.generated_tokens = ids.len() as u64;
-    stats.expert_bytes_requested = experts.as_ref().map_or(0, crate::store::ExpertSource::bytes_requested);
+    stats.source = Some(source.as_dyn().report());
 
     match a.format {
         Format::Text => {
@@ -211,6 +211,10 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     if a.stats {
         eprint!("{}", stats.to_text());
+    }
+    if let Some(p) = &a.trace_routes {
+        let body = serde_json::to_vec(&stats.route_trace())?;
+        crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
     }
     if let Some(p) = &a.stats_json {
         let body = serde_json::to_vec_pretty(&stats.to_json())?;

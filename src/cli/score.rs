@@ -18,6 +18,8 @@ pub struct ScoreArgs {
     /// How KDA processes the prompt: auto (chunked form), chunked, or recurrent (token by token).
     #[arg(long, value_enum, default_value_t = KdaArg::Auto, hide = true)]
     kda: KdaArg,
+    #[command(flatten)]
+    engine: super::engine::EngineArgs,
     /// Output safetensors file (written atomically).
     #[arg(long)]
     logits_out: PathBuf,
@@ -25,8 +27,9 @@ pub struct ScoreArgs {
 
 pub fn run(a: ScoreArgs) -> Result<()> {
     let opened = load::open(&a.model)?;
-    let experts = opened.experts();
-    let mut model = opened.model(experts.as_ref())?;
+    let trunk = crate::k3::weights::Weights::load(&opened.cfg, &opened.ck)?.resident_bytes() as u64;
+    let (source, _plan) = a.engine.open(&opened, trunk, a.prompt_ids.0.len())?;
+    let mut model = opened.model(Some(source.as_dyn()))?;
     model.kda_mode = a.kda.into();
     let mut st = model.new_state();
     let mut fs = ForwardStats::default();

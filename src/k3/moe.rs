@@ -132,6 +132,7 @@ pub fn forward(
     let situ = Situ { beta: c.situ_beta, linear_beta: c.situ_linear_beta };
     let routes = route(c, w, xn);
     let k = routes.k;
+    stats.record_routes(layer, &routes.experts, c.experts);
     let t_routed = Instant::now();
     stats.router_s += (t_routed - t_start).as_secs_f64();
 

@@ -2,8 +2,25 @@
 //!
 //! Contract: [`ExpertSource::fetch`] delivers, for one layer, the raw shipped MXFP4 bytes of each
 //! requested expert exactly once, in any order (arrival order), laid out as [`ExpertLayout`]
-//! describes. Callers must not depend on the delivery order for their results. This module holds
-//! the trait and [`ShardExperts`], which slices the memory-mapped shards.
+//! describes. Callers must not depend on the delivery order for their results.
+//!
+//! Implementations: [`expert_store::ExpertStore`] (holders on drives, O_DIRECT readers, balancer,
+//! cache, failover — the engine's path) and [`ShardExperts`] (slices of the memory-mapped shards —
+//! the in-memory reference the store is tested against). `pack` is the on-drive format of expert
+//! copies, `placement` decides and writes where they go, `probe` measures drives.
+
+pub mod cache;
+pub mod counters;
+pub mod expert_store;
+pub mod pack;
+pub mod placement;
+pub mod pread;
+pub mod probe;
+pub mod reader;
+#[cfg(target_os = "linux")]
+pub mod uring;
+
+pub use counters::SourceReport;
 
 use crate::model::Checkpoint;
 use crate::model::roster::{ExpertLayout, Roster};
@@ -13,6 +30,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub enum StoreError {
     #[error("expert {expert} of layer {layer} has no holder (layer has no routed experts or the id is out of range)")]
     NoHolder { layer: usize, expert: u32 },
+    #[error("{0}")]
+    NoHolderLeft(String),
+    #[error("expert store setup: {0}")]
+    Setup(String),
 }
 
 /// A source of raw expert bytes.
@@ -25,6 +46,11 @@ pub trait ExpertSource: Send + Sync {
 
     /// Bytes handed to the forward pass so far.
     fn bytes_requested(&self) -> u64;
+
+    /// Counters for `--stats`.
+    fn report(&self) -> SourceReport {
+        SourceReport { expert_bytes_requested: self.bytes_requested(), ..Default::default() }
+    }
 }
 
 /// Experts sliced straight out of the mapped shards (the page cache does the reading).

@@ -1,0 +1,132 @@
+//! Engine options shared by `run`, `score` and `bench`: where experts come from (the store with a
+//! placement, the store over the shards, or the memory-mapped shards), the expert cache, the
+//! reader, the memory budget — and building the expert source and memory plan from them.
+
+use super::load::Opened;
+use crate::memory::{MemoryPlan, activation_bytes, machine_available};
+use crate::store::expert_store::{ExpertStore, StoreOptions};
+use crate::store::placement::{MANIFEST, Manifest, manifest_spec, shard_spec};
+use crate::store::reader::ReaderKind;
+use crate::store::{ExpertSource, ShardExperts};
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ExpertsFrom {
+    /// The expert store: O_DIRECT reads from the placement's drives (or the shards), with cache.
+    Store,
+    /// The memory-mapped shards through the page cache (reference path; no counters of reads).
+    Mmap,
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct EngineArgs {
+    /// Placement manifest (default: MODEL/placement.json if present, else read the shards).
+    #[arg(long)]
+    pub placement: Option<PathBuf>,
+    /// Expert cache size in GB (default: what the memory budget leaves, up to all experts).
+    #[arg(long)]
+    pub expert_cache_gb: Option<f64>,
+    /// I/O reader.
+    #[arg(long, value_enum, default_value_t = ReaderKind::Auto)]
+    pub reader: ReaderKind,
+    /// Reads in flight per drive when reading the shards without a placement.
+    #[arg(long, default_value_t = 4)]
+    pub qd: usize,
+    /// Where experts come from.
+    #[arg(long, value_enum, default_value_t = ExpertsFrom::Store)]
+    pub experts_from: ExpertsFrom,
+    /// Memory budget in GB (default: what the machine, or its memory cgroup, has available).
+    #[arg(long)]
+    pub memory_gb: Option<f64>,
+}
+
+/// The expert source chosen by the options.
+pub enum Source<'a> {
+    Store(ExpertStore),
+    Mmap(ShardExperts<'a>),
+}
+
+impl Source<'_> {
+    pub fn as_dyn(&self) -> &dyn ExpertSource {
+        match self {
+            Source::Store(s) => s,
+            Source::Mmap(m) => m,
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Source::Store(s) => {
+                let r = s.report();
+                let drives: Vec<String> = r
+                    .drives
+                    .iter()
+                    .map(|d| format!("{} ({}{})", d.root, d.reader, if d.direct_io { ", O_DIRECT" } else { "" }))
+                    .collect();
+                format!("experts via store: {} drive(s) [{}], {} slots", r.drives.len(), drives.join(", "), s.slots())
+            }
+            Source::Mmap(_) => "experts via mmap".into(),
+        }
+    }
+}
+
+/// Slots the store allocates for reads in flight besides the cache (mirrors ExpertStore::open).
+fn staging_bytes(opened: &Opened, drives: usize, qd: usize) -> u64 {
+    let slot = (opened.cfg.expert_bytes() as u64).div_ceil(4096) * 4096 + 8192;
+    (drives as u64 * (qd as u64 + 1) + 2) * slot
+}
+
+impl EngineArgs {
+    /// Builds the memory plan and the expert source for a run over `rows` prompt rows.
+    pub fn open<'a>(&self, opened: &'a Opened, trunk: u64, rows: usize) -> Result<(Source<'a>, MemoryPlan)> {
+        let c = &opened.cfg;
+        let budget = self.memory_gb.map_or_else(machine_available, |g| (g * 1e9) as u64);
+        let manifest_path = self.placement.clone().or_else(|| Some(opened.dir.join(MANIFEST)).filter(|p| p.exists()));
+        let manifest = match &manifest_path {
+            Some(p) if self.experts_from == ExpertsFrom::Store => {
+                Some(Manifest::load(p).with_context(|| format!("cannot use the placement {}", p.display()))?)
+            }
+            _ => None,
+        };
+        let (drives, qd) = manifest
+            .as_ref()
+            .map_or((1, self.qd), |m| (m.drives.len() + 1, m.drives.iter().map(|d| d.qd).max().unwrap_or(self.qd)));
+        let has_experts = opened.roster.expert_layout.is_some();
+        let staging =
+            if has_experts && self.experts_from == ExpertsFrom::Store { staging_bytes(opened, drives, qd) } else { 0 };
+        let total_experts = opened.expert_bytes_total();
+        let cache = match (self.expert_cache_gb, self.experts_from, has_experts) {
+            (_, ExpertsFrom::Mmap, _) | (_, _, false) => 0,
+            (Some(g), _, _) => (g * 1e9) as u64,
+            (None, _, _) => {
+                let (fixed, per_token) = crate::k3::state::SeqState::footprint(c);
+                let reserve = fixed as u64 + per_token as u64 * c.max_context.min(32_768) as u64;
+                let committed = trunk + staging + reserve + activation_bytes(c, rows.max(1));
+                (budget.saturating_sub(committed) as f64 * 0.9) as u64
+            }
+        }
+        .min(total_experts);
+        let plan = MemoryPlan::new(c, budget, trunk, cache, staging, rows)?;
+        let source = match self.experts_from {
+            ExpertsFrom::Mmap => {
+                Source::Mmap(ShardExperts::new(&opened.ck, &opened.roster).context("the model has no routed experts")?)
+            }
+            ExpertsFrom::Store => {
+                if !has_experts {
+                    bail!("the model has no routed experts");
+                }
+                let layout = opened.roster.expert_layout.clone().context("no expert layout")?;
+                let spec = match &manifest {
+                    Some(m) => manifest_spec(m, &opened.ck, &opened.roster, layout)?,
+                    None => shard_spec(&opened.ck, &opened.roster, &opened.dir, self.qd, 1.0)
+                        .context("the model has no routed experts")?,
+                };
+                let opts = StoreOptions { cache_bytes: cache, reader: self.reader, prefetch_depth: 1 };
+                Source::Store(ExpertStore::open(spec, opts)?)
+            }
+        };
+        Ok((source, plan))
+    }
+}

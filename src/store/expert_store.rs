@@ -1,0 +1,837 @@
+//! The expert store: where experts are read. Holders on several drives, one reader thread per
+//! drive, a read balancer, the expert cache, integrity checks and failover.
+//!
+//! Contract:
+//! - `fetch(layer, experts, land)` delivers each requested expert's exact shipped bytes once, in
+//!   arrival order; bytes are verified against the placement checksum when one is known.
+//! - A read already in flight for an expert is joined, never issued twice.
+//! - Each read goes to the holder with the earliest expected completion (bytes queued on its
+//!   drive / the drive's measured rate, plus this read); rates follow completions. An expert is
+//!   read whole from one drive.
+//! - A failed read (I/O error, short read, checksum mismatch) names the drive and the expert; the
+//!   drive is then avoided and the read retried on another holder. With no holder left the fetch
+//!   fails with a clear error; no bytes of a failed read are ever delivered.
+
+use super::cache::{Lru, Slab};
+use super::counters::{DriveCounters, DriveReport, SourceReport};
+use super::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader, widen};
+use super::{ExpertSource, StoreError};
+use crate::model::roster::ExpertLayout;
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// One place an expert's bytes can be read.
+#[derive(Clone, Copy, Debug)]
+pub struct Holder {
+    pub drive: u16,
+    pub file: u32,
+    /// Offset of the expert's first byte in the file.
+    pub offset: u64,
+    /// 0 = primary; 1 = fallback, used only when no primary holder is usable.
+    pub tier: u8,
+}
+
+#[derive(Clone, Debug)]
+pub struct DriveSpec {
+    pub root: PathBuf,
+    /// Expected read rate in GB/s (measured by `place`, or a default).
+    pub gbps: f64,
+    pub qd: usize,
+}
+
+/// Everything the store needs to know about where experts are.
+pub struct StoreSpec {
+    pub layout: ExpertLayout,
+    pub drives: Vec<DriveSpec>,
+    /// (drive, path) of every file holding experts.
+    pub files: Vec<(u16, PathBuf)>,
+    /// [layer] -> [expert] -> holders (None for layers without routed experts).
+    pub holders: Vec<Option<Vec<Vec<Holder>>>>,
+    /// [layer] -> [expert] -> xxh3 of the expert's bytes, when known.
+    pub checksums: Option<Vec<Option<Vec<u64>>>>,
+}
+
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// Bytes of expert cache kept across layers and tokens (0 = keep nothing).
+    pub cache_bytes: u64,
+    pub reader: ReaderKind,
+    /// Maximum prefetch reads in flight per drive (0 disables prefetch).
+    pub prefetch_depth: usize,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions { cache_bytes: 0, reader: ReaderKind::Auto, prefetch_depth: 1 }
+    }
+}
+
+type Key = (u32, u32);
+
+#[derive(Clone, Copy, Debug)]
+enum Slot {
+    Free,
+    Loading,
+    Ready { pins: u32, start: u32, drive: u16, at: Instant, prefetched: bool },
+}
+
+enum KeyState {
+    Loading { req: usize },
+    Ready { slot: usize },
+    Failed { msg: String, waiters: u32 },
+}
+
+struct Req {
+    key: Key,
+    slot: usize,
+    drive: u16,
+    /// Drives already tried (failed) for this read.
+    tried: Vec<u16>,
+    prefetch: bool,
+    /// Fetchers waiting for this read; they each hold a pin once it completes.
+    waiters: u32,
+    submitted: Option<Instant>,
+    op_len: u64,
+    start: u32,
+    offset: u64,
+    fd: i32,
+}
+
+struct DriveState {
+    demand: VecDeque<usize>,
+    prefetch: VecDeque<usize>,
+    queued_bytes: u64,
+    /// Bytes per second.
+    rate: f64,
+    failed: Option<String>,
+    in_flight: usize,
+    last_completion: Option<Instant>,
+    counters: DriveCounters,
+    reader: Option<ReaderKind>,
+}
+
+struct State {
+    slots: Vec<Slot>,
+    keys: HashMap<Key, KeyState>,
+    free: Vec<usize>,
+    /// Ready, unpinned slots (cached or prefetched), least recently used first.
+    lru: Lru,
+    reqs: Vec<Option<Req>>,
+    free_reqs: Vec<usize>,
+    drives: Vec<DriveState>,
+    requested: u64,
+    read: u64,
+    hits: u64,
+    misses: u64,
+    joins: u64,
+    prefetch_issued: u64,
+    prefetch_used: u64,
+    shutdown: bool,
+}
+
+struct Shared {
+    st: Mutex<State>,
+    done_cv: Condvar,
+    drive_cv: Vec<Condvar>,
+    slab: Slab,
+    spec: StoreSpec,
+    files: Vec<Option<DirectFile>>,
+    cache_slots: usize,
+    prefetch_depth: usize,
+}
+
+pub struct ExpertStore {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+fn lock(s: &Shared) -> MutexGuard<'_, State> {
+    // A panicking reader thread must not take the whole engine down with a poisoned lock.
+    s.st.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl ExpertStore {
+    /// Opens every holder file and starts one reader thread per usable drive.
+    pub fn open(spec: StoreSpec, opts: StoreOptions) -> Result<Self, StoreError> {
+        let len = spec.layout.len as u64;
+        // Widened O_DIRECT reads need up to one extra 4 KiB page on each side.
+        let slot_size = (len.div_ceil(4096) * 4096 + 8192) as usize;
+        let staging: usize = spec.drives.iter().map(|d| d.qd.max(1) + opts.prefetch_depth).sum::<usize>() + 2;
+        let cache_slots = (opts.cache_bytes / slot_size as u64) as usize;
+        let slab =
+            Slab::new(cache_slots + staging, slot_size).map_err(|e| StoreError::Setup(format!("expert cache: {e}")))?;
+
+        let mut drives: Vec<DriveState> = spec
+            .drives
+            .iter()
+            .map(|d| DriveState {
+                demand: VecDeque::new(),
+                prefetch: VecDeque::new(),
+                queued_bytes: 0,
+                rate: (d.gbps.max(0.01)) * 1e9,
+                failed: None,
+                in_flight: 0,
+                last_completion: None,
+                counters: DriveCounters::default(),
+                reader: None,
+            })
+            .collect();
+        for (i, d) in spec.drives.iter().enumerate() {
+            if !d.root.is_dir() {
+                let msg = format!("directory {} is missing", d.root.display());
+                eprintln!("deltafin: warning: drive {i} ({}): {msg}; using the remaining holders", d.root.display());
+                drives[i].failed = Some(msg);
+            }
+        }
+        let mut files = Vec::with_capacity(spec.files.len());
+        for (drive, path) in &spec.files {
+            let d = *drive as usize;
+            if drives[d].failed.is_some() {
+                files.push(None);
+                continue;
+            }
+            match DirectFile::open(path) {
+                Ok(f) => files.push(Some(f)),
+                Err(e) => {
+                    let msg = format!("cannot open {}: {e}", path.display());
+                    eprintln!(
+                        "deltafin: warning: drive {d} ({}): {msg}; avoiding this drive",
+                        spec.drives[d].root.display()
+                    );
+                    drives[d].failed = Some(msg);
+                    drives[d].counters.failures += 1;
+                    files.push(None);
+                }
+            }
+        }
+        let n_slots = slab.slots;
+        let st = State {
+            slots: vec![Slot::Free; n_slots],
+            keys: HashMap::new(),
+            free: (0..n_slots).rev().collect(),
+            lru: Lru::new(n_slots),
+            reqs: Vec::new(),
+            free_reqs: Vec::new(),
+            drives,
+            requested: 0,
+            read: 0,
+            hits: 0,
+            misses: 0,
+            joins: 0,
+            prefetch_issued: 0,
+            prefetch_used: 0,
+            shutdown: false,
+        };
+        let n_drives = spec.drives.len();
+        let shared = Arc::new(Shared {
+            st: Mutex::new(st),
+            done_cv: Condvar::new(),
+            drive_cv: (0..n_drives).map(|_| Condvar::new()).collect(),
+            slab,
+            spec,
+            files,
+            cache_slots,
+            prefetch_depth: opts.prefetch_depth,
+        });
+        let mut threads = Vec::new();
+        for d in 0..n_drives {
+            if lock(&shared).drives[d].failed.is_some() {
+                continue;
+            }
+            let qd = shared.spec.drives[d].qd.max(1);
+            let reader = new_reader(opts.reader, qd, &shared.slab.iovecs())
+                .map_err(|e| StoreError::Setup(format!("{} reader for drive {d}: {e}", opts.reader.name())))?;
+            lock(&shared).drives[d].reader = Some(reader.kind());
+            let sh = Arc::clone(&shared);
+            let t = std::thread::Builder::new()
+                .name(format!("deltafin-drive{d}"))
+                .spawn(move || drive_loop(sh, d, reader))
+                .map_err(|e| StoreError::Setup(format!("cannot start the reader thread for drive {d}: {e}")))?;
+            threads.push(t);
+        }
+        Ok(ExpertStore { shared, threads })
+    }
+
+    /// Starts reading experts a later layer will probably need, into idle drive capacity only.
+    /// Experts already cached or in flight are skipped; nothing is evicted that is pinned.
+    pub fn prefetch(&self, layer: usize, experts: &[u32]) {
+        if self.shared.prefetch_depth == 0 {
+            return;
+        }
+        let sh = &*self.shared;
+        let mut st = lock(sh);
+        for &e in experts {
+            let key = (layer as u32, e);
+            if st.keys.contains_key(&key) {
+                continue;
+            }
+            // Prefetch never takes a slot that a demanded read could use right now.
+            let Some(slot) = st.free.pop().or_else(|| evict_lru(&mut st)) else { break };
+            if !start_read(sh, &mut st, key, slot, true, &[]) {
+                st.free.push(slot);
+            }
+        }
+    }
+
+    /// Drops queued (not yet submitted) prefetch reads of `layer` for experts not in `keep`.
+    pub fn cancel_prefetch(&self, layer: usize, keep: &[u32]) {
+        let sh = &*self.shared;
+        let mut st = lock(sh);
+        let st = &mut *st;
+        for d in 0..st.drives.len() {
+            let queued: Vec<usize> = st.drives[d].prefetch.iter().copied().collect();
+            for r in queued {
+                let Some(req) = st.reqs[r].as_ref() else { continue };
+                if req.key.0 != layer as u32 || keep.contains(&req.key.1) || req.waiters > 0 {
+                    continue;
+                }
+                let (key, slot, len) = (req.key, req.slot, req.op_len);
+                st.drives[d].prefetch.retain(|&x| x != r);
+                st.drives[d].queued_bytes -= len;
+                st.keys.remove(&key);
+                st.slots[slot] = Slot::Free;
+                st.free.push(slot);
+                st.reqs[r] = None;
+                st.free_reqs.push(r);
+            }
+        }
+    }
+
+    pub fn report(&self) -> SourceReport {
+        let sh = &*self.shared;
+        let st = lock(sh);
+        SourceReport {
+            expert_bytes_requested: st.requested,
+            expert_bytes_read: Some(st.read),
+            cache_hits: Some(st.hits),
+            cache_misses: Some(st.misses),
+            inflight_joins: Some(st.joins),
+            cache_slots: Some(sh.cache_slots),
+            prefetch_issued: st.prefetch_issued,
+            prefetch_used: st.prefetch_used,
+            drives: st
+                .drives
+                .iter()
+                .enumerate()
+                .map(|(i, d)| DriveReport {
+                    drive: i,
+                    root: sh.spec.drives[i].root.display().to_string(),
+                    reader: d.reader.map_or("none", ReaderKind::name).to_string(),
+                    direct_io: sh
+                        .spec
+                        .files
+                        .iter()
+                        .zip(&sh.files)
+                        .any(|((fd, _), f)| *fd as usize == i && f.as_ref().is_some_and(|f| f.direct)),
+                    bytes_read: d.counters.bytes_read,
+                    reads: d.counters.reads,
+                    read_ms_p50: d.counters.latency.quantile_ms(0.5),
+                    read_ms_p99: d.counters.latency.quantile_ms(0.99),
+                    read_ms_max: d.counters.latency.max_ms(),
+                    lands_last: d.counters.lands_last,
+                    failures: d.counters.failures,
+                    failed: d.failed.clone(),
+                    rate_gbps: d.rate / 1e9,
+                })
+                .collect(),
+        }
+    }
+
+    /// Number of slots in the slab (cache + staging).
+    pub fn slots(&self) -> usize {
+        self.shared.slab.slots
+    }
+}
+
+impl Drop for ExpertStore {
+    fn drop(&mut self) {
+        lock(&self.shared).shutdown = true;
+        for cv in &self.shared.drive_cv {
+            cv.notify_all();
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Frees the least recently used cached slot.
+fn evict_lru(st: &mut State) -> Option<usize> {
+    let slot = st.lru.pop_front()?;
+    st.keys.retain(|_, k| !matches!(k, KeyState::Ready { slot: s } if *s == slot));
+    st.slots[slot] = Slot::Free;
+    Some(slot)
+}
+
+/// The usable holder of `key` with the earliest expected completion, avoiding failed drives and
+/// `exclude`; primary holders before fallback ones.
+fn choose_holder(sh: &Shared, st: &State, key: Key, exclude: &[u16]) -> Option<Holder> {
+    let holders = sh.spec.holders.get(key.0 as usize)?.as_ref()?.get(key.1 as usize)?;
+    let len = sh.spec.layout.len as f64;
+    let usable = |h: &&Holder| {
+        st.drives[h.drive as usize].failed.is_none()
+            && !exclude.contains(&h.drive)
+            && sh.files[h.file as usize].is_some()
+    };
+    let best_tier = holders.iter().filter(usable).map(|h| h.tier).min()?;
+    holders.iter().filter(usable).filter(|h| h.tier == best_tier).copied().min_by(|a, b| {
+        let cost = |h: &Holder| {
+            let d = &st.drives[h.drive as usize];
+            (d.queued_bytes as f64 + len) / d.rate
+        };
+        cost(a).total_cmp(&cost(b)).then(a.drive.cmp(&b.drive))
+    })
+}
+
+/// Queues a read of `key` into `slot`; false if no holder is usable (then nothing changed).
+fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, prefetch: bool, exclude: &[u16]) -> bool {
+    let Some(h) = choose_holder(sh, st, key, exclude) else { return false };
+    let Some(file) = sh.files[h.file as usize].as_ref() else { return false };
+    let len = sh.spec.layout.len as u64;
+    let (off, op_len, start) = if file.direct { widen(h.offset, len) } else { (h.offset, len, 0) };
+    let req = Req {
+        key,
+        slot,
+        drive: h.drive,
+        tried: exclude.to_vec(),
+        prefetch,
+        waiters: 0,
+        submitted: None,
+        op_len,
+        start: start as u32,
+        offset: off,
+        fd: file.fd(),
+    };
+    let r = match st.free_reqs.pop() {
+        Some(r) => {
+            st.reqs[r] = Some(req);
+            r
+        }
+        None => {
+            st.reqs.push(Some(req));
+            st.reqs.len() - 1
+        }
+    };
+    let d = &mut st.drives[h.drive as usize];
+    d.queued_bytes += op_len;
+    if prefetch {
+        d.prefetch.push_back(r);
+        st.prefetch_issued += 1;
+    } else {
+        d.demand.push_back(r);
+    }
+    st.slots[slot] = Slot::Loading;
+    st.keys.insert(key, KeyState::Loading { req: r });
+    sh.drive_cv[h.drive as usize].notify_one();
+    true
+}
+
+/// The reader thread of drive `d`.
+fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn super::reader::DriveIo>) {
+    let qd = sh.spec.drives[d].qd.max(1);
+    let mut done: Vec<Done> = Vec::new();
+    loop {
+        let mut batch: Vec<ReadOp> = Vec::new();
+        {
+            let mut st = lock(&sh);
+            loop {
+                let in_flight = reader.in_flight();
+                if st.shutdown && in_flight == 0 {
+                    return;
+                }
+                let st_ref = &mut *st;
+                let prefetch_in_flight = st_ref
+                    .reqs
+                    .iter()
+                    .flatten()
+                    .filter(|r| r.drive as usize == d && r.prefetch && r.submitted.is_some())
+                    .count();
+                while in_flight + batch.len() < qd {
+                    let dr = &mut st_ref.drives[d];
+                    // Prefetch only into idle capacity: never while a demanded read waits.
+                    let r = match dr.demand.pop_front() {
+                        Some(r) => r,
+                        None if prefetch_in_flight + batch.len() < sh.prefetch_depth => match dr.prefetch.pop_front() {
+                            Some(r) => r,
+                            None => break,
+                        },
+                        None => break,
+                    };
+                    let Some(req) = st_ref.reqs[r].as_mut() else { continue };
+                    st_ref.drives[d].in_flight += 1;
+                    req.submitted = Some(Instant::now());
+                    batch.push(ReadOp {
+                        tag: r as u64,
+                        fd: req.fd,
+                        offset: req.offset,
+                        len: req.op_len as usize,
+                        buf: sh.slab.slot_ptr(req.slot),
+                        buf_index: u16::try_from(req.slot).ok(),
+                    });
+                }
+                if batch.is_empty() && in_flight == 0 {
+                    st = sh.drive_cv[d].wait(st).unwrap_or_else(|p| p.into_inner());
+                    continue;
+                }
+                break;
+            }
+        }
+        for op in batch {
+            // SAFETY: the slot is Loading and owned by this request until its completion is handled.
+            if let Err(e) = unsafe { reader.submit(op) } {
+                done.push(Done { tag: op.tag, result: Err(e) });
+            }
+        }
+        if reader.in_flight() > 0
+            && let Err(e) = reader.reap(true, &mut done)
+        {
+            eprintln!("deltafin: warning: drive {d}: reader failed: {e}");
+        }
+        for c in done.drain(..) {
+            complete(&sh, d, c);
+        }
+    }
+}
+
+/// Checks a finished read and moves its expert to Ready, or fails over.
+fn complete(sh: &Shared, d: usize, c: Done) {
+    let r = c.tag as usize;
+    let len = sh.spec.layout.len;
+    // Verify outside the lock: the slot is still Loading and owned by this read.
+    let (key, slot, start, submitted, op_len) = {
+        let st = lock(sh);
+        let Some(req) = st.reqs[r].as_ref() else { return };
+        (req.key, req.slot, req.start as usize, req.submitted, req.op_len)
+    };
+    let verdict: Result<u64, String> = match c.result {
+        Err(e) => Err(format!("I/O error: {e}")),
+        Ok(n) if n < start + len => Err(format!("short read: got {} of {} bytes", n.saturating_sub(start), len)),
+        Ok(n) => {
+            let want =
+                sh.spec.checksums.as_ref().and_then(|c| c.get(key.0 as usize)?.as_ref()?.get(key.1 as usize).copied());
+            match want {
+                Some(w) => {
+                    // SAFETY: the read into this slot has completed and nobody else touches it.
+                    let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
+                    let got = super::pack::checksum(bytes);
+                    if got == w {
+                        Ok(n as u64)
+                    } else {
+                        Err(format!("checksum mismatch (xxh3 {got:016x}, expected {w:016x})"))
+                    }
+                }
+                None => Ok(n as u64),
+            }
+        }
+    };
+    let now = Instant::now();
+    let mut st = lock(sh);
+    let st = &mut *st;
+    let dr = &mut st.drives[d];
+    dr.in_flight = dr.in_flight.saturating_sub(1);
+    dr.queued_bytes = dr.queued_bytes.saturating_sub(op_len);
+    let Some(req) = st.reqs[r].take() else { return };
+    st.free_reqs.push(r);
+    match verdict {
+        Ok(n) => {
+            let dr = &mut st.drives[d];
+            if let Some(t0) = submitted {
+                dr.counters.latency.record((now - t0).as_secs_f64());
+                let busy_since = dr.last_completion.map_or(t0, |l| l.max(t0));
+                let dt = (now - busy_since).as_secs_f64().max(1e-6);
+                dr.rate = 0.8 * dr.rate + 0.2 * (n as f64 / dt);
+            }
+            dr.last_completion = Some(now);
+            dr.counters.bytes_read += n;
+            dr.counters.reads += 1;
+            if req.prefetch {
+                dr.counters.prefetch_reads += 1;
+            }
+            st.read += n;
+            let prefetched = req.waiters == 0;
+            st.slots[slot] =
+                Slot::Ready { pins: req.waiters, start: start as u32, drive: d as u16, at: now, prefetched };
+            st.keys.insert(key, KeyState::Ready { slot });
+            if req.waiters == 0 {
+                // Prefetched: evictable until demanded.
+                st.lru.push_back(slot);
+            }
+        }
+        Err(msg) => {
+            let root = sh.spec.drives[d].root.display().to_string();
+            let dr = &mut st.drives[d];
+            dr.counters.failures += 1;
+            if dr.failed.is_none() {
+                eprintln!(
+                    "deltafin: warning: drive {d} ({root}): expert {} of layer {}: {msg}; avoiding this drive",
+                    key.1, key.0
+                );
+                dr.failed = Some(format!("expert {} of layer {}: {msg}", key.1, key.0));
+            }
+            let mut tried = req.tried.clone();
+            tried.push(d as u16);
+            let waiters = req.waiters;
+            let prefetch = req.prefetch && waiters == 0;
+            if start_read(sh, st, key, slot, prefetch, &tried) {
+                if let Some(KeyState::Loading { req: nr, .. }) = st.keys.get(&key)
+                    && let Some(newreq) = st.reqs[*nr].as_mut()
+                {
+                    newreq.waiters = waiters;
+                }
+            } else if waiters > 0 {
+                st.slots[slot] = Slot::Free;
+                st.free.push(slot);
+                let msg = format!(
+                    "expert {} of layer {}: no holder left (last failure on drive {d} ({root}): {msg})",
+                    key.1, key.0
+                );
+                st.keys.insert(key, KeyState::Failed { msg, waiters });
+            } else {
+                st.slots[slot] = Slot::Free;
+                st.free.push(slot);
+                st.keys.remove(&key);
+            }
+        }
+    }
+    sh.done_cv.notify_all();
+}
+
+/// Releases a pin after the forward pass consumed the bytes; keeps the slot as cache if room.
+fn unpin(sh: &Shared, st: &mut State, key: Key, slot: usize) {
+    if let Slot::Ready { pins, .. } = &mut st.slots[slot] {
+        *pins = pins.saturating_sub(1);
+        if *pins > 0 {
+            return;
+        }
+    }
+    if st.lru.len() < sh.cache_slots {
+        st.lru.push_back(slot);
+    } else {
+        st.keys.remove(&key);
+        st.slots[slot] = Slot::Free;
+        st.free.push(slot);
+    }
+}
+
+/// A slot for a new read: a free one, else the least recently used cached one.
+fn alloc_slot(st: &mut State) -> Option<usize> {
+    st.free.pop().or_else(|| evict_lru(st))
+}
+
+enum Want {
+    /// Pinned and ready to land.
+    Ready(usize),
+    /// Waiting for a read (a pin is reserved for us at completion).
+    Waiting,
+    /// No slot yet for a new read.
+    Deferred,
+    /// Landed (or abandoned after an error).
+    Done,
+}
+
+/// Joins an existing read of `key` (or pins it if it is already Ready).
+fn set_waiter_or_pin(st: &mut State, key: Key, w: &mut Want) {
+    match st.keys.get(&key) {
+        Some(KeyState::Ready { slot }) => {
+            let slot = *slot;
+            st.lru.remove(slot);
+            if let Slot::Ready { pins, .. } = &mut st.slots[slot] {
+                *pins += 1;
+            }
+            *w = Want::Ready(slot);
+        }
+        Some(KeyState::Loading { .. }) => {
+            set_waiter(st, key);
+            *w = Want::Waiting;
+        }
+        _ => {}
+    }
+}
+
+impl ExpertSource for ExpertStore {
+    fn layout(&self) -> &ExpertLayout {
+        &self.shared.spec.layout
+    }
+
+    fn fetch(&self, layer: usize, experts: &[u32], land: &mut dyn FnMut(u32, &[u8])) -> Result<(), StoreError> {
+        let sh = &*self.shared;
+        let len = sh.spec.layout.len;
+        let l = layer as u32;
+        // Classify: hits are pinned now, in-flight reads are joined, misses wait for a slot.
+        let mut wants: Vec<(u32, Want)> = Vec::with_capacity(experts.len());
+        {
+            let mut st = lock(sh);
+            let st = &mut *st;
+            for &e in experts {
+                let key = (l, e);
+                let w = match st.keys.get(&key) {
+                    Some(KeyState::Ready { slot }) => {
+                        let slot = *slot;
+                        st.lru.remove(slot);
+                        if let Slot::Ready { pins, prefetched, .. } = &mut st.slots[slot] {
+                            *pins += 1;
+                            if *prefetched {
+                                *prefetched = false;
+                                st.prefetch_used += 1;
+                            }
+                        }
+                        st.hits += 1;
+                        Want::Ready(slot)
+                    }
+                    Some(KeyState::Loading { req, .. }) => {
+                        let r = *req;
+                        st.joins += 1;
+                        if let Some(q) = st.reqs[r].as_mut() {
+                            q.waiters += 1;
+                            if q.prefetch {
+                                q.prefetch = false;
+                                st.prefetch_used += 1;
+                                if q.submitted.is_none() {
+                                    let dr = &mut st.drives[q.drive as usize];
+                                    dr.prefetch.retain(|&x| x != r);
+                                    dr.demand.push_back(r);
+                                }
+                            }
+                        }
+                        Want::Waiting
+                    }
+                    Some(KeyState::Failed { .. }) | None => {
+                        st.misses += 1;
+                        Want::Deferred
+                    }
+                };
+                wants.push((e, w));
+            }
+        }
+        let mut remaining = wants.len();
+        let mut started: Vec<u32> = Vec::new();
+        let mut last_land: Option<(Instant, u16)> = None;
+        let mut error: Option<StoreError> = None;
+        while remaining > 0 {
+            let mut ready: Vec<(u32, usize, usize)> = Vec::new();
+            {
+                let mut st = lock(sh);
+                loop {
+                    let st_ref = &mut *st;
+                    for (e, w) in wants.iter_mut() {
+                        match w {
+                            Want::Done => {}
+                            Want::Ready(slot) => {
+                                if let Slot::Ready { start, .. } = st_ref.slots[*slot] {
+                                    ready.push((*e, *slot, start as usize));
+                                }
+                                *w = Want::Done;
+                                remaining -= 1;
+                            }
+                            Want::Waiting => match st_ref.keys.get_mut(&(l, *e)) {
+                                Some(KeyState::Ready { slot }) => {
+                                    let slot = *slot;
+                                    if let Slot::Ready { start, drive, at, .. } = st_ref.slots[slot] {
+                                        if started.contains(e) && last_land.is_none_or(|(t, _)| at > t) {
+                                            last_land = Some((at, drive));
+                                        }
+                                        ready.push((*e, slot, start as usize));
+                                    }
+                                    *w = Want::Done;
+                                    remaining -= 1;
+                                }
+                                Some(KeyState::Failed { msg, waiters }) => {
+                                    error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
+                                    *waiters = waiters.saturating_sub(1);
+                                    if *waiters == 0 {
+                                        st_ref.keys.remove(&(l, *e));
+                                    }
+                                    *w = Want::Done;
+                                    remaining -= 1;
+                                }
+                                _ => {}
+                            },
+                            Want::Deferred if error.is_some() => {
+                                *w = Want::Done;
+                                remaining -= 1;
+                            }
+                            Want::Deferred => {
+                                // Someone else may have started (or finished) this read meanwhile.
+                                if st_ref.keys.contains_key(&(l, *e)) {
+                                    if matches!(st_ref.keys.get(&(l, *e)), Some(KeyState::Failed { .. })) {
+                                        st_ref.keys.remove(&(l, *e));
+                                    } else {
+                                        set_waiter_or_pin(st_ref, (l, *e), w);
+                                        continue;
+                                    }
+                                }
+                                let Some(slot) = alloc_slot(st_ref) else { continue };
+                                if start_read(sh, st_ref, (l, *e), slot, false, &[]) {
+                                    set_waiter(st_ref, (l, *e));
+                                    started.push(*e);
+                                    *w = Want::Waiting;
+                                } else {
+                                    st_ref.free.push(slot);
+                                    error = Some(no_holder(sh, st_ref, layer, *e));
+                                    *w = Want::Done;
+                                    remaining -= 1;
+                                }
+                            }
+                        }
+                    }
+                    if !ready.is_empty() || remaining == 0 {
+                        break;
+                    }
+                    st = sh.done_cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+            }
+            // Land outside the lock; the slots stay pinned until unpinned below.
+            for &(e, slot, start) in &ready {
+                if error.is_none() {
+                    // SAFETY: the slot is pinned Ready; no reader writes it until it is unpinned.
+                    let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
+                    land(e, bytes);
+                }
+                let mut st = lock(sh);
+                st.requested += len as u64;
+                unpin(sh, &mut st, (l, e), slot);
+            }
+        }
+        if let Some((_, drive)) = last_land {
+            lock(sh).drives[drive as usize].counters.lands_last += 1;
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn bytes_requested(&self) -> u64 {
+        lock(&self.shared).requested
+    }
+
+    fn report(&self) -> SourceReport {
+        ExpertStore::report(self)
+    }
+}
+
+fn set_waiter(st: &mut State, key: Key) {
+    if let Some(KeyState::Loading { req, .. }) = st.keys.get(&key)
+        && let Some(q) = st.reqs[*req].as_mut()
+    {
+        q.waiters += 1;
+    }
+}
+
+fn no_holder(sh: &Shared, st: &State, layer: usize, e: u32) -> StoreError {
+    let failed: Vec<String> = st
+        .drives
+        .iter()
+        .enumerate()
+        .filter_map(|(i, d)| {
+            d.failed.as_ref().map(|m| format!("drive {i} ({}): {m}", sh.spec.drives[i].root.display()))
+        })
+        .collect();
+    StoreError::NoHolderLeft(format!(
+        "expert {e} of layer {layer}: no usable holder{}",
+        if failed.is_empty() { String::new() } else { format!(" (failed: {})", failed.join("; ")) }
+    ))
+}

@@ -1,0 +1,212 @@
+//! Expert pack files `L{layer}.pack`: copies of one layer's experts on another drive, byte-identical
+//! to the shard bytes, laid out for O_DIRECT reads.
+//!
+//! Layout (little-endian):
+//! ```text
+//! 0   magic "DFPACK\0\x01"          8 bytes
+//! 8   version u32 = 1, layer u32, count u32, reserved u32
+//! 24  expert_len u64, header_len u64 (multiple of 4096), index xxh3 u64, reserved 16 bytes
+//! 64  index: count x { expert u32, reserved u32, offset u64, length u64, xxh3 u64 }
+//! ... zero padding to header_len; then payload records at 4096-aligned offsets, each padded to 4096
+//! ```
+//! Contract: a pack file exists under its final name only when complete (written as
+//! `L{layer}.pack.partial`, fsynced, renamed); `read_header` validates magic, sizes, the index
+//! checksum and that every record lies inside the file.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use xxhash_rust::xxh3::xxh3_64;
+
+pub const MAGIC: &[u8; 8] = b"DFPACK\0\x01";
+pub const ALIGN: u64 = 4096;
+const FIXED: usize = 64;
+const ENTRY: usize = 32;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PackError {
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: not a valid expert pack: {msg}", path.display())]
+    Invalid { path: PathBuf, msg: String },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackEntry {
+    pub expert: u32,
+    pub offset: u64,
+    pub length: u64,
+    pub xxh3: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct PackHeader {
+    pub layer: u32,
+    pub expert_len: u64,
+    pub header_len: u64,
+    pub entries: Vec<PackEntry>,
+}
+
+pub fn pack_name(layer: usize) -> String {
+    format!("L{layer}.pack")
+}
+
+pub fn align_up(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+fn header_len(count: usize) -> u64 {
+    align_up((FIXED + count * ENTRY) as u64)
+}
+
+/// Checksum of an expert's bytes (the one every holder is verified against).
+pub fn checksum(bytes: &[u8]) -> u64 {
+    xxh3_64(bytes)
+}
+
+/// Writes `L{layer}.pack` in `dir` from `experts` (id, bytes), atomically. `on_bytes` is called
+/// with the number of payload bytes written after each record.
+pub fn write_pack<'a>(
+    dir: &Path,
+    layer: usize,
+    expert_len: u64,
+    experts: impl ExactSizeIterator<Item = (u32, &'a [u8])>,
+    on_bytes: &mut dyn FnMut(u64),
+) -> Result<PackHeader, PackError> {
+    let final_path = dir.join(pack_name(layer));
+    let tmp = dir.join(format!("{}.partial", pack_name(layer)));
+    let io = |source| PackError::Io { path: tmp.clone(), source };
+    let count = experts.len();
+    let hlen = header_len(count);
+    let mut f = File::create(&tmp).map_err(io)?;
+    f.write_all(&vec![0u8; hlen as usize]).map_err(io)?;
+    let mut entries = Vec::with_capacity(count);
+    let mut off = hlen;
+    let pad = vec![0u8; ALIGN as usize];
+    let result = (|| -> Result<(), PackError> {
+        for (expert, bytes) in experts {
+            f.write_all(bytes).map_err(io)?;
+            let padded = align_up(bytes.len() as u64);
+            f.write_all(&pad[..(padded - bytes.len() as u64) as usize]).map_err(io)?;
+            entries.push(PackEntry { expert, offset: off, length: bytes.len() as u64, xxh3: checksum(bytes) });
+            off += padded;
+            on_bytes(bytes.len() as u64);
+        }
+        let header = encode_header(layer as u32, expert_len, hlen, &entries);
+        f.seek(SeekFrom::Start(0)).map_err(io)?;
+        f.write_all(&header).map_err(io)?;
+        f.sync_all().map_err(io)?;
+        std::fs::rename(&tmp, &final_path).map_err(|source| PackError::Io { path: final_path.clone(), source })?;
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        drop(f);
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    Ok(PackHeader { layer: layer as u32, expert_len, header_len: hlen, entries })
+}
+
+fn encode_header(layer: u32, expert_len: u64, hlen: u64, entries: &[PackEntry]) -> Vec<u8> {
+    let mut idx = Vec::with_capacity(entries.len() * ENTRY);
+    for e in entries {
+        idx.extend_from_slice(&e.expert.to_le_bytes());
+        idx.extend_from_slice(&0u32.to_le_bytes());
+        idx.extend_from_slice(&e.offset.to_le_bytes());
+        idx.extend_from_slice(&e.length.to_le_bytes());
+        idx.extend_from_slice(&e.xxh3.to_le_bytes());
+    }
+    let mut h = Vec::with_capacity(hlen as usize);
+    h.extend_from_slice(MAGIC);
+    h.extend_from_slice(&1u32.to_le_bytes());
+    h.extend_from_slice(&layer.to_le_bytes());
+    h.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    h.extend_from_slice(&0u32.to_le_bytes());
+    h.extend_from_slice(&expert_len.to_le_bytes());
+    h.extend_from_slice(&hlen.to_le_bytes());
+    h.extend_from_slice(&xxh3_64(&idx).to_le_bytes());
+    h.resize(FIXED, 0);
+    h.extend_from_slice(&idx);
+    h.resize(hlen as usize, 0);
+    h
+}
+
+/// Reads and validates a pack file's header and index.
+pub fn read_header(path: &Path) -> Result<PackHeader, PackError> {
+    let bad = |msg: String| PackError::Invalid { path: path.to_path_buf(), msg };
+    let io = |source| PackError::Io { path: path.to_path_buf(), source };
+    let mut f = File::open(path).map_err(io)?;
+    let file_len = f.metadata().map_err(io)?.len();
+    let mut fixed = [0u8; FIXED];
+    f.read_exact(&mut fixed).map_err(|_| bad("shorter than its header".into()))?;
+    if &fixed[..8] != MAGIC {
+        return Err(bad("wrong magic".into()));
+    }
+    let u32_at = |b: &[u8], o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
+    if u32_at(&fixed, 8) != 1 {
+        return Err(bad(format!("unsupported version {}", u32_at(&fixed, 8))));
+    }
+    let layer = u32_at(&fixed, 12);
+    let count = u32_at(&fixed, 16) as usize;
+    let expert_len = u64_at(&fixed, 24);
+    let hlen = u64_at(&fixed, 32);
+    let idx_sum = u64_at(&fixed, 40);
+    if hlen != header_len(count) || hlen > file_len {
+        return Err(bad(format!("header length {hlen} does not fit {count} entries in a {file_len}-byte file")));
+    }
+    let mut idx = vec![0u8; count * ENTRY];
+    f.read_exact(&mut idx).map_err(|_| bad("truncated index".into()))?;
+    if xxh3_64(&idx) != idx_sum {
+        return Err(bad("index checksum mismatch".into()));
+    }
+    let mut entries = Vec::with_capacity(count);
+    for e in idx.chunks_exact(ENTRY) {
+        let ent = PackEntry { expert: u32_at(e, 0), offset: u64_at(e, 8), length: u64_at(e, 16), xxh3: u64_at(e, 24) };
+        if !ent.offset.is_multiple_of(ALIGN)
+            || ent.offset < hlen
+            || ent.offset + ent.length > file_len
+            || ent.length != expert_len
+        {
+            return Err(bad(format!(
+                "record of expert {} ({}+{}) is misplaced or truncated",
+                ent.expert, ent.offset, ent.length
+            )));
+        }
+        entries.push(ent);
+    }
+    Ok(PackHeader { layer, expert_len, header_len: hlen, entries })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_corruption() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = vec![7u8; 5000];
+        let b: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+        let h = write_pack(dir.path(), 3, 5000, [(4u32, a.as_slice()), (9u32, b.as_slice())].into_iter(), &mut |_| {})
+            .unwrap();
+        let r = read_header(&dir.path().join("L3.pack")).unwrap();
+        assert_eq!(r.entries, h.entries);
+        assert_eq!(r.entries[1].offset % ALIGN, 0);
+        let bytes = std::fs::read(dir.path().join("L3.pack")).unwrap();
+        let e = r.entries[1];
+        assert_eq!(&bytes[e.offset as usize..(e.offset + e.length) as usize], b.as_slice());
+        assert_eq!(checksum(&b), e.xxh3);
+        // A flipped index byte is detected.
+        let mut bad = bytes.clone();
+        bad[FIXED + 9] ^= 1;
+        std::fs::write(dir.path().join("bad.pack"), &bad).unwrap();
+        assert!(read_header(&dir.path().join("bad.pack")).is_err());
+        // A truncated file is detected.
+        std::fs::write(dir.path().join("short.pack"), &bytes[..bytes.len() - 5000]).unwrap();
+        assert!(read_header(&dir.path().join("short.pack")).is_err());
+        assert!(!dir.path().join("L3.pack.partial").exists());
+    }
+}

@@ -1,0 +1,155 @@
+//! Drive read ceilings: random 16 MiB O_DIRECT reads at the engine's queue depth, through the same
+//! readers the store uses, over a probe file (or over existing data, e.g. the shards).
+
+use super::cache::Slab;
+use super::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Size of one probe read.
+pub const PROBE_READ: u64 = 16 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Result of a measurement.
+#[derive(Clone, Copy, Debug)]
+pub struct Ceiling {
+    pub gbps: f64,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub direct: bool,
+}
+
+/// Free bytes on the file system holding `dir`.
+pub fn free_bytes(dir: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: statvfs writes into a zeroed struct we own; the path is a valid C string.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(s.f_bavail as u64 * s.f_frsize as u64)
+}
+
+/// Writes a probe file of `size` bytes in `dir`, measures it, deletes it.
+pub fn measure_dir(
+    dir: &Path,
+    size: u64,
+    qd: usize,
+    reader: ReaderKind,
+    time: Duration,
+) -> Result<Ceiling, ProbeError> {
+    let path = dir.join(".deltafin-probe");
+    let io = |source| ProbeError::Io { path: path.clone(), source };
+    let size = size.max(PROBE_READ * 2) / PROBE_READ * PROBE_READ;
+    {
+        let mut f = std::fs::File::create(&path).map_err(io)?;
+        // Incompressible, non-zero content so no layer can shortcut the reads.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let chunk: Vec<u8> = (0..(1 << 20))
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let mut left = size;
+        while left > 0 {
+            let n = left.min(chunk.len() as u64) as usize;
+            if let Err(e) = f.write_all(&chunk[..n]) {
+                drop(f);
+                let _ = std::fs::remove_file(&path);
+                return Err(io(e));
+            }
+            left -= n as u64;
+        }
+        f.sync_all().map_err(io)?;
+    }
+    let ranges: Vec<(PathBuf, u64)> = (0..size / PROBE_READ).map(|i| (path.clone(), i * PROBE_READ)).collect();
+    let r = measure_ranges(&ranges, PROBE_READ, qd, reader, time);
+    let _ = std::fs::remove_file(&path);
+    r
+}
+
+/// Random reads of `len` bytes at the given (file, offset) places (offsets 4 KiB-aligned), `qd`
+/// in flight, for about `time` (at least 2 x qd reads).
+pub fn measure_ranges(
+    ranges: &[(PathBuf, u64)],
+    len: u64,
+    qd: usize,
+    reader: ReaderKind,
+    time: Duration,
+) -> Result<Ceiling, ProbeError> {
+    if ranges.is_empty() {
+        return Err(ProbeError::Other("nothing to measure".into()));
+    }
+    let mut files: Vec<(PathBuf, DirectFile)> = Vec::new();
+    let mut idx = Vec::with_capacity(ranges.len());
+    for (p, off) in ranges {
+        let i = match files.iter().position(|(q, _)| q == p) {
+            Some(i) => i,
+            None => {
+                let f = DirectFile::open(p).map_err(|source| ProbeError::Io { path: p.clone(), source })?;
+                files.push((p.clone(), f));
+                files.len() - 1
+            }
+        };
+        idx.push((i, *off));
+    }
+    let direct = files.iter().all(|(_, f)| f.direct);
+    let qd = qd.max(1);
+    let slab = Slab::new(qd, len as usize).map_err(|e| ProbeError::Other(e.to_string()))?;
+    let mut rd = new_reader(reader, qd, &slab.iovecs()).map_err(|e| ProbeError::Other(format!("reader: {e}")))?;
+    let mut free: Vec<usize> = (0..qd).collect();
+    let mut rng = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let t0 = Instant::now();
+    let (mut issued, mut done_reads, mut bytes) = (0usize, 0usize, 0u64);
+    let min_reads = 2 * qd;
+    let mut done: Vec<Done> = Vec::new();
+    loop {
+        let keep_issuing = t0.elapsed() < time || issued < min_reads;
+        while keep_issuing && let Some(slot) = free.pop() {
+            let (fi, off) = idx[(next() % idx.len() as u64) as usize];
+            let op = ReadOp {
+                tag: slot as u64,
+                fd: files[fi].1.fd(),
+                offset: off,
+                len: len as usize,
+                buf: slab.slot_ptr(slot),
+                buf_index: Some(slot as u16),
+            };
+            // SAFETY: slot buffers are exclusively owned by this read until it completes.
+            unsafe { rd.submit(op) }.map_err(|e| ProbeError::Other(format!("read failed: {e}")))?;
+            issued += 1;
+        }
+        if rd.in_flight() == 0 {
+            break;
+        }
+        rd.reap(true, &mut done).map_err(|e| ProbeError::Other(format!("read failed: {e}")))?;
+        for d in done.drain(..) {
+            let n = d.result.map_err(|e| ProbeError::Other(format!("read failed: {e}")))?;
+            bytes += n as u64;
+            done_reads += 1;
+            free.push(d.tag as usize);
+        }
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    let _ = done_reads;
+    Ok(Ceiling { gbps: bytes as f64 / seconds / 1e9, bytes, seconds, direct })
+}
