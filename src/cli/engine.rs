@@ -123,7 +123,8 @@ impl EngineArgs {
                     None => shard_spec(&opened.ck, &opened.roster, &opened.dir, self.qd, 1.0)
                         .context("the model has no routed experts")?,
                 };
-                let opts = StoreOptions { cache_bytes: cache, reader: self.reader, prefetch_depth: 1 };
+                let opts =
+                    StoreOptions { cache_bytes: cache, reader: self.reader, prefetch_depth: 1, record_reads: false };
                 Source::Store(ExpertStore::open(spec, opts)?)
             }
         };

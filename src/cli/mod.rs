@@ -1,6 +1,7 @@
 //! Command-line interface: clap definitions and one file per subcommand. Errors are `anyhow` with
 //! context here at the edge; exit codes: 0 success, 1 runtime error, 2 usage error.
 
+mod bench;
 mod engine;
 mod load;
 mod place;
@@ -35,6 +36,8 @@ enum Cmd {
     Synth(synth::SynthArgs),
     /// Place experts on drives: pack files + placement.json (or --verify an existing placement).
     Place(place::PlaceArgs),
+    /// Benchmarks printing one JSON record per run.
+    Bench(bench::BenchArgs),
 }
 
 /// How KDA evaluates a prompt (hidden option for tests and comparisons).
@@ -79,6 +82,7 @@ pub fn main() -> ExitCode {
         Cmd::Score(a) => score::run(a),
         Cmd::Synth(a) => synth::run(a),
         Cmd::Place(a) => place::run(a),
+        Cmd::Bench(a) => bench::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

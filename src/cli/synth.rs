@@ -91,10 +91,7 @@ pub fn run(a: SynthArgs) -> Result<()> {
         s.experts,
         s.top_k,
         s.hidden,
-        crate::util::human_bytes(
-            ((2 * s.expert_inter * s.expert_latent) * 17 / 16) as u64
-                + (s.expert_inter * s.expert_latent * 17 / 32) as u64
-        ),
+        crate::util::human_bytes(s.expert_bytes()),
         crate::util::human_bytes(total),
         a.out.display()
     );

@@ -301,6 +301,11 @@ impl SynthSpec {
         groups
     }
 
+    /// Bytes of one routed expert (w1, w3, w2: packed nibbles + one scale per 32 inputs).
+    pub fn expert_bytes(&self) -> u64 {
+        (3 * self.expert_inter * self.expert_latent / 32 * 17) as u64
+    }
+
     /// Bytes of all tensors.
     pub fn total_bytes(&self) -> u64 {
         self.plan().iter().flatten().map(|t| t.bytes()).sum()

@@ -61,11 +61,13 @@ pub struct StoreOptions {
     pub reader: ReaderKind,
     /// Maximum prefetch reads in flight per drive (0 disables prefetch).
     pub prefetch_depth: usize,
+    /// Keep a log of every read issued (file, offset, length), for replaying with fio.
+    pub record_reads: bool,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { cache_bytes: 0, reader: ReaderKind::Auto, prefetch_depth: 1 }
+        StoreOptions { cache_bytes: 0, reader: ReaderKind::Auto, prefetch_depth: 1, record_reads: false }
     }
 }
 
@@ -98,6 +100,7 @@ struct Req {
     start: u32,
     offset: u64,
     fd: i32,
+    file: u32,
 }
 
 struct DriveState {
@@ -130,6 +133,8 @@ struct State {
     prefetch_issued: u64,
     prefetch_used: u64,
     shutdown: bool,
+    /// (file, offset, length) of reads issued, when recording.
+    read_log: Option<Vec<(u32, u64, u64)>>,
 }
 
 struct Shared {
@@ -224,6 +229,7 @@ impl ExpertStore {
             prefetch_issued: 0,
             prefetch_used: 0,
             shutdown: false,
+            read_log: opts.record_reads.then(Vec::new),
         };
         let n_drives = spec.drives.len();
         let shared = Arc::new(Shared {
@@ -340,6 +346,13 @@ impl ExpertStore {
         }
     }
 
+    /// Reads issued so far as (path, offset, length), when `record_reads` was set.
+    pub fn read_log(&self) -> Vec<(PathBuf, u64, u64)> {
+        let sh = &*self.shared;
+        let st = lock(sh);
+        st.read_log.iter().flatten().map(|&(f, o, l)| (sh.spec.files[f as usize].1.clone(), o, l)).collect()
+    }
+
     /// Number of slots in the slab (cache + staging).
     pub fn slots(&self) -> usize {
         self.shared.slab.slots
@@ -404,6 +417,7 @@ fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, prefetch: bool
         start: start as u32,
         offset: off,
         fd: file.fd(),
+        file: h.file,
     };
     let r = match st.free_reqs.pop() {
         Some(r) => {
@@ -463,6 +477,9 @@ fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn super::reader::Driv
                     let Some(req) = st_ref.reqs[r].as_mut() else { continue };
                     st_ref.drives[d].in_flight += 1;
                     req.submitted = Some(Instant::now());
+                    if let Some(log) = st_ref.read_log.as_mut() {
+                        log.push((req.file, req.offset, req.op_len));
+                    }
                     batch.push(ReadOp {
                         tag: r as u64,
                         fd: req.fd,

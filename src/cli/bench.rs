@@ -1,0 +1,211 @@
+//! `deltafin bench`: measurements that print one JSON record per run (machine, command, git
+//! revision, counters). `bench io` reads one expert set through the expert store and through fio
+//! replaying exactly the same reads (same files, offsets, lengths, total queue depth, O_DIRECT,
+//! io_uring) in the same run, and reports both rates and their ratio.
+
+use super::load;
+use crate::store::ExpertSource;
+use crate::store::expert_store::{ExpertStore, StoreOptions};
+use crate::store::placement::{MANIFEST, Manifest, manifest_spec, shard_spec};
+use crate::store::reader::ReaderKind;
+use anyhow::{Context, Result, bail};
+use clap::{Args, Subcommand};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Subcommand)]
+pub enum BenchCmd {
+    /// Expert reads through the store vs fio on the same reads.
+    Io(IoArgs),
+}
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    cmd: BenchCmd,
+}
+
+#[derive(Args)]
+pub struct IoArgs {
+    /// Model directory (uses MODEL/placement.json when present, else the shards).
+    #[arg(long)]
+    model: PathBuf,
+    /// Placement manifest (default: MODEL/placement.json if present).
+    #[arg(long)]
+    placement: Option<PathBuf>,
+    /// Bytes of distinct experts to read, in GB (capped by the model's experts).
+    #[arg(long, default_value_t = 2.0)]
+    gb: f64,
+    /// Reads in flight per drive when there is no placement.
+    #[arg(long, default_value_t = 4)]
+    qd: usize,
+    #[arg(long, value_enum, default_value_t = ReaderKind::Auto)]
+    reader: ReaderKind,
+    /// The fio binary (install with `apt-get install fio`; bench/io.sh does).
+    #[arg(long, default_value = "fio")]
+    fio: String,
+    /// Runs of each side (alternating); the best rate of each is reported.
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// Label added to the record (e.g. "3 dirs").
+    #[arg(long)]
+    label: Option<String>,
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    match a.cmd {
+        BenchCmd::Io(io) => bench_io(io),
+    }
+}
+
+fn bench_io(a: IoArgs) -> Result<()> {
+    let opened = load::open(&a.model)?;
+    let layout = opened.roster.expert_layout.clone().context("the model has no routed experts")?;
+    let manifest_path = a.placement.clone().or_else(|| Some(a.model.join(MANIFEST)).filter(|p| p.exists()));
+    let manifest = manifest_path.as_ref().map(|p| Manifest::load(p)).transpose()?;
+    // The expert set: experts of every MoE layer in a fixed shuffled order, up to --gb.
+    let layers: Vec<usize> = (0..opened.cfg.layers).filter(|&l| opened.roster.experts[l].is_some()).collect();
+    let mut all: Vec<(usize, u32)> =
+        layers.iter().flat_map(|&l| (0..opened.cfg.experts as u32).map(move |e| (l, e))).collect();
+    let mut x = 0x9E37_79B9u64;
+    for i in (1..all.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        all.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    let want = ((a.gb * 1e9) as u64 / layout.len as u64).max(1) as usize;
+    all.truncate(want);
+    let mut by_layer: std::collections::BTreeMap<usize, Vec<u32>> = Default::default();
+    for &(l, e) in &all {
+        by_layer.entry(l).or_default().push(e);
+    }
+
+    let make_spec = || -> Result<_> {
+        Ok(match &manifest {
+            Some(m) => manifest_spec(m, &opened.ck, &opened.roster, layout.clone())?,
+            None => shard_spec(&opened.ck, &opened.roster, &a.model, a.qd, 1.0).context("no experts")?,
+        })
+    };
+    let (drives, qd_total) = match &manifest {
+        Some(m) => (m.drives.len(), m.drives.iter().map(|d| d.qd).sum::<usize>()),
+        None => (1, a.qd),
+    };
+
+    // Alternate ours and fio so drift in the device (or the host's cache) hits both alike.
+    let mut ours: Vec<f64> = Vec::new();
+    let mut theirs: Vec<f64> = Vec::new();
+    let mut reader_name = String::new();
+    let mut bytes_read = 0u64;
+    let mut fio_error = None;
+    for _ in 0..a.repeat.max(1) {
+        // Ours: the store with no cache, reading every expert of the set once, no compute.
+        let store = ExpertStore::open(
+            make_spec()?,
+            StoreOptions { cache_bytes: 0, reader: a.reader, prefetch_depth: 0, record_reads: true },
+        )?;
+        let t0 = Instant::now();
+        for (&l, es) in &by_layer {
+            store.fetch(l, es, &mut |_, _| {})?;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let r = store.report();
+        bytes_read = r.expert_bytes_read.unwrap_or(0);
+        ours.push(bytes_read as f64 / secs / 1e9);
+        reader_name = r.drives.first().map(|d| d.reader.clone()).unwrap_or_default();
+        let log = store.read_log();
+        drop(store);
+        // fio: replay the exact reads, same total queue depth.
+        if fio_error.is_none() {
+            match fio_replay(&a.fio, &log, qd_total) {
+                Ok(g) => theirs.push(g),
+                Err(e) => fio_error = Some(format!("{e:#}")),
+            }
+        }
+    }
+    if let Some(e) = &fio_error {
+        eprintln!("deltafin bench io: fio comparison unavailable: {e}");
+    }
+    let best = |v: &[f64]| v.iter().copied().fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
+    let ours_best = best(&ours).unwrap_or(0.0);
+    let fio_gbps = best(&theirs);
+    let record = serde_json::json!({
+        "bench": "io",
+        "date": crate::util::today(),
+        "machine": crate::util::machine_info(),
+        "git": crate::util::git_revision(),
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "label": a.label,
+        "model": a.model.display().to_string(),
+        "placement": manifest_path.map(|p| p.display().to_string()),
+        "drives": drives,
+        "qd_total": qd_total,
+        "reader": reader_name,
+        "experts": all.len(),
+        "expert_bytes": layout.len,
+        "bytes_read": bytes_read,
+        "deltafin_gbps": ours_best,
+        "fio_gbps": fio_gbps,
+        "deltafin_runs_gbps": ours,
+        "fio_runs_gbps": theirs,
+        "ratio_of_medians": median(&theirs).map(|f| median(&ours).unwrap_or(0.0) / f),
+        "ratio": fio_gbps.map(|f| ours_best / f),
+    });
+    println!("{record}");
+    Ok(())
+}
+
+/// Replays `reads` with fio (io_uring, O_DIRECT, `iodepth`); returns GB/s.
+fn fio_replay(fio: &str, reads: &[(PathBuf, u64, u64)], iodepth: usize) -> Result<f64> {
+    if reads.is_empty() {
+        bail!("no reads to replay");
+    }
+    let dir = tempfile_dir()?;
+    let log_path = dir.join("replay.iolog");
+    {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&log_path)?);
+        writeln!(f, "fio version 2 iolog")?;
+        let mut files: Vec<&Path> = reads.iter().map(|(p, _, _)| p.as_path()).collect();
+        files.sort();
+        files.dedup();
+        for p in &files {
+            writeln!(f, "{} add", p.display())?;
+            writeln!(f, "{} open", p.display())?;
+        }
+        for (p, off, len) in reads {
+            writeln!(f, "{} read {off} {len}", p.display())?;
+        }
+        for p in &files {
+            writeln!(f, "{} close", p.display())?;
+        }
+    }
+    let out = std::process::Command::new(fio)
+        .args(["--name=replay", "--ioengine=io_uring", "--direct=1", "--output-format=json"])
+        .arg(format!("--read_iolog={}", log_path.display()))
+        .arg(format!("--iodepth={iodepth}"))
+        .output()
+        .with_context(|| format!("cannot run `{fio}` (install fio, e.g. apt-get install fio)"))?;
+    if !out.status.success() {
+        bail!("fio failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    // fio may print notes before the JSON object.
+    let json_start = text.find('{').context("fio printed no JSON")?;
+    let j: serde_json::Value = serde_json::from_str(&text[json_start..]).context("cannot parse fio's JSON")?;
+    let bw = j["jobs"][0]["read"]["bw_bytes"].as_f64().context("fio JSON has no read bandwidth")?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(bw / 1e9)
+}
+
+fn median(v: &[f64]) -> Option<f64> {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    (!s.is_empty()).then(|| if s.len() % 2 == 1 { s[s.len() / 2] } else { (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0 })
+}
+
+fn tempfile_dir() -> Result<PathBuf> {
+    let d = std::env::temp_dir().join(format!("deltafin-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}

@@ -1,0 +1,205 @@
+//! `deltafin place` end to end: measuring, writing, verifying, running from the placement, and the
+//! failure cases a user meets (corrupt copy, full disk, bad arguments).
+
+mod common;
+use common::*;
+use std::path::Path;
+use std::process::Command;
+
+fn run_ok(c: &mut Command) -> (String, String) {
+    let o = c.output().unwrap();
+    let (out, err) = (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned());
+    assert!(o.status.success(), "failed:\n{err}");
+    (out, err)
+}
+
+fn place(model: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(bin());
+    c.args(["place", "--model"]).arg(model).args(["--probe-mb", "32", "--probe-seconds", "0.2"]).args(args);
+    c
+}
+
+#[test]
+fn place_measure_run_verify() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let d0 = tmp.path().join("fast");
+    let d1 = tmp.path().join("slow");
+    let (_, err) =
+        run_ok(&mut place(tmp.path(), &["--drive", d0.to_str().unwrap(), "--drive", &format!("{}=0.5", d1.display())]));
+    assert!(err.contains("measuring") && err.contains("GB/s"), "{err}");
+    assert!(err.contains("drive 1:") && err.contains("(given)"), "{err}");
+    let r = reference("k3-tiny-a");
+    let sj = tmp.path().join("stats.json");
+    let (out, err) = run_ok(Command::new(bin()).args(["run", "--model"]).arg(tmp.path()).args([
+        "--prompt-ids",
+        &ids_arg(&r.prompt),
+        "--max-new",
+        "32",
+        "--ignore-eos",
+        "--stats",
+        "--stats-json",
+        sj.to_str().unwrap(),
+    ]));
+    assert_eq!(out.trim(), ids_arg(&r.greedy));
+    assert!(err.contains("experts via store: 3 drive(s)"), "{err}");
+    let j: serde_json::Value = serde_json::from_slice(&std::fs::read(&sj).unwrap()).unwrap();
+    let drives = j["drives"].as_array().unwrap();
+    assert_eq!(drives.len(), 3);
+    for key in ["bytes_read", "reads", "read_ms_p50", "read_ms_p99", "read_ms_max", "lands_last"] {
+        assert!(drives[0].get(key).is_some(), "{key} missing");
+    }
+    assert!(j["read_amplification"].as_f64().unwrap() > 0.0);
+    assert!(j["cache_hits"].as_u64().is_some() && j["cache_misses"].as_u64().unwrap() > 0);
+    run_ok(&mut place(tmp.path(), &["--verify"]));
+
+    // Corrupt one record: verify names the drive, layer and expert and exits 1.
+    let pack = d0.join("L2.pack");
+    let h = deltafin::store::pack::read_header(&pack).unwrap();
+    let mut b = std::fs::read(&pack).unwrap();
+    b[h.entries[0].offset as usize] ^= 1;
+    std::fs::write(&pack, b).unwrap();
+    let o = place(tmp.path(), &["--verify"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        err.contains(&format!("expert {} of layer 2", h.entries[0].expert))
+            && err.contains("fast")
+            && err.contains("checksum mismatch"),
+        "{err}"
+    );
+    // Running still gives the right tokens: the corrupt copy is detected and another holder used.
+    let (out, err) = run_ok(Command::new(bin()).args(["run", "--model"]).arg(tmp.path()).args([
+        "--prompt-ids",
+        &ids_arg(&r.prompt),
+        "--max-new",
+        "32",
+        "--ignore-eos",
+        "--expert-cache-gb",
+        "0",
+    ]));
+    assert_eq!(out.trim(), ids_arg(&r.greedy));
+    assert!(err.contains("checksum mismatch") && err.contains("avoiding this drive"), "{err}");
+}
+
+#[test]
+fn a_full_disk_is_a_clear_error_and_leaves_no_manifest() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let mnt = tmp.path().join("small");
+    std::fs::create_dir_all(&mnt).unwrap();
+    // A real small file system: 256 KiB of tmpfs (each spread half needs ~180 KiB).
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        eprintln!("SKIPPED: cannot mount a tmpfs here (needs root)");
+        return;
+    }
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _guard = Unmount(&mnt);
+    // Too big for one drive: refused before writing.
+    let o = place(tmp.path(), &["--drive", &format!("{}/a=1", mnt.display()), "--policy", "mirror"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("free but this placement needs"), "{err}");
+    // Two drives on the same small file system: each fits alone, together they do not.
+    let o = place(
+        tmp.path(),
+        &[
+            "--drive",
+            &format!("{}/a=1", mnt.display()),
+            "--drive",
+            &format!("{}/b=1", mnt.display()),
+            "--policy",
+            "spread",
+        ],
+    )
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("No space left on device") && err.contains(".pack"), "{err}");
+    assert!(!tmp.path().join("placement.json").exists(), "no manifest may point at incomplete data");
+    let partials = walk(&mnt).into_iter().filter(|p| p.ends_with(".partial")).count();
+    assert_eq!(partials, 0, "partial files are removed");
+}
+
+fn walk(p: &Path) -> Vec<String> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(p).unwrap().flatten() {
+        if e.path().is_dir() {
+            v.extend(walk(&e.path()));
+        } else {
+            v.push(e.path().display().to_string());
+        }
+    }
+    v
+}
+
+#[test]
+fn bad_place_arguments() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let o = place(tmp.path(), &[]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("at least one --drive"));
+    let o = place(tmp.path(), &["--drive", "/tmp/x=fast"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not a speed in GB/s"));
+    let o = place(tmp.path(), &["--drive", "/tmp/x=1", "--policy", "hot"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("needs --trace"));
+    let o = place(tmp.path(), &["--verify"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("placement.json"));
+}
+
+#[test]
+fn hot_placement_from_a_recorded_trace() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let r = reference("k3-tiny-a");
+    let trace = tmp.path().join("routes.json");
+    run_ok(
+        Command::new(bin())
+            .args(["run", "--model"])
+            .arg(tmp.path())
+            .args(["--prompt-ids", &ids_arg(&r.prompt), "--max-new", "4", "--trace-routes"])
+            .arg(&trace),
+    );
+    let (d0, d1) = (tmp.path().join("nvme"), tmp.path().join("sata"));
+    run_ok(&mut place(
+        tmp.path(),
+        &[
+            "--drive",
+            &format!("{}=6", d0.display()),
+            "--drive",
+            &format!("{}=0.5", d1.display()),
+            "--policy",
+            "hot",
+            "--trace",
+            trace.to_str().unwrap(),
+        ],
+    ));
+    let man: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tmp.path().join("placement.json")).unwrap()).unwrap();
+    let t: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    // The most-routed expert of each layer is on the fastest drive.
+    for l in man["layers"].as_array().unwrap() {
+        let layer = l["layer"].as_u64().unwrap().to_string();
+        let counts: Vec<u64> = t["layers"][&layer].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+        let hottest = (0..counts.len()).max_by_key(|&e| (counts[e], std::cmp::Reverse(e))).unwrap();
+        assert_eq!(l["experts"][hottest]["drives"], serde_json::json!([0]), "layer {layer}");
+    }
+    let (out, _) = run_ok(Command::new(bin()).args(["run", "--model"]).arg(tmp.path()).args([
+        "--prompt-ids",
+        &ids_arg(&r.prompt),
+        "--max-new",
+        "32",
+        "--ignore-eos",
+    ]));
+    assert_eq!(out.trim(), ids_arg(&r.greedy));
+}

@@ -1,0 +1,280 @@
+//! The expert store against the in-memory path: every placement (1, 2, 3 directory drives;
+//! spread, mirror, hot), cache size (0, small, large) and reader (io_uring, pread) must give
+//! bit-identical logits; faults (corrupt, truncated or missing copies, missing drives) fail over to
+//! other holders with identical output, or fail loudly when no holder is left.
+
+mod common;
+use common::*;
+use deltafin::k3::{ForwardStats, K3, Logits};
+use deltafin::model::{Checkpoint, K3Config, Roster};
+use deltafin::store::expert_store::{ExpertStore, StoreOptions};
+use deltafin::store::placement::{Manifest, PlaceOptions, Policy, RouteTrace, ShardUse, manifest_spec, place};
+use deltafin::store::reader::ReaderKind;
+use deltafin::store::{ExpertSource, ShardExperts, StoreError};
+use std::path::{Path, PathBuf};
+
+struct Model {
+    dir: PathBuf,
+    cfg: K3Config,
+    ck: Checkpoint,
+    roster: Roster,
+}
+
+fn open(dir: &Path) -> Model {
+    let cfg = K3Config::load(dir).unwrap();
+    let ck = Checkpoint::open(dir).unwrap();
+    let roster = Roster::build(&cfg, &ck).unwrap();
+    Model { dir: dir.to_path_buf(), cfg, ck, roster }
+}
+
+fn prompt() -> Vec<u32> {
+    reference("k3-tiny-a").prompt[..60].to_vec()
+}
+
+/// Logits of a prefill plus 6 greedy decode steps (so caches and decode reads are exercised).
+fn logits_with(m: &Model, src: &dyn ExpertSource) -> Result<Vec<f32>, deltafin::k3::ForwardError> {
+    let model = K3::new(m.cfg.clone(), &m.ck, &m.roster, Some(src)).unwrap();
+    let mut st = model.new_state();
+    let mut fs = ForwardStats::default();
+    let mut out = model.forward(&mut st, &prompt(), Logits::All, &mut fs)?;
+    for _ in 0..6 {
+        let last = &out[out.len() - m.cfg.vocab..];
+        let t = deltafin::k3::argmax(last);
+        out.extend(model.forward(&mut st, &[t], Logits::All, &mut fs)?);
+    }
+    Ok(out)
+}
+
+fn reference_logits(m: &Model) -> Vec<f32> {
+    let src = ShardExperts::new(&m.ck, &m.roster).unwrap();
+    logits_with(m, &src).unwrap()
+}
+
+fn route_trace(m: &Model) -> RouteTrace {
+    let src = ShardExperts::new(&m.ck, &m.roster).unwrap();
+    let model = K3::new(m.cfg.clone(), &m.ck, &m.roster, Some(&src as &dyn ExpertSource)).unwrap();
+    let mut fs = ForwardStats::default();
+    model.forward(&mut model.new_state(), &prompt(), Logits::Last, &mut fs).unwrap();
+    fs.route_trace()
+}
+
+fn do_place(m: &Model, drives: &[PathBuf], policy: Policy, shards: ShardUse, trace: Option<RouteTrace>) -> Manifest {
+    let o = PlaceOptions {
+        model_dir: &m.dir,
+        // Different given speeds so spread and hot are not symmetric.
+        drives: drives.iter().enumerate().map(|(i, d)| (d.clone(), Some(1.0 + i as f64))).collect(),
+        policy,
+        shards,
+        trace,
+        qd: 2,
+        measure: &|_, _| unreachable!("speeds are given"),
+        measure_shards: &|_| Ok(0.5),
+        progress: &|_, _| {},
+    };
+    place(&m.cfg, &m.ck, &m.roster, &o).unwrap()
+}
+
+fn open_store(m: &Model, man: &Manifest, cache_bytes: u64, reader: ReaderKind) -> ExpertStore {
+    let spec = manifest_spec(man, &m.ck, &m.roster, m.roster.expert_layout.clone().unwrap()).unwrap();
+    ExpertStore::open(spec, StoreOptions { cache_bytes, reader, prefetch_depth: 1, record_reads: false }).unwrap()
+}
+
+fn bits_equal(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+#[test]
+fn every_placement_cache_and_reader_gives_identical_bits() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let want = reference_logits(&m);
+    let trace = route_trace(&m);
+    let expert = m.cfg.expert_bytes() as u64;
+    let mut combos = 0;
+    for n in 1..=3usize {
+        for policy in [Policy::Spread, Policy::Mirror, Policy::Hot] {
+            let drives: Vec<PathBuf> = (0..n).map(|i| tmp.path().join(format!("drives-{n}-{policy:?}/d{i}"))).collect();
+            let man = do_place(&m, &drives, policy, ShardUse::Off, Some(trace.clone()));
+            for cache in [0, 3 * expert, 1 << 30] {
+                for reader in [ReaderKind::Uring, ReaderKind::Pread] {
+                    let store = open_store(&m, &man, cache, reader);
+                    let got = logits_with(&m, &store).unwrap();
+                    assert!(
+                        bits_equal(&got, &want),
+                        "{n} drives, {policy:?}, cache {cache}, {reader:?}: logits differ"
+                    );
+                    let r = store.report();
+                    assert!(r.drives.iter().take(n).all(|d| d.failures == 0));
+                    assert_eq!(r.drives[n].reads, 0, "shards are off: no reads from them");
+                    if cache == 0 {
+                        assert_eq!(r.cache_hits, Some(0), "no cache, no hits");
+                    }
+                    if cache == 1 << 30 {
+                        // Everything fits: each distinct expert is read exactly once.
+                        let distinct: u64 = r.cache_misses.unwrap();
+                        assert_eq!(r.drives.iter().map(|d| d.reads).sum::<u64>(), distinct);
+                    }
+                    combos += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(combos, 54);
+}
+
+#[test]
+fn spread_puts_each_expert_on_one_drive_and_mirror_on_all() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let drives: Vec<PathBuf> = (0..3).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let man = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
+    assert!(man.layers.iter().flat_map(|l| &l.experts).all(|e| e.drives.len() == 1));
+    let per: Vec<usize> =
+        (0..3).map(|d| man.layers.iter().flat_map(|l| &l.experts).filter(|e| e.drives[0] == d).count()).collect();
+    // Speeds 1, 2, 3: bytes proportional.
+    assert!(per[2] > per[1] && per[1] > per[0], "{per:?}");
+    let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Fallback, None);
+    assert!(man.layers.iter().flat_map(|l| &l.experts).all(|e| e.drives == vec![0, 1, 2]));
+}
+
+#[test]
+fn a_corrupt_copy_fails_over_with_identical_output() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let want = reference_logits(&m);
+    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
+    // Flip one byte in every record of drive 0's layer-1 pack.
+    let path = drives[0].join("L1.pack");
+    let h = deltafin::store::pack::read_header(&path).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    for e in &h.entries {
+        bytes[e.offset as usize + 7] ^= 0x55;
+    }
+    std::fs::write(&path, &bytes).unwrap();
+    for reader in [ReaderKind::Uring, ReaderKind::Pread] {
+        // Drive 1 is slower (given 2 GB/s vs 1) but the balancer sends the first reads to drive 0.
+        let store = open_store(&m, &man, 0, reader);
+        let got = logits_with(&m, &store).unwrap();
+        assert!(bits_equal(&got, &want), "{reader:?}: output changed after failover");
+        let r = store.report();
+        assert!(r.drives[0].failures >= 1, "{reader:?}: {:?}", r.drives[0]);
+        let why = r.drives[0].failed.clone().unwrap();
+        assert!(why.contains("checksum mismatch") && why.contains("layer 1"), "{why}");
+    }
+}
+
+#[test]
+fn a_copy_truncated_mid_run_fails_over() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let want = reference_logits(&m);
+    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
+    let store = open_store(&m, &man, 0, ReaderKind::Uring);
+    // The files are open; now the drive "loses" data.
+    for l in 1..6 {
+        let f = std::fs::OpenOptions::new().write(true).open(drives[1].join(format!("L{l}.pack"))).unwrap();
+        f.set_len(4096).unwrap();
+    }
+    let got = logits_with(&m, &store).unwrap();
+    assert!(bits_equal(&got, &want));
+    let r = store.report();
+    assert!(r.drives[1].failed.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[1]);
+}
+
+#[test]
+fn a_missing_drive_degrades_to_remaining_holders() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let want = reference_logits(&m);
+    let drives: Vec<PathBuf> = (0..3).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    // Mirror: every expert survives losing a drive.
+    let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
+    std::fs::remove_dir_all(&drives[1]).unwrap();
+    let store = open_store(&m, &man, 1 << 20, ReaderKind::Auto);
+    assert!(bits_equal(&logits_with(&m, &store).unwrap(), &want));
+    assert!(store.report().drives[1].failed.as_ref().unwrap().contains("missing"));
+    // Spread with the shards as fallback: the shards serve what the lost drive held.
+    let tmp2 = copy_fixture("k3-tiny-a");
+    let m2 = open(tmp2.path());
+    let drives2: Vec<PathBuf> = (0..2).map(|i| tmp2.path().join(format!("d{i}"))).collect();
+    let man2 = do_place(&m2, &drives2, Policy::Spread, ShardUse::Fallback, None);
+    std::fs::remove_dir_all(&drives2[0]).unwrap();
+    let store2 = open_store(&m2, &man2, 0, ReaderKind::Pread);
+    assert!(bits_equal(&logits_with(&m2, &store2).unwrap(), &want));
+    let r = store2.report();
+    assert!(r.drives[2].reads > 0, "the shards served the lost drive's experts");
+}
+
+#[test]
+fn no_holder_left_is_a_clear_error() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
+    std::fs::remove_dir_all(&drives[1]).unwrap();
+    let store = open_store(&m, &man, 0, ReaderKind::Uring);
+    let err = logits_with(&m, &store).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, deltafin::k3::ForwardError::Store(StoreError::NoHolderLeft(_))), "{msg}");
+    assert!(msg.contains("of layer 1") && msg.contains("no usable holder") && msg.contains("d1"), "{msg}");
+}
+
+#[test]
+fn concurrent_fetches_share_reads_and_get_the_right_bytes() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
+    let store = open_store(&m, &man, 1 << 20, ReaderKind::Uring);
+    let mmap = ShardExperts::new(&m.ck, &m.roster).unwrap();
+    let mut want = std::collections::HashMap::new();
+    mmap.fetch(2, &(0..16).collect::<Vec<u32>>(), &mut |e, b| {
+        want.insert(e, b.to_vec());
+    })
+    .unwrap();
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let (store, want) = (&store, &want);
+            s.spawn(move || {
+                let ids: Vec<u32> = (0..16).map(|i| (i + t * 3) % 16).collect();
+                let mut seen = 0;
+                store
+                    .fetch(2, &ids, &mut |e, b| {
+                        assert_eq!(b, want[&e].as_slice(), "thread {t}: expert {e} bytes differ");
+                        seen += 1;
+                    })
+                    .unwrap();
+                assert_eq!(seen, 16);
+            });
+        }
+    });
+    let r = store.report();
+    let reads: u64 = r.drives.iter().map(|d| d.reads).sum();
+    assert_eq!(reads, 16, "each expert read once across 4 concurrent fetches");
+    assert_eq!(r.cache_hits.unwrap() + r.inflight_joins.unwrap() + r.cache_misses.unwrap(), 64);
+}
+
+#[test]
+fn place_resumes_and_never_publishes_incomplete_data() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
+    let first = std::fs::metadata(drives[0].join("L1.pack")).unwrap().modified().unwrap();
+    // An interrupted run: manifest gone, one pack half written, another missing.
+    std::fs::remove_file(tmp.path().join("placement.json")).unwrap();
+    std::fs::remove_file(drives[1].join("L3.pack")).unwrap();
+    std::fs::write(drives[1].join("L3.pack.partial"), b"half").unwrap();
+    let man = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
+    assert_eq!(
+        std::fs::metadata(drives[0].join("L1.pack")).unwrap().modified().unwrap(),
+        first,
+        "complete packs are reused"
+    );
+    assert!(drives[1].join("L3.pack").exists());
+    assert!(!drives[1].join("L3.pack.partial").exists());
+    let problems = deltafin::store::placement::verify(&man, &m.ck, &m.roster, &|_, _| {});
+    assert!(problems.is_empty(), "{problems:?}");
+}
