@@ -45,6 +45,10 @@ pub struct Stats {
     pub source: Option<crate::store::SourceReport>,
     /// Routing counts per (layer, expert), for `--trace-routes`.
     pub routes: std::collections::BTreeMap<u32, Vec<u64>>,
+    /// Compute time spent waiting for expert reads, per MoE layer.
+    pub layer_read_wait_s: std::collections::BTreeMap<u32, f64>,
+    /// Lookahead prediction per layer: (predicted, actually needed, predicted and needed).
+    pub predictions: std::collections::BTreeMap<u32, (u64, u64, u64)>,
 }
 
 impl Stats {
@@ -56,6 +60,20 @@ impl Stats {
                 *c += 1;
             }
         }
+    }
+
+    /// Scores one lookahead prediction for `layer`.
+    pub fn record_prediction(&mut self, layer: usize, predicted: usize, needed: usize, hit: usize) {
+        let e = self.predictions.entry(layer as u32).or_insert((0, 0, 0));
+        e.0 += predicted as u64;
+        e.1 += needed as u64;
+        e.2 += hit as u64;
+    }
+
+    /// (recall, precision) of the lookahead predictions over all layers.
+    pub fn prediction_quality(&self) -> Option<(f64, f64)> {
+        let (p, n, h) = self.predictions.values().fold((0, 0, 0), |a, v| (a.0 + v.0, a.1 + v.1, a.2 + v.2));
+        (p > 0 && n > 0).then(|| (h as f64 / n as f64, h as f64 / p as f64))
     }
 
     /// The route counts in the trace format `place --policy hot` reads.
@@ -117,6 +135,11 @@ impl Stats {
             "attention_s": self.attention_s,
             "router_s": self.router_s,
             "other_s": self.other_s,
+            "prefetch_recall": self.prediction_quality().map(|q| q.0),
+            "prefetch_precision": self.prediction_quality().map(|q| q.1),
+            "prefetch_per_layer": self.predictions.iter().map(|(l, (p, n, h))| json!({"layer": l, "predicted": p, "needed": n, "hit": h,
+                "recall": if *n > 0 { *h as f64 / *n as f64 } else { 0.0 }, "precision": if *p > 0 { *h as f64 / *p as f64 } else { 0.0 }})).collect::<Vec<_>>(),
+            "layer_read_wait_s": self.layer_read_wait_s.iter().map(|(l, s)| json!({"layer": l, "read_wait_s": s})).collect::<Vec<_>>(),
             "drafts_proposed": self.drafts_proposed,
             "drafts_accepted": self.drafts_accepted,
             "peak_rss_bytes": peak_rss_bytes(),
@@ -132,6 +155,9 @@ impl Stats {
         let mut s = String::from("stats:\n");
         if let Value::Object(m) = j {
             for (k, v) in m {
+                if k == "prefetch_per_layer" || k == "layer_read_wait_s" {
+                    continue;
+                }
                 if k == "drives" {
                     if let Value::Array(ds) = &v {
                         for d in ds {

@@ -278,3 +278,95 @@ fn place_resumes_and_never_publishes_incomplete_data() {
     let problems = deltafin::store::placement::verify(&man, &m.ck, &m.roster, &|_, _| {});
     assert!(problems.is_empty(), "{problems:?}");
 }
+
+fn shard_store(m: &Model, cache_bytes: u64, qd: usize, prefetch_depth: usize) -> ExpertStore {
+    let spec = deltafin::store::placement::shard_spec(&m.ck, &m.roster, &m.dir, qd, 1.0).unwrap();
+    ExpertStore::open(spec, StoreOptions { cache_bytes, reader: ReaderKind::Auto, prefetch_depth, record_reads: false })
+        .unwrap()
+}
+
+/// Runs `f` on another thread and fails the test if it does not finish in time (a hang).
+fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(secs)).expect("the store hung")
+}
+
+#[test]
+fn many_fetchers_on_a_tiny_slab_do_not_hang() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let dir = tmp.path().to_path_buf();
+    within(60, move || {
+        let m = open(&dir);
+        // qd 2, no cache: a handful of slots for 4 threads x 16 experts each.
+        let store = shard_store(&m, 0, 2, 1);
+        let want: std::collections::HashMap<u32, Vec<u8>> = {
+            let mmap = ShardExperts::new(&m.ck, &m.roster).unwrap();
+            let mut w = std::collections::HashMap::new();
+            mmap.fetch(3, &(0..16).collect::<Vec<u32>>(), &mut |e, b| {
+                w.insert(e, b.to_vec());
+            })
+            .unwrap();
+            w
+        };
+        std::thread::scope(|s| {
+            for t in 0..4u32 {
+                let (store, want) = (&store, &want);
+                s.spawn(move || {
+                    for round in 0..20u32 {
+                        let ids: Vec<u32> = (0..16).map(|i| (i * 5 + t + round) % 16).collect();
+                        let mut n = 0;
+                        store
+                            .fetch(3, &ids, &mut |e, b| {
+                                assert_eq!(b, want[&e].as_slice());
+                                n += 1;
+                            })
+                            .unwrap();
+                        assert_eq!(n, 16);
+                    }
+                });
+            }
+        });
+    });
+}
+
+#[test]
+fn the_cache_keeps_the_most_recently_used_experts() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let slot = (m.cfg.expert_bytes() as u64).div_ceil(4096) * 4096 + 8192;
+    let store = shard_store(&m, 4 * slot, 2, 0);
+    let fetch = |ids: &[u32]| store.fetch(1, ids, &mut |_, _| {}).unwrap();
+    fetch(&[0, 1, 2, 3]); // cache: 0 1 2 3
+    fetch(&[4, 5]); // evicts 0 1 -> 2 3 4 5
+    let before = store.report();
+    fetch(&[2, 3, 4, 5]);
+    let after = store.report();
+    assert_eq!(after.cache_hits.unwrap() - before.cache_hits.unwrap(), 4, "recent experts are kept");
+    fetch(&[0]);
+    assert_eq!(store.report().cache_misses.unwrap() - after.cache_misses.unwrap(), 1, "evicted experts are read again");
+}
+
+#[test]
+fn prefetched_experts_are_used_and_cancelled_ones_are_not_read() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let store = shard_store(&m, 1 << 20, 2, 2);
+    store.prefetch(2, &[1, 2, 3]);
+    let mut seen = Vec::new();
+    store.fetch(2, &[1, 2, 3, 4], &mut |e, _| seen.push(e)).unwrap();
+    seen.sort();
+    assert_eq!(seen, vec![1, 2, 3, 4]);
+    let r = store.report();
+    assert_eq!(r.prefetch_issued, 3);
+    assert_eq!(r.prefetch_used, 3, "all three predictions were needed");
+    assert_eq!(r.drives[0].reads, 4, "no expert read twice");
+    // Predictions for a layer that the real route rejects are dropped if not yet read.
+    store.prefetch(4, &(0..16).collect::<Vec<u32>>());
+    store.cancel_prefetch(4, &[7]);
+    store.fetch(4, &[7], &mut |_, _| {}).unwrap();
+    let r2 = store.report();
+    assert!(r2.drives[0].reads - 4 < 1 + 16, "cancelled prefetches were not all read");
+}

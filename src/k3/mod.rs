@@ -49,6 +49,8 @@ pub struct K3<'a> {
     pub w: Weights<'a>,
     pub experts: Option<&'a dyn ExpertSource>,
     pub kda_mode: KdaMode,
+    /// Predict and prefetch the next MoE layer's experts (see `moe::Lookahead`).
+    pub prefetch: bool,
 }
 
 impl<'a> K3<'a> {
@@ -60,7 +62,15 @@ impl<'a> K3<'a> {
         experts: Option<&'a dyn ExpertSource>,
     ) -> Result<Self, ModelError> {
         let w = Weights::load(&cfg, ck)?;
-        Ok(K3 { cfg, w, experts, kda_mode: KdaMode::Auto })
+        Ok(K3 { cfg, w, experts, kda_mode: KdaMode::Auto, prefetch: false })
+    }
+
+    /// The next MoE layer after `l` and its weights.
+    fn next_moe(&self, l: usize) -> Option<(usize, &weights::MoeWeights<'a>)> {
+        self.w.layers.iter().enumerate().skip(l + 1).find_map(|(i, lw)| match &lw.ffn {
+            Ffn::Moe(w) => Some((i, w)),
+            Ffn::Dense(_) => None,
+        })
     }
 
     pub fn new_state(&self) -> SeqState {
@@ -96,6 +106,7 @@ impl<'a> K3<'a> {
         let situ = Situ { beta: c.situ_beta, linear_beta: c.situ_linear_beta };
         let mut res = Residual::new(embeds, h);
         let mut attn_s = 0f64;
+        let mut predicted: Option<Vec<u32>> = None;
         for (l, lw) in self.w.layers.iter().enumerate() {
             let t0 = Instant::now();
             let mut x = res.mixed(&lw.attn_res_score, c.rms_eps);
@@ -125,7 +136,11 @@ impl<'a> K3<'a> {
                 }
                 Ffn::Moe(w) => {
                     let src = self.experts.ok_or(StoreError::NoHolder { layer: l, expert: 0 })?;
-                    moe::forward(c, w, l, src, &x, stats)?
+                    let next = if self.prefetch { self.next_moe(l) } else { None };
+                    let look = moe::Lookahead { predicted_here: predicted.as_deref(), next };
+                    let (out, pred) = moe::forward(c, w, l, src, &x, stats, look)?;
+                    predicted = pred;
+                    out
                 }
             };
             res.add(f);

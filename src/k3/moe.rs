@@ -117,6 +117,16 @@ pub fn run_expert(layout: &ExpertLayout, bytes: &[u8], situ: Situ, zd: &[f32]) -
 }
 
 /// Runs one MoE layer on rows `xn` [n, hidden]; returns [n, hidden].
+/// Lookahead prefetch around one MoE layer: the experts predicted for this layer earlier (to score
+/// and cancel), and the next MoE layer's router (to predict and prefetch its experts).
+#[derive(Default)]
+pub struct Lookahead<'a, 'w> {
+    pub predicted_here: Option<&'a [u32]>,
+    pub next: Option<(usize, &'a MoeWeights<'w>)>,
+}
+
+/// Runs one MoE layer on rows `xn` [n, hidden]; returns [n, hidden] and the experts predicted for
+/// the next MoE layer (when `look.next` is given).
 pub fn forward(
     c: &K3Config,
     w: &MoeWeights,
@@ -124,7 +134,8 @@ pub fn forward(
     src: &dyn ExpertSource,
     xn: &[f32],
     stats: &mut Stats,
-) -> Result<Vec<f32>, StoreError> {
+    look: Lookahead,
+) -> Result<(Vec<f32>, Option<Vec<u32>>), StoreError> {
     let t_start = Instant::now();
     let h = c.hidden;
     let n = xn.len() / h;
@@ -133,6 +144,15 @@ pub fn forward(
     let routes = route(c, w, xn);
     let k = routes.k;
     stats.record_routes(layer, &routes.experts, c.experts);
+    let union = routes.union();
+    if let Some(pred) = look.predicted_here {
+        // Score the prediction and drop queued prefetches the real route does not need.
+        let hit = pred.iter().filter(|e| union.binary_search(e).is_ok()).count();
+        stats.record_prediction(layer, pred.len(), union.len(), hit);
+        src.cancel_prefetch(layer, &union);
+    }
+    // The next MoE layer's router applied to this layer's input predicts its experts.
+    let predicted_next = look.next.map(|(nl, nw)| (nl, route(c, nw, xn).union()));
     let t_routed = Instant::now();
     stats.router_s += (t_routed - t_start).as_secs_f64();
 
@@ -145,12 +165,16 @@ pub fn forward(
 
     // Expert outputs land in slots [row][k] so the sum can follow router order.
     let mut slots = vec![0f32; n * k * lat];
-    let union = routes.union();
     let layout = src.layout().clone();
+    let mut prefetch_pending = predicted_next.as_ref();
     let mut kernel_s = 0f64;
     let mut expert_rows = 0usize;
     let t_fetch = Instant::now();
     src.fetch(layer, &union, &mut |e, bytes| {
+        // Every demanded read of this layer is queued by now; predictions fill idle capacity.
+        if let Some((nl, pred)) = prefetch_pending.take() {
+            src.prefetch(*nl, pred);
+        }
         let t = Instant::now();
         let targets: Vec<(usize, usize)> =
             (0..n * k).filter(|&i| routes.experts[i] == e).map(|i| (i / k, i % k)).collect();
@@ -173,6 +197,7 @@ pub fn forward(
     stats.expert_bytes = layout.len as u64;
     stats.distinct_experts.extend(union.iter().map(|&e| (layer as u32, e)));
     stats.read_wait_s += (fetch_s - kernel_s).max(0.0);
+    *stats.layer_read_wait_s.entry(layer as u32).or_insert(0.0) += (fetch_s - kernel_s).max(0.0);
     let t_tail = Instant::now();
 
     let mut routed = vec![0f32; n * lat];
@@ -195,5 +220,5 @@ pub fn forward(
     }
     // z, the weighted sum, the latent norm/up-projection and shared experts count as expert work.
     stats.expert_kernel_s += kernel_s + t_tail.elapsed().as_secs_f64() + (t_fetch - t_routed).as_secs_f64();
-    Ok(out)
+    Ok((out, predicted_next.map(|(_, p)| p)))
 }

@@ -534,8 +534,13 @@ fn write_into(spec: &SynthSpec, dir: &Path, progress: &(dyn Fn(u64, u64) + Sync)
     for (si, mut tensors) in shards.into_iter().enumerate() {
         let file =
             if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{n:05}.safetensors", si + 1) };
-        // Standard order: larger element alignment first, then by name.
-        tensors.sort_by(|a, b| b.elem().cmp(&a.elem()).then_with(|| a.name.cmp(&b.name)));
+        // Routed experts first (so with the header padded to 4 KiB, experts of real K3 size start
+        // 4 KiB-aligned and O_DIRECT reads need no widening); then the usual order: larger element
+        // alignment first, then by name. Safetensors does not prescribe an order.
+        let is_expert = |t: &TensorPlan| t.dtype == Dtype::U8;
+        tensors.sort_by(|a, b| {
+            is_expert(b).cmp(&is_expert(a)).then_with(|| b.elem().cmp(&a.elem())).then_with(|| a.name.cmp(&b.name))
+        });
         let mut header = serde_json::Map::new();
         let mut off = 0u64;
         for t in &tensors {
@@ -547,7 +552,8 @@ fn write_into(spec: &SynthSpec, dir: &Path, progress: &(dyn Fn(u64, u64) + Sync)
             weight_map.insert(t.name.clone(), json!(file));
         }
         let mut h = serde_json::to_vec(&Value::Object(header)).unwrap_or_default();
-        while !h.len().is_multiple_of(8) {
+        // Pad so the data section starts 4 KiB-aligned (8-byte length prefix + header).
+        while !(h.len() + 8).is_multiple_of(4096) {
             h.push(b' ');
         }
         let path = dir.join(&file);

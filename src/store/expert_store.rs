@@ -21,7 +21,7 @@ use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// One place an expert's bytes can be read.
 #[derive(Clone, Copy, Debug)]
@@ -77,7 +77,15 @@ type Key = (u32, u32);
 enum Slot {
     Free,
     Loading,
-    Ready { pins: u32, start: u32, drive: u16, at: Instant, prefetched: bool },
+    Ready {
+        pins: u32,
+        start: u32,
+        drive: u16,
+        at: Instant,
+        prefetched: bool,
+    },
+    /// Its read may still be in the kernel after its reader failed: never reused.
+    Poisoned,
 }
 
 enum KeyState {
@@ -132,6 +140,8 @@ struct State {
     joins: u64,
     prefetch_issued: u64,
     prefetch_used: u64,
+    /// Prefetch reads queued or in flight (capped).
+    prefetch_outstanding: usize,
     shutdown: bool,
     /// (file, offset, length) of reads issued, when recording.
     read_log: Option<Vec<(u32, u64, u64)>>,
@@ -146,6 +156,8 @@ struct Shared {
     files: Vec<Option<DirectFile>>,
     cache_slots: usize,
     prefetch_depth: usize,
+    /// Cap on prefetch reads queued or in flight over all drives.
+    prefetch_cap: usize,
 }
 
 pub struct ExpertStore {
@@ -157,6 +169,11 @@ fn lock(s: &Shared) -> MutexGuard<'_, State> {
     // A panicking reader thread must not take the whole engine down with a poisoned lock.
     s.st.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+/// How long a drive thread waits for completions before looking for newly queued work.
+const REAP_TICK: Duration = Duration::from_millis(1);
+/// Consecutive reader errors after which a drive is given up.
+const MAX_READER_ERRORS: u32 = 50;
 
 impl ExpertStore {
     /// Opens every holder file and starts one reader thread per usable drive.
@@ -228,10 +245,12 @@ impl ExpertStore {
             joins: 0,
             prefetch_issued: 0,
             prefetch_used: 0,
+            prefetch_outstanding: 0,
             shutdown: false,
             read_log: opts.record_reads.then(Vec::new),
         };
         let n_drives = spec.drives.len();
+        let prefetch_cap = 2 * n_drives * opts.prefetch_depth;
         let shared = Arc::new(Shared {
             st: Mutex::new(st),
             done_cv: Condvar::new(),
@@ -241,42 +260,51 @@ impl ExpertStore {
             files,
             cache_slots,
             prefetch_depth: opts.prefetch_depth,
+            prefetch_cap,
         });
-        let mut threads = Vec::new();
+        // Threads are owned by the store as they start, so an error below still shuts them down.
+        let mut store = ExpertStore { shared, threads: Vec::new() };
         for d in 0..n_drives {
-            if lock(&shared).drives[d].failed.is_some() {
+            if lock(&store.shared).drives[d].failed.is_some() {
                 continue;
             }
-            let qd = shared.spec.drives[d].qd.max(1);
-            let reader = new_reader(opts.reader, qd, &shared.slab.iovecs())
+            let qd = store.shared.spec.drives[d].qd.max(1);
+            let reader = new_reader(opts.reader, qd, &store.shared.slab.iovecs())
                 .map_err(|e| StoreError::Setup(format!("{} reader for drive {d}: {e}", opts.reader.name())))?;
-            lock(&shared).drives[d].reader = Some(reader.kind());
-            let sh = Arc::clone(&shared);
+            lock(&store.shared).drives[d].reader = Some(reader.kind());
+            let sh = Arc::clone(&store.shared);
             let t = std::thread::Builder::new()
                 .name(format!("deltafin-drive{d}"))
                 .spawn(move || drive_loop(sh, d, reader))
                 .map_err(|e| StoreError::Setup(format!("cannot start the reader thread for drive {d}: {e}")))?;
-            threads.push(t);
+            store.threads.push(t);
         }
-        Ok(ExpertStore { shared, threads })
+        Ok(store)
     }
 
     /// Starts reading experts a later layer will probably need, into idle drive capacity only.
-    /// Experts already cached or in flight are skipped; nothing is evicted that is pinned.
+    /// Skips experts already cached or in flight; takes free slots, or evicts cached experts only
+    /// when a holder is available; at most `prefetch_cap` prefetches are outstanding.
     pub fn prefetch(&self, layer: usize, experts: &[u32]) {
         if self.shared.prefetch_depth == 0 {
             return;
         }
         let sh = &*self.shared;
         let mut st = lock(sh);
+        let st = &mut *st;
         for &e in experts {
+            if st.prefetch_outstanding >= sh.prefetch_cap {
+                break;
+            }
             let key = (layer as u32, e);
-            if st.keys.contains_key(&key) {
+            if st.keys.contains_key(&key) || choose_holder(sh, st, key, &[]).is_none() {
                 continue;
             }
-            // Prefetch never takes a slot that a demanded read could use right now.
-            let Some(slot) = st.free.pop().or_else(|| evict_lru(&mut st)) else { break };
-            if !start_read(sh, &mut st, key, slot, true, &[]) {
+            let Some(slot) = alloc_slot(st) else { break };
+            if start_read(sh, st, key, slot, true, &[]) {
+                st.prefetch_issued += 1;
+                st.prefetch_outstanding += 1;
+            } else {
                 st.free.push(slot);
             }
         }
@@ -287,22 +315,28 @@ impl ExpertStore {
         let sh = &*self.shared;
         let mut st = lock(sh);
         let st = &mut *st;
+        let mut freed = false;
         for d in 0..st.drives.len() {
             let queued: Vec<usize> = st.drives[d].prefetch.iter().copied().collect();
             for r in queued {
                 let Some(req) = st.reqs[r].as_ref() else { continue };
-                if req.key.0 != layer as u32 || keep.contains(&req.key.1) || req.waiters > 0 {
+                if req.key.0 != layer as u32 || keep.contains(&req.key.1) || req.waiters > 0 || !req.prefetch {
                     continue;
                 }
                 let (key, slot, len) = (req.key, req.slot, req.op_len);
                 st.drives[d].prefetch.retain(|&x| x != r);
-                st.drives[d].queued_bytes -= len;
+                st.drives[d].queued_bytes = st.drives[d].queued_bytes.saturating_sub(len);
                 st.keys.remove(&key);
                 st.slots[slot] = Slot::Free;
                 st.free.push(slot);
                 st.reqs[r] = None;
                 st.free_reqs.push(r);
+                st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
+                freed = true;
             }
+        }
+        if freed {
+            sh.done_cv.notify_all();
         }
     }
 
@@ -371,12 +405,17 @@ impl Drop for ExpertStore {
     }
 }
 
-/// Frees the least recently used cached slot.
+/// Frees the least recently used unpinned Ready slot.
 fn evict_lru(st: &mut State) -> Option<usize> {
     let slot = st.lru.pop_front()?;
     st.keys.retain(|_, k| !matches!(k, KeyState::Ready { slot: s } if *s == slot));
     st.slots[slot] = Slot::Free;
     Some(slot)
+}
+
+/// A slot for a new read: a free one, else the least recently used cached one.
+fn alloc_slot(st: &mut State) -> Option<usize> {
+    st.free.pop().or_else(|| evict_lru(st))
 }
 
 /// The usable holder of `key` with the earliest expected completion, avoiding failed drives and
@@ -433,7 +472,6 @@ fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, prefetch: bool
     d.queued_bytes += op_len;
     if prefetch {
         d.prefetch.push_back(r);
-        st.prefetch_issued += 1;
     } else {
         d.demand.push_back(r);
     }
@@ -443,12 +481,42 @@ fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, prefetch: bool
     true
 }
 
+/// Adds a waiter to the read in flight for `key` (promoting a prefetch to a demanded read).
+fn join_read(st: &mut State, r: usize) {
+    let Some(q) = st.reqs[r].as_mut() else { return };
+    q.waiters += 1;
+    if q.prefetch {
+        q.prefetch = false;
+        st.prefetch_used += 1;
+        st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
+        if q.submitted.is_none() {
+            let dr = &mut st.drives[q.drive as usize];
+            dr.prefetch.retain(|&x| x != r);
+            dr.demand.push_back(r);
+        }
+    }
+}
+
+/// Pins a Ready slot for a fetcher.
+fn pin_ready(st: &mut State, slot: usize) {
+    st.lru.remove(slot);
+    if let Slot::Ready { pins, prefetched, .. } = &mut st.slots[slot] {
+        *pins += 1;
+        if *prefetched {
+            *prefetched = false;
+            st.prefetch_used += 1;
+        }
+    }
+}
+
 /// The reader thread of drive `d`.
 fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn super::reader::DriveIo>) {
     let qd = sh.spec.drives[d].qd.max(1);
     let mut done: Vec<Done> = Vec::new();
+    let mut errors = 0u32;
     loop {
         let mut batch: Vec<ReadOp> = Vec::new();
+        let mut work_waiting;
         {
             let mut st = lock(&sh);
             loop {
@@ -489,6 +557,7 @@ fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn super::reader::Driv
                         buf_index: u16::try_from(req.slot).ok(),
                     });
                 }
+                work_waiting = !st_ref.drives[d].demand.is_empty() || !st_ref.drives[d].prefetch.is_empty();
                 if batch.is_empty() && in_flight == 0 {
                     st = sh.drive_cv[d].wait(st).unwrap_or_else(|p| p.into_inner());
                     continue;
@@ -502,14 +571,90 @@ fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn super::reader::Driv
                 done.push(Done { tag: op.tag, result: Err(e) });
             }
         }
-        if reader.in_flight() > 0
-            && let Err(e) = reader.reap(true, &mut done)
-        {
-            eprintln!("deltafin: warning: drive {d}: reader failed: {e}");
+        if reader.in_flight() > 0 {
+            // Wait for a completion, but come back soon when more work is queued (a demanded read
+            // must not wait behind a whole read for an idle queue slot).
+            let wait = if work_waiting { REAP_TICK } else { REAP_TICK * 20 };
+            match reader.reap(Some(wait), &mut done) {
+                Ok(()) => errors = 0,
+                Err(e) => {
+                    errors += 1;
+                    if errors >= MAX_READER_ERRORS {
+                        give_up_drive(&sh, d, &format!("reader failed repeatedly: {e}"));
+                        return;
+                    }
+                }
+            }
         }
         for c in done.drain(..) {
             complete(&sh, d, c);
         }
+    }
+}
+
+/// A reader that keeps failing: its in-flight reads may still land, so their slots are poisoned
+/// (never reused); every request of the drive is retried elsewhere or failed.
+fn give_up_drive(sh: &Shared, d: usize, msg: &str) {
+    let mut st = lock(sh);
+    let st = &mut *st;
+    eprintln!("deltafin: warning: drive {d} ({}): {msg}; avoiding this drive", sh.spec.drives[d].root.display());
+    st.drives[d].failed = Some(msg.to_string());
+    st.drives[d].counters.failures += 1;
+    let mine: Vec<usize> =
+        (0..st.reqs.len()).filter(|&r| st.reqs[r].as_ref().is_some_and(|q| q.drive as usize == d)).collect();
+    st.drives[d].demand.clear();
+    st.drives[d].prefetch.clear();
+    for r in mine {
+        let Some(req) = st.reqs[r].take() else { continue };
+        st.free_reqs.push(r);
+        let mut slot = req.slot;
+        if req.submitted.is_some() {
+            st.slots[slot] = Slot::Poisoned;
+            match st.free.pop().or_else(|| evict_lru(st)) {
+                Some(s) => slot = s,
+                None => {
+                    if req.prefetch {
+                        st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
+                    }
+                    fail_key(sh, st, req.key, req.waiters, d, msg);
+                    continue;
+                }
+            }
+        }
+        retry_or_fail(sh, st, req, slot, d, msg);
+    }
+    sh.done_cv.notify_all();
+}
+
+/// Retries `req` on another holder (into `slot`), or marks its key failed.
+fn retry_or_fail(sh: &Shared, st: &mut State, req: Req, slot: usize, d: usize, msg: &str) {
+    let mut tried = req.tried.clone();
+    tried.push(d as u16);
+    let prefetch = req.prefetch && req.waiters == 0;
+    if start_read(sh, st, req.key, slot, prefetch, &tried) {
+        if let Some(KeyState::Loading { req: nr }) = st.keys.get(&req.key)
+            && let Some(newreq) = st.reqs[*nr].as_mut()
+        {
+            newreq.waiters = req.waiters;
+        }
+        return;
+    }
+    if prefetch {
+        st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
+    }
+    st.slots[slot] = Slot::Free;
+    st.free.push(slot);
+    fail_key(sh, st, req.key, req.waiters, d, msg);
+}
+
+fn fail_key(sh: &Shared, st: &mut State, key: Key, waiters: u32, d: usize, msg: &str) {
+    if waiters > 0 {
+        let root = sh.spec.drives[d].root.display();
+        let msg =
+            format!("expert {} of layer {}: no holder left (last failure on drive {d} ({root}): {msg})", key.1, key.0);
+        st.keys.insert(key, KeyState::Failed { msg, waiters });
+    } else {
+        st.keys.remove(&key);
     }
 }
 
@@ -552,6 +697,9 @@ fn complete(sh: &Shared, d: usize, c: Done) {
     dr.queued_bytes = dr.queued_bytes.saturating_sub(op_len);
     let Some(req) = st.reqs[r].take() else { return };
     st.free_reqs.push(r);
+    if req.prefetch {
+        st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
+    }
     match verdict {
         Ok(n) => {
             let dr = &mut st.drives[d];
@@ -578,45 +726,29 @@ fn complete(sh: &Shared, d: usize, c: Done) {
             }
         }
         Err(msg) => {
-            let root = sh.spec.drives[d].root.display().to_string();
             let dr = &mut st.drives[d];
             dr.counters.failures += 1;
             if dr.failed.is_none() {
                 eprintln!(
-                    "deltafin: warning: drive {d} ({root}): expert {} of layer {}: {msg}; avoiding this drive",
-                    key.1, key.0
+                    "deltafin: warning: drive {d} ({}): expert {} of layer {}: {msg}; avoiding this drive",
+                    sh.spec.drives[d].root.display(),
+                    key.1,
+                    key.0
                 );
                 dr.failed = Some(format!("expert {} of layer {}: {msg}", key.1, key.0));
             }
-            let mut tried = req.tried.clone();
-            tried.push(d as u16);
-            let waiters = req.waiters;
-            let prefetch = req.prefetch && waiters == 0;
-            if start_read(sh, st, key, slot, prefetch, &tried) {
-                if let Some(KeyState::Loading { req: nr, .. }) = st.keys.get(&key)
-                    && let Some(newreq) = st.reqs[*nr].as_mut()
-                {
-                    newreq.waiters = waiters;
-                }
-            } else if waiters > 0 {
-                st.slots[slot] = Slot::Free;
-                st.free.push(slot);
-                let msg = format!(
-                    "expert {} of layer {}: no holder left (last failure on drive {d} ({root}): {msg})",
-                    key.1, key.0
-                );
-                st.keys.insert(key, KeyState::Failed { msg, waiters });
-            } else {
-                st.slots[slot] = Slot::Free;
-                st.free.push(slot);
-                st.keys.remove(&key);
+            if req.prefetch {
+                // Counted again by start_read's retry only if it stays a prefetch.
+                st.prefetch_outstanding += usize::from(req.waiters == 0);
             }
+            retry_or_fail(sh, st, req, slot, d, &msg);
         }
     }
     sh.done_cv.notify_all();
 }
 
-/// Releases a pin after the forward pass consumed the bytes; keeps the slot as cache if room.
+/// Releases a pin after the forward pass consumed the bytes; keeps the slot as cache (evicting the
+/// least recently used cached expert when the cache is full).
 fn unpin(sh: &Shared, st: &mut State, key: Key, slot: usize) {
     if let Slot::Ready { pins, .. } = &mut st.slots[slot] {
         *pins = pins.saturating_sub(1);
@@ -624,18 +756,19 @@ fn unpin(sh: &Shared, st: &mut State, key: Key, slot: usize) {
             return;
         }
     }
-    if st.lru.len() < sh.cache_slots {
-        st.lru.push_back(slot);
-    } else {
+    if sh.cache_slots == 0 {
         st.keys.remove(&key);
         st.slots[slot] = Slot::Free;
         st.free.push(slot);
+    } else {
+        if st.lru.len() >= sh.cache_slots
+            && let Some(old) = evict_lru(st)
+        {
+            st.free.push(old);
+        }
+        st.lru.push_back(slot);
     }
-}
-
-/// A slot for a new read: a free one, else the least recently used cached one.
-fn alloc_slot(st: &mut State) -> Option<usize> {
-    st.free.pop().or_else(|| evict_lru(st))
+    sh.done_cv.notify_all();
 }
 
 enum Want {
@@ -643,29 +776,10 @@ enum Want {
     Ready(usize),
     /// Waiting for a read (a pin is reserved for us at completion).
     Waiting,
-    /// No slot yet for a new read.
+    /// No read yet (no slot was free).
     Deferred,
     /// Landed (or abandoned after an error).
     Done,
-}
-
-/// Joins an existing read of `key` (or pins it if it is already Ready).
-fn set_waiter_or_pin(st: &mut State, key: Key, w: &mut Want) {
-    match st.keys.get(&key) {
-        Some(KeyState::Ready { slot }) => {
-            let slot = *slot;
-            st.lru.remove(slot);
-            if let Slot::Ready { pins, .. } = &mut st.slots[slot] {
-                *pins += 1;
-            }
-            *w = Want::Ready(slot);
-        }
-        Some(KeyState::Loading { .. }) => {
-            set_waiter(st, key);
-            *w = Want::Waiting;
-        }
-        _ => {}
-    }
 }
 
 impl ExpertSource for ExpertStore {
@@ -677,56 +791,12 @@ impl ExpertSource for ExpertStore {
         let sh = &*self.shared;
         let len = sh.spec.layout.len;
         let l = layer as u32;
-        // Classify: hits are pinned now, in-flight reads are joined, misses wait for a slot.
-        let mut wants: Vec<(u32, Want)> = Vec::with_capacity(experts.len());
-        {
-            let mut st = lock(sh);
-            let st = &mut *st;
-            for &e in experts {
-                let key = (l, e);
-                let w = match st.keys.get(&key) {
-                    Some(KeyState::Ready { slot }) => {
-                        let slot = *slot;
-                        st.lru.remove(slot);
-                        if let Slot::Ready { pins, prefetched, .. } = &mut st.slots[slot] {
-                            *pins += 1;
-                            if *prefetched {
-                                *prefetched = false;
-                                st.prefetch_used += 1;
-                            }
-                        }
-                        st.hits += 1;
-                        Want::Ready(slot)
-                    }
-                    Some(KeyState::Loading { req, .. }) => {
-                        let r = *req;
-                        st.joins += 1;
-                        if let Some(q) = st.reqs[r].as_mut() {
-                            q.waiters += 1;
-                            if q.prefetch {
-                                q.prefetch = false;
-                                st.prefetch_used += 1;
-                                if q.submitted.is_none() {
-                                    let dr = &mut st.drives[q.drive as usize];
-                                    dr.prefetch.retain(|&x| x != r);
-                                    dr.demand.push_back(r);
-                                }
-                            }
-                        }
-                        Want::Waiting
-                    }
-                    Some(KeyState::Failed { .. }) | None => {
-                        st.misses += 1;
-                        Want::Deferred
-                    }
-                };
-                wants.push((e, w));
-            }
-        }
+        let mut wants: Vec<(u32, Want)> = experts.iter().map(|&e| (e, Want::Deferred)).collect();
         let mut remaining = wants.len();
         let mut started: Vec<u32> = Vec::new();
         let mut last_land: Option<(Instant, u16)> = None;
         let mut error: Option<StoreError> = None;
+        let mut first_pass = true;
         while remaining > 0 {
             let mut ready: Vec<(u32, usize, usize)> = Vec::new();
             {
@@ -734,8 +804,63 @@ impl ExpertSource for ExpertStore {
                 loop {
                     let st_ref = &mut *st;
                     for (e, w) in wants.iter_mut() {
+                        let key = (l, *e);
+                        // Resolve Deferred entries against what other fetches and prefetches did.
+                        if let Want::Deferred = w {
+                            if error.is_some() {
+                                *w = Want::Done;
+                                remaining -= 1;
+                                continue;
+                            }
+                            match st_ref.keys.get(&key) {
+                                Some(KeyState::Ready { slot }) => {
+                                    let slot = *slot;
+                                    pin_ready(st_ref, slot);
+                                    if first_pass {
+                                        st_ref.hits += 1;
+                                    }
+                                    *w = Want::Ready(slot);
+                                }
+                                Some(KeyState::Loading { req }) => {
+                                    let r = *req;
+                                    join_read(st_ref, r);
+                                    if first_pass {
+                                        st_ref.joins += 1;
+                                    }
+                                    *w = Want::Waiting;
+                                }
+                                Some(KeyState::Failed { msg, .. }) => {
+                                    error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
+                                    *w = Want::Done;
+                                    remaining -= 1;
+                                    continue;
+                                }
+                                None => {
+                                    if first_pass {
+                                        st_ref.misses += 1;
+                                    }
+                                    if let Some(slot) = alloc_slot(st_ref) {
+                                        if start_read(sh, st_ref, key, slot, false, &[]) {
+                                            if let Some(KeyState::Loading { req }) = st_ref.keys.get(&key) {
+                                                let r = *req;
+                                                if let Some(q) = st_ref.reqs[r].as_mut() {
+                                                    q.waiters += 1;
+                                                }
+                                            }
+                                            started.push(*e);
+                                            *w = Want::Waiting;
+                                        } else {
+                                            st_ref.free.push(slot);
+                                            error = Some(no_holder(sh, st_ref, layer, *e));
+                                            *w = Want::Done;
+                                            remaining -= 1;
+                                            continue;
+                                        }
+                                    }
+                                }
+                            }
+                        }
                         match w {
-                            Want::Done => {}
                             Want::Ready(slot) => {
                                 if let Slot::Ready { start, .. } = st_ref.slots[*slot] {
                                     ready.push((*e, *slot, start as usize));
@@ -743,7 +868,7 @@ impl ExpertSource for ExpertStore {
                                 *w = Want::Done;
                                 remaining -= 1;
                             }
-                            Want::Waiting => match st_ref.keys.get_mut(&(l, *e)) {
+                            Want::Waiting => match st_ref.keys.get_mut(&key) {
                                 Some(KeyState::Ready { slot }) => {
                                     let slot = *slot;
                                     if let Slot::Ready { start, drive, at, .. } = st_ref.slots[slot] {
@@ -759,41 +884,19 @@ impl ExpertSource for ExpertStore {
                                     error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
                                     *waiters = waiters.saturating_sub(1);
                                     if *waiters == 0 {
-                                        st_ref.keys.remove(&(l, *e));
+                                        st_ref.keys.remove(&key);
                                     }
                                     *w = Want::Done;
                                     remaining -= 1;
                                 }
-                                _ => {}
+                                Some(KeyState::Loading { .. }) => {}
+                                // The read we joined vanished (cancelled): start over.
+                                None => *w = Want::Deferred,
                             },
-                            Want::Deferred if error.is_some() => {
-                                *w = Want::Done;
-                                remaining -= 1;
-                            }
-                            Want::Deferred => {
-                                // Someone else may have started (or finished) this read meanwhile.
-                                if st_ref.keys.contains_key(&(l, *e)) {
-                                    if matches!(st_ref.keys.get(&(l, *e)), Some(KeyState::Failed { .. })) {
-                                        st_ref.keys.remove(&(l, *e));
-                                    } else {
-                                        set_waiter_or_pin(st_ref, (l, *e), w);
-                                        continue;
-                                    }
-                                }
-                                let Some(slot) = alloc_slot(st_ref) else { continue };
-                                if start_read(sh, st_ref, (l, *e), slot, false, &[]) {
-                                    set_waiter(st_ref, (l, *e));
-                                    started.push(*e);
-                                    *w = Want::Waiting;
-                                } else {
-                                    st_ref.free.push(slot);
-                                    error = Some(no_holder(sh, st_ref, layer, *e));
-                                    *w = Want::Done;
-                                    remaining -= 1;
-                                }
-                            }
+                            Want::Deferred | Want::Done => {}
                         }
                     }
+                    first_pass = false;
                     if !ready.is_empty() || remaining == 0 {
                         break;
                     }
@@ -828,13 +931,13 @@ impl ExpertSource for ExpertStore {
     fn report(&self) -> SourceReport {
         ExpertStore::report(self)
     }
-}
 
-fn set_waiter(st: &mut State, key: Key) {
-    if let Some(KeyState::Loading { req, .. }) = st.keys.get(&key)
-        && let Some(q) = st.reqs[*req].as_mut()
-    {
-        q.waiters += 1;
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        ExpertStore::prefetch(self, layer, experts)
+    }
+
+    fn cancel_prefetch(&self, layer: usize, keep: &[u32]) {
+        ExpertStore::cancel_prefetch(self, layer, keep)
     }
 }
 

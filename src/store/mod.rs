@@ -47,6 +47,12 @@ pub trait ExpertSource: Send + Sync {
     /// Bytes handed to the forward pass so far.
     fn bytes_requested(&self) -> u64;
 
+    /// Starts reading experts a later layer will probably need (only into idle capacity).
+    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
+
+    /// Drops queued prefetches of `layer` that are not in `keep`.
+    fn cancel_prefetch(&self, _layer: usize, _keep: &[u32]) {}
+
     /// Counters for `--stats`.
     fn report(&self) -> SourceReport {
         SourceReport { expert_bytes_requested: self.bytes_requested(), ..Default::default() }

@@ -77,14 +77,19 @@ impl DriveIo for PreadPool {
         Ok(())
     }
 
-    fn reap(&mut self, wait: bool, out: &mut Vec<Done>) -> io::Result<()> {
-        if wait && self.in_flight > 0 {
-            match self.done.recv() {
+    fn reap(&mut self, wait: Option<std::time::Duration>, out: &mut Vec<Done>) -> io::Result<()> {
+        if let Some(timeout) = wait
+            && self.in_flight > 0
+        {
+            match self.done.recv_timeout(timeout) {
                 Ok(d) => {
                     self.in_flight -= 1;
                     out.push(d);
                 }
-                Err(_) => return Err(io::Error::other("reader threads exited")),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(io::Error::other("reader threads exited"));
+                }
             }
         }
         while let Ok(d) = self.done.try_recv() {

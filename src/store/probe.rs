@@ -141,7 +141,7 @@ pub fn measure_ranges(
         if rd.in_flight() == 0 {
             break;
         }
-        rd.reap(true, &mut done).map_err(|e| ProbeError::Other(format!("read failed: {e}")))?;
+        rd.reap(Some(Duration::from_secs(5)), &mut done).map_err(|e| ProbeError::Other(format!("read failed: {e}")))?;
         for d in done.drain(..) {
             let n = d.result.map_err(|e| ProbeError::Other(format!("read failed: {e}")))?;
             bytes += n as u64;

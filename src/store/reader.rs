@@ -42,8 +42,9 @@ pub trait DriveIo: Send {
     /// `op.buf` must be valid for writes of `op.len` bytes and must not be accessed by anyone else
     /// until the completion with `op.tag` has been returned by `reap`.
     unsafe fn submit(&mut self, op: ReadOp) -> io::Result<()>;
-    /// Appends finished reads to `out`; if `wait` and reads are in flight, waits for at least one.
-    fn reap(&mut self, wait: bool, out: &mut Vec<Done>) -> io::Result<()>;
+    /// Appends finished reads to `out`. With `wait` and reads in flight, waits up to that long
+    /// for at least one; with None, only collects what has already finished.
+    fn reap(&mut self, wait: Option<std::time::Duration>, out: &mut Vec<Done>) -> io::Result<()>;
     fn in_flight(&self) -> usize;
 }
 

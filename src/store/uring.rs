@@ -35,7 +35,9 @@ impl Uring {
         self.registered
     }
 
-    /// Pushes the SQE for the unread remainder of `p`.
+    /// Queues the SQE for the unread remainder of `p`. Once the SQE is in the submission queue
+    /// the read counts as pending: a failed `submit` is retried by the next `reap`, never
+    /// abandoned (the kernel may still consume the SQE and write the buffer).
     fn push(&mut self, tag: u64) -> io::Result<()> {
         let p = &self.pending[&tag];
         let op = p.op;
@@ -51,11 +53,14 @@ impl Uring {
         // SAFETY: the SQE points at memory the caller guaranteed valid until completion.
         unsafe {
             if self.ring.submission().push(&sqe).is_err() {
+                // Make room by handing queued entries to the kernel; if even that fails, nothing of
+                // this read has been queued and the error is final.
                 self.ring.submit()?;
                 self.ring.submission().push(&sqe).map_err(|_| io::Error::other("io_uring submission queue full"))?;
             }
         }
-        self.ring.submit()?;
+        // Queued: a submit error here is transient (EAGAIN/EBUSY); `reap` submits again.
+        let _ = self.ring.submit();
         Ok(())
     }
 }
@@ -74,13 +79,24 @@ impl DriveIo for Uring {
         Ok(())
     }
 
-    fn reap(&mut self, wait: bool, out: &mut Vec<Done>) -> io::Result<()> {
-        if wait && !self.pending.is_empty() {
-            match self.ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
+    fn reap(&mut self, wait: Option<std::time::Duration>, out: &mut Vec<Done>) -> io::Result<()> {
+        let waited = match wait {
+            Some(t) if !self.pending.is_empty() => {
+                let ts = types::Timespec::from(t);
+                let args = types::SubmitArgs::new().timespec(&ts);
+                match self.ring.submitter().submit_with_args(1, &args) {
+                    // Kernels without timed waits: block until one completes.
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => self.ring.submit_and_wait(1),
+                    r => r,
+                }
             }
+            _ => self.ring.submit(),
+        };
+        match waited {
+            Ok(_) => {}
+            // Timed out, interrupted or busy: collect whatever finished; queued SQEs go next time.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ETIME | libc::EINTR | libc::EBUSY | libc::EAGAIN)) => {}
+            Err(e) => return Err(e),
         }
         let cqes: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
         for (tag, res) in cqes {
