@@ -15,7 +15,7 @@ const REL_TOL: f64 = 1e-4;
 fn logits_match_fp64_reference_at_every_position() {
     for name in FIXTURES {
         let r = reference(name);
-        for mode in [KdaMode::Auto, KdaMode::Recurrent] {
+        for mode in [KdaMode::Auto, KdaMode::Chunked] {
             let got = with_model(&fixture(name), |m| {
                 m.kda_mode = mode;
                 score(m, &r.prompt)
@@ -59,11 +59,11 @@ fn incremental_vs_full(name: &str, mode: KdaMode, split: usize) -> (Vec<f32>, Ve
 #[test]
 fn incremental_decode_equals_full_recompute() {
     for name in FIXTURES {
-        // Token recurrence everywhere: the same operations, so the same bits.
-        let (full, inc) = incremental_vs_full(name, KdaMode::Recurrent, 70);
-        assert!(full == inc, "{name}: recurrent prefill + decode differs from full recompute");
-        // Chunked prompt form: equal to rounding.
+        // The engine's default (token recurrence everywhere): the same operations, so the same bits.
         let (full, inc) = incremental_vs_full(name, KdaMode::Auto, 70);
+        assert!(full == inc, "{name}: prefill + decode differs from full recompute");
+        // Chunked prompt form: equal to rounding.
+        let (full, inc) = incremental_vs_full(name, KdaMode::Chunked, 70);
         let (err, row) = max_rel_l2(&inc, &full, full.len() / 110);
         assert!(err <= 2e-5, "{name}: chunked prefill + decode vs full recompute: {err:.3e} at {row}");
     }

@@ -18,6 +18,20 @@ use std::time::Instant;
 pub enum BenchCmd {
     /// Expert reads through the store vs fio on the same reads.
     Io(IoArgs),
+    /// Compute kernels at K3's real shapes: MXFP4 experts, bf16 projections, KDA state update.
+    Kernels(KernelArgs),
+    /// An exact prompt, cold, then decode steps: counters, timers, bound ratios; ladders and plots.
+    Run(super::bench_run::RunBenchArgs),
+}
+
+#[derive(Args)]
+pub struct KernelArgs {
+    /// Prompt rows for the matrix-matrix and KDA measurements.
+    #[arg(long, default_value_t = 512)]
+    rows: usize,
+    /// KDA heads (K3: 96).
+    #[arg(long, default_value_t = 96)]
+    heads: usize,
 }
 
 #[derive(Args)]
@@ -56,6 +70,8 @@ pub struct IoArgs {
 pub fn run(a: BenchArgs) -> Result<()> {
     match a.cmd {
         BenchCmd::Io(io) => bench_io(io),
+        BenchCmd::Kernels(k) => bench_kernels(k),
+        BenchCmd::Run(r) => super::bench_run::run(r),
     }
 }
 
@@ -196,6 +212,87 @@ fn fio_replay(fio: &str, reads: &[(PathBuf, u64, u64)], iodepth: usize) -> Resul
     let bw = j["jobs"][0]["read"]["bw_bytes"].as_f64().context("fio JSON has no read bandwidth")?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(bw / 1e9)
+}
+
+fn bench_kernels(a: KernelArgs) -> Result<()> {
+    use crate::cpu::{Bf16Mat, Mxfp4Mat, matmul_bf16, matmul_mxfp4, matvec_bf16, matvec_mxfp4};
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut bytes = |n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    };
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        let t = Instant::now();
+        let mut n = 0;
+        while n < 3 || t.elapsed().as_secs_f64() < 1.0 {
+            f();
+            n += 1;
+        }
+        t.elapsed().as_secs_f64() / n as f64
+    };
+    // One K3 expert matrix: w1 [3072, 3584] MXFP4 (scales near 2^-6 keep values tame).
+    let (rows, cols) = (3072usize, 3584usize);
+    let packed = bytes(rows * cols / 2);
+    let scales = vec![121u8; rows * cols / 32];
+    let w = Mxfp4Mat::new(&packed, &scales, rows, cols);
+    let xv: Vec<f32> = (0..cols * a.rows).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
+    let mut out = vec![0f32; rows * a.rows];
+    let mv = time(&mut || matvec_mxfp4(&w, &xv[..cols], &mut out[..rows]));
+    let m_rows = (a.rows * 16 / 896).max(1);
+    let mm = time(&mut || matmul_mxfp4(&w, &xv[..cols * m_rows], &mut out[..rows * m_rows]));
+    // A bf16 projection of the trunk: [12288, 7168].
+    let (br, bc) = (12288usize, 7168usize);
+    // Normal bf16 values in +-[0.5, 1) x 2^-4 (random denormals would measure microcode assists).
+    let bw = bytes(br * bc * 2).chunks(2).flat_map(|c| [c[0], (c[1] & 0x80) | 0x3d]).collect::<Vec<u8>>();
+    let b = Bf16Mat::new(&bw, br, bc);
+    let bx: Vec<f32> = (0..bc * 4).map(|i| ((i % 13) as f32 - 6.0) / 6.0).collect();
+    let mut bout = vec![0f32; br * 4];
+    let bv = time(&mut || matvec_bf16(&b, &bx[..bc], &mut bout[..br]));
+    let bm = time(&mut || matmul_bf16(&b, &bx, &mut bout));
+    // A prompt-sized product: routed_expert_down_proj [3584, 7168] on `rows` rows.
+    let (dr, dc) = (3584usize, 7168usize);
+    let dw = bw[..dr * dc * 2].to_vec();
+    let dm = Bf16Mat::new(&dw, dr, dc);
+    let dx: Vec<f32> = (0..dc * a.rows).map(|i| ((i % 11) as f32 - 5.0) / 5.0).collect();
+    let mut dout = vec![0f32; dr * a.rows];
+    let dmm = time(&mut || matmul_bf16(&dm, &dx, &mut dout));
+    let mxx: Vec<f32> = (0..cols * a.rows).map(|i| ((i % 7) as f32 - 3.0) / 3.0).collect();
+    let mut mxo = vec![0f32; rows * a.rows];
+    let mxm = time(&mut || matmul_mxfp4(&w, &mxx, &mut mxo));
+    let kda_rec = crate::k3::kda::time_state_update(a.rows, a.heads, 128, false);
+    let kda_chunk = crate::k3::kda::time_state_update(a.rows, a.heads, 128, true);
+    let macs = (rows * cols) as f64;
+    let record = serde_json::json!({
+        "bench": "kernels",
+        "date": crate::util::today(),
+        "machine": crate::util::machine_info(),
+        "git": crate::util::git_revision(),
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "threads": rayon::current_num_threads(),
+        "mxfp4_matvec_3072x3584_s": mv,
+        "mxfp4_matvec_gmac_s": macs / mv / 1e9,
+        "mxfp4_matvec_weight_gb_s": (packed.len() + scales.len()) as f64 / mv / 1e9,
+        "mxfp4_matmul_rows": m_rows,
+        "mxfp4_matmul_gmac_s": macs * m_rows as f64 / mm / 1e9,
+        "bf16_matvec_12288x7168_s": bv,
+        "bf16_matvec_weight_gb_s": bw.len() as f64 / bv / 1e9,
+        "bf16_matmul4_gmac_s": (br * bc * 4) as f64 / bm / 1e9,
+        "bf16_matmul_prompt_gmac_s": (dr * dc * a.rows) as f64 / dmm / 1e9,
+        "mxfp4_matmul_prompt_gmac_s": macs * a.rows as f64 / mxm / 1e9,
+        "kda_rows": a.rows,
+        "kda_heads": a.heads,
+        "kda_recurrent_s": kda_rec,
+        "kda_chunked_s": kda_chunk,
+    });
+    println!("{record}");
+    Ok(())
 }
 
 fn median(v: &[f64]) -> Option<f64> {

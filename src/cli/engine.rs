@@ -40,6 +40,21 @@ pub struct EngineArgs {
     /// Memory budget in GB (default: what the machine, or its memory cgroup, has available).
     #[arg(long)]
     pub memory_gb: Option<f64>,
+    /// Prompt rows processed together (expert-major); longer prompts are chunked.
+    #[arg(long, default_value_t = 4096)]
+    pub prefill_rows: usize,
+    /// Predict the next MoE layer's experts and read them into idle drive capacity.
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    pub prefetch: OnOff,
+    /// Use only these drives of the placement (comma-separated indices), e.g. for a ladder.
+    #[arg(long, value_delimiter = ',')]
+    pub use_drives: Option<Vec<usize>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
 }
 
 /// The expert source chosen by the options.
@@ -68,6 +83,15 @@ impl Source<'_> {
                 format!("experts via store: {} drive(s) [{}], {} slots", r.drives.len(), drives.join(", "), s.slots())
             }
             Source::Mmap(_) => "experts via mmap".into(),
+        }
+    }
+}
+
+/// Drops holders on placement drives not in `keep` (the shards, the last drive, stay as placed).
+fn restrict_drives(spec: &mut crate::store::expert_store::StoreSpec, keep: &[usize], placement_drives: usize) {
+    for per_layer in spec.holders.iter_mut().flatten() {
+        for hs in per_layer.iter_mut() {
+            hs.retain(|h| h.drive as usize >= placement_drives || keep.contains(&(h.drive as usize)));
         }
     }
 }
@@ -119,7 +143,20 @@ impl EngineArgs {
                 }
                 let layout = opened.roster.expert_layout.clone().context("no expert layout")?;
                 let spec = match &manifest {
-                    Some(m) => manifest_spec(m, &opened.ck, &opened.roster, layout)?,
+                    Some(m) => {
+                        let mut spec = manifest_spec(m, &opened.ck, &opened.roster, layout)?;
+                        if let Some(keep) = &self.use_drives {
+                            if let Some(&bad) = keep.iter().find(|&&d| d >= m.drives.len()) {
+                                bail!(
+                                    "--use-drives {bad}: the placement has {} drives (0..{})",
+                                    m.drives.len(),
+                                    m.drives.len()
+                                );
+                            }
+                            restrict_drives(&mut spec, keep, m.drives.len());
+                        }
+                        spec
+                    }
                     None => shard_spec(&opened.ck, &opened.roster, &opened.dir, self.qd, 1.0)
                         .context("the model has no routed experts")?,
                 };

@@ -2,9 +2,11 @@
 //! context here at the edge; exit codes: 0 success, 1 runtime error, 2 usage error.
 
 mod bench;
+mod bench_run;
 mod engine;
 mod load;
 mod place;
+mod plot;
 mod run;
 mod score;
 mod synth;

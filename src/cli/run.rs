@@ -135,6 +135,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let (source, plan) = a.engine.open(&opened, trunk, prompt.len())?;
     let mut model = opened.model(Some(source.as_dyn()))?;
     model.kda_mode = a.kda.into();
+    model.prefetch = a.engine.prefetch == super::engine::OnOff::On;
     if prompt.len() + a.max_new > plan.context_bound {
         bail!(
             "the prompt ({} tokens) plus --max-new {} exceeds the usable context of {} tokens",
@@ -164,7 +165,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut decoder = StreamDecoder::default();
     let mut text = String::new();
     let t0 = Instant::now();
-    let logits = model.forward(&mut st, &prompt, Logits::Last, &mut stats).context("prefill failed")?;
+    let logits = model.prefill(&mut st, &prompt, a.engine.prefill_rows, &mut stats).context("prefill failed")?;
     stats.ttft_s = t0.elapsed().as_secs_f64();
     stats.prefill_s = stats.ttft_s;
     let mut next = argmax(&logits);

@@ -31,9 +31,13 @@ pub fn run(a: ScoreArgs) -> Result<()> {
     let (source, _plan) = a.engine.open(&opened, trunk, a.prompt_ids.0.len())?;
     let mut model = opened.model(Some(source.as_dyn()))?;
     model.kda_mode = a.kda.into();
+    model.prefetch = a.engine.prefetch == super::engine::OnOff::On;
     let mut st = model.new_state();
     let mut fs = ForwardStats::default();
-    let logits = model.forward(&mut st, &a.prompt_ids.0, Logits::All, &mut fs).context("forward pass failed")?;
+    let mut logits = Vec::new();
+    for chunk in a.prompt_ids.0.chunks(a.engine.prefill_rows.max(1)) {
+        logits.extend(model.forward(&mut st, chunk, Logits::All, &mut fs).context("forward pass failed")?);
+    }
     let shape = vec![a.prompt_ids.0.len(), model.cfg.vocab];
     crate::util::write_f32_safetensors(&a.logits_out, "logits", &shape, &logits)
         .with_context(|| format!("cannot write {}", a.logits_out.display()))?;

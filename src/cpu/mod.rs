@@ -171,6 +171,17 @@ pub fn deinterleave_mxfp4_input(x: &[f32], out: &mut [f32]) {
 
 /// Dequantises one MXFP4 row into `out` in the deinterleaved order (exact values).
 pub fn decode_mxfp4_row(packed: &[u8], scales: &[u8], out: &mut [f32]) {
+    assert_eq!(out.len(), packed.len() * 2);
+    assert_eq!(out.len(), scales.len() * MXFP4_BLOCK);
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 {
+        // SAFETY: avx512f detected; lengths checked above.
+        return unsafe { x86::decode_mxfp4_row_avx512(packed, scales, out) };
+    }
+    decode_mxfp4_row_scalar(packed, scales, out)
+}
+
+fn decode_mxfp4_row_scalar(packed: &[u8], scales: &[u8], out: &mut [f32]) {
     for (b, (pb, ob)) in packed.chunks_exact(16).zip(out.chunks_exact_mut(MXFP4_BLOCK)).enumerate() {
         let s = e8m0(scales[b]);
         for j in 0..16 {
@@ -182,6 +193,16 @@ pub fn decode_mxfp4_row(packed: &[u8], scales: &[u8], out: &mut [f32]) {
 
 /// Converts one bf16 row to f32 (exact).
 pub fn decode_bf16_row(row: &[u8], out: &mut [f32]) {
+    assert_eq!(row.len(), out.len() * 2);
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx512 {
+        // SAFETY: avx512f detected; lengths checked above.
+        return unsafe { x86::decode_bf16_row_avx512(row, out) };
+    }
+    decode_bf16_row_scalar(row, out)
+}
+
+fn decode_bf16_row_scalar(row: &[u8], out: &mut [f32]) {
     for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
         *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
     }
@@ -226,6 +247,19 @@ pub(crate) fn dot4_f32(isa: Isa, a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
         // SAFETY: feature detected for this Isa; lengths checked above.
         Isa::Neon => unsafe { neon::dot4_f32(a, b) },
         _ => scalar::dot4_f32(a, b),
+    }
+}
+
+/// Dots of four f32 rows with four f32 vectors: out[r][i] = w[r] . x[i].
+#[inline]
+pub(crate) fn dot4x4_f32(isa: Isa, w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    let n = w[0].len();
+    assert!(w.iter().all(|r| r.len() == n) && x.iter().all(|r| r.len() == n));
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: feature detected for this Isa; lengths checked above.
+        Isa::Avx512 => unsafe { x86::dot4x4_f32_avx512(w, x) },
+        _ => std::array::from_fn(|r| dot4_f32(isa, w[r], x)),
     }
 }
 
@@ -337,8 +371,9 @@ impl RowDecode for Mxfp4Mat<'_> {
     }
 }
 
-/// Weight rows decoded per task in a matrix-matrix product: bounds the scratch to a few rows.
-const MM_WROWS: usize = 8;
+/// Weight rows decoded per task in a matrix-matrix product (the band stays in L2 while every
+/// input row passes over it).
+const MM_WROWS: usize = 32;
 
 /// out[i, r] = W[r] . xs[i] for `n = xs.len() / cols` input rows; each element bit-identical to the
 /// matrix-vector product of that row alone.
@@ -356,21 +391,28 @@ fn matmul_decoded<M: RowDecode>(isa: Isa, w: &M, xs: &[f32], out: &mut [f32]) {
     let bands: Vec<(usize, Vec<f32>)> = (0..rows.div_ceil(MM_WROWS))
         .into_par_iter()
         .with_min_len(if rows * cols * n < PAR_MIN_WORK { usize::MAX } else { 1 })
-        .map(|band| {
+        // The decoded band is reused across a worker's bands (no fresh large allocation each time).
+        .map_init(Vec::new, |wdec: &mut Vec<f32>, band| {
             let r0 = band * MM_WROWS;
             let nr = MM_WROWS.min(rows - r0);
-            let mut wdec = vec![0f32; nr * cols];
+            wdec.resize(nr * cols, 0.0);
             for (i, dst) in wdec.chunks_exact_mut(cols).enumerate() {
                 w.decode(r0 + i, dst);
             }
             let mut res = vec![0f32; nr * n];
+            // 4 input rows x 4 weight rows per step; missing rows repeat the last one (their
+            // results are discarded), so every computed element follows the reference order.
             for i in (0..n).step_by(4) {
                 let nx = 4.min(n - i);
                 let xrows: [&[f32]; 4] = std::array::from_fn(|k| &xs[(i + k.min(nx - 1)) * cols..][..cols]);
-                for (rr, wrow) in wdec.chunks_exact(cols).enumerate() {
-                    let d = dot4_f32(isa, wrow, xrows);
-                    for k in 0..nx {
-                        res[rr * n + i + k] = d[k];
+                for r in (0..nr).step_by(4) {
+                    let nw = 4.min(nr - r);
+                    let wrows: [&[f32]; 4] = std::array::from_fn(|k| &wdec[(r + k.min(nw - 1)) * cols..][..cols]);
+                    let d = dot4x4_f32(isa, wrows, xrows);
+                    for a in 0..nw {
+                        for k in 0..nx {
+                            res[(r + a) * n + i + k] = d[a][k];
+                        }
                     }
                 }
             }

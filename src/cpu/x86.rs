@@ -275,3 +275,89 @@ pub(super) unsafe fn dot4_mxfp4_avx2(w: [(&[u8], &[u8]); 4], xd: &[f32]) -> [f32
     // SAFETY: avx is implied by avx2.
     std::array::from_fn(|r| unsafe { reduce256(_mm256_add_ps(lo[r], hi[r])) })
 }
+
+/// out[r][i] = dot(w[r], x[i]) for 4 weight rows x 4 input rows: 16 independent accumulators, each
+/// in the reference operation order (so every element equals the single-row result).
+///
+/// # Safety
+/// Requires avx512f; all 8 slices have the same length.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn dot4x4_f32_avx512(w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
+    let n = w[0].len();
+    let full = n / LANES;
+    let mut acc = [[_mm512_setzero_ps(); 4]; 4];
+    let wp = w.map(|r| r.as_ptr());
+    let xp = x.map(|r| r.as_ptr());
+    for c in 0..full {
+        let o = c * LANES;
+        // SAFETY: o + 16 <= n for every row.
+        unsafe {
+            let xv = [
+                _mm512_loadu_ps(xp[0].add(o)),
+                _mm512_loadu_ps(xp[1].add(o)),
+                _mm512_loadu_ps(xp[2].add(o)),
+                _mm512_loadu_ps(xp[3].add(o)),
+            ];
+            for r in 0..4 {
+                let wv = _mm512_loadu_ps(wp[r].add(o));
+                acc[r][0] = _mm512_fmadd_ps(wv, xv[0], acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(wv, xv[1], acc[r][1]);
+                acc[r][2] = _mm512_fmadd_ps(wv, xv[2], acc[r][2]);
+                acc[r][3] = _mm512_fmadd_ps(wv, xv[3], acc[r][3]);
+            }
+        }
+    }
+    if !n.is_multiple_of(LANES) {
+        let wb = w.map(|r| pad_f32(r, full * LANES));
+        let xb = x.map(|r| pad_f32(r, full * LANES));
+        // SAFETY: padded buffers hold 16 elements.
+        unsafe {
+            for r in 0..4 {
+                let wv = _mm512_loadu_ps(wb[r].as_ptr());
+                for i in 0..4 {
+                    acc[r][i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xb[i].as_ptr()), acc[r][i]);
+                }
+            }
+        }
+    }
+    // SAFETY: avx512f is enabled for this function.
+    acc.map(|row| row.map(|a| unsafe { reduce512(a) }))
+}
+
+/// Dequantises one MXFP4 row into the deinterleaved order (same values as the scalar decoder).
+///
+/// # Safety
+/// Requires avx512f; `out.len() == 2 * packed.len() == 32 * scales.len()`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn decode_mxfp4_row_avx512(packed: &[u8], scales: &[u8], out: &mut [f32]) {
+    // SAFETY: E2M1 holds 16 f32.
+    let lut = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
+    for b in 0..scales.len() {
+        // SAFETY: block b lies inside packed (16 bytes) and out (32 floats).
+        unsafe {
+            let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(packed.as_ptr().add(b * 16) as *const __m128i));
+            let s = _mm512_set1_ps(e8m0(scales[b]));
+            let lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), lut), s);
+            let hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut), s);
+            _mm512_storeu_ps(out.as_mut_ptr().add(b * 32), lo);
+            _mm512_storeu_ps(out.as_mut_ptr().add(b * 32 + 16), hi);
+        }
+    }
+}
+
+/// Converts one bf16 row to f32.
+///
+/// # Safety
+/// Requires avx512f; `row.len() == 2 * out.len()`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn decode_bf16_row_avx512(row: &[u8], out: &mut [f32]) {
+    let n = out.len();
+    let full = n / LANES;
+    for c in 0..full {
+        // SAFETY: c * 16 + 16 <= n.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(c * LANES), bf16x16_512(row.as_ptr().add(c * 32))) };
+    }
+    for i in full * LANES..n {
+        out[i] = f32::from_bits((u16::from_le_bytes([row[2 * i], row[2 * i + 1]]) as u32) << 16);
+    }
+}

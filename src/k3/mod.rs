@@ -171,6 +171,26 @@ impl<'a> K3<'a> {
     }
 }
 
+impl K3<'_> {
+    /// Runs a prompt expert-major in chunks of at most `rows` rows: each chunk passes every layer
+    /// (attention for all its rows, then one read of the layer's expert union) before the next
+    /// chunk starts. Returns the last row's logits. With `rows` >= the prompt, `layer_passes`
+    /// grows by exactly the number of MoE layers.
+    pub fn prefill(
+        &self,
+        st: &mut SeqState,
+        tokens: &[u32],
+        rows: usize,
+        stats: &mut ForwardStats,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let mut logits = Vec::new();
+        for chunk in tokens.chunks(rows.max(1)) {
+            logits = self.forward(st, chunk, Logits::Last, stats)?;
+        }
+        Ok(logits)
+    }
+}
+
 /// Index of the largest logit (lowest index on ties; NaN never wins).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0usize;

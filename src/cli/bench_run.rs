@@ -1,0 +1,290 @@
+//! `deltafin bench run`: an exact prompt, cold, then a few decode steps; one JSON record per run
+//! with machine, command, git revision, every counter and timer, the disk ceiling measured in the
+//! same run and the two bound ratios:
+//! - TTFT / (distinct expert bytes / ceiling + measured compute), where compute = TTFT minus the
+//!   time the prefill waited for reads;
+//! - decode seconds per token / (bytes read per token / ceiling).
+//! `--ladder` repeats over drive subsets of the placement; `--plot DIR` draws the ladder and the
+//! per-layer read wait as SVG.
+
+use super::engine::{EngineArgs, OnOff};
+use super::load;
+use crate::k3::{ForwardStats, Logits, argmax};
+use crate::store::placement::{MANIFEST, Manifest};
+use crate::store::probe;
+use crate::store::reader::widen;
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+use serde_json::{Value, json};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PrefetchRuns {
+    Off,
+    On,
+    /// Each configuration twice: prefetch off, then on.
+    Both,
+}
+
+#[derive(Args)]
+pub struct RunBenchArgs {
+    /// Model directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Decode steps after the prompt.
+    #[arg(long, default_value_t = 8)]
+    decode: usize,
+    /// Repeat the prompt over drive subsets of the placement: drives {0}, {0,1}, ...
+    #[arg(long)]
+    ladder: bool,
+    /// Write ladder.svg and read_wait.svg here.
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Prefetch setting(s) to run.
+    #[arg(long, value_enum, default_value_t = PrefetchRuns::Off)]
+    prefetch_runs: PrefetchRuns,
+    /// Seconds of reads to measure the disk ceiling (0 skips it).
+    #[arg(long, default_value_t = 3.0)]
+    ceiling_seconds: f64,
+    /// Also write every record (one JSON per line) to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+/// Tries to empty the page cache (root only); true when it worked.
+fn drop_page_cache() -> bool {
+    // SAFETY: sync has no preconditions.
+    unsafe { libc::sync() };
+    std::fs::write("/proc/sys/vm/drop_caches", "3\n").is_ok()
+}
+
+/// A fixed prompt of `n` tokens: the model's tokenizer on built-in text when it has one, else a
+/// fixed pseudo-random id sequence.
+fn prompt_tokens(opened: &load::Opened, n: usize) -> Result<Vec<u32>> {
+    if opened.dir.join("tiktoken.model").exists() {
+        let tok = opened.tokenizer()?;
+        let mut ids = Vec::new();
+        while ids.len() < n {
+            ids.extend(tok.encode(crate::model::bpe_train::TRAINING_TEXT));
+        }
+        ids.truncate(n);
+        return Ok(ids);
+    }
+    let mut x = 0x9E37_79B9u64;
+    Ok((0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % opened.cfg.vocab as u64) as u32
+        })
+        .collect())
+}
+
+/// The read ceiling of the drives the run will use, measured on expert holders: random whole-expert
+/// O_DIRECT reads at the store's total queue depth.
+fn measure_ceiling(
+    opened: &load::Opened,
+    manifest: Option<&Manifest>,
+    drives: Option<&[usize]>,
+    qd: usize,
+    secs: f64,
+) -> Result<f64> {
+    let layout = opened.roster.expert_layout.clone().context("no experts")?;
+    let len = layout.len as u64;
+    let mut ranges: Vec<(PathBuf, u64)> = Vec::new();
+    match manifest {
+        Some(m) => {
+            for ml in &m.layers {
+                for (d, drive) in m.drives.iter().enumerate() {
+                    if drives.is_some_and(|k| !k.contains(&d)) {
+                        continue;
+                    }
+                    let path = drive.root.join(crate::store::pack::pack_name(ml.layer));
+                    if let Ok(h) = crate::store::pack::read_header(&path) {
+                        ranges.extend(h.entries.iter().map(|e| (path.clone(), e.offset)));
+                    }
+                }
+            }
+        }
+        None => {
+            for locs in opened.roster.experts.iter().flatten() {
+                for loc in locs {
+                    ranges.push((opened.ck.shard_path(loc.shard).to_path_buf(), widen(loc.start, len).0));
+                }
+            }
+        }
+    }
+    let (_, wlen, _) = widen(0, len);
+    let c =
+        probe::measure_ranges(&ranges, wlen, qd, crate::store::reader::ReaderKind::Auto, Duration::from_secs_f64(secs))
+            .map_err(|e| anyhow::anyhow!("measuring the disk ceiling: {e}"))?;
+    Ok(c.gbps)
+}
+
+pub fn run(a: RunBenchArgs) -> Result<()> {
+    if a.prompt_tokens == 0 {
+        bail!("--prompt-tokens must be > 0");
+    }
+    let opened = load::open(&a.model)?;
+    let prompt = prompt_tokens(&opened, a.prompt_tokens)?;
+    let manifest_path = a.engine.placement.clone().or_else(|| Some(a.model.join(MANIFEST)).filter(|p| p.exists()));
+    let manifest = manifest_path.as_ref().map(|p| Manifest::load(p)).transpose()?;
+    let subsets: Vec<Option<Vec<usize>>> = if a.ladder {
+        let m = manifest.as_ref().context("--ladder needs a placement (deltafin place)")?;
+        (1..=m.drives.len()).map(|k| Some((0..k).collect())).collect()
+    } else {
+        vec![a.engine.use_drives.clone()]
+    };
+    let prefetch: Vec<OnOff> = match a.prefetch_runs {
+        PrefetchRuns::Off => vec![OnOff::Off],
+        PrefetchRuns::On => vec![OnOff::On],
+        PrefetchRuns::Both => vec![OnOff::Off, OnOff::On],
+    };
+    let trunk = crate::k3::weights::Weights::load(&opened.cfg, &opened.ck)?.resident_bytes() as u64;
+    let mut records: Vec<Value> = Vec::new();
+    for subset in &subsets {
+        let qd_total = manifest.as_ref().map_or(a.engine.qd, |m| {
+            m.drives
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| subset.as_ref().is_none_or(|k| k.contains(i)))
+                .map(|(_, d)| d.qd)
+                .sum()
+        });
+        let dropped = drop_page_cache();
+        let ceiling = if a.ceiling_seconds > 0.0 {
+            Some(measure_ceiling(&opened, manifest.as_ref(), subset.as_deref(), qd_total, a.ceiling_seconds)?)
+        } else {
+            None
+        };
+        for &pf in &prefetch {
+            let mut engine = a.engine.clone();
+            engine.use_drives = subset.clone();
+            engine.prefetch = pf;
+            let rec = one_run(&a, &opened, &engine, &prompt, trunk, ceiling, dropped)?;
+            println!("{rec}");
+            if let Some(p) = &a.out {
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(p)
+                    .with_context(|| format!("cannot open {}", p.display()))?;
+                writeln!(f, "{rec}")?;
+            }
+            records.push(rec);
+        }
+    }
+    if let Some(dir) = &a.plot {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        super::plot::ladder(&dir.join("ladder.svg"), &records)?;
+        super::plot::read_wait(&dir.join("read_wait.svg"), &records)?;
+        eprintln!("deltafin bench: wrote {}/ladder.svg and {}/read_wait.svg", dir.display(), dir.display());
+    }
+    Ok(())
+}
+
+fn one_run(
+    a: &RunBenchArgs,
+    opened: &load::Opened,
+    engine: &EngineArgs,
+    prompt: &[u32],
+    trunk: u64,
+    ceiling: Option<f64>,
+    dropped: bool,
+) -> Result<Value> {
+    let dropped = drop_page_cache() || dropped;
+    let (source, plan) = engine.open(opened, trunk, prompt.len().min(engine.prefill_rows))?;
+    let mut model = opened.model(Some(source.as_dyn()))?;
+    model.prefetch = engine.prefetch == OnOff::On;
+    let mut st = model.new_state();
+    let mut stats = ForwardStats { prompt_tokens: prompt.len() as u64, ..Default::default() };
+    let t0 = Instant::now();
+    let logits = model.prefill(&mut st, prompt, engine.prefill_rows, &mut stats).context("prefill failed")?;
+    let ttft = t0.elapsed().as_secs_f64();
+    stats.ttft_s = ttft;
+    stats.prefill_s = ttft;
+    let pre = stats.clone();
+    let pre_src = source.as_dyn().report();
+    let prefill_read = pre_src.expert_bytes_read.unwrap_or(0);
+    let unique = pre.expert_bytes_unique();
+    let mut next = argmax(&logits);
+    let mut out_ids = vec![next];
+    let t1 = Instant::now();
+    for _ in 1..a.decode.max(1) {
+        let l = model.forward(&mut st, &[next], Logits::Last, &mut stats).context("decode failed")?;
+        next = argmax(&l);
+        out_ids.push(next);
+    }
+    let decode_s = t1.elapsed().as_secs_f64();
+    stats.decode_s = decode_s;
+    stats.generated_tokens = out_ids.len() as u64;
+    stats.source = Some(source.as_dyn().report());
+    let steps = out_ids.len().saturating_sub(1);
+    let decode_read = stats.bytes_read().unwrap_or(0).saturating_sub(prefill_read);
+    let compute = ttft - pre.read_wait_s;
+    let ttft_bound = ceiling.map(|c| unique as f64 / (c * 1e9) + compute);
+    let per_token_read = if steps > 0 { decode_read as f64 / steps as f64 } else { 0.0 };
+    let decode_bound = ceiling.filter(|_| steps > 0 && per_token_read > 0.0).map(|c| per_token_read / (c * 1e9));
+    if stats.bytes_read().is_some() && unique > 0 && prefill_read > unique {
+        eprintln!(
+            "deltafin bench: note: prefill read {} bytes for {} distinct ({:.4}x)",
+            prefill_read,
+            unique,
+            prefill_read as f64 / unique as f64
+        );
+    }
+    let layers_moe = opened.cfg.moe_layers() as u64;
+    let chunks = prompt.len().div_ceil(engine.prefill_rows.max(1)) as u64;
+    Ok(json!({
+        "bench": "run",
+        "date": crate::util::today(),
+        "machine": crate::util::machine_info(),
+        "git": crate::util::git_revision(),
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "model": a.model.display().to_string(),
+        "expert_bytes_total": opened.expert_bytes_total(),
+        "moe_layers": layers_moe,
+        "drives_used": engine.use_drives,
+        "prefetch": engine.prefetch == OnOff::On,
+        "page_cache_dropped": dropped,
+        "memory_budget": plan.budget,
+        "expert_cache_bytes": plan.expert_cache,
+        "ceiling_gbps": ceiling,
+        "prompt_tokens": prompt.len(),
+        "ttft_s": ttft,
+        "prefill_tok_s": prompt.len() as f64 / ttft,
+        "prefill": {
+            "layer_passes": pre.layer_passes,
+            "layer_passes_expected": layers_moe * chunks,
+            "expert_bytes_read": prefill_read,
+            "expert_bytes_unique": unique,
+            "read_amplification": if unique > 0 { Some(prefill_read as f64 / unique as f64) } else { None },
+            "read_wait_s": pre.read_wait_s,
+            "expert_kernel_s": pre.expert_kernel_s,
+            "attention_s": pre.attention_s,
+            "router_s": pre.router_s,
+            "other_s": pre.other_s,
+            "compute_s": compute,
+        },
+        "ttft_bound_s": ttft_bound,
+        "ttft_bound_ratio": ttft_bound.map(|b| ttft / b),
+        "decode": {
+            "steps": steps,
+            "seconds_per_token": if steps > 0 { Some(decode_s / steps as f64) } else { None },
+            "decode_tok_s": if steps > 0 { steps as f64 / decode_s } else { 0.0 },
+            "bytes_read_per_token": per_token_read,
+        },
+        "decode_bound_s_per_token": decode_bound,
+        "decode_bound_ratio": decode_bound.map(|b| (decode_s / steps as f64) / b),
+        "output_ids": out_ids,
+        "stats": stats.to_json(),
+    }))
+}
