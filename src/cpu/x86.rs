@@ -332,11 +332,11 @@ pub(super) unsafe fn dot4x4_f32_avx512(w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32;
 pub(super) unsafe fn decode_mxfp4_row_avx512(packed: &[u8], scales: &[u8], out: &mut [f32]) {
     // SAFETY: E2M1 holds 16 f32.
     let lut = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
-    for b in 0..scales.len() {
+    for (b, &scale) in scales.iter().enumerate() {
         // SAFETY: block b lies inside packed (16 bytes) and out (32 floats).
         unsafe {
             let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(packed.as_ptr().add(b * 16) as *const __m128i));
-            let s = _mm512_set1_ps(e8m0(scales[b]));
+            let s = _mm512_set1_ps(e8m0(scale));
             let lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), lut), s);
             let hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut), s);
             _mm512_storeu_ps(out.as_mut_ptr().add(b * 32), lo);
