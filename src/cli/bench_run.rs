@@ -4,6 +4,7 @@
 //! - TTFT / (distinct expert bytes / ceiling + measured compute), where compute = TTFT minus the
 //!   time the prefill waited for reads;
 //! - decode seconds per token / (bytes read per token / ceiling).
+//!
 //! `--ladder` repeats over drive subsets of the placement; `--plot DIR` draws the ladder and the
 //! per-layer read wait as SVG.
 
