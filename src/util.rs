@@ -117,3 +117,37 @@ pub fn civil_today() -> (i64, i64, i64) {
     let y = yoe + era * 400 + i64::from(m <= 2);
     (y, m, d)
 }
+
+/// xorshift64: cheap deterministic pseudo-random numbers for benchmark inputs and probe data.
+pub struct XorShift(pub u64);
+
+impl XorShift {
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+}
+
+/// The fields every benchmark record starts with: kind, date, machine, git revision, command.
+pub fn bench_header(kind: &str) -> serde_json::Map<String, serde_json::Value> {
+    let mut m = serde_json::Map::new();
+    m.insert("bench".into(), kind.into());
+    m.insert("date".into(), today().into());
+    m.insert("machine".into(), machine_info());
+    m.insert("git".into(), git_revision().into());
+    m.insert("command".into(), std::env::args().collect::<Vec<_>>().join(" ").into());
+    m
+}
+
+/// `header` followed by the fields of `body` (an object).
+pub fn bench_record(kind: &str, body: serde_json::Value) -> serde_json::Value {
+    let mut m = bench_header(kind);
+    if let serde_json::Value::Object(b) = body {
+        m.extend(b);
+    }
+    serde_json::Value::Object(m)
+}

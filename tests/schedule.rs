@@ -5,24 +5,12 @@
 mod common;
 use common::*;
 use deltafin::k3::{ForwardStats, K3, Logits};
-use deltafin::model::{Checkpoint, K3Config, Roster};
 use deltafin::store::expert_store::{ExpertStore, StoreOptions};
 use deltafin::store::reader::ReaderKind;
 use deltafin::store::{ExpertSource, ShardExperts};
 use std::path::Path;
 
-struct Model {
-    cfg: K3Config,
-    ck: Checkpoint,
-    roster: Roster,
-}
-
-fn open(dir: &Path) -> Model {
-    let cfg = K3Config::load(dir).unwrap();
-    let ck = Checkpoint::open(dir).unwrap();
-    let roster = Roster::build(&cfg, &ck).unwrap();
-    Model { cfg, ck, roster }
-}
+use common::open_model as open;
 
 fn store(m: &Model, dir: &Path, cache: u64, prefetch_depth: usize) -> ExpertStore {
     let spec = deltafin::store::placement::shard_spec(&m.ck, &m.roster, dir, 2, 1.0).unwrap();

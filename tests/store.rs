@@ -6,26 +6,13 @@
 mod common;
 use common::*;
 use deltafin::k3::{ForwardStats, K3, Logits};
-use deltafin::model::{Checkpoint, K3Config, Roster};
 use deltafin::store::expert_store::{ExpertStore, StoreOptions};
 use deltafin::store::placement::{Manifest, PlaceOptions, Policy, RouteTrace, ShardUse, manifest_spec, place};
 use deltafin::store::reader::ReaderKind;
 use deltafin::store::{ExpertSource, ShardExperts, StoreError};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-struct Model {
-    dir: PathBuf,
-    cfg: K3Config,
-    ck: Checkpoint,
-    roster: Roster,
-}
-
-fn open(dir: &Path) -> Model {
-    let cfg = K3Config::load(dir).unwrap();
-    let ck = Checkpoint::open(dir).unwrap();
-    let roster = Roster::build(&cfg, &ck).unwrap();
-    Model { dir: dir.to_path_buf(), cfg, ck, roster }
-}
+use common::open_model as open;
 
 fn prompt() -> Vec<u32> {
     reference("k3-tiny-a").prompt[..60].to_vec()

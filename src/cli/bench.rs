@@ -84,12 +84,9 @@ fn bench_io(a: IoArgs) -> Result<()> {
     let layers: Vec<usize> = (0..opened.cfg.layers).filter(|&l| opened.roster.experts[l].is_some()).collect();
     let mut all: Vec<(usize, u32)> =
         layers.iter().flat_map(|&l| (0..opened.cfg.experts as u32).map(move |e| (l, e))).collect();
-    let mut x = 0x9E37_79B9u64;
+    let mut rng = crate::util::XorShift(0x9E37_79B9);
     for i in (1..all.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        all.swap(i, (x % (i as u64 + 1)) as usize);
+        all.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
     }
     let want = ((a.gb * 1e9) as u64 / layout.len as u64).max(1) as usize;
     all.truncate(want);
@@ -146,28 +143,26 @@ fn bench_io(a: IoArgs) -> Result<()> {
     let best = |v: &[f64]| v.iter().copied().fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
     let ours_best = best(&ours).unwrap_or(0.0);
     let fio_gbps = best(&theirs);
-    let record = serde_json::json!({
-        "bench": "io",
-        "date": crate::util::today(),
-        "machine": crate::util::machine_info(),
-        "git": crate::util::git_revision(),
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "label": a.label,
-        "model": a.model.display().to_string(),
-        "placement": manifest_path.map(|p| p.display().to_string()),
-        "drives": drives,
-        "qd_total": qd_total,
-        "reader": reader_name,
-        "experts": all.len(),
-        "expert_bytes": layout.len,
-        "bytes_read": bytes_read,
-        "deltafin_gbps": ours_best,
-        "fio_gbps": fio_gbps,
-        "deltafin_runs_gbps": ours,
-        "fio_runs_gbps": theirs,
-        "ratio_of_medians": median(&theirs).map(|f| median(&ours).unwrap_or(0.0) / f),
-        "ratio": fio_gbps.map(|f| ours_best / f),
-    });
+    let record = crate::util::bench_record(
+        "io",
+        serde_json::json!({
+            "label": a.label,
+            "model": a.model.display().to_string(),
+            "placement": manifest_path.map(|p| p.display().to_string()),
+            "drives": drives,
+            "qd_total": qd_total,
+            "reader": reader_name,
+            "experts": all.len(),
+            "expert_bytes": layout.len,
+            "bytes_read": bytes_read,
+            "deltafin_gbps": ours_best,
+            "fio_gbps": fio_gbps,
+            "deltafin_runs_gbps": ours,
+            "fio_runs_gbps": theirs,
+            "ratio_of_medians": median(&theirs).map(|f| median(&ours).unwrap_or(0.0) / f),
+            "ratio": fio_gbps.map(|f| ours_best / f),
+        }),
+    );
     println!("{record}");
     Ok(())
 }
@@ -216,17 +211,8 @@ fn fio_replay(fio: &str, reads: &[(PathBuf, u64, u64)], iodepth: usize) -> Resul
 
 fn bench_kernels(a: KernelArgs) -> Result<()> {
     use crate::cpu::{Bf16Mat, Mxfp4Mat, matmul_bf16, matmul_mxfp4, matvec_bf16, matvec_mxfp4};
-    let mut x = 0x9E37_79B9_7F4A_7C15u64;
-    let mut bytes = |n: usize| -> Vec<u8> {
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
-    };
+    let mut rng = crate::util::XorShift(0x9E37_79B9_7F4A_7C15);
+    let mut bytes = |n: usize| -> Vec<u8> { (0..n).map(|_| rng.next_u64() as u8).collect() };
     let time = |f: &mut dyn FnMut()| {
         f();
         let t = Instant::now();
@@ -269,28 +255,26 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     let kda_rec = crate::k3::kda::time_state_update(a.rows, a.heads, 128, false);
     let kda_chunk = crate::k3::kda::time_state_update(a.rows, a.heads, 128, true);
     let macs = (rows * cols) as f64;
-    let record = serde_json::json!({
-        "bench": "kernels",
-        "date": crate::util::today(),
-        "machine": crate::util::machine_info(),
-        "git": crate::util::git_revision(),
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "threads": rayon::current_num_threads(),
-        "mxfp4_matvec_3072x3584_s": mv,
-        "mxfp4_matvec_gmac_s": macs / mv / 1e9,
-        "mxfp4_matvec_weight_gb_s": (packed.len() + scales.len()) as f64 / mv / 1e9,
-        "mxfp4_matmul_rows": m_rows,
-        "mxfp4_matmul_gmac_s": macs * m_rows as f64 / mm / 1e9,
-        "bf16_matvec_12288x7168_s": bv,
-        "bf16_matvec_weight_gb_s": bw.len() as f64 / bv / 1e9,
-        "bf16_matmul4_gmac_s": (br * bc * 4) as f64 / bm / 1e9,
-        "bf16_matmul_prompt_gmac_s": (dr * dc * a.rows) as f64 / dmm / 1e9,
-        "mxfp4_matmul_prompt_gmac_s": macs * a.rows as f64 / mxm / 1e9,
-        "kda_rows": a.rows,
-        "kda_heads": a.heads,
-        "kda_recurrent_s": kda_rec,
-        "kda_chunked_s": kda_chunk,
-    });
+    let record = crate::util::bench_record(
+        "kernels",
+        serde_json::json!({
+            "threads": rayon::current_num_threads(),
+            "mxfp4_matvec_3072x3584_s": mv,
+            "mxfp4_matvec_gmac_s": macs / mv / 1e9,
+            "mxfp4_matvec_weight_gb_s": (packed.len() + scales.len()) as f64 / mv / 1e9,
+            "mxfp4_matmul_rows": m_rows,
+            "mxfp4_matmul_gmac_s": macs * m_rows as f64 / mm / 1e9,
+            "bf16_matvec_12288x7168_s": bv,
+            "bf16_matvec_weight_gb_s": bw.len() as f64 / bv / 1e9,
+            "bf16_matmul4_gmac_s": (br * bc * 4) as f64 / bm / 1e9,
+            "bf16_matmul_prompt_gmac_s": (dr * dc * a.rows) as f64 / dmm / 1e9,
+            "mxfp4_matmul_prompt_gmac_s": macs * a.rows as f64 / mxm / 1e9,
+            "kda_rows": a.rows,
+            "kda_heads": a.heads,
+            "kda_recurrent_s": kda_rec,
+            "kda_chunked_s": kda_chunk,
+        }),
+    );
     println!("{record}");
     Ok(())
 }

@@ -77,15 +77,8 @@ fn prompt_tokens(opened: &load::Opened, n: usize) -> Result<Vec<u32>> {
         ids.truncate(n);
         return Ok(ids);
     }
-    let mut x = 0x9E37_79B9u64;
-    Ok((0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % opened.cfg.vocab as u64) as u32
-        })
-        .collect())
+    let mut rng = crate::util::XorShift(0x9E37_79B9);
+    Ok((0..n).map(|_| (rng.next_u64() % opened.cfg.vocab as u64) as u32).collect())
 }
 
 /// The read ceiling of the drives the run will use, measured on expert holders: random whole-expert
@@ -244,48 +237,46 @@ fn one_run(
     }
     let layers_moe = opened.cfg.moe_layers() as u64;
     let chunks = prompt.len().div_ceil(engine.prefill_rows.max(1)) as u64;
-    Ok(json!({
-        "bench": "run",
-        "date": crate::util::today(),
-        "machine": crate::util::machine_info(),
-        "git": crate::util::git_revision(),
-        "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "model": a.model.display().to_string(),
-        "expert_bytes_total": opened.expert_bytes_total(),
-        "moe_layers": layers_moe,
-        "drives_used": engine.use_drives,
-        "prefetch": engine.prefetch == OnOff::On,
-        "page_cache_dropped": dropped,
-        "memory_budget": plan.budget,
-        "expert_cache_bytes": plan.expert_cache,
-        "ceiling_gbps": ceiling,
-        "prompt_tokens": prompt.len(),
-        "ttft_s": ttft,
-        "prefill_tok_s": prompt.len() as f64 / ttft,
-        "prefill": {
-            "layer_passes": pre.layer_passes,
-            "layer_passes_expected": layers_moe * chunks,
-            "expert_bytes_read": prefill_read,
-            "expert_bytes_unique": unique,
-            "read_amplification": if unique > 0 { Some(prefill_read as f64 / unique as f64) } else { None },
-            "read_wait_s": pre.read_wait_s,
-            "expert_kernel_s": pre.expert_kernel_s,
-            "attention_s": pre.attention_s,
-            "router_s": pre.router_s,
-            "other_s": pre.other_s,
-            "compute_s": compute,
-        },
-        "ttft_bound_s": ttft_bound,
-        "ttft_bound_ratio": ttft_bound.map(|b| ttft / b),
-        "decode": {
-            "steps": steps,
-            "seconds_per_token": if steps > 0 { Some(decode_s / steps as f64) } else { None },
-            "decode_tok_s": if steps > 0 { steps as f64 / decode_s } else { 0.0 },
-            "bytes_read_per_token": per_token_read,
-        },
-        "decode_bound_s_per_token": decode_bound,
-        "decode_bound_ratio": decode_bound.map(|b| (decode_s / steps as f64) / b),
-        "output_ids": out_ids,
-        "stats": stats.to_json(),
-    }))
+    Ok(crate::util::bench_record(
+        "run",
+        json!({
+            "model": a.model.display().to_string(),
+            "expert_bytes_total": opened.expert_bytes_total(),
+            "moe_layers": layers_moe,
+            "drives_used": engine.use_drives,
+            "prefetch": engine.prefetch == OnOff::On,
+            "page_cache_dropped": dropped,
+            "memory_budget": plan.budget,
+            "expert_cache_bytes": plan.expert_cache,
+            "ceiling_gbps": ceiling,
+            "prompt_tokens": prompt.len(),
+            "ttft_s": ttft,
+            "prefill_tok_s": prompt.len() as f64 / ttft,
+            "prefill": {
+                "layer_passes": pre.layer_passes,
+                "layer_passes_expected": layers_moe * chunks,
+                "expert_bytes_read": prefill_read,
+                "expert_bytes_unique": unique,
+                "read_amplification": if unique > 0 { Some(prefill_read as f64 / unique as f64) } else { None },
+                "read_wait_s": pre.read_wait_s,
+                "expert_kernel_s": pre.expert_kernel_s,
+                "attention_s": pre.attention_s,
+                "router_s": pre.router_s,
+                "other_s": pre.other_s,
+                "compute_s": compute,
+            },
+            "ttft_bound_s": ttft_bound,
+            "ttft_bound_ratio": ttft_bound.map(|b| ttft / b),
+            "decode": {
+                "steps": steps,
+                "seconds_per_token": if steps > 0 { Some(decode_s / steps as f64) } else { None },
+                "decode_tok_s": if steps > 0 { steps as f64 / decode_s } else { 0.0 },
+                "bytes_read_per_token": per_token_read,
+            },
+            "decode_bound_s_per_token": decode_bound,
+            "decode_bound_ratio": decode_bound.map(|b| (decode_s / steps as f64) / b),
+            "output_ids": out_ids,
+            "stats": stats.to_json(),
+        }),
+    ))
 }

@@ -54,15 +54,8 @@ pub fn measure_dir(
     {
         let mut f = std::fs::File::create(&path).map_err(io)?;
         // Incompressible, non-zero content so no layer can shortcut the reads.
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let chunk: Vec<u8> = (0..(1 << 20))
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
+        let mut rng = crate::util::XorShift(0x9E37_79B9_7F4A_7C15);
+        let chunk: Vec<u8> = (0..(1 << 20)).map(|_| rng.next_u64() as u8).collect();
         let mut left = size;
         while left > 0 {
             let n = left.min(chunk.len() as u64) as usize;
@@ -111,13 +104,8 @@ pub fn measure_ranges(
     let slab = Slab::new(qd, len as usize).map_err(|e| ProbeError::Other(e.to_string()))?;
     let mut rd = new_reader(reader, qd, &slab.iovecs()).map_err(|e| ProbeError::Other(format!("reader: {e}")))?;
     let mut free: Vec<usize> = (0..qd).collect();
-    let mut rng = 0x2545_F491_4F6C_DD1Du64;
-    let mut next = || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut rng = crate::util::XorShift(0x2545_F491_4F6C_DD1D);
+    let mut next = || rng.next_u64();
     let t0 = Instant::now();
     let (mut issued, mut done_reads, mut bytes) = (0usize, 0usize, 0u64);
     let min_reads = 2 * qd;

@@ -101,6 +101,21 @@ use deltafin::k3::{ForwardStats, K3, Logits};
 use deltafin::model::{Checkpoint, K3Config, Roster};
 use deltafin::store::{ExpertSource, ShardExperts};
 
+/// A model directory opened through the library (config, mapped checkpoint, checked roster).
+pub struct Model {
+    pub dir: PathBuf,
+    pub cfg: K3Config,
+    pub ck: Checkpoint,
+    pub roster: Roster,
+}
+
+pub fn open_model(dir: &Path) -> Model {
+    let cfg = K3Config::load(dir).unwrap();
+    let ck = Checkpoint::open(dir).unwrap();
+    let roster = Roster::build(&cfg, &ck).unwrap();
+    Model { dir: dir.to_path_buf(), cfg, ck, roster }
+}
+
 /// Opens a model directory and runs `f` with the model (experts read from the mapped shards).
 pub fn with_model<R>(dir: &Path, f: impl FnOnce(&mut K3) -> R) -> R {
     let cfg = K3Config::load(dir).unwrap();
