@@ -195,6 +195,19 @@ fn a_missing_drive_degrades_to_remaining_holders() {
 }
 
 #[test]
+fn a_drive_directory_removed_mid_run_changes_nothing() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let want = reference_logits(&m);
+    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let man = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
+    let store = open_store(&m, &man, 0, ReaderKind::Uring);
+    // The files are open: their data stays readable after the directory is gone.
+    std::fs::remove_dir_all(&drives[0]).unwrap();
+    assert!(bits_equal(&logits_with(&m, &store).unwrap(), &want));
+}
+
+#[test]
 fn no_holder_left_is_a_clear_error() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
