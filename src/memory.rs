@@ -51,27 +51,43 @@ pub fn machine_available() -> u64 {
     }
 }
 
-/// The memory limit of this process's cgroup, if any.
+/// The tightest memory limit on this process's cgroup or any of its ancestors (v1 or v2), if any.
 fn cgroup_limit() -> Option<u64> {
     let cg = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let read = |p: String| std::fs::read_to_string(p).ok().and_then(|t| t.trim().parse::<u64>().ok());
+    let read = |p: &str| std::fs::read_to_string(p).ok().and_then(|t| t.trim().parse::<u64>().ok());
+    let mut best: Option<u64> = None;
+    let mut take = |l: Option<u64>| {
+        // cgroup v1 reports "no limit" as a huge number.
+        if let Some(l) = l.filter(|&l| l < (1u64 << 60)) {
+            best = Some(best.map_or(l, |b| b.min(l)));
+        }
+    };
     for line in cg.lines() {
         let mut parts = line.splitn(3, ':');
-        let (_, ctrl, path) = (parts.next()?, parts.next()?, parts.next()?);
-        if ctrl.split(',').any(|c| c == "memory") {
-            // cgroup v1; "no limit" is a huge number.
-            if let Some(l) =
-                read(format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")).filter(|&l| l < (1u64 << 60))
-            {
-                return Some(l);
+        let (Some(_), Some(ctrl), Some(path)) = (parts.next(), parts.next(), parts.next()) else { continue };
+        let (root, file) = if ctrl.split(',').any(|c| c == "memory") {
+            ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")
+        } else if ctrl.is_empty() {
+            ("/sys/fs/cgroup", "memory.max")
+        } else {
+            continue;
+        };
+        // Our cgroup, each ancestor, and the mount root (containers without a cgroup namespace
+        // see their own cgroup there).
+        let mut p = std::path::PathBuf::from(path);
+        loop {
+            take(read(&format!("{root}{}/{file}", p.display().to_string().trim_end_matches('/'))));
+            if !p.pop() {
+                break;
             }
-        } else if ctrl.is_empty()
-            && let Some(l) = read(format!("/sys/fs/cgroup{path}/memory.max"))
-        {
-            return Some(l);
+        }
+        take(read(&format!("{root}/{file}")));
+        // v1 also knows the effective limit through the hierarchy.
+        if let Ok(stat) = std::fs::read_to_string(format!("{root}{path}/memory.stat")) {
+            take(stat.lines().find_map(|l| l.strip_prefix("hierarchical_memory_limit ")?.trim().parse().ok()));
         }
     }
-    None
+    best
 }
 
 /// Bytes of f32 activations for a batch of `rows` rows (generous: the widest intermediates of
@@ -99,10 +115,11 @@ impl MemoryPlan {
         expert_cache: u64,
         staging: u64,
         prefill_rows: usize,
+        outputs: u64,
     ) -> Result<Self, BudgetError> {
         let (fixed, per_token) = SeqState::footprint(c);
         let (state_fixed, state_per_token) = (fixed as u64, per_token.max(1) as u64);
-        let activations = activation_bytes(c, prefill_rows.max(1));
+        let activations = activation_bytes(c, prefill_rows.max(1)) + outputs;
         let committed = trunk + expert_cache + staging + state_fixed + activations;
         if committed > budget {
             return Err(BudgetError { budget, trunk, expert_cache: expert_cache + staging, state_fixed, activations });

@@ -109,7 +109,7 @@ fn a_full_disk_is_a_clear_error_and_leaves_no_manifest() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("free but this placement needs"), "{err}");
-    // Two drives on the same small file system: each fits alone, together they do not.
+    // Two drives on the same small file system: each would fit alone, together they do not.
     let o = place(
         tmp.path(),
         &[
@@ -125,10 +125,61 @@ fn a_full_disk_is_a_clear_error_and_leaves_no_manifest() {
     .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("No space left on device") && err.contains(".pack"), "{err}");
+    assert!(err.contains("share a file system"), "{err}");
     assert!(!tmp.path().join("placement.json").exists(), "no manifest may point at incomplete data");
-    let partials = walk(&mnt).into_iter().filter(|p| p.ends_with(".partial")).count();
-    assert_eq!(partials, 0, "partial files are removed");
+    assert!(walk(&mnt).iter().all(|p| !p.ends_with(".pack")), "nothing was written");
+}
+
+#[test]
+fn a_disk_that_fills_up_while_writing_leaves_no_manifest() {
+    // /dev/full fails every write with ENOSPC: the free-space check passes, the write does not.
+    let tmp = copy_fixture("k3-tiny-a");
+    let d = tmp.path().join("d");
+    std::fs::create_dir_all(&d).unwrap();
+    std::os::unix::fs::symlink("/dev/full", d.join("L3.pack.partial")).unwrap();
+    let o = place(tmp.path(), &["--drive", &format!("{}=1", d.display())]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("No space left on device") && err.contains("L3.pack.partial"), "{err}");
+    assert!(!tmp.path().join("placement.json").exists(), "no manifest may point at incomplete data");
+    assert!(!d.join("L3.pack").exists() && !d.join("L3.pack.partial").exists());
+    // Packs completed before the failure are kept and reused by the next run.
+    let (_, _) = run_ok(&mut place(tmp.path(), &["--drive", &format!("{}=1", d.display())]));
+    assert!(tmp.path().join("placement.json").exists());
+}
+
+#[test]
+fn the_same_directory_twice_is_refused() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let d = tmp.path().join("d");
+    let o =
+        place(tmp.path(), &["--drive", &format!("{}=1", d.display()), "--drive", &format!("{}/../d=1", d.display())])
+            .output()
+            .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("given twice"));
+}
+
+#[test]
+fn packs_of_another_model_are_not_reused() {
+    // Place model A, then a model B of the same shape onto the same drive: B's packs must be B's bytes.
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b, d) = (tmp.path().join("a"), tmp.path().join("b"), tmp.path().join("d"));
+    for (dir, seed) in [(&a, "1"), (&b, "2")] {
+        run_ok(Command::new(bin()).args(["synth", "--out"]).arg(dir).args([
+            "--layers",
+            "3",
+            "--experts",
+            "8",
+            "--top-k",
+            "2",
+            "--seed",
+            seed,
+        ]));
+    }
+    run_ok(&mut place(&a, &["--drive", &format!("{}=1", d.display())]));
+    run_ok(&mut place(&b, &["--drive", &format!("{}=1", d.display())]));
+    run_ok(&mut place(&b, &["--verify"]));
 }
 
 fn walk(p: &Path) -> Vec<String> {

@@ -210,6 +210,15 @@ fn stats_are_printed_and_written() {
     let j: serde_json::Value = serde_json::from_slice(&std::fs::read(&sj).unwrap()).unwrap();
     assert_eq!(j["layer_passes"], 7 * 5, "7 MoE layers, prompt pass + 4 decode steps");
     assert!(j["expert_bytes_unique"].as_u64().unwrap() > 0);
+    // With memory to spare the cache holds every expert: each is read once, later uses are hits.
+    let reads: u64 = j["drives"].as_array().unwrap().iter().map(|d| d["reads"].as_u64().unwrap()).sum();
+    assert_eq!(reads * m_expert_bytes(cache.path()), j["expert_bytes_unique"].as_u64().unwrap());
+}
+
+/// Bytes of one routed expert of the demo model.
+fn m_expert_bytes(cache: &Path) -> u64 {
+    let c = deltafin::model::K3Config::load(&cache.join("demo-v1")).unwrap();
+    c.expert_bytes() as u64
 }
 
 #[test]
@@ -231,6 +240,10 @@ fn exit_codes_and_messages() {
     let o = deltafin(cache.path()).args(["run", "--demo", "--prompt", "hi", "--max-new", "100000"]).output().unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("exceeds the usable context"));
+    // Runtime: drive subsets need a placement.
+    let o = deltafin(cache.path()).args(["run", "--demo", "--prompt", "hi", "--use-drives", "0"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--use-drives selects drives of a placement"));
     // Runtime: a memory budget below the trunk.
     let o = deltafin(cache.path()).args(["run", "--demo", "--prompt", "hi", "--memory-gb", "0.001"]).output().unwrap();
     assert_eq!(o.status.code(), Some(1));

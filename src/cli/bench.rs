@@ -172,7 +172,16 @@ fn fio_replay(fio: &str, reads: &[(PathBuf, u64, u64)], iodepth: usize) -> Resul
     if reads.is_empty() {
         bail!("no reads to replay");
     }
+    if let Some((p, _, _)) = reads.iter().find(|(p, _, _)| p.to_string_lossy().chars().any(char::is_whitespace)) {
+        bail!("fio's iolog format cannot name {} (it contains whitespace)", p.display());
+    }
     let dir = tempfile_dir()?;
+    let result = fio_run(fio, reads, iodepth, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn fio_run(fio: &str, reads: &[(PathBuf, u64, u64)], iodepth: usize, dir: &Path) -> Result<f64> {
     let log_path = dir.join("replay.iolog");
     {
         let mut f = std::io::BufWriter::new(std::fs::File::create(&log_path)?);
@@ -205,7 +214,6 @@ fn fio_replay(fio: &str, reads: &[(PathBuf, u64, u64)], iodepth: usize) -> Resul
     let json_start = text.find('{').context("fio printed no JSON")?;
     let j: serde_json::Value = serde_json::from_str(&text[json_start..]).context("cannot parse fio's JSON")?;
     let bw = j["jobs"][0]["read"]["bw_bytes"].as_f64().context("fio JSON has no read bandwidth")?;
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(bw / 1e9)
 }
 

@@ -195,7 +195,7 @@ fn one_run(
     dropped: bool,
 ) -> Result<Value> {
     let dropped = drop_page_cache() || dropped;
-    let (source, plan) = engine.open(opened, trunk, prompt.len().min(engine.prefill_rows))?;
+    let (source, plan) = engine.open(opened, trunk, prompt.len().min(engine.prefill_rows.max(1)), 0)?;
     let mut model = opened.model(Some(source.as_dyn()))?;
     model.prefetch = engine.prefetch == OnOff::On;
     let mut st = model.new_state();

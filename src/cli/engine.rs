@@ -4,7 +4,7 @@
 
 use super::load::Opened;
 use crate::memory::{MemoryPlan, activation_bytes, machine_available};
-use crate::store::expert_store::{ExpertStore, StoreOptions};
+use crate::store::expert_store::{self, ExpertStore, StoreOptions, StoreSpec};
 use crate::store::placement::{MANIFEST, Manifest, manifest_spec, shard_spec};
 use crate::store::reader::ReaderKind;
 use crate::store::{ExpertSource, ShardExperts};
@@ -87,24 +87,43 @@ impl Source<'_> {
     }
 }
 
-/// Drops holders on placement drives not in `keep` (the shards, the last drive, stay as placed).
-fn restrict_drives(spec: &mut crate::store::expert_store::StoreSpec, keep: &[usize], placement_drives: usize) {
+/// Drops holders on placement drives not in `keep` (the shards, the last drive, stay as placed);
+/// fails if an expert is left without any holder, warns when some must come from the shards.
+fn restrict_drives(spec: &mut StoreSpec, keep: &[usize], placement_drives: usize) -> Result<()> {
+    let (mut none, mut shards_only) = (0usize, 0usize);
     for per_layer in spec.holders.iter_mut().flatten() {
         for hs in per_layer.iter_mut() {
             hs.retain(|h| h.drive as usize >= placement_drives || keep.contains(&(h.drive as usize)));
+            if hs.is_empty() {
+                none += 1;
+            } else if hs.iter().all(|h| h.drive as usize >= placement_drives) {
+                shards_only += 1;
+            }
         }
     }
-}
-
-/// Slots the store allocates for reads in flight besides the cache (mirrors ExpertStore::open).
-fn staging_bytes(opened: &Opened, drives: usize, qd: usize) -> u64 {
-    let slot = (opened.cfg.expert_bytes() as u64).div_ceil(4096) * 4096 + 8192;
-    (drives as u64 * (qd as u64 + 1) + 2) * slot
+    if none > 0 {
+        bail!(
+            "--use-drives {keep:?}: {none} experts have no holder on those drives (and the placement does not fall back to the shards); use a mirror placement for drive subsets"
+        );
+    }
+    if shards_only > 0 {
+        eprintln!(
+            "deltafin: warning: --use-drives {keep:?}: {shards_only} experts are not on those drives and will be read from the shards"
+        );
+    }
+    Ok(())
 }
 
 impl EngineArgs {
-    /// Builds the memory plan and the expert source for a run over `rows` prompt rows.
-    pub fn open<'a>(&self, opened: &'a Opened, trunk: u64, rows: usize) -> Result<(Source<'a>, MemoryPlan)> {
+    /// Builds the memory plan and the expert source for a run that processes `rows` prompt rows at
+    /// a time and keeps `outputs` bytes of results (e.g. all-position logits).
+    pub fn open<'a>(
+        &self,
+        opened: &'a Opened,
+        trunk: u64,
+        rows: usize,
+        outputs: u64,
+    ) -> Result<(Source<'a>, MemoryPlan)> {
         let c = &opened.cfg;
         let budget = self.memory_gb.map_or_else(machine_available, |g| (g * 1e9) as u64);
         let manifest_path = self.placement.clone().or_else(|| Some(opened.dir.join(MANIFEST)).filter(|p| p.exists()));
@@ -114,54 +133,59 @@ impl EngineArgs {
             }
             _ => None,
         };
-        let (drives, qd) = manifest
-            .as_ref()
-            .map_or((1, self.qd), |m| (m.drives.len() + 1, m.drives.iter().map(|d| d.qd).max().unwrap_or(self.qd)));
-        let has_experts = opened.roster.expert_layout.is_some();
+        if self.use_drives.is_some() && manifest.is_none() {
+            bail!(
+                "--use-drives selects drives of a placement, but there is none (run `deltafin place`, or drop --use-drives)"
+            );
+        }
+        let layout = opened.roster.expert_layout.clone();
+        let prefetch_depth = usize::from(self.prefetch == OnOff::On);
+        // The holder map decides the drives and queue depths, hence the slots the store allocates.
+        let spec: Option<StoreSpec> = match (&layout, self.experts_from) {
+            (Some(layout), ExpertsFrom::Store) => Some(match &manifest {
+                Some(m) => {
+                    let mut spec = manifest_spec(m, &opened.ck, &opened.roster, layout.clone())?;
+                    if let Some(keep) = &self.use_drives {
+                        if let Some(&bad) = keep.iter().find(|&&d| d >= m.drives.len()) {
+                            bail!(
+                                "--use-drives {bad}: the placement has {} drives (0..{})",
+                                m.drives.len(),
+                                m.drives.len()
+                            );
+                        }
+                        restrict_drives(&mut spec, keep, m.drives.len())?;
+                    }
+                    spec
+                }
+                None => shard_spec(&opened.ck, &opened.roster, &opened.dir, self.qd, 1.0)
+                    .context("the model has no routed experts")?,
+            }),
+            _ => None,
+        };
+        let slot = layout.as_ref().map_or(0, |l| expert_store::slot_size(l.len) as u64);
         let staging =
-            if has_experts && self.experts_from == ExpertsFrom::Store { staging_bytes(opened, drives, qd) } else { 0 };
-        let total_experts = opened.expert_bytes_total();
-        let cache = match (self.expert_cache_gb, self.experts_from, has_experts) {
-            (_, ExpertsFrom::Mmap, _) | (_, _, false) => 0,
-            (Some(g), _, _) => (g * 1e9) as u64,
-            (None, _, _) => {
+            spec.as_ref().map_or(0, |sp| expert_store::staging_slots(&sp.drives, prefetch_depth) as u64 * slot);
+        let n_experts = (c.moe_layers() * c.experts) as u64;
+        let cache = match (&spec, self.expert_cache_gb) {
+            (None, _) => 0,
+            (Some(_), Some(g)) => (g * 1e9) as u64,
+            (Some(_), None) => {
                 let (fixed, per_token) = crate::k3::state::SeqState::footprint(c);
                 let reserve = fixed as u64 + per_token as u64 * c.max_context.min(32_768) as u64;
-                let committed = trunk + staging + reserve + activation_bytes(c, rows.max(1));
+                let committed = trunk + staging + reserve + activation_bytes(c, rows.max(1)) + outputs;
                 (budget.saturating_sub(committed) as f64 * 0.9) as u64
             }
-        }
-        .min(total_experts);
-        let plan = MemoryPlan::new(c, budget, trunk, cache, staging, rows)?;
-        let source = match self.experts_from {
-            ExpertsFrom::Mmap => {
+        };
+        // Whole slots only, and never more than every expert.
+        let cache = cache.checked_div(slot).map_or(0, |n| n.min(n_experts) * slot);
+        let plan = MemoryPlan::new(c, budget, trunk, cache, staging, rows, outputs)?;
+        let source = match spec {
+            None => {
                 Source::Mmap(ShardExperts::new(&opened.ck, &opened.roster).context("the model has no routed experts")?)
             }
-            ExpertsFrom::Store => {
-                if !has_experts {
-                    bail!("the model has no routed experts");
-                }
-                let layout = opened.roster.expert_layout.clone().context("no expert layout")?;
-                let spec = match &manifest {
-                    Some(m) => {
-                        let mut spec = manifest_spec(m, &opened.ck, &opened.roster, layout)?;
-                        if let Some(keep) = &self.use_drives {
-                            if let Some(&bad) = keep.iter().find(|&&d| d >= m.drives.len()) {
-                                bail!(
-                                    "--use-drives {bad}: the placement has {} drives (0..{})",
-                                    m.drives.len(),
-                                    m.drives.len()
-                                );
-                            }
-                            restrict_drives(&mut spec, keep, m.drives.len());
-                        }
-                        spec
-                    }
-                    None => shard_spec(&opened.ck, &opened.roster, &opened.dir, self.qd, 1.0)
-                        .context("the model has no routed experts")?,
-                };
+            Some(spec) => {
                 let opts =
-                    StoreOptions { cache_bytes: cache, reader: self.reader, prefetch_depth: 1, record_reads: false };
+                    StoreOptions { cache_bytes: cache, reader: self.reader, prefetch_depth, record_reads: false };
                 Source::Store(ExpertStore::open(spec, opts)?)
             }
         };

@@ -132,7 +132,8 @@ pub fn run(a: RunArgs) -> Result<()> {
     let prompt = prompt_ids(&a, &opened, tok.as_ref())?;
 
     let trunk = crate::k3::weights::Weights::load(&opened.cfg, &opened.ck)?.resident_bytes() as u64;
-    let (source, plan) = a.engine.open(&opened, trunk, prompt.len())?;
+    let rows = prompt.len().min(a.engine.prefill_rows.max(1));
+    let (source, plan) = a.engine.open(&opened, trunk, rows, 0)?;
     let mut model = opened.model(Some(source.as_dyn()))?;
     model.kda_mode = a.kda.into();
     model.prefetch = a.engine.prefetch == super::engine::OnOff::On;
@@ -153,11 +154,11 @@ pub fn run(a: RunArgs) -> Result<()> {
         );
     }
 
-    // Stop at the end-of-message token (the chat format's), else the config's eos.
-    let eos = if a.ignore_eos {
-        None
+    // Stop at the chat format's end-of-message token or the config's eos, whichever comes.
+    let stops: Vec<u32> = if a.ignore_eos {
+        Vec::new()
     } else {
-        tok.as_ref().and_then(|t| t.special_id("<|end_of_msg|>")).or(opened.cfg.eos_token)
+        tok.as_ref().and_then(|t| t.special_id("<|end_of_msg|>")).into_iter().chain(opened.cfg.eos_token).collect()
     };
     let mut st = model.new_state();
     let mut stats = ForwardStats { prompt_tokens: prompt.len() as u64, ..Default::default() };
@@ -173,7 +174,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let t_dec = Instant::now();
     while ids.len() < a.max_new {
         ids.push(next);
-        let stop = Some(next) == eos;
+        let stop = stops.contains(&next);
         let piece = match &tok {
             // Reserved (unnamed) specials carry no text.
             Some(t) if !stop && !t.is_reserved(next) => decoder.push(t.token_bytes(next)?),

@@ -28,7 +28,9 @@ pub struct ScoreArgs {
 pub fn run(a: ScoreArgs) -> Result<()> {
     let opened = load::open(&a.model)?;
     let trunk = crate::k3::weights::Weights::load(&opened.cfg, &opened.ck)?.resident_bytes() as u64;
-    let (source, _plan) = a.engine.open(&opened, trunk, a.prompt_ids.0.len())?;
+    let rows = a.prompt_ids.0.len().min(a.engine.prefill_rows.max(1));
+    let logits_bytes = (a.prompt_ids.0.len() * opened.cfg.vocab * 4) as u64;
+    let (source, _plan) = a.engine.open(&opened, trunk, rows, logits_bytes)?;
     let mut model = opened.model(Some(source.as_dyn()))?;
     model.kda_mode = a.kda.into();
     model.prefetch = a.engine.prefetch == super::engine::OnOff::On;

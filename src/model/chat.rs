@@ -236,8 +236,23 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     let indent: Option<Value> = kwargs.get("indent")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
-    let _: Option<Value> = kwargs.get("separators")?;
+    let separators: Option<Value> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
+    let seps = match separators.filter(|v| !v.is_none()) {
+        None => None,
+        Some(v) => {
+            let parts: Vec<String> = v.try_iter()?.map(|x| x.as_str().unwrap_or_default().to_string()).collect();
+            match parts.as_slice() {
+                [item, key] => Some((item.clone(), key.clone())),
+                _ => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: separators must be (item_separator, key_separator)",
+                    ));
+                }
+            }
+        }
+    };
     let indent = match indent {
         None => None,
         Some(v) if v.is_none() => None,
@@ -247,7 +262,7 @@ fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
         },
     };
     let mut out = String::new();
-    let opts = JsonOpts { ascii: ensure_ascii.unwrap_or(false), indent, sort_keys: sort_keys.unwrap_or(false) };
+    let opts = JsonOpts { ascii: ensure_ascii.unwrap_or(false), indent, sort_keys: sort_keys.unwrap_or(false), seps };
     write_json(&mut out, value, &opts, 0)?;
     Ok(Value::from_safe_string(out))
 }
@@ -256,6 +271,8 @@ struct JsonOpts {
     ascii: bool,
     indent: Option<String>,
     sort_keys: bool,
+    /// (item, key) separators; Python's defaults when None.
+    seps: Option<(String, String)>,
 }
 
 fn write_json(out: &mut String, v: &Value, o: &JsonOpts, depth: usize) -> Result<(), Error> {
@@ -267,7 +284,11 @@ fn write_json(out: &mut String, v: &Value, o: &JsonOpts, depth: usize) -> Result
             }
         }
     };
-    let (item_sep, key_sep) = if o.indent.is_some() { (",", ": ") } else { (", ", ": ") };
+    let (item_sep, key_sep) = match &o.seps {
+        Some((i, k)) => (i.as_str(), k.as_str()),
+        None if o.indent.is_some() => (",", ": "),
+        None => (", ", ": "),
+    };
     match v.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
@@ -337,6 +358,8 @@ fn write_json_str(out: &mut String, s: &str, ascii: bool) {
             '\t' => out.push_str("\\t"),
             '\u{8}' => out.push_str("\\b"),
             '\u{c}' => out.push_str("\\f"),
+            // The escaping marker stays raw so it can be removed after rendering.
+            MARK => out.push(MARK),
             c if (c as u32) < 0x20 || (ascii && (c as u32) > 0x7e) => {
                 let mut buf = [0u16; 2];
                 for unit in c.encode_utf16(&mut buf) {
@@ -398,6 +421,28 @@ mod tests {
         ] {
             assert_eq!(py_float(f), want);
         }
+    }
+
+    fn tiny_tokenizer() -> Tokenizer {
+        let bytes: Vec<Vec<u8>> = (0..=255u8).map(|b| vec![b]).collect();
+        let mut sp: Vec<String> = (0..256).map(|i| format!("<|reserved_token_{}|>", 256 + i)).collect();
+        sp[0] = "<|open|>".into();
+        Tokenizer::from_parts(bytes, sp).unwrap()
+    }
+
+    #[test]
+    fn tojson_follows_python_options() {
+        let tok = tiny_tokenizer();
+        let src =
+            "{{ messages[0] | tojson(separators=(',', ':')) }}|{{ messages[0].content | tojson(ensure_ascii=true) }}"
+                .to_string();
+        let t = ChatTemplate::from_source(Path::new("t.jinja"), src, &tok).unwrap();
+        let msgs = serde_json::json!([{"role": "user", "content": "<|open|> é"}]);
+        let out = t.render(&msgs, &ChatOptions::default()).unwrap();
+        assert_eq!(out, r#"{"role":"user","content":"<|open|> é"}|"<|open|> \u00e9""#);
+        // The caller's "<|open|>" stays text even inside JSON.
+        let ids = t.encode(&tok, &msgs, &ChatOptions::default()).unwrap();
+        assert!(ids.iter().all(|&i| i < 256), "{ids:?}");
     }
 
     #[test]

@@ -455,20 +455,37 @@ pub struct StreamDecoder {
 }
 
 impl StreamDecoder {
-    /// Adds a token's bytes; returns the text that is now complete.
+    /// Adds a token's bytes; returns the text that is now complete. Invalid bytes become U+FFFD;
+    /// only an incomplete character at the very end is held back.
     pub fn push(&mut self, bytes: &[u8]) -> String {
         self.pending.extend_from_slice(bytes);
-        let valid = match std::str::from_utf8(&self.pending) {
-            Ok(_) => self.pending.len(),
-            Err(e) => match e.error_len() {
-                // Incomplete sequence at the end: keep it for the next token.
-                None => e.valid_up_to(),
-                // Invalid bytes: emit them as replacement characters rather than stall.
-                Some(_) => self.pending.len(),
-            },
-        };
-        let out = String::from_utf8_lossy(&self.pending[..valid]).into_owned();
-        self.pending.drain(..valid);
+        let mut out = String::new();
+        let mut rest: &[u8] = &self.pending;
+        loop {
+            match std::str::from_utf8(rest) {
+                Ok(s) => {
+                    out.push_str(s);
+                    rest = &[];
+                    break;
+                }
+                Err(e) => {
+                    let (good, bad) = rest.split_at(e.valid_up_to());
+                    out.push_str(std::str::from_utf8(good).unwrap_or_default());
+                    match e.error_len() {
+                        Some(n) => {
+                            out.push('\u{fffd}');
+                            rest = &bad[n..];
+                        }
+                        // Incomplete character at the end: keep it for the next token.
+                        None => {
+                            rest = bad;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.pending = rest.to_vec();
         out
     }
 
@@ -534,5 +551,12 @@ mod tests {
         assert_eq!(d.push(b"a\xff"), "a\u{fffd}");
         assert_eq!(d.push(&euro[..2]), "");
         assert_eq!(d.finish(), "\u{fffd}");
+        // An invalid byte does not swallow a valid character that follows it across tokens.
+        let mut d = StreamDecoder::default();
+        let mut got = d.push(&[0xE2]);
+        got += &d.push(&[0xE2, 0x82]);
+        got += &d.push(&[0xAC]);
+        got += &d.finish();
+        assert_eq!(got, String::from_utf8_lossy(&[0xE2, 0xE2, 0x82, 0xAC]));
     }
 }

@@ -175,13 +175,22 @@ const REAP_TICK: Duration = Duration::from_millis(1);
 /// Consecutive reader errors after which a drive is given up.
 const MAX_READER_ERRORS: u32 = 50;
 
+/// Bytes of one slab slot for experts of `len` bytes: widened O_DIRECT reads need up to one extra
+/// 4 KiB page on each side.
+pub fn slot_size(len: usize) -> usize {
+    len.div_ceil(4096) * 4096 + 8192
+}
+
+/// Slots besides the cache: each drive's reads in flight (demand and prefetch), plus two.
+pub fn staging_slots(drives: &[DriveSpec], prefetch_depth: usize) -> usize {
+    drives.iter().map(|d| d.qd.max(1) + prefetch_depth).sum::<usize>() + 2
+}
+
 impl ExpertStore {
     /// Opens every holder file and starts one reader thread per usable drive.
     pub fn open(spec: StoreSpec, opts: StoreOptions) -> Result<Self, StoreError> {
-        let len = spec.layout.len as u64;
-        // Widened O_DIRECT reads need up to one extra 4 KiB page on each side.
-        let slot_size = (len.div_ceil(4096) * 4096 + 8192) as usize;
-        let staging: usize = spec.drives.iter().map(|d| d.qd.max(1) + opts.prefetch_depth).sum::<usize>() + 2;
+        let slot_size = slot_size(spec.layout.len);
+        let staging = staging_slots(&spec.drives, opts.prefetch_depth);
         let cache_slots = (opts.cache_bytes / slot_size as u64) as usize;
         let slab =
             Slab::new(cache_slots + staging, slot_size).map_err(|e| StoreError::Setup(format!("expert cache: {e}")))?;

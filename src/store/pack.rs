@@ -79,11 +79,11 @@ pub fn write_pack<'a>(
     let count = experts.len();
     let hlen = header_len(count);
     let mut f = File::create(&tmp).map_err(io)?;
-    f.write_all(&vec![0u8; hlen as usize]).map_err(io)?;
     let mut entries = Vec::with_capacity(count);
     let mut off = hlen;
     let pad = vec![0u8; ALIGN as usize];
     let result = (|| -> Result<(), PackError> {
+        f.write_all(&vec![0u8; hlen as usize]).map_err(io)?;
         for (expert, bytes) in experts {
             f.write_all(bytes).map_err(io)?;
             let padded = align_up(bytes.len() as u64);

@@ -101,6 +101,9 @@ struct Plan {
     /// [moe layer index in `layers`] -> [expert] -> drives.
     layers: Vec<usize>,
     assign: Vec<Vec<Vec<u16>>>,
+    /// (drive, layer) packs this placement has completed (written and checksummed from the shards).
+    #[serde(default)]
+    done: Vec<(u16, usize)>,
 }
 
 impl Manifest {
@@ -244,15 +247,36 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
     for (root, _) in &o.drives {
         std::fs::create_dir_all(root).map_err(|source| PlacementError::Io { path: root.clone(), source })?;
     }
+    // The same directory twice would have two "drives" overwrite each other's pack files.
+    let canon: Vec<PathBuf> = o.drives.iter().map(|(r, _)| canonical(r)).collect();
+    for (i, a) in canon.iter().enumerate() {
+        if canon[..i].contains(a) {
+            return Err(PlacementError::Other(format!(
+                "drive {} is given twice (each --drive must be its own directory)",
+                a.display()
+            )));
+        }
+        if canonical(o.model_dir) == *a {
+            return Err(PlacementError::Other(format!(
+                "drive {} is the model directory itself; use a directory of its own",
+                a.display()
+            )));
+        }
+    }
     let plan_path = o.model_dir.join(PLAN);
     let saved: Option<Plan> = std::fs::read_to_string(&plan_path).ok().and_then(|t| serde_json::from_str(&t).ok());
     let roots: Vec<PathBuf> = o.drives.iter().map(|(r, _)| canonical(r)).collect();
-    let plan = match saved {
+    let mut plan = match saved {
         Some(p)
             if p.policy == o.policy
                 && p.shards == o.shards
                 && p.layers == layers
-                && p.drives.iter().map(|d| &d.root).eq(roots.iter()) =>
+                && p.drives.iter().map(|d| &d.root).eq(roots.iter())
+                && p.drives.iter().all(|d| d.qd == o.qd)
+                && p.drives
+                    .iter()
+                    .zip(&o.drives)
+                    .all(|(d, (_, given))| given.is_none_or(|g| g == d.gbps && !d.measured)) =>
         {
             p
         }
@@ -270,7 +294,15 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
                 ManifestDrive { root: canonical(o.model_dir), gbps: shard_gbps, qd: o.qd, measured: true };
             let rates: Vec<f64> = drives.iter().map(|d| d.gbps).collect();
             let assign = plan_assignment(o.policy, &rates, &layers, c.experts, o.trace.as_ref());
-            let p = Plan { policy: o.policy, shards: o.shards, drives, shard_drive, layers: layers.clone(), assign };
+            let p = Plan {
+                policy: o.policy,
+                shards: o.shards,
+                drives,
+                shard_drive,
+                layers: layers.clone(),
+                assign,
+                done: Vec::new(),
+            };
             let body = serde_json::to_vec_pretty(&p).map_err(|e| PlacementError::Other(e.to_string()))?;
             crate::util::write_atomic(&plan_path, &body)
                 .map_err(|source| PlacementError::Io { path: plan_path.clone(), source })?;
@@ -282,26 +314,54 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
     let len = layout.len as u64;
     let mut need = vec![0u64; plan.drives.len()];
     for per_layer in &plan.assign {
+        let mut count = vec![0usize; plan.drives.len()];
         for ds in per_layer {
             for &d in ds {
                 need[d as usize] += pack::align_up(len);
+                count[d as usize] += 1;
+            }
+        }
+        // Each pack file also has its header and index.
+        for (d, &n) in count.iter().enumerate() {
+            if n > 0 {
+                need[d] += pack::align_up((64 + 32 * n) as u64);
             }
         }
     }
+    // Drives on one file system share its free space.
+    let mut by_fs: Vec<(u64, Vec<usize>)> = Vec::new();
     for (d, drive) in plan.drives.iter().enumerate() {
-        let have = super::probe::free_bytes(&drive.root)
-            .map_err(|source| PlacementError::Io { path: drive.root.clone(), source })?;
-        let existing: u64 = layers
+        use std::os::unix::fs::MetadataExt;
+        let dev = std::fs::metadata(&drive.root)
+            .map_err(|source| PlacementError::Io { path: drive.root.clone(), source })?
+            .dev();
+        match by_fs.iter_mut().find(|(x, _)| *x == dev) {
+            Some((_, v)) => v.push(d),
+            None => by_fs.push((dev, vec![d])),
+        }
+    }
+    for (_, ds) in &by_fs {
+        let root = &plan.drives[ds[0]].root;
+        let have =
+            super::probe::free_bytes(root).map_err(|source| PlacementError::Io { path: root.clone(), source })?;
+        let drives = &plan.drives;
+        let existing: u64 = ds
             .iter()
-            .filter_map(|&l| std::fs::metadata(drive.root.join(pack::pack_name(l))).ok())
+            .flat_map(|&d| {
+                layers.iter().filter_map(move |&l| std::fs::metadata(drives[d].root.join(pack::pack_name(l))).ok())
+            })
             .map(|m| m.len())
             .sum();
-        if need[d] > have + existing {
+        let needed: u64 = ds.iter().map(|&d| need[d]).sum();
+        if needed > have + existing {
+            let names: Vec<String> =
+                ds.iter().map(|&d| format!("drive {d} ({})", plan.drives[d].root.display())).collect();
             return Err(PlacementError::Other(format!(
-                "drive {d} ({}) has {} free but this placement needs {} there",
-                drive.root.display(),
+                "{} {} {} free but this placement needs {} there",
+                names.join(" and "),
+                if ds.len() > 1 { "share a file system with" } else { "has" },
                 crate::util::human_bytes(have + existing),
-                crate::util::human_bytes(need[d])
+                crate::util::human_bytes(needed)
             )));
         }
     }
@@ -319,10 +379,17 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
                 continue;
             }
             let path = drive.root.join(pack::pack_name(l));
+            // Reuse a complete pack only if this placement wrote it, or if every record matches the
+            // shards' bytes (a pack left by another model of the same shape must not be trusted).
             if let Ok(h) = pack::read_header(&path)
                 && h.layer as usize == l
                 && h.expert_len == len
                 && h.entries.iter().map(|e| e.expert).eq(ids.iter().copied())
+                && (plan.done.contains(&(d as u16, l))
+                    || h.entries.iter().all(|e| {
+                        let loc = locs[e.expert as usize];
+                        pack::checksum(ck.range(loc.shard, loc.start, loc.start + len)) == e.xxh3
+                    }))
             {
                 for e in &h.entries {
                     checksums.insert((l, e.expert), e.xxh3);
@@ -343,6 +410,10 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
             for e in &h.entries {
                 checksums.insert((l, e.expert), e.xxh3);
             }
+            plan.done.push((d as u16, l));
+            let body = serde_json::to_vec(&plan).map_err(|e| PlacementError::Other(e.to_string()))?;
+            crate::util::write_atomic(&plan_path, &body)
+                .map_err(|source| PlacementError::Io { path: plan_path.clone(), source })?;
         }
     }
     let manifest = Manifest {
