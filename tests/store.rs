@@ -333,20 +333,27 @@ fn many_fetchers_on_a_tiny_slab_do_not_hang() {
 }
 
 #[test]
-fn the_cache_keeps_the_most_recently_used_experts() {
+fn a_full_cache_keeps_the_more_used_experts() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
-    let slot = (m.cfg.expert_bytes() as u64).div_ceil(4096) * 4096 + 8192;
+    let slot = deltafin::store::expert_store::slot_size(m.cfg.expert_bytes()) as u64;
     let store = shard_store(&m, 4 * slot, 2, 0);
-    let fetch = |ids: &[u32]| store.fetch(1, ids, &mut |_, _| {}).unwrap();
-    fetch(&[0, 1, 2, 3]); // cache: 0 1 2 3
-    fetch(&[4, 5]); // evicts 0 1 -> 2 3 4 5
-    let before = store.report();
-    fetch(&[2, 3, 4, 5]);
-    let after = store.report();
-    assert_eq!(after.cache_hits.unwrap() - before.cache_hits.unwrap(), 4, "recent experts are kept");
-    fetch(&[0]);
-    assert_eq!(store.report().cache_misses.unwrap() - after.cache_misses.unwrap(), 1, "evicted experts are read again");
+    let fetch = |ids: &[u32]| {
+        let before = store.report();
+        store.fetch(1, ids, &mut |_, _| {}).unwrap();
+        let after = store.report();
+        (
+            after.cache_hits.unwrap() - before.cache_hits.unwrap(),
+            after.cache_misses.unwrap() - before.cache_misses.unwrap(),
+        )
+    };
+    assert_eq!(fetch(&[0, 1, 2, 3]), (0, 4)); // cache: 0 1 2 3
+    assert_eq!(fetch(&[4, 5]), (0, 2)); // used once, no more than the cached ones: not admitted
+    assert_eq!(fetch(&[0, 1, 2, 3]), (4, 0), "one-off experts do not flush the cache (decode walks layers cyclically)");
+    assert_eq!(fetch(&[4, 5]), (0, 2)); // used twice, as often as the cached ones: still out
+    assert_eq!(fetch(&[4, 5]), (0, 2)); // three times: admitted, replacing the least recently used (0, 1)
+    assert_eq!(fetch(&[4, 5, 2, 3]), (4, 0));
+    assert_eq!(fetch(&[0]), (0, 1));
 }
 
 #[test]

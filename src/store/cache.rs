@@ -137,6 +137,11 @@ impl Lru {
         self.len -= 1;
     }
 
+    /// The least recently used index, without removing it.
+    pub fn front(&self) -> Option<usize> {
+        (self.head != NIL).then_some(self.head as usize)
+    }
+
     /// Removes and returns the least recently used index.
     pub fn pop_front(&mut self) -> Option<usize> {
         if self.head == NIL {

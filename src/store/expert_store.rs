@@ -78,6 +78,7 @@ enum Slot {
     Free,
     Loading,
     Ready {
+        key: Key,
         pins: u32,
         start: u32,
         drive: u16,
@@ -130,6 +131,9 @@ struct State {
     free: Vec<usize>,
     /// Ready, unpinned slots (cached or prefetched), least recently used first.
     lru: Lru,
+    /// How often each expert has been requested: a used expert enters a full cache only by
+    /// displacing a less-used one, so decode's cyclic walk over layers cannot flush it.
+    uses: HashMap<Key, u32>,
     reqs: Vec<Option<Req>>,
     free_reqs: Vec<usize>,
     drives: Vec<DriveState>,
@@ -244,6 +248,7 @@ impl ExpertStore {
             keys: HashMap::new(),
             free: (0..n_slots).rev().collect(),
             lru: Lru::new(n_slots),
+            uses: HashMap::new(),
             reqs: Vec::new(),
             free_reqs: Vec::new(),
             drives,
@@ -417,7 +422,11 @@ impl Drop for ExpertStore {
 /// Frees the least recently used unpinned Ready slot.
 fn evict_lru(st: &mut State) -> Option<usize> {
     let slot = st.lru.pop_front()?;
-    st.keys.retain(|_, k| !matches!(k, KeyState::Ready { slot: s } if *s == slot));
+    if let Slot::Ready { key, .. } = st.slots[slot]
+        && matches!(st.keys.get(&key), Some(KeyState::Ready { slot: s }) if *s == slot)
+    {
+        st.keys.remove(&key);
+    }
     st.slots[slot] = Slot::Free;
     Some(slot)
 }
@@ -727,7 +736,7 @@ fn complete(sh: &Shared, d: usize, c: Done) {
             st.read += n;
             let prefetched = req.waiters == 0;
             st.slots[slot] =
-                Slot::Ready { pins: req.waiters, start: start as u32, drive: d as u16, at: now, prefetched };
+                Slot::Ready { key, pins: req.waiters, start: start as u32, drive: d as u16, at: now, prefetched };
             st.keys.insert(key, KeyState::Ready { slot });
             if req.waiters == 0 {
                 // Prefetched: evictable until demanded.
@@ -756,8 +765,9 @@ fn complete(sh: &Shared, d: usize, c: Done) {
     sh.done_cv.notify_all();
 }
 
-/// Releases a pin after the forward pass consumed the bytes; keeps the slot as cache (evicting the
-/// least recently used cached expert when the cache is full).
+/// Releases a pin after the forward pass consumed the bytes and keeps the expert as cache when
+/// there is room, or when it has been requested more often than the least recently used cached
+/// expert (which it then replaces); otherwise the slot is freed.
 fn unpin(sh: &Shared, st: &mut State, key: Key, slot: usize) {
     if let Slot::Ready { pins, .. } = &mut st.slots[slot] {
         *pins = pins.saturating_sub(1);
@@ -765,17 +775,30 @@ fn unpin(sh: &Shared, st: &mut State, key: Key, slot: usize) {
             return;
         }
     }
-    if sh.cache_slots == 0 {
+    let keep = if st.lru.len() < sh.cache_slots {
+        true
+    } else {
+        let victim = st.lru.front().and_then(|v| match st.slots[v] {
+            Slot::Ready { key: vk, .. } => Some(vk),
+            _ => None,
+        });
+        let uses = |k: &Key| st.uses.get(k).copied().unwrap_or(0);
+        match victim {
+            Some(vk) if sh.cache_slots > 0 && uses(&key) > uses(&vk) => {
+                if let Some(old) = evict_lru(st) {
+                    st.free.push(old);
+                }
+                true
+            }
+            _ => false,
+        }
+    };
+    if keep {
+        st.lru.push_back(slot);
+    } else {
         st.keys.remove(&key);
         st.slots[slot] = Slot::Free;
         st.free.push(slot);
-    } else {
-        if st.lru.len() >= sh.cache_slots
-            && let Some(old) = evict_lru(st)
-        {
-            st.free.push(old);
-        }
-        st.lru.push_back(slot);
     }
     sh.done_cv.notify_all();
 }
@@ -801,6 +824,12 @@ impl ExpertSource for ExpertStore {
         let len = sh.spec.layout.len;
         let l = layer as u32;
         let mut wants: Vec<(u32, Want)> = experts.iter().map(|&e| (e, Want::Deferred)).collect();
+        {
+            let mut st = lock(sh);
+            for &e in experts {
+                *st.uses.entry((l, e)).or_insert(0) += 1;
+            }
+        }
         let mut remaining = wants.len();
         let mut started: Vec<u32> = Vec::new();
         let mut last_land: Option<(Instant, u16)> = None;
