@@ -1,0 +1,243 @@
+//! The reader thread of each drive: takes queued reads (demanded first, prefetches only into idle
+//! capacity), submits them to the drive's reader, verifies each completion (length, checksum) and
+//! publishes it — or fails over to another holder, poisoning slots a dead reader may still write.
+
+use super::*;
+
+/// The reader thread of drive `d`.
+pub(super) fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn crate::store::reader::DriveIo>) {
+    let qd = sh.spec.drives[d].qd.max(1);
+    let mut done: Vec<Done> = Vec::new();
+    let mut errors = 0u32;
+    loop {
+        let mut batch: Vec<ReadOp> = Vec::new();
+        let mut work_waiting;
+        {
+            let mut st = lock(&sh);
+            loop {
+                let in_flight = reader.in_flight();
+                if st.shutdown && in_flight == 0 {
+                    return;
+                }
+                let st_ref = &mut *st;
+                let prefetch_in_flight = st_ref
+                    .reqs
+                    .iter()
+                    .flatten()
+                    .filter(|r| r.drive as usize == d && r.prefetch && r.submitted.is_some())
+                    .count();
+                while in_flight + batch.len() < qd {
+                    let dr = &mut st_ref.drives[d];
+                    // Prefetch only into idle capacity: never while a demanded read waits.
+                    let r = match dr.demand.pop_front() {
+                        Some(r) => r,
+                        None if prefetch_in_flight + batch.len() < sh.prefetch_depth => match dr.prefetch.pop_front() {
+                            Some(r) => r,
+                            None => break,
+                        },
+                        None => break,
+                    };
+                    let Some(req) = st_ref.reqs[r].as_mut() else { continue };
+                    st_ref.drives[d].in_flight += 1;
+                    req.submitted = Some(Instant::now());
+                    if let Some(log) = st_ref.read_log.as_mut() {
+                        log.push((req.file, req.offset, req.op_len));
+                    }
+                    batch.push(ReadOp {
+                        tag: r as u64,
+                        fd: req.fd,
+                        offset: req.offset,
+                        len: req.op_len as usize,
+                        buf: sh.slab.slot_ptr(req.slot),
+                        buf_index: u16::try_from(req.slot).ok(),
+                    });
+                }
+                work_waiting = !st_ref.drives[d].demand.is_empty() || !st_ref.drives[d].prefetch.is_empty();
+                if batch.is_empty() && in_flight == 0 {
+                    st = sh.drive_cv[d].wait(st).unwrap_or_else(|p| p.into_inner());
+                    continue;
+                }
+                break;
+            }
+        }
+        for op in batch {
+            // SAFETY: the slot is Loading and owned by this request until its completion is handled.
+            if let Err(e) = unsafe { reader.submit(op) } {
+                done.push(Done { tag: op.tag, result: Err(e) });
+            }
+        }
+        if reader.in_flight() > 0 {
+            // Wait for a completion, but come back soon when more work is queued (a demanded read
+            // must not wait behind a whole read for an idle queue slot).
+            let wait = if work_waiting { REAP_TICK } else { REAP_TICK * 20 };
+            match reader.reap(Some(wait), &mut done) {
+                Ok(()) => errors = 0,
+                Err(e) => {
+                    errors += 1;
+                    if errors >= MAX_READER_ERRORS {
+                        give_up_drive(&sh, d, &format!("reader failed repeatedly: {e}"));
+                        return;
+                    }
+                }
+            }
+        }
+        for c in done.drain(..) {
+            complete(&sh, d, c);
+        }
+    }
+}
+
+/// A reader that keeps failing: its in-flight reads may still land, so their slots are poisoned
+/// (never reused); every request of the drive is retried elsewhere or failed.
+fn give_up_drive(sh: &Shared, d: usize, msg: &str) {
+    let mut st = lock(sh);
+    let st = &mut *st;
+    eprintln!("deltafin: warning: drive {d} ({}): {msg}; avoiding this drive", sh.spec.drives[d].root.display());
+    st.drives[d].failed = Some(msg.to_string());
+    st.drives[d].counters.failures += 1;
+    let mine: Vec<usize> =
+        (0..st.reqs.len()).filter(|&r| st.reqs[r].as_ref().is_some_and(|q| q.drive as usize == d)).collect();
+    st.drives[d].demand.clear();
+    st.drives[d].prefetch.clear();
+    for r in mine {
+        let Some(req) = st.reqs[r].take() else { continue };
+        st.free_reqs.push(r);
+        let mut slot = req.slot;
+        if req.submitted.is_some() {
+            st.slots[slot] = Slot::Poisoned;
+            match st.free.pop().or_else(|| evict_lru(st)) {
+                Some(s) => slot = s,
+                None => {
+                    if req.prefetch {
+                        st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
+                    }
+                    fail_key(sh, st, req.key, req.waiters, d, msg);
+                    continue;
+                }
+            }
+        }
+        retry_or_fail(sh, st, req, slot, d, msg);
+    }
+    sh.done_cv.notify_all();
+}
+
+/// Retries `req` on another holder (into `slot`), or marks its key failed.
+fn retry_or_fail(sh: &Shared, st: &mut State, req: Req, slot: usize, d: usize, msg: &str) {
+    let mut tried = req.tried.clone();
+    tried.push(d as u16);
+    let prefetch = req.prefetch && req.waiters == 0;
+    if start_read(sh, st, req.key, slot, prefetch, &tried) {
+        if let Some(KeyState::Loading { req: nr }) = st.keys.get(&req.key)
+            && let Some(newreq) = st.reqs[*nr].as_mut()
+        {
+            newreq.waiters = req.waiters;
+        }
+        return;
+    }
+    if prefetch {
+        st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
+    }
+    st.slots[slot] = Slot::Free;
+    st.free.push(slot);
+    fail_key(sh, st, req.key, req.waiters, d, msg);
+}
+
+fn fail_key(sh: &Shared, st: &mut State, key: Key, waiters: u32, d: usize, msg: &str) {
+    if waiters > 0 {
+        let root = sh.spec.drives[d].root.display();
+        let msg =
+            format!("expert {} of layer {}: no holder left (last failure on drive {d} ({root}): {msg})", key.1, key.0);
+        st.keys.insert(key, KeyState::Failed { msg, waiters });
+    } else {
+        st.keys.remove(&key);
+    }
+}
+
+/// Checks a finished read and moves its expert to Ready, or fails over.
+fn complete(sh: &Shared, d: usize, c: Done) {
+    let r = c.tag as usize;
+    let len = sh.spec.layout.len;
+    // Verify outside the lock: the slot is still Loading and owned by this read.
+    let (key, slot, start, submitted, op_len) = {
+        let st = lock(sh);
+        let Some(req) = st.reqs[r].as_ref() else { return };
+        (req.key, req.slot, req.start as usize, req.submitted, req.op_len)
+    };
+    let verdict: Result<u64, String> = match c.result {
+        Err(e) => Err(format!("I/O error: {e}")),
+        Ok(n) if n < start + len => Err(format!("short read: got {} of {} bytes", n.saturating_sub(start), len)),
+        Ok(n) => {
+            let want =
+                sh.spec.checksums.as_ref().and_then(|c| c.get(key.0 as usize)?.as_ref()?.get(key.1 as usize).copied());
+            match want {
+                Some(w) => {
+                    // SAFETY: the read into this slot has completed and nobody else touches it.
+                    let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
+                    let got = crate::store::pack::checksum(bytes);
+                    if got == w {
+                        Ok(n as u64)
+                    } else {
+                        Err(format!("checksum mismatch (xxh3 {got:016x}, expected {w:016x})"))
+                    }
+                }
+                None => Ok(n as u64),
+            }
+        }
+    };
+    let now = Instant::now();
+    let mut st = lock(sh);
+    let st = &mut *st;
+    let dr = &mut st.drives[d];
+    dr.in_flight = dr.in_flight.saturating_sub(1);
+    dr.queued_bytes = dr.queued_bytes.saturating_sub(op_len);
+    let Some(req) = st.reqs[r].take() else { return };
+    st.free_reqs.push(r);
+    if req.prefetch {
+        st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
+    }
+    match verdict {
+        Ok(n) => {
+            let dr = &mut st.drives[d];
+            if let Some(t0) = submitted {
+                dr.counters.latency.record((now - t0).as_secs_f64());
+                let busy_since = dr.last_completion.map_or(t0, |l| l.max(t0));
+                let dt = (now - busy_since).as_secs_f64().max(1e-6);
+                dr.rate = 0.8 * dr.rate + 0.2 * (n as f64 / dt);
+            }
+            dr.last_completion = Some(now);
+            dr.counters.bytes_read += n;
+            dr.counters.reads += 1;
+            if req.prefetch {
+                dr.counters.prefetch_reads += 1;
+            }
+            st.read += n;
+            let prefetched = req.waiters == 0;
+            st.slots[slot] =
+                Slot::Ready { key, pins: req.waiters, start: start as u32, drive: d as u16, at: now, prefetched };
+            st.keys.insert(key, KeyState::Ready { slot });
+            if req.waiters == 0 {
+                // Prefetched: evictable until demanded.
+                st.lru.push_back(slot);
+            }
+        }
+        Err(msg) => {
+            let dr = &mut st.drives[d];
+            dr.counters.failures += 1;
+            if dr.failed.is_none() {
+                eprintln!(
+                    "deltafin: warning: drive {d} ({}): expert {} of layer {}: {msg}; avoiding this drive",
+                    sh.spec.drives[d].root.display(),
+                    key.1,
+                    key.0
+                );
+                dr.failed = Some(format!("expert {} of layer {}: {msg}", key.1, key.0));
+            }
+            if req.prefetch {
+                // Counted again by start_read's retry only if it stays a prefetch.
+                st.prefetch_outstanding += usize::from(req.waiters == 0);
+            }
+            retry_or_fail(sh, st, req, slot, d, &msg);
+        }
+    }
+    sh.done_cv.notify_all();
+}

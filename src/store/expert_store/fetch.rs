@@ -1,0 +1,196 @@
+//! `fetch`: the forward pass's view of the store. Classifies each requested expert (cached,
+//! being read, or a miss), starts reads as slots allow, lands experts in arrival order outside the
+//! lock, and releases them to the cache.
+
+use super::*;
+
+enum Want {
+    /// Pinned and ready to land.
+    Ready(usize),
+    /// Waiting for a read (a pin is reserved for us at completion).
+    Waiting,
+    /// No read yet (no slot was free).
+    Deferred,
+    /// Landed (or abandoned after an error).
+    Done,
+}
+
+impl ExpertSource for ExpertStore {
+    fn layout(&self) -> &ExpertLayout {
+        &self.shared.spec.layout
+    }
+
+    fn fetch(&self, layer: usize, experts: &[u32], land: &mut dyn FnMut(u32, &[u8])) -> Result<(), StoreError> {
+        let sh = &*self.shared;
+        let len = sh.spec.layout.len;
+        let l = layer as u32;
+        let mut wants: Vec<(u32, Want)> = experts.iter().map(|&e| (e, Want::Deferred)).collect();
+        {
+            let mut st = lock(sh);
+            for &e in experts {
+                *st.uses.entry((l, e)).or_insert(0) += 1;
+            }
+        }
+        let mut remaining = wants.len();
+        let mut started: Vec<u32> = Vec::new();
+        let mut last_land: Option<(Instant, u16)> = None;
+        let mut error: Option<StoreError> = None;
+        let mut first_pass = true;
+        while remaining > 0 {
+            let mut ready: Vec<(u32, usize, usize)> = Vec::new();
+            {
+                let mut st = lock(sh);
+                loop {
+                    let st_ref = &mut *st;
+                    for (e, w) in wants.iter_mut() {
+                        let key = (l, *e);
+                        // Resolve Deferred entries against what other fetches and prefetches did.
+                        if let Want::Deferred = w {
+                            if error.is_some() {
+                                *w = Want::Done;
+                                remaining -= 1;
+                                continue;
+                            }
+                            match st_ref.keys.get(&key) {
+                                Some(KeyState::Ready { slot }) => {
+                                    let slot = *slot;
+                                    pin_ready(st_ref, slot);
+                                    if first_pass {
+                                        st_ref.hits += 1;
+                                    }
+                                    *w = Want::Ready(slot);
+                                }
+                                Some(KeyState::Loading { req }) => {
+                                    let r = *req;
+                                    join_read(st_ref, r);
+                                    if first_pass {
+                                        st_ref.joins += 1;
+                                    }
+                                    *w = Want::Waiting;
+                                }
+                                Some(KeyState::Failed { msg, .. }) => {
+                                    error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
+                                    *w = Want::Done;
+                                    remaining -= 1;
+                                    continue;
+                                }
+                                None => {
+                                    if first_pass {
+                                        st_ref.misses += 1;
+                                    }
+                                    if let Some(slot) = alloc_slot(st_ref) {
+                                        if start_read(sh, st_ref, key, slot, false, &[]) {
+                                            if let Some(KeyState::Loading { req }) = st_ref.keys.get(&key) {
+                                                let r = *req;
+                                                if let Some(q) = st_ref.reqs[r].as_mut() {
+                                                    q.waiters += 1;
+                                                }
+                                            }
+                                            started.push(*e);
+                                            *w = Want::Waiting;
+                                        } else {
+                                            st_ref.free.push(slot);
+                                            error = Some(no_holder(sh, st_ref, layer, *e));
+                                            *w = Want::Done;
+                                            remaining -= 1;
+                                            continue;
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        match w {
+                            Want::Ready(slot) => {
+                                if let Slot::Ready { start, .. } = st_ref.slots[*slot] {
+                                    ready.push((*e, *slot, start as usize));
+                                }
+                                *w = Want::Done;
+                                remaining -= 1;
+                            }
+                            Want::Waiting => match st_ref.keys.get_mut(&key) {
+                                Some(KeyState::Ready { slot }) => {
+                                    let slot = *slot;
+                                    if let Slot::Ready { start, drive, at, .. } = st_ref.slots[slot] {
+                                        if started.contains(e) && last_land.is_none_or(|(t, _)| at > t) {
+                                            last_land = Some((at, drive));
+                                        }
+                                        ready.push((*e, slot, start as usize));
+                                    }
+                                    *w = Want::Done;
+                                    remaining -= 1;
+                                }
+                                Some(KeyState::Failed { msg, waiters }) => {
+                                    error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
+                                    *waiters = waiters.saturating_sub(1);
+                                    if *waiters == 0 {
+                                        st_ref.keys.remove(&key);
+                                    }
+                                    *w = Want::Done;
+                                    remaining -= 1;
+                                }
+                                Some(KeyState::Loading { .. }) => {}
+                                // The read we joined vanished (cancelled): start over.
+                                None => *w = Want::Deferred,
+                            },
+                            Want::Deferred | Want::Done => {}
+                        }
+                    }
+                    first_pass = false;
+                    if !ready.is_empty() || remaining == 0 {
+                        break;
+                    }
+                    st = sh.done_cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+            }
+            // Land outside the lock; the slots stay pinned until unpinned below.
+            for &(e, slot, start) in &ready {
+                if error.is_none() {
+                    // SAFETY: the slot is pinned Ready; no reader writes it until it is unpinned.
+                    let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
+                    land(e, bytes);
+                }
+                let mut st = lock(sh);
+                st.requested += len as u64;
+                unpin(sh, &mut st, (l, e), slot);
+            }
+        }
+        if let Some((_, drive)) = last_land {
+            lock(sh).drives[drive as usize].counters.lands_last += 1;
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn bytes_requested(&self) -> u64 {
+        lock(&self.shared).requested
+    }
+
+    fn report(&self) -> SourceReport {
+        ExpertStore::report(self)
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        ExpertStore::prefetch(self, layer, experts)
+    }
+
+    fn cancel_prefetch(&self, layer: usize, keep: &[u32]) {
+        ExpertStore::cancel_prefetch(self, layer, keep)
+    }
+}
+
+fn no_holder(sh: &Shared, st: &State, layer: usize, e: u32) -> StoreError {
+    let failed: Vec<String> = st
+        .drives
+        .iter()
+        .enumerate()
+        .filter_map(|(i, d)| {
+            d.failed.as_ref().map(|m| format!("drive {i} ({}): {m}", sh.spec.drives[i].root.display()))
+        })
+        .collect();
+    StoreError::NoHolderLeft(format!(
+        "expert {e} of layer {layer}: no usable holder{}",
+        if failed.is_empty() { String::new() } else { format!(" (failed: {})", failed.join("; ")) }
+    ))
+}
