@@ -6,13 +6,6 @@ use common::*;
 use std::path::Path;
 use std::process::Command;
 
-fn run_ok(c: &mut Command) -> (String, String) {
-    let o = c.output().unwrap();
-    let (out, err) = (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned());
-    assert!(o.status.success(), "failed:\n{err}");
-    (out, err)
-}
-
 fn place(model: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(bin());
     c.args(["place", "--model"]).arg(model).args(["--probe-mb", "32", "--probe-seconds", "0.2"]).args(args);

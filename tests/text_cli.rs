@@ -14,28 +14,21 @@ fn deltafin(cache: &Path) -> Command {
     c
 }
 
-fn ok(c: &mut Command) -> (String, String) {
-    let o = c.output().unwrap();
-    let (out, err) = (String::from_utf8(o.stdout).unwrap(), String::from_utf8_lossy(&o.stderr).into_owned());
-    assert!(o.status.success(), "command failed ({:?}):\n{err}", o.status);
-    (out, err)
-}
-
 fn json_run(cache: &Path, args: &[&str]) -> serde_json::Value {
-    let (out, _) = ok(deltafin(cache).args(["run", "--format", "json", "-q"]).args(args));
+    let (out, _) = run_ok(deltafin(cache).args(["run", "--format", "json", "-q"]).args(args));
     serde_json::from_str(&out).unwrap()
 }
 
 #[test]
 fn demo_works_on_a_fresh_machine_and_says_it_is_random() {
     let cache = tempfile::tempdir().unwrap();
-    let (out, err) = ok(deltafin(cache.path()).args(["run", "--demo", "--prompt", "Hello", "--max-new", "12"]));
+    let (out, err) = run_ok(deltafin(cache.path()).args(["run", "--demo", "--prompt", "Hello", "--max-new", "12"]));
     assert!(err.contains("creating the demo checkpoint"), "{err}");
     assert!(err.contains("RANDOM weights"), "{err}");
     assert!(err.contains("context <="), "startup line: {err}");
     assert!(!out.trim().is_empty());
     // Second run reuses the checkpoint and gives the same text.
-    let (out2, err2) = ok(deltafin(cache.path()).args(["run", "--demo", "--prompt", "Hello", "--max-new", "12"]));
+    let (out2, err2) = run_ok(deltafin(cache.path()).args(["run", "--demo", "--prompt", "Hello", "--max-new", "12"]));
     assert!(!err2.contains("creating the demo checkpoint"));
     assert_eq!(out, out2);
 }
@@ -44,7 +37,7 @@ fn demo_works_on_a_fresh_machine_and_says_it_is_random() {
 fn synth_writes_the_shipped_layout_and_matches_the_fp64_reference() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("m");
-    ok(Command::new(bin()).args(["synth", "--out"]).arg(&dir).args([
+    run_ok(Command::new(bin()).args(["synth", "--out"]).arg(&dir).args([
         "--layers",
         "4",
         "--experts",
@@ -96,11 +89,13 @@ fn synth_writes_the_shipped_layout_and_matches_the_fp64_reference() {
     // Logits for a short prompt, engine vs the independent reference.
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 500).collect();
     let out = tmp.path().join("l.safetensors");
-    ok(Command::new(bin())
-        .args(["score", "--model"])
-        .arg(&dir)
-        .args(["--prompt-ids", &ids_arg(&prompt), "--logits-out"])
-        .arg(&out));
+    run_ok(
+        Command::new(bin())
+            .args(["score", "--model"])
+            .arg(&dir)
+            .args(["--prompt-ids", &ids_arg(&prompt), "--logits-out"])
+            .arg(&out),
+    );
     let script = format!(
         "import sys, numpy as np; sys.path.insert(0, {ref_dir:?}); from k3_reference import Reference, read_safetensors\n\
          r = Reference({dir:?}); want = r.logits({prompt:?}); got = read_safetensors({out:?})['logits']\n\
@@ -119,7 +114,7 @@ fn synth_writes_the_shipped_layout_and_matches_the_fp64_reference() {
 fn synth_is_deterministic() {
     let tmp = tempfile::tempdir().unwrap();
     for d in ["a", "b"] {
-        ok(Command::new(bin()).args(["synth", "--out"]).arg(tmp.path().join(d)).args([
+        run_ok(Command::new(bin()).args(["synth", "--out"]).arg(tmp.path().join(d)).args([
             "--layers",
             "3",
             "--experts",
@@ -191,9 +186,11 @@ fn chat_mode_uses_the_template_and_text_output_is_the_decoded_ids() {
 fn stats_are_printed_and_written() {
     let cache = tempfile::tempdir().unwrap();
     let sj = cache.path().join("stats.json");
-    let (_, err) = ok(deltafin(cache.path())
-        .args(["run", "--demo", "--prompt", "Hello", "--max-new", "5", "--stats", "--stats-json"])
-        .arg(&sj));
+    let (_, err) = run_ok(
+        deltafin(cache.path())
+            .args(["run", "--demo", "--prompt", "Hello", "--max-new", "5", "--stats", "--stats-json"])
+            .arg(&sj),
+    );
     for name in [
         "expert_bytes_requested",
         "layer_passes",

@@ -91,10 +91,9 @@ fn measure_ceiling(
     secs: f64,
 ) -> Result<f64> {
     let layout = opened.roster.expert_layout.clone().context("no experts")?;
-    let len = layout.len as u64;
-    let mut ranges: Vec<(PathBuf, u64)> = Vec::new();
-    match manifest {
+    let (ranges, read_len) = match manifest {
         Some(m) => {
+            let mut ranges: Vec<(PathBuf, u64)> = Vec::new();
             for ml in &m.layers {
                 for (d, drive) in m.drives.iter().enumerate() {
                     if drives.is_some_and(|k| !k.contains(&d)) {
@@ -106,19 +105,18 @@ fn measure_ceiling(
                     }
                 }
             }
+            (ranges, widen(0, layout.len as u64).1)
         }
-        None => {
-            for locs in opened.roster.experts.iter().flatten() {
-                for loc in locs {
-                    ranges.push((opened.ck.shard_path(loc.shard).to_path_buf(), widen(loc.start, len).0));
-                }
-            }
-        }
-    }
-    let (_, wlen, _) = widen(0, len);
-    let c =
-        probe::measure_ranges(&ranges, wlen, qd, crate::store::reader::ReaderKind::Auto, Duration::from_secs_f64(secs))
-            .map_err(|e| anyhow::anyhow!("measuring the disk ceiling: {e}"))?;
+        None => crate::store::placement::shard_read_ranges(&opened.ck, &opened.roster),
+    };
+    let c = probe::measure_ranges(
+        &ranges,
+        read_len,
+        qd,
+        crate::store::reader::ReaderKind::Auto,
+        Duration::from_secs_f64(secs),
+    )
+    .map_err(|e| anyhow::anyhow!("measuring the disk ceiling: {e}"))?;
     Ok(c.gbps)
 }
 

@@ -4,7 +4,7 @@
 use super::load;
 use crate::store::placement::{self, MANIFEST, Manifest, PlaceOptions, PlacementError, Policy, RouteTrace, ShardUse};
 use crate::store::probe;
-use crate::store::reader::{ReaderKind, widen};
+use crate::store::reader::ReaderKind;
 use crate::util::human_bytes;
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -83,7 +83,7 @@ pub fn run(a: PlaceArgs) -> Result<()> {
         (None, Policy::Hot) => bail!("--policy hot needs --trace ROUTES (record one with `run --trace-routes FILE`)"),
         (None, _) => None,
     };
-    let layout = opened.roster.expert_layout.clone().context("the model has no routed experts to place")?;
+    opened.roster.expert_layout.as_ref().context("the model has no routed experts to place")?;
     let probe_size = a.probe_mb << 20;
     let time = Duration::from_secs_f64(a.probe_seconds);
     let reader = a.reader;
@@ -100,15 +100,8 @@ pub fn run(a: PlaceArgs) -> Result<()> {
     };
     let opened_ref = &opened;
     let measure_shards = |qd: usize| -> Result<f64, PlacementError> {
-        let mut ranges = Vec::new();
-        for locs in opened_ref.roster.experts.iter().flatten() {
-            for loc in locs {
-                let (off, _, _) = widen(loc.start, layout.len as u64);
-                ranges.push((opened_ref.ck.shard_path(loc.shard).to_path_buf(), off));
-            }
-        }
-        let (_, len, _) = widen(0, layout.len as u64);
-        let c = probe::measure_ranges(&ranges, len + 4096, qd, reader, time)
+        let (ranges, len) = placement::shard_read_ranges(&opened_ref.ck, &opened_ref.roster);
+        let c = probe::measure_ranges(&ranges, len, qd, reader, time)
             .map_err(|e| PlacementError::Other(format!("measuring the shards: {e}")))?;
         eprintln!("deltafin place: shards in {}: {:.2} GB/s", a.model.display(), c.gbps);
         Ok(c.gbps)

@@ -298,21 +298,7 @@ pub fn matvec_bf16(w: &Bf16Mat, x: &[f32], out: &mut [f32]) {
 
 pub fn matvec_bf16_isa(isa: Isa, w: &Bf16Mat, x: &[f32], out: &mut [f32]) {
     assert_eq!(x.len(), w.cols);
-    assert_eq!(out.len(), w.rows);
-    let task = |(t, chunk): (usize, &mut [f32])| {
-        let base = t * ROWS_PER_TASK;
-        for (q, quad) in chunk.chunks_mut(4).enumerate() {
-            let r0 = base + 4 * q;
-            let rows = std::array::from_fn(|i| w.row(r0 + i.min(quad.len() - 1)));
-            let d = dot4_bf16(isa, rows, x);
-            quad.copy_from_slice(&d[..quad.len()]);
-        }
-    };
-    if w.rows * w.cols < PAR_MIN_WORK {
-        out.chunks_mut(ROWS_PER_TASK).enumerate().for_each(task);
-    } else {
-        out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(task);
-    }
+    matvec_quads(w.rows, w.cols, out, |r| dot4_bf16(isa, r.map(|i| w.row(i)), x));
 }
 
 /// out[r] = W[r] . x for an MXFP4 matrix; `xd` is the deinterleaved input.
@@ -322,17 +308,22 @@ pub fn matvec_mxfp4(w: &Mxfp4Mat, xd: &[f32], out: &mut [f32]) {
 
 pub fn matvec_mxfp4_isa(isa: Isa, w: &Mxfp4Mat, xd: &[f32], out: &mut [f32]) {
     assert_eq!(xd.len(), w.cols);
-    assert_eq!(out.len(), w.rows);
+    matvec_quads(w.rows, w.cols, out, |r| dot4_mxfp4(isa, r.map(|i| w.row(i)), xd));
+}
+
+/// Fills `out` (one value per weight row) four rows at a time with `dot4`, in parallel bands when
+/// the product is large; a short last quad repeats its last row (the extra result is dropped).
+fn matvec_quads(rows: usize, cols: usize, out: &mut [f32], dot4: impl Fn([usize; 4]) -> [f32; 4] + Sync) {
+    assert_eq!(out.len(), rows);
     let task = |(t, chunk): (usize, &mut [f32])| {
         let base = t * ROWS_PER_TASK;
         for (q, quad) in chunk.chunks_mut(4).enumerate() {
             let r0 = base + 4 * q;
-            let rows = std::array::from_fn(|i| w.row(r0 + i.min(quad.len() - 1)));
-            let d = dot4_mxfp4(isa, rows, xd);
+            let d = dot4(std::array::from_fn(|i| r0 + i.min(quad.len() - 1)));
             quad.copy_from_slice(&d[..quad.len()]);
         }
     };
-    if w.rows * w.cols < PAR_MIN_WORK {
+    if rows * cols < PAR_MIN_WORK {
         out.chunks_mut(ROWS_PER_TASK).enumerate().for_each(task);
     } else {
         out.par_chunks_mut(ROWS_PER_TASK).enumerate().for_each(task);

@@ -167,6 +167,13 @@ pub fn forward(
     let mut slots = vec![0f32; n * k * lat];
     let layout = src.layout().clone();
     let mut prefetch_pending = predicted_next.as_ref();
+    // (row, router slot) pairs of each expert of the union, built once for the layer.
+    let mut targets_of: Vec<Vec<(usize, usize)>> = vec![Vec::new(); union.len()];
+    for (i, e) in routes.experts.iter().enumerate() {
+        if let Ok(u) = union.binary_search(e) {
+            targets_of[u].push((i / k, i % k));
+        }
+    }
     let mut kernel_s = 0f64;
     let mut expert_rows = 0usize;
     let t_fetch = Instant::now();
@@ -176,10 +183,9 @@ pub fn forward(
             src.prefetch(*nl, pred);
         }
         let t = Instant::now();
-        let targets: Vec<(usize, usize)> =
-            (0..n * k).filter(|&i| routes.experts[i] == e).map(|i| (i / k, i % k)).collect();
+        let targets: &[(usize, usize)] = union.binary_search(&e).map_or(&[], |u| &targets_of[u]);
         let mut rows_in = Vec::with_capacity(targets.len() * lat);
-        for &(r, _) in &targets {
+        for &(r, _) in targets {
             rows_in.extend_from_slice(&zd[r * lat..(r + 1) * lat]);
         }
         let y = run_expert(&layout, bytes, situ, &rows_in);

@@ -539,6 +539,21 @@ pub fn verify(
     problems
 }
 
+/// Every routed expert's place in the shipped shards as an O_DIRECT read: (shard path, 4 KiB-aligned
+/// offset), plus a read length that covers the widest widening. For measuring the shards' ceiling.
+pub fn shard_read_ranges(ck: &Checkpoint, roster: &Roster) -> (Vec<(PathBuf, u64)>, u64) {
+    let Some(layout) = &roster.expert_layout else { return (Vec::new(), 0) };
+    let len = layout.len as u64;
+    let ranges = roster
+        .experts
+        .iter()
+        .flatten()
+        .flatten()
+        .map(|loc| (ck.shard_path(loc.shard).to_path_buf(), super::reader::widen(loc.start, len).0))
+        .collect();
+    (ranges, super::reader::widen(0, len).1 + super::reader::DIRECT_ALIGN)
+}
+
 /// Holder map for experts read straight from the shipped shards (no placement).
 pub fn shard_spec(ck: &Checkpoint, roster: &Roster, model_dir: &Path, qd: usize, gbps: f64) -> Option<StoreSpec> {
     let layout = roster.expert_layout.clone()?;

@@ -89,6 +89,14 @@ pub fn copy_fixture(name: &str) -> tempfile::TempDir {
     tmp
 }
 
+/// Runs a command that must succeed (with UTF-8 stdout); returns (stdout, stderr).
+pub fn run_ok(c: &mut std::process::Command) -> (String, String) {
+    let o = c.output().unwrap();
+    let (out, err) = (String::from_utf8(o.stdout).unwrap(), String::from_utf8_lossy(&o.stderr).into_owned());
+    assert!(o.status.success(), "command failed ({:?}):\n{err}", o.status);
+    (out, err)
+}
+
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_deltafin")
 }
@@ -118,12 +126,10 @@ pub fn open_model(dir: &Path) -> Model {
 
 /// Opens a model directory and runs `f` with the model (experts read from the mapped shards).
 pub fn with_model<R>(dir: &Path, f: impl FnOnce(&mut K3) -> R) -> R {
-    let cfg = K3Config::load(dir).unwrap();
-    let ck = Checkpoint::open(dir).unwrap();
-    let roster = Roster::build(&cfg, &ck).unwrap();
-    let src = ShardExperts::new(&ck, &roster).unwrap();
-    let mut m = K3::new(cfg, &ck, &roster, Some(&src as &dyn ExpertSource)).unwrap();
-    f(&mut m)
+    let m = open_model(dir);
+    let src = ShardExperts::new(&m.ck, &m.roster).unwrap();
+    let mut k3 = K3::new(m.cfg.clone(), &m.ck, &m.roster, Some(&src as &dyn ExpertSource)).unwrap();
+    f(&mut k3)
 }
 
 /// Logits at every position of `tokens` in one forward call.
