@@ -1,12 +1,20 @@
 //! deltafin: runs Kimi K3 exactly on one machine by streaming its routed experts from SSDs.
-//! Module map (see DESIGN.md): `model` (config, checkpoint, roster), `k3` (forward pass),
-//! `cpu` (kernels), `store` (expert sources), `cli` (subcommands).
+//! Module map (see docs/architecture.md): `engine` (Engine and Session, what every front end
+//! drives), `sched` (the layer loop over rows of one or several sessions), `k3` (the model's math),
+//! `backend` (the operations the forward pass calls; `backend::cpu` the CPU kernels), `model`
+//! (config, checkpoint, roster, tokenizer, chat template, synth), `store` (where experts are read),
+//! `cli` (subcommands).
 
+pub mod backend;
 pub mod cli;
-pub mod cpu;
+pub mod engine;
 pub mod k3;
 pub mod memory;
 pub mod model;
+pub mod sched;
 pub mod stats;
 pub mod store;
 pub mod util;
+
+/// The CPU kernels (also reachable as `backend::cpu`).
+pub use backend::cpu;

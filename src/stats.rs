@@ -33,6 +33,12 @@ pub struct Stats {
     pub attention_s: f64,
     pub router_s: f64,
     pub other_s: f64,
+    /// Dense (non-MoE) MLP layers.
+    pub dense_mlp_s: f64,
+    /// Time in verification forwards (draft checking).
+    pub verify_s: f64,
+    /// Time drafters spent proposing.
+    pub draft_s: f64,
     // Run level.
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
@@ -52,6 +58,43 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// Adds another run's work counters and timers (run-level fields like TTFT are kept).
+    pub fn merge(&mut self, o: &Stats) {
+        self.forward_calls += o.forward_calls;
+        self.rows += o.rows;
+        self.layer_passes += o.layer_passes;
+        self.experts_fetched += o.experts_fetched;
+        self.expert_rows += o.expert_rows;
+        self.expert_bytes_requested += o.expert_bytes_requested;
+        self.distinct_experts.extend(o.distinct_experts.iter().copied());
+        self.expert_bytes = self.expert_bytes.max(o.expert_bytes);
+        self.read_wait_s += o.read_wait_s;
+        self.expert_kernel_s += o.expert_kernel_s;
+        self.attention_s += o.attention_s;
+        self.router_s += o.router_s;
+        self.other_s += o.other_s;
+        self.dense_mlp_s += o.dense_mlp_s;
+        self.verify_s += o.verify_s;
+        self.draft_s += o.draft_s;
+        self.drafts_proposed += o.drafts_proposed;
+        self.drafts_accepted += o.drafts_accepted;
+        for (l, c) in &o.routes {
+            let mine = self.routes.entry(*l).or_insert_with(|| vec![0; c.len()]);
+            for (a, b) in mine.iter_mut().zip(c) {
+                *a += b;
+            }
+        }
+        for (l, s) in &o.layer_read_wait_s {
+            *self.layer_read_wait_s.entry(*l).or_insert(0.0) += s;
+        }
+        for (l, (p, n, h)) in &o.predictions {
+            let e = self.predictions.entry(*l).or_insert((0, 0, 0));
+            e.0 += p;
+            e.1 += n;
+            e.2 += h;
+        }
+    }
+
     /// Adds one routing decision per (row, selected expert) of `layer`.
     pub fn record_routes(&mut self, layer: usize, experts: &[u32], n_experts: usize) {
         let counts = self.routes.entry(layer as u32).or_insert_with(|| vec![0; n_experts]);
@@ -135,6 +178,9 @@ impl Stats {
             "attention_s": self.attention_s,
             "router_s": self.router_s,
             "other_s": self.other_s,
+            "dense_mlp_s": self.dense_mlp_s,
+            "verify_s": self.verify_s,
+            "draft_s": self.draft_s,
             "prefetch_recall": self.prediction_quality().map(|q| q.0),
             "prefetch_precision": self.prediction_quality().map(|q| q.1),
             "prefetch_per_layer": self.predictions.iter().map(|(l, (p, n, h))| json!({"layer": l, "predicted": p, "needed": n, "hit": h,

@@ -4,9 +4,11 @@
 
 mod common;
 use common::*;
-use deltafin::k3::{ForwardStats, KdaMode, Logits};
+use deltafin::engine::Engine;
+use deltafin::k3::KdaMode;
 use deltafin::model::roster::ExpertLayout;
-use deltafin::store::{ExpertSource, StoreError};
+use deltafin::store::{ExpertSink, ExpertSource, StoreError};
+use std::sync::Arc;
 
 /// Tolerance of the f32 engine against the fp64 reference: relative L2 error per position.
 const REL_TOL: f64 = 1e-4;
@@ -15,11 +17,8 @@ const REL_TOL: f64 = 1e-4;
 fn logits_match_fp64_reference_at_every_position() {
     for name in FIXTURES {
         let r = reference(name);
-        for mode in [KdaMode::Auto, KdaMode::Chunked] {
-            let got = with_model(&fixture(name), |m| {
-                m.kda_mode = mode;
-                score(m, &r.prompt)
-            });
+        for mode in [KdaMode::Recurrent, KdaMode::Chunked] {
+            let got = score(&Engine::open(test_config(&fixture(name), mode)).unwrap(), &r.prompt);
             let (err, row) = max_rel_l2(&got, &r.logits, r.vocab);
             println!("{name} ({mode:?}): max relative L2 error {err:.3e} at position {row}");
             assert!(
@@ -34,7 +33,7 @@ fn logits_match_fp64_reference_at_every_position() {
 fn greedy_continuation_matches_reference() {
     for name in FIXTURES {
         let r = reference(name);
-        let got = with_model(&fixture(name), |m| greedy(m, &r.prompt, r.greedy.len()));
+        let got = greedy(&engine(&fixture(name)), &r.prompt, r.greedy.len());
         assert_eq!(got, r.greedy, "{name}: greedy continuation differs from the fp64 reference");
     }
 }
@@ -43,24 +42,21 @@ fn greedy_continuation_matches_reference() {
 fn incremental_vs_full(name: &str, mode: KdaMode, split: usize) -> (Vec<f32>, Vec<f32>) {
     let r = reference(name);
     let toks = &r.prompt[..split + 40];
-    with_model(&fixture(name), |m| {
-        m.kda_mode = mode;
-        let full = score(m, toks);
-        let mut st = m.new_state();
-        let mut fs = ForwardStats::default();
-        let mut inc = m.forward(&mut st, &toks[..split], Logits::All, &mut fs).unwrap();
-        for &t in &toks[split..] {
-            inc.extend(m.forward(&mut st, &[t], Logits::All, &mut fs).unwrap());
-        }
-        (full, inc)
-    })
+    let e = Engine::open(test_config(&fixture(name), mode)).unwrap();
+    let full = score(&e, toks);
+    let mut s = e.new_session();
+    let mut inc = s.score(&toks[..split]).unwrap();
+    for &t in &toks[split..] {
+        inc.extend(s.score(&[t]).unwrap());
+    }
+    (full, inc)
 }
 
 #[test]
 fn incremental_decode_equals_full_recompute() {
     for name in FIXTURES {
         // The engine's default (token recurrence everywhere): the same operations, so the same bits.
-        let (full, inc) = incremental_vs_full(name, KdaMode::Auto, 70);
+        let (full, inc) = incremental_vs_full(name, KdaMode::Recurrent, 70);
         assert!(full == inc, "{name}: prefill + decode differs from full recompute");
         // Chunked prompt form: equal to rounding.
         let (full, inc) = incremental_vs_full(name, KdaMode::Chunked, 70);
@@ -76,11 +72,10 @@ fn one_thread_and_two_threads_give_identical_bits() {
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             pool.install(|| {
-                with_model(&fixture(name), |m| {
-                    let mut all = score(m, &r.prompt);
-                    all.extend(greedy(m, &r.prompt[..50], 8).iter().map(|&t| t as f32));
-                    all
-                })
+                let m = engine(&fixture(name));
+                let mut all = score(&m, &r.prompt);
+                all.extend(greedy(&m, &r.prompt[..50], 8).iter().map(|&t| t as f32));
+                all
             })
         };
         let one = run(1);
@@ -90,36 +85,31 @@ fn one_thread_and_two_threads_give_identical_bits() {
 }
 
 /// Delivers experts in reverse order: the sum must still follow router order.
-struct Reversed<'a>(&'a dyn ExpertSource);
+struct Reversed(Arc<dyn ExpertSource>);
 
-impl ExpertSource for Reversed<'_> {
+impl ExpertSource for Reversed {
     fn layout(&self) -> &ExpertLayout {
         self.0.layout()
     }
-    fn fetch(&self, layer: usize, experts: &[u32], land: &mut dyn FnMut(u32, &[u8])) -> Result<(), StoreError> {
+    fn fetch<'s>(&'s self, layer: usize, experts: &[u32], sink: &mut dyn ExpertSink<'s>) -> Result<(), StoreError> {
         let mut rev = experts.to_vec();
         rev.reverse();
-        self.0.fetch(layer, &rev, land)
+        self.0.fetch(layer, &rev, sink)
     }
-    fn bytes_requested(&self) -> u64 {
-        self.0.bytes_requested()
+    fn describe(&self) -> String {
+        "reversed".into()
     }
 }
 
 #[test]
 fn expert_arrival_order_does_not_change_bits() {
-    use deltafin::model::{Checkpoint, K3Config, Roster};
     let name = "k3-tiny-a";
     let r = reference(name);
     let dir = fixture(name);
-    let forward = with_model(&dir, |m| score(m, &r.prompt));
-    let cfg = K3Config::load(&dir).unwrap();
-    let ck = Checkpoint::open(&dir).unwrap();
-    let roster = Roster::build(&cfg, &ck).unwrap();
-    let src = deltafin::store::ShardExperts::new(&ck, &roster).unwrap();
-    let rev = Reversed(&src);
-    let m = deltafin::k3::K3::new(cfg, &ck, &roster, Some(&rev as &dyn ExpertSource)).unwrap();
-    let backward = score(&m, &r.prompt);
+    let forward = score(&engine(&dir), &r.prompt);
+    let m = open_model(&dir);
+    let rev = Reversed(Arc::new(m.mmap_source()));
+    let backward = score(&engine_with(&dir, Arc::new(rev)), &r.prompt);
     assert!(forward.iter().zip(&backward).all(|(a, b)| a.to_bits() == b.to_bits()));
 }
 

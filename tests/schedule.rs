@@ -4,25 +4,29 @@
 
 mod common;
 use common::*;
-use deltafin::k3::{ForwardStats, K3, Logits};
+use deltafin::engine::{Engine, EngineConfig};
+use deltafin::k3::KdaMode;
+use deltafin::store::ExpertSource;
 use deltafin::store::expert_store::{ExpertStore, StoreOptions};
 use deltafin::store::reader::ReaderKind;
-use deltafin::store::{ExpertSource, ShardExperts};
 use std::path::Path;
+use std::sync::Arc;
 
 use common::open_model as open;
 
-fn store(m: &Model, dir: &Path, cache: u64, prefetch_depth: usize) -> ExpertStore {
+fn store(m: &Model, dir: &Path, cache: u64, prefetch_depth: usize) -> Arc<ExpertStore> {
     let spec = deltafin::store::placement::shard_spec(&m.ck, &m.roster, dir, 2, 1.0).unwrap();
-    ExpertStore::open(
-        spec,
-        StoreOptions { cache_bytes: cache, reader: ReaderKind::Auto, prefetch_depth, record_reads: false },
+    Arc::new(
+        ExpertStore::open(
+            spec,
+            StoreOptions { cache_bytes: cache, reader: ReaderKind::Auto, prefetch_depth, record_reads: false },
+        )
+        .unwrap(),
     )
-    .unwrap()
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
+fn cfg(dir: &Path, prefill_rows: usize, prefetch: bool) -> EngineConfig {
+    EngineConfig { prefill_rows, prefetch, ..test_config(dir, KdaMode::Recurrent) }
 }
 
 #[test]
@@ -32,26 +36,24 @@ fn expert_major_prefill_equals_token_at_a_time_bit_for_bit() {
         let m = open(&dir);
         let prompt = reference(name).prompt;
         let src = store(&m, &dir, 0, 0);
-        let model = K3::new(m.cfg.clone(), &m.ck, &m.roster, Some(&src as &dyn ExpertSource)).unwrap();
+        let e = Engine::open_with_source(cfg(&dir, 4096, false), src.clone()).unwrap();
         // Whole prompt in one expert-major pass.
-        let mut fs = ForwardStats::default();
-        let mut st = model.new_state();
-        let whole = model.prefill(&mut st, &prompt, 4096, &mut fs).unwrap();
-        assert_eq!(fs.layer_passes as usize, m.cfg.moe_layers(), "{name}: one pass per MoE layer");
+        let mut s = e.new_session();
+        let whole = s.prefill(&prompt).unwrap().to_vec();
+        assert_eq!(s.stats.layer_passes as usize, m.cfg.moe_layers(), "{name}: one pass per MoE layer");
         // One token at a time (the decode path).
-        let mut st1 = model.new_state();
-        let mut fs1 = ForwardStats::default();
+        let mut s1 = e.new_session();
         let mut last = Vec::new();
         for &t in &prompt {
-            last = model.forward(&mut st1, &[t], Logits::Last, &mut fs1).unwrap();
+            last = s1.step(t).unwrap().to_vec();
         }
         assert_eq!(bits(&whole), bits(&last), "{name}: expert-major prefill differs from token-at-a-time");
         // Chunked past --prefill-rows: same bits, one pass per MoE layer per chunk.
-        let mut fs2 = ForwardStats::default();
-        let mut st2 = model.new_state();
-        let chunked = model.prefill(&mut st2, &prompt, 50, &mut fs2).unwrap();
+        let e50 = Engine::open_with_source(cfg(&dir, 50, false), src.clone()).unwrap();
+        let mut s2 = e50.new_session();
+        let chunked = s2.prefill(&prompt).unwrap().to_vec();
         assert_eq!(bits(&whole), bits(&chunked), "{name}: chunked prefill differs");
-        assert_eq!(fs2.layer_passes as usize, m.cfg.moe_layers() * prompt.len().div_ceil(50));
+        assert_eq!(s2.stats.layer_passes as usize, m.cfg.moe_layers() * prompt.len().div_ceil(50));
     }
 }
 
@@ -63,12 +65,16 @@ fn a_cold_prefill_reads_each_distinct_expert_once() {
         let prompt = reference(name).prompt;
         for cache in [0u64, 1 << 30] {
             let src = store(&m, &dir, cache, 0);
-            let model = K3::new(m.cfg.clone(), &m.ck, &m.roster, Some(&src as &dyn ExpertSource)).unwrap();
-            let mut fs = ForwardStats::default();
-            model.prefill(&mut model.new_state(), &prompt, 4096, &mut fs).unwrap();
+            let e = engine_with(&dir, src.clone());
+            let mut s = e.new_session();
+            s.prefill(&prompt).unwrap();
             let r = src.report();
             let reads: u64 = r.drives.iter().map(|d| d.reads).sum();
-            assert_eq!(reads as usize, fs.distinct_experts.len(), "{name}, cache {cache}: reads != distinct experts");
+            assert_eq!(
+                reads as usize,
+                s.stats.distinct_experts.len(),
+                "{name}, cache {cache}: reads != distinct experts"
+            );
             // Bytes read = distinct experts x (expert size rounded to the 4 KiB O_DIRECT unit).
             let unit = (m.cfg.expert_bytes() as u64).div_ceil(4096) * 4096 + 4096;
             assert!(r.expert_bytes_read.unwrap() <= reads * unit);
@@ -82,23 +88,20 @@ fn prefetch_changes_timing_not_bits_and_is_scored() {
     let dir = fixture(name);
     let m = open(&dir);
     let r = reference(name);
-    let mmap = ShardExperts::new(&m.ck, &m.roster).unwrap();
-    let run = |src: &dyn ExpertSource, prefetch: bool| {
-        let mut model = K3::new(m.cfg.clone(), &m.ck, &m.roster, Some(src)).unwrap();
-        model.prefetch = prefetch;
-        let mut st = model.new_state();
-        let mut fs = ForwardStats::default();
-        let mut out = model.prefill(&mut st, &r.prompt, 4096, &mut fs).unwrap();
+    let run = |src: Arc<dyn ExpertSource>, prefetch: bool| {
+        let e = Engine::open_with_source(cfg(&dir, 4096, prefetch), src).unwrap();
+        let mut s = e.new_session();
+        let mut out = s.prefill(&r.prompt).unwrap().to_vec();
         for _ in 0..12 {
             let t = deltafin::k3::argmax(&out[out.len() - m.cfg.vocab..]);
-            out.extend(model.forward(&mut st, &[t], Logits::Last, &mut fs).unwrap());
+            out.extend_from_slice(s.step(t).unwrap());
         }
-        (out, fs)
+        (out, s.stats.clone())
     };
-    let (want, _) = run(&mmap, false);
+    let (want, _) = run(Arc::new(m.mmap_source()), false);
     for cache in [0u64, 1 << 20] {
         let src = store(&m, &dir, cache, 2);
-        let (got, fs) = run(&src, true);
+        let (got, fs) = run(src.clone(), true);
         assert_eq!(bits(&got), bits(&want), "cache {cache}: prefetch changed the output");
         let (recall, precision) = fs.prediction_quality().expect("predictions were scored");
         assert!((0.0..=1.0).contains(&recall) && (0.0..=1.0).contains(&precision));

@@ -5,12 +5,12 @@
 
 mod common;
 use common::*;
-use deltafin::k3::{ForwardStats, K3, Logits};
 use deltafin::store::expert_store::{ExpertStore, StoreOptions};
 use deltafin::store::placement::{Manifest, PlaceOptions, Policy, RouteTrace, ShardUse, manifest_spec, place};
 use deltafin::store::reader::ReaderKind;
-use deltafin::store::{ExpertSource, ShardExperts, StoreError};
+use deltafin::store::{ExpertSource, StoreError};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use common::open_model as open;
 
@@ -19,30 +19,27 @@ fn prompt() -> Vec<u32> {
 }
 
 /// Logits of a prefill plus 6 greedy decode steps (so caches and decode reads are exercised).
-fn logits_with(m: &Model, src: &dyn ExpertSource) -> Result<Vec<f32>, deltafin::k3::ForwardError> {
-    let model = K3::new(m.cfg.clone(), &m.ck, &m.roster, Some(src)).unwrap();
-    let mut st = model.new_state();
-    let mut fs = ForwardStats::default();
-    let mut out = model.forward(&mut st, &prompt(), Logits::All, &mut fs)?;
+fn logits_with(m: &Model, src: Arc<dyn ExpertSource>) -> Result<Vec<f32>, deltafin::k3::ForwardError> {
+    let e = engine_with(&m.dir, src);
+    let mut s = e.new_session();
+    let mut out = s.score(&prompt())?;
     for _ in 0..6 {
         let last = &out[out.len() - m.cfg.vocab..];
         let t = deltafin::k3::argmax(last);
-        out.extend(model.forward(&mut st, &[t], Logits::All, &mut fs)?);
+        out.extend(s.score(&[t])?);
     }
     Ok(out)
 }
 
 fn reference_logits(m: &Model) -> Vec<f32> {
-    let src = ShardExperts::new(&m.ck, &m.roster).unwrap();
-    logits_with(m, &src).unwrap()
+    logits_with(m, Arc::new(m.mmap_source())).unwrap()
 }
 
 fn route_trace(m: &Model) -> RouteTrace {
-    let src = ShardExperts::new(&m.ck, &m.roster).unwrap();
-    let model = K3::new(m.cfg.clone(), &m.ck, &m.roster, Some(&src as &dyn ExpertSource)).unwrap();
-    let mut fs = ForwardStats::default();
-    model.forward(&mut model.new_state(), &prompt(), Logits::Last, &mut fs).unwrap();
-    fs.route_trace()
+    let e = engine_with(&m.dir, Arc::new(m.mmap_source()));
+    let mut s = e.new_session();
+    s.prefill(&prompt()).unwrap();
+    s.stats.route_trace()
 }
 
 fn do_place(m: &Model, drives: &[PathBuf], policy: Policy, shards: ShardUse, trace: Option<RouteTrace>) -> Manifest {
@@ -61,9 +58,11 @@ fn do_place(m: &Model, drives: &[PathBuf], policy: Policy, shards: ShardUse, tra
     place(&m.cfg, &m.ck, &m.roster, &o).unwrap()
 }
 
-fn open_store(m: &Model, man: &Manifest, cache_bytes: u64, reader: ReaderKind) -> ExpertStore {
+fn open_store(m: &Model, man: &Manifest, cache_bytes: u64, reader: ReaderKind) -> Arc<ExpertStore> {
     let spec = manifest_spec(man, &m.ck, &m.roster, m.roster.expert_layout.clone().unwrap()).unwrap();
-    ExpertStore::open(spec, StoreOptions { cache_bytes, reader, prefetch_depth: 1, record_reads: false }).unwrap()
+    Arc::new(
+        ExpertStore::open(spec, StoreOptions { cache_bytes, reader, prefetch_depth: 1, record_reads: false }).unwrap(),
+    )
 }
 
 fn bits_equal(a: &[f32], b: &[f32]) -> bool {
@@ -85,7 +84,7 @@ fn every_placement_cache_and_reader_gives_identical_bits() {
             for cache in [0, 3 * expert, 1 << 30] {
                 for reader in [ReaderKind::Uring, ReaderKind::Pread] {
                     let store = open_store(&m, &man, cache, reader);
-                    let got = logits_with(&m, &store).unwrap();
+                    let got = logits_with(&m, store.clone()).unwrap();
                     assert!(
                         bits_equal(&got, &want),
                         "{n} drives, {policy:?}, cache {cache}, {reader:?}: logits differ"
@@ -142,7 +141,7 @@ fn a_corrupt_copy_fails_over_with_identical_output() {
     for reader in [ReaderKind::Uring, ReaderKind::Pread] {
         // Drive 1 is slower (given 2 GB/s vs 1) but the balancer sends the first reads to drive 0.
         let store = open_store(&m, &man, 0, reader);
-        let got = logits_with(&m, &store).unwrap();
+        let got = logits_with(&m, store.clone()).unwrap();
         assert!(bits_equal(&got, &want), "{reader:?}: output changed after failover");
         let r = store.report();
         assert!(r.drives[0].failures >= 1, "{reader:?}: {:?}", r.drives[0]);
@@ -164,7 +163,7 @@ fn a_copy_truncated_mid_run_fails_over() {
         let f = std::fs::OpenOptions::new().write(true).open(drives[1].join(format!("L{l}.pack"))).unwrap();
         f.set_len(4096).unwrap();
     }
-    let got = logits_with(&m, &store).unwrap();
+    let got = logits_with(&m, store.clone()).unwrap();
     assert!(bits_equal(&got, &want));
     let r = store.report();
     assert!(r.drives[1].failed.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[1]);
@@ -180,7 +179,7 @@ fn a_missing_drive_degrades_to_remaining_holders() {
     let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
     std::fs::remove_dir_all(&drives[1]).unwrap();
     let store = open_store(&m, &man, 1 << 20, ReaderKind::Auto);
-    assert!(bits_equal(&logits_with(&m, &store).unwrap(), &want));
+    assert!(bits_equal(&logits_with(&m, store.clone()).unwrap(), &want));
     assert!(store.report().drives[1].failed.as_ref().unwrap().contains("missing"));
     // Spread with the shards as fallback: the shards serve what the lost drive held.
     let tmp2 = copy_fixture("k3-tiny-a");
@@ -189,7 +188,7 @@ fn a_missing_drive_degrades_to_remaining_holders() {
     let man2 = do_place(&m2, &drives2, Policy::Spread, ShardUse::Fallback, None);
     std::fs::remove_dir_all(&drives2[0]).unwrap();
     let store2 = open_store(&m2, &man2, 0, ReaderKind::Pread);
-    assert!(bits_equal(&logits_with(&m2, &store2).unwrap(), &want));
+    assert!(bits_equal(&logits_with(&m2, store2.clone()).unwrap(), &want));
     let r = store2.report();
     assert!(r.drives[2].reads > 0, "the shards served the lost drive's experts");
 }
@@ -204,7 +203,7 @@ fn a_drive_directory_removed_mid_run_changes_nothing() {
     let store = open_store(&m, &man, 0, ReaderKind::Uring);
     // The files are open: their data stays readable after the directory is gone.
     std::fs::remove_dir_all(&drives[0]).unwrap();
-    assert!(bits_equal(&logits_with(&m, &store).unwrap(), &want));
+    assert!(bits_equal(&logits_with(&m, store.clone()).unwrap(), &want));
 }
 
 #[test]
@@ -215,7 +214,7 @@ fn no_holder_left_is_a_clear_error() {
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
     std::fs::remove_dir_all(&drives[1]).unwrap();
     let store = open_store(&m, &man, 0, ReaderKind::Uring);
-    let err = logits_with(&m, &store).unwrap_err();
+    let err = logits_with(&m, store.clone()).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, deltafin::k3::ForwardError::Store(StoreError::NoHolderLeft(_))), "{msg}");
     assert!(msg.contains("of layer 1") && msg.contains("no usable holder") && msg.contains("d1"), "{msg}");
@@ -228,24 +227,19 @@ fn concurrent_fetches_share_reads_and_get_the_right_bytes() {
     let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
     let store = open_store(&m, &man, 1 << 20, ReaderKind::Uring);
-    let mmap = ShardExperts::new(&m.ck, &m.roster).unwrap();
-    let mut want = std::collections::HashMap::new();
-    mmap.fetch(2, &(0..16).collect::<Vec<u32>>(), &mut |e, b| {
-        want.insert(e, b.to_vec());
-    })
-    .unwrap();
+    let mmap = m.mmap_source();
+    let want: std::collections::HashMap<u32, Vec<u8>> =
+        fetch_all(&mmap, 2, &(0..16).collect::<Vec<u32>>()).into_iter().collect();
     std::thread::scope(|s| {
         for t in 0..4 {
             let (store, want) = (&store, &want);
             s.spawn(move || {
                 let ids: Vec<u32> = (0..16).map(|i| (i + t * 3) % 16).collect();
                 let mut seen = 0;
-                store
-                    .fetch(2, &ids, &mut |e, b| {
-                        assert_eq!(b, want[&e].as_slice(), "thread {t}: expert {e} bytes differ");
-                        seen += 1;
-                    })
-                    .unwrap();
+                fetch_each(&**store, 2, &ids, |e, b| {
+                    assert_eq!(b, want[&e].as_slice(), "thread {t}: expert {e} bytes differ");
+                    seen += 1;
+                });
                 assert_eq!(seen, 16);
             });
         }
@@ -285,6 +279,15 @@ fn shard_store(m: &Model, cache_bytes: u64, qd: usize, prefetch_depth: usize) ->
         .unwrap()
 }
 
+/// Fetches `ids` of `layer`, calling `f` on each expert's bytes.
+fn fetch_each(src: &dyn ExpertSource, layer: usize, ids: &[u32], mut f: impl FnMut(u32, &[u8])) {
+    src.fetch(layer, ids, &mut |e: u32, b: deltafin::store::Landed<'_>| {
+        f(e, b.bytes());
+        Ok(deltafin::store::Flow::Continue)
+    })
+    .unwrap()
+}
+
 /// Runs `f` on another thread and fails the test if it does not finish in time (a hang).
 fn within<T: Send + 'static>(secs: u64, f: impl FnOnce() -> T + Send + 'static) -> T {
     let (tx, rx) = std::sync::mpsc::channel();
@@ -302,15 +305,8 @@ fn many_fetchers_on_a_tiny_slab_do_not_hang() {
         let m = open(&dir);
         // qd 2, no cache: a handful of slots for 4 threads x 16 experts each.
         let store = shard_store(&m, 0, 2, 1);
-        let want: std::collections::HashMap<u32, Vec<u8>> = {
-            let mmap = ShardExperts::new(&m.ck, &m.roster).unwrap();
-            let mut w = std::collections::HashMap::new();
-            mmap.fetch(3, &(0..16).collect::<Vec<u32>>(), &mut |e, b| {
-                w.insert(e, b.to_vec());
-            })
-            .unwrap();
-            w
-        };
+        let want: std::collections::HashMap<u32, Vec<u8>> =
+            fetch_all(&m.mmap_source(), 3, &(0..16).collect::<Vec<u32>>()).into_iter().collect();
         std::thread::scope(|s| {
             for t in 0..4u32 {
                 let (store, want) = (&store, &want);
@@ -318,12 +314,10 @@ fn many_fetchers_on_a_tiny_slab_do_not_hang() {
                     for round in 0..20u32 {
                         let ids: Vec<u32> = (0..16).map(|i| (i * 5 + t + round) % 16).collect();
                         let mut n = 0;
-                        store
-                            .fetch(3, &ids, &mut |e, b| {
-                                assert_eq!(b, want[&e].as_slice());
-                                n += 1;
-                            })
-                            .unwrap();
+                        fetch_each(store, 3, &ids, |e, b| {
+                            assert_eq!(b, want[&e].as_slice());
+                            n += 1;
+                        });
                         assert_eq!(n, 16);
                     }
                 });
@@ -340,7 +334,7 @@ fn a_full_cache_keeps_the_more_used_experts() {
     let store = shard_store(&m, 4 * slot, 2, 0);
     let fetch = |ids: &[u32]| {
         let before = store.report();
-        store.fetch(1, ids, &mut |_, _| {}).unwrap();
+        fetch_each(&store, 1, ids, |_, _| {});
         let after = store.report();
         (
             after.cache_hits.unwrap() - before.cache_hits.unwrap(),
@@ -363,7 +357,7 @@ fn prefetched_experts_are_used_and_cancelled_ones_are_not_read() {
     let store = shard_store(&m, 1 << 20, 2, 2);
     store.prefetch(2, &[1, 2, 3]);
     let mut seen = Vec::new();
-    store.fetch(2, &[1, 2, 3, 4], &mut |e, _| seen.push(e)).unwrap();
+    fetch_each(&store, 2, &[1, 2, 3, 4], |e, _| seen.push(e));
     seen.sort();
     assert_eq!(seen, vec![1, 2, 3, 4]);
     let r = store.report();
@@ -373,7 +367,7 @@ fn prefetched_experts_are_used_and_cancelled_ones_are_not_read() {
     // Predictions for a layer that the real route rejects are dropped if not yet read.
     store.prefetch(4, &(0..16).collect::<Vec<u32>>());
     store.cancel_prefetch(4, &[7]);
-    store.fetch(4, &[7], &mut |_, _| {}).unwrap();
+    fetch_each(&store, 4, &[7], |_, _| {});
     let r2 = store.report();
     assert!(r2.drives[0].reads - 4 < 1 + 16, "cancelled prefetches were not all read");
 }

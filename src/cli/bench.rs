@@ -120,7 +120,7 @@ fn bench_io(a: IoArgs) -> Result<()> {
         )?;
         let t0 = Instant::now();
         for (&l, es) in &by_layer {
-            store.fetch(l, es, &mut |_, _| {})?;
+            store.fetch(l, es, &mut |_, _: crate::store::Landed<'_>| Ok(crate::store::Flow::Continue))?;
         }
         let secs = t0.elapsed().as_secs_f64();
         let r = store.report();
@@ -245,7 +245,7 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     let (br, bc) = (12288usize, 7168usize);
     // Normal bf16 values in +-[0.5, 1) x 2^-4 (random denormals would measure microcode assists).
     let bw = bytes(br * bc * 2).chunks(2).flat_map(|c| [c[0], (c[1] & 0x80) | 0x3d]).collect::<Vec<u8>>();
-    let b = Bf16Mat::new(&bw, br, bc);
+    let b = Bf16Mat::from_vec(bw.clone(), br, bc);
     let bx: Vec<f32> = (0..bc * 4).map(|i| ((i % 13) as f32 - 6.0) / 6.0).collect();
     let mut bout = vec![0f32; br * 4];
     let bv = time(&mut || matvec_bf16(&b, &bx[..bc], &mut bout[..br]));
@@ -253,15 +253,15 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     // A prompt-sized product: routed_expert_down_proj [3584, 7168] on `rows` rows.
     let (dr, dc) = (3584usize, 7168usize);
     let dw = bw[..dr * dc * 2].to_vec();
-    let dm = Bf16Mat::new(&dw, dr, dc);
+    let dm = Bf16Mat::from_vec(dw.clone(), dr, dc);
     let dx: Vec<f32> = (0..dc * a.rows).map(|i| ((i % 11) as f32 - 5.0) / 5.0).collect();
     let mut dout = vec![0f32; dr * a.rows];
     let dmm = time(&mut || matmul_bf16(&dm, &dx, &mut dout));
     let mxx: Vec<f32> = (0..cols * a.rows).map(|i| ((i % 7) as f32 - 3.0) / 3.0).collect();
     let mut mxo = vec![0f32; rows * a.rows];
     let mxm = time(&mut || matmul_mxfp4(&w, &mxx, &mut mxo));
-    let kda_rec = crate::k3::kda::time_state_update(a.rows, a.heads, 128, false);
-    let kda_chunk = crate::k3::kda::time_state_update(a.rows, a.heads, 128, true);
+    let kda_rec = crate::cpu::kda::time_state_update(a.rows, a.heads, 128, false);
+    let kda_chunk = crate::cpu::kda::time_state_update(a.rows, a.heads, 128, true);
     let macs = (rows * cols) as f64;
     let record = crate::util::bench_record(
         "kernels",

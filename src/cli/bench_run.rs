@@ -10,12 +10,13 @@
 
 use super::engine::{EngineArgs, OnOff};
 use super::load;
-use crate::k3::{ForwardStats, Logits, argmax};
+use crate::engine::GenerateOptions;
 use crate::store::placement::{MANIFEST, Manifest};
 use crate::store::probe;
 use crate::store::reader::widen;
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
+use load::Opened;
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -67,9 +68,9 @@ fn drop_page_cache() -> bool {
 
 /// A fixed prompt of `n` tokens: the model's tokenizer on built-in text when it has one, else a
 /// fixed pseudo-random id sequence.
-fn prompt_tokens(opened: &load::Opened, n: usize) -> Result<Vec<u32>> {
+fn prompt_tokens(opened: &Opened, n: usize) -> Result<Vec<u32>> {
     if opened.dir.join("tiktoken.model").exists() {
-        let tok = opened.tokenizer()?;
+        let tok = crate::engine::load_tokenizer(&opened.dir)?;
         let mut ids = Vec::new();
         while ids.len() < n {
             ids.extend(tok.encode(crate::model::bpe_train::TRAINING_TEXT));
@@ -84,7 +85,7 @@ fn prompt_tokens(opened: &load::Opened, n: usize) -> Result<Vec<u32>> {
 /// The read ceiling of the drives the run will use, measured on expert holders: random whole-expert
 /// O_DIRECT reads at the store's total queue depth.
 fn measure_ceiling(
-    opened: &load::Opened,
+    opened: &Opened,
     manifest: Option<&Manifest>,
     drives: Option<&[usize]>,
     qd: usize,
@@ -139,7 +140,6 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         PrefetchRuns::On => vec![OnOff::On],
         PrefetchRuns::Both => vec![OnOff::Off, OnOff::On],
     };
-    let trunk = crate::k3::weights::Weights::load(&opened.cfg, &opened.ck)?.resident_bytes() as u64;
     let mut records: Vec<Value> = Vec::new();
     for subset in &subsets {
         let qd_total = manifest.as_ref().map_or(a.engine.qd, |m| {
@@ -160,7 +160,7 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
             let mut engine = a.engine.clone();
             engine.use_drives = subset.clone();
             engine.prefetch = pf;
-            let rec = one_run(&a, &opened, &engine, &prompt, trunk, ceiling, dropped)?;
+            let rec = one_run(&a, &opened, &engine, &prompt, ceiling, dropped)?;
             println!("{rec}");
             if let Some(p) = &a.out {
                 use std::io::Write;
@@ -185,40 +185,36 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
 
 fn one_run(
     a: &RunBenchArgs,
-    opened: &load::Opened,
-    engine: &EngineArgs,
+    opened: &Opened,
+    engine_args: &EngineArgs,
     prompt: &[u32],
-    trunk: u64,
     ceiling: Option<f64>,
     dropped: bool,
 ) -> Result<Value> {
     let dropped = drop_page_cache() || dropped;
-    let (source, plan) = engine.open(opened, trunk, prompt.len().min(engine.prefill_rows.max(1)), 0)?;
-    let mut model = opened.model(Some(source.as_dyn()))?;
-    model.prefetch = engine.prefetch == OnOff::On;
-    let mut st = model.new_state();
-    let mut stats = ForwardStats { prompt_tokens: prompt.len() as u64, ..Default::default() };
+    let engine =
+        load::open_engine(engine_args.config(a.model.clone(), crate::k3::KdaMode::Recurrent, prompt.len(), 0))?;
+    let plan = engine.plan.clone();
+    let mut session = engine.new_session();
     let t0 = Instant::now();
-    let logits = model.prefill(&mut st, prompt, engine.prefill_rows, &mut stats).context("prefill failed")?;
+    session.prefill(prompt).context("prefill failed")?;
     let ttft = t0.elapsed().as_secs_f64();
-    stats.ttft_s = ttft;
-    stats.prefill_s = ttft;
-    let pre = stats.clone();
-    let pre_src = source.as_dyn().report();
+    session.stats.ttft_s = ttft;
+    session.stats.prefill_s = ttft;
+    let pre = session.stats.clone();
+    let pre_src = engine.source_report();
     let prefill_read = pre_src.expert_bytes_read.unwrap_or(0);
     let unique = pre.expert_bytes_unique();
-    let mut next = argmax(&logits);
-    let mut out_ids = vec![next];
     let t1 = Instant::now();
-    for _ in 1..a.decode.max(1) {
-        let l = model.forward(&mut st, &[next], Logits::Last, &mut stats).context("decode failed")?;
-        next = argmax(&l);
-        out_ids.push(next);
-    }
+    let generation = session
+        .generate(&GenerateOptions { max_new: a.decode.max(1), stop: Vec::new() }, &mut |_| true)
+        .context("decode failed")?;
+    let out_ids = generation.tokens;
     let decode_s = t1.elapsed().as_secs_f64();
+    let mut stats = session.stats.clone();
     stats.decode_s = decode_s;
     stats.generated_tokens = out_ids.len() as u64;
-    stats.source = Some(source.as_dyn().report());
+    stats.source = Some(engine.source_report());
     let steps = out_ids.len().saturating_sub(1);
     let decode_read = stats.bytes_read().unwrap_or(0).saturating_sub(prefill_read);
     let compute = ttft - pre.read_wait_s;
@@ -234,15 +230,15 @@ fn one_run(
         );
     }
     let layers_moe = opened.cfg.moe_layers() as u64;
-    let chunks = prompt.len().div_ceil(engine.prefill_rows.max(1)) as u64;
+    let chunks = prompt.len().div_ceil(engine_args.prefill_rows.max(1)) as u64;
     Ok(crate::util::bench_record(
         "run",
         json!({
             "model": a.model.display().to_string(),
             "expert_bytes_total": opened.expert_bytes_total(),
             "moe_layers": layers_moe,
-            "drives_used": engine.use_drives,
-            "prefetch": engine.prefetch == OnOff::On,
+            "drives_used": engine_args.use_drives,
+            "prefetch": engine_args.prefetch == OnOff::On,
             "page_cache_dropped": dropped,
             "memory_budget": plan.budget,
             "expert_cache_bytes": plan.expert_cache,

@@ -45,6 +45,7 @@ enum Cmd {
 /// How KDA evaluates a prompt (hidden option for tests and comparisons).
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
 pub enum KdaArg {
+    /// The recurrence (the engine's choice).
     Auto,
     Chunked,
     Recurrent,
@@ -53,10 +54,36 @@ pub enum KdaArg {
 impl From<KdaArg> for crate::k3::KdaMode {
     fn from(k: KdaArg) -> Self {
         match k {
-            KdaArg::Auto => crate::k3::KdaMode::Auto,
+            KdaArg::Auto | KdaArg::Recurrent => crate::k3::KdaMode::Recurrent,
             KdaArg::Chunked => crate::k3::KdaMode::Chunked,
-            KdaArg::Recurrent => crate::k3::KdaMode::Recurrent,
         }
+    }
+}
+
+/// Diagnostics as "deltafin: warning: ..." lines on stderr.
+struct Prefixed;
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for Prefixed
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut w: tracing_subscriber::fmt::format::Writer<'_>,
+        ev: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        let level = match *ev.metadata().level() {
+            tracing::Level::ERROR => "error",
+            tracing::Level::WARN => "warning",
+            tracing::Level::INFO => "info",
+            tracing::Level::DEBUG => "debug",
+            tracing::Level::TRACE => "trace",
+        };
+        write!(w, "deltafin: {level}: ")?;
+        ctx.field_format().format_fields(w.by_ref(), ev)?;
+        writeln!(w)
     }
 }
 
@@ -69,8 +96,11 @@ pub fn main() -> ExitCode {
             return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
         }
     };
+    // Library diagnostics go through `tracing`; DELTAFIN_LOG (e.g. "debug", "deltafin::store=trace")
+    // picks what is shown, warnings by default.
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .event_format(Prefixed)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("DELTAFIN_LOG").unwrap_or_else(|_| "warn".into()))
         .init();
     if let Some(n) = cli.threads

@@ -2,15 +2,15 @@
 //! (held back only inside a UTF-8 character); diagnostics, the startup line and `--stats` go to
 //! stderr, so stdout can be piped.
 
-use super::load::{self, Opened};
+use super::load;
 use super::{KdaArg, TokenIds};
-use crate::k3::{ForwardStats, Logits, argmax};
+use crate::engine::GenerateOptions;
 use crate::model::chat::{ChatOptions, ChatTemplate, Thinking};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use anyhow::{Context, Result, bail};
 use clap::{ArgGroup, Args, ValueEnum};
 use std::io::{Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -89,7 +89,7 @@ fn read_text(arg: &str, from_file: bool) -> Result<String> {
 }
 
 /// Prompt ids from the arguments (and the tokenizer / chat template when text is given).
-fn prompt_ids(a: &RunArgs, opened: &Opened, tok: Option<&Tokenizer>) -> Result<Vec<u32>> {
+fn prompt_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>) -> Result<Vec<u32>> {
     if let Some(ids) = &a.prompt_ids {
         if a.chat {
             bail!("--chat needs a text prompt (--prompt or --prompt-file), not --prompt-ids");
@@ -103,7 +103,7 @@ fn prompt_ids(a: &RunArgs, opened: &Opened, tok: Option<&Tokenizer>) -> Result<V
     };
     let tok = tok.context("text prompts need a tokenizer")?;
     let ids = if a.chat {
-        let chat = ChatTemplate::load(&opened.dir, tok).context("cannot load the chat template")?;
+        let chat = ChatTemplate::load(dir, tok).context("cannot load the chat template")?;
         let mut messages = Vec::new();
         if let Some(s) = &a.system {
             messages.push(serde_json::json!({"role": "system", "content": s}));
@@ -126,27 +126,31 @@ pub fn run(a: RunArgs) -> Result<()> {
         (None, true) => load::demo_dir()?,
         (None, false) => bail!("give --model DIR or --demo"),
     };
-    let opened = load::open(&dir)?;
+    if !dir.is_dir() {
+        bail!("model directory {} does not exist", dir.display());
+    }
     let needs_tok = a.prompt_ids.is_none() || a.chat;
-    let tok = if needs_tok || dir.join("tiktoken.model").exists() { Some(opened.tokenizer()?) } else { None };
-    let prompt = prompt_ids(&a, &opened, tok.as_ref())?;
-
-    let trunk = crate::k3::weights::Weights::load(&opened.cfg, &opened.ck)?.resident_bytes() as u64;
-    let rows = prompt.len().min(a.engine.prefill_rows.max(1));
-    let (source, plan) = a.engine.open(&opened, trunk, rows, 0)?;
-    let mut model = opened.model(Some(source.as_dyn()))?;
-    model.kda_mode = a.kda.into();
-    model.prefetch = a.engine.prefetch == super::engine::OnOff::On;
-    if prompt.len() + a.max_new > plan.context_bound {
+    let tok = if needs_tok || dir.join("tiktoken.model").exists() {
+        Some(crate::engine::load_tokenizer(&dir)?)
+    } else {
+        None
+    };
+    let prompt = prompt_ids(&a, &dir, tok.as_ref())?;
+    let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), prompt.len(), 0))?;
+    if let Some(t) = &tok {
+        engine.check_tokenizer(t)?;
+    }
+    let bound = engine.plan.context_bound;
+    if prompt.len().checked_add(a.max_new).is_none_or(|n| n > bound) {
         bail!(
             "the prompt ({} tokens) plus --max-new {} exceeds the usable context of {} tokens",
             prompt.len(),
             a.max_new,
-            plan.context_bound
+            bound
         );
     }
     if !a.quiet {
-        eprintln!("{}", opened.startup_line(&source.describe(), &plan));
+        eprintln!("{}", engine.startup_line());
     }
     if a.demo {
         eprintln!(
@@ -158,45 +162,51 @@ pub fn run(a: RunArgs) -> Result<()> {
     let stops: Vec<u32> = if a.ignore_eos {
         Vec::new()
     } else {
-        tok.as_ref().and_then(|t| t.special_id("<|end_of_msg|>")).into_iter().chain(opened.cfg.eos_token).collect()
+        tok.as_ref().and_then(|t| t.special_id("<|end_of_msg|>")).into_iter().chain(engine.cfg.eos_token).collect()
     };
-    let mut st = model.new_state();
-    let mut stats = ForwardStats { prompt_tokens: prompt.len() as u64, ..Default::default() };
+    let mut session = engine.new_session();
     let mut out = std::io::stdout().lock();
     let mut decoder = StreamDecoder::default();
     let mut text = String::new();
     let t0 = Instant::now();
-    let logits = model.prefill(&mut st, &prompt, a.engine.prefill_rows, &mut stats).context("prefill failed")?;
-    stats.ttft_s = t0.elapsed().as_secs_f64();
-    stats.prefill_s = stats.ttft_s;
-    let mut next = argmax(&logits);
-    let mut ids = Vec::with_capacity(a.max_new);
-    let t_dec = Instant::now();
-    while ids.len() < a.max_new {
-        ids.push(next);
-        let stop = stops.contains(&next);
-        let piece = match &tok {
-            // Reserved (unnamed) specials carry no text.
-            Some(t) if !stop && !t.is_reserved(next) => decoder.push(t.token_bytes(next)?),
-            Some(_) => String::new(),
-            None => format!("{}{next}", if ids.len() > 1 { "," } else { "" }),
-        };
-        text.push_str(&piece);
-        if a.format == Format::Text && !piece.is_empty() {
-            out.write_all(piece.as_bytes())?;
-            out.flush()?;
-        }
-        if stop || ids.len() == a.max_new {
-            break;
-        }
-        let logits = model.forward(&mut st, &[next], Logits::Last, &mut stats).context("decode failed")?;
-        next = argmax(&logits);
+    session.prefill(&prompt).context("prefill failed")?;
+    session.stats.ttft_s = t0.elapsed().as_secs_f64();
+    let mut ids: Vec<u32> = Vec::with_capacity(a.max_new);
+    let mut write_error: Option<anyhow::Error> = None;
+    let opts = GenerateOptions { max_new: a.max_new, stop: stops.clone() };
+    session
+        .generate(&opts, &mut |next| {
+            ids.push(next);
+            let stop = stops.contains(&next);
+            let piece = match &tok {
+                // Reserved (unnamed) specials carry no text.
+                Some(t) if !stop && !t.is_reserved(next) => match t.token_bytes(next) {
+                    Ok(b) => decoder.push(b),
+                    Err(e) => {
+                        write_error = Some(e.into());
+                        return false;
+                    }
+                },
+                Some(_) => String::new(),
+                None => format!("{}{next}", if ids.len() > 1 { "," } else { "" }),
+            };
+            text.push_str(&piece);
+            if a.format == Format::Text && !piece.is_empty() {
+                if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                    write_error = Some(e.into());
+                    return false;
+                }
+            }
+            true
+        })
+        .context("decode failed")?;
+    if let Some(e) = write_error {
+        return Err(e);
     }
     let tail = decoder.finish();
     text.push_str(&tail);
-    stats.decode_s = t_dec.elapsed().as_secs_f64();
-    stats.generated_tokens = ids.len() as u64;
-    stats.source = Some(source.as_dyn().report());
+    let mut stats = session.stats.clone();
+    stats.source = Some(engine.source_report());
 
     match a.format {
         Format::Text => {

@@ -2,7 +2,6 @@
 
 use super::KdaArg;
 use super::load;
-use crate::k3::{ForwardStats, Logits};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -26,21 +25,14 @@ pub struct ScoreArgs {
 }
 
 pub fn run(a: ScoreArgs) -> Result<()> {
-    let opened = load::open(&a.model)?;
-    let trunk = crate::k3::weights::Weights::load(&opened.cfg, &opened.ck)?.resident_bytes() as u64;
-    let rows = a.prompt_ids.0.len().min(a.engine.prefill_rows.max(1));
-    let logits_bytes = (a.prompt_ids.0.len() * opened.cfg.vocab * 4) as u64;
-    let (source, _plan) = a.engine.open(&opened, trunk, rows, logits_bytes)?;
-    let mut model = opened.model(Some(source.as_dyn()))?;
-    model.kda_mode = a.kda.into();
-    model.prefetch = a.engine.prefetch == super::engine::OnOff::On;
-    let mut st = model.new_state();
-    let mut fs = ForwardStats::default();
-    let mut logits = Vec::new();
-    for chunk in a.prompt_ids.0.chunks(a.engine.prefill_rows.max(1)) {
-        logits.extend(model.forward(&mut st, chunk, Logits::All, &mut fs).context("forward pass failed")?);
-    }
-    let shape = vec![a.prompt_ids.0.len(), model.cfg.vocab];
+    let n = a.prompt_ids.0.len();
+    // Every position's logits are kept until written: they count in the memory budget.
+    let vocab = crate::model::K3Config::load(&a.model).map(|c| c.vocab).unwrap_or(0);
+    let logits_bytes = (n * vocab * 4) as u64;
+    let engine = load::open_engine(a.engine.config(a.model.clone(), a.kda.into(), n, logits_bytes))?;
+    let mut session = engine.new_session();
+    let logits = session.score(&a.prompt_ids.0).context("forward pass failed")?;
+    let shape = vec![n, engine.cfg.vocab];
     crate::util::write_f32_safetensors(&a.logits_out, "logits", &shape, &logits)
         .with_context(|| format!("cannot write {}", a.logits_out.display()))?;
     eprintln!("wrote logits [{} x {}] to {}", shape[0], shape[1], a.logits_out.display());

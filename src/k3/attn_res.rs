@@ -31,12 +31,17 @@ pub struct Residual {
 }
 
 impl Residual {
+    /// The completed row stream after a layer: the running prefix (what DSpark taps).
+    pub fn prefix(&self) -> Option<&[f32]> {
+        self.prefix.as_deref()
+    }
+
     pub fn new(embeddings: Vec<f32>, hidden: usize) -> Self {
         Residual { hidden, blocks: Vec::new(), prefix: Some(embeddings) }
     }
 
     /// Mixes blocks + prefix for every row. With no blocks yet, the input is the prefix itself.
-    pub fn mixed(&self, score_w: &[f32], eps: f32) -> Vec<f32> {
+    pub fn mixed(&self, be: &dyn crate::backend::Backend, score_w: &[f32], eps: f32) -> Vec<f32> {
         let prefix = self.prefix.as_ref().expect("mix needs a prefix");
         if self.blocks.is_empty() {
             return prefix.clone();
@@ -47,7 +52,7 @@ impl Residual {
         let mix_row = |(r, o): (usize, &mut [f32])| {
             let mut src: Vec<&[f32]> = self.blocks.iter().map(|b| &b[r * h..(r + 1) * h]).collect();
             src.push(&prefix[r * h..(r + 1) * h]);
-            mix(&src, score_w, eps, o);
+            be.attn_res_mix(&src, score_w, eps, o);
         };
         use rayon::prelude::*;
         if n > 1 {

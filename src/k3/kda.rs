@@ -5,33 +5,52 @@
 //! beta = sigmoid(x W_b^T); S = diag(exp(g)) S; S += k (x) beta (v - S^T k); o = S^T q;
 //! out = o_proj(RMSNorm_head(o) * sigmoid(g_proj(x))).
 //!
-//! Two equivalent evaluations of the state update: the token recurrence and a chunked form
-//! (WY-style: within a chunk of 64 the delta-rule corrections are solved as a triangular system).
-//! They agree to rounding; tests check both against each other and the fp64 reference. The engine
-//! uses the recurrence everywhere (see `KdaMode::Auto`); the chunked form is kept selectable.
+//! Contract: the layer is split into the projection (a pure function of the rows and the committed
+//! conv tail), the state update (a backend kernel) and the output. [`forward`] never writes the
+//! committed [`KdaState`]: it returns a [`KdaPending`] with the state after all rows and the rows'
+//! update inputs, and [`commit`] keeps the first j rows — all of them by a buffer swap, fewer by
+//! replaying them onto the committed state. Replaying j rows runs the very operations that feeding
+//! those j tokens one by one runs, so the bits are the same.
 
 use super::state::KdaState;
 use super::weights::KdaWeights;
-use crate::cpu::ops::{l2_norm_inplace, rms_norm_inplace, sigmoid, silu};
-use crate::cpu::{dot_f32, matmul_bf16};
+use crate::backend::Backend;
+use crate::backend::cpu::kda::HeadIn;
+use crate::cpu::ops::{l2_norm_inplace, sigmoid, silu};
 use crate::model::K3Config;
-use crate::model::config::{KDA_CHUNK, KDA_L2_EPS};
-use rayon::prelude::*;
+use crate::model::config::KDA_L2_EPS;
 
 /// How the KDA state update is evaluated for a batch of rows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum KdaMode {
-    /// The engine's choice: the token recurrence for prompts and decode alike. On CPU it is an order
-    /// of magnitude faster than the chunked form (`deltafin bench kernels`: 512 tokens x 96 heads,
-    /// 0.27 s vs 4.5 s) and makes prompt processing bit-identical to token-at-a-time decoding.
-    Auto,
+    /// The token recurrence, for prompts and decode alike: on CPU an order of magnitude faster
+    /// than the chunked form (`deltafin bench kernels`) and bit-identical to token-at-a-time decode.
+    #[default]
     Recurrent,
+    /// The chunked (WY) form, kept as a reference; agrees with the recurrence to rounding.
     Chunked,
 }
 
+/// A KDA layer's uncommitted result: the state after every row and what a replay needs.
+pub struct KdaPending {
+    s_after: Vec<f32>,
+    /// Pre-conv projections of q, k, v for each row: [n, P] each.
+    conv_in: [Vec<f32>; 3],
+    heads: Vec<HeadIn>,
+    rows: usize,
+}
+
+impl KdaPending {
+    /// The state buffer, for reuse by the next forward.
+    pub fn into_spare(self) -> Vec<f32> {
+        self.s_after
+    }
+}
+
 /// Causal depthwise conv (taps [P, width], last tap = current token) followed by SiLU, in place
-/// on `x` [n, P]; `tail` holds the previous width-1 input rows and is advanced.
-fn conv_silu(x: &mut [f32], tail: &mut [f32], taps: &[f32], p: usize, width: usize) {
+/// on `x` [n, P]; `tail` holds the previous width-1 input rows (not advanced here).
+fn conv_silu(x: &mut [f32], tail: &[f32], taps: &[f32], p: usize, width: usize) {
     let n = x.len() / p;
     let hist = width - 1;
     let mut ext = Vec::with_capacity((hist + n) * p);
@@ -48,195 +67,52 @@ fn conv_silu(x: &mut [f32], tail: &mut [f32], taps: &[f32], p: usize, width: usi
             *y = silu(acc);
         }
     }
-    tail.copy_from_slice(&ext[n * p..]);
 }
 
-/// Per-head inputs, each [n, d] for one head.
-struct HeadIn {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    g: Vec<f32>,
-    beta: Vec<f32>,
-}
-
-/// Token recurrence for one head; `s` is [dk][dv]; writes o [n, dv].
-fn recurrent_head(s: &mut [f32], dk: usize, dv: usize, x: &HeadIn, o: &mut [f32]) {
-    let n = x.beta.len();
-    let mut u = vec![0f32; dv];
-    for t in 0..n {
-        let (qt, kt, vt, gt) = (&x.q[t * dk..][..dk], &x.k[t * dk..][..dk], &x.v[t * dv..][..dv], &x.g[t * dk..][..dk]);
-        u.fill(0.0);
-        for i in 0..dk {
-            let e = gt[i].exp();
-            let row = &mut s[i * dv..(i + 1) * dv];
-            for (sj, uj) in row.iter_mut().zip(u.iter_mut()) {
-                *sj *= e;
-                *uj += kt[i] * *sj;
-            }
-        }
-        let b = x.beta[t];
-        for (uj, &vj) in u.iter_mut().zip(vt) {
-            *uj = b * (vj - *uj);
-        }
-        let ot = &mut o[t * dv..(t + 1) * dv];
-        ot.fill(0.0);
-        for i in 0..dk {
-            let row = &mut s[i * dv..(i + 1) * dv];
-            for ((sj, &dj), oj) in row.iter_mut().zip(&u).zip(ot.iter_mut()) {
-                *sj += kt[i] * dj;
-                *oj += qt[i] * *sj;
-            }
-        }
+/// The conv tail after `rows` ([j, P] pre-conv inputs): the last width-1 rows of [tail, rows].
+fn advance_tail(tail: &mut [f32], rows: &[f32], p: usize) {
+    let hist = tail.len() / p;
+    let n = rows.len() / p;
+    if n >= hist {
+        tail.copy_from_slice(&rows[(n - hist) * p..]);
+    } else if n > 0 {
+        tail.copy_within(n * p.., 0);
+        let keep = (hist - n) * p;
+        tail[keep..].copy_from_slice(rows);
     }
 }
 
-/// Chunked form for one head (chunks of `KDA_CHUNK` rows); same contract as `recurrent_head`.
-///
-/// Within a chunk with cumulative log-decay G_t and start state S0:
-///   u_t = beta_t (v_t - S0^T (e^{G_t} k_t)) - sum_{i<t} beta_t (k_t . e^{G_t-G_i} k_i) u_i
-///   o_t = S0^T (e^{G_t} q_t) + sum_{i<=t} (q_t . e^{G_t-G_i} k_i) u_i
-///   S   = e^{G_C} S0 + sum_t e^{G_C-G_t} k_t u_t^T
-fn chunked_head(s: &mut [f32], dk: usize, dv: usize, x: &HeadIn, o: &mut [f32]) {
-    let n = x.beta.len();
-    let mut t0 = 0;
-    while t0 < n {
-        let c = KDA_CHUNK.min(n - t0);
-        let k = &x.k[t0 * dk..(t0 + c) * dk];
-        let q = &x.q[t0 * dk..(t0 + c) * dk];
-        let v = &x.v[t0 * dv..(t0 + c) * dv];
-        let beta = &x.beta[t0..t0 + c];
-        // Cumulative log-decay per channel, in f64: differences G_t - G_i of sums that reach
-        // hundreds would otherwise lose the precision the recurrence keeps.
-        let mut gc = vec![0f64; c * dk];
-        for t in 0..c {
-            for i in 0..dk {
-                let prev = if t == 0 { 0.0 } else { gc[(t - 1) * dk + i] };
-                gc[t * dk + i] = prev + x.g[(t0 + t) * dk + i] as f64;
-            }
-        }
-        // Start-state terms: w_t = beta (v - S0^T kd_t), o_t = S0^T qd_t.
-        let mut u = vec![0f32; c * dv];
-        let ot = &mut o[t0 * dv..(t0 + c) * dv];
-        ot.fill(0.0);
-        for t in 0..c {
-            let ut = &mut u[t * dv..(t + 1) * dv];
-            let oc = &mut ot[t * dv..(t + 1) * dv];
-            for i in 0..dk {
-                let decay = (gc[t * dk + i] as f32).exp();
-                let kd = k[t * dk + i] * decay;
-                let qd = q[t * dk + i] * decay;
-                let row = &s[i * dv..(i + 1) * dv];
-                for j in 0..dv {
-                    ut[j] += kd * row[j];
-                    oc[j] += qd * row[j];
-                }
-            }
-            for j in 0..dv {
-                ut[j] = beta[t] * (v[t * dv + j] - ut[j]);
-            }
-        }
-        // Pairwise decayed products, then the triangular solve for u and the intra-chunk output.
-        let mut e = vec![0f32; dk];
-        let mut kq = vec![0f32; dk];
-        for t in 0..c {
-            let (done, rest) = u.split_at_mut(t * dv);
-            let ut = &mut rest[..dv];
-            let oc = &mut ot[t * dv..(t + 1) * dv];
-            for i in 0..=t {
-                for ch in 0..dk {
-                    e[ch] = ((gc[t * dk + ch] - gc[i * dk + ch]) as f32).exp();
-                    kq[ch] = k[i * dk + ch] * e[ch];
-                }
-                let qk = dot_f32(&q[t * dk..(t + 1) * dk], &kq);
-                if i < t {
-                    let a = beta[t] * dot_f32(&k[t * dk..(t + 1) * dk], &kq);
-                    let ui = &done[i * dv..(i + 1) * dv];
-                    for j in 0..dv {
-                        ut[j] -= a * ui[j];
-                    }
-                }
-                // u_t is final once every i < t has been subtracted; i == t comes last.
-                let ui: &[f32] = if i < t { &done[i * dv..(i + 1) * dv] } else { ut };
-                for j in 0..dv {
-                    oc[j] += qk * ui[j];
-                }
-            }
-        }
-        // State at the end of the chunk.
-        let last = &gc[(c - 1) * dk..c * dk];
-        for i in 0..dk {
-            let row = &mut s[i * dv..(i + 1) * dv];
-            let d0 = (last[i] as f32).exp();
-            for sj in row.iter_mut() {
-                *sj *= d0;
-            }
-            for t in 0..c {
-                let f = ((last[i] - gc[t * dk + i]) as f32).exp() * k[t * dk + i];
-                let ut = &u[t * dv..(t + 1) * dv];
-                for j in 0..dv {
-                    row[j] += f * ut[j];
-                }
-            }
-        }
-        t0 += c;
-    }
-}
-
-/// Seconds to run the state update of `heads` heads over `n` tokens (random inputs, head dim
-/// `dk`), with the recurrence or the chunked form; for `deltafin bench kernels`.
-pub fn time_state_update(n: usize, heads: usize, dk: usize, chunked: bool) -> f64 {
-    let mut seed = 0x2545_F491u64;
-    let mut rnd = |k: usize| -> Vec<f32> {
-        (0..k)
-            .map(|_| {
-                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((seed >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-            })
-            .collect()
-    };
-    let xs: Vec<HeadIn> = (0..heads)
-        .map(|_| {
-            let mut q = rnd(n * dk);
-            let mut k = rnd(n * dk);
-            for (qt, kt) in q.chunks_exact_mut(dk).zip(k.chunks_exact_mut(dk)) {
-                l2_norm_inplace(qt, KDA_L2_EPS);
-                l2_norm_inplace(kt, KDA_L2_EPS);
-            }
-            let g = rnd(n * dk).iter().map(|x| -2.5 * (x + 1.0)).collect();
-            HeadIn { q, k, v: rnd(n * dk), g, beta: rnd(n).iter().map(|x| sigmoid(*x)).collect() }
-        })
-        .collect();
-    let mut states = vec![0f32; heads * dk * dk];
-    let mut out = vec![0f32; heads * n * dk];
-    let t = std::time::Instant::now();
-    states
-        .par_chunks_mut(dk * dk)
-        .zip(out.par_chunks_mut(n * dk))
-        .zip(xs.par_iter())
-        .for_each(|((s, o), x)| if chunked { chunked_head(s, dk, dk, x, o) } else { recurrent_head(s, dk, dk, x, o) });
-    t.elapsed().as_secs_f64()
-}
-
-/// Runs one KDA layer on `n` rows of normalised input `xn` [n, hidden]; returns [n, hidden].
-pub fn forward(c: &K3Config, w: &KdaWeights, st: &mut KdaState, xn: &[f32], mode: KdaMode) -> Vec<f32> {
+/// Runs one KDA layer on `n` rows of normalised input `xn` [n, hidden] after the committed state
+/// `st`; returns [n, hidden] and the pending state. `spare` is a state-sized buffer to reuse.
+pub fn forward(
+    be: &dyn Backend,
+    c: &K3Config,
+    w: &KdaWeights,
+    st: &KdaState,
+    xn: &[f32],
+    mode: KdaMode,
+    spare: Option<Vec<f32>>,
+) -> (Vec<f32>, KdaPending) {
     let h = c.hidden;
     let n = xn.len() / h;
     let p = c.kda_dim();
     let (nh, dk) = (c.kda_heads, c.kda_head_dim);
     let dv = dk;
 
-    let mut proj: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0f32; n * p]);
+    let mut conv_in: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0f32; n * p]);
+    let mut proj: [Vec<f32>; 3] = std::array::from_fn(|_| Vec::new());
     for (i, (m, taps)) in
         [(&w.q_proj, &w.q_conv), (&w.k_proj, &w.k_conv), (&w.v_proj, &w.v_conv)].into_iter().enumerate()
     {
-        matmul_bf16(m, xn, &mut proj[i]);
-        conv_silu(&mut proj[i], &mut st.tail[i], taps, p, c.conv_width);
+        be.matmul_bf16(m, xn, &mut conv_in[i]);
+        let mut x = conv_in[i].clone();
+        conv_silu(&mut x, &st.tail[i], taps, p, c.conv_width);
+        proj[i] = x;
     }
     let mut fa = vec![0f32; n * dk];
-    matmul_bf16(&w.f_a, xn, &mut fa);
+    be.matmul_bf16(&w.f_a, xn, &mut fa);
     let mut g = vec![0f32; n * p];
-    matmul_bf16(&w.f_b, &fa, &mut g);
+    be.matmul_bf16(&w.f_b, &fa, &mut g);
     let lb = c.kda_gate_lower_bound;
     for row in g.chunks_exact_mut(p) {
         for (ch, gv) in row.iter_mut().enumerate() {
@@ -244,7 +120,7 @@ pub fn forward(c: &K3Config, w: &KdaWeights, st: &mut KdaState, xn: &[f32], mode
         }
     }
     let mut beta = vec![0f32; n * nh];
-    matmul_bf16(&w.b_proj, xn, &mut beta);
+    be.matmul_bf16(&w.b_proj, xn, &mut beta);
     beta.iter_mut().for_each(|b| *b = sigmoid(*b));
 
     // Gather per-head inputs; normalise q and k per head.
@@ -269,132 +145,86 @@ pub fn forward(c: &K3Config, w: &KdaWeights, st: &mut KdaState, xn: &[f32], mode
         })
         .collect();
 
-    let chunked = match mode {
-        KdaMode::Auto => false,
-        KdaMode::Recurrent => false,
-        KdaMode::Chunked => true,
-    };
+    let mut s_after = spare.filter(|s| s.len() == st.s.len()).unwrap_or_else(|| vec![0f32; st.s.len()]);
     let mut o_heads = vec![0f32; nh * n * dv];
-    st.s.par_chunks_mut(dk * dv)
-        .zip(o_heads.par_chunks_mut(n * dv))
-        .zip(heads.par_iter())
-        .for_each(|((s, o), x)| if chunked { chunked_head(s, dk, dv, x, o) } else { recurrent_head(s, dk, dv, x, o) });
+    be.kda_update(&st.s, &mut s_after, &heads, dk, dv, &mut o_heads, mode == KdaMode::Chunked);
 
     // Per-head RMSNorm, output gate, o_proj.
     let mut gate = vec![0f32; n * p];
-    matmul_bf16(&w.g_proj, xn, &mut gate);
+    be.matmul_bf16(&w.g_proj, xn, &mut gate);
     let mut o = vec![0f32; n * p];
     for t in 0..n {
         for hd in 0..nh {
             let dst = &mut o[t * p + hd * dv..t * p + (hd + 1) * dv];
             dst.copy_from_slice(&o_heads[hd * n * dv + t * dv..][..dv]);
-            rms_norm_inplace(dst, &w.o_norm, c.rms_eps);
+            be.rms_norm_rows(dst, &w.o_norm, c.rms_eps);
             for (x, &gv) in dst.iter_mut().zip(&gate[t * p + hd * dv..t * p + (hd + 1) * dv]) {
                 *x *= sigmoid(gv);
             }
         }
     }
     let mut out = vec![0f32; n * h];
-    matmul_bf16(&w.o_proj, &o, &mut out);
-    out
+    be.matmul_bf16(&w.o_proj, &o, &mut out);
+    // Only the update inputs a replay needs are kept (q is not).
+    let heads = heads.into_iter().map(|x| HeadIn { q: Vec::new(), ..x }).collect();
+    (out, KdaPending { s_after, conv_in, heads, rows: n })
+}
+
+/// Makes the first `j` rows of `pending` part of the committed state; returns the spare buffer.
+pub fn commit(be: &dyn Backend, c: &K3Config, st: &mut KdaState, pending: KdaPending, j: usize) -> Vec<f32> {
+    let p = c.kda_dim();
+    let j = j.min(pending.rows);
+    for (tail, rows) in st.tail.iter_mut().zip(&pending.conv_in) {
+        advance_tail(tail, &rows[..j * p], p);
+    }
+    let KdaPending { mut s_after, heads, rows, .. } = pending;
+    if j == rows {
+        std::mem::swap(&mut st.s, &mut s_after);
+    } else if j > 0 {
+        let dk = c.kda_head_dim;
+        let first: Vec<HeadIn> = heads
+            .iter()
+            .map(|x| HeadIn {
+                q: Vec::new(),
+                k: x.k[..j * dk].to_vec(),
+                v: x.v[..j * dk].to_vec(),
+                g: x.g[..j * dk].to_vec(),
+                beta: x.beta[..j].to_vec(),
+            })
+            .collect();
+        be.kda_replay(&mut st.s, &first, dk, dk);
+    }
+    s_after
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Deterministic pseudo-random values in [-1, 1).
-    fn rand_vec(seed: &mut u64, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((*seed >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-            })
-            .collect()
-    }
-
-    fn inputs(seed: &mut u64, n: usize, dk: usize, dv: usize, gate_floor: f32) -> HeadIn {
-        let mut q = rand_vec(seed, n * dk);
-        let mut k = rand_vec(seed, n * dk);
-        for (qt, kt) in q.chunks_exact_mut(dk).zip(k.chunks_exact_mut(dk)) {
-            l2_norm_inplace(qt, KDA_L2_EPS);
-            l2_norm_inplace(kt, KDA_L2_EPS);
-        }
-        // g in (gate_floor, 0): the shipped gate lies in (-5, 0).
-        let g = rand_vec(seed, n * dk).iter().map(|x| gate_floor * 0.5 * (x + 1.0)).collect();
-        let beta = rand_vec(seed, n).iter().map(|x| sigmoid(3.0 * x)).collect();
-        HeadIn { q, k, v: rand_vec(seed, n * dv), g, beta }
-    }
-
-    fn rel(a: &[f32], b: &[f32]) -> f64 {
-        let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
-        let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-        (num / den.max(1e-30)).sqrt()
-    }
-
-    #[test]
-    fn chunked_form_equals_recurrence() {
-        let mut seed = 42u64;
-        for &(n, dk, floor) in &[
-            (1usize, 16usize, -5.0f32),
-            (5, 8, -5.0),
-            (63, 16, -5.0),
-            (64, 16, -0.1),
-            (65, 24, -5.0),
-            (130, 16, -1.0),
-            (200, 32, -5.0),
-        ] {
-            let dv = dk;
-            let x = inputs(&mut seed, n, dk, dv, floor);
-            let s0 = rand_vec(&mut seed, dk * dv);
-            let (mut s_rec, mut s_chk) = (s0.clone(), s0.clone());
-            let (mut o_rec, mut o_chk) = (vec![0f32; n * dv], vec![0f32; n * dv]);
-            recurrent_head(&mut s_rec, dk, dv, &x, &mut o_rec);
-            chunked_head(&mut s_chk, dk, dv, &x, &mut o_chk);
-            for t in 0..n {
-                let e = rel(&o_chk[t * dv..(t + 1) * dv], &o_rec[t * dv..(t + 1) * dv]);
-                assert!(e < 1e-5, "n={n} dk={dk}: output of token {t} differs by {e:.2e}");
-            }
-            let e = rel(&s_chk, &s_rec);
-            assert!(e < 1e-5, "n={n} dk={dk}: final state differs by {e:.2e}");
-        }
-    }
-
-    #[test]
-    fn chunked_calls_compose() {
-        // Two chunked calls (state carried) equal one call over the concatenation, to rounding.
-        let mut seed = 7u64;
-        let (n, dk) = (150usize, 16usize);
-        let x = inputs(&mut seed, n, dk, dk, -5.0);
-        let split = |a: usize, b: usize| HeadIn {
-            q: x.q[a * dk..b * dk].to_vec(),
-            k: x.k[a * dk..b * dk].to_vec(),
-            v: x.v[a * dk..b * dk].to_vec(),
-            g: x.g[a * dk..b * dk].to_vec(),
-            beta: x.beta[a..b].to_vec(),
-        };
-        let mut s1 = vec![0f32; dk * dk];
-        let mut o1 = vec![0f32; n * dk];
-        chunked_head(&mut s1, dk, dk, &x, &mut o1);
-        let mut s2 = vec![0f32; dk * dk];
-        let mut o2 = vec![0f32; n * dk];
-        chunked_head(&mut s2, dk, dk, &split(0, 37), &mut o2[..37 * dk]);
-        chunked_head(&mut s2, dk, dk, &split(37, n), &mut o2[37 * dk..]);
-        assert!(rel(&o2, &o1) < 1e-5);
-        assert!(rel(&s2, &s1) < 1e-5);
-    }
-
     #[test]
     fn conv_uses_the_last_tap_for_the_current_token() {
         // One channel, taps [1, 10, 100, 1000]: y_t = x_{t-3} + 10 x_{t-2} + 100 x_{t-1} + 1000 x_t.
         let taps = [1.0f32, 10.0, 100.0, 1000.0];
-        let mut tail = vec![0f32; 3];
+        let tail = vec![0f32; 3];
         let mut x = vec![0.001f32, 0.0, 0.0, 0.0];
-        conv_silu(&mut x, &mut tail, &taps, 1, 4);
+        conv_silu(&mut x, &tail, &taps, 1, 4);
         let want: Vec<f32> = [1.0f32, 0.1, 0.01, 0.001].iter().map(|&v| silu(v)).collect();
         for (a, b) in x.iter().zip(&want) {
             assert!((a - b).abs() < 1e-6, "{x:?} vs {want:?}");
         }
         assert_eq!(tail, vec![0.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn tails_advance_by_any_number_of_rows() {
+        let mut tail = vec![1.0f32, 2.0, 3.0];
+        advance_tail(&mut tail, &[4.0], 1);
+        assert_eq!(tail, vec![2.0, 3.0, 4.0]);
+        advance_tail(&mut tail, &[5.0, 6.0], 1);
+        assert_eq!(tail, vec![4.0, 5.0, 6.0]);
+        advance_tail(&mut tail, &[7.0, 8.0, 9.0, 10.0], 1);
+        assert_eq!(tail, vec![8.0, 9.0, 10.0]);
+        advance_tail(&mut tail, &[], 1);
+        assert_eq!(tail, vec![8.0, 9.0, 10.0]);
     }
 }

@@ -2,10 +2,18 @@
 //! S [heads, dk, dv] and the causal-conv tail (the last width-1 projected rows of q, k, v); for each
 //! MLA layer the latent cache [RMSNorm(c), k_pe] per token. AttnRes block snapshots are per-token
 //! activations of one pass (a token mixes only its own snapshots), so they are not kept here.
+//!
+//! Contract: a forward leaves its results *pending* (KDA: the state after its rows in a second
+//! buffer; MLA: rows appended past the committed length). [`SeqState::commit`] keeps the first j
+//! rows, [`SeqState::rollback`] drops them all; until one of them runs, the committed state is
+//! exactly what it was before the forward.
 
+use super::kda::{self, KdaPending};
+use crate::backend::Backend;
 use crate::model::K3Config;
 use crate::model::config::AttnKind;
 
+#[derive(Clone)]
 pub struct KdaState {
     /// [heads][dk][dv], row i of a head = key channel i.
     pub s: Vec<f32>,
@@ -13,25 +21,61 @@ pub struct KdaState {
     pub tail: [Vec<f32>; 3],
 }
 
+#[derive(Clone)]
 pub struct MlaState {
     /// [tokens][kv_lora + rope]: the normalised latent then the shared key part.
     pub latent: Vec<f32>,
 }
 
+#[derive(Clone)]
 pub enum LayerState {
     Kda(KdaState),
     Mla(MlaState),
 }
 
+/// An uncommitted forward's result for one layer.
+pub enum LayerPending {
+    Kda(KdaPending),
+    /// Committed cache length (values) before the forward's rows were appended.
+    Mla {
+        committed: usize,
+    },
+}
+
 pub struct SeqState {
-    /// Tokens consumed so far.
+    /// Tokens committed so far.
     pub pos: usize,
     pub layers: Vec<LayerState>,
+    /// Pending results of the last forward (empty when none), per layer.
+    pub pending: Vec<Option<LayerPending>>,
+    pending_rows: usize,
+    /// Spare KDA state buffers, reused by the next forward.
+    spare: Vec<Option<Vec<f32>>>,
+}
+
+impl Clone for SeqState {
+    /// A copy of the committed state (pending rows are not copied).
+    fn clone(&self) -> Self {
+        let mut layers = self.layers.clone();
+        for (l, p) in layers.iter_mut().zip(&self.pending) {
+            if let (LayerState::Mla(m), Some(LayerPending::Mla { committed })) = (l, p) {
+                m.latent.truncate(*committed);
+            }
+        }
+        let n = layers.len();
+        SeqState {
+            pos: self.pos,
+            layers,
+            pending: (0..n).map(|_| None).collect(),
+            pending_rows: 0,
+            spare: vec![None; n],
+        }
+    }
 }
 
 impl SeqState {
     pub fn new(c: &K3Config) -> Self {
-        let layers = c
+        let layers: Vec<LayerState> = c
             .attn
             .iter()
             .map(|a| match a {
@@ -42,15 +86,66 @@ impl SeqState {
                 AttnKind::Mla => LayerState::Mla(MlaState { latent: Vec::new() }),
             })
             .collect();
-        SeqState { pos: 0, layers }
+        let n = layers.len();
+        SeqState { pos: 0, layers, pending: (0..n).map(|_| None).collect(), pending_rows: 0, spare: vec![None; n] }
     }
 
-    /// Bytes of fixed state (KDA) plus bytes per cached token (MLA latents).
+    /// Bytes of fixed state (KDA, twice: committed and pending) plus bytes per cached token (MLA).
     pub fn footprint(c: &K3Config) -> (usize, usize) {
         let kda = c.attn.iter().filter(|a| **a == AttnKind::Kda).count();
         let mla = c.layers - kda;
-        let fixed = kda * 4 * (c.kda_heads * c.kda_head_dim * c.kda_head_dim + 3 * (c.conv_width - 1) * c.kda_dim());
+        let s = c.kda_heads * c.kda_head_dim * c.kda_head_dim;
+        let fixed = kda * 4 * (2 * s + 3 * (c.conv_width - 1) * c.kda_dim());
         let per_token = mla * 4 * (c.kv_lora + c.qk_rope);
         (fixed, per_token)
+    }
+
+    /// Rows of the pending forward (0 when nothing is pending).
+    pub fn pending_rows(&self) -> usize {
+        self.pending_rows
+    }
+
+    /// Starts a forward of `rows` rows: drops anything still pending.
+    pub(crate) fn begin(&mut self, rows: usize) {
+        self.rollback();
+        self.pending_rows = rows;
+    }
+
+    pub(crate) fn take_spare(&mut self, l: usize) -> Option<Vec<f32>> {
+        self.spare[l].take()
+    }
+
+    pub(crate) fn set_pending(&mut self, l: usize, p: LayerPending) {
+        self.pending[l] = Some(p);
+    }
+
+    /// Keeps the first `j` pending rows (all of them when `j` >= the pending rows).
+    pub fn commit(&mut self, be: &dyn Backend, c: &K3Config, j: usize) {
+        let j = j.min(self.pending_rows);
+        for l in 0..self.layers.len() {
+            match (self.pending[l].take(), &mut self.layers[l]) {
+                (Some(LayerPending::Kda(p)), LayerState::Kda(s)) => {
+                    self.spare[l] = Some(kda::commit(be, c, s, p, j));
+                }
+                (Some(LayerPending::Mla { committed }), LayerState::Mla(m)) => {
+                    m.latent.truncate(committed + j * (c.kv_lora + c.qk_rope));
+                }
+                _ => {}
+            }
+        }
+        self.pos += j;
+        self.pending_rows = 0;
+    }
+
+    /// Drops every pending row: the state is as before the forward.
+    pub fn rollback(&mut self) {
+        for l in 0..self.layers.len() {
+            match (self.pending[l].take(), &mut self.layers[l]) {
+                (Some(LayerPending::Kda(p)), _) => self.spare[l] = Some(p.into_spare()),
+                (Some(LayerPending::Mla { committed }), LayerState::Mla(m)) => m.latent.truncate(committed),
+                _ => {}
+            }
+        }
+        self.pending_rows = 0;
     }
 }

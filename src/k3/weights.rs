@@ -1,4 +1,4 @@
-//! The resident trunk: borrowed bf16 matrices (zero-copy views into the mapped shards) and small
+//! The resident trunk: bf16 matrices (zero-copy views that keep the mapped shards alive) and small
 //! vectors converted to f32 once at load. Built only after the roster check has passed.
 
 use crate::cpu::Bf16Mat;
@@ -7,77 +7,77 @@ use crate::model::roster::{LM_HEAD, layer, top};
 use crate::model::{Checkpoint, K3Config, ModelError};
 use safetensors::tensor::Dtype;
 
-pub struct KdaWeights<'a> {
-    pub q_proj: Bf16Mat<'a>,
-    pub k_proj: Bf16Mat<'a>,
-    pub v_proj: Bf16Mat<'a>,
+pub struct KdaWeights {
+    pub q_proj: Bf16Mat,
+    pub k_proj: Bf16Mat,
+    pub v_proj: Bf16Mat,
     /// Depthwise conv taps, [P, width] row-major; the last tap multiplies the current token.
     pub q_conv: Vec<f32>,
     pub k_conv: Vec<f32>,
     pub v_conv: Vec<f32>,
-    pub f_a: Bf16Mat<'a>,
-    pub f_b: Bf16Mat<'a>,
-    pub b_proj: Bf16Mat<'a>,
-    pub g_proj: Bf16Mat<'a>,
+    pub f_a: Bf16Mat,
+    pub f_b: Bf16Mat,
+    pub b_proj: Bf16Mat,
+    pub g_proj: Bf16Mat,
     /// exp(A_log[h]) for each head (the first `heads` entries of the shipped tensor).
     pub a_exp: Vec<f32>,
     pub dt_bias: Vec<f32>,
     pub o_norm: Vec<f32>,
-    pub o_proj: Bf16Mat<'a>,
+    pub o_proj: Bf16Mat,
 }
 
-pub struct MlaWeights<'a> {
-    pub q_a: Bf16Mat<'a>,
+pub struct MlaWeights {
+    pub q_a: Bf16Mat,
     pub q_a_norm: Vec<f32>,
-    pub q_b: Bf16Mat<'a>,
-    pub kv_a: Bf16Mat<'a>,
+    pub q_b: Bf16Mat,
+    pub kv_a: Bf16Mat,
     pub kv_a_norm: Vec<f32>,
-    pub kv_b: Bf16Mat<'a>,
-    pub g_proj: Bf16Mat<'a>,
-    pub o_proj: Bf16Mat<'a>,
+    pub kv_b: Bf16Mat,
+    pub g_proj: Bf16Mat,
+    pub o_proj: Bf16Mat,
 }
 
-pub struct MlpWeights<'a> {
-    pub gate: Bf16Mat<'a>,
-    pub up: Bf16Mat<'a>,
-    pub down: Bf16Mat<'a>,
+pub struct MlpWeights {
+    pub gate: Bf16Mat,
+    pub up: Bf16Mat,
+    pub down: Bf16Mat,
 }
 
-pub struct MoeWeights<'a> {
-    pub router: Bf16Mat<'a>,
+pub struct MoeWeights {
+    pub router: Bf16Mat,
     pub bias: Vec<f32>,
-    pub down_proj: Bf16Mat<'a>,
+    pub down_proj: Bf16Mat,
     pub routed_norm: Option<Vec<f32>>,
-    pub up_proj: Bf16Mat<'a>,
-    pub shared: Option<MlpWeights<'a>>,
+    pub up_proj: Bf16Mat,
+    pub shared: Option<MlpWeights>,
 }
 
-pub enum Attn<'a> {
-    Kda(KdaWeights<'a>),
-    Mla(MlaWeights<'a>),
+pub enum Attn {
+    Kda(KdaWeights),
+    Mla(MlaWeights),
 }
 
-pub enum Ffn<'a> {
-    Dense(MlpWeights<'a>),
-    Moe(MoeWeights<'a>),
+pub enum Ffn {
+    Dense(MlpWeights),
+    Moe(MoeWeights),
 }
 
-pub struct LayerWeights<'a> {
+pub struct LayerWeights {
     pub input_norm: Vec<f32>,
     pub post_attn_norm: Vec<f32>,
     /// AttnRes score weights: norm weight * proj weight (computed once in f32).
     pub attn_res_score: Vec<f32>,
     pub mlp_res_score: Vec<f32>,
-    pub attn: Attn<'a>,
-    pub ffn: Ffn<'a>,
+    pub attn: Attn,
+    pub ffn: Ffn,
 }
 
-pub struct Weights<'a> {
-    pub embed: Bf16Mat<'a>,
-    pub lm_head: Bf16Mat<'a>,
+pub struct Weights {
+    pub embed: Bf16Mat,
+    pub lm_head: Bf16Mat,
     pub final_norm: Vec<f32>,
     pub output_res_score: Vec<f32>,
-    pub layers: Vec<LayerWeights<'a>>,
+    pub layers: Vec<LayerWeights>,
 }
 
 struct Loader<'a> {
@@ -92,7 +92,7 @@ impl<'a> Loader<'a> {
         })
     }
 
-    fn mat(&self, name: &str) -> Result<Bf16Mat<'a>, ModelError> {
+    fn mat(&self, name: &str) -> Result<Bf16Mat, ModelError> {
         let e = self.entry(name)?;
         let (rows, cols) = match e.shape.as_slice() {
             [r, c] => (*r, *c),
@@ -103,7 +103,7 @@ impl<'a> Loader<'a> {
                 });
             }
         };
-        Ok(Bf16Mat::new(self.ck.bytes(e), rows, cols))
+        Ok(Bf16Mat::new(self.ck.shared_bytes(e), rows, cols))
     }
 
     /// Any bf16/f32 tensor, flattened to f32.
@@ -126,7 +126,7 @@ impl<'a> Loader<'a> {
         Ok(n.iter().zip(&p).map(|(a, b)| a * b).collect())
     }
 
-    fn mlp(&self, prefix: &str) -> Result<MlpWeights<'a>, ModelError> {
+    fn mlp(&self, prefix: &str) -> Result<MlpWeights, ModelError> {
         Ok(MlpWeights {
             gate: self.mat(&format!("{prefix}gate_proj.weight"))?,
             up: self.mat(&format!("{prefix}up_proj.weight"))?,
@@ -135,9 +135,9 @@ impl<'a> Loader<'a> {
     }
 }
 
-impl<'a> Weights<'a> {
+impl Weights {
     /// Borrows the trunk from a checkpoint whose roster has been checked.
-    pub fn load(c: &K3Config, ck: &'a Checkpoint) -> Result<Self, ModelError> {
+    pub fn load(c: &K3Config, ck: &Checkpoint) -> Result<Self, ModelError> {
         let ld = Loader { ck };
         let mut layers = Vec::with_capacity(c.layers);
         for l in 0..c.layers {
@@ -212,7 +212,7 @@ impl<'a> Weights<'a> {
 
     /// Bytes of the resident trunk (everything but routed experts).
     pub fn resident_bytes(&self) -> usize {
-        let m = |m: &Bf16Mat| m.data.len();
+        let m = |m: &Bf16Mat| m.byte_len();
         let v = |v: &Vec<f32>| v.len() * 4;
         let mut total = m(&self.embed) + m(&self.lm_head) + v(&self.final_norm) + v(&self.output_res_score);
         for l in &self.layers {

@@ -8,6 +8,7 @@ use safetensors::tensor::{Dtype, Metadata};
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// One tensor's place in a shard.
 #[derive(Clone, Debug)]
@@ -22,7 +23,7 @@ pub struct TensorEntry {
 
 pub struct Shard {
     pub path: PathBuf,
-    pub mmap: Mmap,
+    pub mmap: Arc<Mmap>,
 }
 
 /// An opened checkpoint directory.
@@ -68,7 +69,6 @@ impl Checkpoint {
 
         let mut shards = Vec::with_capacity(shard_names.len());
         let mut tensors = HashMap::new();
-        let mut shard_of_name = HashMap::new();
         for (si, name) in shard_names.iter().enumerate() {
             let path = dir.join(name);
             let file = File::open(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
@@ -89,9 +89,8 @@ impl Checkpoint {
                         end: data_start + info.data_offsets.1 as u64,
                     },
                 );
-                shard_of_name.insert(tname, si);
             }
-            shards.push(Shard { path, mmap });
+            shards.push(Shard { path, mmap: Arc::new(mmap) });
         }
         // The index must agree with the shards' own headers.
         if let Some(wm) = weight_map {
@@ -126,6 +125,12 @@ impl Checkpoint {
     /// The tensor's bytes (mapped, not copied).
     pub fn bytes(&self, e: &TensorEntry) -> &[u8] {
         &self.shards[e.shard].mmap[e.start as usize..e.end as usize]
+    }
+
+    /// The tensor's bytes as a shared handle that keeps the mapping alive.
+    pub fn shared_bytes(&self, e: &TensorEntry) -> crate::cpu::SharedBytes {
+        let map: Arc<dyn AsRef<[u8]> + Send + Sync> = self.shards[e.shard].mmap.clone();
+        crate::cpu::SharedBytes::new(map, e.start as usize, (e.end - e.start) as usize)
     }
 
     /// Bytes of an absolute range in a shard.

@@ -137,6 +137,19 @@ impl Lru {
         self.len -= 1;
     }
 
+    /// Indices from least to most recently used.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        let mut cur = self.head;
+        std::iter::from_fn(move || {
+            if cur == NIL {
+                return None;
+            }
+            let i = cur as usize;
+            cur = self.next[i];
+            Some(i)
+        })
+    }
+
     /// The least recently used index, without removing it.
     pub fn front(&self) -> Option<usize> {
         (self.head != NIL).then_some(self.head as usize)

@@ -2,7 +2,9 @@
 //!
 //! Contract: [`ExpertSource::fetch`] delivers, for one layer, the raw shipped MXFP4 bytes of each
 //! requested expert exactly once, in any order (arrival order), laid out as [`ExpertLayout`]
-//! describes. Callers must not depend on the delivery order for their results.
+//! describes, to an [`ExpertSink`] that may stop the fetch or fail it, and that releases each
+//! expert's memory when it drops the [`Landed`] bytes. Callers must not depend on the delivery
+//! order for their results. Counters are reported, not part of the delivery.
 //!
 //! Implementations: [`expert_store::ExpertStore`] (holders on drives, O_DIRECT readers, balancer,
 //! cache, failover — the engine's path) and [`ShardExperts`] (slices of the memory-mapped shards —
@@ -24,6 +26,7 @@ pub use counters::SourceReport;
 
 use crate::model::Checkpoint;
 use crate::model::roster::{ExpertLayout, Roster};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +37,59 @@ pub enum StoreError {
     NoHolderLeft(String),
     #[error("expert store setup: {0}")]
     Setup(String),
+    /// The consumer of the bytes failed (e.g. a device copy); the fetch stopped.
+    #[error("expert {expert} of layer {layer}: {msg}")]
+    Sink { layer: usize, expert: u32, msg: String },
+}
+
+/// An expert's bytes handed to a sink. The memory they live in (a cache slot) stays reserved until
+/// this is dropped, so a consumer may keep it while it copies the bytes elsewhere asynchronously.
+pub struct Landed<'s> {
+    bytes: &'s [u8],
+    release: Option<Box<dyn FnOnce() + Send + 's>>,
+}
+
+impl<'s> Landed<'s> {
+    /// Bytes that need no release (e.g. slices of mapped shards).
+    pub fn borrowed(bytes: &'s [u8]) -> Self {
+        Landed { bytes, release: None }
+    }
+
+    /// Bytes whose holder is released by `release` when they are dropped.
+    pub fn with_release(bytes: &'s [u8], release: Box<dyn FnOnce() + Send + 's>) -> Self {
+        Landed { bytes, release: Some(release) }
+    }
+
+    pub fn bytes(&self) -> &'s [u8] {
+        self.bytes
+    }
+}
+
+impl Drop for Landed<'_> {
+    fn drop(&mut self) {
+        if let Some(r) = self.release.take() {
+            r();
+        }
+    }
+}
+
+/// What a sink wants after an expert landed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    /// Deliver nothing more (reads already in flight complete and are released).
+    Stop,
+}
+
+/// The consumer of a fetch: receives each expert once, in arrival order.
+pub trait ExpertSink<'s> {
+    fn land(&mut self, expert: u32, bytes: Landed<'s>) -> Result<Flow, StoreError>;
+}
+
+impl<'s, F: FnMut(u32, Landed<'s>) -> Result<Flow, StoreError>> ExpertSink<'s> for F {
+    fn land(&mut self, expert: u32, bytes: Landed<'s>) -> Result<Flow, StoreError> {
+        self(expert, bytes)
+    }
 }
 
 /// A source of raw expert bytes.
@@ -41,11 +97,9 @@ pub trait ExpertSource: Send + Sync {
     /// The byte layout shared by every expert.
     fn layout(&self) -> &ExpertLayout;
 
-    /// Calls `land(expert, bytes)` once for each of `experts` (distinct ids) of `layer`.
-    fn fetch(&self, layer: usize, experts: &[u32], land: &mut dyn FnMut(u32, &[u8])) -> Result<(), StoreError>;
-
-    /// Bytes handed to the forward pass so far.
-    fn bytes_requested(&self) -> u64;
+    /// Hands each of `experts` (distinct ids) of `layer` to `sink` once, in arrival order, until
+    /// the sink stops or fails. A failed fetch delivers no bytes of a failed read.
+    fn fetch<'s>(&'s self, layer: usize, experts: &[u32], sink: &mut dyn ExpertSink<'s>) -> Result<(), StoreError>;
 
     /// Starts reading experts a later layer will probably need (only into idle capacity).
     fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
@@ -53,23 +107,26 @@ pub trait ExpertSource: Send + Sync {
     /// Drops queued prefetches of `layer` that are not in `keep`.
     fn cancel_prefetch(&self, _layer: usize, _keep: &[u32]) {}
 
-    /// Counters for `--stats`.
+    /// Counters for `--stats` (what this source can measure; unknown ones are None).
     fn report(&self) -> SourceReport {
-        SourceReport { expert_bytes_requested: self.bytes_requested(), ..Default::default() }
+        SourceReport::default()
     }
+
+    /// One line for the startup summary.
+    fn describe(&self) -> String;
 }
 
 /// Experts sliced straight out of the mapped shards (the page cache does the reading).
-pub struct ShardExperts<'a> {
-    ck: &'a Checkpoint,
+pub struct ShardExperts {
+    ck: Arc<Checkpoint>,
     layout: ExpertLayout,
     experts: Vec<Option<Vec<crate::model::roster::ExpertLoc>>>,
     requested: AtomicU64,
 }
 
-impl<'a> ShardExperts<'a> {
+impl ShardExperts {
     /// Returns None when the model has no routed experts.
-    pub fn new(ck: &'a Checkpoint, roster: &Roster) -> Option<Self> {
+    pub fn new(ck: Arc<Checkpoint>, roster: &Roster) -> Option<Self> {
         Some(ShardExperts {
             ck,
             layout: roster.expert_layout.clone()?,
@@ -79,23 +136,29 @@ impl<'a> ShardExperts<'a> {
     }
 }
 
-impl ExpertSource for ShardExperts<'_> {
+impl ExpertSource for ShardExperts {
     fn layout(&self) -> &ExpertLayout {
         &self.layout
     }
 
-    fn fetch(&self, layer: usize, experts: &[u32], land: &mut dyn FnMut(u32, &[u8])) -> Result<(), StoreError> {
+    fn fetch<'s>(&'s self, layer: usize, experts: &[u32], sink: &mut dyn ExpertSink<'s>) -> Result<(), StoreError> {
         let locs = self.experts.get(layer).and_then(|l| l.as_ref());
         for &e in experts {
             let loc = locs.and_then(|l| l.get(e as usize)).ok_or(StoreError::NoHolder { layer, expert: e })?;
             let bytes = self.ck.range(loc.shard, loc.start, loc.start + self.layout.len as u64);
             self.requested.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-            land(e, bytes);
+            if sink.land(e, Landed::borrowed(bytes))? == Flow::Stop {
+                break;
+            }
         }
         Ok(())
     }
 
-    fn bytes_requested(&self) -> u64 {
-        self.requested.load(Ordering::Relaxed)
+    fn report(&self) -> SourceReport {
+        SourceReport { expert_bytes_requested: self.requested.load(Ordering::Relaxed), ..Default::default() }
+    }
+
+    fn describe(&self) -> String {
+        "experts via mmap".into()
     }
 }

@@ -105,49 +105,78 @@ pub fn ids_arg(ids: &[u32]) -> String {
     ids.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
 }
 
-use deltafin::k3::{ForwardStats, K3, Logits};
+use deltafin::engine::{Engine, EngineConfig, ExpertsFrom, GenerateOptions};
+use deltafin::k3::KdaMode;
 use deltafin::model::{Checkpoint, K3Config, Roster};
-use deltafin::store::{ExpertSource, ShardExperts};
+use deltafin::store::{ExpertSource, Flow, Landed, ShardExperts};
+use std::sync::Arc;
 
 /// A model directory opened through the library (config, mapped checkpoint, checked roster).
 pub struct Model {
     pub dir: PathBuf,
     pub cfg: K3Config,
-    pub ck: Checkpoint,
+    pub ck: Arc<Checkpoint>,
     pub roster: Roster,
 }
 
 pub fn open_model(dir: &Path) -> Model {
     let cfg = K3Config::load(dir).unwrap();
-    let ck = Checkpoint::open(dir).unwrap();
+    let ck = Arc::new(Checkpoint::open(dir).unwrap());
     let roster = Roster::build(&cfg, &ck).unwrap();
     Model { dir: dir.to_path_buf(), cfg, ck, roster }
 }
 
-/// Opens a model directory and runs `f` with the model (experts read from the mapped shards).
-pub fn with_model<R>(dir: &Path, f: impl FnOnce(&mut K3) -> R) -> R {
-    let m = open_model(dir);
-    let src = ShardExperts::new(&m.ck, &m.roster).unwrap();
-    let mut k3 = K3::new(m.cfg.clone(), &m.ck, &m.roster, Some(&src as &dyn ExpertSource)).unwrap();
-    f(&mut k3)
+impl Model {
+    /// Experts sliced from the mapped shards (the in-memory reference source).
+    pub fn mmap_source(&self) -> ShardExperts {
+        ShardExperts::new(Arc::clone(&self.ck), &self.roster).unwrap()
+    }
 }
 
-/// Logits at every position of `tokens` in one forward call.
-pub fn score(m: &K3, tokens: &[u32]) -> Vec<f32> {
-    let mut st = m.new_state();
-    m.forward(&mut st, tokens, Logits::All, &mut ForwardStats::default()).unwrap()
+/// Engine options for tests: experts from the mapped shards, a fixed 4 GB budget.
+pub fn test_config(dir: &Path, kda: KdaMode) -> EngineConfig {
+    EngineConfig {
+        model: dir.to_path_buf(),
+        experts_from: ExpertsFrom::Mmap,
+        memory_gb: Some(4.0),
+        kda,
+        ..Default::default()
+    }
+}
+
+/// An engine over the mapped shards.
+pub fn engine(dir: &Path) -> Arc<Engine> {
+    Engine::open(test_config(dir, KdaMode::Recurrent)).unwrap()
+}
+
+/// An engine that reads experts from `src`.
+pub fn engine_with(dir: &Path, src: Arc<dyn ExpertSource>) -> Arc<Engine> {
+    Engine::open_with_source(test_config(dir, KdaMode::Recurrent), src).unwrap()
+}
+
+/// Logits at every position of `tokens`, from a fresh session.
+pub fn score(e: &Arc<Engine>, tokens: &[u32]) -> Vec<f32> {
+    e.new_session().score(tokens).unwrap()
 }
 
 /// Greedy generation: prefill `prompt`, then decode one token at a time.
-pub fn greedy(m: &K3, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut st = m.new_state();
-    let mut fs = ForwardStats::default();
-    let mut logits = m.forward(&mut st, prompt, Logits::Last, &mut fs).unwrap();
+pub fn greedy(e: &Arc<Engine>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut s = e.new_session();
+    s.prefill(prompt).unwrap();
+    s.generate(&GenerateOptions { max_new: n, stop: Vec::new() }, &mut |_| true).unwrap().tokens
+}
+
+/// Every expert of `ids` in `layer` as owned bytes (in arrival order).
+pub fn fetch_all(src: &dyn ExpertSource, layer: usize, ids: &[u32]) -> Vec<(u32, Vec<u8>)> {
     let mut out = Vec::new();
-    for _ in 0..n {
-        let t = deltafin::k3::argmax(&logits);
-        out.push(t);
-        logits = m.forward(&mut st, &[t], Logits::Last, &mut fs).unwrap();
-    }
+    src.fetch(layer, ids, &mut |e: u32, b: Landed<'_>| {
+        out.push((e, b.bytes().to_vec()));
+        Ok(Flow::Continue)
+    })
+    .unwrap();
     out
+}
+
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }

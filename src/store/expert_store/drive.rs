@@ -105,7 +105,7 @@ fn give_up_drive(sh: &Shared, d: usize, msg: &str) {
         let mut slot = req.slot;
         if req.submitted.is_some() {
             st.slots[slot] = Slot::Poisoned;
-            match st.free.pop().or_else(|| evict_lru(st)) {
+            match alloc_slot(st) {
                 Some(s) => slot = s,
                 None => {
                     if req.prefetch {

@@ -1,6 +1,7 @@
-//! `fetch`: the forward pass's view of the store. Classifies each requested expert (cached,
-//! being read, or a miss), starts reads as slots allow, lands experts in arrival order outside the
-//! lock, and releases them to the cache.
+//! `fetch`: the forward pass's view of the store. Pins every cached expert of the request first
+//! (so the request's own misses can never evict its hits), joins reads in flight, then starts reads
+//! for the misses as slots allow; lands experts in arrival order outside the lock, and releases each
+//! slot to the cache when the sink drops its bytes.
 
 use super::*;
 
@@ -20,7 +21,7 @@ impl ExpertSource for ExpertStore {
         &self.shared.spec.layout
     }
 
-    fn fetch(&self, layer: usize, experts: &[u32], land: &mut dyn FnMut(u32, &[u8])) -> Result<(), StoreError> {
+    fn fetch<'s>(&'s self, layer: usize, experts: &[u32], sink: &mut dyn ExpertSink<'s>) -> Result<(), StoreError> {
         let sh = &*self.shared;
         let len = sh.spec.layout.len;
         let l = layer as u32;
@@ -35,6 +36,7 @@ impl ExpertSource for ExpertStore {
         let mut started: Vec<u32> = Vec::new();
         let mut last_land: Option<(Instant, u16)> = None;
         let mut error: Option<StoreError> = None;
+        let mut stopped = false;
         let mut first_pass = true;
         while remaining > 0 {
             let mut ready: Vec<(u32, usize, usize)> = Vec::new();
@@ -42,97 +44,103 @@ impl ExpertSource for ExpertStore {
                 let mut st = lock(sh);
                 loop {
                     let st_ref = &mut *st;
-                    for (e, w) in wants.iter_mut() {
-                        let key = (l, *e);
-                        // Resolve Deferred entries against what other fetches and prefetches did.
-                        if let Want::Deferred = w {
-                            if error.is_some() {
-                                *w = Want::Done;
-                                remaining -= 1;
-                                continue;
-                            }
-                            match st_ref.keys.get(&key) {
-                                Some(KeyState::Ready { slot }) => {
-                                    let slot = *slot;
-                                    pin_ready(st_ref, slot);
-                                    if first_pass {
-                                        st_ref.hits += 1;
-                                    }
-                                    *w = Want::Ready(slot);
+                    // Hits are pinned (and reads in flight joined) before any miss may allocate.
+                    for phase in [0, 1] {
+                        for (e, w) in wants.iter_mut() {
+                            let key = (l, *e);
+                            // Resolve Deferred entries against what other fetches and prefetches did.
+                            if let Want::Deferred = w {
+                                if phase == 0 && !st_ref.keys.contains_key(&key) {
+                                    continue;
                                 }
-                                Some(KeyState::Loading { req }) => {
-                                    let r = *req;
-                                    join_read(st_ref, r);
-                                    if first_pass {
-                                        st_ref.joins += 1;
-                                    }
-                                    *w = Want::Waiting;
-                                }
-                                Some(KeyState::Failed { msg, .. }) => {
-                                    error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
+                                if error.is_some() || stopped {
                                     *w = Want::Done;
                                     remaining -= 1;
                                     continue;
                                 }
-                                None => {
-                                    if first_pass {
-                                        st_ref.misses += 1;
+                                match st_ref.keys.get(&key) {
+                                    Some(KeyState::Ready { slot }) => {
+                                        let slot = *slot;
+                                        pin_ready(st_ref, slot);
+                                        if first_pass {
+                                            st_ref.hits += 1;
+                                        }
+                                        *w = Want::Ready(slot);
                                     }
-                                    if let Some(slot) = alloc_slot(st_ref) {
-                                        if start_read(sh, st_ref, key, slot, false, &[]) {
-                                            if let Some(KeyState::Loading { req }) = st_ref.keys.get(&key) {
-                                                let r = *req;
-                                                if let Some(q) = st_ref.reqs[r].as_mut() {
-                                                    q.waiters += 1;
+                                    Some(KeyState::Loading { req }) => {
+                                        let r = *req;
+                                        join_read(st_ref, r);
+                                        if first_pass {
+                                            st_ref.joins += 1;
+                                        }
+                                        *w = Want::Waiting;
+                                    }
+                                    Some(KeyState::Failed { msg, .. }) => {
+                                        error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
+                                        *w = Want::Done;
+                                        remaining -= 1;
+                                        continue;
+                                    }
+                                    None => {
+                                        if first_pass {
+                                            st_ref.misses += 1;
+                                        }
+                                        if let Some(slot) = alloc_slot(st_ref) {
+                                            if start_read(sh, st_ref, key, slot, false, &[]) {
+                                                if let Some(KeyState::Loading { req }) = st_ref.keys.get(&key) {
+                                                    let r = *req;
+                                                    if let Some(q) = st_ref.reqs[r].as_mut() {
+                                                        q.waiters += 1;
+                                                    }
                                                 }
+                                                started.push(*e);
+                                                *w = Want::Waiting;
+                                            } else {
+                                                st_ref.free.push(slot);
+                                                error = Some(no_holder(sh, st_ref, layer, *e));
+                                                *w = Want::Done;
+                                                remaining -= 1;
+                                                continue;
                                             }
-                                            started.push(*e);
-                                            *w = Want::Waiting;
-                                        } else {
-                                            st_ref.free.push(slot);
-                                            error = Some(no_holder(sh, st_ref, layer, *e));
-                                            *w = Want::Done;
-                                            remaining -= 1;
-                                            continue;
                                         }
                                     }
                                 }
                             }
-                        }
-                        match w {
-                            Want::Ready(slot) => {
-                                if let Slot::Ready { start, .. } = st_ref.slots[*slot] {
-                                    ready.push((*e, *slot, start as usize));
+                            match w {
+                                Want::Ready(slot) => {
+                                    if let Slot::Ready { start, .. } = st_ref.slots[*slot] {
+                                        ready.push((*e, *slot, start as usize));
+                                    }
+                                    *w = Want::Done;
+                                    remaining -= 1;
                                 }
-                                *w = Want::Done;
-                                remaining -= 1;
-                            }
-                            Want::Waiting => match st_ref.keys.get_mut(&key) {
-                                Some(KeyState::Ready { slot }) => {
-                                    let slot = *slot;
-                                    if let Slot::Ready { start, drive, at, .. } = st_ref.slots[slot] {
-                                        if started.contains(e) && last_land.is_none_or(|(t, _)| at > t) {
-                                            last_land = Some((at, drive));
+                                Want::Waiting => match st_ref.keys.get_mut(&key) {
+                                    Some(KeyState::Ready { slot }) => {
+                                        let slot = *slot;
+                                        if let Slot::Ready { start, drive, at, .. } = st_ref.slots[slot] {
+                                            if started.contains(e) && last_land.is_none_or(|(t, _)| at > t) {
+                                                last_land = Some((at, drive));
+                                            }
+                                            ready.push((*e, slot, start as usize));
                                         }
-                                        ready.push((*e, slot, start as usize));
+                                        *w = Want::Done;
+                                        remaining -= 1;
                                     }
-                                    *w = Want::Done;
-                                    remaining -= 1;
-                                }
-                                Some(KeyState::Failed { msg, waiters }) => {
-                                    error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
-                                    *waiters = waiters.saturating_sub(1);
-                                    if *waiters == 0 {
-                                        st_ref.keys.remove(&key);
+                                    Some(KeyState::Failed { msg, waiters }) => {
+                                        error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
+                                        *waiters = waiters.saturating_sub(1);
+                                        if *waiters == 0 {
+                                            st_ref.keys.remove(&key);
+                                        }
+                                        *w = Want::Done;
+                                        remaining -= 1;
                                     }
-                                    *w = Want::Done;
-                                    remaining -= 1;
-                                }
-                                Some(KeyState::Loading { .. }) => {}
-                                // The read we joined vanished (cancelled): start over.
-                                None => *w = Want::Deferred,
-                            },
-                            Want::Deferred | Want::Done => {}
+                                    Some(KeyState::Loading { .. }) => {}
+                                    // The read we joined vanished (cancelled): start over.
+                                    None => *w = Want::Deferred,
+                                },
+                                Want::Deferred | Want::Done => {}
+                            }
                         }
                     }
                     first_pass = false;
@@ -142,16 +150,25 @@ impl ExpertSource for ExpertStore {
                     st = sh.done_cv.wait(st).unwrap_or_else(|p| p.into_inner());
                 }
             }
-            // Land outside the lock; the slots stay pinned until unpinned below.
+            // Land outside the lock; each slot stays pinned until the sink drops its bytes.
             for &(e, slot, start) in &ready {
-                if error.is_none() {
-                    // SAFETY: the slot is pinned Ready; no reader writes it until it is unpinned.
-                    let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
-                    land(e, bytes);
+                let release = move || {
+                    let mut st = lock(sh);
+                    unpin(sh, &mut st, (l, e), slot);
+                };
+                if error.is_some() || stopped {
+                    release();
+                    continue;
                 }
-                let mut st = lock(sh);
-                st.requested += len as u64;
-                unpin(sh, &mut st, (l, e), slot);
+                // SAFETY: the slot is pinned Ready; no reader writes it until it is unpinned,
+                // which happens only when `Landed` is dropped.
+                let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
+                lock(sh).requested += len as u64;
+                match sink.land(e, Landed::with_release(bytes, Box::new(release))) {
+                    Ok(Flow::Continue) => {}
+                    Ok(Flow::Stop) => stopped = true,
+                    Err(err) => error = Some(err),
+                }
             }
         }
         if let Some((_, drive)) = last_land {
@@ -161,10 +178,6 @@ impl ExpertSource for ExpertStore {
             Some(e) => Err(e),
             None => Ok(()),
         }
-    }
-
-    fn bytes_requested(&self) -> u64 {
-        lock(&self.shared).requested
     }
 
     fn report(&self) -> SourceReport {
@@ -177,6 +190,16 @@ impl ExpertSource for ExpertStore {
 
     fn cancel_prefetch(&self, layer: usize, keep: &[u32]) {
         ExpertStore::cancel_prefetch(self, layer, keep)
+    }
+
+    fn describe(&self) -> String {
+        let r = self.report();
+        let drives: Vec<String> = r
+            .drives
+            .iter()
+            .map(|d| format!("{} ({}{})", d.root, d.reader, if d.direct_io { ", O_DIRECT" } else { "" }))
+            .collect();
+        format!("experts via store: {} drive(s) [{}], {} slots", r.drives.len(), drives.join(", "), self.slots())
     }
 }
 

@@ -15,7 +15,7 @@
 use super::cache::{Lru, Slab};
 use super::counters::{DriveCounters, DriveReport, SourceReport};
 use super::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader, widen};
-use super::{ExpertSource, StoreError};
+use super::{ExpertSink, ExpertSource, Flow, Landed, StoreError};
 use crate::model::roster::ExpertLayout;
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
@@ -302,8 +302,8 @@ impl ExpertStore {
     }
 
     /// Starts reading experts a later layer will probably need, into idle drive capacity only.
-    /// Skips experts already cached or in flight; takes free slots, or evicts cached experts only
-    /// when a holder is available; at most `prefetch_cap` prefetches are outstanding.
+    /// Skips experts already cached or in flight; takes free slots only (a guess never evicts a
+    /// cached expert); at most `prefetch_cap` prefetches are outstanding.
     pub fn prefetch(&self, layer: usize, experts: &[u32]) {
         if self.shared.prefetch_depth == 0 {
             return;
@@ -319,7 +319,7 @@ impl ExpertStore {
             if st.keys.contains_key(&key) || choose_holder(sh, st, key, &[]).is_none() {
                 continue;
             }
-            let Some(slot) = alloc_slot(st) else { break };
+            let Some(slot) = st.free.pop() else { break };
             if start_read(sh, st, key, slot, true, &[]) {
                 st.prefetch_issued += 1;
                 st.prefetch_outstanding += 1;
@@ -424,21 +424,49 @@ impl Drop for ExpertStore {
     }
 }
 
-/// Frees the least recently used unpinned Ready slot.
-fn evict_lru(st: &mut State) -> Option<usize> {
-    let slot = st.lru.pop_front()?;
+/// Frees an unpinned Ready slot.
+fn evict_slot(st: &mut State, slot: usize) {
+    st.lru.remove(slot);
     if let Slot::Ready { key, .. } = st.slots[slot]
         && matches!(st.keys.get(&key), Some(KeyState::Ready { slot: s }) if *s == slot)
     {
         st.keys.remove(&key);
     }
     st.slots[slot] = Slot::Free;
+}
+
+/// The cached (unpinned Ready) slot whose expert has been requested least often, least recently
+/// used first among equals, with its count: eviction honours the same counts as admission. Slots of
+/// the current request are pinned or loading, so they are never candidates.
+fn least_used(st: &State) -> Option<(u32, usize)> {
+    let uses = |slot: usize| match st.slots[slot] {
+        // A prefetched guess nobody asked for yet goes before anything demanded.
+        Slot::Ready { prefetched: true, .. } => 0,
+        Slot::Ready { key, .. } => st.uses.get(&key).copied().unwrap_or(0),
+        _ => u32::MAX,
+    };
+    let mut best: Option<(u32, usize)> = None;
+    for slot in st.lru.iter() {
+        let u = uses(slot);
+        if best.is_none_or(|(b, _)| u < b) {
+            best = Some((u, slot));
+            if u == 0 {
+                break;
+            }
+        }
+    }
+    best
+}
+
+fn evict_least_used(st: &mut State) -> Option<usize> {
+    let (_, slot) = least_used(st)?;
+    evict_slot(st, slot);
     Some(slot)
 }
 
-/// A slot for a new read: a free one, else the least recently used cached one.
+/// A slot for a demanded read: a free one, else the least-used cached one.
 fn alloc_slot(st: &mut State) -> Option<usize> {
-    st.free.pop().or_else(|| evict_lru(st))
+    st.free.pop().or_else(|| evict_least_used(st))
 }
 
 /// The usable holder of `key` with the earliest expected completion, avoiding failed drives and
@@ -533,8 +561,8 @@ fn pin_ready(st: &mut State, slot: usize) {
 }
 
 /// Releases a pin after the forward pass consumed the bytes and keeps the expert as cache when
-/// there is room, or when it has been requested more often than the least recently used cached
-/// expert (which it then replaces); otherwise the slot is freed.
+/// there is room, or when it has been requested more often than the least-used cached expert
+/// (which it then replaces); otherwise the slot is freed.
 fn unpin(sh: &Shared, st: &mut State, key: Key, slot: usize) {
     if let Slot::Ready { pins, .. } = &mut st.slots[slot] {
         *pins = pins.saturating_sub(1);
@@ -545,16 +573,11 @@ fn unpin(sh: &Shared, st: &mut State, key: Key, slot: usize) {
     let keep = if st.lru.len() < sh.cache_slots {
         true
     } else {
-        let victim = st.lru.front().and_then(|v| match st.slots[v] {
-            Slot::Ready { key: vk, .. } => Some(vk),
-            _ => None,
-        });
-        let uses = |k: &Key| st.uses.get(k).copied().unwrap_or(0);
-        match victim {
-            Some(vk) if sh.cache_slots > 0 && uses(&key) > uses(&vk) => {
-                if let Some(old) = evict_lru(st) {
-                    st.free.push(old);
-                }
+        let uses = st.uses.get(&key).copied().unwrap_or(0);
+        match least_used(st) {
+            Some((victim_uses, victim)) if sh.cache_slots > 0 && uses > victim_uses => {
+                evict_slot(st, victim);
+                st.free.push(victim);
                 true
             }
             _ => false,

@@ -124,6 +124,63 @@ pub(super) unsafe fn dot4_f32_avx512(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
     unsafe { [reduce512(a0), reduce512(a1), reduce512(a2), reduce512(a3)] }
 }
 
+/// # Safety
+/// Requires avx512f; `a` and `b` have the same length.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn dot1_f32_avx512(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len();
+    let full = n / LANES;
+    let mut acc = _mm512_setzero_ps();
+    for c in 0..full {
+        // SAFETY: c * 16 + 16 <= n for both operands.
+        unsafe {
+            acc = _mm512_fmadd_ps(
+                _mm512_loadu_ps(a.as_ptr().add(c * LANES)),
+                _mm512_loadu_ps(b.as_ptr().add(c * LANES)),
+                acc,
+            );
+        }
+    }
+    if !n.is_multiple_of(LANES) {
+        let ab = pad_f32(a, full * LANES);
+        let bb = pad_f32(b, full * LANES);
+        // SAFETY: padded buffers hold 16 elements.
+        unsafe {
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(ab.as_ptr()), _mm512_loadu_ps(bb.as_ptr()), acc);
+        }
+    }
+    // SAFETY: avx512f is enabled for this function.
+    unsafe { reduce512(acc) }
+}
+
+/// # Safety
+/// Requires avx2 and fma; `a` and `b` have the same length.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn dot1_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len();
+    let full = n / LANES;
+    let mut lo = _mm256_setzero_ps();
+    let mut hi = _mm256_setzero_ps();
+    let mut step = |ap: *const f32, bp: *const f32| {
+        // SAFETY: callers pass 16 readable floats at both pointers.
+        unsafe {
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(ap), _mm256_loadu_ps(bp), lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(8)), _mm256_loadu_ps(bp.add(8)), hi);
+        }
+    };
+    for c in 0..full {
+        // SAFETY: c * 16 + 16 <= n for both operands.
+        unsafe { step(a.as_ptr().add(c * LANES), b.as_ptr().add(c * LANES)) };
+    }
+    if !n.is_multiple_of(LANES) {
+        let ab = pad_f32(a, full * LANES);
+        let bb = pad_f32(b, full * LANES);
+        step(ab.as_ptr(), bb.as_ptr());
+    }
+    // SAFETY: avx is implied by avx2.
+    unsafe { reduce256(_mm256_add_ps(lo, hi)) }
+}
+
 /// One 32-input MXFP4 block of one row: acc += lo * xe; acc += hi * xo (dequantised in-register).
 #[target_feature(enable = "avx512f")]
 unsafe fn mxfp4_block_512(p: *const u8, scale: u8, lut: __m512, xe: __m512, xo: __m512, acc: __m512) -> __m512 {

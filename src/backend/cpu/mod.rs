@@ -9,6 +9,8 @@
 //! "deinterleaved" element order produced by [`deinterleave_mxfp4_input`]; there is never an f32
 //! copy of an expert, only of one weight row at a time in a small scratch buffer.
 
+pub mod kda;
+pub mod mla;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub mod ops;
@@ -17,7 +19,7 @@ mod scalar;
 mod x86;
 
 use rayon::prelude::*;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// Number of accumulation lanes every dot product uses, whatever the instruction set.
 pub const LANES: usize = 16;
@@ -78,18 +80,34 @@ impl Isa {
     }
 }
 
-/// The instruction set chosen at startup: the best available, or `DELTAFIN_ISA` (scalar|avx2|
-/// avx512|neon) when it names an available one. Results do not depend on the choice.
+/// `DELTAFIN_ISA` names an instruction set this machine cannot run (or none at all).
+#[derive(Debug, thiserror::Error)]
+#[error("DELTAFIN_ISA={want:?} is not an instruction set this machine can run (available: {available})")]
+pub struct IsaError {
+    pub want: String,
+    pub available: String,
+}
+
+/// The instruction set `DELTAFIN_ISA` asks for (scalar|avx2|avx512|neon), or the best available.
+pub fn requested_isa() -> Result<Isa, IsaError> {
+    let avail = Isa::available();
+    let best = *avail.last().unwrap_or(&Isa::Scalar);
+    match std::env::var("DELTAFIN_ISA") {
+        Ok(want) => avail
+            .iter()
+            .copied()
+            .find(|i| i.name() == want)
+            .ok_or_else(|| IsaError { want, available: avail.iter().map(|i| i.name()).collect::<Vec<_>>().join(", ") }),
+        Err(_) => Ok(best),
+    }
+}
+
+/// The instruction set chosen at startup. Front ends call [`requested_isa`] first so that a bad
+/// `DELTAFIN_ISA` is an error; here it falls back to the best available. Results do not depend on
+/// the choice.
 pub fn isa() -> Isa {
     static CHOSEN: OnceLock<Isa> = OnceLock::new();
-    *CHOSEN.get_or_init(|| {
-        let avail = Isa::available();
-        let best = *avail.last().unwrap_or(&Isa::Scalar);
-        match std::env::var("DELTAFIN_ISA") {
-            Ok(want) => avail.iter().copied().find(|i| i.name() == want).unwrap_or(best),
-            Err(_) => best,
-        }
-    })
+    *CHOSEN.get_or_init(|| requested_isa().unwrap_or_else(|_| *Isa::available().last().unwrap_or(&Isa::Scalar)))
 }
 
 /// The fixed reduction tree of the 16 lanes: (i, i+8), then (i, i+4), (i, i+2), (i, i+1).
@@ -107,27 +125,86 @@ pub fn reduce16(acc: &[f32; LANES]) -> f32 {
     v2[0] + v2[1]
 }
 
-/// A row-major bf16 matrix borrowed from a checkpoint (little-endian, any alignment).
-#[derive(Clone, Copy, Debug)]
-pub struct Bf16Mat<'a> {
-    pub data: &'a [u8],
+/// Bytes kept alive by a shared owner (a mapped shard, or an owned buffer), sliced without a copy.
+#[derive(Clone)]
+pub struct SharedBytes {
+    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    start: usize,
+    len: usize,
+}
+
+impl SharedBytes {
+    /// `owner[start..start+len]`; panics when the range is outside the owner.
+    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, start: usize, len: usize) -> Self {
+        assert!(start + len <= (*owner).as_ref().len(), "byte range outside its owner");
+        SharedBytes { owner, start, len }
+    }
+
+    pub fn from_vec(v: Vec<u8>) -> Self {
+        let len = v.len();
+        SharedBytes { owner: Arc::new(v), start: 0, len }
+    }
+
+    /// A sub-range `[a, b)` of these bytes.
+    pub fn slice(&self, a: usize, b: usize) -> Self {
+        assert!(a <= b && b <= self.len);
+        SharedBytes { owner: Arc::clone(&self.owner), start: self.start + a, len: b - a }
+    }
+}
+
+impl std::ops::Deref for SharedBytes {
+    type Target = [u8];
+    #[inline]
+    fn deref(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.start..self.start + self.len]
+    }
+}
+
+impl std::fmt::Debug for SharedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedBytes({} bytes)", self.len)
+    }
+}
+
+/// A row-major bf16 matrix (little-endian, any alignment), usually a zero-copy view into a mapped
+/// shard that keeps the mapping alive.
+#[derive(Clone, Debug)]
+pub struct Bf16Mat {
+    pub data: SharedBytes,
     pub rows: usize,
     pub cols: usize,
 }
 
-impl<'a> Bf16Mat<'a> {
+impl Bf16Mat {
     /// Panics if `data` does not hold exactly `rows * cols` bf16 values (checked by the roster).
-    pub fn new(data: &'a [u8], rows: usize, cols: usize) -> Self {
+    pub fn new(data: SharedBytes, rows: usize, cols: usize) -> Self {
         assert_eq!(data.len(), rows * cols * 2, "bf16 matrix size");
         Bf16Mat { data, rows, cols }
     }
+
+    /// A matrix over an owned buffer (tests, benchmarks, converted tensors).
+    pub fn from_vec(data: Vec<u8>, rows: usize, cols: usize) -> Self {
+        Bf16Mat::new(SharedBytes::from_vec(data), rows, cols)
+    }
+
     #[inline]
-    pub fn row(&self, r: usize) -> &'a [u8] {
+    pub fn row(&self, r: usize) -> &[u8] {
         &self.data[r * self.cols * 2..(r + 1) * self.cols * 2]
     }
+
     /// Rows `start..start+n` as a matrix of their own.
-    pub fn rows_slice(&self, start: usize, n: usize) -> Bf16Mat<'a> {
-        Bf16Mat::new(&self.data[start * self.cols * 2..(start + n) * self.cols * 2], n, self.cols)
+    pub fn rows_slice(&self, start: usize, n: usize) -> Bf16Mat {
+        Bf16Mat::new(self.data.slice(start * self.cols * 2, (start + n) * self.cols * 2), n, self.cols)
+    }
+
+    /// A stable identity of the matrix's bytes (their address), for backends that keep copies.
+    pub fn id(&self) -> usize {
+        self.data.as_ptr() as usize
+    }
+
+    /// Bytes of the matrix.
+    pub fn byte_len(&self) -> usize {
+        self.data.len()
     }
 }
 
@@ -337,7 +414,7 @@ trait RowDecode: Sync {
     fn decode(&self, r: usize, out: &mut [f32]);
 }
 
-impl RowDecode for Bf16Mat<'_> {
+impl RowDecode for Bf16Mat {
     fn rows(&self) -> usize {
         self.rows
     }
@@ -446,7 +523,20 @@ pub fn matmul_mxfp4_isa(isa: Isa, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
 
 /// Plain f32 dot product with the kernels' fixed operation order (used for attention scores).
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    dot4_f32(isa(), a, [b, b, b, b])[0]
+    assert_eq!(a.len(), b.len());
+    match isa() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: feature detected for this Isa; lengths checked above.
+        Isa::Avx512 => unsafe { x86::dot1_f32_avx512(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: feature detected for this Isa; lengths checked above.
+        Isa::Avx2 => unsafe { x86::dot1_f32_avx2(a, b) },
+        // NEON and scalar: one row of the four-row kernel is the same order.
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: feature detected for this Isa; lengths checked above.
+        Isa::Neon => unsafe { neon::dot4_f32(a, [b, b, b, b])[0] },
+        _ => scalar::dot1_f32(a, b),
+    }
 }
 
 #[cfg(test)]

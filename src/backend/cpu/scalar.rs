@@ -43,6 +43,19 @@ pub(super) fn dot4_f32(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
     std::array::from_fn(|r| reduce16(&acc[r]))
 }
 
+pub(super) fn dot1_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len();
+    let mut acc = [0f32; LANES];
+    for c in 0..n.div_ceil(LANES) {
+        for l in 0..LANES {
+            let i = c * LANES + l;
+            let (ai, bi) = if i < n { (a[i], b[i]) } else { (0.0, 0.0) };
+            acc[l] = ai.mul_add(bi, acc[l]);
+        }
+    }
+    reduce16(&acc)
+}
+
 pub(super) fn dot4_mxfp4(w: [(&[u8], &[u8]); 4], xd: &[f32]) -> [f32; 4] {
     let mut acc = [[0f32; LANES]; 4];
     for (b, xb) in xd.chunks_exact(32).enumerate() {

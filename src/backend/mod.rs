@@ -1,0 +1,131 @@
+//! Backends: the operations the forward pass calls, behind one trait.
+//!
+//! Contract: the forward pass (`k3/`, `sched/`) never calls a kernel directly; it calls these
+//! operations. Weights reach a backend as [`Bf16Mat`] (trunk) and [`Mxfp4Mat`] (an expert's shipped
+//! bytes, valid for the call); a backend may keep its own copy of the trunk, prepared once by
+//! [`Backend::prepare`] and found again by the matrix's identity (`Bf16Mat::id`). Activations cross
+//! the seam as f32 rows. Every implementation must give the fp64 reference's tolerance and the same
+//! greedy tokens; the CPU backend is the bit-exact definition (see `cpu/`).
+//!
+//! `cpu/` holds the CPU kernels (scalar reference beside AVX2 / AVX-512 / NEON), `CpuBackend` below
+//! is their implementation of the trait. A GPU backend (wgpu) plugs in here.
+
+pub mod cpu;
+
+use crate::k3::weights::Weights;
+use cpu::kda::HeadIn;
+use cpu::mla::MlaDims;
+use cpu::ops::Situ;
+use cpu::{Bf16Mat, Mxfp4Mat};
+use rayon::prelude::*;
+
+pub trait Backend: Send + Sync {
+    /// For the startup line, e.g. "cpu avx512 x2".
+    fn describe(&self) -> String;
+
+    /// Called once with the trunk before the first forward (a device backend uploads it here).
+    fn prepare(&self, _weights: &Weights) {}
+
+    /// out[i, r] = W[r] . xs[i] for `n = xs.len() / W.cols` rows.
+    fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]);
+
+    /// The same for an expert matrix; `xds` holds deinterleaved inputs (`cpu::deinterleave_mxfp4_input`).
+    fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]);
+
+    /// RMSNorm of every row of `x` (rows of `w.len()`), in place.
+    fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32);
+
+    /// out = situ(gate, up) element-wise.
+    fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]);
+
+    /// KDA state update of every head over its rows: reads the start state from `s_in`, writes the
+    /// state after the last row to `s_out` and the outputs o [heads][n, dv].
+    #[allow(clippy::too_many_arguments)]
+    fn kda_update(
+        &self,
+        s_in: &[f32],
+        s_out: &mut [f32],
+        heads: &[HeadIn],
+        dk: usize,
+        dv: usize,
+        o: &mut [f32],
+        chunked: bool,
+    );
+
+    /// Applies rows' updates to `s` in place without outputs (committing verified rows).
+    fn kda_replay(&self, s: &mut [f32], heads: &[HeadIn], dk: usize, dv: usize);
+
+    /// MLA attention core over the latent cache (see `cpu::mla::attention`).
+    fn mla_attention(&self, q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, dims: MlaDims, out: &mut [f32]);
+
+    /// AttnRes mix of one row: out = sum_s softmax_s(score(v_s)) v_s over `sources` in order.
+    fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]);
+}
+
+/// The CPU kernels as a backend.
+#[derive(Default)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    fn describe(&self) -> String {
+        format!("cpu {} x{}", cpu::isa().name(), rayon::current_num_threads())
+    }
+
+    fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) {
+        cpu::matmul_bf16(w, xs, out)
+    }
+
+    fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
+        cpu::matmul_mxfp4(w, xds, out)
+    }
+
+    fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {
+        for r in x.chunks_exact_mut(w.len()) {
+            cpu::ops::rms_norm_inplace(r, w, eps);
+        }
+    }
+
+    fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        situ.apply_rows(gate, up, out)
+    }
+
+    fn kda_update(
+        &self,
+        s_in: &[f32],
+        s_out: &mut [f32],
+        heads: &[HeadIn],
+        dk: usize,
+        dv: usize,
+        o: &mut [f32],
+        chunked: bool,
+    ) {
+        let n = heads.first().map_or(0, |h| h.beta.len());
+        s_out
+            .par_chunks_mut(dk * dv)
+            .zip(s_in.par_chunks(dk * dv))
+            .zip(o.par_chunks_mut((n * dv).max(1)))
+            .zip(heads.par_iter())
+            .for_each(|(((s, s0), o), x)| {
+                if chunked {
+                    s.copy_from_slice(s0);
+                    cpu::kda::chunked_head(s, dk, dv, x, o)
+                } else {
+                    cpu::kda::recurrent_head(Some(s0), s, dk, dv, x, Some(o))
+                }
+            });
+    }
+
+    fn kda_replay(&self, s: &mut [f32], heads: &[HeadIn], dk: usize, dv: usize) {
+        s.par_chunks_mut(dk * dv)
+            .zip(heads.par_iter())
+            .for_each(|(s, x)| cpu::kda::recurrent_head(None, s, dk, dv, x, None));
+    }
+
+    fn mla_attention(&self, q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, dims: MlaDims, out: &mut [f32]) {
+        cpu::mla::attention(q, cache, past, kv_b, dims, out)
+    }
+
+    fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
+        crate::k3::attn_res::mix(sources, score_w, eps, out)
+    }
+}

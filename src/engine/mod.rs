@@ -1,0 +1,396 @@
+//! The engine: one opened model, shared by every front end (run, score, bench, the server, batch
+//! runs, draft verification).
+//!
+//! Contract: [`Engine::open`] turns an [`EngineConfig`] into a ready engine — config, checkpoint
+//! (`Arc`, memory-mapped), checked roster, resident trunk (loaded once), backend, expert source and
+//! memory plan — or a typed error naming the file and field; nothing is allocated past the memory
+//! budget. An `Engine` is `Send + Sync` and is shared across threads behind an `Arc`; all
+//! per-sequence state lives in [`Session`]s. [`Engine::forward_sessions`] runs rows of several
+//! sessions through one layer loop (one expert-union read per layer for all of them).
+
+mod session;
+
+pub use session::{GenerateOptions, Generation, Session, StopReason};
+
+use crate::backend::{Backend, CpuBackend};
+use crate::k3::{ForwardError, K3, KdaMode};
+use crate::memory::{BudgetError, MemoryPlan, activation_bytes, machine_available};
+use crate::model::config::{AttnKind, FfnKind};
+use crate::model::tokenizer::Tokenizer;
+use crate::model::{Checkpoint, K3Config, ModelError, Roster};
+use crate::sched::{self, LogitRows, SeqRows};
+use crate::stats::Stats;
+use crate::store::expert_store::{self, ExpertStore, StoreOptions, StoreSpec};
+use crate::store::placement::{MANIFEST, Manifest, PlacementError, manifest_spec, shard_spec};
+use crate::store::reader::ReaderKind;
+use crate::store::{ExpertSource, ShardExperts, SourceReport, StoreError};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Where routed experts come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ExpertsFrom {
+    /// The expert store: O_DIRECT reads from the placement's drives (or the shards), with cache.
+    #[default]
+    Store,
+    /// The memory-mapped shards through the page cache (reference path; no counters of reads).
+    Mmap,
+}
+
+/// Everything an engine is opened from. The CLI flags map onto these fields one to one.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// Model directory (config.json, safetensors shards, tokenizer files).
+    pub model: PathBuf,
+    /// Placement manifest (default: MODEL/placement.json if present, else read the shards).
+    pub placement: Option<PathBuf>,
+    /// Expert cache in GB (default: what the memory budget leaves, up to all experts).
+    pub expert_cache_gb: Option<f64>,
+    pub reader: ReaderKind,
+    /// Reads in flight per drive when reading the shards without a placement.
+    pub qd: usize,
+    pub experts_from: ExpertsFrom,
+    /// Memory budget in GB (default: what the machine, or its memory cgroup, has available).
+    pub memory_gb: Option<f64>,
+    /// Prompt rows processed together (expert-major); longer prompts are chunked.
+    pub prefill_rows: usize,
+    /// Rows the engine must hold activations for at once (default: `prefill_rows`).
+    pub batch_rows: Option<usize>,
+    /// Bytes of outputs kept besides activations (e.g. every position's logits for `score`).
+    pub output_bytes: u64,
+    /// Predict the next MoE layer's experts and read them into idle drive capacity.
+    pub prefetch: bool,
+    /// Use only these drives of the placement.
+    pub use_drives: Option<Vec<usize>>,
+    pub kda: KdaMode,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            model: PathBuf::new(),
+            placement: None,
+            expert_cache_gb: None,
+            reader: ReaderKind::Auto,
+            qd: 4,
+            experts_from: ExpertsFrom::Store,
+            memory_gb: None,
+            prefill_rows: 4096,
+            batch_rows: None,
+            output_bytes: 0,
+            prefetch: false,
+            use_drives: None,
+            kda: KdaMode::Recurrent,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("model directory {} does not exist", .0.display())]
+    NoModelDir(PathBuf),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("cannot use the placement {}: {source}", path.display())]
+    Placement { path: PathBuf, source: PlacementError },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Budget(#[from] BudgetError),
+    #[error(transparent)]
+    Isa(#[from] crate::cpu::IsaError),
+    #[error("{0}")]
+    Config(String),
+    #[error("{}: {msg}", dir.display())]
+    Tokenizer { dir: PathBuf, msg: String },
+    #[error("{} has no tiktoken.model: text prompts need the model's tokenizer (use --prompt-ids for token ids)", .0.display())]
+    NoTokenizer(PathBuf),
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+}
+
+/// An opened model; see the module contract.
+pub struct Engine {
+    pub config: EngineConfig,
+    pub dir: PathBuf,
+    pub cfg: K3Config,
+    pub ck: Arc<Checkpoint>,
+    pub roster: Roster,
+    pub model: K3,
+    source: Option<Arc<dyn ExpertSource>>,
+    store: Option<Arc<ExpertStore>>,
+    pub plan: MemoryPlan,
+}
+
+/// Drops holders on placement drives not in `keep` (the shards, the last drive, stay as placed);
+/// fails if an expert is left without any holder, warns when some must come from the shards.
+fn restrict_drives(spec: &mut StoreSpec, keep: &[usize], placement_drives: usize) -> Result<(), EngineError> {
+    let (mut none, mut shards_only) = (0usize, 0usize);
+    for per_layer in spec.holders.iter_mut().flatten() {
+        for hs in per_layer.iter_mut() {
+            hs.retain(|h| h.drive as usize >= placement_drives || keep.contains(&(h.drive as usize)));
+            if hs.is_empty() {
+                none += 1;
+            } else if hs.iter().all(|h| h.drive as usize >= placement_drives) {
+                shards_only += 1;
+            }
+        }
+    }
+    if none > 0 {
+        return Err(EngineError::Config(format!(
+            "--use-drives {keep:?}: {none} experts have no holder on those drives (and the placement does not fall back to the shards); use a mirror placement for drive subsets"
+        )));
+    }
+    if shards_only > 0 {
+        tracing::warn!(
+            "--use-drives {keep:?}: {shards_only} experts are not on those drives and will be read from the shards"
+        );
+    }
+    Ok(())
+}
+
+impl Engine {
+    /// Opens the model and builds the backend, expert source and memory plan.
+    pub fn open(config: EngineConfig) -> Result<Arc<Engine>, EngineError> {
+        Self::open_inner(config, None)
+    }
+
+    /// Opens the model with an expert source built elsewhere (a test's fault-injecting source, a
+    /// remote holder); the config's store options are not used.
+    pub fn open_with_source(config: EngineConfig, source: Arc<dyn ExpertSource>) -> Result<Arc<Engine>, EngineError> {
+        Self::open_inner(config, Some(source))
+    }
+
+    fn open_inner(config: EngineConfig, given: Option<Arc<dyn ExpertSource>>) -> Result<Arc<Engine>, EngineError> {
+        crate::cpu::requested_isa()?;
+        let dir = config.model.clone();
+        if !dir.is_dir() {
+            return Err(EngineError::NoModelDir(dir));
+        }
+        if let Some(g) = config.memory_gb
+            && !(g.is_finite() && g > 0.0)
+        {
+            return Err(EngineError::Config(format!("--memory-gb {g}: give a positive number of GB")));
+        }
+        if let Some(g) = config.expert_cache_gb
+            && !(g.is_finite() && g >= 0.0)
+        {
+            return Err(EngineError::Config(format!("--expert-cache-gb {g}: give a number of GB >= 0")));
+        }
+        if config.experts_from == ExpertsFrom::Mmap && (config.placement.is_some() || config.use_drives.is_some()) {
+            return Err(EngineError::Config(
+                "--placement and --use-drives choose drives of the expert store; they cannot be used with --experts-from mmap".into(),
+            ));
+        }
+        let cfg = K3Config::load(&dir)?;
+        let ck = Arc::new(Checkpoint::open(&dir)?);
+        let roster = Roster::build(&cfg, &ck)?;
+        let backend: Arc<dyn Backend> = Arc::new(CpuBackend);
+        let model = K3::load(cfg.clone(), &ck, backend)?;
+        let trunk = model.w.resident_bytes() as u64;
+        let c = &cfg;
+        let budget = config.memory_gb.map_or_else(machine_available, |g| (g * 1e9) as u64);
+        let manifest_path = config.placement.clone().or_else(|| Some(dir.join(MANIFEST)).filter(|p| p.exists()));
+        let manifest = match &manifest_path {
+            _ if given.is_some() => None,
+            Some(p) if config.experts_from == ExpertsFrom::Store => {
+                Some(Manifest::load(p).map_err(|source| EngineError::Placement { path: p.clone(), source })?)
+            }
+            _ => None,
+        };
+        if config.use_drives.is_some() && manifest.is_none() && given.is_none() {
+            return Err(EngineError::Config(
+                "--use-drives selects drives of a placement, but there is none (run `deltafin place`, or drop --use-drives)"
+                    .into(),
+            ));
+        }
+        let layout = roster.expert_layout.clone();
+        let prefetch_depth = usize::from(config.prefetch);
+        let spec: Option<StoreSpec> = match (&layout, config.experts_from) {
+            _ if given.is_some() => None,
+            (Some(layout), ExpertsFrom::Store) => Some(match (&manifest, &manifest_path) {
+                (Some(m), Some(mp)) => {
+                    let mut spec = manifest_spec(m, &ck, &roster, layout.clone())
+                        .map_err(|source| EngineError::Placement { path: mp.clone(), source })?;
+                    if let Some(keep) = &config.use_drives {
+                        if let Some(&bad) = keep.iter().find(|&&d| d >= m.drives.len()) {
+                            return Err(EngineError::Config(format!(
+                                "--use-drives {bad}: the placement has {} drives (0..{})",
+                                m.drives.len(),
+                                m.drives.len()
+                            )));
+                        }
+                        restrict_drives(&mut spec, keep, m.drives.len())?;
+                    }
+                    spec
+                }
+                _ => shard_spec(&ck, &roster, &dir, config.qd, 1.0)
+                    .ok_or_else(|| EngineError::Config("the model has no routed experts".into()))?,
+            }),
+            _ => None,
+        };
+        let rows = config.batch_rows.unwrap_or(config.prefill_rows).max(1);
+        let slot = layout.as_ref().map_or(0, |l| expert_store::slot_size(l.len) as u64);
+        let staging =
+            spec.as_ref().map_or(0, |sp| expert_store::staging_slots(&sp.drives, prefetch_depth) as u64 * slot);
+        let n_experts = (c.moe_layers() * c.experts) as u64;
+        let cache = match (&spec, config.expert_cache_gb) {
+            (None, _) => 0,
+            (Some(_), Some(g)) => (g * 1e9) as u64,
+            (Some(_), None) => {
+                let (fixed, per_token) = crate::k3::state::SeqState::footprint(c);
+                let reserve = fixed as u64 + per_token as u64 * c.max_context.min(32_768) as u64;
+                let committed = trunk + staging + reserve + activation_bytes(c, rows) + config.output_bytes;
+                (budget.saturating_sub(committed) as f64 * 0.9) as u64
+            }
+        };
+        // Whole slots only, and never more than every expert.
+        let cache = cache.checked_div(slot).map_or(0, |n| n.min(n_experts) * slot);
+        let plan = MemoryPlan::new(c, budget, trunk, cache, staging, rows, config.output_bytes)?;
+        let (source, store): (Option<Arc<dyn ExpertSource>>, Option<Arc<ExpertStore>>) = match spec {
+            _ if given.is_some() => (given, None),
+            None => match ShardExperts::new(Arc::clone(&ck), &roster) {
+                Some(m) => (Some(Arc::new(m)), None),
+                None => (None, None),
+            },
+            Some(spec) => {
+                let opts =
+                    StoreOptions { cache_bytes: cache, reader: config.reader, prefetch_depth, record_reads: false };
+                let store = Arc::new(ExpertStore::open(spec, opts)?);
+                (Some(store.clone() as Arc<dyn ExpertSource>), Some(store))
+            }
+        };
+        Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, source, store, plan }))
+    }
+
+    /// A new, empty sequence on this engine.
+    pub fn new_session(self: &Arc<Self>) -> Session {
+        Session::new(Arc::clone(self))
+    }
+
+    /// The expert source (None for a model without routed experts).
+    pub fn source(&self) -> Option<&dyn ExpertSource> {
+        self.source.as_deref()
+    }
+
+    /// The expert store, when experts are read through it.
+    pub fn store(&self) -> Option<&ExpertStore> {
+        self.store.as_deref()
+    }
+
+    /// The source's counters now.
+    pub fn source_report(&self) -> SourceReport {
+        self.source.as_ref().map(|s| s.report()).unwrap_or_default()
+    }
+
+    pub(crate) fn sched_options(&self) -> sched::Options {
+        sched::Options { kda_mode: self.config.kda, prefetch: self.config.prefetch }
+    }
+
+    /// Runs `tokens[i]` on `sessions[i]` for every i in one layer loop (one expert-union read per
+    /// MoE layer for all of them) and commits every row; returns each session's last-row logits.
+    /// If it fails, every session is as it was. The shared forward's counters are added to every
+    /// session that took part.
+    pub fn forward_sessions(
+        &self,
+        sessions: &mut [&mut Session],
+        tokens: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        if sessions.len() != tokens.len() {
+            return Err(ForwardError::Empty);
+        }
+        for s in sessions.iter() {
+            if !std::ptr::eq(&**s.engine(), self) {
+                return Err(ForwardError::Store(StoreError::Setup("a session of another engine".into())));
+            }
+        }
+        let mut stats = Stats::default();
+        let outs = {
+            let mut batch: Vec<SeqRows> = sessions
+                .iter_mut()
+                .zip(tokens)
+                .map(|(s, t)| SeqRows { state: s.state_mut(), tokens: t, logits: LogitRows::Last, taps: &[] })
+                .collect();
+            sched::forward(&self.model, self.source(), self.sched_options(), &mut batch, &mut stats)?
+        };
+        let mut logits = Vec::with_capacity(outs.len());
+        for ((s, t), o) in sessions.iter_mut().zip(tokens).zip(outs) {
+            s.commit_fed(t, o.logits.clone(), &stats);
+            logits.push(o.logits);
+        }
+        Ok(logits)
+    }
+
+    /// Checks that a tokenizer fits this model's vocabulary.
+    pub fn check_tokenizer(&self, tok: &Tokenizer) -> Result<(), EngineError> {
+        if tok.vocab_size() != self.cfg.vocab {
+            return Err(EngineError::Tokenizer {
+                dir: self.dir.clone(),
+                msg: format!(
+                    "the tokenizer has {} tokens ({} ranks + 256 specials) but config.json says vocab_size {}",
+                    tok.vocab_size(),
+                    tok.n_base(),
+                    self.cfg.vocab
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// This model's tokenizer, checked against its vocabulary.
+    pub fn tokenizer(&self) -> Result<Tokenizer, EngineError> {
+        let tok = load_tokenizer(&self.dir)?;
+        self.check_tokenizer(&tok)?;
+        Ok(tok)
+    }
+
+    /// Bytes of all routed experts on disk.
+    pub fn expert_bytes_total(&self) -> u64 {
+        (self.cfg.moe_layers() * self.cfg.experts * self.cfg.expert_bytes()) as u64
+    }
+
+    /// One line: model, layers, experts, expert source, memory split, usable context, backend.
+    pub fn startup_line(&self) -> String {
+        let c = &self.cfg;
+        let kda = c.attn.iter().filter(|a| **a == AttnKind::Kda).count();
+        let dense = c.ffn.iter().filter(|f| **f == FfnKind::Dense).count();
+        let random = if crate::model::synth::is_synthetic(&self.dir) { " [RANDOM WEIGHTS]" } else { "" };
+        let source = self.source.as_ref().map_or_else(|| "no routed experts".to_string(), |s| s.describe());
+        format!(
+            "deltafin: {}{random} | {} layers ({kda} KDA + {} MLA, {dense} dense + {} MoE), {} experts/layer top-{} + {} shared, hidden {}, vocab {} | experts {} on disk, {source} | memory: {} | context <= {} tokens | {}{}",
+            self.dir.display(),
+            c.layers,
+            c.layers - kda,
+            c.moe_layers(),
+            c.experts,
+            c.top_k,
+            c.shared_experts,
+            c.hidden,
+            c.vocab,
+            crate::util::human_bytes(self.expert_bytes_total()),
+            self.plan.summary(),
+            self.plan.context_bound,
+            self.model.be.describe(),
+            if self.config.prefetch { " | prefetch on" } else { "" },
+        )
+    }
+
+    /// The model directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// The tokenizer of the model in `dir` (`tiktoken.model` + `tokenizer_config.json`), converted once
+/// and cached; usable before an engine is opened (a prompt's length sizes the engine's activations).
+pub fn load_tokenizer(dir: &Path) -> Result<Tokenizer, EngineError> {
+    if !dir.join("tiktoken.model").exists() {
+        return Err(EngineError::NoTokenizer(dir.to_path_buf()));
+    }
+    let cache = crate::util::cache_dir().join("tokenizers");
+    Tokenizer::load(dir, Some(&cache))
+        .map_err(|e| EngineError::Tokenizer { dir: dir.to_path_buf(), msg: format!("cannot load the tokenizer: {e}") })
+}

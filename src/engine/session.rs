@@ -1,0 +1,246 @@
+//! A session: one sequence on an engine — its state, token history and counters.
+//!
+//! Contract: `prefill`, `step` and `score` consume tokens after `pos()`; each call either commits
+//! all of its tokens or, when it fails (e.g. an expert read error in layer 40), leaves the session
+//! exactly as it was. `verify` runs rows without committing them and `commit(j)` keeps the first j
+//! (bit-identical to feeding those j tokens one by one). `truncate(pos)` goes back to an earlier
+//! position (by recomputing the prefix: KDA state cannot be run backwards).
+
+use super::Engine;
+use crate::k3::state::SeqState;
+use crate::k3::{ForwardError, argmax};
+use crate::sched::{self, LogitRows, RowsOut, SeqRows};
+use crate::stats::Stats;
+use std::sync::Arc;
+use std::time::Instant;
+
+pub struct Session {
+    engine: Arc<Engine>,
+    state: SeqState,
+    tokens: Vec<u32>,
+    /// Logits after the last committed token (None before the first forward).
+    last_logits: Option<Vec<f32>>,
+    /// Tokens of a pending verification, with their logits.
+    verifying: Option<(Vec<u32>, Vec<f32>)>,
+    pub stats: Stats,
+}
+
+/// Options of [`Session::generate`].
+#[derive(Clone, Debug, Default)]
+pub struct GenerateOptions {
+    /// Tokens to produce at most.
+    pub max_new: usize,
+    /// Generation ends after emitting one of these.
+    pub stop: Vec<u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// A stop token was emitted.
+    Stop,
+    /// `max_new` tokens were produced.
+    Length,
+    /// The callback asked to stop.
+    Cancelled,
+}
+
+/// What [`Session::generate`] produced.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub reason: StopReason,
+}
+
+impl Session {
+    pub(super) fn new(engine: Arc<Engine>) -> Self {
+        let state = engine.model.new_state();
+        Session { engine, state, tokens: Vec::new(), last_logits: None, verifying: None, stats: Stats::default() }
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// Tokens committed so far.
+    pub fn pos(&self) -> usize {
+        self.state.pos
+    }
+
+    /// The committed tokens.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Logits after the last committed token.
+    pub fn logits(&self) -> Option<&[f32]> {
+        self.last_logits.as_deref()
+    }
+
+    pub(super) fn state_mut(&mut self) -> &mut SeqState {
+        self.verifying = None;
+        &mut self.state
+    }
+
+    /// Records tokens whose rows the engine committed in a shared forward.
+    pub(super) fn commit_fed(&mut self, tokens: &[u32], logits: Vec<f32>, stats: &Stats) {
+        self.state.commit(&*self.engine.model.be, &self.engine.cfg, tokens.len());
+        self.tokens.extend_from_slice(tokens);
+        self.last_logits = Some(logits);
+        self.stats.merge(stats);
+    }
+
+    /// One forward of `tokens` on this session alone, committed on success.
+    fn forward(&mut self, tokens: &[u32], logits: LogitRows, taps: &[usize]) -> Result<RowsOut, ForwardError> {
+        let e = Arc::clone(&self.engine);
+        self.verifying = None;
+        let mut batch = [SeqRows { state: &mut self.state, tokens, logits, taps }];
+        let out = sched::forward(&e.model, e.source(), e.sched_options(), &mut batch, &mut self.stats)?;
+        let out = out.into_iter().next().unwrap_or_default();
+        self.state.commit(&*e.model.be, &e.cfg, tokens.len());
+        self.tokens.extend_from_slice(tokens);
+        Ok(out)
+    }
+
+    /// Runs a prompt expert-major in chunks of at most `prefill_rows` rows (each chunk passes every
+    /// layer, one read of each layer's expert union, before the next starts); returns the last
+    /// row's logits. All or nothing: on failure the session is as before the call.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], ForwardError> {
+        let rows = self.engine.config.prefill_rows.max(1);
+        if tokens.is_empty() {
+            return Err(ForwardError::Empty);
+        }
+        let t0 = Instant::now();
+        // Several chunks commit one by one: keep the state to come back to on a late failure.
+        let before = (tokens.len() > rows).then(|| (self.state.clone(), self.tokens.len(), self.last_logits.clone()));
+        for chunk in tokens.chunks(rows) {
+            match self.forward(chunk, LogitRows::Last, &[]) {
+                Ok(out) => self.last_logits = Some(out.logits),
+                Err(e) => {
+                    if let Some((st, n, logits)) = before {
+                        self.state = st;
+                        self.tokens.truncate(n);
+                        self.last_logits = logits;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        self.stats.prompt_tokens += tokens.len() as u64;
+        self.stats.prefill_s += t0.elapsed().as_secs_f64();
+        Ok(self.last_logits.as_deref().unwrap_or_default())
+    }
+
+    /// Feeds one token; returns the logits after it.
+    pub fn step(&mut self, token: u32) -> Result<&[f32], ForwardError> {
+        let out = self.forward(&[token], LogitRows::Last, &[])?;
+        self.last_logits = Some(out.logits);
+        Ok(self.last_logits.as_deref().unwrap_or_default())
+    }
+
+    /// Logits at every position of `tokens` (chunked at `prefill_rows`), committed.
+    pub fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
+        let rows = self.engine.config.prefill_rows.max(1);
+        let before = (tokens.len() > rows).then(|| (self.state.clone(), self.tokens.len(), self.last_logits.clone()));
+        let mut all = Vec::with_capacity(tokens.len() * self.engine.cfg.vocab);
+        for chunk in tokens.chunks(rows) {
+            match self.forward(chunk, LogitRows::All, &[]) {
+                Ok(out) => {
+                    self.last_logits = Some(out.logits[out.logits.len() - self.engine.cfg.vocab..].to_vec());
+                    all.extend(out.logits);
+                }
+                Err(e) => {
+                    if let Some((st, n, logits)) = before {
+                        self.state = st;
+                        self.tokens.truncate(n);
+                        self.last_logits = logits;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(all)
+    }
+
+    /// Runs `tokens` with logits for every row and the hidden rows after `taps`, without
+    /// committing them; `commit(j)` keeps the first j. Any other call drops the verification.
+    pub fn verify(&mut self, tokens: &[u32], taps: &[usize]) -> Result<RowsOut, ForwardError> {
+        let e = Arc::clone(&self.engine);
+        self.verifying = None;
+        let t0 = Instant::now();
+        let mut batch = [SeqRows { state: &mut self.state, tokens, logits: LogitRows::All, taps }];
+        let out = sched::forward(&e.model, e.source(), e.sched_options(), &mut batch, &mut self.stats)?;
+        let out = out.into_iter().next().unwrap_or_default();
+        self.verifying = Some((tokens.to_vec(), out.logits.clone()));
+        self.stats.verify_s += t0.elapsed().as_secs_f64();
+        Ok(out)
+    }
+
+    /// Commits the first `j` rows of the pending verification.
+    pub fn commit(&mut self, j: usize) -> Result<(), ForwardError> {
+        let have = self.state.pending_rows();
+        let Some((tokens, logits)) = self.verifying.take().filter(|_| j <= have) else {
+            return Err(ForwardError::NothingPending { want: j, have });
+        };
+        self.state.commit(&*self.engine.model.be, &self.engine.cfg, j);
+        self.tokens.extend_from_slice(&tokens[..j]);
+        let v = self.engine.cfg.vocab;
+        if j > 0 {
+            self.last_logits = Some(logits[(j - 1) * v..j * v].to_vec());
+        }
+        Ok(())
+    }
+
+    /// Goes back to position `pos` (<= `pos()`): the state is recomputed from the first `pos`
+    /// tokens (bit-identical to having stopped there). On failure the session is unchanged.
+    pub fn truncate(&mut self, pos: usize) -> Result<(), ForwardError> {
+        if pos >= self.pos() {
+            return Ok(());
+        }
+        self.verifying = None;
+        self.state.rollback();
+        let keep = self.tokens[..pos].to_vec();
+        let mut fresh = Session::new(Arc::clone(&self.engine));
+        if !keep.is_empty() {
+            fresh.prefill(&keep)?;
+        }
+        // The recompute's work is this session's work too.
+        let mut stats = std::mem::take(&mut self.stats);
+        stats.merge(&fresh.stats);
+        fresh.stats = stats;
+        *self = fresh;
+        Ok(())
+    }
+
+    /// Greedy generation from the current logits: emits K3's argmax, feeds it, repeats; stops after
+    /// a stop token, `max_new` tokens, or when `on_token` returns false. The last emitted token
+    /// is not fed (its logits are not needed).
+    pub fn generate(
+        &mut self,
+        opts: &GenerateOptions,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generation, ForwardError> {
+        let mut out = Vec::with_capacity(opts.max_new);
+        let Some(mut logits) = self.last_logits.clone() else { return Err(ForwardError::Empty) };
+        let t0 = Instant::now();
+        let reason = loop {
+            if out.len() >= opts.max_new {
+                break StopReason::Length;
+            }
+            let next = argmax(&logits);
+            out.push(next);
+            if !on_token(next) {
+                break StopReason::Cancelled;
+            }
+            if opts.stop.contains(&next) {
+                break StopReason::Stop;
+            }
+            if out.len() >= opts.max_new {
+                break StopReason::Length;
+            }
+            logits = self.step(next)?.to_vec();
+        };
+        self.stats.decode_s += t0.elapsed().as_secs_f64();
+        self.stats.generated_tokens += out.len() as u64;
+        Ok(Generation { tokens: out, reason })
+    }
+}

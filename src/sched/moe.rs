@@ -1,0 +1,103 @@
+//! One MoE layer's schedule over every row in flight: route all rows, fetch the layer's expert
+//! union once, run each expert on all of its rows as soon as it lands (results go to per-(row,
+//! router slot) slots), then combine in router order. Lookahead: the next MoE layer's router on
+//! this layer's input predicts its experts, which are prefetched into idle drive capacity once
+//! every demanded read of this layer is queued.
+
+use crate::cpu::ops::Situ;
+use crate::k3::K3;
+use crate::k3::moe::{self, Routes};
+use crate::k3::weights::MoeWeights;
+use crate::stats::Stats;
+use crate::store::{ExpertSource, Flow, Landed, StoreError};
+use std::time::Instant;
+
+/// Lookahead prefetch around one MoE layer: the experts predicted for this layer earlier (to score
+/// and cancel), and the next MoE layer's router (to predict and prefetch its experts).
+#[derive(Default)]
+pub struct Lookahead<'a> {
+    pub predicted_here: Option<&'a [u32]>,
+    pub next: Option<(usize, &'a MoeWeights)>,
+}
+
+/// Runs MoE layer `layer` on rows `xn` [n, hidden]; returns [n, hidden] and the experts predicted
+/// for the next MoE layer (when `look.next` is given).
+pub fn layer(
+    model: &K3,
+    w: &MoeWeights,
+    layer: usize,
+    src: &dyn ExpertSource,
+    xn: &[f32],
+    stats: &mut Stats,
+    look: Lookahead,
+) -> Result<(Vec<f32>, Option<Vec<u32>>), StoreError> {
+    let be = &*model.be;
+    let c = &model.cfg;
+    let t_start = Instant::now();
+    let n = xn.len() / c.hidden;
+    let lat = c.expert_latent;
+    let situ = Situ { beta: c.situ_beta, linear_beta: c.situ_linear_beta };
+    let routes: Routes = moe::route(be, c, w, xn);
+    let k = routes.k;
+    stats.record_routes(layer, &routes.experts, c.experts);
+    let union = routes.union();
+    if let Some(pred) = look.predicted_here {
+        // Score the prediction and drop queued prefetches the real route does not need.
+        let hit = pred.iter().filter(|e| union.binary_search(e).is_ok()).count();
+        stats.record_prediction(layer, pred.len(), union.len(), hit);
+        src.cancel_prefetch(layer, &union);
+    }
+    let predicted_next = look.next.map(|(nl, nw)| (nl, moe::route(be, c, nw, xn).union()));
+    let t_routed = Instant::now();
+    stats.router_s += (t_routed - t_start).as_secs_f64();
+
+    let zd = moe::expert_input(be, c, w, xn);
+    // Expert outputs land in slots [row][k] so the sum can follow router order.
+    let mut slots = vec![0f32; n * k * lat];
+    let layout = src.layout().clone();
+    let mut prefetch_pending = predicted_next.as_ref();
+    // (row, router slot) pairs of each expert of the union, built once for the layer.
+    let mut targets_of: Vec<Vec<(usize, usize)>> = vec![Vec::new(); union.len()];
+    for (i, e) in routes.experts.iter().enumerate() {
+        if let Ok(u) = union.binary_search(e) {
+            targets_of[u].push((i / k, i % k));
+        }
+    }
+    let mut kernel_s = 0f64;
+    let mut expert_rows = 0usize;
+    let t_fetch = Instant::now();
+    src.fetch(layer, &union, &mut |e: u32, bytes: Landed<'_>| {
+        // Every demanded read of this layer is queued by now; predictions fill idle capacity.
+        if let Some((nl, pred)) = prefetch_pending.take() {
+            src.prefetch(*nl, pred);
+        }
+        let t = Instant::now();
+        let targets: &[(usize, usize)] = union.binary_search(&e).map_or(&[], |u| &targets_of[u]);
+        let mut rows_in = Vec::with_capacity(targets.len() * lat);
+        for &(r, _) in targets {
+            rows_in.extend_from_slice(&zd[r * lat..(r + 1) * lat]);
+        }
+        let y = moe::run_expert(be, &layout, bytes.bytes(), situ, &rows_in);
+        drop(bytes);
+        for (i, &(r, j)) in targets.iter().enumerate() {
+            slots[(r * k + j) * lat..][..lat].copy_from_slice(&y[i * lat..(i + 1) * lat]);
+        }
+        expert_rows += targets.len();
+        kernel_s += t.elapsed().as_secs_f64();
+        Ok(Flow::Continue)
+    })?;
+    let fetch_s = t_fetch.elapsed().as_secs_f64();
+    stats.layer_passes += 1;
+    stats.experts_fetched += union.len() as u64;
+    stats.expert_rows += expert_rows as u64;
+    stats.expert_bytes_requested += (union.len() * layout.len) as u64;
+    stats.expert_bytes = layout.len as u64;
+    stats.distinct_experts.extend(union.iter().map(|&e| (layer as u32, e)));
+    stats.read_wait_s += (fetch_s - kernel_s).max(0.0);
+    *stats.layer_read_wait_s.entry(layer as u32).or_insert(0.0) += (fetch_s - kernel_s).max(0.0);
+    let t_tail = Instant::now();
+    let out = moe::combine(be, c, w, &routes, &slots, xn);
+    // z, the weighted sum, the latent norm/up-projection and shared experts count as expert work.
+    stats.expert_kernel_s += kernel_s + t_tail.elapsed().as_secs_f64() + (t_fetch - t_routed).as_secs_f64();
+    Ok((out, predicted_next.map(|(_, p)| p)))
+}
