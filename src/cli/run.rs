@@ -191,11 +191,12 @@ pub fn run(a: RunArgs) -> Result<()> {
                 None => format!("{}{next}", if ids.len() > 1 { "," } else { "" }),
             };
             text.push_str(&piece);
-            if a.format == Format::Text && !piece.is_empty() {
-                if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
-                    write_error = Some(e.into());
-                    return false;
-                }
+            if a.format == Format::Text
+                && !piece.is_empty()
+                && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
+            {
+                write_error = Some(e.into());
+                return false;
             }
             true
         })

@@ -619,7 +619,7 @@ pub fn manifest_spec(
                 Ok(h) => h,
                 Err(e) => {
                     if drive.root.is_dir() {
-                        eprintln!("deltafin: warning: drive {d}: {e}; its copies of layer {} are not used", ml.layer);
+                        tracing::warn!("drive {d}: {e}; its copies of layer {} are not used", ml.layer);
                     }
                     continue;
                 }
@@ -632,8 +632,8 @@ pub fn manifest_spec(
                     Some(x) if x.xxh3 == want && x.length == m.expert_bytes => {
                         per[e].push(Holder { drive: d as u16, file, offset: x.offset, tier: 0 })
                     }
-                    _ => eprintln!(
-                        "deltafin: warning: drive {d}: {} does not hold expert {e} as the manifest says; skipped",
+                    _ => tracing::warn!(
+                        "drive {d}: {} does not hold expert {e} as the manifest says; skipped",
                         path.display()
                     ),
                 }

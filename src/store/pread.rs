@@ -1,7 +1,7 @@
 //! pread thread-pool reader: `qd` threads per drive, each doing positional reads into the slab slot
 //! it was given. Used where io_uring is unavailable (and on macOS, with F_NOCACHE files).
 
-use super::reader::{Done, DriveIo, ReadOp, ReaderKind};
+use super::reader::{Done, DriveIo, FileTable, ReadOp, ReaderKind, fd_of};
 use std::io;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -14,12 +14,13 @@ pub struct PreadPool {
     in_flight: usize,
 }
 
-fn read_fully(op: &ReadOp) -> io::Result<usize> {
+fn read_fully(op: &ReadOp, files: &FileTable) -> io::Result<usize> {
+    let fd = fd_of(files, op.file)?;
     let mut done = 0usize;
     while done < op.len {
         let want = op.len - done;
         // SAFETY: the store guarantees `buf[..len]` is valid and exclusively ours until completion.
-        let r = unsafe { libc::pread(op.fd, op.buf.add(done).cast(), want, (op.offset + done as u64) as libc::off_t) };
+        let r = unsafe { libc::pread(fd, op.buf.add(done).cast(), want, (op.offset + done as u64) as libc::off_t) };
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -36,7 +37,7 @@ fn read_fully(op: &ReadOp) -> io::Result<usize> {
 }
 
 impl PreadPool {
-    pub fn new(qd: usize) -> Self {
+    pub fn new(qd: usize, files: FileTable) -> Self {
         let (jobs_tx, jobs_rx) = channel::<ReadOp>();
         let (done_tx, done_rx) = channel::<Done>();
         let jobs_rx = Arc::new(Mutex::new(jobs_rx));
@@ -44,6 +45,7 @@ impl PreadPool {
             .map(|_| {
                 let rx = Arc::clone(&jobs_rx);
                 let tx = done_tx.clone();
+                let files = files.clone();
                 std::thread::Builder::new()
                     .name("deltafin-pread".into())
                     .spawn(move || {
@@ -53,7 +55,7 @@ impl PreadPool {
                                 Err(_) => return,
                             };
                             let Ok(op) = op else { return };
-                            if tx.send(Done { tag: op.tag, result: read_fully(&op) }).is_err() {
+                            if tx.send(Done { tag: op.tag, result: read_fully(&op, &files) }).is_err() {
                                 return;
                             }
                         }

@@ -102,7 +102,9 @@ pub fn measure_ranges(
     let direct = files.iter().all(|(_, f)| f.direct);
     let qd = qd.max(1);
     let slab = Slab::new(qd, len as usize).map_err(|e| ProbeError::Other(e.to_string()))?;
-    let mut rd = new_reader(reader, qd, &slab.iovecs()).map_err(|e| ProbeError::Other(format!("reader: {e}")))?;
+    let table: super::reader::FileTable = files.iter().map(|(_, f)| f.fd()).collect();
+    let mut rd =
+        new_reader(reader, qd, &slab.iovecs(), table).map_err(|e| ProbeError::Other(format!("reader: {e}")))?;
     let mut free: Vec<usize> = (0..qd).collect();
     let mut rng = crate::util::XorShift(0x2545_F491_4F6C_DD1D);
     let mut next = || rng.next_u64();
@@ -116,7 +118,7 @@ pub fn measure_ranges(
             let (fi, off) = idx[(next() % idx.len() as u64) as usize];
             let op = ReadOp {
                 tag: slot as u64,
-                fd: files[fi].1.fd(),
+                file: fi as u32,
                 offset: off,
                 len: len as usize,
                 buf: slab.slot_ptr(slot),

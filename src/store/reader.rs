@@ -11,11 +11,12 @@ use std::path::Path;
 /// O_DIRECT needs offsets, lengths and buffers aligned to the logical block size; 4 KiB is safe.
 pub const DIRECT_ALIGN: u64 = 4096;
 
-/// One read into caller-owned memory.
+/// One read into caller-owned memory, addressed by the index of a file in the reader's file table
+/// (so a reader of another kind, e.g. HTTP ranges, can resolve the same index its own way).
 #[derive(Clone, Copy, Debug)]
 pub struct ReadOp {
     pub tag: u64,
-    pub fd: RawFd,
+    pub file: u32,
     pub offset: u64,
     pub len: usize,
     pub buf: *mut u8,
@@ -67,24 +68,40 @@ impl ReaderKind {
     }
 }
 
+/// Descriptors of the files a reader reads, indexed by `ReadOp::file` (-1: not open).
+pub type FileTable = std::sync::Arc<[RawFd]>;
+
+/// Resolves a read's file index; an index without an open file is an error of that read.
+pub(crate) fn fd_of(files: &FileTable, file: u32) -> io::Result<RawFd> {
+    match files.get(file as usize) {
+        Some(&fd) if fd >= 0 => Ok(fd),
+        _ => Err(io::Error::new(io::ErrorKind::NotFound, format!("file {file} is not open"))),
+    }
+}
+
 /// Creates a reader for one drive. `registered` are (ptr, len) buffers to register with io_uring.
-pub fn new_reader(kind: ReaderKind, qd: usize, registered: &[(*mut u8, usize)]) -> io::Result<Box<dyn DriveIo>> {
+pub fn new_reader(
+    kind: ReaderKind,
+    qd: usize,
+    registered: &[(*mut u8, usize)],
+    files: FileTable,
+) -> io::Result<Box<dyn DriveIo>> {
     match kind {
-        ReaderKind::Pread => Ok(Box::new(super::pread::PreadPool::new(qd))),
+        ReaderKind::Pread => Ok(Box::new(super::pread::PreadPool::new(qd, files))),
         #[cfg(target_os = "linux")]
-        ReaderKind::Uring => Ok(Box::new(super::uring::Uring::new(qd, registered)?)),
+        ReaderKind::Uring => Ok(Box::new(super::uring::Uring::new(qd, registered, files)?)),
         #[cfg(target_os = "linux")]
-        ReaderKind::Auto => match super::uring::Uring::new(qd, registered) {
+        ReaderKind::Auto => match super::uring::Uring::new(qd, registered, files.clone()) {
             Ok(u) => Ok(Box::new(u)),
-            Err(_) => Ok(Box::new(super::pread::PreadPool::new(qd))),
+            Err(_) => Ok(Box::new(super::pread::PreadPool::new(qd, files))),
         },
         #[cfg(not(target_os = "linux"))]
         ReaderKind::Uring => {
-            let _ = registered;
+            let _ = (registered, files);
             Err(io::Error::new(io::ErrorKind::Unsupported, "io_uring is Linux-only"))
         }
         #[cfg(not(target_os = "linux"))]
-        ReaderKind::Auto => Ok(Box::new(super::pread::PreadPool::new(qd))),
+        ReaderKind::Auto => Ok(Box::new(super::pread::PreadPool::new(qd, files))),
     }
 }
 

@@ -1,7 +1,7 @@
 //! io_uring reader (Linux): one ring per drive, reads straight into slab slots, using registered
 //! (fixed) buffers when the kernel accepts them. Short reads are resubmitted for the remainder.
 
-use super::reader::{Done, DriveIo, ReadOp, ReaderKind};
+use super::reader::{Done, DriveIo, FileTable, ReadOp, ReaderKind, fd_of};
 use io_uring::{IoUring, opcode, types};
 use std::collections::HashMap;
 use std::io;
@@ -15,10 +15,11 @@ pub struct Uring {
     ring: IoUring,
     pending: HashMap<u64, Pending>,
     registered: bool,
+    files: FileTable,
 }
 
 impl Uring {
-    pub fn new(qd: usize, buffers: &[(*mut u8, usize)]) -> io::Result<Self> {
+    pub fn new(qd: usize, buffers: &[(*mut u8, usize)], files: FileTable) -> io::Result<Self> {
         let ring = IoUring::new((qd.max(1) * 2).next_power_of_two() as u32)?;
         let mut registered = false;
         if !buffers.is_empty() && buffers.len() <= u16::MAX as usize {
@@ -28,7 +29,7 @@ impl Uring {
             // drops its readers before the slab).
             registered = unsafe { ring.submitter().register_buffers(&iovecs) }.is_ok();
         }
-        Ok(Uring { ring, pending: HashMap::new(), registered })
+        Ok(Uring { ring, pending: HashMap::new(), registered, files })
     }
 
     pub fn uses_registered_buffers(&self) -> bool {
@@ -45,9 +46,10 @@ impl Uring {
         let buf = unsafe { op.buf.add(p.done) };
         let len = (op.len - p.done).min(u32::MAX as usize) as u32;
         let off = op.offset + p.done as u64;
+        let fd = fd_of(&self.files, op.file)?;
         let sqe = match (self.registered, op.buf_index) {
-            (true, Some(i)) => opcode::ReadFixed::new(types::Fd(op.fd), buf, len, i).offset(off).build(),
-            _ => opcode::Read::new(types::Fd(op.fd), buf, len).offset(off).build(),
+            (true, Some(i)) => opcode::ReadFixed::new(types::Fd(fd), buf, len, i).offset(off).build(),
+            _ => opcode::Read::new(types::Fd(fd), buf, len).offset(off).build(),
         }
         .user_data(tag);
         // SAFETY: the SQE points at memory the caller guaranteed valid until completion.

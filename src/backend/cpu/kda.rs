@@ -34,7 +34,7 @@ pub fn recurrent_head(
     let n = x.beta.len();
     let mut u = vec![0f32; dv];
     for t in 0..n {
-        let (qt, kt, vt, gt) = (&x.q[t * dk..][..dk], &x.k[t * dk..][..dk], &x.v[t * dv..][..dv], &x.g[t * dk..][..dk]);
+        let (kt, vt, gt) = (&x.k[t * dk..][..dk], &x.v[t * dv..][..dv], &x.g[t * dk..][..dk]);
         u.fill(0.0);
         for i in 0..dk {
             let e = gt[i].exp();
@@ -61,6 +61,7 @@ pub fn recurrent_head(
         }
         match o.as_deref_mut() {
             Some(o) => {
+                let qt = &x.q[t * dk..][..dk];
                 let ot = &mut o[t * dv..(t + 1) * dv];
                 ot.fill(0.0);
                 for i in 0..dk {

@@ -45,7 +45,7 @@ pub(super) fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn crate::s
                     }
                     batch.push(ReadOp {
                         tag: r as u64,
-                        fd: req.fd,
+                        file: req.file,
                         offset: req.offset,
                         len: req.op_len as usize,
                         buf: sh.slab.slot_ptr(req.slot),
@@ -92,7 +92,7 @@ pub(super) fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn crate::s
 fn give_up_drive(sh: &Shared, d: usize, msg: &str) {
     let mut st = lock(sh);
     let st = &mut *st;
-    eprintln!("deltafin: warning: drive {d} ({}): {msg}; avoiding this drive", sh.spec.drives[d].root.display());
+    tracing::warn!("drive {d} ({}): {msg}; avoiding this drive", sh.spec.drives[d].root.display());
     st.drives[d].failed = Some(msg.to_string());
     st.drives[d].counters.failures += 1;
     let mine: Vec<usize> =
@@ -158,12 +158,27 @@ fn complete(sh: &Shared, d: usize, c: Done) {
     let r = c.tag as usize;
     let len = sh.spec.layout.len;
     // Verify outside the lock: the slot is still Loading and owned by this read.
-    let (key, slot, start, submitted, op_len) = {
-        let st = lock(sh);
+    let (key, slot, start, submitted, op_len, fault) = {
+        let mut st = lock(sh);
         let Some(req) = st.reqs[r].as_ref() else { return };
-        (req.key, req.slot, req.start as usize, req.submitted, req.op_len)
+        let got = (req.key, req.slot, req.start as usize, req.submitted, req.op_len);
+        let fault = st.faults.iter_mut().find(|f| f.drive == d && f.times > 0).and_then(|f| {
+            if f.skip > 0 {
+                f.skip -= 1;
+                None
+            } else {
+                f.times -= 1;
+                Some(f.kind)
+            }
+        });
+        (got.0, got.1, got.2, got.3, got.4, fault)
     };
-    let verdict: Result<u64, String> = match c.result {
+    let result = match (fault, c.result) {
+        (Some(FaultKind::Eio), _) => Err(std::io::Error::from_raw_os_error(libc::EIO)),
+        (Some(FaultKind::Short), Ok(_)) => Ok(start + len / 2),
+        (_, r) => r,
+    };
+    let verdict: Result<u64, String> = match result {
         Err(e) => Err(format!("I/O error: {e}")),
         Ok(n) if n < start + len => Err(format!("short read: got {} of {} bytes", n.saturating_sub(start), len)),
         Ok(n) => {
@@ -224,8 +239,8 @@ fn complete(sh: &Shared, d: usize, c: Done) {
             let dr = &mut st.drives[d];
             dr.counters.failures += 1;
             if dr.failed.is_none() {
-                eprintln!(
-                    "deltafin: warning: drive {d} ({}): expert {} of layer {}: {msg}; avoiding this drive",
+                tracing::warn!(
+                    "drive {d} ({}): expert {} of layer {}: {msg}; avoiding this drive",
                     sh.spec.drives[d].root.display(),
                     key.1,
                     key.0

@@ -113,7 +113,6 @@ struct Req {
     op_len: u64,
     start: u32,
     offset: u64,
-    fd: i32,
     file: u32,
 }
 
@@ -154,6 +153,28 @@ struct State {
     shutdown: bool,
     /// (file, offset, length) of reads issued, when recording.
     read_log: Option<Vec<(u32, u64, u64)>>,
+    /// Injected faults still to happen (tests and fault drills).
+    faults: Vec<FaultPlan>,
+}
+
+/// What an injected fault does to a completed read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The read fails with EIO.
+    Eio,
+    /// The read returns only half of the expert.
+    Short,
+}
+
+/// An injected fault: on drive `drive`, after `skip` completed reads pass, the next `times` reads
+/// complete with `kind` instead of their real result. The rest of the store (verification,
+/// failover, errors) handles them exactly like real faults.
+#[derive(Clone, Copy, Debug)]
+pub struct FaultPlan {
+    pub drive: usize,
+    pub kind: FaultKind,
+    pub skip: u64,
+    pub times: u64,
 }
 
 struct Shared {
@@ -222,7 +243,7 @@ impl ExpertStore {
         for (i, d) in spec.drives.iter().enumerate() {
             if !d.root.is_dir() {
                 let msg = format!("directory {} is missing", d.root.display());
-                eprintln!("deltafin: warning: drive {i} ({}): {msg}; using the remaining holders", d.root.display());
+                tracing::warn!("drive {i} ({}): {msg}; using the remaining holders", d.root.display());
                 drives[i].failed = Some(msg);
             }
         }
@@ -237,10 +258,7 @@ impl ExpertStore {
                 Ok(f) => files.push(Some(f)),
                 Err(e) => {
                     let msg = format!("cannot open {}: {e}", path.display());
-                    eprintln!(
-                        "deltafin: warning: drive {d} ({}): {msg}; avoiding this drive",
-                        spec.drives[d].root.display()
-                    );
+                    tracing::warn!("drive {d} ({}): {msg}; avoiding this drive", spec.drives[d].root.display());
                     drives[d].failed = Some(msg);
                     drives[d].counters.failures += 1;
                     files.push(None);
@@ -267,6 +285,7 @@ impl ExpertStore {
             prefetch_outstanding: 0,
             shutdown: false,
             read_log: opts.record_reads.then(Vec::new),
+            faults: Vec::new(),
         };
         let n_drives = spec.drives.len();
         let prefetch_cap = 2 * n_drives * opts.prefetch_depth;
@@ -288,7 +307,9 @@ impl ExpertStore {
                 continue;
             }
             let qd = store.shared.spec.drives[d].qd.max(1);
-            let reader = new_reader(opts.reader, qd, &store.shared.slab.iovecs())
+            let table: super::reader::FileTable =
+                store.shared.files.iter().map(|f| f.as_ref().map_or(-1, |f| f.fd())).collect();
+            let reader = new_reader(opts.reader, qd, &store.shared.slab.iovecs(), table)
                 .map_err(|e| StoreError::Setup(format!("{} reader for drive {d}: {e}", opts.reader.name())))?;
             lock(&store.shared).drives[d].reader = Some(reader.kind());
             let sh = Arc::clone(&store.shared);
@@ -406,6 +427,11 @@ impl ExpertStore {
         st.read_log.iter().flatten().map(|&(f, o, l)| (sh.spec.files[f as usize].1.clone(), o, l)).collect()
     }
 
+    /// Makes future reads fail as `plan` says (fault drills and tests of failover).
+    pub fn inject_fault(&self, plan: FaultPlan) {
+        lock(&self.shared).faults.push(plan);
+    }
+
     /// Number of slots in the slab (cache + staging).
     pub fn slots(&self) -> usize {
         self.shared.slab.slots
@@ -506,7 +532,6 @@ fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, prefetch: bool
         op_len,
         start: start as u32,
         offset: off,
-        fd: file.fd(),
         file: h.file,
     };
     let r = match st.free_reqs.pop() {
