@@ -104,3 +104,36 @@ fn run_stops_at_end_of_message() {
     assert!(o.status.success());
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), r.greedy[0].to_string());
 }
+
+#[test]
+fn engine_options_that_cannot_apply_are_errors_not_silent() {
+    let r = reference("k3-tiny-a");
+    let ids = ids_arg(&r.prompt[..8]);
+    let run = |extra: &[&str], env: Option<(&str, &str)>| {
+        let mut cmd = Command::new(bin());
+        cmd.args(["run", "--model"]).arg(fixture("k3-tiny-a")).args(["--prompt-ids", &ids, "--max-new", "2", "-q"]);
+        cmd.args(extra);
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        cmd.output().unwrap()
+    };
+    // A misspelled instruction set is named, with what is available.
+    let o = run(&[], Some(("DELTAFIN_ISA", "avx521")));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("DELTAFIN_ISA=\"avx521\"") && err.contains("scalar"), "{err}");
+    // A placement cannot be used when experts come from the mapped shards.
+    let o = run(&["--experts-from", "mmap", "--placement", "/nonexistent/placement.json"], None);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("--experts-from mmap"), "{err}");
+    let o = run(&["--memory-gb", "nan"], None);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--memory-gb NaN"), "{}", String::from_utf8_lossy(&o.stderr));
+    // Library diagnostics go through DELTAFIN_LOG: the resolved engine config is an info event.
+    let quiet = run(&[], None);
+    assert!(!String::from_utf8_lossy(&quiet.stderr).contains("engine config"));
+    let o = run(&[], Some(("DELTAFIN_LOG", "info")));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("deltafin: info: engine config") && err.contains("\"prefill_rows\":4096"), "{err}");
+}

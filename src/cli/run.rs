@@ -215,7 +215,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             writeln!(out)?;
         }
         Format::Json => {
-            let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json()});
+            let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config});
             if tok.is_some() {
                 obj["text"] = serde_json::Value::String(text);
             }

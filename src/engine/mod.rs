@@ -166,6 +166,7 @@ impl Engine {
 
     fn open_inner(config: EngineConfig, given: Option<Arc<dyn ExpertSource>>) -> Result<Arc<Engine>, EngineError> {
         crate::cpu::requested_isa()?;
+        tracing::info!("engine config {}", serde_json::to_string(&config).unwrap_or_default());
         let dir = config.model.clone();
         if !dir.is_dir() {
             return Err(EngineError::NoModelDir(dir));
@@ -233,7 +234,11 @@ impl Engine {
             _ => None,
         };
         let rows = config.batch_rows.unwrap_or(config.prefill_rows).max(1);
-        let slot = layout.as_ref().map_or(0, |l| expert_store::slot_size(l.len) as u64);
+        let slot = match (&spec, &layout) {
+            (Some(sp), _) => expert_store::slot_size_for(sp) as u64,
+            (None, Some(l)) => expert_store::slot_size(l.len) as u64,
+            (None, None) => 0,
+        };
         let staging =
             spec.as_ref().map_or(0, |sp| expert_store::staging_slots(&sp.drives, prefetch_depth) as u64 * slot);
         let n_experts = (c.moe_layers() * c.experts) as u64;

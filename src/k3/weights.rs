@@ -106,16 +106,17 @@ impl<'a> Loader<'a> {
         Ok(Bf16Mat::new(self.ck.shared_bytes(e), rows, cols))
     }
 
-    /// Any bf16/f32 tensor, flattened to f32.
+    /// Any F32/BF16/F16 tensor, flattened to f32 (exact conversions).
     fn vec(&self, name: &str) -> Result<Vec<f32>, ModelError> {
         let e = self.entry(name)?;
         let b = self.ck.bytes(e);
         match e.dtype {
             Dtype::F32 => Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
             Dtype::BF16 => Ok(b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()),
+            Dtype::F16 => Ok(b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()),
             d => Err(ModelError::Safetensors {
                 path: self.ck.shard_path(e.shard).to_path_buf(),
-                msg: format!("tensor `{name}` has dtype {d:?}, expected BF16 or F32"),
+                msg: format!("tensor `{name}` has dtype {d:?}, expected F32, BF16 or F16"),
             }),
         }
     }

@@ -1,7 +1,8 @@
 //! Tensor roster: the full list of tensors the engine reads, derived from the config, checked
 //! against the checkpoint (presence, dtype, shape) before any compute, plus the routed-expert map:
-//! each expert's six MXFP4 records must form one contiguous byte range in one shard, with the same
-//! internal layout for every expert (so a holder is just (file, offset, length)).
+//! each expert's six MXFP4 records, wherever they lie (one contiguous range as shipped, or apart,
+//! or split over shards), as extents that assemble one byte image with the same layout for every
+//! expert.
 
 use super::{Checkpoint, K3Config, ModelError};
 use crate::model::config::{AttnKind, FfnKind};
@@ -47,11 +48,41 @@ pub struct ExpertLayout {
     pub latent: usize,
 }
 
-/// Where one expert's bytes live in the shipped shards.
+/// One byte range of an expert in a shard, and where it goes in the expert's byte image.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ExpertLoc {
+pub struct Extent {
     pub shard: usize,
+    /// Absolute offset in the shard file.
     pub start: u64,
+    pub len: u64,
+    /// Offset in the expert's image (the layout all experts share).
+    pub dest: u64,
+}
+
+/// Where one expert's bytes live in the shipped shards: one extent when its six records are
+/// adjacent in one shard (as shipped), else several (records apart, or split over shards); adjacent
+/// records are coalesced into one extent. Sorted by `dest`; together they cover the image once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertLoc {
+    pub extents: Vec<Extent>,
+}
+
+impl ExpertLoc {
+    /// The expert's image: borrowed from the mapping when it is one extent, else assembled.
+    pub fn bytes<'c>(&self, ck: &'c Checkpoint) -> std::borrow::Cow<'c, [u8]> {
+        match self.extents.as_slice() {
+            [x] => std::borrow::Cow::Borrowed(ck.range(x.shard, x.start, x.start + x.len)),
+            xs => {
+                let total = xs.iter().map(|x| x.dest + x.len).max().unwrap_or(0) as usize;
+                let mut out = vec![0u8; total];
+                for x in xs {
+                    out[x.dest as usize..(x.dest + x.len) as usize]
+                        .copy_from_slice(ck.range(x.shard, x.start, x.start + x.len));
+                }
+                std::borrow::Cow::Owned(out)
+            }
+        }
+    }
 }
 
 /// The result of a successful roster check.
@@ -63,12 +94,10 @@ pub struct Roster {
 
 #[derive(Clone, Copy)]
 enum Kind {
-    /// A bf16 matrix.
+    /// A matrix the bf16 kernels read in place.
     Bf16,
-    /// A small vector accepted as bf16 or f32.
+    /// A small tensor converted to f32 at load: F32, BF16 or F16 (each converts exactly).
     Vec,
-    /// f32 only.
-    F32,
     U8,
 }
 
@@ -76,16 +105,14 @@ impl Kind {
     fn accepts(self, d: Dtype) -> bool {
         match self {
             Kind::Bf16 => d == Dtype::BF16,
-            Kind::Vec => d == Dtype::BF16 || d == Dtype::F32,
-            Kind::F32 => d == Dtype::F32,
+            Kind::Vec => matches!(d, Dtype::BF16 | Dtype::F32 | Dtype::F16),
             Kind::U8 => d == Dtype::U8,
         }
     }
     fn describe(self) -> &'static str {
         match self {
-            Kind::Bf16 => "BF16",
-            Kind::Vec => "BF16 or F32",
-            Kind::F32 => "F32",
+            Kind::Bf16 => "BF16 (matrices are read in place by the bf16 kernels)",
+            Kind::Vec => "F32, BF16 or F16",
             Kind::U8 => "U8",
         }
     }
@@ -162,7 +189,7 @@ fn trunk_expectations(c: &K3Config) -> Vec<Expect> {
                     v.push(ex(n(&format!("self_attn.{q}_proj.weight")), Kind::Bf16, vec![p, h]));
                     v.push(Expect {
                         name: n(&format!("self_attn.{q}_conv1d.weight")),
-                        kind: Kind::F32,
+                        kind: Kind::Vec,
                         shape: Shape::OneOf(vec![vec![p, 1, c.conv_width], vec![p, c.conv_width]]),
                     });
                 }
@@ -170,8 +197,8 @@ fn trunk_expectations(c: &K3Config) -> Vec<Expect> {
                 v.push(ex(n("self_attn.f_b_proj.weight"), Kind::Bf16, vec![p, dk]));
                 v.push(ex(n("self_attn.b_proj.weight"), Kind::Bf16, vec![c.kda_heads, h]));
                 v.push(ex(n("self_attn.g_proj.weight"), Kind::Bf16, vec![p, h]));
-                v.push(Expect { name: n("self_attn.A_log"), kind: Kind::F32, shape: Shape::AtLeast(c.kda_heads) });
-                v.push(ex(n("self_attn.dt_bias"), Kind::F32, vec![p]));
+                v.push(Expect { name: n("self_attn.A_log"), kind: Kind::Vec, shape: Shape::AtLeast(c.kda_heads) });
+                v.push(ex(n("self_attn.dt_bias"), Kind::Vec, vec![p]));
                 v.push(ex(n("self_attn.o_norm.weight"), Kind::Vec, vec![dk]));
                 v.push(ex(n("self_attn.o_proj.weight"), Kind::Bf16, vec![h, p]));
             }
@@ -196,7 +223,7 @@ fn trunk_expectations(c: &K3Config) -> Vec<Expect> {
             FfnKind::Moe => {
                 let lat = c.expert_latent;
                 v.push(ex(n("block_sparse_moe.gate.weight"), Kind::Bf16, vec![c.experts, h]));
-                v.push(ex(n("block_sparse_moe.gate.e_score_correction_bias"), Kind::F32, vec![c.experts]));
+                v.push(ex(n("block_sparse_moe.gate.e_score_correction_bias"), Kind::Vec, vec![c.experts]));
                 v.push(ex(n("block_sparse_moe.routed_expert_down_proj.weight"), Kind::Bf16, vec![lat, h]));
                 if c.latent_norm {
                     v.push(ex(n("block_sparse_moe.routed_expert_norm.weight"), Kind::Vec, vec![lat]));
@@ -275,34 +302,42 @@ impl Roster {
                     continue;
                 }
                 let ents: Vec<_> = exps.iter().filter_map(|x| ck.get(&x.name)).collect();
-                let shard = ents[0].shard;
-                let start = ents.iter().map(|t| t.start).min().unwrap_or(0);
-                let end = ents.iter().map(|t| t.end).max().unwrap_or(0);
-                let total: u64 = ents.iter().map(|t| t.end - t.start).sum();
-                if ents.iter().any(|t| t.shard != shard) || end - start != total {
-                    problems.push(format!(
-                        "{}: expert {e} of layer {l} is not one contiguous byte range in one shard (its six records must be adjacent)",
-                        ck.shard_path(shard).display()
-                    ));
-                    continue;
-                }
+                // The image puts records in file order (shard, offset) of the first expert, so a
+                // shipped contiguous expert is its own image, read in one range.
+                let mut order: Vec<usize> = (0..6).collect();
+                order.sort_by_key(|&i| (ents[i].shard, ents[i].start));
                 let mut parts = [(0usize, 0usize); 6];
-                for (p, t) in parts.iter_mut().zip(&ents) {
-                    *p = ((t.start - start) as usize, (t.end - t.start) as usize);
-                }
-                let this = ExpertLayout { parts, len: total as usize, inter: c.expert_inter, latent: c.expert_latent };
                 match &layout {
-                    None => layout = Some(this),
-                    Some(first) if *first != this => {
-                        problems.push(format!(
-                            "{}: expert {e} of layer {l} orders its records differently from the first expert",
-                            ck.shard_path(shard).display()
-                        ));
-                        continue;
+                    None => {
+                        let mut at = 0usize;
+                        for &i in &order {
+                            let n = (ents[i].end - ents[i].start) as usize;
+                            parts[i] = (at, n);
+                            at += n;
+                        }
+                        layout = Some(ExpertLayout {
+                            parts,
+                            len: at,
+                            inter: c.expert_inter,
+                            latent: c.expert_latent,
+                        });
                     }
-                    Some(_) => {}
+                    Some(first) => parts = first.parts,
                 }
-                locs.push(ExpertLoc { shard, start });
+                let mut extents: Vec<Extent> = Vec::with_capacity(6);
+                let mut by_dest: Vec<usize> = (0..6).collect();
+                by_dest.sort_by_key(|&i| parts[i].0);
+                for i in by_dest {
+                    let t = ents[i];
+                    let x = Extent { shard: t.shard, start: t.start, len: t.end - t.start, dest: parts[i].0 as u64 };
+                    match extents.last_mut() {
+                        Some(p) if p.shard == x.shard && p.start + p.len == x.start && p.dest + p.len == x.dest => {
+                            p.len += x.len
+                        }
+                        _ => extents.push(x),
+                    }
+                }
+                locs.push(ExpertLoc { extents });
             }
             experts[l] = Some(locs);
         }

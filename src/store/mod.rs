@@ -45,23 +45,23 @@ pub enum StoreError {
 /// An expert's bytes handed to a sink. The memory they live in (a cache slot) stays reserved until
 /// this is dropped, so a consumer may keep it while it copies the bytes elsewhere asynchronously.
 pub struct Landed<'s> {
-    bytes: &'s [u8],
+    bytes: std::borrow::Cow<'s, [u8]>,
     release: Option<Box<dyn FnOnce() + Send + 's>>,
 }
 
 impl<'s> Landed<'s> {
     /// Bytes that need no release (e.g. slices of mapped shards).
     pub fn borrowed(bytes: &'s [u8]) -> Self {
-        Landed { bytes, release: None }
+        Landed { bytes: bytes.into(), release: None }
     }
 
     /// Bytes whose holder is released by `release` when they are dropped.
     pub fn with_release(bytes: &'s [u8], release: Box<dyn FnOnce() + Send + 's>) -> Self {
-        Landed { bytes, release: Some(release) }
+        Landed { bytes: bytes.into(), release: Some(release) }
     }
 
-    pub fn bytes(&self) -> &'s [u8] {
-        self.bytes
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
     }
 }
 
@@ -145,9 +145,9 @@ impl ExpertSource for ShardExperts {
         let locs = self.experts.get(layer).and_then(|l| l.as_ref());
         for &e in experts {
             let loc = locs.and_then(|l| l.get(e as usize)).ok_or(StoreError::NoHolder { layer, expert: e })?;
-            let bytes = self.ck.range(loc.shard, loc.start, loc.start + self.layout.len as u64);
+            let bytes = loc.bytes(&self.ck);
             self.requested.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-            if sink.land(e, Landed::borrowed(bytes))? == Flow::Stop {
+            if sink.land(e, Landed { bytes, release: None })? == Flow::Stop {
                 break;
             }
         }

@@ -70,7 +70,7 @@ pub fn write_pack<'a>(
     dir: &Path,
     layer: usize,
     expert_len: u64,
-    experts: impl ExactSizeIterator<Item = (u32, &'a [u8])>,
+    experts: impl ExactSizeIterator<Item = (u32, std::borrow::Cow<'a, [u8]>)>,
     on_bytes: &mut dyn FnMut(u64),
 ) -> Result<PackHeader, PackError> {
     let final_path = dir.join(pack_name(layer));
@@ -85,10 +85,10 @@ pub fn write_pack<'a>(
     let result = (|| -> Result<(), PackError> {
         f.write_all(&vec![0u8; hlen as usize]).map_err(io)?;
         for (expert, bytes) in experts {
-            f.write_all(bytes).map_err(io)?;
+            f.write_all(&bytes).map_err(io)?;
             let padded = align_up(bytes.len() as u64);
             f.write_all(&pad[..(padded - bytes.len() as u64) as usize]).map_err(io)?;
-            entries.push(PackEntry { expert, offset: off, length: bytes.len() as u64, xxh3: checksum(bytes) });
+            entries.push(PackEntry { expert, offset: off, length: bytes.len() as u64, xxh3: checksum(&bytes) });
             off += padded;
             on_bytes(bytes.len() as u64);
         }
@@ -190,7 +190,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let a = vec![7u8; 5000];
         let b: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
-        let h = write_pack(dir.path(), 3, 5000, [(4u32, a.as_slice()), (9u32, b.as_slice())].into_iter(), &mut |_| {})
+        let h = write_pack(dir.path(), 3, 5000, [(4u32, a.as_slice().into()), (9u32, b.as_slice().into())].into_iter(), &mut |_| {})
             .unwrap();
         let r = read_header(&dir.path().join("L3.pack")).unwrap();
         assert_eq!(r.entries, h.entries);

@@ -387,8 +387,7 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
                 && h.entries.iter().map(|e| e.expert).eq(ids.iter().copied())
                 && (plan.done.contains(&(d as u16, l))
                     || h.entries.iter().all(|e| {
-                        let loc = locs[e.expert as usize];
-                        pack::checksum(ck.range(loc.shard, loc.start, loc.start + len)) == e.xxh3
+                        pack::checksum(&locs[e.expert as usize].bytes(ck)) == e.xxh3
                     }))
             {
                 for e in &h.entries {
@@ -399,8 +398,7 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
                 continue;
             }
             let bytes = ids.iter().map(|&e| {
-                let loc = locs[e as usize];
-                (e, ck.range(loc.shard, loc.start, loc.start + len))
+                (e, locs[e as usize].bytes(ck))
             });
             let mut on_bytes = |n: u64| {
                 done += pack::align_up(n);
@@ -476,10 +474,10 @@ pub fn verify(
         // Shard holders.
         if let Some(Some(locs)) = roster.experts.get(ml.layer) {
             for (e, loc) in locs.iter().enumerate() {
-                let got = pack::checksum(ck.range(loc.shard, loc.start, loc.start + len));
+                let got = pack::checksum(&loc.bytes(ck));
                 if e < ml.experts.len() && got != want(e) {
                     problems.push(VerifyProblem {
-                        drive: format!("shards ({})", ck.shard_path(loc.shard).display()),
+                        drive: format!("shards ({})", ck.shard_path(loc.extents[0].shard).display()),
                         layer: ml.layer,
                         expert: e as u32,
                         msg: "checksum differs from the manifest".into(),
@@ -549,9 +547,29 @@ pub fn shard_read_ranges(ck: &Checkpoint, roster: &Roster) -> (Vec<(PathBuf, u64
         .iter()
         .flatten()
         .flatten()
-        .map(|loc| (ck.shard_path(loc.shard).to_path_buf(), super::reader::widen(loc.start, len).0))
+        .map(|loc| (ck.shard_path(loc.extents[0].shard).to_path_buf(), super::reader::widen(loc.extents[0].start, len).0))
         .collect();
     (ranges, super::reader::widen(0, len).1 + super::reader::DIRECT_ALIGN)
+}
+
+/// The shards as a holder of one expert (file index = shard index): one range, or its pieces.
+fn shard_holder(loc: &crate::model::roster::ExpertLoc, drive: u16, tier: u8) -> Holder {
+    let first = loc.extents[0];
+    let mut h = Holder::whole(drive, first.shard as u32, first.start, tier);
+    if loc.extents.len() > 1 {
+        h.extents = Some(
+            loc.extents
+                .iter()
+                .map(|x| super::expert_store::HolderExtent {
+                    file: x.shard as u32,
+                    offset: x.start,
+                    len: x.len,
+                    dest: x.dest,
+                })
+                .collect(),
+        );
+    }
+    h
 }
 
 /// Holder map for experts read straight from the shipped shards (no placement).
@@ -564,7 +582,7 @@ pub fn shard_spec(ck: &Checkpoint, roster: &Roster, model_dir: &Path, qd: usize,
         .map(|l| {
             l.as_ref().map(|locs| {
                 locs.iter()
-                    .map(|loc| vec![Holder { drive: 0, file: loc.shard as u32, offset: loc.start, tier: 0 }])
+                    .map(|loc| vec![shard_holder(loc, 0, 0)])
                     .collect()
             })
         })
@@ -630,7 +648,7 @@ pub fn manifest_spec(
                 let want = u64::from_str_radix(&ml.experts[e].xxh3, 16).unwrap_or(0);
                 match h.entries.iter().find(|x| x.expert as usize == e) {
                     Some(x) if x.xxh3 == want && x.length == m.expert_bytes => {
-                        per[e].push(Holder { drive: d as u16, file, offset: x.offset, tier: 0 })
+                        per[e].push(Holder::whole(d as u16, file, x.offset, 0))
                     }
                     _ => tracing::warn!(
                         "drive {d}: {} does not hold expert {e} as the manifest says; skipped",
@@ -645,7 +663,7 @@ pub fn manifest_spec(
                 ShardUse::Use => 0,
                 ShardUse::Fallback => 1,
             };
-            per[e].push(Holder { drive: shard_drive, file: loc.shard as u32, offset: loc.start, tier });
+            per[e].push(shard_holder(loc, shard_drive, tier));
         }
         sums[ml.layer] = Some(ml.experts.iter().map(|x| u64::from_str_radix(&x.xxh3, 16).unwrap_or(0)).collect());
         holders[ml.layer] = Some(per);

@@ -38,19 +38,23 @@ pub(super) fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn crate::s
                         None => break,
                     };
                     let Some(req) = st_ref.reqs[r].as_mut() else { continue };
-                    st_ref.drives[d].in_flight += 1;
+                    st_ref.drives[d].in_flight += req.parts.len();
                     req.submitted = Some(Instant::now());
-                    if let Some(log) = st_ref.read_log.as_mut() {
-                        log.push((req.file, req.offset, req.op_len));
+                    for (i, p) in req.parts.iter().enumerate() {
+                        if let Some(log) = st_ref.read_log.as_mut() {
+                            log.push((p.file, p.offset, p.op_len));
+                        }
+                        // SAFETY: pos + op_len lies inside the slot (slot_size_for counts every piece).
+                        let buf = unsafe { sh.slab.slot_ptr(req.slot).add(p.pos as usize) };
+                        batch.push(ReadOp {
+                            tag: ((r as u64) << PART_BITS) | i as u64,
+                            file: p.file,
+                            offset: p.offset,
+                            len: p.op_len as usize,
+                            buf,
+                            buf_index: u16::try_from(req.slot).ok(),
+                        });
                     }
-                    batch.push(ReadOp {
-                        tag: r as u64,
-                        file: req.file,
-                        offset: req.offset,
-                        len: req.op_len as usize,
-                        buf: sh.slab.slot_ptr(req.slot),
-                        buf_index: u16::try_from(req.slot).ok(),
-                    });
                 }
                 work_waiting = !st_ref.drives[d].demand.is_empty() || !st_ref.drives[d].prefetch.is_empty();
                 if batch.is_empty() && in_flight == 0 {
@@ -155,13 +159,12 @@ fn fail_key(sh: &Shared, st: &mut State, key: Key, waiters: u32, d: usize, msg: 
 
 /// Checks a finished read and moves its expert to Ready, or fails over.
 fn complete(sh: &Shared, d: usize, c: Done) {
-    let r = c.tag as usize;
+    let r = (c.tag >> PART_BITS) as usize;
+    let part = (c.tag & ((1 << PART_BITS) - 1)) as usize;
     let len = sh.spec.layout.len;
-    // Verify outside the lock: the slot is still Loading and owned by this read.
-    let (key, slot, start, submitted, op_len, fault) = {
+    // Each piece is checked as it lands; the request completes with its last piece.
+    let (key, slot, start, submitted, op_len, parts, first_error, bytes_got) = {
         let mut st = lock(sh);
-        let Some(req) = st.reqs[r].as_ref() else { return };
-        let got = (req.key, req.slot, req.start as usize, req.submitted, req.op_len);
         let fault = st.faults.iter_mut().find(|f| f.drive == d && f.times > 0).and_then(|f| {
             if f.skip > 0 {
                 f.skip -= 1;
@@ -171,17 +174,60 @@ fn complete(sh: &Shared, d: usize, c: Done) {
                 Some(f.kind)
             }
         });
-        (got.0, got.1, got.2, got.3, got.4, fault)
+        let st = &mut *st;
+        let dr = &mut st.drives[d];
+        dr.in_flight = dr.in_flight.saturating_sub(1);
+        let Some(req) = st.reqs[r].as_mut() else { return };
+        let Some(&p) = req.parts.get(part) else { return };
+        let result = match (fault, c.result) {
+            (Some(FaultKind::Eio), _) => Err(std::io::Error::from_raw_os_error(libc::EIO)),
+            (Some(FaultKind::Short), Ok(_)) => Ok((p.skip + p.len / 2) as usize),
+            (_, r) => r,
+        };
+        match result {
+            Err(e) => {
+                req.part_error.get_or_insert(format!("I/O error: {e}"));
+            }
+            Ok(n) if (n as u64) < p.skip + p.len => {
+                req.part_error.get_or_insert(format!(
+                    "short read: got {} of {} bytes",
+                    (n as u64).saturating_sub(p.skip),
+                    p.len
+                ));
+            }
+            Ok(n) => req.bytes_got += n as u64,
+        }
+        req.parts_left = req.parts_left.saturating_sub(1);
+        if req.parts_left > 0 {
+            return;
+        }
+        (
+            req.key,
+            req.slot,
+            req.start as usize,
+            req.submitted,
+            req.op_len,
+            req.parts.clone(),
+            req.part_error.clone(),
+            req.bytes_got,
+        )
     };
-    let result = match (fault, c.result) {
-        (Some(FaultKind::Eio), _) => Err(std::io::Error::from_raw_os_error(libc::EIO)),
-        (Some(FaultKind::Short), Ok(_)) => Ok(start + len / 2),
-        (_, r) => r,
-    };
-    let verdict: Result<u64, String> = match result {
-        Err(e) => Err(format!("I/O error: {e}")),
-        Ok(n) if n < start + len => Err(format!("short read: got {} of {} bytes", n.saturating_sub(start), len)),
-        Ok(n) => {
+    // Assemble and verify outside the lock: the slot is still Loading and owned by this read.
+    if first_error.is_none() && parts.len() > 1 {
+        // Pieces sit in image order at aligned positions >= their destinations, so moving each
+        // left in order never overwrites a piece not yet moved.
+        for p in &parts {
+            // SAFETY: every read into this slot has completed; both ranges lie inside the slot.
+            unsafe {
+                let base = sh.slab.slot_ptr(slot);
+                std::ptr::copy(base.add((p.pos + p.skip) as usize), base.add(p.dest as usize), p.len as usize);
+            }
+        }
+    }
+    let verdict: Result<u64, String> = match first_error {
+        Some(e) => Err(e),
+        None => {
+            let n = bytes_got;
             let want =
                 sh.spec.checksums.as_ref().and_then(|c| c.get(key.0 as usize)?.as_ref()?.get(key.1 as usize).copied());
             match want {
@@ -190,12 +236,12 @@ fn complete(sh: &Shared, d: usize, c: Done) {
                     let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
                     let got = crate::store::pack::checksum(bytes);
                     if got == w {
-                        Ok(n as u64)
+                        Ok(n)
                     } else {
                         Err(format!("checksum mismatch (xxh3 {got:016x}, expected {w:016x})"))
                     }
                 }
-                None => Ok(n as u64),
+                None => Ok(n),
             }
         }
     };
@@ -203,7 +249,6 @@ fn complete(sh: &Shared, d: usize, c: Done) {
     let mut st = lock(sh);
     let st = &mut *st;
     let dr = &mut st.drives[d];
-    dr.in_flight = dr.in_flight.saturating_sub(1);
     dr.queued_bytes = dr.queued_bytes.saturating_sub(op_len);
     let Some(req) = st.reqs[r].take() else { return };
     st.free_reqs.push(r);

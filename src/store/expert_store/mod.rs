@@ -29,7 +29,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// One place an expert's bytes can be read.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Holder {
     pub drive: u16,
     pub file: u32,
@@ -37,6 +37,31 @@ pub struct Holder {
     pub offset: u64,
     /// 0 = primary; 1 = fallback, used only when no primary holder is usable.
     pub tier: u8,
+    /// When the expert is not one range of `file`: its pieces (files of the same drive), which
+    /// are read separately and assembled into the expert's image.
+    pub extents: Option<Arc<[HolderExtent]>>,
+}
+
+/// One piece of an expert held in several ranges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HolderExtent {
+    pub file: u32,
+    pub offset: u64,
+    pub len: u64,
+    /// Offset of the piece in the expert's image.
+    pub dest: u64,
+}
+
+impl Holder {
+    /// A holder of the whole expert in one range.
+    pub fn whole(drive: u16, file: u32, offset: u64, tier: u8) -> Self {
+        Holder { drive, file, offset, tier, extents: None }
+    }
+
+    /// Number of reads this holder takes.
+    pub fn pieces(&self) -> usize {
+        self.extents.as_ref().map_or(1, |x| x.len())
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -110,10 +135,38 @@ struct Req {
     /// Fetchers waiting for this read; they each hold a pin once it completes.
     waiters: u32,
     submitted: Option<Instant>,
+    /// Bytes of all reads of this request (widened).
     op_len: u64,
+    /// Where the expert's image starts in the slot once complete.
     start: u32,
-    offset: u64,
+    parts: Vec<Part>,
+    /// Reads still in flight or queued.
+    parts_left: usize,
+    part_error: Option<String>,
+    bytes_got: u64,
+}
+
+/// One read of a request: `op_len` bytes at `offset` of `file` into the slot at `pos`; the wanted
+/// `len` bytes start `skip` into it and belong at `dest` of the image.
+#[derive(Clone, Copy, Debug)]
+struct Part {
     file: u32,
+    offset: u64,
+    op_len: u64,
+    skip: u64,
+    pos: u64,
+    dest: u64,
+    len: u64,
+}
+
+/// Request index and part index packed into a reader tag.
+const PART_BITS: u32 = 3;
+
+impl StoreSpec {
+    /// The most pieces any holder of any expert has.
+    pub fn max_pieces(&self) -> usize {
+        self.holders.iter().flatten().flatten().flatten().map(Holder::pieces).max().unwrap_or(1)
+    }
 }
 
 struct DriveState {
@@ -205,10 +258,15 @@ const REAP_TICK: Duration = Duration::from_millis(1);
 /// Consecutive reader errors after which a drive is given up.
 const MAX_READER_ERRORS: u32 = 50;
 
-/// Bytes of one slab slot for experts of `len` bytes: widened O_DIRECT reads need up to one extra
-/// 4 KiB page on each side.
+/// Bytes of one slab slot for experts of `len` bytes read in one range: widened O_DIRECT reads need
+/// up to one extra 4 KiB page on each side.
 pub fn slot_size(len: usize) -> usize {
     len.div_ceil(4096) * 4096 + 8192
+}
+
+/// Bytes of one slab slot for the experts of `spec` (each piece of a split expert is widened).
+pub fn slot_size_for(spec: &StoreSpec) -> usize {
+    spec.layout.len.div_ceil(4096) * 4096 + 8192 * spec.max_pieces().max(1)
 }
 
 /// Slots besides the cache: each drive's reads in flight (demand and prefetch), plus two.
@@ -219,7 +277,14 @@ pub fn staging_slots(drives: &[DriveSpec], prefetch_depth: usize) -> usize {
 impl ExpertStore {
     /// Opens every holder file and starts one reader thread per usable drive.
     pub fn open(spec: StoreSpec, opts: StoreOptions) -> Result<Self, StoreError> {
-        let slot_size = slot_size(spec.layout.len);
+        if spec.max_pieces() > 1 << PART_BITS {
+            return Err(StoreError::Setup(format!(
+                "an expert is held in {} pieces; at most {} are supported",
+                spec.max_pieces(),
+                1 << PART_BITS
+            )));
+        }
+        let slot_size = slot_size_for(&spec);
         let staging = staging_slots(&spec.drives, opts.prefetch_depth);
         let cache_slots = (opts.cache_bytes / slot_size as u64) as usize;
         let slab =
@@ -500,13 +565,15 @@ fn alloc_slot(st: &mut State) -> Option<usize> {
 fn choose_holder(sh: &Shared, st: &State, key: Key, exclude: &[u16]) -> Option<Holder> {
     let holders = sh.spec.holders.get(key.0 as usize)?.as_ref()?.get(key.1 as usize)?;
     let len = sh.spec.layout.len as f64;
+    let open = |f: u32| sh.files.get(f as usize).is_some_and(|f| f.is_some());
     let usable = |h: &&Holder| {
         st.drives[h.drive as usize].failed.is_none()
             && !exclude.contains(&h.drive)
-            && sh.files[h.file as usize].is_some()
+            && open(h.file)
+            && h.extents.as_ref().is_none_or(|xs| xs.iter().all(|x| open(x.file)))
     };
     let best_tier = holders.iter().filter(usable).map(|h| h.tier).min()?;
-    holders.iter().filter(usable).filter(|h| h.tier == best_tier).copied().min_by(|a, b| {
+    holders.iter().filter(usable).filter(|h| h.tier == best_tier).cloned().min_by(|a, b| {
         let cost = |h: &Holder| {
             let d = &st.drives[h.drive as usize];
             (d.queued_bytes as f64 + len) / d.rate
@@ -518,9 +585,23 @@ fn choose_holder(sh: &Shared, st: &State, key: Key, exclude: &[u16]) -> Option<H
 /// Queues a read of `key` into `slot`; false if no holder is usable (then nothing changed).
 fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, prefetch: bool, exclude: &[u16]) -> bool {
     let Some(h) = choose_holder(sh, st, key, exclude) else { return false };
-    let Some(file) = sh.files[h.file as usize].as_ref() else { return false };
     let len = sh.spec.layout.len as u64;
-    let (off, op_len, start) = if file.direct { widen(h.offset, len) } else { (h.offset, len, 0) };
+    let pieces: Vec<HolderExtent> = match &h.extents {
+        None => vec![HolderExtent { file: h.file, offset: h.offset, len, dest: 0 }],
+        Some(xs) => xs.to_vec(),
+    };
+    let mut parts = Vec::with_capacity(pieces.len());
+    let mut pos = 0u64;
+    for x in &pieces {
+        let Some(file) = sh.files[x.file as usize].as_ref() else { return false };
+        let (offset, op_len, skip) = if file.direct { widen(x.offset, x.len) } else { (x.offset, x.len, 0) };
+        parts.push(Part { file: x.file, offset, op_len, skip, pos, dest: x.dest, len: x.len });
+        pos += op_len.div_ceil(4096) * 4096;
+    }
+    // One piece stays where it lands; several are assembled at the start of the slot.
+    let start = if parts.len() == 1 { parts[0].skip } else { 0 };
+    let op_len: u64 = parts.iter().map(|p| p.op_len).sum();
+    let n_parts = parts.len();
     let req = Req {
         key,
         slot,
@@ -531,8 +612,10 @@ fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, prefetch: bool
         submitted: None,
         op_len,
         start: start as u32,
-        offset: off,
-        file: h.file,
+        parts,
+        parts_left: n_parts,
+        part_error: None,
+        bytes_got: 0,
     };
     let r = match st.free_reqs.pop() {
         Some(r) => {
