@@ -135,5 +135,8 @@ fn engine_options_that_cannot_apply_are_errors_not_silent() {
     assert!(!String::from_utf8_lossy(&quiet.stderr).contains("engine config"));
     let o = run(&[], Some(("DELTAFIN_LOG", "info")));
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success() && err.contains("deltafin: info: engine config") && err.contains("\"prefill_rows\":4096"), "{err}");
+    assert!(
+        o.status.success() && err.contains("deltafin: info: engine config") && err.contains("\"prefill_rows\":4096"),
+        "{err}"
+    );
 }

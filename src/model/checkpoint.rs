@@ -79,16 +79,22 @@ impl Checkpoint {
             let (n, meta) = meta;
             let data_start = 8 + n as u64;
             for (tname, info) in meta.tensors() {
-                tensors.insert(
-                    tname.clone(),
-                    TensorEntry {
-                        shard: si,
-                        dtype: info.dtype,
-                        shape: info.shape.clone(),
-                        start: data_start + info.data_offsets.0 as u64,
-                        end: data_start + info.data_offsets.1 as u64,
-                    },
-                );
+                let entry = TensorEntry {
+                    shard: si,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    start: data_start + info.data_offsets.0 as u64,
+                    end: data_start + info.data_offsets.1 as u64,
+                };
+                if let Some(prev) = tensors.insert(tname.clone(), entry) {
+                    return Err(ModelError::Safetensors {
+                        path: path.clone(),
+                        msg: format!(
+                            "tensor `{tname}` is also in {}: a tensor must be in exactly one shard",
+                            dir.join(&shard_names[prev.shard]).display()
+                        ),
+                    });
+                }
             }
             shards.push(Shard { path, mmap: Arc::new(mmap) });
         }

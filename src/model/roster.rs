@@ -76,8 +76,11 @@ impl ExpertLoc {
                 let total = xs.iter().map(|x| x.dest + x.len).max().unwrap_or(0) as usize;
                 let mut out = vec![0u8; total];
                 for x in xs {
-                    out[x.dest as usize..(x.dest + x.len) as usize]
-                        .copy_from_slice(ck.range(x.shard, x.start, x.start + x.len));
+                    out[x.dest as usize..(x.dest + x.len) as usize].copy_from_slice(ck.range(
+                        x.shard,
+                        x.start,
+                        x.start + x.len,
+                    ));
                 }
                 std::borrow::Cow::Owned(out)
             }
@@ -315,12 +318,7 @@ impl Roster {
                             parts[i] = (at, n);
                             at += n;
                         }
-                        layout = Some(ExpertLayout {
-                            parts,
-                            len: at,
-                            inter: c.expert_inter,
-                            latent: c.expert_latent,
-                        });
+                        layout = Some(ExpertLayout { parts, len: at, inter: c.expert_inter, latent: c.expert_latent });
                     }
                     Some(first) => parts = first.parts,
                 }

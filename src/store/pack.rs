@@ -190,8 +190,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let a = vec![7u8; 5000];
         let b: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
-        let h = write_pack(dir.path(), 3, 5000, [(4u32, a.as_slice().into()), (9u32, b.as_slice().into())].into_iter(), &mut |_| {})
-            .unwrap();
+        let h = write_pack(
+            dir.path(),
+            3,
+            5000,
+            [(4u32, a.as_slice().into()), (9u32, b.as_slice().into())].into_iter(),
+            &mut |_| {},
+        )
+        .unwrap();
         let r = read_header(&dir.path().join("L3.pack")).unwrap();
         assert_eq!(r.entries, h.entries);
         assert_eq!(r.entries[1].offset % ALIGN, 0);

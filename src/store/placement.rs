@@ -386,9 +386,7 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
                 && h.expert_len == len
                 && h.entries.iter().map(|e| e.expert).eq(ids.iter().copied())
                 && (plan.done.contains(&(d as u16, l))
-                    || h.entries.iter().all(|e| {
-                        pack::checksum(&locs[e.expert as usize].bytes(ck)) == e.xxh3
-                    }))
+                    || h.entries.iter().all(|e| pack::checksum(&locs[e.expert as usize].bytes(ck)) == e.xxh3))
             {
                 for e in &h.entries {
                     checksums.insert((l, e.expert), e.xxh3);
@@ -397,9 +395,7 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
                 (o.progress)(done, total);
                 continue;
             }
-            let bytes = ids.iter().map(|&e| {
-                (e, locs[e as usize].bytes(ck))
-            });
+            let bytes = ids.iter().map(|&e| (e, locs[e as usize].bytes(ck)));
             let mut on_bytes = |n: u64| {
                 done += pack::align_up(n);
                 (o.progress)(done, total);
@@ -547,7 +543,9 @@ pub fn shard_read_ranges(ck: &Checkpoint, roster: &Roster) -> (Vec<(PathBuf, u64
         .iter()
         .flatten()
         .flatten()
-        .map(|loc| (ck.shard_path(loc.extents[0].shard).to_path_buf(), super::reader::widen(loc.extents[0].start, len).0))
+        .map(|loc| {
+            (ck.shard_path(loc.extents[0].shard).to_path_buf(), super::reader::widen(loc.extents[0].start, len).0)
+        })
         .collect();
     (ranges, super::reader::widen(0, len).1 + super::reader::DIRECT_ALIGN)
 }
@@ -579,13 +577,7 @@ pub fn shard_spec(ck: &Checkpoint, roster: &Roster, model_dir: &Path, qd: usize,
     let holders = roster
         .experts
         .iter()
-        .map(|l| {
-            l.as_ref().map(|locs| {
-                locs.iter()
-                    .map(|loc| vec![shard_holder(loc, 0, 0)])
-                    .collect()
-            })
-        })
+        .map(|l| l.as_ref().map(|locs| locs.iter().map(|loc| vec![shard_holder(loc, 0, 0)]).collect()))
         .collect();
     Some(StoreSpec {
         layout,
