@@ -11,7 +11,8 @@ use std::path::Path;
 use std::process::Command;
 
 /// Every tensor of a fixture: name -> (dtype, shape, bytes).
-type Tensors = BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
+type Tensor = (Dtype, Vec<usize>, Vec<u8>);
+type Tensors = BTreeMap<String, Tensor>;
 
 fn read_all(dir: &Path) -> Tensors {
     let m = open_model(dir);
@@ -34,7 +35,7 @@ fn write_model(src: &Path, dst: &Path, tensors: &Tensors, assign: &dyn Fn(usize,
             std::fs::copy(e.path(), dst.join(&n)).unwrap();
         }
     }
-    let mut per: Vec<Vec<(&String, &(Dtype, Vec<usize>, Vec<u8>))>> = vec![Vec::new(); shards];
+    let mut per: Vec<Vec<(&String, &Tensor)>> = vec![Vec::new(); shards];
     for (i, (name, t)) in tensors.iter().enumerate() {
         per[assign(i, name)].push((name, t));
     }
@@ -72,7 +73,7 @@ fn expert_record(name: &str) -> Option<usize> {
 fn logits(dir: &Path, prompt: &[u32]) -> Vec<u32> {
     let e = engine(dir);
     let mut all = bits(&score(&e, prompt));
-    all.extend(greedy(&e, prompt, 6).into_iter());
+    all.extend(greedy(&e, prompt, 6));
     all
 }
 
@@ -106,7 +107,7 @@ fn canonical_split_and_scattered_layouts_give_identical_bits() {
             std::sync::Arc::new(deltafin::store::expert_store::ExpertStore::open(spec, Default::default()).unwrap());
         let e = engine_with(dir, store.clone());
         let mut got = bits(&score(&e, prompt));
-        got.extend(greedy(&e, prompt, 6).into_iter());
+        got.extend(greedy(&e, prompt, 6));
         assert_eq!(got, want, "{label}: logits through the store differ");
     }
     // A placement of the scattered model keeps every expert contiguous: one read per expert.
