@@ -121,6 +121,7 @@ fn measure_ceiling(
 }
 
 pub fn run(a: RunBenchArgs) -> Result<()> {
+    super::check_outputs([("--out", a.out.as_deref())])?;
     if a.prompt_tokens == 0 {
         bail!("--prompt-tokens must be > 0");
     }

@@ -121,6 +121,7 @@ fn prompt_ids(a: &RunArgs, opened: &Opened, tok: Option<&Tokenizer>) -> Result<V
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
+    super::check_outputs([("--stats-json", a.stats_json.as_deref()), ("--trace-routes", a.trace_routes.as_deref())])?;
     let dir = match (&a.model, a.demo) {
         (Some(m), _) => m.clone(),
         (None, true) => load::demo_dir()?,
@@ -137,7 +138,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut model = opened.model(Some(source.as_dyn()))?;
     model.kda_mode = a.kda.into();
     model.prefetch = a.engine.prefetch == super::engine::OnOff::On;
-    if prompt.len() + a.max_new > plan.context_bound {
+    if prompt.len().saturating_add(a.max_new) > plan.context_bound {
         bail!(
             "the prompt ({} tokens) plus --max-new {} exceeds the usable context of {} tokens",
             prompt.len(),

@@ -26,6 +26,7 @@ pub struct ScoreArgs {
 }
 
 pub fn run(a: ScoreArgs) -> Result<()> {
+    super::check_outputs([("--logits-out", Some(a.logits_out.as_path()))])?;
     let opened = load::open(&a.model)?;
     let trunk = crate::k3::weights::Weights::load(&opened.cfg, &opened.ck)?.resident_bytes() as u64;
     let rows = a.prompt_ids.0.len().min(a.engine.prefill_rows.max(1));

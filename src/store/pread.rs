@@ -36,7 +36,8 @@ fn read_fully(op: &ReadOp) -> io::Result<usize> {
 }
 
 impl PreadPool {
-    pub fn new(qd: usize) -> Self {
+    /// Starts `qd` reader threads; fails (rather than panics) when the system refuses a thread.
+    pub fn new(qd: usize) -> io::Result<Self> {
         let (jobs_tx, jobs_rx) = channel::<ReadOp>();
         let (done_tx, done_rx) = channel::<Done>();
         let jobs_rx = Arc::new(Mutex::new(jobs_rx));
@@ -44,24 +45,21 @@ impl PreadPool {
             .map(|_| {
                 let rx = Arc::clone(&jobs_rx);
                 let tx = done_tx.clone();
-                std::thread::Builder::new()
-                    .name("deltafin-pread".into())
-                    .spawn(move || {
-                        loop {
-                            let op = match rx.lock() {
-                                Ok(guard) => guard.recv(),
-                                Err(_) => return,
-                            };
-                            let Ok(op) = op else { return };
-                            if tx.send(Done { tag: op.tag, result: read_fully(&op) }).is_err() {
-                                return;
-                            }
+                std::thread::Builder::new().name("deltafin-pread".into()).spawn(move || {
+                    loop {
+                        let op = match rx.lock() {
+                            Ok(guard) => guard.recv(),
+                            Err(_) => return,
+                        };
+                        let Ok(op) = op else { return };
+                        if tx.send(Done { tag: op.tag, result: read_fully(&op) }).is_err() {
+                            return;
                         }
-                    })
-                    .expect("spawning a reader thread")
+                    }
+                })
             })
-            .collect();
-        PreadPool { jobs: Some(jobs_tx), done: done_rx, workers, in_flight: 0 }
+            .collect::<io::Result<Vec<_>>>()?;
+        Ok(PreadPool { jobs: Some(jobs_tx), done: done_rx, workers, in_flight: 0 })
     }
 }
 

@@ -67,16 +67,23 @@ impl ReaderKind {
     }
 }
 
+/// Most reads in flight per drive: past this a pread pool would be thousands of threads and an
+/// io_uring ring larger than the kernel allows, for no gain on any SSD.
+pub const MAX_QD: usize = 1024;
+
 /// Creates a reader for one drive. `registered` are (ptr, len) buffers to register with io_uring.
 pub fn new_reader(kind: ReaderKind, qd: usize, registered: &[(*mut u8, usize)]) -> io::Result<Box<dyn DriveIo>> {
+    if !(1..=MAX_QD).contains(&qd) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("queue depth {qd} is outside 1..={MAX_QD}")));
+    }
     match kind {
-        ReaderKind::Pread => Ok(Box::new(super::pread::PreadPool::new(qd))),
+        ReaderKind::Pread => Ok(Box::new(super::pread::PreadPool::new(qd)?)),
         #[cfg(target_os = "linux")]
         ReaderKind::Uring => Ok(Box::new(super::uring::Uring::new(qd, registered)?)),
         #[cfg(target_os = "linux")]
         ReaderKind::Auto => match super::uring::Uring::new(qd, registered) {
             Ok(u) => Ok(Box::new(u)),
-            Err(_) => Ok(Box::new(super::pread::PreadPool::new(qd))),
+            Err(_) => Ok(Box::new(super::pread::PreadPool::new(qd)?)),
         },
         #[cfg(not(target_os = "linux"))]
         ReaderKind::Uring => {
@@ -84,7 +91,7 @@ pub fn new_reader(kind: ReaderKind, qd: usize, registered: &[(*mut u8, usize)]) 
             Err(io::Error::new(io::ErrorKind::Unsupported, "io_uring is Linux-only"))
         }
         #[cfg(not(target_os = "linux"))]
-        ReaderKind::Auto => Ok(Box::new(super::pread::PreadPool::new(qd))),
+        ReaderKind::Auto => Ok(Box::new(super::pread::PreadPool::new(qd)?)),
     }
 }
 
