@@ -154,6 +154,7 @@ fn summarize(m: &Manifest, path: &Path) {
 fn verify(a: &PlaceArgs, opened: &load::Opened) -> Result<()> {
     let path = a.model.join(MANIFEST);
     let m = Manifest::load(&path)?;
+    m.check_model(&opened.ck, &opened.roster)?;
     let pb = bar(0);
     let problems = placement::verify(&m, &opened.ck, &opened.roster, &|d, t| {
         pb.set_length(t);

@@ -216,7 +216,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         eprint!("{}", stats.to_text());
     }
     if let Some(p) = &a.trace_routes {
-        let body = serde_json::to_vec(&stats.route_trace())?;
+        let body = serde_json::to_vec(&stats.route_trace().for_model(&opened.ck))?;
         crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
     }
     if let Some(p) = &a.stats_json {
