@@ -268,11 +268,7 @@ fn place_resumes_and_never_publishes_incomplete_data() {
     std::fs::remove_file(man0.pack_path(1, 3)).unwrap();
     std::fs::write(man0.pack_path(1, 3).with_extension("pack.partial"), b"half").unwrap();
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
-    assert_eq!(
-        std::fs::metadata(man.pack_path(0, 1)).unwrap().modified().unwrap(),
-        first,
-        "complete packs are reused"
-    );
+    assert_eq!(std::fs::metadata(man.pack_path(0, 1)).unwrap().modified().unwrap(), first, "complete packs are reused");
     assert!(man.pack_path(1, 3).exists());
     assert!(!man.pack_path(1, 3).with_extension("pack.partial").exists());
     let problems = deltafin::store::placement::verify(&man, &m.ck, &m.roster, &|_, _| {});

@@ -564,7 +564,17 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
             // Reuse a complete pack only if it is this model's and every record's bytes (read back,
             // not just the recorded checksums) hash to the shards' checksum: a resumed run must not
             // trust a pack another run rewrote, and a flipped byte is repaired by rewriting.
-            if let Ok(h) = pack::read_header(&path)
+            let header = pack::read_header(&path);
+            if let Ok(h) = &header
+                && h.model != raw_fp
+            {
+                eprintln!(
+                    "deltafin place: {} belongs to model {}; rewriting it with this model's experts",
+                    path.display(),
+                    fingerprint::short(&fingerprint::hex(&h.model))
+                );
+            }
+            if let Ok(h) = header
                 && h.model == raw_fp
                 && h.layer as usize == l
                 && h.expert_len == len
