@@ -39,15 +39,29 @@ pub enum PlacementError {
     Invalid { path: PathBuf, msg: String },
     #[error(transparent)]
     Pack(#[from] pack::PackError),
-    #[error(
-        "{} belongs to another model: {what} model {}, but {} is model {}; {fix}",
-        path.display(), fingerprint::short(theirs), dir.display(), fingerprint::short(ours)
-    )]
-    OtherModel { path: PathBuf, what: String, theirs: String, ours: String, dir: PathBuf, fix: String },
+    #[error("{0}")]
+    OtherModel(Box<OtherModel>),
     #[error("{}: another `deltafin place` is running here (it holds this lock); wait for it to finish", path.display())]
     Locked { path: PathBuf },
     #[error("{0}")]
     Other(String),
+}
+
+/// A placement, pack or route trace of another model than the one at hand.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{} belongs to another model: {what} model {}, but {} is model {}; {fix}",
+    path.display(), fingerprint::short(theirs), dir.display(), fingerprint::short(ours)
+)]
+pub struct OtherModel {
+    pub path: PathBuf,
+    /// How the file names its model, e.g. "it was placed for".
+    pub what: String,
+    pub theirs: String,
+    pub ours: String,
+    pub dir: PathBuf,
+    /// What to do about it.
+    pub fix: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -218,13 +232,15 @@ impl Manifest {
     /// manifest's checksums and this model's bytes; `place --verify` checks them all).
     pub fn check_model(&self, ck: &Checkpoint, roster: &Roster) -> Result<(), PlacementError> {
         let ours = fingerprint::fingerprint(ck);
-        let other = |what: &str| PlacementError::OtherModel {
-            path: self.path.clone(),
-            what: what.into(),
-            theirs: self.model.fingerprint.clone(),
-            ours: ours.clone(),
-            dir: ck.dir.clone(),
-            fix: format!("re-run `deltafin place --model {}`, or pass this model's --placement", ck.dir.display()),
+        let other = |what: &str| {
+            PlacementError::OtherModel(Box::new(OtherModel {
+                path: self.path.clone(),
+                what: what.into(),
+                theirs: self.model.fingerprint.clone(),
+                ours: ours.clone(),
+                dir: ck.dir.clone(),
+                fix: format!("re-run `deltafin place --model {}`, or pass this model's --placement", ck.dir.display()),
+            }))
         };
         if self.model.fingerprint != ours {
             return Err(other("it was placed for"));
@@ -298,7 +314,7 @@ impl RouteTrace {
     pub fn check_model(&self, ours: &str, dir: &Path) -> Result<(), PlacementError> {
         match &self.model {
             Some(theirs) if theirs == ours => Ok(()),
-            Some(theirs) => Err(PlacementError::OtherModel {
+            Some(theirs) => Err(PlacementError::OtherModel(Box::new(OtherModel {
                 path: self.path.clone(),
                 what: "the routes were recorded on".into(),
                 theirs: theirs.clone(),
@@ -308,7 +324,7 @@ impl RouteTrace {
                     "record a trace on this model with `deltafin run --model {} --trace-routes FILE`",
                     dir.display()
                 ),
-            }),
+            }))),
             None => Err(PlacementError::Invalid {
                 path: self.path.clone(),
                 msg: format!(
