@@ -28,8 +28,6 @@ pub const VERSION: u32 = 2;
 const PLAN: &str = ".placement-plan.json";
 /// Lock file, in the model directory and in each drive's model directory, held while placing.
 pub const LOCK: &str = ".place.lock";
-/// Experts `run` re-checks against the shards before trusting a manifest's checksums.
-const SPOT_CHECKS: usize = 2;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlacementError {
@@ -245,28 +243,37 @@ impl Manifest {
         if self.model.fingerprint != ours {
             return Err(other("it was placed for"));
         }
-        let mut checked = 0;
-        let candidates = self
-            .layers
-            .first()
-            .into_iter()
-            .chain(self.layers.last())
-            .flat_map(|ml| [0, ml.experts.len().saturating_sub(1)].into_iter().map(move |e| (ml, e)));
-        for (ml, e) in candidates {
+        let model_len = roster.expert_layout.as_ref().map_or(0, |l| l.len as u64);
+        if self.expert_bytes != model_len {
+            return Err(PlacementError::Invalid {
+                path: self.path.clone(),
+                msg: format!(
+                    "its experts are {} bytes, this model's {model_len}; re-run `deltafin place --model {}`",
+                    self.expert_bytes,
+                    ck.dir.display()
+                ),
+            });
+        }
+        // First expert of the first MoE layer, last of the last: two reads, far apart.
+        let first = self.layers.first().map(|ml| (ml, 0));
+        let last = self.layers.last().map(|ml| (ml, ml.experts.len().saturating_sub(1)));
+        for (ml, e) in first.into_iter().chain(last) {
             let Some(loc) = roster.experts.get(ml.layer).and_then(|x| x.as_ref()).and_then(|l| l.get(e)) else {
                 continue;
             };
             let Some(x) = ml.experts.get(e) else { continue };
             let got = pack::checksum(ck.range(loc.shard, loc.start, loc.start + self.expert_bytes));
             if u64::from_str_radix(&x.xxh3, 16).ok() != Some(got) {
-                return Err(other(&format!(
-                    "its checksum of expert {e} of layer {} ({}) is not the shards' ({got:016x}); it lists",
-                    ml.layer, x.xxh3
-                )));
-            }
-            checked += 1;
-            if checked == SPOT_CHECKS {
-                break;
+                // Same fingerprint, other bytes: edited, or a model the fingerprint's samples missed.
+                return Err(PlacementError::Invalid {
+                    path: self.path.clone(),
+                    msg: format!(
+                        "its checksum of expert {e} of layer {} ({}) is not the shards' ({got:016x}), so it is not this model's placement; re-run `deltafin place --model {}`",
+                        ml.layer,
+                        x.xxh3,
+                        ck.dir.display()
+                    ),
+                });
             }
         }
         Ok(())
@@ -717,6 +724,16 @@ pub fn verify(
 ) -> Vec<VerifyProblem> {
     let mut problems = Vec::new();
     let len = manifest.expert_bytes;
+    // Shard ranges are cut with the manifest's length: it must be the model's (see check_model).
+    if roster.expert_layout.as_ref().map(|l| l.len as u64) != Some(len) {
+        problems.push(VerifyProblem {
+            drive: "manifest".into(),
+            layer: 0,
+            expert: 0,
+            msg: format!("expert_bytes {len} is not this model's expert size"),
+        });
+        return problems;
+    }
     let total: u64 =
         manifest.layers.iter().map(|l| l.experts.iter().map(|e| e.drives.len() as u64 + 1).sum::<u64>()).sum::<u64>()
             * len;
