@@ -72,6 +72,11 @@ fn outputs_never_replace_devices_fifos_or_directories() {
     );
     assert!(!err.contains("context <="), "checked before the startup line:\n{err}");
     expect(
+        Command::new(bin()).args(["bench", "run", "--model"]).arg(fixture("k3-tiny-a")).args(["--out", "/dev/full"]),
+        1,
+        &["--out /dev/full", "character device"],
+    );
+    expect(
         Command::new(bin())
             .args(["run", "--model"])
             .arg(fixture("k3-tiny-a"))
