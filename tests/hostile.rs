@@ -209,6 +209,13 @@ fn synth_force_replaces_only_its_own_output() {
     std::fs::remove_file(m.join("notes.txt")).unwrap();
     run_ok(&mut synth(&m, &["--force", "--seed", "7"]));
     assert!(m.join("config.json").exists());
+    // Output of a synth from before the marker: recognised by its config, if it holds nothing else.
+    std::fs::remove_file(m.join(".deltafin-synth.json")).unwrap();
+    std::fs::write(m.join("notes.txt"), "mine").unwrap();
+    expect(&mut synth(&m, &["--force"]), 1, &["notes.txt"]);
+    std::fs::remove_file(m.join("notes.txt")).unwrap();
+    run_ok(&mut synth(&m, &["--force"]));
+    assert!(m.join(".deltafin-synth.json").exists());
 }
 
 #[test]

@@ -163,8 +163,11 @@ fn one_place_at_a_time() {
     drop(lock);
     // Two started together: one wins, the other fails clearly (or, if the first is already done,
     // both succeed); never a mixed result.
-    let kids: Vec<_> = (0..2).map(|_| place(&a, &["--drive", &drive(&d)]).output().unwrap()).collect();
-    for o in &kids {
+    let kids: Vec<_> = (0..2)
+        .map(|_| place(&a, &["--drive", &drive(&d)]).stderr(std::process::Stdio::piped()).spawn().unwrap())
+        .collect();
+    for k in kids {
+        let o = k.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(o.status.success() || err.contains("another `deltafin place` is running"), "{err}");
     }

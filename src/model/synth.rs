@@ -35,6 +35,9 @@ pub enum SynthError {
 pub const MARKER: &str = ".deltafin-synth.json";
 /// Files deltafin itself adds to a model directory later (placement); replacing them is fine.
 const ADDED_LATER: [&str; 3] = ["placement.json", ".placement-plan.json", ".place.lock"];
+/// The files of a synth output from before the marker existed.
+const LEGACY_FILES: [&str; 5] =
+    ["config.json", "tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "model.safetensors.index.json"];
 /// Name stems of temporaries an interrupted synth leaves beside its output.
 const TEMP_STEMS: [&str; 2] = [".synth-tmp-", ".synth-old-"];
 
@@ -47,14 +50,23 @@ fn check_replaceable(out: &Path) -> Result<(), SynthError> {
         Ok(_) => return refuse("it is not a directory".into()),
         Err(source) => return Err(SynthError::Io { path: out.to_path_buf(), source }),
     }
-    let Some(files) = std::fs::read_to_string(out.join(MARKER))
+    let marked = std::fs::read_to_string(out.join(MARKER))
         .ok()
         .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-        .and_then(|v| {
-            v["files"].as_array().map(|a| a.iter().filter_map(|x| x.as_str().map(String::from)).collect::<Vec<_>>())
-        })
-    else {
-        return refuse(format!("it has no {MARKER} (not written by synth); delete it yourself if it should go"));
+        .and_then(|v| v["files"].as_array().map(|a| a.iter().filter_map(|x| x.as_str().map(String::from)).collect()));
+    let files: Vec<String> = match marked {
+        Some(f) => f,
+        // Written by a synth from before the marker: its config says so, and it holds only the
+        // files synth writes (checked below against this list).
+        None if is_synthetic(out) => std::fs::read_dir(out)
+            .map_err(|source| SynthError::Io { path: out.to_path_buf(), source })?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| LEGACY_FILES.contains(&n.as_str()) || (n.starts_with("model") && n.ends_with(".safetensors")))
+            .collect(),
+        None => {
+            return refuse(format!("it has no {MARKER} (not written by synth); delete it yourself if it should go"));
+        }
     };
     let rd = std::fs::read_dir(out).map_err(|source| SynthError::Io { path: out.to_path_buf(), source })?;
     let mut extra: Vec<String> = rd
