@@ -259,3 +259,25 @@ fn stale_temps_of_an_interrupted_place_are_removed() {
     assert!(!stale.exists() && live.exists(), "only the dead process's temp goes");
     assert!(!ns.join("L2.pack.partial").exists());
 }
+
+#[test]
+fn the_fingerprint_follows_the_bytes_not_the_path() {
+    let (_tmp, a, b, _d) = two_models();
+    // A copy elsewhere is the same model (its placement stays valid after a move).
+    let copy = copy_fixture("k3-tiny-a");
+    assert_eq!(fp(copy.path()), fp(&fixture("k3-tiny-a")));
+    assert_ne!(fp(&a), fp(&b), "same headers, different weights");
+    // One byte in a sampled window (the middle of a shard) changes it.
+    let shard = std::fs::read_dir(copy.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .unwrap();
+    let before = fp(copy.path());
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 1;
+    std::fs::write(&shard, &bytes).unwrap();
+    assert_ne!(fp(copy.path()), before);
+}
