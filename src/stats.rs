@@ -119,11 +119,14 @@ impl Stats {
         (p > 0 && n > 0).then(|| (h as f64 / n as f64, h as f64 / p as f64))
     }
 
-    /// The route counts in the trace format `place --policy hot` reads.
+    /// The route counts in the trace format `place --policy hot` reads (mark it with the model
+    /// through `RouteTrace::for_model`: place refuses traces of unknown models).
     pub fn route_trace(&self) -> crate::store::placement::RouteTrace {
         crate::store::placement::RouteTrace {
             version: 1,
+            model: None,
             layers: self.routes.iter().map(|(l, c)| (l.to_string(), c.clone())).collect(),
+            path: Default::default(),
         }
     }
 

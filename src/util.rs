@@ -1,18 +1,104 @@
-//! Small shared helpers: atomic file writes and f32 safetensors output.
+//! Small shared helpers: atomic file writes (never through a non-regular file) and output-path
+//! checks, f32 safetensors output, stale temp cleanup, cache directory, byte formatting, bench
+//! record headers.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-/// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename.
+/// Follows `path` through symbolic links (relative ones against their own directory) to the file
+/// a write should replace; a dangling link resolves to the path it names.
+pub fn resolve_links(path: &Path) -> std::io::Result<PathBuf> {
+    let mut p = path.to_path_buf();
+    // Linux gives up after 40 hops (ELOOP); so do we, so a link cycle is an error, not a hang.
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let t = std::fs::read_link(&p)?;
+                p = if t.is_absolute() { t } else { p.parent().unwrap_or(Path::new("")).join(t) };
+            }
+            _ => return Ok(p),
+        }
+    }
+    Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "too many levels of symbolic links"))
+}
+
+/// What kind of non-regular file `m` is, for error messages.
+fn file_kind(m: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = m.file_type();
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// The regular file (existing or not) that an atomic write of `path` replaces: `path` with links
+/// followed. Refuses a directory, FIFO, device or socket (renaming over one would destroy it).
+fn write_target(path: &Path) -> std::io::Result<PathBuf> {
+    let target = resolve_links(path)?;
+    match std::fs::metadata(&target) {
+        Ok(m) if !m.is_file() => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "{}is {}, not a regular file; refusing to replace it",
+                if target == path { String::new() } else { format!("links to {} which ", target.display()) },
+                file_kind(&m)
+            ),
+        )),
+        _ => Ok(target),
+    }
+}
+
+fn parent_dir(path: &Path) -> &Path {
+    path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
+}
+
+fn temp_beside(target: &Path) -> PathBuf {
+    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
+    parent_dir(target).join(format!(".{name}.tmp.{}", std::process::id()))
+}
+
+/// Checks, before the work that produces it, that `write_atomic(path, ..)` can succeed: the target
+/// is (or will be) a regular file and its directory accepts a new file (a temp file is created and
+/// removed).
+pub fn check_output_path(path: &Path) -> std::io::Result<()> {
+    let target = write_target(path)?;
+    let dir = parent_dir(&target);
+    if !dir.is_dir() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("the directory {} does not exist", dir.display()),
+        ));
+    }
+    let tmp = temp_beside(&target);
+    std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+    std::fs::remove_file(&tmp)
+}
+
+/// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename. A symbolic
+/// link is followed and its target replaced (the link stays); a directory, FIFO, device or socket
+/// is refused, never replaced. An existing file keeps its permissions.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
+    let target = write_target(path)?;
+    let dir = parent_dir(&target);
+    let tmp = temp_beside(&target);
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(bytes)?;
+        if let Ok(m) = std::fs::metadata(&target) {
+            f.set_permissions(m.permissions())?;
+        }
         f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
+        std::fs::rename(&tmp, &target)?;
         if let Ok(d) = std::fs::File::open(dir) {
             let _ = d.sync_all();
         }
@@ -22,6 +108,48 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// True when process `pid` exists (signal 0 probes without delivering anything).
+pub fn pid_alive(pid: u32) -> bool {
+    let Ok(p) = libc::pid_t::try_from(pid) else { return false };
+    // SAFETY: kill with signal 0 only checks for existence and permission.
+    let r = unsafe { libc::kill(p, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// Removes the leftovers of interrupted runs in `dir`: entries named `.…{stem}{pid}` (for any of
+/// `stems`, e.g. ".synth-tmp-") whose process `pid` is gone. Returns what was removed. Entries of
+/// live processes (a concurrent run) are left alone.
+pub fn remove_stale_temps(dir: &Path, stems: &[&str]) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else { return removed };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with('.') {
+            continue;
+        }
+        let pid = stems.iter().find_map(|stem| {
+            let (_, tail) = name.rsplit_once(stem)?;
+            if tail.is_empty() || !tail.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            tail.parse::<u32>().ok()
+        });
+        let Some(pid) = pid else { continue };
+        if pid == std::process::id() || pid_alive(pid) {
+            continue;
+        }
+        let p = e.path();
+        let gone = match e.file_type() {
+            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&p),
+            _ => std::fs::remove_file(&p),
+        };
+        if gone.is_ok() {
+            removed.push(p);
+        }
+    }
+    removed
 }
 
 /// Serialises one f32 tensor as a safetensors file, atomically.

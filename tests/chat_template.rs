@@ -4,11 +4,11 @@
 //! becomes special token ids.
 
 mod common;
+use common::python;
 use deltafin::model::chat::{ChatOptions, ChatTemplate, Thinking};
 use deltafin::model::tokenizer::{Tokenizer, k3_tokenizer_config};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn template_path() -> PathBuf {
     let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/k3/chat_template.jinja");
@@ -139,12 +139,8 @@ fn renders_like_hugging_face_jinja2() {
     let path = tmp.path().join("cases.json");
     std::fs::write(&path, serde_json::to_vec(&ctxs).unwrap()).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chat/render_jinja2.py");
-    let out = Command::new("python3").arg(&script).arg(template_path()).arg(&path).output().expect("python3");
-    assert!(
-        out.status.success(),
-        "jinja2 rendering failed (pip install jinja2):\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = python().arg(&script).arg(template_path()).arg(&path).output().expect("python3");
+    assert!(out.status.success(), "jinja2 rendering failed:\n{}", String::from_utf8_lossy(&out.stderr));
     let want: Vec<Value> = serde_json::from_slice(&out.stdout).unwrap();
     let errors = want.iter().filter(|w| w.get("error").is_some()).count();
     assert_eq!((want.len() - errors, errors), (13, 4), "expected 13 renderings and 4 template errors");

@@ -129,7 +129,7 @@ fn engine_options_that_cannot_apply_are_errors_not_silent() {
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("--experts-from mmap"), "{err}");
     let o = run(&["--memory-gb", "nan"], None);
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--memory-gb NaN"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--memory-gb"), "{}", String::from_utf8_lossy(&o.stderr));
     // Library diagnostics go through DELTAFIN_LOG: the resolved engine config is an info event.
     let quiet = run(&[], None);
     assert!(!String::from_utf8_lossy(&quiet.stderr).contains("engine config"));

@@ -6,6 +6,17 @@ use common::*;
 use std::path::Path;
 use std::process::Command;
 
+/// Where drive `drive` of `model`'s placement keeps the pack of `layer`.
+fn pack_path(model: &Path, drive: usize, layer: usize) -> std::path::PathBuf {
+    deltafin::store::placement::Manifest::load(&model.join("placement.json")).unwrap().pack_path(drive, layer)
+}
+
+/// The directory of `model`'s packs on a drive: named by the model's fingerprint.
+fn model_dir_on(model: &Path, drive: &Path) -> std::path::PathBuf {
+    let ck = deltafin::model::Checkpoint::open(model).unwrap();
+    drive.join(deltafin::model::fingerprint::short(&deltafin::model::fingerprint::fingerprint(&ck)))
+}
+
 fn place(model: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(bin());
     c.args(["place", "--model"]).arg(model).args(["--probe-mb", "32", "--probe-seconds", "0.2"]).args(args);
@@ -46,7 +57,7 @@ fn place_measure_run_verify() {
     run_ok(&mut place(tmp.path(), &["--verify"]));
 
     // Corrupt one record: verify names the drive, layer and expert and exits 1.
-    let pack = d0.join("L2.pack");
+    let pack = pack_path(tmp.path(), 0, 2);
     let h = deltafin::store::pack::read_header(&pack).unwrap();
     let mut b = std::fs::read(&pack).unwrap();
     b[h.entries[0].offset as usize] ^= 1;
@@ -128,14 +139,15 @@ fn a_disk_that_fills_up_while_writing_leaves_no_manifest() {
     // /dev/full fails every write with ENOSPC: the free-space check passes, the write does not.
     let tmp = copy_fixture("k3-tiny-a");
     let d = tmp.path().join("d");
-    std::fs::create_dir_all(&d).unwrap();
-    std::os::unix::fs::symlink("/dev/full", d.join("L3.pack.partial")).unwrap();
+    let ns = model_dir_on(tmp.path(), &d);
+    std::fs::create_dir_all(&ns).unwrap();
+    std::os::unix::fs::symlink("/dev/full", ns.join("L3.pack.partial")).unwrap();
     let o = place(tmp.path(), &["--drive", &format!("{}=1", d.display())]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("No space left on device") && err.contains("L3.pack.partial"), "{err}");
     assert!(!tmp.path().join("placement.json").exists(), "no manifest may point at incomplete data");
-    assert!(!d.join("L3.pack").exists() && !d.join("L3.pack.partial").exists());
+    assert!(!ns.join("L3.pack").exists() && !ns.join("L3.pack.partial").exists());
     // Packs completed before the failure are kept and reused by the next run.
     let (_, _) = run_ok(&mut place(tmp.path(), &["--drive", &format!("{}=1", d.display())]));
     assert!(tmp.path().join("placement.json").exists());

@@ -39,7 +39,7 @@ fn route_trace(m: &Model) -> RouteTrace {
     let e = engine_with(&m.dir, Arc::new(m.mmap_source()));
     let mut s = e.new_session();
     s.prefill(&prompt()).unwrap();
-    s.stats.route_trace()
+    s.stats.route_trace().for_model(&m.ck)
 }
 
 fn do_place(m: &Model, drives: &[PathBuf], policy: Policy, shards: ShardUse, trace: Option<RouteTrace>) -> Manifest {
@@ -131,7 +131,7 @@ fn a_corrupt_copy_fails_over_with_identical_output() {
     let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
     let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
     // Flip one byte in every record of drive 0's layer-1 pack.
-    let path = drives[0].join("L1.pack");
+    let path = man.pack_path(0, 1);
     let h = deltafin::store::pack::read_header(&path).unwrap();
     let mut bytes = std::fs::read(&path).unwrap();
     for e in &h.entries {
@@ -160,7 +160,7 @@ fn a_copy_truncated_mid_run_fails_over() {
     let store = open_store(&m, &man, 0, ReaderKind::Uring);
     // The files are open; now the drive "loses" data.
     for l in 1..6 {
-        let f = std::fs::OpenOptions::new().write(true).open(drives[1].join(format!("L{l}.pack"))).unwrap();
+        let f = std::fs::OpenOptions::new().write(true).open(man.pack_path(1, l)).unwrap();
         f.set_len(4096).unwrap();
     }
     let got = logits_with(&m, store.clone()).unwrap();
@@ -255,20 +255,16 @@ fn place_resumes_and_never_publishes_incomplete_data() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
     let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
-    do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
-    let first = std::fs::metadata(drives[0].join("L1.pack")).unwrap().modified().unwrap();
+    let man0 = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
+    let first = std::fs::metadata(man0.pack_path(0, 1)).unwrap().modified().unwrap();
     // An interrupted run: manifest gone, one pack half written, another missing.
     std::fs::remove_file(tmp.path().join("placement.json")).unwrap();
-    std::fs::remove_file(drives[1].join("L3.pack")).unwrap();
-    std::fs::write(drives[1].join("L3.pack.partial"), b"half").unwrap();
+    std::fs::remove_file(man0.pack_path(1, 3)).unwrap();
+    std::fs::write(man0.pack_path(1, 3).with_extension("pack.partial"), b"half").unwrap();
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
-    assert_eq!(
-        std::fs::metadata(drives[0].join("L1.pack")).unwrap().modified().unwrap(),
-        first,
-        "complete packs are reused"
-    );
-    assert!(drives[1].join("L3.pack").exists());
-    assert!(!drives[1].join("L3.pack.partial").exists());
+    assert_eq!(std::fs::metadata(man.pack_path(0, 1)).unwrap().modified().unwrap(), first, "complete packs are reused");
+    assert!(man.pack_path(1, 3).exists());
+    assert!(!man.pack_path(1, 3).with_extension("pack.partial").exists());
     let problems = deltafin::store::placement::verify(&man, &m.ck, &m.roster, &|_, _| {});
     assert!(problems.is_empty(), "{problems:?}");
 }

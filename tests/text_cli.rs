@@ -104,7 +104,7 @@ fn synth_writes_the_shipped_layout_and_matches_the_fp64_reference() {
         dir = dir.display().to_string(),
         out = out.display().to_string(),
     );
-    let o = Command::new("python3").args(["-c", &script]).output().unwrap();
+    let o = python().args(["-c", &script]).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let err: f64 = String::from_utf8_lossy(&o.stdout).trim().parse().unwrap();
     assert!(err < 1e-4, "synth model: relative error vs fp64 reference {err}");

@@ -5,7 +5,7 @@
 //! with K3's 256 reserved specials after it.
 
 mod common;
-use common::Rng;
+use common::{Rng, python};
 use deltafin::model::tokenizer::{Tokenizer, k3_tokenizer_config};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -133,18 +133,14 @@ fn token_ids_match_python_tiktoken() {
     let corpus_path = tmp.path().join("corpus.json");
     std::fs::write(&corpus_path, serde_json::to_vec(&texts).unwrap()).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/tokenizer/kimi_tiktoken_ids.py");
-    let out = Command::new("python3")
+    let out = python()
         .arg(&script)
         .arg(tmp.path().join("tiktoken.model"))
         .arg(tmp.path().join("tokenizer_config.json"))
         .arg(&corpus_path)
         .output()
-        .expect("python3 must be installed (see .ci/run)");
-    assert!(
-        out.status.success(),
-        "python tiktoken failed (pip install tiktoken):\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .expect("python3 must be installed");
+    assert!(out.status.success(), "python tiktoken failed:\n{}", String::from_utf8_lossy(&out.stderr));
     let want: Vec<Vec<u32>> = serde_json::from_slice(&out.stdout).unwrap();
 
     let cache = tmp.path().join("cache");

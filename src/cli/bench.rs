@@ -49,10 +49,10 @@ pub struct IoArgs {
     #[arg(long)]
     placement: Option<PathBuf>,
     /// Bytes of distinct experts to read, in GB (capped by the model's experts).
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 2.0, value_parser = super::parse_gb_positive)]
     gb: f64,
     /// Reads in flight per drive when there is no placement.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = super::parse_qd)]
     qd: usize,
     #[arg(long, value_enum, default_value_t = ReaderKind::Auto)]
     reader: ReaderKind,

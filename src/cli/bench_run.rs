@@ -96,11 +96,11 @@ fn measure_ceiling(
         Some(m) => {
             let mut ranges: Vec<(PathBuf, u64)> = Vec::new();
             for ml in &m.layers {
-                for (d, drive) in m.drives.iter().enumerate() {
+                for d in 0..m.drives.len() {
                     if drives.is_some_and(|k| !k.contains(&d)) {
                         continue;
                     }
-                    let path = drive.root.join(crate::store::pack::pack_name(ml.layer));
+                    let path = m.pack_path(d, ml.layer);
                     if let Ok(h) = crate::store::pack::read_header(&path) {
                         ranges.extend(h.entries.iter().map(|e| (path.clone(), e.offset)));
                     }
@@ -122,6 +122,7 @@ fn measure_ceiling(
 }
 
 pub fn run(a: RunBenchArgs) -> Result<()> {
+    super::check_outputs([("--out", a.out.as_deref())])?;
     if a.prompt_tokens == 0 {
         bail!("--prompt-tokens must be > 0");
     }

@@ -13,19 +13,19 @@ pub struct EngineArgs {
     #[arg(long)]
     pub placement: Option<PathBuf>,
     /// Expert cache size in GB (default: what the memory budget leaves, up to all experts).
-    #[arg(long)]
+    #[arg(long, value_parser = super::parse_gb)]
     pub expert_cache_gb: Option<f64>,
     /// I/O reader.
     #[arg(long, value_enum, default_value_t = ReaderKind::Auto)]
     pub reader: ReaderKind,
     /// Reads in flight per drive when reading the shards without a placement.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = super::parse_qd)]
     pub qd: usize,
     /// Where experts come from.
     #[arg(long, value_enum, default_value_t = ExpertsFrom::Store)]
     pub experts_from: ExpertsFrom,
     /// Memory budget in GB (default: what the machine, or its memory cgroup, has available).
-    #[arg(long)]
+    #[arg(long, value_parser = super::parse_gb_positive)]
     pub memory_gb: Option<f64>,
     /// Prompt rows processed together (expert-major); longer prompts are chunked.
     #[arg(long, default_value_t = 4096)]

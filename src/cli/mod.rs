@@ -22,7 +22,7 @@ use std::process::ExitCode;
 )]
 pub struct Cli {
     /// Worker threads for the kernels (default: all cores). Results do not depend on it.
-    #[arg(long, global = true)]
+    #[arg(long, global = true, value_parser = parse_threads)]
     threads: Option<usize>,
     #[command(subcommand)]
     cmd: Cmd,
@@ -103,8 +103,21 @@ pub fn main() -> ExitCode {
         .event_format(Prefixed)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("DELTAFIN_LOG").unwrap_or_else(|_| "warn".into()))
         .init();
-    if let Some(n) = cli.threads
-        && let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).build_global()
+    // rayon reads RAYON_NUM_THREADS itself when --threads is absent; hold it to the same bound so a
+    // stray value is a clear usage error, not a panic when the pool first starts.
+    let threads = match (cli.threads, std::env::var("RAYON_NUM_THREADS")) {
+        (Some(n), _) => Some(n),
+        (None, Ok(v)) if !v.trim().is_empty() => match parse_threads(v.trim()) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                eprintln!("error: RAYON_NUM_THREADS={v}: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        _ => None,
+    };
+    if let Some(n) = threads
+        && let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n).build_global()
     {
         eprintln!("error: cannot set up {n} threads: {e}");
         return ExitCode::from(1);
@@ -119,10 +132,81 @@ pub fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_text(&e));
             ExitCode::from(1)
         }
     }
+}
+
+/// The error and its causes, each once: library errors embed their source in their own message
+/// (so they read well alone), and anyhow's chain would print that source a second time.
+pub(crate) fn error_text(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let t = cause.to_string();
+        if out.contains(&t) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&t);
+    }
+    out
+}
+
+/// Most kernel threads accepted: far past any core count, short of exhausting the process's threads.
+pub(crate) const MAX_THREADS: usize = 1024;
+
+/// `--threads N`: 1..=MAX_THREADS.
+pub(crate) fn parse_threads(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|_| format!("`{s}` is not a thread count (expected 1..={MAX_THREADS})"))?;
+    if !(1..=MAX_THREADS).contains(&n) {
+        return Err(format!("{n} threads is outside 1..={MAX_THREADS}"));
+    }
+    Ok(n)
+}
+
+/// `--qd N` (reads in flight per drive): 1..=MAX_QD.
+pub(crate) fn parse_qd(s: &str) -> Result<usize, String> {
+    use crate::store::reader::MAX_QD;
+    let n: usize = s.parse().map_err(|_| format!("`{s}` is not a queue depth (expected 1..={MAX_QD})"))?;
+    if !(1..=MAX_QD).contains(&n) {
+        return Err(format!("queue depth {n} is outside 1..={MAX_QD}"));
+    }
+    Ok(n)
+}
+
+/// A size in GB that must be a finite number > 0 (`--memory-gb`).
+pub(crate) fn parse_gb_positive(s: &str) -> Result<f64, String> {
+    let g = parse_gb(s)?;
+    if g == 0.0 {
+        return Err("must be > 0".into());
+    }
+    Ok(g)
+}
+
+/// A size in GB that must be a finite number >= 0 (`--expert-cache-gb`).
+pub(crate) fn parse_gb(s: &str) -> Result<f64, String> {
+    let g: f64 = s.parse().map_err(|_| format!("`{s}` is not a number of GB"))?;
+    // Far above any machine (1 EB), so that g * 1e9 stays exact enough and fits u64.
+    if !g.is_finite() || !(0.0..=1e9).contains(&g) {
+        return Err(format!("`{s}` is not a size in GB (expected a finite number from 0 to 1e9)"));
+    }
+    Ok(g)
+}
+
+/// Refuses, before any compute, an output path that `util::write_atomic` would refuse at the end.
+pub(crate) fn check_outputs<'a>(
+    paths: impl IntoIterator<Item = (&'a str, Option<&'a std::path::Path>)>,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    for (flag, p) in paths {
+        if let Some(p) = p {
+            crate::util::check_output_path(p).with_context(|| format!("{flag} {}", p.display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// Token ids given on the command line as "1,2,3".

@@ -7,7 +7,7 @@ use crate::store::probe;
 use crate::store::reader::ReaderKind;
 use crate::util::human_bytes;
 use anyhow::{Context, Result, bail};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -31,7 +31,7 @@ pub struct PlaceArgs {
     #[arg(long, value_enum, default_value_t = ShardUse::Fallback)]
     shards: ShardUse,
     /// Reads in flight per drive (used for measuring and recorded for the engine).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = super::parse_qd)]
     qd: usize,
     /// Reader used to measure drives.
     #[arg(long, value_enum, default_value_t = ReaderKind::Auto)]
@@ -129,7 +129,15 @@ pub fn run(a: PlaceArgs) -> Result<()> {
 }
 
 fn summarize(m: &Manifest, path: &Path) {
-    eprintln!("deltafin place: wrote {} ({:?} policy, shards as {:?})", path.display(), m.policy, m.shards);
+    let name = |v: &dyn Fn() -> Option<clap::builder::PossibleValue>| {
+        v().map(|p| p.get_name().to_string()).unwrap_or_default()
+    };
+    eprintln!(
+        "deltafin place: wrote {} ({} policy, shards as {})",
+        path.display(),
+        name(&|| m.policy.to_possible_value()),
+        name(&|| m.shards.to_possible_value())
+    );
     for (d, drive) in m.drives.iter().enumerate() {
         let n: usize =
             m.layers.iter().map(|l| l.experts.iter().filter(|e| e.drives.contains(&(d as u16))).count()).sum();
@@ -146,6 +154,7 @@ fn summarize(m: &Manifest, path: &Path) {
 fn verify(a: &PlaceArgs, opened: &load::Opened) -> Result<()> {
     let path = a.model.join(MANIFEST);
     let m = Manifest::load(&path)?;
+    m.check_model(&opened.ck, &opened.roster)?;
     let pb = bar(0);
     let problems = placement::verify(&m, &opened.ck, &opened.roster, &|d, t| {
         pb.set_length(t);

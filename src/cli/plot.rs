@@ -11,8 +11,8 @@ fn label(r: &Value) -> String {
     format!("{drives}, prefetch {}", if r["prefetch"].as_bool() == Some(true) { "on" } else { "off" })
 }
 
-fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
-    anyhow!("plotting failed: {e:?}")
+fn err<E: std::fmt::Display>(e: E) -> anyhow::Error {
+    anyhow!("plotting failed: {e}")
 }
 
 /// TTFT and decode tokens/s against drives used, one line per prefetch setting.

@@ -121,6 +121,7 @@ fn prompt_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>) -> Result<Vec<u3
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
+    super::check_outputs([("--stats-json", a.stats_json.as_deref()), ("--trace-routes", a.trace_routes.as_deref())])?;
     let dir = match (&a.model, a.demo) {
         (Some(m), _) => m.clone(),
         (None, true) => load::demo_dir()?,
@@ -226,7 +227,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         eprint!("{}", stats.to_text());
     }
     if let Some(p) = &a.trace_routes {
-        let body = serde_json::to_vec(&stats.route_trace())?;
+        let body = serde_json::to_vec(&stats.route_trace().for_model(&engine.ck))?;
         crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
     }
     if let Some(p) = &a.stats_json {

@@ -25,6 +25,7 @@ pub struct ScoreArgs {
 }
 
 pub fn run(a: ScoreArgs) -> Result<()> {
+    super::check_outputs([("--logits-out", Some(a.logits_out.as_path()))])?;
     let n = a.prompt_ids.0.len();
     // Every position's logits are kept until written: they count in the memory budget.
     let vocab = crate::model::K3Config::load(&a.model).map(|c| c.vocab).unwrap_or(0);

@@ -128,6 +128,7 @@ pub struct Engine {
 /// Drops holders on placement drives not in `keep` (the shards, the last drive, stay as placed);
 /// fails if an expert is left without any holder, warns when some must come from the shards.
 fn restrict_drives(spec: &mut StoreSpec, keep: &[usize], placement_drives: usize) -> Result<(), EngineError> {
+    let list = keep.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
     let (mut none, mut shards_only) = (0usize, 0usize);
     for per_layer in spec.holders.iter_mut().flatten() {
         for hs in per_layer.iter_mut() {
@@ -141,12 +142,12 @@ fn restrict_drives(spec: &mut StoreSpec, keep: &[usize], placement_drives: usize
     }
     if none > 0 {
         return Err(EngineError::Config(format!(
-            "--use-drives {keep:?}: {none} experts have no holder on those drives (and the placement does not fall back to the shards); use a mirror placement for drive subsets"
+            "--use-drives {list}: {none} experts have no holder on those drives (and the placement does not fall back to the shards); use a mirror placement for drive subsets"
         )));
     }
     if shards_only > 0 {
         tracing::warn!(
-            "--use-drives {keep:?}: {shards_only} experts are not on those drives and will be read from the shards"
+            "--use-drives {list}: {shards_only} experts are not on those drives and will be read from the shards"
         );
     }
     Ok(())

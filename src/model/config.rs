@@ -70,6 +70,14 @@ pub struct K3Config {
 pub const KDA_L2_EPS: f32 = 1e-6;
 /// eps of MLA's `q_a_layernorm` / `kv_a_layernorm` (Moonshot's modelling code; vLLM uses 1e-5).
 pub const MLA_LATENT_NORM_EPS: f32 = 1e-6;
+/// Upper bounds on config.json's sizes: far above K3 (93 layers, 896 experts, hidden 7168,
+/// vocabulary 163,840), low enough that a typo (1e12) is an error naming the field rather than an
+/// allocation abort while building per-layer or per-expert tables.
+pub const MAX_LAYERS: usize = 4096;
+pub const MAX_EXPERTS: usize = 1 << 16;
+pub const MAX_HIDDEN: usize = 1 << 20;
+pub const MAX_VOCAB: usize = 1 << 24;
+
 /// KDA chunk length for prompt processing.
 pub const KDA_CHUNK: usize = 64;
 
@@ -114,6 +122,14 @@ impl Fields<'_> {
         let v = self.usize(field)?;
         if v == 0 {
             return Err(self.err(field, "must be > 0"));
+        }
+        Ok(v)
+    }
+    /// A positive integer no larger than `max`.
+    fn bounded(&self, field: &str, max: usize) -> Result<usize, ModelError> {
+        let v = self.pos(field)?;
+        if v > max {
+            return Err(self.err(field, format!("{v} is implausibly large (at most {max} is accepted)")));
         }
         Ok(v)
     }
@@ -179,7 +195,8 @@ impl K3Config {
         match top.str_opt("model_type")? {
             Some("kimi_k3") => {}
             other => {
-                return Err(top.err("model_type", format!("expected \"kimi_k3\", found {other:?}")));
+                let found = other.map_or_else(|| "nothing".to_string(), |o| format!("\"{o}\""));
+                return Err(top.err("model_type", format!("expected \"kimi_k3\", found {found}")));
             }
         }
         let text_obj = top
@@ -196,9 +213,9 @@ impl K3Config {
         }
         check_quantization(path, root_obj, text_obj)?;
 
-        let hidden = t.pos("hidden_size")?;
-        let layers = t.pos("num_hidden_layers")?;
-        let vocab = t.pos("vocab_size")?;
+        let hidden = t.bounded("hidden_size", MAX_HIDDEN)?;
+        let layers = t.bounded("num_hidden_layers", MAX_LAYERS)?;
+        let vocab = t.bounded("vocab_size", MAX_VOCAB)?;
         let rms_eps = t.f32("rms_norm_eps")?;
         if !(rms_eps > 0.0 && rms_eps < 1.0) {
             return Err(t.err("rms_norm_eps", format!("expected a small positive number, found {rms_eps}")));
@@ -289,6 +306,11 @@ impl K3Config {
         let first_dense = t.usize_or("first_k_dense_replace", 0)?;
         let moe_freq = t.usize_or("moe_layer_freq", 1)?.max(1);
         let experts = t.usize_or("num_experts", 0)?;
+        if experts > MAX_EXPERTS {
+            return Err(
+                t.err("num_experts", format!("{experts} is implausibly large (at most {MAX_EXPERTS} is accepted)"))
+            );
+        }
         let ffn: Vec<FfnKind> = (0..layers)
             .map(|l| if experts > 0 && l >= first_dense && l % moe_freq == 0 { FfnKind::Moe } else { FfnKind::Dense })
             .collect();
@@ -412,9 +434,14 @@ fn check_quantization(
         field: format!("{prefix}quantization_config.{field}"),
         msg,
     };
+    // A field's JSON text as written (or "nothing"), never Rust debug text.
+    let shown = |v: Option<&Value>| v.map_or_else(|| "nothing".to_string(), Value::to_string);
     let method = q.get("quant_method").and_then(Value::as_str);
     if method != Some("compressed-tensors") {
-        return Err(err("quant_method", format!("expected \"compressed-tensors\", found {method:?}")));
+        return Err(err(
+            "quant_method",
+            format!("expected \"compressed-tensors\", found {}", shown(q.get("quant_method"))),
+        ));
     }
     let groups = q
         .get("config_groups")
@@ -434,7 +461,12 @@ fn check_quantization(
         if bits != Some(4) || typ != Some("float") || gs != Some(32) {
             return Err(err(
                 &format!("config_groups.{name}.weights"),
-                format!("expected num_bits 4, type \"float\", group_size 32; found {bits:?}, {typ:?}, {gs:?}"),
+                format!(
+                    "expected num_bits 4, type \"float\", group_size 32; found {}, {}, {}",
+                    shown(w.get("num_bits")),
+                    shown(w.get("type")),
+                    shown(w.get("group_size"))
+                ),
             ));
         }
         found = true;

@@ -10,6 +10,7 @@ pub mod bpe_train;
 pub mod chat;
 pub mod checkpoint;
 pub mod config;
+pub mod fingerprint;
 pub mod roster;
 pub mod synth;
 pub mod tokenizer;

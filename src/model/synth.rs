@@ -24,6 +24,68 @@ pub enum SynthError {
     Exists(PathBuf),
     #[error("{}: {source}", path.display())]
     Io { path: PathBuf, source: std::io::Error },
+    #[error("--force replaces only a model synth wrote, and {}: {why}", path.display())]
+    NotReplaceable { path: PathBuf, why: String },
+    #[error("{} has {} free but the model needs {}", dir.display(), crate::util::human_bytes(*have), crate::util::human_bytes(*need))]
+    NoSpace { dir: PathBuf, have: u64, need: u64 },
+}
+
+/// Marker synth writes last into every model: the names of the files it wrote, so that `--force`
+/// can tell its own output (safe to replace) from a directory holding anything else.
+pub const MARKER: &str = ".deltafin-synth.json";
+/// Files deltafin itself adds to a model directory later (placement); replacing them is fine.
+const ADDED_LATER: [&str; 3] = ["placement.json", ".placement-plan.json", ".place.lock"];
+/// The files of a synth output from before the marker existed.
+const LEGACY_FILES: [&str; 5] =
+    ["config.json", "tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "model.safetensors.index.json"];
+/// Name stems of temporaries an interrupted synth leaves beside its output.
+const TEMP_STEMS: [&str; 2] = [".synth-tmp-", ".synth-old-"];
+
+/// Refuses to replace `out` unless it is a directory synth wrote holding nothing synth (or place)
+/// did not write.
+fn check_replaceable(out: &Path) -> Result<(), SynthError> {
+    let refuse = |why: String| Err(SynthError::NotReplaceable { path: out.to_path_buf(), why });
+    match std::fs::symlink_metadata(out) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return refuse("it is not a directory".into()),
+        Err(source) => return Err(SynthError::Io { path: out.to_path_buf(), source }),
+    }
+    let marked = std::fs::read_to_string(out.join(MARKER))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v["files"].as_array().map(|a| a.iter().filter_map(|x| x.as_str().map(String::from)).collect()));
+    let files: Vec<String> = match marked {
+        Some(f) => f,
+        // Written by a synth from before the marker: its config says so, and it holds only the
+        // files synth writes (checked below against this list).
+        None if is_synthetic(out) => std::fs::read_dir(out)
+            .map_err(|source| SynthError::Io { path: out.to_path_buf(), source })?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| LEGACY_FILES.contains(&n.as_str()) || (n.starts_with("model") && n.ends_with(".safetensors")))
+            .collect(),
+        None => {
+            return refuse(format!("it has no {MARKER} (not written by synth); delete it yourself if it should go"));
+        }
+    };
+    let rd = std::fs::read_dir(out).map_err(|source| SynthError::Io { path: out.to_path_buf(), source })?;
+    let mut extra: Vec<String> = rd
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| {
+            n != MARKER && !files.contains(n) && !ADDED_LATER.contains(&n.as_str()) && !n.starts_with(".placement")
+        })
+        .collect();
+    if !extra.is_empty() {
+        extra.sort();
+        let more = if extra.len() > 5 { format!(" and {} more", extra.len() - 5) } else { String::new() };
+        extra.truncate(5);
+        return refuse(format!(
+            "it also holds files synth did not write ({}{more}); move them out or delete the directory yourself",
+            extra.join(", ")
+        ));
+    }
+    Ok(())
 }
 
 /// Shape of a synthetic model (field names follow config.json).
@@ -129,22 +191,35 @@ impl SynthSpec {
         if self.layers < 1 || self.hidden < 1 || self.kda_heads < 1 || self.kda_head_dim < 1 || self.mla_heads < 1 {
             return bad("layers, hidden and head counts must be >= 1".into());
         }
+        // The same bounds config.json is held to, so synth never writes a model `run` refuses.
+        use super::config::{MAX_EXPERTS, MAX_LAYERS};
+        if self.layers > MAX_LAYERS {
+            return bad(format!("--layers {} is more than {MAX_LAYERS}", self.layers));
+        }
+        if self.experts < 1 || self.experts > MAX_EXPERTS {
+            return bad(format!("--experts must be in 1..={MAX_EXPERTS} (K3's MoE layers route to experts)"));
+        }
+        if self.dense_layers >= self.layers {
+            return bad(format!(
+                "--dense-layers {} leaves no MoE layer of {} (at most {})",
+                self.dense_layers,
+                self.layers,
+                self.layers - 1
+            ));
+        }
         if self.vocab < 256 + NUM_SPECIALS {
             return bad(format!(
                 "--vocab must be at least {} (256 byte tokens + {NUM_SPECIALS} specials)",
                 256 + NUM_SPECIALS
             ));
         }
-        if self.experts > 0 {
+        {
             if self.top_k < 1 || self.top_k > self.experts {
                 return bad(format!("--top-k must be in 1..={} (the number of experts)", self.experts));
             }
             if !self.expert_inter.is_multiple_of(32) || !self.expert_latent.is_multiple_of(32) {
                 return bad("--expert-inter and --expert-latent must be multiples of 32 (the MXFP4 block)".into());
             }
-        }
-        if self.dense_layers > self.layers {
-            return bad("--dense-layers exceeds --layers".into());
         }
         if self.conv_width < 1 || self.attn_res_block < 1 || self.mla_every < 1 {
             return bad("--conv-width, --block and --mla-every must be >= 1".into());
@@ -469,15 +544,30 @@ pub fn write(
     progress: &(dyn Fn(u64, u64) + Sync),
 ) -> Result<(), SynthError> {
     spec.validate()?;
-    if out.exists() && !force {
+    // symlink_metadata: a dangling link at `out` still counts as something there.
+    let exists = std::fs::symlink_metadata(out).is_ok();
+    if exists && !force {
         return Err(SynthError::Exists(out.to_path_buf()));
+    }
+    if exists {
+        check_replaceable(out)?;
     }
     let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|source| SynthError::Io { path: parent.to_path_buf(), source })?;
+    for p in crate::util::remove_stale_temps(parent, &TEMP_STEMS) {
+        eprintln!("deltafin: removed {} (left by an interrupted synth)", p.display());
+    }
+    // The whole model is written before the old one (if any) is removed, so it must fit beside it.
+    let need = spec.total_bytes();
+    if let Ok(have) = crate::store::probe::free_bytes(parent)
+        && need > have
+    {
+        return Err(SynthError::NoSpace { dir: parent.to_path_buf(), have, need });
+    }
     let tmp = parent.join(format!(".{name}.synth-tmp-{}", std::process::id()));
     let result = write_into(spec, &tmp, progress).and_then(|()| {
-        if out.exists() {
+        if exists {
             let old = parent.join(format!(".{name}.synth-old-{}", std::process::id()));
             std::fs::rename(out, &old).map_err(|source| SynthError::Io { path: out.to_path_buf(), source })?;
             std::fs::rename(&tmp, out).map_err(|source| SynthError::Io { path: out.to_path_buf(), source })?;
@@ -580,6 +670,17 @@ fn write_into(spec: &SynthSpec, dir: &Path, progress: &(dyn Fn(u64, u64) + Sync)
         let idx = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
         text("model.safetensors.index.json", &serde_json::to_string_pretty(&idx).unwrap_or_default())?;
     }
+    // The marker last: a directory with it is a complete synth output (see `check_replaceable`).
+    let mut files: Vec<String> = std::fs::read_dir(dir)
+        .map_err(io(dir))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    text(
+        MARKER,
+        &serde_json::to_string_pretty(&json!({"written_by": "deltafin synth", "files": files})).unwrap_or_default(),
+    )?;
     Ok(())
 }
 

@@ -1,17 +1,20 @@
 //! Expert pack files `L{layer}.pack`: copies of one layer's experts on another drive, byte-identical
-//! to the shard bytes, laid out for O_DIRECT reads.
+//! to the shard bytes, laid out for O_DIRECT reads. They live in a directory per model on each
+//! drive (`DRIVE/<fingerprint prefix>/`, see placement), and each carries its model's fingerprint.
 //!
 //! Layout (little-endian):
 //! ```text
 //! 0   magic "DFPACK\0\x01"          8 bytes
-//! 8   version u32 = 1, layer u32, count u32, reserved u32
-//! 24  expert_len u64, header_len u64 (multiple of 4096), index xxh3 u64, reserved 16 bytes
-//! 64  index: count x { expert u32, reserved u32, offset u64, length u64, xxh3 u64 }
+//! 8   version u32 = 2, layer u32, count u32, reserved u32
+//! 24  expert_len u64, header_len u64 (multiple of 4096), xxh3 of (fingerprint, index) u64, reserved 16 bytes
+//! 64  model fingerprint: 32 bytes (sha256, model::fingerprint)
+//! 96  index: count x { expert u32, reserved u32, offset u64, length u64, xxh3 u64 }
 //! ... zero padding to header_len; then payload records at 4096-aligned offsets, each padded to 4096
 //! ```
 //! Contract: a pack file exists under its final name only when complete (written as
-//! `L{layer}.pack.partial`, fsynced, renamed); `read_header` validates magic, sizes, the index
-//! checksum and that every record lies inside the file.
+//! `L{layer}.pack.partial`, fsynced, renamed); `read_header` validates magic, version, sizes, the
+//! header checksum and that every record lies inside the file. Version 1 packs (no fingerprint)
+//! are refused with a request to re-run `deltafin place`.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -20,7 +23,8 @@ use xxhash_rust::xxh3::xxh3_64;
 
 pub const MAGIC: &[u8; 8] = b"DFPACK\0\x01";
 pub const ALIGN: u64 = 4096;
-const FIXED: usize = 64;
+pub const VERSION: u32 = 2;
+const FIXED: usize = 96;
 const ENTRY: usize = 32;
 
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +45,8 @@ pub struct PackEntry {
 
 #[derive(Clone, Debug)]
 pub struct PackHeader {
+    /// The model's fingerprint (raw sha256).
+    pub model: [u8; 32],
     pub layer: u32,
     pub expert_len: u64,
     pub header_len: u64,
@@ -68,6 +74,7 @@ pub fn checksum(bytes: &[u8]) -> u64 {
 /// with the number of payload bytes written after each record.
 pub fn write_pack<'a>(
     dir: &Path,
+    model: &[u8; 32],
     layer: usize,
     expert_len: u64,
     experts: impl ExactSizeIterator<Item = (u32, std::borrow::Cow<'a, [u8]>)>,
@@ -92,7 +99,7 @@ pub fn write_pack<'a>(
             off += padded;
             on_bytes(bytes.len() as u64);
         }
-        let header = encode_header(layer as u32, expert_len, hlen, &entries);
+        let header = encode_header(model, layer as u32, expert_len, hlen, &entries);
         f.seek(SeekFrom::Start(0)).map_err(io)?;
         f.write_all(&header).map_err(io)?;
         f.sync_all().map_err(io)?;
@@ -107,10 +114,18 @@ pub fn write_pack<'a>(
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    Ok(PackHeader { layer: layer as u32, expert_len, header_len: hlen, entries })
+    Ok(PackHeader { model: *model, layer: layer as u32, expert_len, header_len: hlen, entries })
 }
 
-fn encode_header(layer: u32, expert_len: u64, hlen: u64, entries: &[PackEntry]) -> Vec<u8> {
+/// The header checksum: over the fingerprint and the index, so neither can change unnoticed.
+fn header_sum(model: &[u8], idx: &[u8]) -> u64 {
+    let mut b = Vec::with_capacity(model.len() + idx.len());
+    b.extend_from_slice(model);
+    b.extend_from_slice(idx);
+    xxh3_64(&b)
+}
+
+fn encode_header(model: &[u8; 32], layer: u32, expert_len: u64, hlen: u64, entries: &[PackEntry]) -> Vec<u8> {
     let mut idx = Vec::with_capacity(entries.len() * ENTRY);
     for e in entries {
         idx.extend_from_slice(&e.expert.to_le_bytes());
@@ -121,14 +136,15 @@ fn encode_header(layer: u32, expert_len: u64, hlen: u64, entries: &[PackEntry]) 
     }
     let mut h = Vec::with_capacity(hlen as usize);
     h.extend_from_slice(MAGIC);
-    h.extend_from_slice(&1u32.to_le_bytes());
+    h.extend_from_slice(&VERSION.to_le_bytes());
     h.extend_from_slice(&layer.to_le_bytes());
     h.extend_from_slice(&(entries.len() as u32).to_le_bytes());
     h.extend_from_slice(&0u32.to_le_bytes());
     h.extend_from_slice(&expert_len.to_le_bytes());
     h.extend_from_slice(&hlen.to_le_bytes());
-    h.extend_from_slice(&xxh3_64(&idx).to_le_bytes());
-    h.resize(FIXED, 0);
+    h.extend_from_slice(&header_sum(model, &idx).to_le_bytes());
+    h.resize(64, 0);
+    h.extend_from_slice(model);
     h.extend_from_slice(&idx);
     h.resize(hlen as usize, 0);
     h
@@ -141,15 +157,26 @@ pub fn read_header(path: &Path) -> Result<PackHeader, PackError> {
     let mut f = File::open(path).map_err(io)?;
     let file_len = f.metadata().map_err(io)?.len();
     let mut fixed = [0u8; FIXED];
-    f.read_exact(&mut fixed).map_err(|_| bad("shorter than its header".into()))?;
+    // The first 12 bytes (magic, version) first: a version 1 pack is shorter than FIXED when empty.
+    f.read_exact(&mut fixed[..12]).map_err(|_| bad("shorter than its header".into()))?;
     if &fixed[..8] != MAGIC {
         return Err(bad("wrong magic".into()));
     }
     let u32_at = |b: &[u8], o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
     let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
-    if u32_at(&fixed, 8) != 1 {
-        return Err(bad(format!("unsupported version {}", u32_at(&fixed, 8))));
+    match u32_at(&fixed, 8) {
+        VERSION => {}
+        1 => {
+            return Err(bad(
+                "written by an older deltafin (pack version 1, without the model fingerprint); re-run `deltafin place`"
+                    .into(),
+            ));
+        }
+        v => return Err(bad(format!("unsupported version {v} (this deltafin reads version {VERSION})"))),
     }
+    f.read_exact(&mut fixed[12..]).map_err(|_| bad("shorter than its header".into()))?;
+    let mut model = [0u8; 32];
+    model.copy_from_slice(&fixed[64..96]);
     let layer = u32_at(&fixed, 12);
     let count = u32_at(&fixed, 16) as usize;
     let expert_len = u64_at(&fixed, 24);
@@ -160,8 +187,8 @@ pub fn read_header(path: &Path) -> Result<PackHeader, PackError> {
     }
     let mut idx = vec![0u8; count * ENTRY];
     f.read_exact(&mut idx).map_err(|_| bad("truncated index".into()))?;
-    if xxh3_64(&idx) != idx_sum {
-        return Err(bad("index checksum mismatch".into()));
+    if header_sum(&model, &idx) != idx_sum {
+        return Err(bad("header checksum mismatch".into()));
     }
     let mut entries = Vec::with_capacity(count);
     for e in idx.chunks_exact(ENTRY) {
@@ -178,7 +205,23 @@ pub fn read_header(path: &Path) -> Result<PackHeader, PackError> {
         }
         entries.push(ent);
     }
-    Ok(PackHeader { layer, expert_len, header_len: hlen, entries })
+    Ok(PackHeader { model, layer, expert_len, header_len: hlen, entries })
+}
+
+/// Reads every record's bytes and checks them against the index's xxh3; returns the experts whose
+/// data does not match (a flipped byte, a short file).
+pub fn bad_records(path: &Path, h: &PackHeader) -> Result<Vec<u32>, PackError> {
+    use std::os::unix::fs::FileExt;
+    let f = File::open(path).map_err(|source| PackError::Io { path: path.to_path_buf(), source })?;
+    let mut buf = vec![0u8; h.expert_len as usize];
+    let mut bad = Vec::new();
+    for e in &h.entries {
+        match f.read_exact_at(&mut buf, e.offset) {
+            Ok(()) if checksum(&buf) == e.xxh3 => {}
+            _ => bad.push(e.expert),
+        }
+    }
+    Ok(bad)
 }
 
 #[cfg(test)]
@@ -190,8 +233,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let a = vec![7u8; 5000];
         let b: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+        let fp = [5u8; 32];
         let h = write_pack(
             dir.path(),
+            &fp,
             3,
             5000,
             [(4u32, a.as_slice().into()), (9u32, b.as_slice().into())].into_iter(),
@@ -200,6 +245,8 @@ mod tests {
         .unwrap();
         let r = read_header(&dir.path().join("L3.pack")).unwrap();
         assert_eq!(r.entries, h.entries);
+        assert_eq!(r.model, fp);
+        assert!(bad_records(&dir.path().join("L3.pack"), &r).unwrap().is_empty());
         assert_eq!(r.entries[1].offset % ALIGN, 0);
         let bytes = std::fs::read(dir.path().join("L3.pack")).unwrap();
         let e = r.entries[1];
@@ -210,6 +257,23 @@ mod tests {
         bad[FIXED + 9] ^= 1;
         std::fs::write(dir.path().join("bad.pack"), &bad).unwrap();
         assert!(read_header(&dir.path().join("bad.pack")).is_err());
+        // So is a flipped fingerprint byte.
+        let mut bad = bytes.clone();
+        bad[70] ^= 1;
+        std::fs::write(dir.path().join("bad.pack"), &bad).unwrap();
+        assert!(read_header(&dir.path().join("bad.pack")).is_err());
+        // A flipped data byte passes the header check but not the data check.
+        let mut bad = bytes.clone();
+        bad[e.offset as usize + 10] ^= 1;
+        std::fs::write(dir.path().join("bad.pack"), &bad).unwrap();
+        let hb = read_header(&dir.path().join("bad.pack")).unwrap();
+        assert_eq!(bad_records(&dir.path().join("bad.pack"), &hb).unwrap(), vec![9]);
+        // A version 1 pack asks for a re-run of place.
+        let mut old = bytes.clone();
+        old[8] = 1;
+        std::fs::write(dir.path().join("old.pack"), &old).unwrap();
+        let err = read_header(&dir.path().join("old.pack")).unwrap_err().to_string();
+        assert!(err.contains("re-run `deltafin place`"), "{err}");
         // A truncated file is detected.
         std::fs::write(dir.path().join("short.pack"), &bytes[..bytes.len() - 5000]).unwrap();
         assert!(read_header(&dir.path().join("short.pack")).is_err());

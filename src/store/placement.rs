@@ -5,11 +5,18 @@
 //! Contract: `placement.json` is written last and atomically, only after every pack file it names
 //! is complete (fsynced and renamed); an interrupted `place` leaves either the previous manifest
 //! or none, never one that points at incomplete data. A rerun resumes: the plan (with the measured
-//! drive rates) is kept in `.placement-plan.json` and complete pack files that match it are
-//! reused.
+//! drive rates) is kept in `.placement-plan.json`, and a pack file on a drive is reused only when
+//! its header names this model and every record's bytes hash to the shards' checksum (so a
+//! flipped byte is rewritten, and another model's pack is never trusted).
+//!
+//! Identity: a placement belongs to one model. Packs live in `DRIVE/<fingerprint prefix>/`, so
+//! models placed on one drive do not overwrite each other; packs, the manifest and route traces
+//! carry the model fingerprint (`model::fingerprint`), and `manifest_spec` refuses a manifest of
+//! another model. One `place` at a time per model directory and per drive directory (a lock file).
 
 use super::expert_store::{DriveSpec, Holder, StoreSpec};
 use super::pack::{self, PackHeader};
+use crate::model::fingerprint;
 use crate::model::roster::{ExpertLayout, Roster};
 use crate::model::{Checkpoint, K3Config};
 use serde::{Deserialize, Serialize};
@@ -17,7 +24,10 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 pub const MANIFEST: &str = "placement.json";
+pub const VERSION: u32 = 2;
 const PLAN: &str = ".placement-plan.json";
+/// Lock file, in the model directory and in each drive's model directory, held while placing.
+pub const LOCK: &str = ".place.lock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlacementError {
@@ -28,7 +38,28 @@ pub enum PlacementError {
     #[error(transparent)]
     Pack(#[from] pack::PackError),
     #[error("{0}")]
+    OtherModel(Box<OtherModel>),
+    #[error("{}: another `deltafin place` is running here (it holds this lock); wait for it to finish", path.display())]
+    Locked { path: PathBuf },
+    #[error("{0}")]
     Other(String),
+}
+
+/// A placement, pack or route trace of another model than the one at hand.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{} belongs to another model: {what} model {}, but {} is model {}; {fix}",
+    path.display(), fingerprint::short(theirs), dir.display(), fingerprint::short(ours)
+)]
+pub struct OtherModel {
+    pub path: PathBuf,
+    /// How the file names its model, e.g. "it was placed for".
+    pub what: String,
+    pub theirs: String,
+    pub ours: String,
+    pub dir: PathBuf,
+    /// What to do about it.
+    pub fix: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -79,9 +110,21 @@ pub struct ManifestLayer {
     pub experts: Vec<ManifestExpert>,
 }
 
+/// The model a placement belongs to.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ManifestModel {
+    /// `model::fingerprint` of the checkpoint (64 hex digits).
+    pub fingerprint: String,
+    /// `fingerprint::experts_digest` of the experts' checksums listed in `layers`.
+    pub experts_sha256: String,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Manifest {
     pub version: u32,
+    pub model: ManifestModel,
+    /// Directory under each drive root holding this model's packs (the fingerprint's prefix).
+    pub namespace: String,
     pub policy: Policy,
     pub shards: ShardUse,
     pub expert_bytes: u64,
@@ -89,11 +132,17 @@ pub struct Manifest {
     /// The model directory as a drive (its shards), with its measured ceiling.
     pub shard_drive: ManifestDrive,
     pub layers: Vec<ManifestLayer>,
+    /// Where it was loaded from (for messages); not stored.
+    #[serde(skip)]
+    pub path: PathBuf,
 }
 
 /// The saved plan of an unfinished `place` run.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 struct Plan {
+    /// The model's fingerprint: a plan made for another model (the directory was rewritten) is
+    /// discarded.
+    model: String,
     policy: Policy,
     shards: ShardUse,
     drives: Vec<ManifestDrive>,
@@ -101,44 +150,133 @@ struct Plan {
     /// [moe layer index in `layers`] -> [expert] -> drives.
     layers: Vec<usize>,
     assign: Vec<Vec<Vec<u16>>>,
-    /// (drive, layer) packs this placement has completed (written and checksummed from the shards).
-    #[serde(default)]
-    done: Vec<(u16, usize)>,
 }
 
 impl Manifest {
     pub fn load(path: &Path) -> Result<Self, PlacementError> {
+        let invalid = |msg: String| PlacementError::Invalid { path: path.to_path_buf(), msg };
         let text =
             std::fs::read_to_string(path).map_err(|source| PlacementError::Io { path: path.to_path_buf(), source })?;
-        let m: Manifest = serde_json::from_str(&text)
-            .map_err(|e| PlacementError::Invalid { path: path.to_path_buf(), msg: format!("malformed: {e}") })?;
-        if m.version != 1 {
-            return Err(PlacementError::Invalid {
-                path: path.to_path_buf(),
-                msg: format!("unsupported version {}", m.version),
-            });
+        // The version first, so an old manifest gets "re-run place" rather than a missing field.
+        let raw: serde_json::Value = serde_json::from_str(&text).map_err(|e| invalid(format!("malformed: {e}")))?;
+        match raw.get("version").and_then(serde_json::Value::as_u64) {
+            Some(v) if v == u64::from(VERSION) => {}
+            Some(1) => {
+                return Err(invalid(
+                    "written by an older deltafin (version 1, without the model fingerprint); re-run `deltafin place` for this model".into(),
+                ));
+            }
+            Some(v) => return Err(invalid(format!("unsupported version {v} (this deltafin reads version {VERSION})"))),
+            None => return Err(invalid("no version field".into())),
+        }
+        let mut m: Manifest = serde_json::from_value(raw).map_err(|e| invalid(format!("malformed: {e}")))?;
+        m.path = path.to_path_buf();
+        if !fingerprint::is_valid(&m.model.fingerprint) || !fingerprint::is_valid(&m.model.experts_sha256) {
+            return Err(invalid("model.fingerprint and model.experts_sha256 must be 64 hex digits".into()));
+        }
+        // The namespace names a directory under each drive: never a path that leaves it.
+        if m.namespace != fingerprint::short(&m.model.fingerprint) {
+            return Err(invalid(format!(
+                "namespace `{}` is not the fingerprint's prefix `{}`",
+                m.namespace,
+                fingerprint::short(&m.model.fingerprint)
+            )));
+        }
+        for (d, drive) in m.drives.iter().chain(std::iter::once(&m.shard_drive)).enumerate() {
+            if !(1..=super::reader::MAX_QD).contains(&drive.qd) {
+                return Err(invalid(format!("drive {d}: qd {} is outside 1..={}", drive.qd, super::reader::MAX_QD)));
+            }
+            if !(drive.gbps.is_finite() && drive.gbps >= 0.0) {
+                return Err(invalid(format!("drive {d}: gbps {} is not a speed", drive.gbps)));
+            }
         }
         for l in &m.layers {
             for (e, x) in l.experts.iter().enumerate() {
                 if let Some(&d) = x.drives.iter().find(|&&d| d as usize >= m.drives.len()) {
-                    return Err(PlacementError::Invalid {
-                        path: path.to_path_buf(),
-                        msg: format!(
-                            "expert {e} of layer {} names drive {d}, but only {} drives are listed",
-                            l.layer,
-                            m.drives.len()
-                        ),
-                    });
+                    return Err(invalid(format!(
+                        "expert {e} of layer {} names drive {d}, but only {} drives are listed",
+                        l.layer,
+                        m.drives.len()
+                    )));
                 }
                 if u64::from_str_radix(&x.xxh3, 16).is_err() {
-                    return Err(PlacementError::Invalid {
-                        path: path.to_path_buf(),
-                        msg: format!("expert {e} of layer {}: bad checksum", l.layer),
-                    });
+                    return Err(invalid(format!("expert {e} of layer {}: bad checksum", l.layer)));
                 }
             }
         }
+        if m.experts_digest() != m.model.experts_sha256 {
+            return Err(invalid("the expert checksums do not match model.experts_sha256 (edited or damaged)".into()));
+        }
         Ok(m)
+    }
+
+    /// `fingerprint::experts_digest` of the checksums this manifest lists.
+    pub fn experts_digest(&self) -> String {
+        fingerprint::experts_digest(self.layers.iter().flat_map(|l| {
+            l.experts
+                .iter()
+                .enumerate()
+                .map(|(e, x)| (l.layer, e as u32, u64::from_str_radix(&x.xxh3, 16).unwrap_or(0)))
+        }))
+    }
+
+    /// Where drive `d` keeps the pack of `layer`.
+    pub fn pack_path(&self, d: usize, layer: usize) -> PathBuf {
+        self.drives[d].root.join(&self.namespace).join(pack::pack_name(layer))
+    }
+
+    /// Refuses this manifest unless it belongs to the model in `ck`: the fingerprints must be equal,
+    /// and a few experts' checksums are re-computed from the shards (a cheap tie between the
+    /// manifest's checksums and this model's bytes; `place --verify` checks them all).
+    pub fn check_model(&self, ck: &Checkpoint, roster: &Roster) -> Result<(), PlacementError> {
+        let ours = fingerprint::fingerprint(ck);
+        let other = |what: &str| {
+            PlacementError::OtherModel(Box::new(OtherModel {
+                path: self.path.clone(),
+                what: what.into(),
+                theirs: self.model.fingerprint.clone(),
+                ours: ours.clone(),
+                dir: ck.dir.clone(),
+                fix: format!("re-run `deltafin place --model {}`, or pass this model's --placement", ck.dir.display()),
+            }))
+        };
+        if self.model.fingerprint != ours {
+            return Err(other("it was placed for"));
+        }
+        let model_len = roster.expert_layout.as_ref().map_or(0, |l| l.len as u64);
+        if self.expert_bytes != model_len {
+            return Err(PlacementError::Invalid {
+                path: self.path.clone(),
+                msg: format!(
+                    "its experts are {} bytes, this model's {model_len}; re-run `deltafin place --model {}`",
+                    self.expert_bytes,
+                    ck.dir.display()
+                ),
+            });
+        }
+        // First expert of the first MoE layer, last of the last: two reads, far apart.
+        let first = self.layers.first().map(|ml| (ml, 0));
+        let last = self.layers.last().map(|ml| (ml, ml.experts.len().saturating_sub(1)));
+        for (ml, e) in first.into_iter().chain(last) {
+            let Some(loc) = roster.experts.get(ml.layer).and_then(|x| x.as_ref()).and_then(|l| l.get(e)) else {
+                continue;
+            };
+            let Some(x) = ml.experts.get(e) else { continue };
+            let got = pack::checksum(&loc.bytes(ck));
+            if u64::from_str_radix(&x.xxh3, 16).ok() != Some(got) {
+                // Same fingerprint, other bytes: edited, or a model the fingerprint's samples missed.
+                return Err(PlacementError::Invalid {
+                    path: self.path.clone(),
+                    msg: format!(
+                        "its checksum of expert {e} of layer {} ({}) is not the shards' ({got:016x}), so it is not this model's placement; re-run `deltafin place --model {}`",
+                        ml.layer,
+                        x.xxh3,
+                        ck.dir.display()
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -146,22 +284,62 @@ impl Manifest {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RouteTrace {
     pub version: u32,
+    /// Fingerprint of the model the routes were recorded on (absent in traces of older versions).
+    #[serde(default)]
+    pub model: Option<String>,
     /// layer (as a string key) -> count per expert.
     pub layers: std::collections::BTreeMap<String, Vec<u64>>,
+    /// Where it was loaded from (for messages); not stored.
+    #[serde(skip)]
+    pub path: PathBuf,
 }
 
 impl RouteTrace {
     pub fn load(path: &Path) -> Result<Self, PlacementError> {
         let text =
             std::fs::read_to_string(path).map_err(|source| PlacementError::Io { path: path.to_path_buf(), source })?;
-        serde_json::from_str(&text).map_err(|e| PlacementError::Invalid {
+        let mut t: RouteTrace = serde_json::from_str(&text).map_err(|e| PlacementError::Invalid {
             path: path.to_path_buf(),
             msg: format!("malformed route trace: {e}"),
-        })
+        })?;
+        t.path = path.to_path_buf();
+        Ok(t)
     }
 
     pub fn counts(&self, layer: usize) -> Option<&Vec<u64>> {
         self.layers.get(&layer.to_string())
+    }
+
+    /// This trace, marked as recorded on the model in `ck`.
+    pub fn for_model(mut self, ck: &Checkpoint) -> Self {
+        self.version = 2;
+        self.model = Some(fingerprint::fingerprint(ck));
+        self
+    }
+
+    /// Refuses a trace recorded on another model (or on an unknown one).
+    pub fn check_model(&self, ours: &str, dir: &Path) -> Result<(), PlacementError> {
+        match &self.model {
+            Some(theirs) if theirs == ours => Ok(()),
+            Some(theirs) => Err(PlacementError::OtherModel(Box::new(OtherModel {
+                path: self.path.clone(),
+                what: "the routes were recorded on".into(),
+                theirs: theirs.clone(),
+                ours: ours.into(),
+                dir: dir.to_path_buf(),
+                fix: format!(
+                    "record a trace on this model with `deltafin run --model {} --trace-routes FILE`",
+                    dir.display()
+                ),
+            }))),
+            None => Err(PlacementError::Invalid {
+                path: self.path.clone(),
+                msg: format!(
+                    "this route trace does not say which model it was recorded on (an older deltafin wrote it); record it again with `deltafin run --model {} --trace-routes FILE`",
+                    dir.display()
+                ),
+            }),
+        }
     }
 }
 
@@ -263,12 +441,31 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
             )));
         }
     }
+    let fp = fingerprint::fingerprint(ck);
+    let ns = fingerprint::short(&fp).to_string();
+    let raw_fp = fingerprint::raw(&fp);
+    if let Some(t) = &o.trace {
+        t.check_model(&fp, o.model_dir)?;
+    }
+    // One place per model directory, and per model directory on each drive (two copies of one
+    // model in different directories share the drive's namespace). Held until we return.
+    let mut _locks = vec![take_lock(&o.model_dir.join(LOCK))?];
+    for p in crate::util::remove_stale_temps(o.model_dir, &[".placement-plan.json.tmp.", ".placement.json.tmp."]) {
+        eprintln!("deltafin place: removed {} (left by an interrupted place)", p.display());
+    }
+    for (root, _) in &o.drives {
+        let dir = root.join(&ns);
+        std::fs::create_dir_all(&dir).map_err(|source| PlacementError::Io { path: dir.clone(), source })?;
+        _locks.push(take_lock(&dir.join(LOCK))?);
+        remove_partials(&dir);
+    }
     let plan_path = o.model_dir.join(PLAN);
     let saved: Option<Plan> = std::fs::read_to_string(&plan_path).ok().and_then(|t| serde_json::from_str(&t).ok());
     let roots: Vec<PathBuf> = o.drives.iter().map(|(r, _)| canonical(r)).collect();
-    let mut plan = match saved {
+    let plan = match saved {
         Some(p)
-            if p.policy == o.policy
+            if p.model == fp
+                && p.policy == o.policy
                 && p.shards == o.shards
                 && p.layers == layers
                 && p.drives.iter().map(|d| &d.root).eq(roots.iter())
@@ -295,13 +492,13 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
             let rates: Vec<f64> = drives.iter().map(|d| d.gbps).collect();
             let assign = plan_assignment(o.policy, &rates, &layers, c.experts, o.trace.as_ref());
             let p = Plan {
+                model: fp.clone(),
                 policy: o.policy,
                 shards: o.shards,
                 drives,
                 shard_drive,
                 layers: layers.clone(),
                 assign,
-                done: Vec::new(),
             };
             let body = serde_json::to_vec_pretty(&p).map_err(|e| PlacementError::Other(e.to_string()))?;
             crate::util::write_atomic(&plan_path, &body)
@@ -348,7 +545,8 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
         let existing: u64 = ds
             .iter()
             .flat_map(|&d| {
-                layers.iter().filter_map(move |&l| std::fs::metadata(drives[d].root.join(pack::pack_name(l))).ok())
+                let dir = drives[d].root.join(&ns);
+                layers.iter().filter_map(move |&l| std::fs::metadata(dir.join(pack::pack_name(l))).ok())
             })
             .map(|m| m.len())
             .sum();
@@ -378,40 +576,71 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
             if ids.is_empty() {
                 continue;
             }
-            let path = drive.root.join(pack::pack_name(l));
-            // Reuse a complete pack only if this placement wrote it, or if every record matches the
-            // shards' bytes (a pack left by another model of the same shape must not be trusted).
-            if let Ok(h) = pack::read_header(&path)
+            let dir = drive.root.join(&ns);
+            let path = dir.join(pack::pack_name(l));
+            let mut shard_sum =
+                |e: u32| *checksums.entry((l, e)).or_insert_with(|| pack::checksum(&locs[e as usize].bytes(ck)));
+            // Reuse a complete pack only if it is this model's and every record's bytes (read back,
+            // not just the recorded checksums) hash to the shards' checksum: a resumed run must not
+            // trust a pack another run rewrote, and a flipped byte is repaired by rewriting.
+            let header = pack::read_header(&path);
+            if let Ok(h) = &header
+                && h.model != raw_fp
+            {
+                eprintln!(
+                    "deltafin place: {} belongs to model {}; rewriting it with this model's experts",
+                    path.display(),
+                    fingerprint::short(&fingerprint::hex(&h.model))
+                );
+            }
+            if let Ok(h) = header
+                && h.model == raw_fp
                 && h.layer as usize == l
                 && h.expert_len == len
                 && h.entries.iter().map(|e| e.expert).eq(ids.iter().copied())
-                && (plan.done.contains(&(d as u16, l))
-                    || h.entries.iter().all(|e| pack::checksum(&locs[e.expert as usize].bytes(ck)) == e.xxh3))
             {
-                for e in &h.entries {
-                    checksums.insert((l, e.expert), e.xxh3);
+                let bad = pack::bad_records(&path, &h).unwrap_or_else(|_| ids.clone());
+                let stale: Vec<u32> = h
+                    .entries
+                    .iter()
+                    .filter(|e| bad.contains(&e.expert) || e.xxh3 != shard_sum(e.expert))
+                    .map(|e| e.expert)
+                    .collect();
+                if stale.is_empty() {
+                    done += ids.len() as u64 * pack::align_up(len);
+                    (o.progress)(done, total);
+                    continue;
                 }
-                done += ids.len() as u64 * pack::align_up(len);
-                (o.progress)(done, total);
-                continue;
+                eprintln!(
+                    "deltafin place: {}: {} record(s) differ from the shards (experts {}); rewriting it",
+                    path.display(),
+                    stale.len(),
+                    stale.iter().take(8).map(|e| e.to_string()).collect::<Vec<_>>().join(", ")
+                );
             }
             let bytes = ids.iter().map(|&e| (e, locs[e as usize].bytes(ck)));
             let mut on_bytes = |n: u64| {
                 done += pack::align_up(n);
                 (o.progress)(done, total);
             };
-            let h = pack::write_pack(&drive.root, l, len, bytes, &mut on_bytes)?;
+            let h = pack::write_pack(&dir, &raw_fp, l, len, bytes, &mut on_bytes)?;
             for e in &h.entries {
                 checksums.insert((l, e.expert), e.xxh3);
             }
-            plan.done.push((d as u16, l));
-            let body = serde_json::to_vec(&plan).map_err(|e| PlacementError::Other(e.to_string()))?;
-            crate::util::write_atomic(&plan_path, &body)
-                .map_err(|source| PlacementError::Io { path: plan_path.clone(), source })?;
         }
     }
-    let manifest = Manifest {
-        version: 1,
+    // Every expert's checksum, from the shards (all are on some drive, but do not rely on it).
+    for &l in &plan.layers {
+        if let Some(locs) = roster.experts[l].as_ref() {
+            for (e, loc) in locs.iter().enumerate() {
+                checksums.entry((l, e as u32)).or_insert_with(|| pack::checksum(&loc.bytes(ck)));
+            }
+        }
+    }
+    let mut manifest = Manifest {
+        version: VERSION,
+        model: ManifestModel { fingerprint: fp.clone(), experts_sha256: String::new() },
+        namespace: ns.clone(),
         policy: plan.policy,
         shards: plan.shards,
         expert_bytes: len,
@@ -431,12 +660,37 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
                     .collect(),
             })
             .collect(),
+        path: o.model_dir.join(MANIFEST),
     };
+    manifest.model.experts_sha256 = manifest.experts_digest();
     let path = o.model_dir.join(MANIFEST);
     let body = serde_json::to_vec_pretty(&manifest).map_err(|e| PlacementError::Other(e.to_string()))?;
     crate::util::write_atomic(&path, &body).map_err(|source| PlacementError::Io { path: path.clone(), source })?;
     let _ = std::fs::remove_file(&plan_path);
     Ok(manifest)
+}
+
+/// Takes the exclusive lock on `path` (created if missing), or fails at once if someone holds it.
+fn take_lock(path: &Path) -> Result<std::fs::File, PlacementError> {
+    let io = |source| PlacementError::Io { path: path.to_path_buf(), source };
+    let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path).map_err(io)?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => Err(PlacementError::Locked { path: path.to_path_buf() }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
+    }
+}
+
+/// Removes `*.pack.partial` files an interrupted `place` left in a drive's model directory (the
+/// caller holds its lock, so no run is writing them). Only regular files: anything else is left
+/// for `write_pack` to report.
+fn remove_partials(dir: &Path) {
+    let Ok(rd) = std::fs::read_dir(dir) else { return };
+    for e in rd.flatten() {
+        if e.file_name().to_string_lossy().ends_with(".pack.partial") && e.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 fn canonical(p: &Path) -> PathBuf {
@@ -461,6 +715,16 @@ pub fn verify(
 ) -> Vec<VerifyProblem> {
     let mut problems = Vec::new();
     let len = manifest.expert_bytes;
+    // Shard ranges are cut with the manifest's length: it must be the model's (see check_model).
+    if roster.expert_layout.as_ref().map(|l| l.len as u64) != Some(len) {
+        problems.push(VerifyProblem {
+            drive: "manifest".into(),
+            layer: 0,
+            expert: 0,
+            msg: format!("expert_bytes {len} is not this model's expert size"),
+        });
+        return problems;
+    }
     let total: u64 =
         manifest.layers.iter().map(|l| l.experts.iter().map(|e| e.drives.len() as u64 + 1).sum::<u64>()).sum::<u64>()
             * len;
@@ -489,14 +753,26 @@ pub fn verify(
             if ids.is_empty() {
                 continue;
             }
-            let path = drive.root.join(pack::pack_name(ml.layer));
+            let path = manifest.pack_path(d, ml.layer);
             let name = format!("drive {d} ({})", drive.root.display());
             let fail = |problems: &mut Vec<VerifyProblem>, e: u32, msg: String| {
                 problems.push(VerifyProblem { drive: name.clone(), layer: ml.layer, expert: e, msg })
             };
             let header: Result<PackHeader, _> = pack::read_header(&path);
             let h = match header {
-                Ok(h) => h,
+                Ok(h) if h.model == fingerprint::raw(&manifest.model.fingerprint) => h,
+                Ok(h) => {
+                    let msg = format!(
+                        "{} belongs to model {}, not this placement's {}",
+                        path.display(),
+                        fingerprint::short(&fingerprint::hex(&h.model)),
+                        fingerprint::short(&manifest.model.fingerprint)
+                    );
+                    for &e in &ids {
+                        fail(&mut problems, e, msg.clone());
+                    }
+                    continue;
+                }
                 Err(err) => {
                     for &e in &ids {
                         fail(&mut problems, e, err.to_string());
@@ -596,6 +872,8 @@ pub fn manifest_spec(
     roster: &Roster,
     layout: ExpertLayout,
 ) -> Result<StoreSpec, PlacementError> {
+    m.check_model(ck, roster)?;
+    let raw_fp = fingerprint::raw(&m.model.fingerprint);
     let nd = m.drives.len();
     let shard_drive = nd as u16;
     let mut drives: Vec<DriveSpec> =
@@ -624,9 +902,19 @@ pub fn manifest_spec(
             if ids.is_empty() {
                 continue;
             }
-            let path = drive.root.join(pack::pack_name(ml.layer));
+            let path = m.pack_path(d, ml.layer);
             let h = match pack::read_header(&path) {
-                Ok(h) => h,
+                Ok(h) if h.model == raw_fp => h,
+                Ok(h) => {
+                    tracing::warn!(
+                        "drive {d}: {} belongs to model {}, not {}; its copies of layer {} are not used",
+                        path.display(),
+                        fingerprint::short(&fingerprint::hex(&h.model)),
+                        fingerprint::short(&m.model.fingerprint),
+                        ml.layer
+                    );
+                    continue;
+                }
                 Err(e) => {
                     if drive.root.is_dir() {
                         tracing::warn!("drive {d}: {e}; its copies of layer {} are not used", ml.layer);

@@ -37,7 +37,8 @@ fn read_fully(op: &ReadOp, files: &FileTable) -> io::Result<usize> {
 }
 
 impl PreadPool {
-    pub fn new(qd: usize, files: FileTable) -> Self {
+    /// Starts `qd` reader threads; fails (rather than panics) when the system refuses a thread.
+    pub fn new(qd: usize, files: FileTable) -> io::Result<Self> {
         let (jobs_tx, jobs_rx) = channel::<ReadOp>();
         let (done_tx, done_rx) = channel::<Done>();
         let jobs_rx = Arc::new(Mutex::new(jobs_rx));
@@ -46,24 +47,21 @@ impl PreadPool {
                 let rx = Arc::clone(&jobs_rx);
                 let tx = done_tx.clone();
                 let files = files.clone();
-                std::thread::Builder::new()
-                    .name("deltafin-pread".into())
-                    .spawn(move || {
-                        loop {
-                            let op = match rx.lock() {
-                                Ok(guard) => guard.recv(),
-                                Err(_) => return,
-                            };
-                            let Ok(op) = op else { return };
-                            if tx.send(Done { tag: op.tag, result: read_fully(&op, &files) }).is_err() {
-                                return;
-                            }
+                std::thread::Builder::new().name("deltafin-pread".into()).spawn(move || {
+                    loop {
+                        let op = match rx.lock() {
+                            Ok(guard) => guard.recv(),
+                            Err(_) => return,
+                        };
+                        let Ok(op) = op else { return };
+                        if tx.send(Done { tag: op.tag, result: read_fully(&op, &files) }).is_err() {
+                            return;
                         }
-                    })
-                    .expect("spawning a reader thread")
+                    }
+                })
             })
-            .collect();
-        PreadPool { jobs: Some(jobs_tx), done: done_rx, workers, in_flight: 0 }
+            .collect::<io::Result<Vec<_>>>()?;
+        Ok(PreadPool { jobs: Some(jobs_tx), done: done_rx, workers, in_flight: 0 })
     }
 }
 

@@ -68,6 +68,10 @@ impl ReaderKind {
     }
 }
 
+/// Most reads in flight per drive: past this a pread pool would be thousands of threads and an
+/// io_uring ring larger than the kernel allows, for no gain on any SSD.
+pub const MAX_QD: usize = 1024;
+
 /// Descriptors of the files a reader reads, indexed by `ReadOp::file` (-1: not open).
 pub type FileTable = std::sync::Arc<[RawFd]>;
 
@@ -86,14 +90,17 @@ pub fn new_reader(
     registered: &[(*mut u8, usize)],
     files: FileTable,
 ) -> io::Result<Box<dyn DriveIo>> {
+    if !(1..=MAX_QD).contains(&qd) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("queue depth {qd} is outside 1..={MAX_QD}")));
+    }
     match kind {
-        ReaderKind::Pread => Ok(Box::new(super::pread::PreadPool::new(qd, files))),
+        ReaderKind::Pread => Ok(Box::new(super::pread::PreadPool::new(qd, files)?)),
         #[cfg(target_os = "linux")]
         ReaderKind::Uring => Ok(Box::new(super::uring::Uring::new(qd, registered, files)?)),
         #[cfg(target_os = "linux")]
         ReaderKind::Auto => match super::uring::Uring::new(qd, registered, files.clone()) {
             Ok(u) => Ok(Box::new(u)),
-            Err(_) => Ok(Box::new(super::pread::PreadPool::new(qd, files))),
+            Err(_) => Ok(Box::new(super::pread::PreadPool::new(qd, files)?)),
         },
         #[cfg(not(target_os = "linux"))]
         ReaderKind::Uring => {
@@ -101,7 +108,7 @@ pub fn new_reader(
             Err(io::Error::new(io::ErrorKind::Unsupported, "io_uring is Linux-only"))
         }
         #[cfg(not(target_os = "linux"))]
-        ReaderKind::Auto => Ok(Box::new(super::pread::PreadPool::new(qd, files))),
+        ReaderKind::Auto => Ok(Box::new(super::pread::PreadPool::new(qd, files)?)),
     }
 }
 

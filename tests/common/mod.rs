@@ -180,3 +180,26 @@ pub fn fetch_all(src: &dyn ExpertSource, layer: usize, ids: &[u32]) -> Vec<(u32,
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
+
+/// A `python` command with the oracles' packages (tests/requirements.txt): `tests/pyenv.py` finds
+/// or creates the environment under the target directory on first use (locked, so test binaries
+/// started together do not race) and every later call reuses it. The base interpreter is
+/// `$PYTHON`, else `python3`.
+pub fn python() -> std::process::Command {
+    static PYTHON: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let path = PYTHON.get_or_init(|| {
+        let base = std::env::var_os("PYTHON").unwrap_or_else(|| "python3".into());
+        // CARGO_TARGET_TMPDIR is TARGET/tmp; the environment lives beside it in TARGET.
+        let target = Path::new(env!("CARGO_TARGET_TMPDIR")).parent().unwrap_or(Path::new("target")).to_path_buf();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/pyenv.py");
+        let o = std::process::Command::new(&base)
+            .arg(&script)
+            .arg(&target)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {} (Python 3 is needed by the oracle tests): {e}", base.display()));
+        assert!(o.status.success(), "{} failed to set up the tests' Python environment", script.display());
+        PathBuf::from(String::from_utf8_lossy(&o.stdout).trim())
+    });
+    std::process::Command::new(path)
+}

@@ -1,0 +1,115 @@
+"""The Python environment of the test oracles: finds or creates it and prints its interpreter.
+
+    python3 tests/pyenv.py [TARGET_DIR]      # prints the path of a python that has tests/requirements.txt
+
+Contract: on first use creates a venv in TARGET_DIR/py-venv (default: the repository's target/)
+and pip-installs tests/requirements.txt from the package registry; later calls only check a stamp
+(hash of the requirements and the base interpreter's version) and print the path. Where the base
+Python has no `venv`/`ensurepip`, packages go to TARGET_DIR/py-deps with `pip install --target`
+and the printed path is a small wrapper that sets PYTHONPATH. An exclusive lock
+(TARGET_DIR/py-env.lock) serialises parallel callers, so test binaries started together do not
+race. Only the standard library is used here. DELTAFIN_TEST_PYTHON, when set, is printed as is
+(an environment the caller already prepared).
+"""
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REQUIREMENTS = os.path.join(HERE, "requirements.txt")
+
+
+def stamp_text():
+    with open(REQUIREMENTS, "rb") as f:
+        req = f.read()
+    return hashlib.sha256(req + sys.version.encode()).hexdigest() + "\n"
+
+
+def read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def run(cmd):
+    # pip's own output goes to stderr so that stdout carries only the interpreter path.
+    r = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    if r.returncode != 0:
+        sys.exit(f"pyenv: `{' '.join(cmd)}` failed with exit code {r.returncode}")
+
+
+def pip_install(python, extra):
+    run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-input"]
+        + extra + ["-r", REQUIREMENTS])
+
+
+def has_pip(python):
+    if not os.access(python, os.X_OK):
+        return False
+    r = subprocess.run([python, "-m", "pip", "--version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return r.returncode == 0
+
+
+def with_venv(target, stamp):
+    venv = os.path.join(target, "py-venv")
+    python = os.path.join(venv, "bin", "python")
+    ok = os.path.join(venv, ".requirements-ok")
+    if read(ok) == stamp and os.access(python, os.X_OK):
+        return python
+    if not has_pip(python):
+        # A venv without pip (no ensurepip in this Python) is useless: rebuild it, or give up.
+        r = subprocess.run([sys.executable, "-m", "venv", "--clear", venv], stdout=sys.stderr, stderr=sys.stderr)
+        if r.returncode != 0 or not has_pip(python):
+            shutil.rmtree(venv, ignore_errors=True)
+            return None
+    print(f"pyenv: installing {REQUIREMENTS} into {venv} (first use) ...", file=sys.stderr)
+    pip_install(python, [])
+    write(ok, stamp)
+    return python
+
+
+def with_target(target, stamp):
+    deps = os.path.join(target, "py-deps")
+    wrapper = os.path.join(deps, "python")
+    ok = os.path.join(deps, ".requirements-ok")
+    if read(ok) == stamp and os.access(wrapper, os.X_OK):
+        return wrapper
+    os.makedirs(deps, exist_ok=True)
+    print(f"pyenv: no venv module; installing {REQUIREMENTS} into {deps} ...", file=sys.stderr)
+    pip_install(sys.executable, ["--upgrade", "--target", os.path.join(deps, "lib")])
+    write(wrapper, f'#!/bin/sh\nPYTHONPATH="{deps}/lib${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n')
+    os.chmod(wrapper, 0o755)
+    write(ok, stamp)
+    return wrapper
+
+
+def write(path, text):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main():
+    if os.environ.get("DELTAFIN_TEST_PYTHON"):
+        print(os.environ["DELTAFIN_TEST_PYTHON"])
+        return
+    target = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "..", "target"))
+    os.makedirs(target, exist_ok=True)
+    stamp = stamp_text()
+    with open(os.path.join(target, "py-env.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        python = with_venv(target, stamp) or with_target(target, stamp)
+    print(python)
+
+
+if __name__ == "__main__":
+    main()
