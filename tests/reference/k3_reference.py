@@ -45,6 +45,8 @@ def read_safetensors(path):
         if dt == "BF16":
             bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
             arr = bits.view(np.float32).astype(np.float64)
+        elif dt == "F16":
+            arr = np.frombuffer(raw, dtype="<f2").astype(np.float64)
         elif dt == "F32":
             arr = np.frombuffer(raw, dtype="<f4").astype(np.float64)
         elif dt == "F64":
