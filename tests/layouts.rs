@@ -173,17 +173,7 @@ fn small_tensors_stored_as_bf16_convert_exactly() {
     let got = tmp.path().join("got.safetensors");
     let l = score(&engine(&d_bf16), prompt);
     deltafin::util::write_f32_safetensors(&got, "logits", &[prompt.len(), r.vocab], &l).unwrap();
-    let script = format!(
-        "import sys, numpy as np; sys.path.insert(0, {ref_dir:?}); from k3_reference import Reference, read_safetensors\n\
-         r = Reference({dir:?}); want = r.logits({prompt:?}); got = read_safetensors({out:?})['logits']\n\
-         print(float(np.max(np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1))))",
-        ref_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference").display().to_string(),
-        dir = d_bf16.display().to_string(),
-        out = got.display().to_string(),
-    );
-    let o = python().args(["-c", &script]).output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let err: f64 = String::from_utf8_lossy(&o.stdout).trim().parse().unwrap();
+    let err = reference_rel_error(&d_bf16, prompt, &got);
     assert!(err <= 1e-4, "BF16-stored small tensors: relative error vs the fp64 reference {err}");
 }
 

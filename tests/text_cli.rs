@@ -96,17 +96,7 @@ fn synth_writes_the_shipped_layout_and_matches_the_fp64_reference() {
             .args(["--prompt-ids", &ids_arg(&prompt), "--logits-out"])
             .arg(&out),
     );
-    let script = format!(
-        "import sys, numpy as np; sys.path.insert(0, {ref_dir:?}); from k3_reference import Reference, read_safetensors\n\
-         r = Reference({dir:?}); want = r.logits({prompt:?}); got = read_safetensors({out:?})['logits']\n\
-         print(float(np.max(np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1))))",
-        ref_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference").display().to_string(),
-        dir = dir.display().to_string(),
-        out = out.display().to_string(),
-    );
-    let o = python().args(["-c", &script]).output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let err: f64 = String::from_utf8_lossy(&o.stdout).trim().parse().unwrap();
+    let err = reference_rel_error(&dir, &prompt, &out);
     assert!(err < 1e-4, "synth model: relative error vs fp64 reference {err}");
 }
 

@@ -101,20 +101,28 @@ impl Session {
         Ok(out)
     }
 
-    /// Runs a prompt expert-major in chunks of at most `prefill_rows` rows (each chunk passes every
-    /// layer, one read of each layer's expert union, before the next starts); returns the last
-    /// row's logits. All or nothing: on failure the session is as before the call.
-    pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], ForwardError> {
+    /// Runs `tokens` in chunks of at most `prefill_rows` rows, each committed in turn, handing
+    /// every chunk's logits to `keep`; all or nothing: a chunk that fails restores the state from
+    /// before the first one.
+    fn chunked(
+        &mut self,
+        tokens: &[u32],
+        logits: LogitRows,
+        keep: &mut dyn FnMut(Vec<f32>),
+    ) -> Result<(), ForwardError> {
         let rows = self.engine.config.prefill_rows.max(1);
         if tokens.is_empty() {
             return Err(ForwardError::Empty);
         }
-        let t0 = Instant::now();
+        let vocab = self.engine.cfg.vocab;
         // Several chunks commit one by one: keep the state to come back to on a late failure.
         let before = (tokens.len() > rows).then(|| (self.state.clone(), self.tokens.len(), self.last_logits.clone()));
         for chunk in tokens.chunks(rows) {
-            match self.forward(chunk, LogitRows::Last, &[]) {
-                Ok(out) => self.last_logits = Some(out.logits),
+            match self.forward(chunk, logits, &[]) {
+                Ok(out) => {
+                    self.last_logits = Some(out.logits[out.logits.len().saturating_sub(vocab)..].to_vec());
+                    keep(out.logits);
+                }
                 Err(e) => {
                     if let Some((st, n, logits)) = before {
                         self.state = st;
@@ -125,6 +133,15 @@ impl Session {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Runs a prompt expert-major in chunks of at most `prefill_rows` rows (each chunk passes every
+    /// layer, one read of each layer's expert union, before the next starts); returns the last
+    /// row's logits. All or nothing: on failure the session is as before the call.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], ForwardError> {
+        let t0 = Instant::now();
+        self.chunked(tokens, LogitRows::Last, &mut |_| {})?;
         self.stats.prompt_tokens += tokens.len() as u64;
         self.stats.prefill_s += t0.elapsed().as_secs_f64();
         Ok(self.last_logits.as_deref().unwrap_or_default())
@@ -137,27 +154,10 @@ impl Session {
         Ok(self.last_logits.as_deref().unwrap_or_default())
     }
 
-    /// Logits at every position of `tokens` (chunked at `prefill_rows`), committed.
+    /// Logits at every position of `tokens` (chunked at `prefill_rows`), committed; all or nothing.
     pub fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
-        let rows = self.engine.config.prefill_rows.max(1);
-        let before = (tokens.len() > rows).then(|| (self.state.clone(), self.tokens.len(), self.last_logits.clone()));
         let mut all = Vec::with_capacity(tokens.len() * self.engine.cfg.vocab);
-        for chunk in tokens.chunks(rows) {
-            match self.forward(chunk, LogitRows::All, &[]) {
-                Ok(out) => {
-                    self.last_logits = Some(out.logits[out.logits.len() - self.engine.cfg.vocab..].to_vec());
-                    all.extend(out.logits);
-                }
-                Err(e) => {
-                    if let Some((st, n, logits)) = before {
-                        self.state = st;
-                        self.tokens.truncate(n);
-                        self.last_logits = logits;
-                    }
-                    return Err(e);
-                }
-            }
-        }
+        self.chunked(tokens, LogitRows::All, &mut |l| all.extend(l))?;
         Ok(all)
     }
 

@@ -203,3 +203,19 @@ pub fn python() -> std::process::Command {
     });
     std::process::Command::new(path)
 }
+
+/// Largest per-position relative L2 error of the logits in `logits_file` (tensor `logits`) against
+/// the independent fp64 reference run on the model in `dir` for `prompt`.
+pub fn reference_rel_error(dir: &Path, prompt: &[u32], logits_file: &Path) -> f64 {
+    let script = format!(
+        "import sys, numpy as np; sys.path.insert(0, {ref_dir:?}); from k3_reference import Reference, read_safetensors\n\
+         r = Reference({dir:?}); want = r.logits({prompt:?}); got = read_safetensors({out:?})['logits']\n\
+         print(float(np.max(np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1))))",
+        ref_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference").display().to_string(),
+        dir = dir.display().to_string(),
+        out = logits_file.display().to_string(),
+    );
+    let o = python().args(["-c", &script]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
+}
