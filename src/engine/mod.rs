@@ -366,7 +366,7 @@ impl Engine {
         let random = if crate::model::synth::is_synthetic(&self.dir) { " [RANDOM WEIGHTS]" } else { "" };
         let source = self.source.as_ref().map_or_else(|| "no routed experts".to_string(), |s| s.describe());
         format!(
-            "deltafin: {}{random} | {} layers ({kda} KDA + {} MLA, {dense} dense + {} MoE), {} experts/layer top-{} + {} shared, hidden {}, vocab {} | experts {} on disk, {source} | memory: {} | context <= {} tokens | {}{}",
+            "deltafin: {}{random} | {} layers ({kda} KDA + {} MLA, {dense} dense + {} MoE), {} experts/layer top-{} + {} shared, hidden {}, vocab {} | experts {} on disk, {source} | memory: {} | context <= {} tokens | prefill rows {} | {}{}",
             self.dir.display(),
             c.layers,
             c.layers - kda,
@@ -379,6 +379,7 @@ impl Engine {
             crate::util::human_bytes(self.expert_bytes_total()),
             self.plan.summary(),
             self.plan.context_bound,
+            self.config.prefill_rows,
             self.model.be.describe(),
             if self.config.prefetch { " | prefetch on" } else { "" },
         )
