@@ -53,6 +53,9 @@ pub struct Stats {
     pub routes: std::collections::BTreeMap<u32, Vec<u64>>,
     /// Compute time spent waiting for expert reads, per MoE layer.
     pub layer_read_wait_s: std::collections::BTreeMap<u32, f64>,
+    /// Every expert-union fetch in order: (layer, experts), for judging the cache against the
+    /// optimum on the same trace (`store::cache::belady_misses`).
+    pub fetch_trace: Vec<(u32, Vec<u32>)>,
     /// Lookahead prediction per layer: (predicted, actually needed, predicted and needed).
     pub predictions: std::collections::BTreeMap<u32, (u64, u64, u64)>,
 }
@@ -84,6 +87,7 @@ impl Stats {
                 *a += b;
             }
         }
+        self.fetch_trace.extend(o.fetch_trace.iter().cloned());
         for (l, s) in &o.layer_read_wait_s {
             *self.layer_read_wait_s.entry(*l).or_insert(0.0) += s;
         }

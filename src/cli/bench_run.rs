@@ -230,6 +230,13 @@ fn one_run(
             prefill_read as f64 / unique as f64
         );
     }
+    // Our cache against the optimal one of the same size on the same fetch trace (cold start).
+    let report = engine.source_report();
+    let cache_opt = report.cache_slots.map(|slots| crate::store::cache::belady_misses(&stats.fetch_trace, slots));
+    let cache_vs_opt = match (report.cache_misses, cache_opt) {
+        (Some(ours), Some(opt)) if opt > 0 => Some(ours as f64 / opt as f64),
+        _ => None,
+    };
     let layers_moe = opened.cfg.moe_layers() as u64;
     let chunks = prompt.len().div_ceil(engine_args.prefill_rows.max(1)) as u64;
     Ok(crate::util::bench_record(
@@ -271,6 +278,10 @@ fn one_run(
             },
             "decode_bound_s_per_token": decode_bound,
             "decode_bound_ratio": decode_bound.map(|b| (decode_s / steps as f64) / b),
+            "cache_slots": report.cache_slots,
+            "cache_misses": report.cache_misses,
+            "cache_misses_opt": cache_opt,
+            "cache_misses_vs_opt": cache_vs_opt,
             "output_ids": out_ids,
             "stats": stats.to_json(),
         }),

@@ -93,6 +93,7 @@ pub fn layer(
     stats.expert_bytes_requested += (union.len() * layout.len) as u64;
     stats.expert_bytes = layout.len as u64;
     stats.distinct_experts.extend(union.iter().map(|&e| (layer as u32, e)));
+    stats.fetch_trace.push((layer as u32, union.clone()));
     stats.read_wait_s += (fetch_s - kernel_s).max(0.0);
     *stats.layer_read_wait_s.entry(layer as u32).or_insert(0.0) += (fetch_s - kernel_s).max(0.0);
     let t_tail = Instant::now();
