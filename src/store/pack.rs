@@ -10,8 +10,8 @@
 //! ... zero padding to header_len; then payload records at 4096-aligned offsets, each padded to 4096
 //! ```
 //! Contract: a pack file exists under its final name only when complete (written as
-//! `L{layer}.pack.partial`, fsynced, renamed); `read_header` validates magic, sizes, the index
-//! checksum and that every record lies inside the file.
+//! `L{layer}.pack.partial`, fsynced, renamed); `read_header` (the file) and `parse_header` (its
+//! bytes) validate magic, sizes, the index checksum and that every record lies inside the file.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -140,27 +140,65 @@ pub fn read_header(path: &Path) -> Result<PackHeader, PackError> {
     let io = |source| PackError::Io { path: path.to_path_buf(), source };
     let mut f = File::open(path).map_err(io)?;
     let file_len = f.metadata().map_err(io)?.len();
-    let mut fixed = [0u8; FIXED];
-    f.read_exact(&mut fixed).map_err(|_| bad("shorter than its header".into()))?;
+    let mut head = vec![0u8; FIXED];
+    f.read_exact(&mut head).map_err(|_| bad("shorter than its header".into()))?;
+    // The fixed part is checked (sizes against the file) before the index is allocated and read.
+    let index_end = parse_fixed(path, &head, file_len)?.index_end;
+    head.resize(index_end, 0);
+    f.read_exact(&mut head[FIXED..]).map_err(|_| bad("truncated index".into()))?;
+    parse_header(path, &head, file_len)
+}
+
+/// The fixed part of a pack header.
+struct Fixed {
+    layer: u32,
+    count: usize,
+    expert_len: u64,
+    hlen: u64,
+    idx_sum: u64,
+    /// End of the index: FIXED + count x ENTRY.
+    index_end: usize,
+}
+
+fn parse_fixed(path: &Path, head: &[u8], file_len: u64) -> Result<Fixed, PackError> {
+    let bad = |msg: String| PackError::Invalid { path: path.to_path_buf(), msg };
+    let fixed = head.get(..FIXED).ok_or_else(|| bad("shorter than its header".into()))?;
     if &fixed[..8] != MAGIC {
         return Err(bad("wrong magic".into()));
     }
-    let u32_at = |b: &[u8], o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
-    if u32_at(&fixed, 8) != 1 {
-        return Err(bad(format!("unsupported version {}", u32_at(&fixed, 8))));
+    if u32_at(fixed, 8) != 1 {
+        return Err(bad(format!("unsupported version {}", u32_at(fixed, 8))));
     }
-    let layer = u32_at(&fixed, 12);
-    let count = u32_at(&fixed, 16) as usize;
-    let expert_len = u64_at(&fixed, 24);
-    let hlen = u64_at(&fixed, 32);
-    let idx_sum = u64_at(&fixed, 40);
+    let count = u32_at(fixed, 16) as usize;
+    let hlen = u64_at(fixed, 32);
     if hlen != header_len(count) || hlen > file_len {
         return Err(bad(format!("header length {hlen} does not fit {count} entries in a {file_len}-byte file")));
     }
-    let mut idx = vec![0u8; count * ENTRY];
-    f.read_exact(&mut idx).map_err(|_| bad("truncated index".into()))?;
-    if xxh3_64(&idx) != idx_sum {
+    Ok(Fixed {
+        layer: u32_at(fixed, 12),
+        count,
+        expert_len: u64_at(fixed, 24),
+        hlen,
+        idx_sum: u64_at(fixed, 40),
+        index_end: FIXED + count * ENTRY,
+    })
+}
+
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+}
+
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]))
+}
+
+/// Validates a pack header from the file's first bytes `head` (at least the fixed part and the
+/// index; anything after is ignored) and the file's length. `path` is only used in errors.
+pub fn parse_header(path: &Path, head: &[u8], file_len: u64) -> Result<PackHeader, PackError> {
+    let bad = |msg: String| PackError::Invalid { path: path.to_path_buf(), msg };
+    let Fixed { layer, count, expert_len, hlen, idx_sum, index_end } = parse_fixed(path, head, file_len)?;
+    let idx = head.get(FIXED..index_end).ok_or_else(|| bad("truncated index".into()))?;
+    if xxh3_64(idx) != idx_sum {
         return Err(bad("index checksum mismatch".into()));
     }
     let mut entries = Vec::with_capacity(count);

@@ -110,7 +110,12 @@ impl Manifest {
     pub fn load(path: &Path) -> Result<Self, PlacementError> {
         let text =
             std::fs::read_to_string(path).map_err(|source| PlacementError::Io { path: path.to_path_buf(), source })?;
-        let m: Manifest = serde_json::from_str(&text)
+        Self::parse(path, &text)
+    }
+
+    /// Parses and checks manifest text; `path` is only used in error messages.
+    pub fn parse(path: &Path, text: &str) -> Result<Self, PlacementError> {
+        let m: Manifest = serde_json::from_str(text)
             .map_err(|e| PlacementError::Invalid { path: path.to_path_buf(), msg: format!("malformed: {e}") })?;
         if m.version != 1 {
             return Err(PlacementError::Invalid {
