@@ -285,7 +285,8 @@ fn a_pack_truncated_between_forward_calls_fails_over_or_stops() {
     let err = err.expect("no holder left must be an error");
     assert!(matches!(err, deltafin::k3::ForwardError::Store(StoreError::NoHolderLeft(_))), "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("no usable holder") && msg.contains("short read"), "{msg}");
+    let clear = msg.contains("of layer") && msg.contains("short read") && msg.contains("d0");
+    assert!(clear && (msg.contains("no holder left") || msg.contains("no usable holder")), "{msg}");
 }
 
 #[test]
