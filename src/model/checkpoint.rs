@@ -170,7 +170,10 @@ pub fn parse_header(path: &Path, buf: &[u8]) -> Result<(usize, Metadata), ModelE
     }
     let header = std::str::from_utf8(&buf[8..8 + n]).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
     let meta: Metadata = serde_json::from_str(header).map_err(|e| bad(format!("malformed header: {e}")))?;
-    let expected = (8 + n + meta.data_len()) as u64;
+    // Tensor offsets are validated in sequence but not against the file: their end may overflow.
+    let expected = (8 + n as u64)
+        .checked_add(meta.data_len() as u64)
+        .ok_or_else(|| bad(format!("tensor data end {} overflows", meta.data_len())))?;
     if (buf.len() as u64) < expected {
         return Err(ModelError::Truncated { path: path.to_path_buf(), expected, actual: buf.len() as u64 });
     }

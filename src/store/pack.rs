@@ -206,7 +206,7 @@ pub fn parse_header(path: &Path, head: &[u8], file_len: u64) -> Result<PackHeade
         let ent = PackEntry { expert: u32_at(e, 0), offset: u64_at(e, 8), length: u64_at(e, 16), xxh3: u64_at(e, 24) };
         if !ent.offset.is_multiple_of(ALIGN)
             || ent.offset < hlen
-            || ent.offset + ent.length > file_len
+            || ent.offset.checked_add(ent.length).is_none_or(|end| end > file_len)
             || ent.length != expert_len
         {
             return Err(bad(format!(

@@ -1,0 +1,98 @@
+//! Inputs the fuzz targets (fuzz/, bench/fuzz.sh) found, one test per input class, named after
+//! it: each must now be a clear error naming the file, never a panic or an accepted bad value.
+
+use deltafin::model::checkpoint::parse_header;
+use deltafin::store::pack::{self, PackError};
+use std::path::Path;
+
+/// A pack file's first bytes: the fixed part and an index of `entries` (expert, offset, length),
+/// with a valid index checksum, as `pack_header` builds them after its checksum fix-up.
+fn pack_head(expert_len: u64, entries: &[(u32, u64, u64)]) -> Vec<u8> {
+    let mut idx = Vec::new();
+    for &(e, off, len) in entries {
+        idx.extend_from_slice(&e.to_le_bytes());
+        idx.extend_from_slice(&0u32.to_le_bytes());
+        idx.extend_from_slice(&off.to_le_bytes());
+        idx.extend_from_slice(&len.to_le_bytes());
+        idx.extend_from_slice(&0u64.to_le_bytes());
+    }
+    let mut h = pack::MAGIC.to_vec();
+    for v in [1u32, 3, entries.len() as u32, 0] {
+        h.extend_from_slice(&v.to_le_bytes());
+    }
+    for v in [expert_len, pack::ALIGN, pack::checksum(&idx)] {
+        h.extend_from_slice(&v.to_le_bytes());
+    }
+    h.resize(64, 0);
+    h.extend_from_slice(&idx);
+    h
+}
+
+#[test]
+fn pack_record_end_past_u64_max() {
+    // Found by `pack_header`: offset + length overflowed (a panic with overflow checks; without
+    // them it wrapped below the file length and the record was accepted).
+    let len = u64::MAX - 4095 + 100;
+    let head = pack_head(len, &[(3, 4096, len)]);
+    let err = pack::parse_header(Path::new("L3.pack"), &head, 8192).unwrap_err();
+    assert!(matches!(err, PackError::Invalid { .. }), "{err}");
+    assert!(err.to_string().contains("L3.pack") && err.to_string().contains("misplaced or truncated"), "{err}");
+    // The same through a file on disk.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("L3.pack");
+    let mut file = head.clone();
+    file.resize(8192, 0);
+    std::fs::write(&path, &file).unwrap();
+    assert!(pack::read_header(&path).is_err());
+    // A sane record in the same layout still parses.
+    let head = pack_head(100, &[(3, 4096, 100)]);
+    assert_eq!(pack::parse_header(Path::new("L3.pack"), &head, 8192).unwrap().entries.len(), 1);
+}
+
+/// A safetensors file: `tensors` (name, dtype, shape, data_offsets) in the header, padded to
+/// `header_len` bytes, followed by `data` bytes.
+fn safetensors(tensors: &[(&str, &str, Vec<u64>, (u64, u64))], header_len: usize, data: usize) -> Vec<u8> {
+    let mut h = serde_json::Map::new();
+    for (name, dtype, shape, (s, e)) in tensors {
+        h.insert(name.to_string(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [s, e]}));
+    }
+    let mut text = serde_json::to_vec(&h).unwrap();
+    assert!(text.len() <= header_len);
+    text.resize(header_len, b' ');
+    let mut out = (header_len as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.resize(out.len() + data, 0);
+    out
+}
+
+#[test]
+fn safetensors_data_end_past_u64_max() {
+    // Eight U8 tensors of 2^61 - 1 bytes each: every offset is valid in sequence, but 8 + header
+    // + their end overflows u64 (a panic with overflow checks on).
+    let size = (1u64 << 61) - 1;
+    let names: Vec<String> = (0..8).map(|i| format!("t{i}")).collect();
+    let tensors: Vec<(&str, &str, Vec<u64>, (u64, u64))> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.as_str(), "U8", vec![size], (i as u64 * size, (i as u64 + 1) * size)))
+        .collect();
+    let bytes = safetensors(&tensors, 1024, 0);
+    let err = parse_header(Path::new("model-00001.safetensors"), &bytes).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("model-00001.safetensors") && msg.contains("overflows"), "{msg}");
+    // One small tensor in the same layout still parses.
+    let ok = safetensors(&[("t0", "U8", vec![16], (0, 16))], 64, 16);
+    assert_eq!(parse_header(Path::new("m.safetensors"), &ok).unwrap().0, 64);
+}
+
+#[test]
+fn index_shard_name_naming_the_model_directory() {
+    // "", "." and ".." as a shard name would open the directory itself (or its parent).
+    for name in ["", ".", "..", "a/b", "..\\x"] {
+        let text = serde_json::json!({"weight_map": {"t": name}}).to_string();
+        let err = deltafin::model::checkpoint::parse_index(Path::new("model.safetensors.index.json"), &text)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("plain file name") && err.contains("index.json"), "{name:?}: {err}");
+    }
+}
