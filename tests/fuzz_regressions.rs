@@ -96,3 +96,53 @@ fn index_shard_name_naming_the_model_directory() {
         assert!(err.contains("plain file name") && err.contains("index.json"), "{name:?}: {err}");
     }
 }
+
+/// k3-tiny-a's config.json with `edit` applied, parsed.
+fn parse_config(edit: impl FnOnce(&mut serde_json::Value)) -> Result<deltafin::model::K3Config, String> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/k3-tiny-a");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    edit(&mut v);
+    deltafin::model::K3Config::parse(Path::new("config.json"), &v.to_string()).map_err(|e| e.to_string())
+}
+
+#[test]
+fn config_sizes_whose_products_overflow() {
+    // `config_json` derives kda_dim (heads x head_dim) and expert_bytes (inter x latent): with
+    // 2^32 each they overflowed (a panic with overflow checks, a wrong size without).
+    let big = serde_json::Value::from(1u64 << 32);
+    for (field, path) in [
+        ("linear_attn_config.num_heads", &["linear_attn_config", "num_heads"][..]),
+        ("linear_attn_config.head_dim", &["linear_attn_config", "head_dim"][..]),
+        ("moe_intermediate_size", &["moe_intermediate_size"][..]),
+        ("routed_expert_hidden_size", &["routed_expert_hidden_size"][..]),
+        ("kv_lora_rank", &["kv_lora_rank"][..]),
+        ("num_shared_experts", &["num_shared_experts"][..]),
+    ] {
+        let err = parse_config(|v| {
+            let mut x = &mut v["text_config"];
+            for p in path {
+                x = &mut x[*p];
+            }
+            *x = big.clone();
+        })
+        .unwrap_err();
+        assert!(err.contains("config.json") && err.contains(field) && err.contains("implausibly large"), "{err}");
+    }
+    assert!(parse_config(|_| {}).is_ok());
+}
+
+#[test]
+fn config_layer_count_that_cannot_be_allocated() {
+    // 10^12 layers: the per-layer tables were allocated before any other check (an abort).
+    let err = parse_config(|v| v["text_config"]["num_hidden_layers"] = 1_000_000_000_000u64.into()).unwrap_err();
+    assert!(err.contains("text_config.num_hidden_layers") && err.contains("implausibly large"), "{err}");
+}
+
+#[test]
+fn config_token_id_past_u32() {
+    // 2^32 + 2 was cut to 2 without a word.
+    for v in [serde_json::json!(4294967298u64), serde_json::json!([4294967298u64, 1])] {
+        let err = parse_config(|c| c["text_config"]["eos_token_id"] = v.clone()).unwrap_err();
+        assert!(err.contains("text_config.eos_token_id") && err.contains("expected a token id"), "{err}");
+    }
+}

@@ -70,6 +70,14 @@ pub struct K3Config {
 pub const KDA_L2_EPS: f32 = 1e-6;
 /// eps of MLA's `q_a_layernorm` / `kv_a_layernorm` (Moonshot's modelling code; vLLM uses 1e-5).
 pub const MLA_LATENT_NORM_EPS: f32 = 1e-6;
+/// Upper bounds on config.json's sizes: far above K3 (93 layers, 896 experts, hidden 7168,
+/// vocabulary 163,840), low enough that a typo (1e12) is an error naming the field rather than an
+/// allocation abort while building per-layer or per-expert tables.
+pub const MAX_LAYERS: usize = 4096;
+pub const MAX_EXPERTS: usize = 1 << 16;
+pub const MAX_HIDDEN: usize = 1 << 20;
+pub const MAX_VOCAB: usize = 1 << 24;
+
 /// KDA chunk length for prompt processing.
 pub const KDA_CHUNK: usize = 64;
 
@@ -117,6 +125,14 @@ impl Fields<'_> {
         }
         Ok(v)
     }
+    /// A positive integer no larger than `max`.
+    fn bounded(&self, field: &str, max: usize) -> Result<usize, ModelError> {
+        let v = self.pos(field)?;
+        if v > max {
+            return Err(self.err(field, format!("{v} is implausibly large (at most {max} is accepted)")));
+        }
+        Ok(v)
+    }
     fn f32(&self, field: &str) -> Result<f32, ModelError> {
         match self.get(field) {
             None => Err(self.err(field, "missing (expected a number)")),
@@ -147,12 +163,15 @@ impl Fields<'_> {
         match self.get(field) {
             None => Ok(None),
             // Some configs list several EOS ids; the first is the end-of-message token.
-            Some(Value::Array(a)) if !a.is_empty() => {
-                a[0].as_u64().map(|x| Some(x as u32)).ok_or_else(|| self.err(field, "expected a token id"))
-            }
+            Some(Value::Array(a)) if !a.is_empty() => a[0]
+                .as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("expected a token id, found {}", a[0]))),
             Some(v) => v
                 .as_u64()
-                .map(|x| Some(x as u32))
+                .and_then(|x| u32::try_from(x).ok())
+                .map(Some)
                 .ok_or_else(|| self.err(field, format!("expected a token id, found {v}"))),
         }
     }
@@ -179,7 +198,8 @@ impl K3Config {
         match top.str_opt("model_type")? {
             Some("kimi_k3") => {}
             other => {
-                return Err(top.err("model_type", format!("expected \"kimi_k3\", found {other:?}")));
+                let found = other.map_or_else(|| "nothing".to_string(), |o| format!("\"{o}\""));
+                return Err(top.err("model_type", format!("expected \"kimi_k3\", found {found}")));
             }
         }
         let text_obj = top
@@ -196,9 +216,9 @@ impl K3Config {
         }
         check_quantization(path, root_obj, text_obj)?;
 
-        let hidden = t.pos("hidden_size")?;
-        let layers = t.pos("num_hidden_layers")?;
-        let vocab = t.pos("vocab_size")?;
+        let hidden = t.bounded("hidden_size", MAX_HIDDEN)?;
+        let layers = t.bounded("num_hidden_layers", MAX_LAYERS)?;
+        let vocab = t.bounded("vocab_size", MAX_VOCAB)?;
         let rms_eps = t.f32("rms_norm_eps")?;
         if !(rms_eps > 0.0 && rms_eps < 1.0) {
             return Err(t.err("rms_norm_eps", format!("expected a small positive number, found {rms_eps}")));
@@ -254,6 +274,16 @@ impl K3Config {
         if lac.short_conv_kernel_size < 1 {
             return Err(lf("short_conv_kernel_size", "must be >= 1".into()));
         }
+        // Products of these sizes (projection widths, state sizes) must not overflow.
+        for (f, v) in [
+            ("num_heads", lac.num_heads),
+            ("head_dim", lac.head_dim),
+            ("short_conv_kernel_size", lac.short_conv_kernel_size),
+        ] {
+            if v > MAX_HIDDEN {
+                return Err(lf(f, format!("{v} is implausibly large (at most {MAX_HIDDEN} is accepted)")));
+            }
+        }
         if lac.use_full_rank_gate == Some(false) {
             return Err(lf("use_full_rank_gate", "only K3's full-rank output gate is supported".into()));
         }
@@ -274,12 +304,17 @@ impl K3Config {
                 return Err(t.err("mla_use_output_gate", "K3's MLA is gated; expected true"));
             }
             (
-                t.pos("num_attention_heads")?,
-                t.pos("q_lora_rank")?,
-                t.pos("kv_lora_rank")?,
-                t.pos("qk_nope_head_dim")?,
-                t.usize("qk_rope_head_dim")?,
-                t.pos("v_head_dim")?,
+                t.bounded("num_attention_heads", MAX_HIDDEN)?,
+                t.bounded("q_lora_rank", MAX_HIDDEN)?,
+                t.bounded("kv_lora_rank", MAX_HIDDEN)?,
+                t.bounded("qk_nope_head_dim", MAX_HIDDEN)?,
+                match t.usize("qk_rope_head_dim")? {
+                    r if r > MAX_HIDDEN => {
+                        return Err(t.err("qk_rope_head_dim", format!("{r} is implausibly large")));
+                    }
+                    r => r,
+                },
+                t.bounded("v_head_dim", MAX_HIDDEN)?,
             )
         } else {
             (0, 0, 0, 0, 0, 0)
@@ -289,24 +324,33 @@ impl K3Config {
         let first_dense = t.usize_or("first_k_dense_replace", 0)?;
         let moe_freq = t.usize_or("moe_layer_freq", 1)?.max(1);
         let experts = t.usize_or("num_experts", 0)?;
+        if experts > MAX_EXPERTS {
+            return Err(
+                t.err("num_experts", format!("{experts} is implausibly large (at most {MAX_EXPERTS} is accepted)"))
+            );
+        }
         let ffn: Vec<FfnKind> = (0..layers)
             .map(|l| if experts > 0 && l >= first_dense && l % moe_freq == 0 { FfnKind::Moe } else { FfnKind::Dense })
             .collect();
-        let dense_inter = if ffn.contains(&FfnKind::Dense) { t.pos("intermediate_size")? } else { 0 };
+        let dense_inter = if ffn.contains(&FfnKind::Dense) { t.bounded("intermediate_size", MAX_HIDDEN)? } else { 0 };
         let has_moe = ffn.contains(&FfnKind::Moe);
         let (top_k, shared_experts, expert_inter, expert_latent) = if has_moe {
             let k = t.pos("num_experts_per_token")?;
             if k > experts {
                 return Err(t.err("num_experts_per_token", format!("{k} is more than num_experts = {experts}")));
             }
-            let inter = t.pos("moe_intermediate_size")?;
-            let latent = t.pos("routed_expert_hidden_size")?;
+            let inter = t.bounded("moe_intermediate_size", MAX_HIDDEN)?;
+            let latent = t.bounded("routed_expert_hidden_size", MAX_HIDDEN)?;
             for (f, v) in [("moe_intermediate_size", inter), ("routed_expert_hidden_size", latent)] {
                 if v % 32 != 0 {
                     return Err(t.err(f, format!("{v} is not a multiple of 32 (the MXFP4 block)")));
                 }
             }
-            (k, t.usize_or("num_shared_experts", 0)?, inter, latent)
+            let shared = t.usize_or("num_shared_experts", 0)?;
+            if shared > MAX_EXPERTS {
+                return Err(t.err("num_shared_experts", format!("{shared} is implausibly large")));
+            }
+            (k, shared, inter, latent)
         } else {
             (0, 0, 0, 0)
         };
@@ -412,9 +456,14 @@ fn check_quantization(
         field: format!("{prefix}quantization_config.{field}"),
         msg,
     };
+    // A field's JSON text as written (or "nothing"), never Rust debug text.
+    let shown = |v: Option<&Value>| v.map_or_else(|| "nothing".to_string(), Value::to_string);
     let method = q.get("quant_method").and_then(Value::as_str);
     if method != Some("compressed-tensors") {
-        return Err(err("quant_method", format!("expected \"compressed-tensors\", found {method:?}")));
+        return Err(err(
+            "quant_method",
+            format!("expected \"compressed-tensors\", found {}", shown(q.get("quant_method"))),
+        ));
     }
     let groups = q
         .get("config_groups")
@@ -434,7 +483,12 @@ fn check_quantization(
         if bits != Some(4) || typ != Some("float") || gs != Some(32) {
             return Err(err(
                 &format!("config_groups.{name}.weights"),
-                format!("expected num_bits 4, type \"float\", group_size 32; found {bits:?}, {typ:?}, {gs:?}"),
+                format!(
+                    "expected num_bits 4, type \"float\", group_size 32; found {}, {}, {}",
+                    shown(w.get("num_bits")),
+                    shown(w.get("type")),
+                    shown(w.get("group_size"))
+                ),
             ));
         }
         found = true;
