@@ -49,9 +49,11 @@ fn pack_record_end_past_u64_max() {
     assert_eq!(pack::parse_header(Path::new("L3.pack"), &head, 8192).unwrap().entries.len(), 1);
 }
 
-/// A safetensors file: `tensors` (name, dtype, shape, data_offsets) in the header, padded to
-/// `header_len` bytes, followed by `data` bytes.
-fn safetensors(tensors: &[(&str, &str, Vec<u64>, (u64, u64))], header_len: usize, data: usize) -> Vec<u8> {
+/// One header entry: name, dtype, shape, data_offsets.
+type Entry<'a> = (&'a str, &'a str, Vec<u64>, (u64, u64));
+
+/// A safetensors file: `tensors` in the header, padded to `header_len` bytes, then `data` bytes.
+fn safetensors(tensors: &[Entry], header_len: usize, data: usize) -> Vec<u8> {
     let mut h = serde_json::Map::new();
     for (name, dtype, shape, (s, e)) in tensors {
         h.insert(name.to_string(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [s, e]}));
@@ -71,7 +73,7 @@ fn safetensors_data_end_past_u64_max() {
     // + their end overflows u64 (a panic with overflow checks on).
     let size = (1u64 << 61) - 1;
     let names: Vec<String> = (0..8).map(|i| format!("t{i}")).collect();
-    let tensors: Vec<(&str, &str, Vec<u64>, (u64, u64))> = names
+    let tensors: Vec<Entry> = names
         .iter()
         .enumerate()
         .map(|(i, n)| (n.as_str(), "U8", vec![size], (i as u64 * size, (i as u64 + 1) * size)))
