@@ -148,3 +148,56 @@ fn config_token_id_past_u32() {
         assert!(err.contains("text_config.eos_token_id") && err.contains("expected a token id"), "{err}");
     }
 }
+
+/// A byte-level tokenizer with K3's special names after its 256 tokens.
+fn byte_tokenizer() -> deltafin::model::tokenizer::Tokenizer {
+    use deltafin::model::tokenizer::{K3_SPECIALS, NUM_SPECIALS, Tokenizer};
+    let mut names: Vec<String> = (0..NUM_SPECIALS).map(|i| format!("<|reserved_token_{}|>", 256 + i)).collect();
+    for (off, name) in K3_SPECIALS {
+        names[off] = name.to_string();
+    }
+    Tokenizer::from_parts((0..=255u8).map(|b| vec![b]).collect(), names).unwrap()
+}
+
+fn render(template: &str, messages: &serde_json::Value) -> Result<String, String> {
+    use deltafin::model::chat::{ChatOptions, ChatTemplate};
+    let tok = byte_tokenizer();
+    let t = ChatTemplate::from_source(Path::new("chat_template.jinja"), template.to_string(), &tok).unwrap();
+    t.render(messages, &ChatOptions::default()).map_err(|e| e.to_string())
+}
+
+#[test]
+fn chat_template_that_never_ends() {
+    // Hand-written inputs run through `chat_template`: nested loops (10^10 steps, a timeout) and
+    // a string doubled 60 times (an allocation abort) now stop at the step limit.
+    let msgs = serde_json::json!([{"role": "user", "content": "hi"}]);
+    for (what, src) in [
+        ("nested loops", "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"),
+        (
+            "doubling string",
+            "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+        ),
+    ] {
+        let t = std::time::Instant::now();
+        let err = render(src, &msgs).unwrap_err();
+        assert!(err.contains("steps"), "{what}: {err}");
+        assert!(t.elapsed().as_secs() < 30, "{what}: took {:?}", t.elapsed());
+    }
+}
+
+#[test]
+fn chat_long_conversation_fits_the_step_limit() {
+    // K3's own template on 3000 turns (9001 messages, with tool calls and reasoning) stays inside.
+    let template =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chat/k3_chat_template.jinja"))
+            .unwrap();
+    let mut msgs = vec![serde_json::json!({"role": "system", "content": "Be brief."})];
+    for i in 0..3000 {
+        msgs.push(serde_json::json!({"role": "user", "content": format!("question {i}: {}", "words ".repeat(30))}));
+        msgs.push(serde_json::json!({"role": "assistant", "content": "", "reasoning_content": "think",
+            "tool_calls": [{"id": format!("c{i}"), "type": "function", "function": {"name": "f", "arguments": {"q": i}}}]}));
+        msgs.push(serde_json::json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": "result"}));
+    }
+    let text = render(&template, &serde_json::Value::Array(msgs)).unwrap();
+    assert!(text.contains("question 2999"));
+}
