@@ -39,7 +39,7 @@ for t in "${targets[@]}"; do
     left=$((secs - ($(date +%s) - start)))
     [ "$left" -gt 0 ] || break
     rc=0
-    "$bin" "$corpus" "${seeds[@]}" "${dict[@]}" -max_total_time="$left" -timeout=10 -rss_limit_mb=2048 \
+    "$bin" "$corpus" "${seeds[@]}" "${dict[@]}" -max_total_time="$left" -timeout=60 -rss_limit_mb=2048 \
       -print_final_stats=1 -artifact_prefix="$arts/" >"$log" 2>&1 || rc=$?
     n=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
     [ -n "$n" ] || n=$(grep -o '^#[0-9]*' "$log" | tail -1 | tr -d '#')
