@@ -1,7 +1,8 @@
 //! The expert store against the in-memory path: every placement (1, 2, 3 directory drives;
 //! spread, mirror, hot), cache size (0, small, large) and reader (io_uring, pread) must give
-//! bit-identical logits; faults (corrupt, truncated or missing copies, missing drives) fail over to
-//! other holders with identical output, or fail loudly when no holder is left.
+//! bit-identical logits; faults (corrupt, truncated or missing copies, short reads, packs cut
+//! before the run or between two forward calls, missing drives) fail over to other holders with
+//! identical output, or fail loudly when no holder is left, never with a wrong output.
 
 mod common;
 use common::*;
