@@ -52,7 +52,9 @@ for t in "${targets[@]}"; do
   done
   ran=$(($(date +%s) - start))
   crashes=$(($(ls "$arts" | wc -l) - before))
-  saved=$(ls -t "$arts" | head -"$crashes" | sed "s|^|$arts/|" | paste -sd, -)
+  saved=
+  # (no pipeline into head when there is nothing to list: pipefail would see ls's SIGPIPE)
+  [ "$crashes" -le 0 ] || saved=$(ls -t "$arts" | sed -n "1,${crashes}p" | sed "s|^|$arts/|" | paste -sd, -)
   python3 - "$t" "$secs" "$ran" "$execs" "$crashes" "$saved" "$(ls "$corpus" | wc -l)" "$cpu" "$(nproc)" "$rev" "$(sort -u "$sites" | paste -sd'|' -)" <<'PY'
 import json, sys, datetime
 t, secs, ran, execs, crashes, saved, corpus, cpu, cores, rev, sites = sys.argv[1:]
