@@ -1,7 +1,8 @@
 //! The expert store against the in-memory path: every placement (1, 2, 3 directory drives;
 //! spread, mirror, hot), cache size (0, small, large) and reader (io_uring, pread) must give
-//! bit-identical logits; faults (corrupt, truncated or missing copies, missing drives) fail over to
-//! other holders with identical output, or fail loudly when no holder is left.
+//! bit-identical logits; faults (corrupt, truncated or missing copies, short reads, packs cut
+//! before the run or between two forward calls, missing drives) fail over to other holders with
+//! identical output, or fail loudly when no holder is left, never with a wrong output.
 
 mod common;
 use common::*;
@@ -167,6 +168,124 @@ fn a_copy_truncated_mid_run_fails_over() {
     assert!(bits_equal(&got, &want));
     let r = store.report();
     assert!(r.drives[1].failed.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[1]);
+}
+
+/// Prefill, then `fault()`, then 6 greedy decode steps: the logits so far and the first error.
+/// Whatever it returns must be a prefix of `want` (a fault may stop the run, never change it).
+fn logits_with_fault(
+    m: &Model,
+    src: Arc<dyn ExpertSource>,
+    fault: impl FnOnce(),
+    want: &[f32],
+) -> (Vec<f32>, Option<deltafin::k3::ForwardError>) {
+    let e = engine_with(&m.dir, src);
+    let mut s = e.new_session();
+    let mut out = s.score(&prompt()).unwrap();
+    fault();
+    let mut err = None;
+    for _ in 0..6 {
+        let t = deltafin::k3::argmax(&out[out.len() - m.cfg.vocab..]);
+        match s.score(&[t]) {
+            Ok(l) => out.extend(l),
+            Err(e) => {
+                err = Some(e);
+                break;
+            }
+        }
+    }
+    assert!(bits_equal(&out, &want[..out.len().min(want.len())]), "a fault changed the output");
+    (out, err)
+}
+
+/// Cuts every layer's pack on drive `d` to `keep(header)` bytes (the files may be open).
+fn truncate_packs(man: &Manifest, d: usize, keep: impl Fn(&deltafin::store::pack::PackHeader) -> u64) {
+    for l in 1..6 {
+        let path = man.pack_path(d, l);
+        let h = deltafin::store::pack::read_header(&path).unwrap();
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(keep(&h)).unwrap();
+    }
+}
+
+/// Keeps the header and the first half of the first record: every read of the pack comes back
+/// short (part of a record, or nothing).
+fn mid_first_record(h: &deltafin::store::pack::PackHeader) -> u64 {
+    let first = h.entries.iter().min_by_key(|e| e.offset).unwrap();
+    first.offset + first.length / 2
+}
+
+#[test]
+fn a_short_read_mid_record_fails_over_with_identical_output() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let want = reference_logits(&m);
+    for reader in [ReaderKind::Uring, ReaderKind::Pread] {
+        let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("{reader:?}/d{i}"))).collect();
+        let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
+        let store = open_store(&m, &man, 0, reader);
+        // Open files, then every pack on drive 0 is cut in the middle of its first record.
+        truncate_packs(&man, 0, mid_first_record);
+        let got = logits_with(&m, store.clone()).unwrap();
+        assert!(bits_equal(&got, &want), "{reader:?}: output changed after a short read");
+        let r = store.report();
+        assert!(r.drives[0].failed.as_ref().is_some_and(|w| w.contains("short read")), "{reader:?}: {:?}", r.drives[0]);
+    }
+}
+
+#[test]
+fn a_pack_truncated_before_the_run_is_not_used() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let want = reference_logits(&m);
+    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    // Mirror: the truncated packs' header check drops drive 0's copies; drive 1 serves everything.
+    let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
+    truncate_packs(&man, 0, mid_first_record);
+    let store = open_store(&m, &man, 0, ReaderKind::Uring);
+    assert!(bits_equal(&logits_with(&m, store.clone()).unwrap(), &want));
+    let r = store.report();
+    assert_eq!(r.drives[0].reads, 0, "the truncated packs are never read");
+    assert!(r.drives[1].reads > 0);
+    // Spread without shards: the experts only drive 0 held have no holder left, a clear error.
+    let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
+    truncate_packs(&man, 0, mid_first_record);
+    let store = open_store(&m, &man, 0, ReaderKind::Uring);
+    let err = logits_with(&m, store.clone()).unwrap_err();
+    assert!(matches!(err, deltafin::k3::ForwardError::Store(StoreError::NoHolderLeft(_))), "{err}");
+    assert!(err.to_string().contains("no usable holder"), "{err}");
+}
+
+#[test]
+fn a_pack_truncated_between_forward_calls_fails_over_or_stops() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let want = reference_logits(&m);
+    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    // Mirror: the other drive's copy.
+    let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
+    let store = open_store(&m, &man, 0, ReaderKind::Uring);
+    let (got, err) = logits_with_fault(&m, store.clone(), || truncate_packs(&man, 0, |h| h.header_len), &want);
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(got.len(), want.len());
+    // Spread with the shards as fallback: the shards.
+    let man = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
+    let store = open_store(&m, &man, 0, ReaderKind::Pread);
+    let shard_reads = store.report().drives[2].reads;
+    let (got, err) = logits_with_fault(&m, store.clone(), || truncate_packs(&man, 0, |h| h.header_len), &want);
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(got.len(), want.len());
+    let r = store.report();
+    assert!(r.drives[0].failed.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[0]);
+    assert!(r.drives[2].reads > shard_reads, "the shards served drive 0's experts");
+    // Spread, no shards: no holder is left, and the run stops with a clear error.
+    let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
+    let store = open_store(&m, &man, 0, ReaderKind::Uring);
+    let (got, err) = logits_with_fault(&m, store.clone(), || truncate_packs(&man, 0, |h| h.header_len), &want);
+    assert!(got.len() < want.len());
+    let err = err.expect("no holder left must be an error");
+    assert!(matches!(err, deltafin::k3::ForwardError::Store(StoreError::NoHolderLeft(_))), "{err}");
+    let msg = err.to_string();
+    let clear = msg.contains("of layer") && msg.contains("short read") && msg.contains("d0");
+    assert!(clear && (msg.contains("no holder left") || msg.contains("no usable holder")), "{msg}");
 }
 
 #[test]

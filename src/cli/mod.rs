@@ -211,10 +211,10 @@ pub(crate) fn check_outputs<'a>(
 
 /// Token ids given on the command line as "1,2,3".
 #[derive(Clone, Debug)]
-pub(crate) struct TokenIds(pub Vec<u32>);
+pub struct TokenIds(pub Vec<u32>);
 
-/// Parses "1,2,3" (spaces allowed) into token ids.
-pub(crate) fn parse_ids(s: &str) -> Result<TokenIds, String> {
+/// Parses "1,2,3" (spaces allowed) into token ids (public for the fuzz targets).
+pub fn parse_ids(s: &str) -> Result<TokenIds, String> {
     s.split(',')
         .map(str::trim)
         .filter(|t| !t.is_empty())

@@ -8,7 +8,8 @@
 //! marker keeps any special name from matching inside caller text (including across two adjacent
 //! caller strings) and preserves string ordering, so the template behaves as it would on the raw
 //! text. After rendering, special names are matched in the template's own text only, and the
-//! markers are removed from the ordinary text before BPE.
+//! markers are removed from the ordinary text before BPE. A render is bounded by
+//! [`RENDER_FUEL`] steps: a runaway template is a [`ChatError::Render`], never a hang.
 
 use super::tokenizer::Tokenizer;
 use minijinja::value::{Kwargs, Value, ValueKind};
@@ -17,6 +18,12 @@ use std::path::{Path, PathBuf};
 
 /// Private-use marker (not a special, never produced by the template's own text).
 const MARK: char = '\u{F8F0}';
+
+/// Steps (and, at about 64 bytes a unit, memory) one render may use: K3's template renders a
+/// 9,000-message conversation inside it (tests/fuzz_regressions.rs), and a runaway template
+/// (nested loops, a string doubled in a loop) is an error in about a second instead of a hang or
+/// an allocation abort.
+pub const RENDER_FUEL: u64 = 10_000_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
@@ -79,6 +86,7 @@ impl ChatTemplate {
             .build()
             .map_err(|e| ChatError::Compile { path: path.to_path_buf(), msg: e.to_string() })?;
         env.set_syntax(syntax);
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
@@ -152,6 +160,9 @@ impl ChatTemplate {
 }
 
 fn render_error(e: &Error) -> String {
+    if e.kind() == ErrorKind::OutOfFuel {
+        return format!("the template ran past its limit of {RENDER_FUEL} steps (a runaway loop or string?)");
+    }
     // raise_exception's message is the useful part; other errors keep minijinja's detail.
     if e.kind() == ErrorKind::InvalidOperation
         && let Some(d) = e.detail()

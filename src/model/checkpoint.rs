@@ -46,21 +46,8 @@ impl Checkpoint {
         let (shard_names, weight_map): (Vec<String>, Option<HashMap<String, String>>) = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
                 .map_err(|source| ModelError::Io { path: index_path.clone(), source })?;
-            let idx: Index =
-                serde_json::from_str(&text).map_err(|source| ModelError::Json { path: index_path.clone(), source })?;
-            let mut names: Vec<String> = idx.weight_map.values().cloned().collect();
-            names.sort();
-            names.dedup();
-            for n in &names {
-                if n.contains('/') || n.contains('\\') || n == ".." {
-                    return Err(ModelError::Config {
-                        path: index_path.clone(),
-                        field: "weight_map".into(),
-                        msg: format!("shard name {n:?} must be a plain file name in the model directory"),
-                    });
-                }
-            }
-            (names, Some(idx.weight_map))
+            let (names, weight_map) = parse_index(&index_path, &text)?;
+            (names, Some(weight_map))
         } else if single.exists() {
             (vec!["model.safetensors".to_string()], None)
         } else {
@@ -75,7 +62,7 @@ impl Checkpoint {
             // SAFETY: the file is mapped read-only; the engine never writes checkpoint files and
             // treats a concurrent external modification as user error (as every mmap loader does).
             let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io { path: path.clone(), source })?;
-            let meta = read_header(&path, &mmap)?;
+            let meta = parse_header(&path, &mmap)?;
             let (n, meta) = meta;
             let data_start = 8 + n as u64;
             for (tname, info) in meta.tensors() {
@@ -153,8 +140,29 @@ impl Checkpoint {
     }
 }
 
-/// Parses and validates a shard's header; the file must hold exactly the data it describes.
-fn read_header(path: &Path, buf: &[u8]) -> Result<(usize, Metadata), ModelError> {
+/// Parses `model.safetensors.index.json` text: the shard file names (sorted, distinct, each a plain
+/// file name in the model directory) and the tensor -> shard map. `path` is only used in errors.
+pub fn parse_index(path: &Path, text: &str) -> Result<(Vec<String>, HashMap<String, String>), ModelError> {
+    let idx: Index =
+        serde_json::from_str(text).map_err(|source| ModelError::Json { path: path.to_path_buf(), source })?;
+    let mut names: Vec<String> = idx.weight_map.values().cloned().collect();
+    names.sort();
+    names.dedup();
+    for n in &names {
+        if n.is_empty() || n == "." || n == ".." || n.contains('/') || n.contains('\\') {
+            return Err(ModelError::Config {
+                path: path.to_path_buf(),
+                field: "weight_map".into(),
+                msg: format!("shard name {n:?} must be a plain file name in the model directory"),
+            });
+        }
+    }
+    Ok((names, idx.weight_map))
+}
+
+/// Parses and validates a shard's header from the whole file's bytes `buf`; the file must hold
+/// exactly the data it describes. Returns the header length and the tensors' metadata.
+pub fn parse_header(path: &Path, buf: &[u8]) -> Result<(usize, Metadata), ModelError> {
     let bad = |msg: String| ModelError::Safetensors { path: path.to_path_buf(), msg };
     if buf.len() < 8 {
         return Err(ModelError::Truncated { path: path.to_path_buf(), expected: 8, actual: buf.len() as u64 });
@@ -173,7 +181,10 @@ fn read_header(path: &Path, buf: &[u8]) -> Result<(usize, Metadata), ModelError>
     }
     let header = std::str::from_utf8(&buf[8..8 + n]).map_err(|e| bad(format!("header is not UTF-8: {e}")))?;
     let meta: Metadata = serde_json::from_str(header).map_err(|e| bad(format!("malformed header: {e}")))?;
-    let expected = (8 + n + meta.data_len()) as u64;
+    // Tensor offsets are validated in sequence but not against the file: their end may overflow.
+    let expected = (8 + n as u64)
+        .checked_add(meta.data_len() as u64)
+        .ok_or_else(|| bad(format!("tensor data end {} overflows", meta.data_len())))?;
     if (buf.len() as u64) < expected {
         return Err(ModelError::Truncated { path: path.to_path_buf(), expected, actual: buf.len() as u64 });
     }

@@ -163,12 +163,15 @@ impl Fields<'_> {
         match self.get(field) {
             None => Ok(None),
             // Some configs list several EOS ids; the first is the end-of-message token.
-            Some(Value::Array(a)) if !a.is_empty() => {
-                a[0].as_u64().map(|x| Some(x as u32)).ok_or_else(|| self.err(field, "expected a token id"))
-            }
+            Some(Value::Array(a)) if !a.is_empty() => a[0]
+                .as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| self.err(field, format!("expected a token id, found {}", a[0]))),
             Some(v) => v
                 .as_u64()
-                .map(|x| Some(x as u32))
+                .and_then(|x| u32::try_from(x).ok())
+                .map(Some)
                 .ok_or_else(|| self.err(field, format!("expected a token id, found {v}"))),
         }
     }
@@ -271,6 +274,16 @@ impl K3Config {
         if lac.short_conv_kernel_size < 1 {
             return Err(lf("short_conv_kernel_size", "must be >= 1".into()));
         }
+        // Products of these sizes (projection widths, state sizes) must not overflow.
+        for (f, v) in [
+            ("num_heads", lac.num_heads),
+            ("head_dim", lac.head_dim),
+            ("short_conv_kernel_size", lac.short_conv_kernel_size),
+        ] {
+            if v > MAX_HIDDEN {
+                return Err(lf(f, format!("{v} is implausibly large (at most {MAX_HIDDEN} is accepted)")));
+            }
+        }
         if lac.use_full_rank_gate == Some(false) {
             return Err(lf("use_full_rank_gate", "only K3's full-rank output gate is supported".into()));
         }
@@ -291,12 +304,17 @@ impl K3Config {
                 return Err(t.err("mla_use_output_gate", "K3's MLA is gated; expected true"));
             }
             (
-                t.pos("num_attention_heads")?,
-                t.pos("q_lora_rank")?,
-                t.pos("kv_lora_rank")?,
-                t.pos("qk_nope_head_dim")?,
-                t.usize("qk_rope_head_dim")?,
-                t.pos("v_head_dim")?,
+                t.bounded("num_attention_heads", MAX_HIDDEN)?,
+                t.bounded("q_lora_rank", MAX_HIDDEN)?,
+                t.bounded("kv_lora_rank", MAX_HIDDEN)?,
+                t.bounded("qk_nope_head_dim", MAX_HIDDEN)?,
+                match t.usize("qk_rope_head_dim")? {
+                    r if r > MAX_HIDDEN => {
+                        return Err(t.err("qk_rope_head_dim", format!("{r} is implausibly large")));
+                    }
+                    r => r,
+                },
+                t.bounded("v_head_dim", MAX_HIDDEN)?,
             )
         } else {
             (0, 0, 0, 0, 0, 0)
@@ -314,21 +332,25 @@ impl K3Config {
         let ffn: Vec<FfnKind> = (0..layers)
             .map(|l| if experts > 0 && l >= first_dense && l % moe_freq == 0 { FfnKind::Moe } else { FfnKind::Dense })
             .collect();
-        let dense_inter = if ffn.contains(&FfnKind::Dense) { t.pos("intermediate_size")? } else { 0 };
+        let dense_inter = if ffn.contains(&FfnKind::Dense) { t.bounded("intermediate_size", MAX_HIDDEN)? } else { 0 };
         let has_moe = ffn.contains(&FfnKind::Moe);
         let (top_k, shared_experts, expert_inter, expert_latent) = if has_moe {
             let k = t.pos("num_experts_per_token")?;
             if k > experts {
                 return Err(t.err("num_experts_per_token", format!("{k} is more than num_experts = {experts}")));
             }
-            let inter = t.pos("moe_intermediate_size")?;
-            let latent = t.pos("routed_expert_hidden_size")?;
+            let inter = t.bounded("moe_intermediate_size", MAX_HIDDEN)?;
+            let latent = t.bounded("routed_expert_hidden_size", MAX_HIDDEN)?;
             for (f, v) in [("moe_intermediate_size", inter), ("routed_expert_hidden_size", latent)] {
                 if v % 32 != 0 {
                     return Err(t.err(f, format!("{v} is not a multiple of 32 (the MXFP4 block)")));
                 }
             }
-            (k, t.usize_or("num_shared_experts", 0)?, inter, latent)
+            let shared = t.usize_or("num_shared_experts", 0)?;
+            if shared > MAX_EXPERTS {
+                return Err(t.err("num_shared_experts", format!("{shared} is implausibly large")));
+            }
+            (k, shared, inter, latent)
         } else {
             (0, 0, 0, 0)
         };

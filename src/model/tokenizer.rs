@@ -103,6 +103,11 @@ fn bpe_parts(piece: &[u8], ranks: &HashMap<&[u8], u32>, max_rank: u32) -> Vec<(u
 pub fn read_rank_file(path: &Path) -> Result<Vec<Vec<u8>>, TokenizerError> {
     let text =
         std::fs::read_to_string(path).map_err(|source| TokenizerError::Io { path: path.to_path_buf(), source })?;
+    parse_rank_file(path, &text)
+}
+
+/// Parses rank-file text (see [`read_rank_file`]); `path` is only used in error messages.
+pub fn parse_rank_file(path: &Path, text: &str) -> Result<Vec<Vec<u8>>, TokenizerError> {
     let mut tokens: Vec<Option<Vec<u8>>> = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let err = |msg: String| TokenizerError::RankFile { path: path.to_path_buf(), line: i + 1, msg };
@@ -176,10 +181,15 @@ pub fn k3_tokenizer_config(n_base: usize) -> serde_json::Value {
 /// Special token names from `tokenizer_config.json`'s `added_tokens_decoder`; unnamed ids get
 /// `<|reserved_token_{id}|>`.
 pub fn read_specials(path: &Path, n_base: usize) -> Result<Vec<String>, TokenizerError> {
-    let err = |msg: String| TokenizerError::Config { path: path.to_path_buf(), msg };
     let text =
         std::fs::read_to_string(path).map_err(|source| TokenizerError::Io { path: path.to_path_buf(), source })?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("malformed JSON: {e}")))?;
+    parse_specials(path, &text, n_base)
+}
+
+/// Parses `tokenizer_config.json` text (see [`read_specials`]); `path` is only used in errors.
+pub fn parse_specials(path: &Path, text: &str, n_base: usize) -> Result<Vec<String>, TokenizerError> {
+    let err = |msg: String| TokenizerError::Config { path: path.to_path_buf(), msg };
+    let v: serde_json::Value = serde_json::from_str(text).map_err(|e| err(format!("malformed JSON: {e}")))?;
     let mut names: Vec<String> = (0..NUM_SPECIALS).map(|i| format!("<|reserved_token_{}|>", n_base + i)).collect();
     if let Some(dec) = v.get("added_tokens_decoder") {
         let dec = dec.as_object().ok_or_else(|| err("`added_tokens_decoder` must be an object".into()))?;

@@ -12,9 +12,9 @@
 //! ... zero padding to header_len; then payload records at 4096-aligned offsets, each padded to 4096
 //! ```
 //! Contract: a pack file exists under its final name only when complete (written as
-//! `L{layer}.pack.partial`, fsynced, renamed); `read_header` validates magic, version, sizes, the
-//! header checksum and that every record lies inside the file. Version 1 packs (no fingerprint)
-//! are refused with a request to re-run `deltafin place`.
+//! `L{layer}.pack.partial`, fsynced, renamed); `read_header` (the file) and `parse_header` (its
+//! bytes) validate magic, version, sizes, the header checksum and that every record lies inside
+//! the file. Version 1 packs (no fingerprint) are refused with a request to re-run `deltafin place`.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -118,7 +118,7 @@ pub fn write_pack<'a>(
 }
 
 /// The header checksum: over the fingerprint and the index, so neither can change unnoticed.
-fn header_sum(model: &[u8], idx: &[u8]) -> u64 {
+pub fn header_sum(model: &[u8], idx: &[u8]) -> u64 {
     let mut b = Vec::with_capacity(model.len() + idx.len());
     b.extend_from_slice(model);
     b.extend_from_slice(idx);
@@ -156,46 +156,93 @@ pub fn read_header(path: &Path) -> Result<PackHeader, PackError> {
     let io = |source| PackError::Io { path: path.to_path_buf(), source };
     let mut f = File::open(path).map_err(io)?;
     let file_len = f.metadata().map_err(io)?.len();
-    let mut fixed = [0u8; FIXED];
-    // The first 12 bytes (magic, version) first: a version 1 pack is shorter than FIXED when empty.
-    f.read_exact(&mut fixed[..12]).map_err(|_| bad("shorter than its header".into()))?;
-    if &fixed[..8] != MAGIC {
+    // Magic and version first: a version 1 pack is shorter than FIXED when empty.
+    let mut head = vec![0u8; 12];
+    f.read_exact(&mut head).map_err(|_| bad("shorter than its header".into()))?;
+    check_magic_version(path, &head)?;
+    head.resize(FIXED, 0);
+    f.read_exact(&mut head[12..]).map_err(|_| bad("shorter than its header".into()))?;
+    // The fixed part is checked (sizes against the file) before the index is allocated and read.
+    let index_end = parse_fixed(path, &head, file_len)?.index_end;
+    head.resize(index_end, 0);
+    f.read_exact(&mut head[FIXED..]).map_err(|_| bad("truncated index".into()))?;
+    parse_header(path, &head, file_len)
+}
+
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+}
+
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]))
+}
+
+fn check_magic_version(path: &Path, head: &[u8]) -> Result<(), PackError> {
+    let bad = |msg: String| PackError::Invalid { path: path.to_path_buf(), msg };
+    let first = head.get(..12).ok_or_else(|| bad("shorter than its header".into()))?;
+    if &first[..8] != MAGIC {
         return Err(bad("wrong magic".into()));
     }
-    let u32_at = |b: &[u8], o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-    let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or([0; 8]));
-    match u32_at(&fixed, 8) {
-        VERSION => {}
-        1 => {
-            return Err(bad(
-                "written by an older deltafin (pack version 1, without the model fingerprint); re-run `deltafin place`"
-                    .into(),
-            ));
-        }
-        v => return Err(bad(format!("unsupported version {v} (this deltafin reads version {VERSION})"))),
+    match u32_at(first, 8) {
+        VERSION => Ok(()),
+        1 => Err(bad(
+            "written by an older deltafin (pack version 1, without the model fingerprint); re-run `deltafin place`"
+                .into(),
+        )),
+        v => Err(bad(format!("unsupported version {v} (this deltafin reads version {VERSION})"))),
     }
-    f.read_exact(&mut fixed[12..]).map_err(|_| bad("shorter than its header".into()))?;
-    let mut model = [0u8; 32];
-    model.copy_from_slice(&fixed[64..96]);
-    let layer = u32_at(&fixed, 12);
-    let count = u32_at(&fixed, 16) as usize;
-    let expert_len = u64_at(&fixed, 24);
-    let hlen = u64_at(&fixed, 32);
-    let idx_sum = u64_at(&fixed, 40);
+}
+
+/// The fixed part of a pack header.
+struct Fixed {
+    model: [u8; 32],
+    layer: u32,
+    count: usize,
+    expert_len: u64,
+    hlen: u64,
+    idx_sum: u64,
+    /// End of the index: FIXED + count x ENTRY.
+    index_end: usize,
+}
+
+fn parse_fixed(path: &Path, head: &[u8], file_len: u64) -> Result<Fixed, PackError> {
+    let bad = |msg: String| PackError::Invalid { path: path.to_path_buf(), msg };
+    check_magic_version(path, head)?;
+    let fixed = head.get(..FIXED).ok_or_else(|| bad("shorter than its header".into()))?;
+    let count = u32_at(fixed, 16) as usize;
+    let hlen = u64_at(fixed, 32);
     if hlen != header_len(count) || hlen > file_len {
         return Err(bad(format!("header length {hlen} does not fit {count} entries in a {file_len}-byte file")));
     }
-    let mut idx = vec![0u8; count * ENTRY];
-    f.read_exact(&mut idx).map_err(|_| bad("truncated index".into()))?;
-    if header_sum(&model, &idx) != idx_sum {
+    let mut model = [0u8; 32];
+    model.copy_from_slice(&fixed[64..96]);
+    Ok(Fixed {
+        model,
+        layer: u32_at(fixed, 12),
+        count,
+        expert_len: u64_at(fixed, 24),
+        hlen,
+        idx_sum: u64_at(fixed, 40),
+        index_end: FIXED + count * ENTRY,
+    })
+}
+
+/// Validates a pack header from the file's first bytes `head` (at least the fixed part and the
+/// index; anything after is ignored) and the file's length. `path` is only used in errors.
+pub fn parse_header(path: &Path, head: &[u8], file_len: u64) -> Result<PackHeader, PackError> {
+    let bad = |msg: String| PackError::Invalid { path: path.to_path_buf(), msg };
+    let Fixed { model, layer, count, expert_len, hlen, idx_sum, index_end } = parse_fixed(path, head, file_len)?;
+    let idx = head.get(FIXED..index_end).ok_or_else(|| bad("truncated index".into()))?;
+    if header_sum(&model, idx) != idx_sum {
         return Err(bad("header checksum mismatch".into()));
     }
     let mut entries = Vec::with_capacity(count);
     for e in idx.chunks_exact(ENTRY) {
         let ent = PackEntry { expert: u32_at(e, 0), offset: u64_at(e, 8), length: u64_at(e, 16), xxh3: u64_at(e, 24) };
+        // checked_add: a crafted length must not wrap past the file's end.
         if !ent.offset.is_multiple_of(ALIGN)
             || ent.offset < hlen
-            || ent.offset + ent.length > file_len
+            || ent.offset.checked_add(ent.length).is_none_or(|end| end > file_len)
             || ent.length != expert_len
         {
             return Err(bad(format!(

@@ -154,11 +154,16 @@ struct Plan {
 
 impl Manifest {
     pub fn load(path: &Path) -> Result<Self, PlacementError> {
-        let invalid = |msg: String| PlacementError::Invalid { path: path.to_path_buf(), msg };
         let text =
             std::fs::read_to_string(path).map_err(|source| PlacementError::Io { path: path.to_path_buf(), source })?;
+        Self::parse(path, &text)
+    }
+
+    /// Parses and checks manifest text; `path` is where it came from (for messages and `path`).
+    pub fn parse(path: &Path, text: &str) -> Result<Self, PlacementError> {
+        let invalid = |msg: String| PlacementError::Invalid { path: path.to_path_buf(), msg };
         // The version first, so an old manifest gets "re-run place" rather than a missing field.
-        let raw: serde_json::Value = serde_json::from_str(&text).map_err(|e| invalid(format!("malformed: {e}")))?;
+        let raw: serde_json::Value = serde_json::from_str(text).map_err(|e| invalid(format!("malformed: {e}")))?;
         match raw.get("version").and_then(serde_json::Value::as_u64) {
             Some(v) if v == u64::from(VERSION) => {}
             Some(1) => {
