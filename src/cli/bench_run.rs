@@ -11,6 +11,7 @@
 use super::engine::{EngineArgs, OnOff};
 use super::load;
 use crate::engine::GenerateOptions;
+use crate::spec::{DraftKind, Speculator};
 use crate::store::placement::{MANIFEST, Manifest};
 use crate::store::probe;
 use crate::store::reader::widen;
@@ -52,6 +53,9 @@ pub struct RunBenchArgs {
     /// Seconds of reads to measure the disk ceiling (0 skips it).
     #[arg(long, default_value_t = 3.0)]
     ceiling_seconds: f64,
+    /// Drafting during the decode steps (output is identical; the record shows acceptance).
+    #[arg(long, value_enum, default_value_t = DraftKind::Off)]
+    draft: DraftKind,
     /// Also write every record (one JSON per line) to this file.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -193,8 +197,9 @@ fn one_run(
     dropped: bool,
 ) -> Result<Value> {
     let dropped = drop_page_cache() || dropped;
-    let engine =
-        load::open_engine(engine_args.config(a.model.clone(), crate::k3::KdaMode::Recurrent, prompt.len(), 0))?;
+    let mut spec = crate::spec::drafter_for(a.draft)?.map(Speculator::new);
+    let rows = prompt.len().max(spec.as_ref().map_or(1, |s| s.width.max + 1));
+    let engine = load::open_engine(engine_args.config(a.model.clone(), crate::k3::KdaMode::Recurrent, rows, 0))?;
     let plan = engine.plan.clone();
     let mut session = engine.new_session();
     let t0 = Instant::now();
@@ -207,9 +212,12 @@ fn one_run(
     let prefill_read = pre_src.expert_bytes_read.unwrap_or(0);
     let unique = pre.expert_bytes_unique();
     let t1 = Instant::now();
-    let generation = session
-        .generate(&GenerateOptions { max_new: a.decode.max(1), stop: Vec::new() }, &mut |_| true)
-        .context("decode failed")?;
+    let opts = GenerateOptions { max_new: a.decode.max(1), stop: Vec::new() };
+    let generation = match &mut spec {
+        Some(sp) => session.generate_speculative(&opts, sp, &mut |_| true),
+        None => session.generate(&opts, &mut |_| true),
+    }
+    .context("decode failed")?;
     let out_ids = generation.tokens;
     let decode_s = t1.elapsed().as_secs_f64();
     let mut stats = session.stats.clone();
@@ -268,6 +276,13 @@ fn one_run(
                 "seconds_per_token": if steps > 0 { Some(decode_s / steps as f64) } else { None },
                 "decode_tok_s": if steps > 0 { steps as f64 / decode_s } else { 0.0 },
                 "bytes_read_per_token": per_token_read,
+                "draft": spec.as_ref().map_or("off", |s| s.drafter.name()),
+                "drafts_proposed": stats.drafts_proposed,
+                "drafts_accepted": stats.drafts_accepted,
+                "draft_acceptance": stats.acceptance(),
+                "verify_calls": stats.verify_calls,
+                "cost_model_pauses": spec.as_ref().and_then(|s| s.cost.as_ref()).map(|c| c.pauses),
+                "expert_bytes_requested_per_token": stats.decode_expert_bytes_per_token(),
             },
             "decode_bound_s_per_token": decode_bound,
             "decode_bound_ratio": decode_bound.map(|b| (decode_s / steps as f64) / b),
