@@ -284,3 +284,30 @@ fn cli_draft_ngram_prints_the_same_ids_and_dspark_is_refused() {
     assert_eq!(c, Some(1));
     assert!(err.contains("DSpark drafting is not built yet"), "{err}");
 }
+
+#[test]
+fn bench_run_records_the_same_ids_with_every_drafter_and_the_oracle_accepts_all() {
+    let run =
+        |draft: &str| {
+            let (out, _) =
+                run_ok(
+                    std::process::Command::new(bin())
+                        .args(["bench", "run", "--model"])
+                        .arg(fixture("k3-tiny-b"))
+                        .args(["--prompt-tokens", "24", "--decode", "30", "--ceiling-seconds", "0", "--draft", draft]),
+                );
+            serde_json::from_str::<serde_json::Value>(out.lines().next().unwrap()).unwrap()
+        };
+    let off = run("off");
+    assert_eq!(off["decode"]["draft"], "off");
+    for draft in ["ngram", "oracle"] {
+        let v = run(draft);
+        assert_eq!(v["output_ids"], off["output_ids"], "--draft {draft}");
+        assert_eq!(v["decode"]["draft"], draft);
+    }
+    let v = run("oracle");
+    let accepted = v["decode"]["drafts_accepted"].as_u64().unwrap();
+    assert!(accepted > 0);
+    assert_eq!(v["decode"]["drafts_proposed"].as_u64(), Some(accepted));
+    assert_eq!(v["decode"]["draft_acceptance"], 1.0);
+}

@@ -11,7 +11,7 @@
 use super::engine::{EngineArgs, OnOff};
 use super::load;
 use crate::engine::GenerateOptions;
-use crate::spec::{DraftKind, Speculator};
+use crate::spec::{DraftKind, OracleDrafter, Speculator};
 use crate::store::placement::{MANIFEST, Manifest};
 use crate::store::probe;
 use crate::store::reader::widen;
@@ -28,6 +28,16 @@ pub enum PrefetchRuns {
     On,
     /// Each configuration twice: prefetch off, then on.
     Both,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchDraft {
+    Off,
+    /// n-gram prompt lookup (with the live cost model).
+    Ngram,
+    /// K3's own greedy continuation, recorded by a plain run first (acceptance 1.0, no cost model):
+    /// what batching alone gives.
+    Oracle,
 }
 
 #[derive(Args)]
@@ -54,8 +64,8 @@ pub struct RunBenchArgs {
     #[arg(long, default_value_t = 3.0)]
     ceiling_seconds: f64,
     /// Drafting during the decode steps (output is identical; the record shows acceptance).
-    #[arg(long, value_enum, default_value_t = DraftKind::Off)]
-    draft: DraftKind,
+    #[arg(long, value_enum, default_value_t = BenchDraft::Off)]
+    draft: BenchDraft,
     /// Also write every record (one JSON per line) to this file.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -196,10 +206,24 @@ fn one_run(
     ceiling: Option<f64>,
     dropped: bool,
 ) -> Result<Value> {
+    let opts = GenerateOptions { max_new: a.decode.max(1), stop: Vec::new() };
+    let rows = prompt.len().max(8);
+    let config = engine_args.config(a.model.clone(), crate::k3::KdaMode::Recurrent, rows, 0);
+    let mut spec = match a.draft {
+        BenchDraft::Off => None,
+        BenchDraft::Ngram => crate::spec::drafter_for(DraftKind::Ngram)?.map(Speculator::new),
+        BenchDraft::Oracle => {
+            // Recorded on an engine of its own, so the measured run starts as cold as the others.
+            let engine = load::open_engine(config.clone())?;
+            let mut s = engine.new_session();
+            s.prefill(prompt).context("prefill failed")?;
+            let g = s.generate(&opts, &mut |_| true).context("decode failed")?;
+            let truth = prompt.iter().chain(&g.tokens).copied().collect();
+            Some(Speculator::without_cost_model(Box::new(OracleDrafter::new(truth))))
+        }
+    };
     let dropped = drop_page_cache() || dropped;
-    let mut spec = crate::spec::drafter_for(a.draft)?.map(Speculator::new);
-    let rows = prompt.len().max(spec.as_ref().map_or(1, |s| s.width.max + 1));
-    let engine = load::open_engine(engine_args.config(a.model.clone(), crate::k3::KdaMode::Recurrent, rows, 0))?;
+    let engine = load::open_engine(config)?;
     let plan = engine.plan.clone();
     let mut session = engine.new_session();
     let t0 = Instant::now();
@@ -212,7 +236,6 @@ fn one_run(
     let prefill_read = pre_src.expert_bytes_read.unwrap_or(0);
     let unique = pre.expert_bytes_unique();
     let t1 = Instant::now();
-    let opts = GenerateOptions { max_new: a.decode.max(1), stop: Vec::new() };
     let generation = match &mut spec {
         Some(sp) => session.generate_speculative(&opts, sp, &mut |_| true),
         None => session.generate(&opts, &mut |_| true),

@@ -11,12 +11,15 @@
 //!
 //! How wide to draft is the [`WidthPolicy`] (the published probe-2 / widen-to-7 policy) and
 //! whether to draft at all is also up to the [`CostModel`] (measured verify vs single-step time).
-//! A [`Drafter`] is any proposer: [`NgramDrafter`] today; a model drafter (DSpark) asks for
+//! A [`Drafter`] is any proposer: [`NgramDrafter`] today ([`OracleDrafter`] replays a recorded
+//! run for benchmarks); a model drafter (DSpark) asks for
 //! hidden rows through [`Drafter::taps`] and receives them in [`Drafter::observe`].
 
 mod ngram;
+mod oracle;
 
 pub use ngram::NgramDrafter;
+pub use oracle::OracleDrafter;
 
 use crate::engine::{GenerateOptions, Generation, Session, StopReason};
 use crate::k3::{ForwardError, argmax};
