@@ -1,6 +1,7 @@
 //! Speculative decoding changes speed, never output: n-gram (and scripted) drafts verified in
 //! batches give the tokens, callbacks, stop reasons and final session state of plain greedy decode
-//! on every fixture, with 1 and 2 threads; scripted drafts (the true continuation with corrupted
+//! on every fixture, with 1 and 2 threads; on copies of the fixtures made to repeat (embeddings
+//! x64) n-gram drafts are really accepted, at every position up to width 7; scripted drafts (the true continuation with corrupted
 //! positions) are accepted fully, partly and not at all, with stops, `max_new` and cancels landing
 //! inside an accepted run; perfect drafts hand over fewer expert bytes per token; the CLI's
 //! `--draft` gives the same ids.
@@ -111,6 +112,76 @@ fn ngram_drafts_give_plain_greedy_output_with_1_and_2_threads() {
             // accepted; acceptance at every position is covered by the scripted drafter below.
             assert!(proposed > 0, "{name}, {threads} threads: no draft proposed");
             eprintln!("{name}, {threads} threads: {accepted} of {proposed} n-gram drafts accepted");
+        }
+    }
+}
+
+/// A copy of fixture `name` whose token embeddings are scaled by 64: the embedding then dominates
+/// the residual stream, the next token depends mostly on the current one, and greedy decode falls
+/// into short cycles — the repetition n-gram drafts need (the fixtures themselves never repeat).
+fn repeating_copy(name: &str) -> tempfile::TempDir {
+    let tmp = copy_fixture(name);
+    for e in std::fs::read_dir(tmp.path()).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_none_or(|x| x != "safetensors") {
+            continue;
+        }
+        let mut b = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+        let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+        for (k, v) in h.as_object().unwrap() {
+            if !k.ends_with("embed_tokens.weight") {
+                continue;
+            }
+            assert_eq!(v["dtype"], "BF16");
+            let (s, e) =
+                (v["data_offsets"][0].as_u64().unwrap() as usize, v["data_offsets"][1].as_u64().unwrap() as usize);
+            for c in b[8 + n + s..8 + n + e].chunks_exact_mut(2) {
+                let x = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) * 64.0;
+                c.copy_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes());
+            }
+        }
+        std::fs::write(&path, b).unwrap();
+    }
+    tmp
+}
+
+#[test]
+fn ngram_drafts_are_accepted_on_models_that_repeat_and_change_nothing() {
+    for name in FIXTURES {
+        let r = reference(name);
+        let dir = repeating_copy(name);
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let (accepted, proposed, deepest) = pool.install(|| {
+                let e = engine(dir.path());
+                let (mut accepted, mut proposed, mut deepest) = (0, 0, 0);
+                for (pi, prompt) in prompts(&r).iter().enumerate() {
+                    for max_new in [6, 41, 90] {
+                        let o = opts(max_new, Vec::new());
+                        let want = plain(&e, prompt, &o, None);
+                        for cost_model in [false, true] {
+                            let d = Box::new(NgramDrafter::default());
+                            let mut spec =
+                                if cost_model { Speculator::new(d) } else { Speculator::without_cost_model(d) };
+                            let (got, st) = speculative(&e, prompt, &o, &mut spec, None);
+                            let what = format!(
+                                "{name}, {threads} threads, prompt {pi}, max_new {max_new}, cost model {cost_model}"
+                            );
+                            assert_eq!(got, want, "{what}");
+                            if !cost_model {
+                                accepted += st.drafts_accepted;
+                                proposed += st.drafts_proposed;
+                                deepest = deepest.max(st.drafts_accepted_at.iter().filter(|&&a| a > 0).count());
+                            }
+                        }
+                    }
+                }
+                (accepted, proposed, deepest)
+            });
+            eprintln!("{name} (repeating), {threads} threads: {accepted} of {proposed} n-gram drafts accepted");
+            assert!(accepted > 0 && accepted * 2 > proposed, "{name}: {accepted} of {proposed} accepted");
+            assert_eq!(deepest, 7, "{name}: drafts accepted at every position up to the max width");
         }
     }
 }
