@@ -207,7 +207,8 @@ fn one_run(
     dropped: bool,
 ) -> Result<Value> {
     let opts = GenerateOptions { max_new: a.decode.max(1), stop: Vec::new() };
-    let rows = prompt.len().max(8);
+    // A verify batch holds the pending token and up to 7 drafts.
+    let rows = if a.draft == BenchDraft::Off { prompt.len() } else { prompt.len().max(8) };
     let config = engine_args.config(a.model.clone(), crate::k3::KdaMode::Recurrent, rows, 0);
     let mut spec = match a.draft {
         BenchDraft::Off => None,
