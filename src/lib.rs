@@ -3,6 +3,7 @@
 //! drives), `sched` (the layer loop over rows of one or several sessions), `k3` (the model's math),
 //! `backend` (the operations the forward pass calls; `backend::cpu` the CPU kernels), `model`
 //! (config, checkpoint, roster, tokenizer, chat template, synth), `store` (where experts are read),
+//! `spec` (speculative decoding: drafters, width policy, cost model, verified generation),
 //! `cli` (subcommands).
 
 pub mod backend;
@@ -12,6 +13,7 @@ pub mod k3;
 pub mod memory;
 pub mod model;
 pub mod sched;
+pub mod spec;
 pub mod stats;
 pub mod store;
 pub mod util;

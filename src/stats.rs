@@ -47,6 +47,15 @@ pub struct Stats {
     pub decode_s: f64,
     pub drafts_proposed: u64,
     pub drafts_accepted: u64,
+    /// Drafts proposed / accepted at each draft position (index 0: the first draft of a verify).
+    pub drafts_proposed_at: Vec<u64>,
+    pub drafts_accepted_at: Vec<u64>,
+    /// Verify batches run for drafts.
+    pub verify_calls: u64,
+    /// Expert bytes handed over during generation (cache hits included).
+    pub decode_expert_bytes: u64,
+    /// The drafter generation used (None: drafting off).
+    pub drafter: Option<String>,
     /// The expert source's counters (filled at the end of a run).
     pub source: Option<crate::store::SourceReport>,
     /// Routing counts per (layer, expert), for `--trace-routes`.
@@ -81,6 +90,13 @@ impl Stats {
         self.draft_s += o.draft_s;
         self.drafts_proposed += o.drafts_proposed;
         self.drafts_accepted += o.drafts_accepted;
+        add_at(&mut self.drafts_proposed_at, &o.drafts_proposed_at);
+        add_at(&mut self.drafts_accepted_at, &o.drafts_accepted_at);
+        self.verify_calls += o.verify_calls;
+        self.decode_expert_bytes += o.decode_expert_bytes;
+        if self.drafter.is_none() {
+            self.drafter.clone_from(&o.drafter);
+        }
         for (l, c) in &o.routes {
             let mine = self.routes.entry(*l).or_insert_with(|| vec![0; c.len()]);
             for (a, b) in mine.iter_mut().zip(c) {
@@ -97,6 +113,26 @@ impl Stats {
             e.1 += n;
             e.2 += h;
         }
+    }
+
+    /// One verify of `proposed` drafts of which the first `accepted` were K3's own picks.
+    pub fn record_drafts(&mut self, proposed: usize, accepted: usize) {
+        self.verify_calls += 1;
+        self.drafts_proposed += proposed as u64;
+        self.drafts_accepted += accepted as u64;
+        let ones = |n: usize| vec![1u64; n];
+        add_at(&mut self.drafts_proposed_at, &ones(proposed));
+        add_at(&mut self.drafts_accepted_at, &ones(accepted));
+    }
+
+    /// Accepted / proposed drafts (None before any proposal).
+    pub fn acceptance(&self) -> Option<f64> {
+        (self.drafts_proposed > 0).then(|| self.drafts_accepted as f64 / self.drafts_proposed as f64)
+    }
+
+    /// Expert bytes handed over per generated token, during generation.
+    pub fn decode_expert_bytes_per_token(&self) -> Option<f64> {
+        (self.generated_tokens > 0).then(|| self.decode_expert_bytes as f64 / self.generated_tokens as f64)
     }
 
     /// Adds one routing decision per (row, selected expert) of `layer`.
@@ -160,6 +196,26 @@ impl Stats {
     }
 
     pub fn to_json(&self) -> Value {
+        let mut v = self.work_json();
+        if let Value::Object(m) = &mut v {
+            m.insert("drafter".into(), json!(self.drafter));
+            m.insert("verify_calls".into(), json!(self.verify_calls));
+            m.insert("draft_acceptance".into(), json!(self.acceptance()));
+            let by_pos: Vec<Value> = (self.drafts_proposed_at.iter().enumerate())
+                .map(|(i, &p)| {
+                    let a = self.drafts_accepted_at.get(i).copied().unwrap_or(0);
+                    let rate = if p > 0 { a as f64 / p as f64 } else { 0.0 };
+                    json!({"position": i + 1, "proposed": p, "accepted": a, "rate": rate})
+                })
+                .collect();
+            m.insert("draft_acceptance_by_position".into(), Value::Array(by_pos));
+            m.insert("decode_expert_bytes".into(), json!(self.decode_expert_bytes));
+            m.insert("decode_expert_bytes_per_token".into(), json!(self.decode_expert_bytes_per_token()));
+        }
+        v
+    }
+
+    fn work_json(&self) -> Value {
         json!({
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
@@ -211,6 +267,16 @@ impl Stats {
                 if k == "prefetch_per_layer" || k == "layer_read_wait_s" {
                     continue;
                 }
+                if k == "draft_acceptance_by_position" {
+                    if let Value::Array(ps) = &v
+                        && !ps.is_empty()
+                    {
+                        let rates: Vec<String> =
+                            ps.iter().map(|p| format!("{:.2}", p["rate"].as_f64().unwrap_or(0.0))).collect();
+                        s.push_str(&format!("  {k:<24} {}\n", rates.join(" ")));
+                    }
+                    continue;
+                }
                 if k == "drives" {
                     if let Value::Array(ds) = &v {
                         for d in ds {
@@ -233,6 +299,16 @@ impl Stats {
             }
         }
         s
+    }
+}
+
+/// Adds `b` element-wise into `a`, growing `a` as needed.
+fn add_at(a: &mut Vec<u64>, b: &[u64]) {
+    if a.len() < b.len() {
+        a.resize(b.len(), 0);
+    }
+    for (x, y) in a.iter_mut().zip(b) {
+        *x += y;
     }
 }
 

@@ -11,6 +11,7 @@
 use super::engine::{EngineArgs, OnOff};
 use super::load;
 use crate::engine::GenerateOptions;
+use crate::spec::{DraftKind, OracleDrafter, Speculator};
 use crate::store::placement::{MANIFEST, Manifest};
 use crate::store::probe;
 use crate::store::reader::widen;
@@ -27,6 +28,16 @@ pub enum PrefetchRuns {
     On,
     /// Each configuration twice: prefetch off, then on.
     Both,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchDraft {
+    Off,
+    /// n-gram prompt lookup (with the live cost model).
+    Ngram,
+    /// K3's own greedy continuation, recorded by a plain run first (acceptance 1.0, no cost model):
+    /// what batching alone gives.
+    Oracle,
 }
 
 #[derive(Args)]
@@ -52,6 +63,9 @@ pub struct RunBenchArgs {
     /// Seconds of reads to measure the disk ceiling (0 skips it).
     #[arg(long, default_value_t = 3.0)]
     ceiling_seconds: f64,
+    /// Drafting during the decode steps (output is identical; the record shows acceptance).
+    #[arg(long, value_enum, default_value_t = BenchDraft::Off)]
+    draft: BenchDraft,
     /// Also write every record (one JSON per line) to this file.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -192,9 +206,25 @@ fn one_run(
     ceiling: Option<f64>,
     dropped: bool,
 ) -> Result<Value> {
+    let opts = GenerateOptions { max_new: a.decode.max(1), stop: Vec::new() };
+    // A verify batch holds the pending token and up to 7 drafts.
+    let rows = if a.draft == BenchDraft::Off { prompt.len() } else { prompt.len().max(8) };
+    let config = engine_args.config(a.model.clone(), crate::k3::KdaMode::Recurrent, rows, 0);
+    let mut spec = match a.draft {
+        BenchDraft::Off => None,
+        BenchDraft::Ngram => crate::spec::drafter_for(DraftKind::Ngram)?.map(Speculator::new),
+        BenchDraft::Oracle => {
+            // Recorded on an engine of its own, so the measured run starts as cold as the others.
+            let engine = load::open_engine(config.clone())?;
+            let mut s = engine.new_session();
+            s.prefill(prompt).context("prefill failed")?;
+            let g = s.generate(&opts, &mut |_| true).context("decode failed")?;
+            let truth = prompt.iter().chain(&g.tokens).copied().collect();
+            Some(Speculator::without_cost_model(Box::new(OracleDrafter::new(truth))))
+        }
+    };
     let dropped = drop_page_cache() || dropped;
-    let engine =
-        load::open_engine(engine_args.config(a.model.clone(), crate::k3::KdaMode::Recurrent, prompt.len(), 0))?;
+    let engine = load::open_engine(config)?;
     let plan = engine.plan.clone();
     let mut session = engine.new_session();
     let t0 = Instant::now();
@@ -207,9 +237,11 @@ fn one_run(
     let prefill_read = pre_src.expert_bytes_read.unwrap_or(0);
     let unique = pre.expert_bytes_unique();
     let t1 = Instant::now();
-    let generation = session
-        .generate(&GenerateOptions { max_new: a.decode.max(1), stop: Vec::new() }, &mut |_| true)
-        .context("decode failed")?;
+    let generation = match &mut spec {
+        Some(sp) => session.generate_speculative(&opts, sp, &mut |_| true),
+        None => session.generate(&opts, &mut |_| true),
+    }
+    .context("decode failed")?;
     let out_ids = generation.tokens;
     let decode_s = t1.elapsed().as_secs_f64();
     let mut stats = session.stats.clone();
@@ -275,6 +307,13 @@ fn one_run(
                 "seconds_per_token": if steps > 0 { Some(decode_s / steps as f64) } else { None },
                 "decode_tok_s": if steps > 0 { steps as f64 / decode_s } else { 0.0 },
                 "bytes_read_per_token": per_token_read,
+                "draft": spec.as_ref().map_or("off", |s| s.drafter.name()),
+                "drafts_proposed": stats.drafts_proposed,
+                "drafts_accepted": stats.drafts_accepted,
+                "draft_acceptance": stats.acceptance(),
+                "verify_calls": stats.verify_calls,
+                "cost_model_pauses": spec.as_ref().and_then(|s| s.cost.as_ref()).map(|c| c.pauses),
+                "expert_bytes_requested_per_token": stats.decode_expert_bytes_per_token(),
             },
             "decode_bound_s_per_token": decode_bound,
             "decode_bound_ratio": decode_bound.map(|b| (decode_s / steps as f64) / b),

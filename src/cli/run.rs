@@ -7,6 +7,7 @@ use super::{KdaArg, TokenIds};
 use crate::engine::GenerateOptions;
 use crate::model::chat::{ChatOptions, ChatTemplate, Thinking};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
+use crate::spec::{DraftKind, Speculator};
 use anyhow::{Context, Result, bail};
 use clap::{ArgGroup, Args, ValueEnum};
 use std::io::{Read, Write};
@@ -68,6 +69,9 @@ pub struct RunArgs {
     pub trace_routes: Option<PathBuf>,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
+    /// Draft tokens for K3 to verify in batches (output is identical; only speed changes).
+    #[arg(long, value_enum, default_value_t = DraftKind::Off)]
+    pub draft: DraftKind,
     /// No startup line.
     #[arg(long, short)]
     pub quiet: bool,
@@ -137,7 +141,10 @@ pub fn run(a: RunArgs) -> Result<()> {
         None
     };
     let prompt = prompt_ids(&a, &dir, tok.as_ref())?;
-    let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), prompt.len(), 0))?;
+    let mut spec = crate::spec::drafter_for(a.draft)?.map(Speculator::new);
+    // A verify batch holds the pending token and up to `max` drafts.
+    let rows = prompt.len().max(spec.as_ref().map_or(1, |s| s.width.max + 1));
+    let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), rows, 0))?;
     if let Some(t) = &tok {
         engine.check_tokenizer(t)?;
     }
@@ -152,6 +159,9 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     if !a.quiet {
         eprintln!("{}", engine.startup_line());
+        if let Some(s) = &spec {
+            eprintln!("deltafin: drafting: {} | drafter memory: none", s.describe());
+        }
     }
     if a.demo {
         eprintln!(
@@ -175,33 +185,36 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut ids: Vec<u32> = Vec::with_capacity(a.max_new);
     let mut write_error: Option<anyhow::Error> = None;
     let opts = GenerateOptions { max_new: a.max_new, stop: stops.clone() };
-    session
-        .generate(&opts, &mut |next| {
-            ids.push(next);
-            let stop = stops.contains(&next);
-            let piece = match &tok {
-                // Reserved (unnamed) specials carry no text.
-                Some(t) if !stop && !t.is_reserved(next) => match t.token_bytes(next) {
-                    Ok(b) => decoder.push(b),
-                    Err(e) => {
-                        write_error = Some(e.into());
-                        return false;
-                    }
-                },
-                Some(_) => String::new(),
-                None => format!("{}{next}", if ids.len() > 1 { "," } else { "" }),
-            };
-            text.push_str(&piece);
-            if a.format == Format::Text
-                && !piece.is_empty()
-                && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
-            {
-                write_error = Some(e.into());
-                return false;
-            }
-            true
-        })
-        .context("decode failed")?;
+    let mut on_token = |next: u32| {
+        ids.push(next);
+        let stop = stops.contains(&next);
+        let piece = match &tok {
+            // Reserved (unnamed) specials carry no text.
+            Some(t) if !stop && !t.is_reserved(next) => match t.token_bytes(next) {
+                Ok(b) => decoder.push(b),
+                Err(e) => {
+                    write_error = Some(e.into());
+                    return false;
+                }
+            },
+            Some(_) => String::new(),
+            None => format!("{}{next}", if ids.len() > 1 { "," } else { "" }),
+        };
+        text.push_str(&piece);
+        if a.format == Format::Text
+            && !piece.is_empty()
+            && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
+        {
+            write_error = Some(e.into());
+            return false;
+        }
+        true
+    };
+    match &mut spec {
+        Some(sp) => session.generate_speculative(&opts, sp, &mut on_token),
+        None => session.generate(&opts, &mut on_token),
+    }
+    .context("decode failed")?;
     if let Some(e) = write_error {
         return Err(e);
     }

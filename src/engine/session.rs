@@ -222,6 +222,7 @@ impl Session {
         let mut out = Vec::with_capacity(opts.max_new);
         let Some(mut logits) = self.last_logits.clone() else { return Err(ForwardError::Empty) };
         let t0 = Instant::now();
+        let bytes0 = self.stats.expert_bytes_requested;
         let reason = loop {
             if out.len() >= opts.max_new {
                 break StopReason::Length;
@@ -241,6 +242,7 @@ impl Session {
         };
         self.stats.decode_s += t0.elapsed().as_secs_f64();
         self.stats.generated_tokens += out.len() as u64;
+        self.stats.decode_expert_bytes += self.stats.expert_bytes_requested - bytes0;
         Ok(Generation { tokens: out, reason })
     }
 }

@@ -1,0 +1,48 @@
+//! The oracle drafter, for benchmarks: proposes K3's own greedy continuation recorded by an
+//! earlier run, so every draft is accepted and a run shows what batching alone gives.
+//!
+//! Contract: `propose(context, k)` returns the recorded tokens after `context` while `context`
+//! is a prefix of the recording (checked on its length and last token), else nothing.
+
+use super::Drafter;
+
+#[derive(Clone, Debug)]
+pub struct OracleDrafter {
+    /// Prompt + recorded output.
+    truth: Vec<u32>,
+}
+
+impl OracleDrafter {
+    pub fn new(truth: Vec<u32>) -> Self {
+        OracleDrafter { truth }
+    }
+}
+
+impl Drafter for OracleDrafter {
+    fn name(&self) -> &str {
+        "oracle"
+    }
+
+    fn propose(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+        let n = context.len();
+        if n == 0 || n > self.truth.len() || context[n - 1] != self.truth[n - 1] {
+            return Vec::new();
+        }
+        self.truth[n..(n + k).min(self.truth.len())].to_vec()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn follows_the_recording_and_stops_off_it() {
+        let mut d = OracleDrafter::new(vec![1, 2, 3, 4, 5]);
+        assert_eq!(d.propose(&[1, 2], 2), vec![3, 4]);
+        assert_eq!(d.propose(&[1, 2, 3, 4], 7), vec![5]);
+        assert!(d.propose(&[1, 2, 3, 4, 5], 2).is_empty());
+        assert!(d.propose(&[1, 9], 2).is_empty());
+        assert!(d.propose(&[], 2).is_empty());
+    }
+}
