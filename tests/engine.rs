@@ -8,22 +8,10 @@ use common::*;
 use deltafin::engine::{Engine, Session};
 use deltafin::k3::ForwardError;
 use deltafin::model::roster::ExpertLayout;
-use deltafin::store::expert_store::{ExpertStore, StoreOptions};
-use deltafin::store::reader::ReaderKind;
+use deltafin::store::expert_store::ExpertStore;
 use deltafin::store::{ExpertSink, ExpertSource, StoreError};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-fn shard_store(m: &Model, cache_bytes: u64) -> Arc<ExpertStore> {
-    let spec = deltafin::store::placement::shard_spec(&m.ck, &m.roster, &m.dir, 2, 1.0).unwrap();
-    Arc::new(
-        ExpertStore::open(
-            spec,
-            StoreOptions { cache_bytes, reader: ReaderKind::Auto, prefetch_depth: 0, record_reads: false },
-        )
-        .unwrap(),
-    )
-}
 
 fn reads(s: &ExpertStore) -> u64 {
     s.report().drives.iter().map(|d| d.reads).sum()
@@ -57,7 +45,7 @@ fn two_sessions_stepped_together_equal_each_alone_and_share_reads() {
     let (ta, la) = alone(pa);
     let (tb, lb) = alone(pb);
     // Together: one layer loop per step for both, through a store without cache.
-    let store = shard_store(&m, 0);
+    let store = shard_store(&m, 0, 2, 0);
     let e = engine_with(&dir, store.clone());
     let (mut a, mut b) = (e.new_session(), e.new_session());
     e.forward_sessions(&mut [&mut a, &mut b], &[pa, pb]).unwrap();
@@ -83,7 +71,7 @@ fn two_sessions_stepped_together_equal_each_alone_and_share_reads() {
     assert_eq!(b.tokens().len(), pb.len() + 6);
     // Shared experts really are shared: a joint step reads the union, not the sum.
     let joint = {
-        let store = shard_store(&m, 0);
+        let store = shard_store(&m, 0, 2, 0);
         let e = engine_with(&dir, store.clone());
         let (mut a, mut b) = (e.new_session(), e.new_session());
         e.forward_sessions(&mut [&mut a, &mut b], &[pa, pb]).unwrap();
@@ -92,7 +80,7 @@ fn two_sessions_stepped_together_equal_each_alone_and_share_reads() {
         reads(&store) - before
     };
     let separate = {
-        let store = shard_store(&m, 0);
+        let store = shard_store(&m, 0, 2, 0);
         let e = engine_with(&dir, store.clone());
         let (mut a, mut b) = (e.new_session(), e.new_session());
         a.prefill(pa).unwrap();
@@ -294,7 +282,7 @@ fn a_fetch_never_evicts_its_own_cache_hits() {
     let dir = fixture("k3-tiny-a");
     let m = open_model(&dir);
     let slot = deltafin::store::expert_store::slot_size(m.cfg.expert_bytes()) as u64;
-    let store = shard_store(&m, 4 * slot);
+    let store = shard_store(&m, 4 * slot, 2, 0);
     fetch_all(&*store, 1, &[4, 5, 6, 7]);
     let before = reads(&store);
     let got = fetch_all(&*store, 1, &(0..8).collect::<Vec<u32>>());

@@ -3,33 +3,18 @@
 
 mod common;
 use common::*;
-use deltafin::store::expert_store::{ExpertStore, FaultKind, FaultPlan, StoreOptions};
-use deltafin::store::placement::{Manifest, PlaceOptions, Policy, ShardUse, manifest_spec, place};
+use deltafin::store::expert_store::{ExpertStore, FaultKind, FaultPlan};
+use deltafin::store::placement::{Manifest, Policy, ShardUse};
 use deltafin::store::reader::ReaderKind;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 fn do_place(m: &Model, drives: &[PathBuf], policy: Policy, shards: ShardUse) -> Manifest {
-    let o = PlaceOptions {
-        model_dir: &m.dir,
-        drives: drives.iter().map(|d| (d.clone(), Some(1.0))).collect(),
-        policy,
-        shards,
-        trace: None,
-        qd: 2,
-        measure: &|_, _| unreachable!("speeds are given"),
-        measure_shards: &|_| Ok(0.5),
-        progress: &|_, _| {},
-    };
-    place(&m.cfg, &m.ck, &m.roster, &o).unwrap()
+    place_model(m, drives, |_| 1.0, policy, shards, None)
 }
 
 fn open_store(m: &Model, man: &Manifest, reader: ReaderKind) -> Arc<ExpertStore> {
-    let spec = manifest_spec(man, &m.ck, &m.roster, m.roster.expert_layout.clone().unwrap()).unwrap();
-    Arc::new(
-        ExpertStore::open(spec, StoreOptions { cache_bytes: 0, reader, prefetch_depth: 0, record_reads: false })
-            .unwrap(),
-    )
+    manifest_store(m, man, 0, reader, 0)
 }
 
 fn generate(
@@ -56,7 +41,7 @@ fn eio_and_short_reads_fail_over_to_another_copy_with_identical_output() {
             let tmp = copy_fixture("k3-tiny-a");
             let m = open_model(tmp.path());
             let want = generate(&engine(tmp.path()), prompt).unwrap();
-            let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+            let drives = drive_dirs(tmp.path(), 2);
             let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off);
             let store = open_store(&m, &man, reader);
             // Both drives fail once after a few reads; each failure moves its reads to the other.

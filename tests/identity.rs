@@ -15,16 +15,7 @@ fn two_models() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let (a, b, d) = (tmp.path().join("a"), tmp.path().join("b"), tmp.path().join("drive"));
     for (dir, seed) in [(&a, "1"), (&b, "2")] {
-        run_ok(Command::new(bin()).args(["synth", "--out"]).arg(dir).args([
-            "--layers",
-            "3",
-            "--experts",
-            "8",
-            "--top-k",
-            "2",
-            "--seed",
-            seed,
-        ]));
+        synth_small(dir, Some(seed));
     }
     (tmp, a, b, d)
 }

@@ -171,16 +171,7 @@ fn packs_of_another_model_are_not_reused() {
     let tmp = tempfile::tempdir().unwrap();
     let (a, b, d) = (tmp.path().join("a"), tmp.path().join("b"), tmp.path().join("d"));
     for (dir, seed) in [(&a, "1"), (&b, "2")] {
-        run_ok(Command::new(bin()).args(["synth", "--out"]).arg(dir).args([
-            "--layers",
-            "3",
-            "--experts",
-            "8",
-            "--top-k",
-            "2",
-            "--seed",
-            seed,
-        ]));
+        synth_small(dir, Some(seed));
     }
     run_ok(&mut place(&a, &["--drive", &format!("{}=1", d.display())]));
     run_ok(&mut place(&b, &["--drive", &format!("{}=1", d.display())]));

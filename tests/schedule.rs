@@ -7,23 +7,10 @@ use common::*;
 use deltafin::engine::{Engine, EngineConfig};
 use deltafin::k3::KdaMode;
 use deltafin::store::ExpertSource;
-use deltafin::store::expert_store::{ExpertStore, StoreOptions};
-use deltafin::store::reader::ReaderKind;
 use std::path::Path;
 use std::sync::Arc;
 
 use common::open_model as open;
-
-fn store(m: &Model, dir: &Path, cache: u64, prefetch_depth: usize) -> Arc<ExpertStore> {
-    let spec = deltafin::store::placement::shard_spec(&m.ck, &m.roster, dir, 2, 1.0).unwrap();
-    Arc::new(
-        ExpertStore::open(
-            spec,
-            StoreOptions { cache_bytes: cache, reader: ReaderKind::Auto, prefetch_depth, record_reads: false },
-        )
-        .unwrap(),
-    )
-}
 
 fn cfg(dir: &Path, prefill_rows: usize, prefetch: bool) -> EngineConfig {
     EngineConfig { prefill_rows, prefetch, ..test_config(dir, KdaMode::Recurrent) }
@@ -35,7 +22,7 @@ fn expert_major_prefill_equals_token_at_a_time_bit_for_bit() {
         let dir = fixture(name);
         let m = open(&dir);
         let prompt = reference(name).prompt;
-        let src = store(&m, &dir, 0, 0);
+        let src = shard_store(&m, 0, 2, 0);
         let e = Engine::open_with_source(cfg(&dir, 4096, false), src.clone()).unwrap();
         // Whole prompt in one expert-major pass.
         let mut s = e.new_session();
@@ -64,7 +51,7 @@ fn a_cold_prefill_reads_each_distinct_expert_once() {
         let m = open(&dir);
         let prompt = reference(name).prompt;
         for cache in [0u64, 1 << 30] {
-            let src = store(&m, &dir, cache, 0);
+            let src = shard_store(&m, cache, 2, 0);
             let e = engine_with(&dir, src.clone());
             let mut s = e.new_session();
             s.prefill(&prompt).unwrap();
@@ -100,7 +87,7 @@ fn prefetch_changes_timing_not_bits_and_is_scored() {
     };
     let (want, _) = run(Arc::new(m.mmap_source()), false);
     for cache in [0u64, 1 << 20] {
-        let src = store(&m, &dir, cache, 2);
+        let src = shard_store(&m, cache, 2, 2);
         let (got, fs) = run(src.clone(), true);
         assert_eq!(bits(&got), bits(&want), "cache {cache}: prefetch changed the output");
         let (recall, precision) = fs.prediction_quality().expect("predictions were scored");

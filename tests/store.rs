@@ -6,8 +6,8 @@
 
 mod common;
 use common::*;
-use deltafin::store::expert_store::{ExpertStore, StoreOptions};
-use deltafin::store::placement::{Manifest, PlaceOptions, Policy, RouteTrace, ShardUse, manifest_spec, place};
+use deltafin::store::expert_store::ExpertStore;
+use deltafin::store::placement::{Manifest, Policy, RouteTrace, ShardUse};
 use deltafin::store::reader::ReaderKind;
 use deltafin::store::{ExpertSource, StoreError};
 use std::path::PathBuf;
@@ -44,26 +44,12 @@ fn route_trace(m: &Model) -> RouteTrace {
 }
 
 fn do_place(m: &Model, drives: &[PathBuf], policy: Policy, shards: ShardUse, trace: Option<RouteTrace>) -> Manifest {
-    let o = PlaceOptions {
-        model_dir: &m.dir,
-        // Different given speeds so spread and hot are not symmetric.
-        drives: drives.iter().enumerate().map(|(i, d)| (d.clone(), Some(1.0 + i as f64))).collect(),
-        policy,
-        shards,
-        trace,
-        qd: 2,
-        measure: &|_, _| unreachable!("speeds are given"),
-        measure_shards: &|_| Ok(0.5),
-        progress: &|_, _| {},
-    };
-    place(&m.cfg, &m.ck, &m.roster, &o).unwrap()
+    // Different given speeds so spread and hot are not symmetric.
+    place_model(m, drives, |i| 1.0 + i as f64, policy, shards, trace)
 }
 
 fn open_store(m: &Model, man: &Manifest, cache_bytes: u64, reader: ReaderKind) -> Arc<ExpertStore> {
-    let spec = manifest_spec(man, &m.ck, &m.roster, m.roster.expert_layout.clone().unwrap()).unwrap();
-    Arc::new(
-        ExpertStore::open(spec, StoreOptions { cache_bytes, reader, prefetch_depth: 1, record_reads: false }).unwrap(),
-    )
+    manifest_store(m, man, cache_bytes, reader, 1)
 }
 
 fn bits_equal(a: &[f32], b: &[f32]) -> bool {
@@ -113,7 +99,7 @@ fn every_placement_cache_and_reader_gives_identical_bits() {
 fn spread_puts_each_expert_on_one_drive_and_mirror_on_all() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
-    let drives: Vec<PathBuf> = (0..3).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let drives = drive_dirs(tmp.path(), 3);
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
     assert!(man.layers.iter().flat_map(|l| &l.experts).all(|e| e.drives.len() == 1));
     let per: Vec<usize> =
@@ -129,7 +115,7 @@ fn a_corrupt_copy_fails_over_with_identical_output() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
     let want = reference_logits(&m);
-    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let drives = drive_dirs(tmp.path(), 2);
     let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
     // Flip one byte in every record of drive 0's layer-1 pack.
     let path = man.pack_path(0, 1);
@@ -156,7 +142,7 @@ fn a_copy_truncated_mid_run_fails_over() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
     let want = reference_logits(&m);
-    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let drives = drive_dirs(tmp.path(), 2);
     let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
     let store = open_store(&m, &man, 0, ReaderKind::Uring);
     // The files are open; now the drive "loses" data.
@@ -236,7 +222,7 @@ fn a_pack_truncated_before_the_run_is_not_used() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
     let want = reference_logits(&m);
-    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let drives = drive_dirs(tmp.path(), 2);
     // Mirror: the truncated packs' header check drops drive 0's copies; drive 1 serves everything.
     let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
     truncate_packs(&man, 0, mid_first_record);
@@ -259,7 +245,7 @@ fn a_pack_truncated_between_forward_calls_fails_over_or_stops() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
     let want = reference_logits(&m);
-    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let drives = drive_dirs(tmp.path(), 2);
     // Mirror: the other drive's copy.
     let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
     let store = open_store(&m, &man, 0, ReaderKind::Uring);
@@ -293,7 +279,7 @@ fn a_missing_drive_degrades_to_remaining_holders() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
     let want = reference_logits(&m);
-    let drives: Vec<PathBuf> = (0..3).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let drives = drive_dirs(tmp.path(), 3);
     // Mirror: every expert survives losing a drive.
     let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
     std::fs::remove_dir_all(&drives[1]).unwrap();
@@ -303,7 +289,7 @@ fn a_missing_drive_degrades_to_remaining_holders() {
     // Spread with the shards as fallback: the shards serve what the lost drive held.
     let tmp2 = copy_fixture("k3-tiny-a");
     let m2 = open(tmp2.path());
-    let drives2: Vec<PathBuf> = (0..2).map(|i| tmp2.path().join(format!("d{i}"))).collect();
+    let drives2 = drive_dirs(tmp2.path(), 2);
     let man2 = do_place(&m2, &drives2, Policy::Spread, ShardUse::Fallback, None);
     std::fs::remove_dir_all(&drives2[0]).unwrap();
     let store2 = open_store(&m2, &man2, 0, ReaderKind::Pread);
@@ -317,7 +303,7 @@ fn a_drive_directory_removed_mid_run_changes_nothing() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
     let want = reference_logits(&m);
-    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let drives = drive_dirs(tmp.path(), 2);
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
     let store = open_store(&m, &man, 0, ReaderKind::Uring);
     // The files are open: their data stays readable after the directory is gone.
@@ -329,7 +315,7 @@ fn a_drive_directory_removed_mid_run_changes_nothing() {
 fn no_holder_left_is_a_clear_error() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
-    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let drives = drive_dirs(tmp.path(), 2);
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
     std::fs::remove_dir_all(&drives[1]).unwrap();
     let store = open_store(&m, &man, 0, ReaderKind::Uring);
@@ -343,7 +329,7 @@ fn no_holder_left_is_a_clear_error() {
 fn concurrent_fetches_share_reads_and_get_the_right_bytes() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
-    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let drives = drive_dirs(tmp.path(), 2);
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
     let store = open_store(&m, &man, 1 << 20, ReaderKind::Uring);
     let mmap = m.mmap_source();
@@ -373,7 +359,7 @@ fn concurrent_fetches_share_reads_and_get_the_right_bytes() {
 fn place_resumes_and_never_publishes_incomplete_data() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
-    let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("d{i}"))).collect();
+    let drives = drive_dirs(tmp.path(), 2);
     let man0 = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
     let first = std::fs::metadata(man0.pack_path(0, 1)).unwrap().modified().unwrap();
     // An interrupted run: manifest gone, one pack half written, another missing.
@@ -386,12 +372,6 @@ fn place_resumes_and_never_publishes_incomplete_data() {
     assert!(!man.pack_path(1, 3).with_extension("pack.partial").exists());
     let problems = deltafin::store::placement::verify(&man, &m.ck, &m.roster, &|_, _| {});
     assert!(problems.is_empty(), "{problems:?}");
-}
-
-fn shard_store(m: &Model, cache_bytes: u64, qd: usize, prefetch_depth: usize) -> ExpertStore {
-    let spec = deltafin::store::placement::shard_spec(&m.ck, &m.roster, &m.dir, qd, 1.0).unwrap();
-    ExpertStore::open(spec, StoreOptions { cache_bytes, reader: ReaderKind::Auto, prefetch_depth, record_reads: false })
-        .unwrap()
 }
 
 /// Fetches `ids` of `layer`, calling `f` on each expert's bytes.
@@ -429,7 +409,7 @@ fn many_fetchers_on_a_tiny_slab_do_not_hang() {
                     for round in 0..20u32 {
                         let ids: Vec<u32> = (0..16).map(|i| (i * 5 + t + round) % 16).collect();
                         let mut n = 0;
-                        fetch_each(store, 3, &ids, |e, b| {
+                        fetch_each(&**store, 3, &ids, |e, b| {
                             assert_eq!(b, want[&e].as_slice());
                             n += 1;
                         });
@@ -449,7 +429,7 @@ fn a_full_cache_keeps_the_more_used_experts() {
     let store = shard_store(&m, 4 * slot, 2, 0);
     let fetch = |ids: &[u32]| {
         let before = store.report();
-        fetch_each(&store, 1, ids, |_, _| {});
+        fetch_each(&*store, 1, ids, |_, _| {});
         let after = store.report();
         (
             after.cache_hits.unwrap() - before.cache_hits.unwrap(),
@@ -472,7 +452,7 @@ fn prefetched_experts_are_used_and_cancelled_ones_are_not_read() {
     let store = shard_store(&m, 1 << 20, 2, 2);
     store.prefetch(2, &[1, 2, 3]);
     let mut seen = Vec::new();
-    fetch_each(&store, 2, &[1, 2, 3, 4], |e, _| seen.push(e));
+    fetch_each(&*store, 2, &[1, 2, 3, 4], |e, _| seen.push(e));
     seen.sort();
     assert_eq!(seen, vec![1, 2, 3, 4]);
     let r = store.report();
@@ -482,7 +462,7 @@ fn prefetched_experts_are_used_and_cancelled_ones_are_not_read() {
     // Predictions for a layer that the real route rejects are dropped if not yet read.
     store.prefetch(4, &(0..16).collect::<Vec<u32>>());
     store.cancel_prefetch(4, &[7]);
-    fetch_each(&store, 4, &[7], |_, _| {});
+    fetch_each(&*store, 4, &[7], |_, _| {});
     let r2 = store.report();
     assert!(r2.drives[0].reads - 4 < 1 + 16, "cancelled prefetches were not all read");
 }

@@ -104,14 +104,7 @@ fn synth_writes_the_shipped_layout_and_matches_the_fp64_reference() {
 fn synth_is_deterministic() {
     let tmp = tempfile::tempdir().unwrap();
     for d in ["a", "b"] {
-        run_ok(Command::new(bin()).args(["synth", "--out"]).arg(tmp.path().join(d)).args([
-            "--layers",
-            "3",
-            "--experts",
-            "8",
-            "--top-k",
-            "2",
-        ]));
+        synth_small(&tmp.path().join(d), None);
     }
     for e in std::fs::read_dir(tmp.path().join("a")).unwrap() {
         let name = e.unwrap().file_name();

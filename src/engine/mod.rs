@@ -8,7 +8,7 @@
 //! per-sequence state lives in [`Session`]s. [`Engine::forward_sessions`] runs rows of several
 //! sessions through one layer loop (one expert-union read per layer for all of them).
 
-mod session;
+pub(crate) mod session;
 
 pub use session::{GenerateOptions, Generation, Session, StopReason};
 
@@ -153,6 +153,49 @@ fn restrict_drives(spec: &mut StoreSpec, keep: &[usize], placement_drives: usize
     Ok(())
 }
 
+/// Where the store reads experts: the placement's holders (restricted to `--use-drives`) or the
+/// shards; None when experts come from the mapped shards or the model has none.
+fn store_spec(
+    config: &EngineConfig,
+    dir: &Path,
+    ck: &Checkpoint,
+    roster: &Roster,
+) -> Result<Option<StoreSpec>, EngineError> {
+    let manifest_path = config.placement.clone().or_else(|| Some(dir.join(MANIFEST)).filter(|p| p.exists()));
+    let manifest = match &manifest_path {
+        Some(p) if config.experts_from == ExpertsFrom::Store => {
+            Some(Manifest::load(p).map_err(|source| EngineError::Placement { path: p.clone(), source })?)
+        }
+        _ => None,
+    };
+    if config.use_drives.is_some() && manifest.is_none() {
+        return Err(EngineError::Config(
+            "--use-drives selects drives of a placement, but there is none (run `deltafin place`, or drop --use-drives)"
+                .into(),
+        ));
+    }
+    let (Some(layout), ExpertsFrom::Store) = (&roster.expert_layout, config.experts_from) else { return Ok(None) };
+    Ok(Some(match (&manifest, &manifest_path) {
+        (Some(m), Some(mp)) => {
+            let mut spec = manifest_spec(m, ck, roster, layout.clone())
+                .map_err(|source| EngineError::Placement { path: mp.clone(), source })?;
+            if let Some(keep) = &config.use_drives {
+                if let Some(&bad) = keep.iter().find(|&&d| d >= m.drives.len()) {
+                    return Err(EngineError::Config(format!(
+                        "--use-drives {bad}: the placement has {} drives (0..{})",
+                        m.drives.len(),
+                        m.drives.len()
+                    )));
+                }
+                restrict_drives(&mut spec, keep, m.drives.len())?;
+            }
+            spec
+        }
+        _ => shard_spec(ck, roster, dir, config.qd, 1.0)
+            .ok_or_else(|| EngineError::Config("the model has no routed experts".into()))?,
+    }))
+}
+
 impl Engine {
     /// Opens the model and builds the backend, expert source and memory plan.
     pub fn open(config: EngineConfig) -> Result<Arc<Engine>, EngineError> {
@@ -195,45 +238,10 @@ impl Engine {
         let trunk = model.w.resident_bytes() as u64;
         let c = &cfg;
         let budget = config.memory_gb.map_or_else(machine_available, |g| (g * 1e9) as u64);
-        let manifest_path = config.placement.clone().or_else(|| Some(dir.join(MANIFEST)).filter(|p| p.exists()));
-        let manifest = match &manifest_path {
-            _ if given.is_some() => None,
-            Some(p) if config.experts_from == ExpertsFrom::Store => {
-                Some(Manifest::load(p).map_err(|source| EngineError::Placement { path: p.clone(), source })?)
-            }
-            _ => None,
-        };
-        if config.use_drives.is_some() && manifest.is_none() && given.is_none() {
-            return Err(EngineError::Config(
-                "--use-drives selects drives of a placement, but there is none (run `deltafin place`, or drop --use-drives)"
-                    .into(),
-            ));
-        }
         let layout = roster.expert_layout.clone();
         let prefetch_depth = usize::from(config.prefetch);
-        let spec: Option<StoreSpec> = match (&layout, config.experts_from) {
-            _ if given.is_some() => None,
-            (Some(layout), ExpertsFrom::Store) => Some(match (&manifest, &manifest_path) {
-                (Some(m), Some(mp)) => {
-                    let mut spec = manifest_spec(m, &ck, &roster, layout.clone())
-                        .map_err(|source| EngineError::Placement { path: mp.clone(), source })?;
-                    if let Some(keep) = &config.use_drives {
-                        if let Some(&bad) = keep.iter().find(|&&d| d >= m.drives.len()) {
-                            return Err(EngineError::Config(format!(
-                                "--use-drives {bad}: the placement has {} drives (0..{})",
-                                m.drives.len(),
-                                m.drives.len()
-                            )));
-                        }
-                        restrict_drives(&mut spec, keep, m.drives.len())?;
-                    }
-                    spec
-                }
-                _ => shard_spec(&ck, &roster, &dir, config.qd, 1.0)
-                    .ok_or_else(|| EngineError::Config("the model has no routed experts".into()))?,
-            }),
-            _ => None,
-        };
+        // A source given by the caller replaces the store: no placement, no holder map.
+        let spec = if given.is_some() { None } else { store_spec(&config, &dir, &ck, &roster)? };
         let rows = config.batch_rows.unwrap_or(config.prefill_rows).max(1);
         let slot = match (&spec, &layout) {
             (Some(sp), _) => expert_store::slot_size_for(sp) as u64,
@@ -257,7 +265,7 @@ impl Engine {
         let cache = cache.checked_div(slot).map_or(0, |n| n.min(n_experts) * slot);
         let plan = MemoryPlan::new(c, budget, trunk, cache, staging, rows, config.output_bytes)?;
         let (source, store): (Option<Arc<dyn ExpertSource>>, Option<Arc<ExpertStore>>) = match spec {
-            _ if given.is_some() => (given, None),
+            None if given.is_some() => (given, None),
             None => match ShardExperts::new(Arc::clone(&ck), &roster) {
                 Some(m) => (Some(Arc::new(m)), None),
                 None => (None, None),
@@ -306,12 +314,10 @@ impl Engine {
         tokens: &[&[u32]],
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
         if sessions.len() != tokens.len() {
-            return Err(ForwardError::Empty);
+            return Err(ForwardError::BatchMismatch { sessions: sessions.len(), lists: tokens.len() });
         }
-        for s in sessions.iter() {
-            if !std::ptr::eq(&**s.engine(), self) {
-                return Err(ForwardError::Store(StoreError::Setup("a session of another engine".into())));
-            }
+        if sessions.iter().any(|s| !std::ptr::eq(&**s.engine(), self)) {
+            return Err(ForwardError::ForeignSession);
         }
         let mut stats = Stats::default();
         let outs = {
@@ -324,8 +330,7 @@ impl Engine {
         };
         let mut logits = Vec::with_capacity(outs.len());
         for ((s, t), o) in sessions.iter_mut().zip(tokens).zip(outs) {
-            s.commit_fed(t, o.logits.clone(), &stats);
-            logits.push(o.logits);
+            logits.push(s.commit_fed(t, o.logits, &stats).to_vec());
         }
         Ok(logits)
     }

@@ -82,11 +82,11 @@ impl Session {
     }
 
     /// Records tokens whose rows the engine committed in a shared forward.
-    pub(super) fn commit_fed(&mut self, tokens: &[u32], logits: Vec<f32>, stats: &Stats) {
+    pub(super) fn commit_fed(&mut self, tokens: &[u32], logits: Vec<f32>, stats: &Stats) -> &[f32] {
         self.state.commit(&*self.engine.model.be, &self.engine.cfg, tokens.len());
         self.tokens.extend_from_slice(tokens);
-        self.last_logits = Some(logits);
         self.stats.merge(stats);
+        self.last_logits.insert(logits)
     }
 
     /// One forward of `tokens` on this session alone, committed on success.
@@ -221,28 +221,49 @@ impl Session {
     ) -> Result<Generation, ForwardError> {
         let mut out = Vec::with_capacity(opts.max_new);
         let Some(mut logits) = self.last_logits.clone() else { return Err(ForwardError::Empty) };
-        let t0 = Instant::now();
-        let bytes0 = self.stats.expert_bytes_requested;
+        let started = self.decode_start();
         let reason = loop {
             if out.len() >= opts.max_new {
                 break StopReason::Length;
             }
-            let next = argmax(&logits);
-            out.push(next);
-            if !on_token(next) {
-                break StopReason::Cancelled;
+            if let Some(r) = emit(&mut out, argmax(&logits), opts, on_token) {
+                break r;
             }
-            if opts.stop.contains(&next) {
-                break StopReason::Stop;
-            }
-            if out.len() >= opts.max_new {
-                break StopReason::Length;
-            }
-            logits = self.step(next)?.to_vec();
+            logits = self.step(out[out.len() - 1])?.to_vec();
         };
-        self.stats.decode_s += t0.elapsed().as_secs_f64();
-        self.stats.generated_tokens += out.len() as u64;
-        self.stats.decode_expert_bytes += self.stats.expert_bytes_requested - bytes0;
+        self.decode_end(started, out.len());
         Ok(Generation { tokens: out, reason })
+    }
+
+    /// The clock and counters a generation's decode figures start from.
+    pub(crate) fn decode_start(&self) -> (Instant, u64) {
+        (Instant::now(), self.stats.expert_bytes_requested)
+    }
+
+    /// Adds a finished generation of `emitted` tokens to the decode counters.
+    pub(crate) fn decode_end(&mut self, (t0, bytes0): (Instant, u64), emitted: usize) {
+        self.stats.decode_s += t0.elapsed().as_secs_f64();
+        self.stats.generated_tokens += emitted as u64;
+        self.stats.decode_expert_bytes += self.stats.expert_bytes_requested - bytes0;
+    }
+}
+
+/// Emits `token` into `out` and says whether generation ends with it — cancelled by `on_token`,
+/// a stop token, or `max_new` reached — the one rule plain and speculative decoding share.
+pub(crate) fn emit(
+    out: &mut Vec<u32>,
+    token: u32,
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Option<StopReason> {
+    out.push(token);
+    if !on_token(token) {
+        Some(StopReason::Cancelled)
+    } else if opts.stop.contains(&token) {
+        Some(StopReason::Stop)
+    } else if out.len() >= opts.max_new {
+        Some(StopReason::Length)
+    } else {
+        None
     }
 }

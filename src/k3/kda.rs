@@ -48,16 +48,17 @@ impl KdaPending {
     }
 }
 
-/// Causal depthwise conv (taps [P, width], last tap = current token) followed by SiLU, in place
-/// on `x` [n, P]; `tail` holds the previous width-1 input rows (not advanced here).
-fn conv_silu(x: &mut [f32], tail: &[f32], taps: &[f32], p: usize, width: usize) {
+/// Causal depthwise conv (taps [P, width], last tap = current token) followed by SiLU of the rows
+/// `x` [n, P]; `tail` holds the previous width-1 input rows (not advanced here). Returns [n, P].
+fn conv_silu(x: &[f32], tail: &[f32], taps: &[f32], p: usize, width: usize) -> Vec<f32> {
     let n = x.len() / p;
     let hist = width - 1;
     let mut ext = Vec::with_capacity((hist + n) * p);
     ext.extend_from_slice(tail);
     ext.extend_from_slice(x);
+    let mut out = vec![0f32; n * p];
     for t in 0..n {
-        let row = &mut x[t * p..(t + 1) * p];
+        let row = &mut out[t * p..(t + 1) * p];
         for (c, y) in row.iter_mut().enumerate() {
             let w = &taps[c * width..(c + 1) * width];
             let mut acc = 0f32;
@@ -67,6 +68,7 @@ fn conv_silu(x: &mut [f32], tail: &[f32], taps: &[f32], p: usize, width: usize) 
             *y = silu(acc);
         }
     }
+    out
 }
 
 /// The conv tail after `rows` ([j, P] pre-conv inputs): the last width-1 rows of [tail, rows].
@@ -105,9 +107,7 @@ pub fn forward(
         [(&w.q_proj, &w.q_conv), (&w.k_proj, &w.k_conv), (&w.v_proj, &w.v_conv)].into_iter().enumerate()
     {
         be.matmul_bf16(m, xn, &mut conv_in[i]);
-        let mut x = conv_in[i].clone();
-        conv_silu(&mut x, &st.tail[i], taps, p, c.conv_width);
-        proj[i] = x;
+        proj[i] = conv_silu(&conv_in[i], &st.tail[i], taps, p, c.conv_width);
     }
     let mut fa = vec![0f32; n * dk];
     be.matmul_bf16(&w.f_a, xn, &mut fa);
@@ -206,8 +206,7 @@ mod tests {
         // One channel, taps [1, 10, 100, 1000]: y_t = x_{t-3} + 10 x_{t-2} + 100 x_{t-1} + 1000 x_t.
         let taps = [1.0f32, 10.0, 100.0, 1000.0];
         let tail = vec![0f32; 3];
-        let mut x = vec![0.001f32, 0.0, 0.0, 0.0];
-        conv_silu(&mut x, &tail, &taps, 1, 4);
+        let x = conv_silu(&[0.001f32, 0.0, 0.0, 0.0], &tail, &taps, 1, 4);
         let want: Vec<f32> = [1.0f32, 0.1, 0.01, 0.001].iter().map(|&v| silu(v)).collect();
         for (a, b) in x.iter().zip(&want) {
             assert!((a - b).abs() < 1e-6, "{x:?} vs {want:?}");

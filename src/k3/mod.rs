@@ -30,6 +30,10 @@ pub enum ForwardError {
     NoExpertSource,
     #[error("nothing to run: a forward needs at least one token")]
     Empty,
+    #[error("a shared forward needs one token list per session: {sessions} sessions, {lists} lists")]
+    BatchMismatch { sessions: usize, lists: usize },
+    #[error("a session of another engine cannot join this engine's forward")]
+    ForeignSession,
     #[error("cannot commit {want} rows: only {have} are pending")]
     NothingPending { want: usize, have: usize },
     #[error(transparent)]

@@ -21,6 +21,7 @@ mod oracle;
 pub use ngram::NgramDrafter;
 pub use oracle::OracleDrafter;
 
+use crate::engine::session::emit;
 use crate::engine::{GenerateOptions, Generation, Session, StopReason};
 use crate::k3::{ForwardError, argmax};
 use crate::sched::RowsOut;
@@ -258,23 +259,15 @@ impl Session {
         let mut out = Vec::with_capacity(opts.max_new);
         // Prompt + output; the pending (emitted, not yet fed) token is last.
         let mut ctx = self.tokens().to_vec();
-        let t0 = Instant::now();
-        let bytes0 = self.stats.expert_bytes_requested;
+        let started = self.decode_start();
         let reason = loop {
             if out.len() >= opts.max_new {
                 break StopReason::Length;
             }
             let next = argmax(&logits);
-            out.push(next);
             ctx.push(next);
-            if !on_token(next) {
-                break StopReason::Cancelled;
-            }
-            if opts.stop.contains(&next) {
-                break StopReason::Stop;
-            }
-            if out.len() >= opts.max_new {
-                break StopReason::Length;
+            if let Some(r) = emit(&mut out, next, opts, on_token) {
+                break r;
             }
             // Accepting all k drafts emits k + 1 tokens: stay within max_new.
             let k = spec.width().min(opts.max_new - out.len() - 1);
@@ -320,17 +313,8 @@ impl Session {
             let mut keep = 1 + accepted;
             let mut ended = None;
             for (i, &d) in drafts[..accepted].iter().enumerate() {
-                out.push(d);
                 ctx.push(d);
-                ended = if !on_token(d) {
-                    Some(StopReason::Cancelled)
-                } else if opts.stop.contains(&d) {
-                    Some(StopReason::Stop)
-                } else if out.len() >= opts.max_new {
-                    Some(StopReason::Length)
-                } else {
-                    None
-                };
+                ended = emit(&mut out, d, opts, on_token);
                 if ended.is_some() {
                     keep = 1 + i;
                     break;
@@ -347,9 +331,7 @@ impl Session {
             }
             logits = got.logits[accepted * vocab..(accepted + 1) * vocab].to_vec();
         };
-        self.stats.decode_s += t0.elapsed().as_secs_f64();
-        self.stats.generated_tokens += out.len() as u64;
-        self.stats.decode_expert_bytes += self.stats.expert_bytes_requested - bytes0;
+        self.decode_end(started, out.len());
         self.stats.drafter = Some(spec.drafter.name().to_string());
         Ok(Generation { tokens: out, reason })
     }

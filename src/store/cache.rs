@@ -1,5 +1,6 @@
 //! The expert cache's memory: one 4 KiB-aligned slab of fixed-size slots (each holds one expert
-//! read, widened for O_DIRECT), and an O(1) LRU list of slot indices.
+//! read, widened for O_DIRECT), the eviction order of cached slots, and the optimal (Belady) cache
+//! the store is judged against.
 //!
 //! Contract: slot memory is only written by the reader that owns the slot's in-flight read and only
 //! read while the slot is pinned Ready; the store's state machine enforces both.
@@ -71,98 +72,59 @@ impl Drop for Slab {
     }
 }
 
-const NIL: u32 = u32::MAX;
-
-/// Doubly linked list over slot indices: least recently used at the front.
-pub struct Lru {
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    linked: Vec<bool>,
-    head: u32,
-    tail: u32,
-    len: usize,
+/// Cached slots in eviction order: lowest rank (how often the expert was requested) first, least
+/// recently cached first among equals. O(log n) per change, so finding the victim is not a scan of
+/// the cache on every landing expert.
+pub struct EvictionOrder {
+    /// (rank, recency) of each slot in the order.
+    keys: Vec<Option<(u32, u64)>>,
+    order: std::collections::BTreeSet<(u32, u64, usize)>,
+    seq: u64,
 }
 
-impl Lru {
+impl EvictionOrder {
     pub fn new(n: usize) -> Self {
-        Lru { prev: vec![NIL; n], next: vec![NIL; n], linked: vec![false; n], head: NIL, tail: NIL, len: 0 }
+        EvictionOrder { keys: vec![None; n], order: std::collections::BTreeSet::new(), seq: 0 }
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        self.order.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.order.is_empty()
     }
 
     pub fn contains(&self, i: usize) -> bool {
-        self.linked[i]
+        self.keys[i].is_some()
     }
 
-    /// Marks `i` most recently used.
-    pub fn push_back(&mut self, i: usize) {
-        if self.linked[i] {
-            self.remove(i);
+    /// Adds `i` (or moves it) as the most recently cached slot of rank `rank`.
+    pub fn push(&mut self, i: usize, rank: u32) {
+        self.remove(i);
+        self.seq += 1;
+        self.keys[i] = Some((rank, self.seq));
+        self.order.insert((rank, self.seq, i));
+    }
+
+    /// Changes the rank of a cached slot, keeping its recency.
+    pub fn rerank(&mut self, i: usize, rank: u32) {
+        if let Some((r, seq)) = self.keys[i].filter(|&(r, _)| r != rank) {
+            self.order.remove(&(r, seq, i));
+            self.keys[i] = Some((rank, seq));
+            self.order.insert((rank, seq, i));
         }
-        let i32_ = i as u32;
-        self.prev[i] = self.tail;
-        self.next[i] = NIL;
-        if self.tail != NIL {
-            self.next[self.tail as usize] = i32_;
-        } else {
-            self.head = i32_;
-        }
-        self.tail = i32_;
-        self.linked[i] = true;
-        self.len += 1;
     }
 
     pub fn remove(&mut self, i: usize) {
-        if !self.linked[i] {
-            return;
+        if let Some((r, seq)) = self.keys[i].take() {
+            self.order.remove(&(r, seq, i));
         }
-        let (p, n) = (self.prev[i], self.next[i]);
-        if p != NIL {
-            self.next[p as usize] = n;
-        } else {
-            self.head = n;
-        }
-        if n != NIL {
-            self.prev[n as usize] = p;
-        } else {
-            self.tail = p;
-        }
-        self.linked[i] = false;
-        self.len -= 1;
     }
 
-    /// Indices from least to most recently used.
-    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
-        let mut cur = self.head;
-        std::iter::from_fn(move || {
-            if cur == NIL {
-                return None;
-            }
-            let i = cur as usize;
-            cur = self.next[i];
-            Some(i)
-        })
-    }
-
-    /// The least recently used index, without removing it.
-    pub fn front(&self) -> Option<usize> {
-        (self.head != NIL).then_some(self.head as usize)
-    }
-
-    /// Removes and returns the least recently used index.
-    pub fn pop_front(&mut self) -> Option<usize> {
-        if self.head == NIL {
-            return None;
-        }
-        let h = self.head as usize;
-        self.remove(h);
-        Some(h)
+    /// The next victim and its rank.
+    pub fn first(&self) -> Option<(u32, usize)> {
+        self.order.iter().next().map(|&(r, _, i)| (r, i))
     }
 }
 
@@ -243,16 +205,28 @@ mod tests {
 
     #[test]
     fn lru_order() {
-        let mut l = Lru::new(5);
+        // Equal ranks: least recently cached first (the order the LRU list kept).
+        let mut l = EvictionOrder::new(5);
         for i in [3, 1, 4] {
-            l.push_back(i);
+            l.push(i, 0);
         }
-        l.push_back(3);
+        l.push(3, 0);
         l.remove(4);
-        assert_eq!(l.pop_front(), Some(1));
-        assert_eq!(l.pop_front(), Some(3));
-        assert_eq!(l.pop_front(), None);
+        let mut pop = || l.first().map(|(_, i)| i).inspect(|&i| l.remove(i));
+        assert_eq!(pop(), Some(1));
+        assert_eq!(pop(), Some(3));
+        assert_eq!(pop(), None);
         assert!(l.is_empty());
+        // Lower rank first whatever the recency; a rerank keeps recency.
+        let mut o = EvictionOrder::new(4);
+        o.push(0, 5);
+        o.push(1, 2);
+        o.push(2, 2);
+        assert_eq!(o.first(), Some((2, 1)));
+        o.rerank(1, 9);
+        assert_eq!(o.first(), Some((2, 2)));
+        o.rerank(2, 5);
+        assert_eq!(o.first(), Some((5, 0)), "equal rank: the earlier cached goes first");
     }
 
     #[test]

@@ -219,3 +219,73 @@ pub fn reference_rel_error(dir: &Path, prompt: &[u32], logits_file: &Path) -> f6
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     String::from_utf8_lossy(&o.stdout).trim().parse().unwrap()
 }
+
+/// Writes a small random model with `deltafin synth` (3 layers, 8 experts, top-2; `seed` as given).
+pub fn synth_small(dir: &Path, seed: Option<&str>) {
+    let mut c = std::process::Command::new(bin());
+    c.args(["synth", "--out"]).arg(dir).args(["--layers", "3", "--experts", "8", "--top-k", "2"]);
+    if let Some(s) = seed {
+        c.args(["--seed", s]);
+    }
+    run_ok(&mut c);
+}
+
+use deltafin::store::expert_store::{ExpertStore, StoreOptions};
+use deltafin::store::placement::{Manifest, PlaceOptions, Policy, RouteTrace, ShardUse};
+use deltafin::store::reader::ReaderKind;
+
+/// Places `m`'s experts on `drives` (drive i given `gbps(i)` GB/s, queue depth 2).
+pub fn place_model(
+    m: &Model,
+    drives: &[PathBuf],
+    gbps: impl Fn(usize) -> f64,
+    policy: Policy,
+    shards: ShardUse,
+    trace: Option<RouteTrace>,
+) -> Manifest {
+    let o = PlaceOptions {
+        model_dir: &m.dir,
+        drives: drives.iter().enumerate().map(|(i, d)| (d.clone(), Some(gbps(i)))).collect(),
+        policy,
+        shards,
+        trace,
+        qd: 2,
+        measure: &|_, _| unreachable!("speeds are given"),
+        measure_shards: &|_| Ok(0.5),
+        progress: &|_, _| {},
+    };
+    deltafin::store::placement::place(&m.cfg, &m.ck, &m.roster, &o).unwrap()
+}
+
+/// The store over a placement.
+pub fn manifest_store(
+    m: &Model,
+    man: &Manifest,
+    cache_bytes: u64,
+    reader: ReaderKind,
+    prefetch_depth: usize,
+) -> Arc<ExpertStore> {
+    let spec =
+        deltafin::store::placement::manifest_spec(man, &m.ck, &m.roster, m.roster.expert_layout.clone().unwrap())
+            .unwrap();
+    Arc::new(
+        ExpertStore::open(spec, StoreOptions { cache_bytes, reader, prefetch_depth, record_reads: false }).unwrap(),
+    )
+}
+
+/// The store over the model's own shards (one drive).
+pub fn shard_store(m: &Model, cache_bytes: u64, qd: usize, prefetch_depth: usize) -> Arc<ExpertStore> {
+    let spec = deltafin::store::placement::shard_spec(&m.ck, &m.roster, &m.dir, qd, 1.0).unwrap();
+    Arc::new(
+        ExpertStore::open(
+            spec,
+            StoreOptions { cache_bytes, reader: ReaderKind::Auto, prefetch_depth, record_reads: false },
+        )
+        .unwrap(),
+    )
+}
+
+/// `n` drive directories `ROOT/d0 .. ROOT/d{n-1}` (created by `place`).
+pub fn drive_dirs(root: &Path, n: usize) -> Vec<PathBuf> {
+    (0..n).map(|i| root.join(format!("d{i}"))).collect()
+}

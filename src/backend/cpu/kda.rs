@@ -181,18 +181,21 @@ pub fn chunked_head(s: &mut [f32], dk: usize, dv: usize, x: &HeadIn, o: &mut [f3
     }
 }
 
+/// Deterministic pseudo-random values in [-1, 1) (benchmark and test inputs).
+pub(crate) fn lcg_values(seed: &mut u64, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((*seed >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+        })
+        .collect()
+}
+
 /// Seconds to run the state update of `heads` heads over `n` tokens (random inputs, head dim
 /// `dk`), with the recurrence or the chunked form; for `deltafin bench kernels`.
 pub fn time_state_update(n: usize, heads: usize, dk: usize, chunked: bool) -> f64 {
     let mut seed = 0x2545_F491u64;
-    let mut rnd = |k: usize| -> Vec<f32> {
-        (0..k)
-            .map(|_| {
-                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((seed >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-            })
-            .collect()
-    };
+    let mut rnd = |k: usize| lcg_values(&mut seed, k);
     let xs: Vec<HeadIn> = (0..heads)
         .map(|_| {
             let mut q = rnd(n * dk);
@@ -219,14 +222,7 @@ mod tests {
     use super::*;
 
     /// Deterministic pseudo-random values in [-1, 1).
-    fn rand_vec(seed: &mut u64, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((*seed >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-            })
-            .collect()
-    }
+    use super::lcg_values as rand_vec;
 
     fn inputs(seed: &mut u64, n: usize, dk: usize, dv: usize, gate_floor: f32) -> HeadIn {
         let mut q = rand_vec(seed, n * dk);

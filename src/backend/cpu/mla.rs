@@ -2,7 +2,8 @@
 //! and head the query's nope part is absorbed through kv_b's key rows (score = (W_k^T q_nope) . c +
 //! q_pe . k_pe), the causal softmax mixes cached latents, and kv_b's value rows map the mixed latent
 //! to the head's value. One task per (row, head); each task is a fixed sequential order, so the
-//! result does not depend on threading.
+//! result does not depend on threading. The tests check it against the textbook form (keys and
+//! values expanded through kv_b) in f64.
 
 use super::ops::{axpy, softmax_inplace};
 use super::{Bf16Mat, decode_bf16_row, dot_f32};
@@ -55,69 +56,62 @@ pub fn attention(q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, d: MlaDi
     });
 }
 
-/// The same attention with keys and values expanded through kv_b (the textbook form), in f64:
-/// an independent reference for [`attention`].
-pub fn attention_expanded_f64(q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, d: MlaDims) -> Vec<f64> {
-    let (nh, nope, rope, lora, vd) = (d.heads, d.nope, d.rope, d.lora, d.v_head);
-    let qd = nope + rope;
-    let lat = lora + rope;
-    let n = q.len() / (nh * qd);
-    let tokens = past + n;
-    let w = |r: usize| -> Vec<f64> {
-        let mut row = vec![0f32; lora];
-        decode_bf16_row(kv_b.row(r), &mut row);
-        row.into_iter().map(f64::from).collect()
-    };
-    let mut out = vec![0f64; n * nh * vd];
-    for hd in 0..nh {
-        let wk: Vec<Vec<f64>> = (0..nope).map(|i| w(hd * (nope + vd) + i)).collect();
-        let wv: Vec<Vec<f64>> = (0..vd).map(|j| w(hd * (nope + vd) + nope + j)).collect();
-        let dotl = |a: &[f64], c: &[f32]| a.iter().zip(c).map(|(x, y)| x * f64::from(*y)).sum::<f64>();
-        let keys: Vec<Vec<f64>> =
-            (0..tokens).map(|s| wk.iter().map(|r| dotl(r, &cache[s * lat..s * lat + lora])).collect()).collect();
-        let vals: Vec<Vec<f64>> =
-            (0..tokens).map(|s| wv.iter().map(|r| dotl(r, &cache[s * lat..s * lat + lora])).collect()).collect();
-        for t in 0..n {
-            let qh = &q[(t * nh + hd) * qd..][..qd];
-            let len = past + t + 1;
-            let scores: Vec<f64> = (0..len)
-                .map(|s| {
-                    let nope_part: f64 = keys[s].iter().zip(&qh[..nope]).map(|(k, q)| k * f64::from(*q)).sum();
-                    let pe: f64 = cache[s * lat + lora..(s + 1) * lat]
-                        .iter()
-                        .zip(&qh[nope..])
-                        .map(|(k, q)| f64::from(*k) * f64::from(*q))
-                        .sum();
-                    (nope_part + pe) / (qd as f64).sqrt()
-                })
-                .collect();
-            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-            let z: f64 = e.iter().sum();
-            for j in 0..vd {
-                out[(t * nh + hd) * vd + j] = (0..len).map(|s| e[s] / z * vals[s][j]).sum();
-            }
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The same attention with keys and values expanded through kv_b (the textbook form), in f64:
+    /// an independent reference for [`attention`].
+    fn attention_expanded_f64(q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, d: MlaDims) -> Vec<f64> {
+        let (nh, nope, rope, lora, vd) = (d.heads, d.nope, d.rope, d.lora, d.v_head);
+        let qd = nope + rope;
+        let lat = lora + rope;
+        let n = q.len() / (nh * qd);
+        let tokens = past + n;
+        let w = |r: usize| -> Vec<f64> {
+            let mut row = vec![0f32; lora];
+            decode_bf16_row(kv_b.row(r), &mut row);
+            row.into_iter().map(f64::from).collect()
+        };
+        let mut out = vec![0f64; n * nh * vd];
+        for hd in 0..nh {
+            let wk: Vec<Vec<f64>> = (0..nope).map(|i| w(hd * (nope + vd) + i)).collect();
+            let wv: Vec<Vec<f64>> = (0..vd).map(|j| w(hd * (nope + vd) + nope + j)).collect();
+            let dotl = |a: &[f64], c: &[f32]| a.iter().zip(c).map(|(x, y)| x * f64::from(*y)).sum::<f64>();
+            let keys: Vec<Vec<f64>> =
+                (0..tokens).map(|s| wk.iter().map(|r| dotl(r, &cache[s * lat..s * lat + lora])).collect()).collect();
+            let vals: Vec<Vec<f64>> =
+                (0..tokens).map(|s| wv.iter().map(|r| dotl(r, &cache[s * lat..s * lat + lora])).collect()).collect();
+            for t in 0..n {
+                let qh = &q[(t * nh + hd) * qd..][..qd];
+                let len = past + t + 1;
+                let scores: Vec<f64> = (0..len)
+                    .map(|s| {
+                        let nope_part: f64 = keys[s].iter().zip(&qh[..nope]).map(|(k, q)| k * f64::from(*q)).sum();
+                        let pe: f64 = cache[s * lat + lora..(s + 1) * lat]
+                            .iter()
+                            .zip(&qh[nope..])
+                            .map(|(k, q)| f64::from(*k) * f64::from(*q))
+                            .sum();
+                        (nope_part + pe) / (qd as f64).sqrt()
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for j in 0..vd {
+                    out[(t * nh + hd) * vd + j] = (0..len).map(|s| e[s] / z * vals[s][j]).sum();
+                }
+            }
+        }
+        out
+    }
 
     #[test]
     fn absorbed_attention_matches_the_expanded_f64_form() {
         let d = MlaDims { heads: 3, nope: 16, rope: 8, lora: 32, v_head: 16 };
         let mut seed = 5u64;
-        let mut rnd = |n: usize| -> Vec<f32> {
-            (0..n)
-                .map(|_| {
-                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    ((seed >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-                })
-                .collect()
-        };
+        let mut rnd = |n: usize| crate::cpu::kda::lcg_values(&mut seed, n);
         let rows = d.heads * (d.nope + d.v_head);
         let wbytes: Vec<u8> = rnd(rows * d.lora).iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect();
         let kv_b = Bf16Mat::from_vec(wbytes, rows, d.lora);

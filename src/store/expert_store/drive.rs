@@ -277,7 +277,7 @@ fn complete(sh: &Shared, d: usize, c: Done) {
             st.keys.insert(key, KeyState::Ready { slot });
             if req.waiters == 0 {
                 // Prefetched: evictable until demanded.
-                st.lru.push_back(slot);
+                cache_slot(st, slot);
             }
         }
         Err(msg) => {

@@ -28,8 +28,15 @@ impl ExpertSource for ExpertStore {
         let mut wants: Vec<(u32, Want)> = experts.iter().map(|&e| (e, Want::Deferred)).collect();
         {
             let mut st = lock(sh);
+            let st = &mut *st;
             for &e in experts {
                 *st.uses.entry((l, e)).or_insert(0) += 1;
+                // A cached expert keeps its place in the eviction order under its new count.
+                if let Some(KeyState::Ready { slot }) = st.keys.get(&(l, e)) {
+                    let slot = *slot;
+                    let r = rank(st, slot);
+                    st.lru.rerank(slot, r);
+                }
             }
         }
         let mut remaining = wants.len();

@@ -12,7 +12,7 @@
 //!   drive is then avoided and the read retried on another holder. With no holder left the fetch
 //!   fails with a clear error; no bytes of a failed read are ever delivered.
 
-use super::cache::{Lru, Slab};
+use super::cache::{EvictionOrder, Slab};
 use super::counters::{DriveCounters, DriveReport, SourceReport};
 use super::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader, widen};
 use super::{ExpertSink, ExpertSource, Flow, Landed, StoreError};
@@ -186,8 +186,8 @@ struct State {
     slots: Vec<Slot>,
     keys: HashMap<Key, KeyState>,
     free: Vec<usize>,
-    /// Ready, unpinned slots (cached or prefetched), least recently used first.
-    lru: Lru,
+    /// Ready, unpinned slots (cached or prefetched) in eviction order (see `rank`).
+    lru: EvictionOrder,
     /// How often each expert has been requested: a used expert enters a full cache only by
     /// displacing a less-used one, so decode's cyclic walk over layers cannot flush it.
     uses: HashMap<Key, u32>,
@@ -335,7 +335,7 @@ impl ExpertStore {
             slots: vec![Slot::Free; n_slots],
             keys: HashMap::new(),
             free: (0..n_slots).rev().collect(),
-            lru: Lru::new(n_slots),
+            lru: EvictionOrder::new(n_slots),
             uses: HashMap::new(),
             reqs: Vec::new(),
             free_reqs: Vec::new(),
@@ -526,31 +526,26 @@ fn evict_slot(st: &mut State, slot: usize) {
     st.slots[slot] = Slot::Free;
 }
 
-/// The cached (unpinned Ready) slot whose expert has been requested least often, least recently
-/// used first among equals, with its count: eviction honours the same counts as admission. Slots of
-/// the current request are pinned or loading, so they are never candidates.
-fn least_used(st: &State) -> Option<(u32, usize)> {
-    let uses = |slot: usize| match st.slots[slot] {
-        // A prefetched guess nobody asked for yet goes before anything demanded.
+/// A cached slot's eviction rank: how often its expert has been requested, so eviction honours the
+/// same counts as admission; a prefetched guess nobody asked for yet ranks below anything demanded.
+fn rank(st: &State, slot: usize) -> u32 {
+    match st.slots[slot] {
         Slot::Ready { prefetched: true, .. } => 0,
         Slot::Ready { key, .. } => st.uses.get(&key).copied().unwrap_or(0),
         _ => u32::MAX,
-    };
-    let mut best: Option<(u32, usize)> = None;
-    for slot in st.lru.iter() {
-        let u = uses(slot);
-        if best.is_none_or(|(b, _)| u < b) {
-            best = Some((u, slot));
-            if u == 0 {
-                break;
-            }
-        }
     }
-    best
 }
 
+/// Caches a Ready, unpinned slot (most recently used among its rank).
+fn cache_slot(st: &mut State, slot: usize) {
+    let r = rank(st, slot);
+    st.lru.push(slot, r);
+}
+
+/// Frees the cached slot whose expert has been requested least often (least recently used first
+/// among equals). Slots of the current request are pinned or loading, so never candidates.
 fn evict_least_used(st: &mut State) -> Option<usize> {
-    let (_, slot) = least_used(st)?;
+    let (_, slot) = st.lru.first()?;
     evict_slot(st, slot);
     Some(slot)
 }
@@ -682,7 +677,7 @@ fn unpin(sh: &Shared, st: &mut State, key: Key, slot: usize) {
         true
     } else {
         let uses = st.uses.get(&key).copied().unwrap_or(0);
-        match least_used(st) {
+        match st.lru.first() {
             Some((victim_uses, victim)) if sh.cache_slots > 0 && uses > victim_uses => {
                 evict_slot(st, victim);
                 st.free.push(victim);
@@ -692,7 +687,7 @@ fn unpin(sh: &Shared, st: &mut State, key: Key, slot: usize) {
         }
     };
     if keep {
-        st.lru.push_back(slot);
+        cache_slot(st, slot);
     } else {
         st.keys.remove(&key);
         st.slots[slot] = Slot::Free;
