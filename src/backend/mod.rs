@@ -14,7 +14,7 @@ pub mod cpu;
 
 use crate::k3::weights::Weights;
 use cpu::kda::HeadIn;
-use cpu::mla::MlaDims;
+use cpu::mla::{MlaDims, Visible};
 use cpu::ops::Situ;
 use cpu::{Bf16Mat, Mxfp4Mat};
 use rayon::prelude::*;
@@ -57,6 +57,21 @@ pub trait Backend: Send + Sync {
 
     /// MLA attention core over the latent cache (see `cpu::mla::attention`).
     fn mla_attention(&self, q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, dims: MlaDims, out: &mut [f32]);
+
+    /// The same core with a given scale and visibility (`cpu::mla::attention_with`): DSpark's
+    /// draft block attends without a mask.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention_with(
+        &self,
+        q: &[f32],
+        cache: &[f32],
+        past: usize,
+        kv_b: &Bf16Mat,
+        dims: MlaDims,
+        scale: f32,
+        visible: Visible,
+        out: &mut [f32],
+    );
 
     /// AttnRes mix of one row: out = sum_s softmax_s(score(v_s)) v_s over `sources` in order.
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]);
@@ -123,6 +138,20 @@ impl Backend for CpuBackend {
 
     fn mla_attention(&self, q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, dims: MlaDims, out: &mut [f32]) {
         cpu::mla::attention(q, cache, past, kv_b, dims, out)
+    }
+
+    fn mla_attention_with(
+        &self,
+        q: &[f32],
+        cache: &[f32],
+        past: usize,
+        kv_b: &Bf16Mat,
+        dims: MlaDims,
+        scale: f32,
+        visible: Visible,
+        out: &mut [f32],
+    ) {
+        cpu::mla::attention_with(q, cache, past, kv_b, dims, scale, visible, out)
     }
 
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {

@@ -36,6 +36,9 @@ pub struct EngineArgs {
     /// Use only these drives of the placement (comma-separated indices), e.g. for a ladder.
     #[arg(long, value_delimiter = ',')]
     pub use_drives: Option<Vec<usize>>,
+    /// DSpark draft model directory (for --draft dspark|auto); its weights count in the memory budget.
+    #[arg(long, value_name = "DIR")]
+    pub draft_model: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -62,6 +65,7 @@ impl EngineArgs {
             prefetch: self.prefetch == OnOff::On,
             use_drives: self.use_drives.clone(),
             kda,
+            draft_model: self.draft_model.clone(),
         }
     }
 }

@@ -66,9 +66,61 @@ pub struct SynthArgs {
     /// Target shard size in GB.
     #[arg(long)]
     shard_gb: Option<f64>,
+    /// Write a random DSpark draft model for --target instead (config.json + model.safetensors);
+    /// --layers and --seed apply to the drafter.
+    #[arg(long, requires = "target")]
+    dspark: bool,
+    /// The K3 model the DSpark drafter is for (its hidden size, vocabulary and layers).
+    #[arg(long, value_name = "MODEL", requires = "dspark")]
+    target: Option<PathBuf>,
+    /// Target layers the DSpark drafter taps (comma-separated; default: K3's five, scaled).
+    #[arg(long, value_delimiter = ',', requires = "dspark")]
+    taps: Option<Vec<usize>>,
+}
+
+fn run_dspark(a: &SynthArgs, target: &std::path::Path) -> Result<()> {
+    use crate::spec::dspark::synth::{self as ds, DSparkSynthSpec};
+    let tc =
+        crate::model::K3Config::load(target).with_context(|| format!("cannot read the target {}", target.display()))?;
+    let mut s = DSparkSynthSpec::for_target(&tc);
+    if let Some(l) = a.layers {
+        s.layers = l.max(1);
+    }
+    if let Some(seed) = a.seed {
+        s.seed = seed;
+    }
+    if let Some(t) = &a.taps {
+        s.taps = t.clone();
+    }
+    let total = s.total_bytes(&tc);
+    eprintln!(
+        "deltafin synth: DSpark drafter for {} ({} layers, taps {:?}, {}) -> {}",
+        target.display(),
+        s.layers,
+        s.taps,
+        crate::util::human_bytes(total),
+        a.out.display()
+    );
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    ds::write(&s, &tc, &a.out, a.force, &|done, _| bar.set_position(done))
+        .with_context(|| format!("synth into {} failed", a.out.display()))?;
+    bar.finish_and_clear();
+    eprintln!(
+        "deltafin synth: wrote {} (random weights; use with --draft dspark --draft-model {})",
+        a.out.display(),
+        a.out.display()
+    );
+    Ok(())
 }
 
 pub fn run(a: SynthArgs) -> Result<()> {
+    if let (true, Some(t)) = (a.dspark, &a.target) {
+        return run_dspark(&a, t);
+    }
     let mut s = match a.preset {
         Preset::Demo => SynthSpec::demo(),
         Preset::K3Experts => SynthSpec::k3_experts(),
