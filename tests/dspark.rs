@@ -270,3 +270,46 @@ fn bad_draft_checkpoints_are_refused_naming_the_problem() {
     let e = open_err(&tmp.path().join("missing"));
     assert!(e.contains("missing"), "{e}");
 }
+
+#[test]
+fn every_drafter_gives_the_same_bits_over_drive_layouts_and_cache_sizes() {
+    use deltafin::store::ExpertSource;
+    use deltafin::store::placement::{Policy, ShardUse};
+    use deltafin::store::reader::ReaderKind;
+    let target = repeating_copy(TARGET);
+    let r = reference(TARGET);
+    let prompt = &r.prompt[..10];
+    let (truth, _) = plain(&engine(target.path()), prompt, 40);
+    let tmp = tempfile::tempdir().unwrap();
+    let draft = tmp.path().join("dspark");
+    bigram_drafter(target.path(), &draft, &[prompt, &truth[..]].concat());
+    let m = open_model(target.path());
+    let expert = m.cfg.expert_bytes() as u64;
+    let drives = drive_dirs(tmp.path(), 3);
+    let spread = place_model(&m, &drives, |i| 1.0 + i as f64, Policy::Spread, ShardUse::Off, None);
+    let sources: Vec<(&str, Arc<dyn ExpertSource>)> = vec![
+        ("mmap", Arc::new(m.mmap_source())),
+        ("shards, no cache", shard_store(&m, 0, 2, 0)),
+        ("shards, 3-expert cache", shard_store(&m, 3 * expert, 1, 0)),
+        ("3 drives spread, 5-expert cache", manifest_store(&m, &spread, 5 * expert, ReaderKind::Pread, 1)),
+    ];
+    let mut want = None;
+    for (what, src) in sources {
+        let e = Engine::open_with_source(config(target.path(), &draft), src).unwrap();
+        let off = plain(&e, prompt, 40);
+        let want = want.get_or_insert_with(|| off.clone());
+        assert_eq!(&off, want, "{what}: drafting off");
+        for kind in
+            [deltafin::spec::DraftKind::Ngram, deltafin::spec::DraftKind::Dspark, deltafin::spec::DraftKind::Auto]
+        {
+            let mut spec = Speculator::without_cost_model(deltafin::spec::drafter_for(kind, &e).unwrap().unwrap());
+            let mut s = e.new_session();
+            spec.prefill(&mut s, prompt).unwrap();
+            let g = s
+                .generate_speculative(&GenerateOptions { max_new: 40, stop: Vec::new() }, &mut spec, &mut |_| true)
+                .unwrap();
+            assert_eq!((g.tokens, bits(s.logits().unwrap())), want.clone(), "{what}: {kind:?}");
+            assert!(s.stats.drafts_accepted > 0, "{what}: {kind:?} drafts accepted");
+        }
+    }
+}

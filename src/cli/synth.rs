@@ -66,8 +66,12 @@ pub struct SynthArgs {
     /// Target shard size in GB.
     #[arg(long)]
     shard_gb: Option<f64>,
+    /// Scale the token embeddings (64 makes greedy output fall into short cycles: repetitive
+    /// text for benchmarking drafters).
+    #[arg(long)]
+    embed_scale: Option<f32>,
     /// Write a random DSpark draft model for --target instead (config.json + model.safetensors);
-    /// --layers and --seed apply to the drafter.
+    /// --layers, --mla-heads (attention heads), --dense-inter (MLP width) and --seed apply to it.
     #[arg(long, requires = "target")]
     dspark: bool,
     /// The K3 model the DSpark drafter is for (its hidden size, vocabulary and layers).
@@ -91,6 +95,12 @@ fn run_dspark(a: &SynthArgs, target: &std::path::Path) -> Result<()> {
     }
     if let Some(t) = &a.taps {
         s.taps = t.clone();
+    }
+    if let Some(i) = a.dense_inter {
+        s.intermediate = i;
+    }
+    if let Some(h) = a.mla_heads {
+        s.heads = h.max(1);
     }
     let total = s.total_bytes(&tc);
     eprintln!(
@@ -132,6 +142,9 @@ pub fn run(a: SynthArgs) -> Result<()> {
          shared_experts => shared_experts, expert_inter => expert_inter, expert_latent => expert_latent,
          dense_layers => dense_layers, dense_inter => dense_inter, kda_heads => kda_heads,
          head_dim => kda_head_dim, mla_every => mla_every, mla_heads => mla_heads, block => attn_res_block, seed => seed);
+    if let Some(x) = a.embed_scale {
+        s.embed_scale = x;
+    }
     if let Some(g) = a.shard_gb {
         s.shard_bytes = (g * 1e9).max(1.0) as u64;
     }

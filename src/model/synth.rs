@@ -118,6 +118,14 @@ pub struct SynthSpec {
     pub seed: u64,
     /// Target shard size in bytes (a shard holds whole layers or whole experts).
     pub shard_bytes: u64,
+    /// Scale of the token embeddings: large values (64) make the embedding dominate the residual
+    /// stream, so greedy decode falls into short cycles (repetitive output, for drafter benchmarks).
+    #[serde(skip_serializing_if = "is_unit_scale")]
+    pub embed_scale: f32,
+}
+
+fn is_unit_scale(x: &f32) -> bool {
+    *x == 1.0
 }
 
 impl SynthSpec {
@@ -148,6 +156,7 @@ impl SynthSpec {
             max_context: 8192,
             seed: 1,
             shard_bytes: 4 << 20,
+            embed_scale: 1.0,
         }
     }
 
@@ -179,6 +188,7 @@ impl SynthSpec {
             max_context: 1 << 20,
             seed: 1,
             shard_bytes: 4 << 30,
+            embed_scale: 1.0,
         }
     }
 
@@ -187,6 +197,9 @@ impl SynthSpec {
     }
 
     pub fn validate(&self) -> Result<(), SynthError> {
+        if !(self.embed_scale.is_finite() && self.embed_scale > 0.0) {
+            return Err(SynthError::Spec(format!("embed scale {} must be a positive number", self.embed_scale)));
+        }
         let bad = |m: String| Err(SynthError::Spec(m));
         if self.layers < 1 || self.hidden < 1 || self.kda_heads < 1 || self.kda_head_dim < 1 || self.mla_heads < 1 {
             return bad("layers, hidden and head counts must be >= 1".into());
@@ -281,7 +294,7 @@ impl SynthSpec {
     fn plan(&self) -> Vec<Vec<TensorPlan>> {
         let (h, v) = (self.hidden, self.vocab);
         let mut groups = vec![vec![
-            TensorPlan::bf16(top("embed_tokens.weight"), vec![v, h], Fill::Uniform(1.0)),
+            TensorPlan::bf16(top("embed_tokens.weight"), vec![v, h], Fill::Uniform(self.embed_scale)),
             TensorPlan::bf16(LM_HEAD.into(), vec![v, h], Fill::Uniform(3.0 / (h as f32).sqrt())),
             TensorPlan::bf16(top("norm.weight"), vec![h], Fill::Norm),
             TensorPlan::bf16(top("output_attn_res_norm.weight"), vec![h], Fill::Norm),
