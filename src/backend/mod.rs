@@ -8,9 +8,12 @@
 //! greedy tokens; the CPU backend is the bit-exact definition (see `cpu/`).
 //!
 //! `cpu/` holds the CPU kernels (scalar reference beside AVX2 / AVX-512 / NEON), `CpuBackend` below
-//! is their implementation of the trait. A GPU backend (wgpu) plugs in here.
+//! is their implementation of the trait; `gpu/` (feature `gpu`) runs WGSL kernels from `kernels/`
+//! through wgpu. [`open`] picks one for a [`BackendKind`].
 
 pub mod cpu;
+#[cfg(feature = "gpu")]
+pub mod gpu;
 
 use crate::k3::weights::Weights;
 use cpu::kda::HeadIn;
@@ -18,6 +21,50 @@ use cpu::mla::{MlaDims, Visible};
 use cpu::ops::Situ;
 use cpu::{Bf16Mat, Mxfp4Mat};
 use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Which backend runs the forward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// The CPU kernels.
+    #[default]
+    Cpu,
+    /// The GPU kernels (any Vulkan/Metal adapter, a software one such as lavapipe included).
+    Gpu,
+    /// A discrete or integrated GPU when there is one, else the CPU.
+    Auto,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[cfg(feature = "gpu")]
+    #[error(transparent)]
+    Gpu(#[from] gpu::GpuError),
+    #[error("this build has no GPU backend (built without the `gpu` feature); use --backend cpu")]
+    NotBuilt,
+}
+
+/// The backend for `kind`.
+pub fn open(kind: BackendKind) -> Result<Arc<dyn Backend>, BackendError> {
+    match kind {
+        BackendKind::Cpu => Ok(Arc::new(CpuBackend)),
+        #[cfg(feature = "gpu")]
+        BackendKind::Gpu => Ok(Arc::new(gpu::GpuBackend::new(true)?)),
+        #[cfg(feature = "gpu")]
+        BackendKind::Auto => match gpu::GpuBackend::new(false) {
+            Ok(g) => Ok(Arc::new(g)),
+            Err(e) => {
+                tracing::info!("--backend auto: {e}; using the CPU");
+                Ok(Arc::new(CpuBackend))
+            }
+        },
+        #[cfg(not(feature = "gpu"))]
+        BackendKind::Gpu => Err(BackendError::NotBuilt),
+        #[cfg(not(feature = "gpu"))]
+        BackendKind::Auto => Ok(Arc::new(CpuBackend)),
+    }
+}
 
 pub trait Backend: Send + Sync {
     /// For the startup line, e.g. "cpu avx512 x2".

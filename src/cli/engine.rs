@@ -1,6 +1,7 @@
 //! Engine options shared by `run`, `score` and `bench`, mapped one to one onto
 //! [`EngineConfig`] (the library builds the memory plan and the expert source from it).
 
+use crate::backend::BackendKind;
 use crate::engine::{EngineConfig, ExpertsFrom};
 use crate::k3::KdaMode;
 use crate::store::reader::ReaderKind;
@@ -39,6 +40,9 @@ pub struct EngineArgs {
     /// DSpark draft model directory (for --draft dspark|auto); its weights count in the memory budget.
     #[arg(long, value_name = "DIR")]
     pub draft_model: Option<PathBuf>,
+    /// Backend: cpu, gpu (any Vulkan/Metal adapter, lavapipe included), or auto (a real GPU if present).
+    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -66,6 +70,7 @@ impl EngineArgs {
             use_drives: self.use_drives.clone(),
             kda,
             draft_model: self.draft_model.clone(),
+            backend: self.backend,
         }
     }
 }

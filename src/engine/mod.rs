@@ -12,7 +12,7 @@ pub(crate) mod session;
 
 pub use session::{GenerateOptions, Generation, Session, StopReason};
 
-use crate::backend::{Backend, CpuBackend};
+use crate::backend::{Backend, BackendKind};
 use crate::k3::{ForwardError, K3, KdaMode};
 use crate::memory::{BudgetError, MemoryPlan, activation_bytes, machine_available};
 use crate::model::config::{AttnKind, FfnKind};
@@ -69,6 +69,8 @@ pub struct EngineConfig {
     pub kda: KdaMode,
     /// DSpark draft model directory (`--draft-model`); its weights count in the memory budget.
     pub draft_model: Option<PathBuf>,
+    /// Which backend runs the forward pass.
+    pub backend: BackendKind,
 }
 
 impl Default for EngineConfig {
@@ -88,6 +90,7 @@ impl Default for EngineConfig {
             use_drives: None,
             kda: KdaMode::Recurrent,
             draft_model: None,
+            backend: BackendKind::Cpu,
         }
     }
 }
@@ -116,6 +119,8 @@ pub enum EngineError {
     Forward(#[from] ForwardError),
     #[error("draft model: {0}")]
     Draft(ModelError),
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
 }
 
 /// An opened model; see the module contract.
@@ -241,7 +246,7 @@ impl Engine {
         let cfg = K3Config::load(&dir)?;
         let ck = Arc::new(Checkpoint::open(&dir)?);
         let roster = Roster::build(&cfg, &ck)?;
-        let backend: Arc<dyn Backend> = Arc::new(CpuBackend);
+        let backend: Arc<dyn Backend> = crate::backend::open(config.backend)?;
         let model = K3::load(cfg.clone(), &ck, Arc::clone(&backend))?;
         let trunk = model.w.resident_bytes() as u64;
         let draft = match &config.draft_model {
