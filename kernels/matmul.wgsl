@@ -29,8 +29,13 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 @group(0) @binding(4) var<uniform> p: Params;
 
-const ROWS_PER_GROUP: u32 = 4u;
-var<workgroup> lanes: array<f32, 64>;
+// A workgroup: 16 weight rows x 16 lanes, for XR input rows at once (each weight decoded once,
+// used XR times); the input rows are staged in workgroup memory TILE elements at a time.
+const ROWS_PER_GROUP: u32 = 16u;
+const XR: u32 = 4u;
+const TILE: u32 = 512u;
+var<workgroup> lanes: array<f32, 1024>;
+var<workgroup> xt: array<f32, 2048>;
 
 fn e2m1(code: u32) -> f32 {
     var v = array<f32, 8>(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
@@ -68,29 +73,49 @@ fn weight(r: u32, k: u32) -> f32 {
     return e2m1(code) * e8m0(s);
 }
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(256)
 fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
     let lane = lid.x & 15u;
     let slot = lid.x >> 4u;
     let r = wg.x * ROWS_PER_GROUP + slot;
-    let i = wg.y;
-    var acc = 0.0;
-    let chunks = (p.cols + 15u) / 16u;
+    let i0 = wg.y * XR;
     let live = r < p.rows;
-    for (var c = 0u; c < chunks; c = c + 1u) {
-        let k = c * 16u + lane;
-        var wv = 0.0;
-        var xv = 0.0;
-        if (live && k < p.cols) {
-            wv = weight(r, k);
-            xv = x[i * p.cols + k];
+    var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
+    // Lane order as on the CPU: elements lane, lane + 16, ... up to the columns rounded up to 16
+    // (the padding contributes fma(0, 0, acc)).
+    let padded = ((p.cols + 15u) / 16u) * 16u;
+    for (var t0 = 0u; t0 < padded; t0 = t0 + TILE) {
+        for (var j = lid.x; j < XR * TILE; j = j + 256u) {
+            let q = j / TILE;
+            let k = t0 + (j % TILE);
+            var v = 0.0;
+            if (k < p.cols && i0 + q < p.n) {
+                v = x[(i0 + q) * p.cols + k];
+            }
+            xt[j] = v;
         }
-        acc = fma(wv, xv, acc);
+        workgroupBarrier();
+        let end = min(TILE, padded - t0);
+        for (var c = lane; c < end; c = c + 16u) {
+            let k = t0 + c;
+            var wv = 0.0;
+            if (live && k < p.cols) {
+                wv = weight(r, k);
+            }
+            for (var q = 0u; q < XR; q = q + 1u) {
+                acc[q] = fma(wv, xt[q * TILE + c], acc[q]);
+            }
+        }
+        workgroupBarrier();
     }
-    lanes[lid.x] = acc;
+    for (var q = 0u; q < XR; q = q + 1u) {
+        lanes[q * 256u + lid.x] = acc[q];
+    }
     workgroupBarrier();
-    if (lane == 0u && live) {
-        let b = slot * 16u;
+    // The fixed tree per (input row, weight row): lanes (l, l+8), (l, l+4), (l, l+2), (l, l+1).
+    if (lane < XR && live && i0 + lane < p.n) {
+        let q = lane;
+        let b = q * 256u + slot * 16u;
         var v8: array<f32, 8>;
         for (var t = 0u; t < 8u; t = t + 1u) {
             v8[t] = lanes[b + t] + lanes[b + t + 8u];
@@ -101,7 +126,7 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
         }
         let v2a = v4[0] + v4[2];
         let v2b = v4[1] + v4[3];
-        out[i * p.out_rows + p.row0 + r] = v2a + v2b;
+        out[(i0 + q) * p.out_rows + p.row0 + r] = v2a + v2b;
     }
 }
 

@@ -7,7 +7,9 @@ use std::time::Instant;
 use wgpu::util::DeviceExt;
 
 const SHADER: &str = include_str!("../../../kernels/matmul.wgsl");
-const ROWS_PER_GROUP: usize = 4;
+const ROWS_PER_GROUP: usize = 16;
+/// Input rows per workgroup (`XR` in the kernel).
+const XR: usize = 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
@@ -50,7 +52,15 @@ struct Chunk {
     scales: wgpu::Buffer,
 }
 
+/// Buffers of one call kept for the next (creating device buffers per product costs more than
+/// the product): by usage and power-of-two size.
+#[derive(Default)]
+struct Pool {
+    free: std::sync::Mutex<std::collections::HashMap<(u32, u64), Vec<wgpu::Buffer>>>,
+}
+
 pub struct Gpu {
+    pool: Pool,
     device: wgpu::Device,
     queue: wgpu::Queue,
     layout: wgpu::BindGroupLayout,
@@ -81,6 +91,10 @@ impl Params {
             .collect()
     }
 }
+
+const STAGED: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_DST);
+const OUTPUT: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC);
+const READBACK: wgpu::BufferUsages = wgpu::BufferUsages::MAP_READ.union(wgpu::BufferUsages::COPY_DST);
 
 fn rank(t: wgpu::DeviceType) -> u8 {
     match t {
@@ -189,7 +203,40 @@ impl Gpu {
             driver: format!("{} {}", info.driver, info.driver_info).trim().to_string(),
             max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
         };
-        Ok(Gpu { device, queue, layout, matmul, read_all, fma_probe, empty, summary })
+        Ok(Gpu { pool: Pool::default(), device, queue, layout, matmul, read_all, fma_probe, empty, summary })
+    }
+
+    /// A pooled buffer of at least `size` bytes with `usage`.
+    fn take(&self, usage: wgpu::BufferUsages, size: u64) -> wgpu::Buffer {
+        let pow2 = size.max(256).next_power_of_two();
+        let size = if pow2 <= self.summary.max_binding { pow2 } else { size.div_ceil(4) * 4 };
+        let key = (usage.bits(), size);
+        if let Some(b) = self.pool.free.lock().ok().and_then(|mut m| m.get_mut(&key).and_then(|v| v.pop())) {
+            return b;
+        }
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("pooled"),
+            size,
+            usage,
+            mapped_at_creation: false,
+        })
+    }
+
+    fn give(&self, usage: wgpu::BufferUsages, b: wgpu::Buffer) {
+        if let Ok(mut m) = self.pool.free.lock() {
+            let v = m.entry((usage.bits(), b.size())).or_default();
+            // A few per size are enough (one call's worth, plus the chunks of a large matrix).
+            if v.len() < 8 {
+                v.push(b);
+            }
+        }
+    }
+
+    /// `bytes` in a pooled storage buffer (uploaded through the queue).
+    fn staged(&self, bytes: &[u8]) -> wgpu::Buffer {
+        let b = self.take(STAGED, bytes.len() as u64);
+        self.queue.write_buffer(&b, 0, &padded(bytes));
+        b
     }
 
     fn storage(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
@@ -223,7 +270,9 @@ impl Gpu {
         Resident { rows, cols, bytes: (rows * cols * 2) as u64, chunks }
     }
 
-    pub fn upload_mxfp4(&self, w: &Mxfp4Mat) -> Resident {
+    /// An expert's matrix for one call (pooled buffers, given back by [`Gpu::release`]); `exact`:
+    /// buffers of exactly its size instead (for measuring reads of exactly those bytes).
+    pub fn upload_mxfp4(&self, w: &Mxfp4Mat, exact: bool) -> Resident {
         let (rows, cols) = (w.rows, w.cols);
         let (pb, sb) = (cols / 2, cols / 32);
         let per = self.rows_per_chunk(pb, rows);
@@ -234,8 +283,16 @@ impl Gpu {
                 Chunk {
                     row0: r0,
                     rows: n,
-                    w: self.storage("mxfp4", &w.packed[r0 * pb..(r0 + n) * pb]),
-                    scales: self.storage("scales", &w.scales[r0 * sb..(r0 + n) * sb]),
+                    w: if exact {
+                        self.storage("mxfp4", &w.packed[r0 * pb..(r0 + n) * pb])
+                    } else {
+                        self.staged(&w.packed[r0 * pb..(r0 + n) * pb])
+                    },
+                    scales: if exact {
+                        self.storage("scales", &w.scales[r0 * sb..(r0 + n) * sb])
+                    } else {
+                        self.staged(&w.scales[r0 * sb..(r0 + n) * sb])
+                    },
                 }
             })
             .collect();
@@ -271,23 +328,21 @@ impl Gpu {
     }
 
     fn output(&self, floats: usize) -> wgpu::Buffer {
-        self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("out"),
-            size: (floats.max(1) * 4) as u64,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        })
+        self.take(OUTPUT, (floats.max(1) * 4) as u64)
+    }
+
+    /// Gives a per-call matrix's buffers back to the pool.
+    pub fn release(&self, r: Resident) {
+        for c in r.chunks {
+            self.give(STAGED, c.w);
+            self.give(STAGED, c.scales);
+        }
     }
 
     /// Submits `encoder` after copying `out` to a mapped buffer; returns its floats.
     fn finish(&self, mut encoder: wgpu::CommandEncoder, out: &wgpu::Buffer, floats: usize) -> Vec<f32> {
         let size = (floats.max(1) * 4) as u64;
-        let read = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let read = self.take(READBACK, size);
         encoder.copy_buffer_to_buffer(out, 0, &read, 0, size);
         self.queue.submit([encoder.finish()]);
         read.map_async(wgpu::MapMode::Read, .., |r| {
@@ -308,6 +363,7 @@ impl Gpu {
             }
         };
         read.unmap();
+        self.give(READBACK, read);
         v
     }
 
@@ -341,23 +397,25 @@ impl Gpu {
         pass.set_pipeline(&self.matmul);
         for (bg, wx) in &groups {
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(*wx, n as u32, 1);
+            pass.dispatch_workgroups(*wx, n.div_ceil(XR) as u32, 1);
         }
     }
 
     /// out[i, r] = W[r] . xs[i] for every row i of `xs` (batches of at most 65535 rows).
     pub fn matmul(&self, r: &Resident, kind: Kind, xs: &[f32], out: &mut [f32]) {
         let n = xs.len() / r.cols.max(1);
-        const BATCH: usize = 65_535;
+        const BATCH: usize = 65_535 * XR;
         for b0 in (0..n).step_by(BATCH) {
             let nb = BATCH.min(n - b0);
             let xb: Vec<u8> = xs[b0 * r.cols..(b0 + nb) * r.cols].iter().flat_map(|v| v.to_le_bytes()).collect();
-            let x = self.storage("x", &xb);
+            let x = self.staged(&xb);
             let o = self.output(nb * r.rows);
             let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
             self.encode_products(&mut enc, r, kind, &x, &o, nb);
             let v = self.finish(enc, &o, nb * r.rows);
             out[b0 * r.rows..(b0 + nb) * r.rows].copy_from_slice(&v);
+            self.give(STAGED, x);
+            self.give(OUTPUT, o);
         }
     }
 
@@ -411,7 +469,7 @@ impl Gpu {
             super::BenchKind::Mxfp4 => {
                 let packed: Vec<u8> = (0..rows * cols / 2).map(|_| byte()).collect();
                 let scales = vec![121u8; rows * cols / 32];
-                self.upload_mxfp4(&Mxfp4Mat::new(&packed, &scales, rows, cols))
+                self.upload_mxfp4(&Mxfp4Mat::new(&packed, &scales, rows, cols), true)
             }
         };
         let xb: Vec<u8> = (0..n * cols).flat_map(|i| (((i % 17) as f32 - 8.0) / 8.0).to_le_bytes()).collect();

@@ -125,8 +125,9 @@ impl Backend for GpuBackend {
     }
 
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
-        let r = self.gpu.upload_mxfp4(w);
+        let r = self.gpu.upload_mxfp4(w, false);
         self.gpu.matmul(&r, Kind::Mxfp4, xds, out);
+        self.gpu.release(r);
     }
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {
