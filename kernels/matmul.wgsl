@@ -37,10 +37,18 @@ const TILE: u32 = 512u;
 var<workgroup> lanes: array<f32, 1024>;
 var<workgroup> xt: array<f32, 2048>;
 
+// E2M1 code -> value, built as f32 bits (no table: a dynamically indexed array would live in
+// slow local memory): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 for 0..7, bit 3 the sign (code 8 is -0).
 fn e2m1(code: u32) -> f32 {
-    var v = array<f32, 8>(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
-    let m = v[code & 7u];
-    return select(m, -m, (code & 8u) != 0u);
+    let m = code & 7u;
+    let e = m >> 1u;
+    var bits = 0u;
+    if (m == 1u) {
+        bits = 0x3f000000u;
+    } else if (m >= 2u) {
+        bits = ((e + 126u) << 23u) | ((m & 1u) << 22u);
+    }
+    return bitcast<f32>(bits | ((code & 8u) << 28u));
 }
 
 fn e8m0(s: u32) -> f32 {
@@ -127,6 +135,43 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
         let v2a = v4[0] + v4[2];
         let v2b = v4[1] + v4[3];
         out[(i0 + q) * p.out_rows + p.row0 + r] = v2a + v2b;
+    }
+}
+
+// One input row (decode): 4 weight rows x 16 lanes per workgroup, inputs read directly.
+var<workgroup> vlanes: array<f32, 64>;
+
+@compute @workgroup_size(64)
+fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
+    let lane = lid.x & 15u;
+    let slot = lid.x >> 4u;
+    let r = wg.x * 4u + slot;
+    let live = r < p.rows;
+    var acc = 0.0;
+    let chunks = (p.cols + 15u) / 16u;
+    for (var c = 0u; c < chunks; c = c + 1u) {
+        let k = c * 16u + lane;
+        var wv = 0.0;
+        var xv = 0.0;
+        if (live && k < p.cols) {
+            wv = weight(r, k);
+            xv = x[k];
+        }
+        acc = fma(wv, xv, acc);
+    }
+    vlanes[lid.x] = acc;
+    workgroupBarrier();
+    if (lane == 0u && live) {
+        let b = slot * 16u;
+        var v8: array<f32, 8>;
+        for (var t = 0u; t < 8u; t = t + 1u) {
+            v8[t] = vlanes[b + t] + vlanes[b + t + 8u];
+        }
+        var v4: array<f32, 4>;
+        for (var t = 0u; t < 4u; t = t + 1u) {
+            v4[t] = v8[t] + v8[t + 4u];
+        }
+        out[p.row0 + r] = (v4[0] + v4[2]) + (v4[1] + v4[3]);
     }
 }
 

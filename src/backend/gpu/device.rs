@@ -10,6 +10,8 @@ const SHADER: &str = include_str!("../../../kernels/matmul.wgsl");
 const ROWS_PER_GROUP: usize = 16;
 /// Input rows per workgroup (`XR` in the kernel).
 const XR: usize = 4;
+/// Weight rows per workgroup of the one-input-row kernel (`matvec`).
+const MATVEC_ROWS: usize = 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
@@ -65,6 +67,7 @@ pub struct Gpu {
     queue: wgpu::Queue,
     layout: wgpu::BindGroupLayout,
     matmul: wgpu::ComputePipeline,
+    matvec: wgpu::ComputePipeline,
     read_all: wgpu::ComputePipeline,
     fma_probe: wgpu::ComputePipeline,
     empty: wgpu::Buffer,
@@ -190,7 +193,8 @@ impl Gpu {
                 cache: None,
             })
         };
-        let (matmul, read_all, fma_probe) = (pipeline("matmul"), pipeline("read_all"), pipeline("fma_probe"));
+        let (matmul, matvec) = (pipeline("matmul"), pipeline("matvec"));
+        let (read_all, fma_probe) = (pipeline("read_all"), pipeline("fma_probe"));
         let empty = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("empty"),
             contents: &[0u8; 16],
@@ -203,7 +207,7 @@ impl Gpu {
             driver: format!("{} {}", info.driver, info.driver_info).trim().to_string(),
             max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
         };
-        Ok(Gpu { pool: Pool::default(), device, queue, layout, matmul, read_all, fma_probe, empty, summary })
+        Ok(Gpu { pool: Pool::default(), device, queue, layout, matmul, matvec, read_all, fma_probe, empty, summary })
     }
 
     /// A pooled buffer of at least `size` bytes with `usage`.
@@ -389,12 +393,13 @@ impl Gpu {
                     out_rows: r.rows as u32,
                     pad: [0; 2],
                 });
-                (self.bind(&c.w, &c.scales, x, out, &p), c.rows.div_ceil(ROWS_PER_GROUP) as u32)
+                let per_group = if n == 1 { MATVEC_ROWS } else { ROWS_PER_GROUP };
+                (self.bind(&c.w, &c.scales, x, out, &p), c.rows.div_ceil(per_group) as u32)
             })
             .collect();
         let mut pass =
             enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("matmul"), timestamp_writes: None });
-        pass.set_pipeline(&self.matmul);
+        pass.set_pipeline(if n == 1 { &self.matvec } else { &self.matmul });
         for (bg, wx) in &groups {
             pass.set_bind_group(0, bg, &[]);
             pass.dispatch_workgroups(*wx, n.div_ceil(XR) as u32, 1);
