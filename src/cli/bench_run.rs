@@ -71,6 +71,10 @@ pub struct RunBenchArgs {
     /// Also write every record (one JSON per line) to this file.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Write the run's expert fetch trace (one [layer, [experts...]] per MoE layer pass, prefill
+    /// then decode) as JSON, for studying cache policies offline.
+    #[arg(long, value_name = "FILE")]
+    fetch_trace: Option<PathBuf>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -275,6 +279,10 @@ fn one_run(
             unique,
             prefill_read as f64 / unique as f64
         );
+    }
+    if let Some(p) = &a.fetch_trace {
+        let body = serde_json::to_vec(&json!({"cache_slots": engine.source_report().cache_slots, "prefill_passes": pre.fetch_trace.len(), "trace": stats.fetch_trace}))?;
+        crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
     }
     // Our cache against the optimal one of the same size on the same fetch trace (cold start).
     let report = engine.source_report();
