@@ -55,14 +55,3 @@ impl HfRepoCache {
         size_ok(&blob).then_some(blob)
     }
 }
-
-/// `--model ORG/NAME[@REVISION]` when no such directory exists: the cached snapshot of that repo.
-pub fn resolve_model_arg(arg: &Path) -> Option<PathBuf> {
-    if arg.exists() {
-        return None;
-    }
-    let s = arg.to_str()?;
-    let (repo, rev) = s.split_once('@').unwrap_or((s, "main"));
-    super::client::check_repo(repo).ok()?;
-    HfRepoCache::open(&hub_cache_dir()?, repo)?.snapshot(rev)
-}
