@@ -102,11 +102,18 @@ pub fn run(a: SetupArgs) -> Result<()> {
     out.insert("mode".into(), if stream { "stream" } else { "full" }.into());
     if stream {
         let drives = if a.drives.is_empty() { vec![a.dir.clone()] } else { a.drives.clone() };
-        let drives: Vec<PathBuf> = drives.iter().map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| d.clone())).collect();
+        let drives: Vec<PathBuf> =
+            drives.iter().map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| d.clone())).collect();
         for d in &drives {
             std::fs::create_dir_all(d).with_context(|| format!("--drive {}", d.display()))?;
         }
-        let r = layout::install_stream(&hub, &info, &a.dir, cache.as_ref(), &StreamOptions { download: dl.clone(), drives })?;
+        let r = layout::install_stream(
+            &hub,
+            &info,
+            &a.dir,
+            cache.as_ref(),
+            &StreamOptions { download: dl.clone(), drives },
+        )?;
         eprintln!(
             "deltafin setup: stream install in {}: {} small files ({} downloaded), {} shards ({} already done) with {} of trunk in {} requests; {} of routed experts stream on demand",
             a.dir.display(),
@@ -158,7 +165,11 @@ fn report_download(what: &str, dir: &Path, r: &download::DownloadReport) {
         human_bytes(r.bytes_downloaded),
         human_bytes(r.bytes_resumed),
         r.seconds,
-        if r.checksum_failures > 0 { format!("; {} corrupted downloads were fetched again", r.checksum_failures) } else { String::new() }
+        if r.checksum_failures > 0 {
+            format!("; {} corrupted downloads were fetched again", r.checksum_failures)
+        } else {
+            String::new()
+        }
     );
 }
 
@@ -223,7 +234,8 @@ fn fetch_routes(dir: &Path, trace: &Path, json: bool) -> Result<()> {
     let install = StreamInstall::load(dir)?
         .with_context(|| format!("{} is not a stream install (no {})", dir.display(), stream::RECORD))?;
     let cfg = K3Config::load(dir).with_context(|| format!("cannot load the model config in {}", dir.display()))?;
-    let ck = Arc::new(Checkpoint::open(dir).with_context(|| format!("cannot open the checkpoint in {}", dir.display()))?);
+    let ck =
+        Arc::new(Checkpoint::open(dir).with_context(|| format!("cannot open the checkpoint in {}", dir.display()))?);
     let roster = Roster::build(&cfg, &ck)?;
     let t = RouteTrace::load(trace)?;
     t.check_model(&crate::model::fingerprint::fingerprint(&ck), dir)?;
@@ -236,7 +248,8 @@ fn fetch_routes(dir: &Path, trace: &Path, json: bool) -> Result<()> {
     let mut used = 0usize;
     for (l, locs) in roster.experts.iter().enumerate() {
         let (Some(locs), Some(counts)) = (locs, t.counts(l)) else { continue };
-        let ids: Vec<u32> = (0..locs.len() as u32).filter(|&e| counts.get(e as usize).is_some_and(|&c| c > 0)).collect();
+        let ids: Vec<u32> =
+            (0..locs.len() as u32).filter(|&e| counts.get(e as usize).is_some_and(|&c| c > 0)).collect();
         used += ids.len();
         src.fetch(l, &ids, &mut |_e, _b| Ok(Flow::Continue)).with_context(|| format!("layer {l}"))?;
     }

@@ -43,7 +43,7 @@ pub enum HubError {
     )]
     DiskFull { path: std::path::PathBuf, file: String, written: u64, size: u64 },
     #[error(
-        "not enough free space in {}: {} needed, {} free. Free some space, choose another --dir, or use `deltafin setup --stream`",
+        "not enough free space in {}: {} needed, {} free. Free some space or choose another --dir (`deltafin setup --stream` needs room for the trunk only)",
         dir.display(), crate::util::human_bytes(*.need), crate::util::human_bytes(*.free)
     )]
     NoSpace { dir: std::path::PathBuf, need: u64, free: u64 },

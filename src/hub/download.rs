@@ -193,7 +193,7 @@ pub fn download_all(
         let free =
             free_bytes(partial_dir).map_err(|source| HubError::Io { path: partial_dir.to_path_buf(), source })?;
         // Headroom: filesystems refuse writes a little before zero.
-        let headroom = (need / 100).max(16 << 20).min(need);
+        let headroom = if need == 0 { 0 } else { need / 100 + (1 << 20) };
         if need + headroom > free {
             return Err(HubError::NoSpace {
                 dir: partial_dir.parent().unwrap_or(partial_dir).to_path_buf(),
@@ -288,6 +288,9 @@ struct Counters {
 /// Links or copies a file of the Hugging Face cache into the partial file.
 fn take_from_cache(src: &Path, part: &Path) -> std::io::Result<()> {
     let _ = std::fs::remove_file(part);
+    // Snapshot entries are symbolic links into blobs/: link the blob, not the (relative) link.
+    let src = std::fs::canonicalize(src)?;
+    let src = src.as_path();
     if std::fs::hard_link(src, part).is_ok() {
         return Ok(());
     }

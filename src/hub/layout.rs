@@ -212,7 +212,7 @@ pub fn install_stream(
     report.expert_bytes = plans.iter().map(|p| p.expert_bytes).sum();
     if !opts.download.skip_space_check {
         let free = download::free_bytes(dir).map_err(|source| HubError::Io { path: dir.to_path_buf(), source })?;
-        let headroom = (need / 100).max(16 << 20);
+        let headroom = need / 100 + (1 << 20);
         if need + headroom > free {
             return Err(HubError::NoSpace { dir: dir.to_path_buf(), need: need + headroom, free });
         }

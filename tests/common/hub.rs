@@ -222,7 +222,13 @@ fn serve(st: &State, mut c: TcpStream, host: &'static str) -> std::io::Result<()
     let auth = headers.get("authorization").cloned();
     let range = headers.get("range").cloned();
     let log = |status: u16| {
-        st.log.lock().unwrap().push(Logged { host, path: path.clone(), range: range.clone(), auth: auth.clone(), status })
+        st.log.lock().unwrap().push(Logged {
+            host,
+            path: path.clone(),
+            range: range.clone(),
+            auth: auth.clone(),
+            status,
+        })
     };
     if host == "hub"
         && let Some(t) = st.token.lock().unwrap().clone()
@@ -309,7 +315,11 @@ fn serve(st: &State, mut c: TcpStream, host: &'static str) -> std::io::Result<()
         Some(spec) => {
             let (a, b) = spec.split_once('-').unwrap_or((spec, ""));
             let a: usize = a.parse().unwrap_or(0);
-            let b: usize = if b.is_empty() { len.saturating_sub(1) } else { b.parse::<usize>().unwrap_or(0).min(len.saturating_sub(1)) };
+            let b: usize = if b.is_empty() {
+                len.saturating_sub(1)
+            } else {
+                b.parse::<usize>().unwrap_or(0).min(len.saturating_sub(1))
+            };
             if a >= len {
                 log(416);
                 return respond(&mut c, 416, &[("Content-Range".into(), format!("bytes */{len}"))], b"");
@@ -323,7 +333,10 @@ fn serve(st: &State, mut c: TcpStream, host: &'static str) -> std::io::Result<()
         _ => (start, end, false),
     };
     let _ = shift;
-    let mut hdr = format!("HTTP/1.1 {status} X\r\nConnection: close\r\nContent-Length: {}\r\nAccept-Ranges: bytes\r\n", end - start);
+    let mut hdr = format!(
+        "HTTP/1.1 {status} X\r\nConnection: close\r\nContent-Length: {}\r\nAccept-Ranges: bytes\r\n",
+        end - start
+    );
     if !etag.is_empty() {
         hdr.push_str(&format!("ETag: {etag}\r\n"));
     }
