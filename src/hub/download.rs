@@ -203,7 +203,7 @@ pub fn download_all(
         }
     }
     // Largest first, so the workers finish together.
-    todo.sort_by(|a, b| b.file.size.cmp(&a.file.size));
+    todo.sort_by_key(|j| std::cmp::Reverse(j.file.size));
     let total: u64 = todo.iter().map(|j| j.file.size).sum();
     let mp = MultiProgress::with_draw_target(if opts.progress {
         ProgressDrawTarget::stderr()
@@ -423,33 +423,55 @@ fn receive(
     let disk_full =
         |got: u64| HubError::DiskFull { path: part.to_path_buf(), file: f.path.clone(), written: got, size: f.size };
     let mut rd = resp.body.into_reader();
-    let mut buf = vec![0u8; 1 << 20];
-    while got < f.size {
-        if stop.load(Ordering::Relaxed) {
-            return Err(HubError::Other("stopped".into()));
-        }
-        let n = match rd.read(&mut buf) {
-            Ok(0) => {
-                return Err(HubError::Transport {
-                    url: url.to_string(),
-                    msg: format!("connection closed after {got} of {} bytes", f.size),
-                    tries: *tries,
-                });
+    // Hashing runs beside the transfer (a thread fed through a short queue), so the rate is that
+    // of the slower of the two rather than of both in turn.
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(8);
+        let hasher = s.spawn(move || {
+            for b in rx {
+                checker.update(&b);
             }
-            Ok(n) => n.min((f.size - got) as usize),
-            Err(e) => return Err(HubError::Transport { url: url.to_string(), msg: e.to_string(), tries: *tries }),
-        };
-        if let Err(e) = out.write_all(&buf[..n]) {
-            // Keep what was written whole, so the rerun resumes from a clean end.
-            let _ = out.set_len(got);
-            return Err(if is_disk_full(&e) { disk_full(got) } else { pio(e) });
-        }
-        checker.update(&buf[..n]);
-        got += n as u64;
-        counters.downloaded.fetch_add(n as u64, Ordering::Relaxed);
-        show(got);
-        // Progress earns a fresh retry budget: a long download over a flaky link goes on.
-        *tries = 0;
-    }
+        });
+        let r = (|| {
+            while got < f.size {
+                if stop.load(Ordering::Relaxed) {
+                    return Err(HubError::Other("stopped".into()));
+                }
+                let mut buf = vec![0u8; (1 << 20).min((f.size - got) as usize)];
+                let n = match rd.read(&mut buf) {
+                    Ok(0) => {
+                        return Err(HubError::Transport {
+                            url: url.to_string(),
+                            msg: format!("connection closed after {got} of {} bytes", f.size),
+                            tries: *tries,
+                        });
+                    }
+                    Ok(n) => n,
+                    Err(e) => {
+                        return Err(HubError::Transport { url: url.to_string(), msg: e.to_string(), tries: *tries });
+                    }
+                };
+                buf.truncate(n);
+                if let Err(e) = out.write_all(&buf) {
+                    // Keep what was written whole, so the rerun resumes from a clean end.
+                    let _ = out.set_len(got);
+                    return Err(if is_disk_full(&e) { disk_full(got) } else { pio(e) });
+                }
+                got += n as u64;
+                counters.downloaded.fetch_add(n as u64, Ordering::Relaxed);
+                show(got);
+                // Progress earns a fresh retry budget: a long download over a flaky link goes on.
+                *tries = 0;
+                if tx.send(buf).is_err() {
+                    return Err(HubError::Other("the hashing thread stopped".into()));
+                }
+            }
+            Ok(())
+        })();
+        drop(tx);
+        let joined = hasher.join();
+        r?;
+        joined.map_err(|_| HubError::Other("the hashing thread panicked".into()))
+    })?;
     out.sync_all().map_err(|e| if is_disk_full(&e) { disk_full(got) } else { pio(e) })
 }

@@ -151,7 +151,7 @@ pub fn local_spec(
     ck: &Checkpoint,
     roster: &Roster,
     layout: &ExpertLayout,
-) -> Result<(StoreSpec, Vec<Option<Vec<bool>>>), HubError> {
+) -> Result<(StoreSpec, Held), HubError> {
     install.check_complete()?;
     let fp = fingerprint::fingerprint(ck);
     let reg = StreamPlacement::load(&install.dir)?;
@@ -207,6 +207,12 @@ pub fn local_spec(
     Ok((StoreSpec { layout: layout.clone(), drives, files, holders, checksums: Some(sums) }, held))
 }
 
+/// [layer] -> [expert] -> held locally (None for layers without routed experts).
+pub type Held = Vec<Option<Vec<bool>>>;
+
+/// One range request's outcome.
+type Slot = Mutex<Option<Result<Vec<u8>, HubError>>>;
+
 /// An expert streamed by this process: where its pack record is.
 #[derive(Clone)]
 struct Kept {
@@ -224,7 +230,7 @@ pub struct StreamSource {
     layout: ExpertLayout,
     locs: Vec<Option<Vec<ExpertLoc>>>,
     local: Arc<ExpertStore>,
-    held: Vec<Option<Vec<bool>>>,
+    held: Held,
     /// Experts streamed by this process; the lock also serialises streaming, so one expert is never
     /// fetched twice by concurrent fetches.
     kept: Mutex<HashMap<(usize, u32), Kept>>,
@@ -238,7 +244,7 @@ impl StreamSource {
     pub fn new(
         install: StreamInstall,
         local: Arc<ExpertStore>,
-        held: Vec<Option<Vec<bool>>>,
+        held: Held,
         ck: Arc<Checkpoint>,
         roster: &Roster,
     ) -> Result<Self, HubError> {
@@ -311,7 +317,7 @@ impl StreamSource {
         let len = self.layout.len;
         let mut images: Vec<Vec<u8>> = vec![vec![0u8; len]; missing.len()];
         let next = std::sync::atomic::AtomicUsize::new(0);
-        let out: Vec<Mutex<Option<Result<Vec<u8>, HubError>>>> = reqs.iter().map(|_| Mutex::new(None)).collect();
+        let out: Vec<Slot> = reqs.iter().map(|_| Mutex::new(None)).collect();
         std::thread::scope(|s| {
             for _ in 0..PARALLEL.min(reqs.len()) {
                 s.spawn(|| {
