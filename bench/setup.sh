@@ -2,7 +2,8 @@
 # `deltafin setup` against a local hub (bench/hub_server.py) on a synthetic K3-shaped model with
 # real 17.55 MB experts. Prints one JSON record:
 #  - download: `setup --full --workers N` rate vs the server's raw rate in the same run (N parallel
-#    curl downloads of the same files to /dev/null), and their ratio;
+#    curl downloads of the same files, to /dev/null and to files on the same file system), and the
+#    ratios (setup also hashes every byte and fsyncs every file);
 #  - stream: `setup --stream` (trunk bytes, seconds), then TTFT of the first run (every routed
 #    expert the prompt needs streams over HTTP) and of the second (all local), beside the full
 #    install's TTFT on the same prompt.
@@ -30,16 +31,24 @@ total=$(cd "$work/src" && cat $files | wc -c)
 t0=$(date +%s.%N)
 printf '%s\n' $files | xargs -P "$workers" -I{} curl -s -o /dev/null "$HF_ENDPOINT/bench/k3x/resolve/$commit/{}"
 t1=$(date +%s.%N)
+# Raw to disk: the same, written to files on the file system setup writes to (no fsync, no hash).
+mkdir -p "$work/curl"
+t2=$(date +%s.%N)
+printf '%s\n' $files | xargs -P "$workers" -I{} curl -s -o "$work/curl/{}" "$HF_ENDPOINT/bench/k3x/resolve/$commit/{}"
+t3=$(date +%s.%N)
+rm -rf "$work/curl"
+sync
 full=$("$bin" setup --full --repo bench/k3x --dir "$work/full" --workers "$workers" --json 2>/dev/null)
 stream=$("$bin" setup --stream --repo bench/k3x --dir "$work/stream" --workers "$workers" --json 2>/dev/null)
 prompt=$(python3 -c "print(','.join(str(3 + 7 * i % 900) for i in range(64)))")
 ttft() { "$bin" run --model "$1" --prompt-ids "$prompt" --max-new 1 --format json --memory-gb 4 2>/dev/null; }
 f=$(ttft "$work/full"); s1=$(ttft "$work/stream"); s2=$(ttft "$work/stream")
-python3 - "$total" "$t0" "$t1" "$workers" "$full" "$stream" "$f" "$s1" "$s2" "$(git rev-parse --short HEAD)" <<'PY'
+python3 - "$total" "$t0" "$t1" "$workers" "$full" "$stream" "$f" "$s1" "$s2" "$(git rev-parse --short HEAD)" "$t2" "$t3" <<'PY'
 import json, sys, datetime, platform, os
 total, t0, t1, workers = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 full, stream, f, s1, s2 = (json.loads(x) for x in sys.argv[5:10])
 raw = total / (t1 - t0)
+raw_disk = total / (float(sys.argv[12]) - float(sys.argv[11]))
 d = full["download"]
 ours = d["bytes_downloaded"] / d["seconds"]
 st = lambda r: r["stats"]
@@ -48,7 +57,8 @@ rec = {
   "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
   "command": f"bench/setup.sh WORK {workers}",
   "model_bytes": total, "workers": workers,
-  "download": {"raw_bytes_per_s": raw, "setup_bytes_per_s": ours, "ratio": ours / raw,
+  "download": {"raw_bytes_per_s": raw, "raw_to_disk_bytes_per_s": raw_disk, "setup_bytes_per_s": ours,
+               "ratio": ours / raw, "ratio_to_disk": ours / raw_disk,
                "setup_seconds": d["seconds"], "raw_seconds": t1 - t0},
   "stream": {"setup": stream["stream"],
              "ttft_full_s": st(f)["ttft_s"], "ttft_stream_first_s": st(s1)["ttft_s"],

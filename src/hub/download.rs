@@ -432,26 +432,40 @@ fn receive(
                 checker.update(&b);
             }
         });
+        let mut scratch = vec![0u8; 1 << 20];
         let r = (|| {
             while got < f.size {
                 if stop.load(Ordering::Relaxed) {
                     return Err(HubError::Other("stopped".into()));
                 }
-                let mut buf = vec![0u8; (1 << 20).min((f.size - got) as usize)];
-                let n = match rd.read(&mut buf) {
-                    Ok(0) => {
-                        return Err(HubError::Transport {
-                            url: url.to_string(),
-                            msg: format!("connection closed after {got} of {} bytes", f.size),
-                            tries: *tries,
-                        });
+                // Fill a whole chunk (reads return much less) so writes and queue hops are few.
+                let want = (1 << 20).min((f.size - got) as usize);
+                let mut n = 0;
+                while n < want {
+                    match rd.read(&mut scratch[n..want]) {
+                        Ok(0) => break,
+                        Ok(k) => n += k,
+                        Err(e) if n > 0 => {
+                            tracing::info!("{url}: {e}");
+                            break;
+                        }
+                        Err(e) => {
+                            return Err(HubError::Transport {
+                                url: url.to_string(),
+                                msg: e.to_string(),
+                                tries: *tries,
+                            });
+                        }
                     }
-                    Ok(n) => n,
-                    Err(e) => {
-                        return Err(HubError::Transport { url: url.to_string(), msg: e.to_string(), tries: *tries });
-                    }
-                };
-                buf.truncate(n);
+                }
+                if n == 0 {
+                    return Err(HubError::Transport {
+                        url: url.to_string(),
+                        msg: format!("connection closed after {got} of {} bytes", f.size),
+                        tries: *tries,
+                    });
+                }
+                let buf = scratch[..n].to_vec();
                 if let Err(e) = out.write_all(&buf) {
                     // Keep what was written whole, so the rerun resumes from a clean end.
                     let _ = out.set_len(got);
