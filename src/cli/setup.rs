@@ -102,11 +102,13 @@ pub fn run(a: SetupArgs) -> Result<()> {
     out.insert("mode".into(), if stream { "stream" } else { "full" }.into());
     if stream {
         let drives = if a.drives.is_empty() { vec![a.dir.clone()] } else { a.drives.clone() };
-        let drives: Vec<PathBuf> =
-            drives.iter().map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| d.clone())).collect();
+        // Recorded absolute: later runs may start anywhere.
+        let mut abs = Vec::with_capacity(drives.len());
         for d in &drives {
             std::fs::create_dir_all(d).with_context(|| format!("--drive {}", d.display()))?;
+            abs.push(std::fs::canonicalize(d).with_context(|| format!("--drive {}", d.display()))?);
         }
+        let drives = abs;
         let r = layout::install_stream(
             &hub,
             &info,
