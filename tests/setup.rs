@@ -392,3 +392,65 @@ fn draft_goes_into_dspark() {
     assert!(std::fs::read(dir.join("dspark/model.safetensors")).unwrap() == st);
     assert!(!dir.join("dspark/README.md").exists());
 }
+
+#[test]
+fn a_stalled_connection_times_out_and_the_file_resumes_mid_way() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (s, src) = served(tmp.path());
+    // The first body of the big shard pauses 3 s after each 16 KiB piece; the client gives up
+    // after 1 s without a byte and resumes with a Range from where it stopped.
+    s.fault("/cdn/", FaultKind::Slow(Duration::from_secs(3)), 1);
+    let dir = tmp.path().join("k3");
+    let (out, _) = run_ok(
+        setup(&s, tmp.path())
+            .env("DELTAFIN_HUB_TIMEOUT_S", "1")
+            .args(["--full", "--workers", "1", "--json"])
+            .arg("--dir")
+            .arg(&dir),
+    );
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(j["download"]["bytes_resumed"].as_u64().unwrap() > 0, "{j}");
+    let mid =
+        s.file_requests().into_iter().any(|l| l.host == "cdn" && l.range.as_deref().is_some_and(|r| r != "bytes=0-"));
+    assert!(mid, "{:?}", s.file_requests());
+    same_files(&src, &dir);
+}
+
+#[test]
+fn an_interrupted_stream_install_is_refused_then_resumed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (s, src) = served(tmp.path());
+    s.throttle(1_000_000);
+    let dir = tmp.path().join("st");
+    let mut child = setup(&s, tmp.path())
+        .args(["--stream", "--workers", "1"])
+        .arg("--dir")
+        .arg(&dir)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !std::fs::read_dir(&dir)
+        .is_ok_and(|r| r.flatten().any(|e| e.file_name().to_string_lossy().ends_with(".partial")))
+    {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no shard was started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // Half-installed: refused, never read as a model with zero experts.
+    let o = Command::new(bin())
+        .args(["run", "--model"])
+        .arg(&dir)
+        .args(["--prompt-ids", "1,2", "--max-new", "1", "--memory-gb", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("did not finish") && err.contains("run it again"), "{err}");
+    s.throttle(0);
+    run_ok(setup(&s, tmp.path()).arg("--stream").arg("--dir").arg(&dir));
+    let st: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("stream.json")).unwrap()).unwrap();
+    assert_eq!(st["complete"], serde_json::json!(true));
+    assert_eq!(outputs(&dir, tmp.path(), &[]), outputs(&src, tmp.path(), &[]));
+}

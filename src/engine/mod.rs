@@ -232,6 +232,12 @@ impl Engine {
                 "--placement and --use-drives choose drives of the expert store; they cannot be used with --experts-from mmap".into(),
             ));
         }
+        // A stream install (`setup --stream`) has holes where the experts are: only its stream
+        // source may deliver them. An unfinished one is refused before its files are read.
+        let stream = if given.is_some() { None } else { crate::hub::stream::StreamInstall::load(&dir)? };
+        if let Some(st) = &stream {
+            st.check_complete()?;
+        }
         let cfg = K3Config::load(&dir)?;
         let ck = Arc::new(Checkpoint::open(&dir)?);
         let roster = Roster::build(&cfg, &ck)?;
@@ -242,9 +248,6 @@ impl Engine {
         let budget = config.memory_gb.map_or_else(machine_available, |g| (g * 1e9) as u64);
         let layout = roster.expert_layout.clone();
         let prefetch_depth = usize::from(config.prefetch);
-        // A stream install (`setup --stream`) has holes where the experts are: only its stream
-        // source may deliver them.
-        let stream = if given.is_some() { None } else { crate::hub::stream::StreamInstall::load(&dir)? };
         let mut held = Vec::new();
         // A source given by the caller replaces the store: no placement, no holder map.
         let spec = match (&stream, &layout) {
