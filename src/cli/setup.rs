@@ -114,7 +114,7 @@ pub fn run(a: SetupArgs) -> Result<()> {
             &info,
             &a.dir,
             cache.as_ref(),
-            &StreamOptions { download: dl.clone(), drives },
+            &StreamOptions { download: dl.clone(), drives: drives.clone() },
         )?;
         eprintln!(
             "deltafin setup: stream install in {}: {} small files ({} downloaded), {} shards ({} already done) with {} of trunk in {} requests; {} of routed experts stream on demand",
@@ -127,6 +127,26 @@ pub fn run(a: SetupArgs) -> Result<()> {
             r.requests,
             human_bytes(r.expert_bytes)
         );
+        // Streamed experts accumulate on the drives: say early if they cannot all fit.
+        let free: u64 = {
+            let mut seen = Vec::new();
+            let mut sum = 0;
+            for d in &drives {
+                let dev = std::os::unix::fs::MetadataExt::dev(&std::fs::metadata(d)?);
+                if !seen.contains(&dev) {
+                    seen.push(dev);
+                    sum += download::free_bytes(d).unwrap_or(0);
+                }
+            }
+            sum
+        };
+        if r.expert_bytes > free {
+            eprintln!(
+                "deltafin setup: note: all routed experts take {} but the --drive file systems have {} free; runs stop with a clear error once they fill",
+                human_bytes(r.expert_bytes),
+                human_bytes(free)
+            );
+        }
         out.insert("stream".into(), serde_json::to_value(&r)?);
     } else {
         if StreamInstall::load(&a.dir)?.is_some() {
