@@ -454,3 +454,50 @@ fn an_interrupted_stream_install_is_refused_then_resumed() {
     assert_eq!(st["complete"], serde_json::json!(true));
     assert_eq!(outputs(&dir, tmp.path(), &[]), outputs(&src, tmp.path(), &[]));
 }
+
+#[test]
+fn damaged_streamed_packs_are_caught() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (s, src) = served(tmp.path());
+    let dir = tmp.path().join("st");
+    run_ok(setup(&s, tmp.path()).arg("--stream").arg("--dir").arg(&dir));
+    let want = outputs(&src, tmp.path(), &[]);
+    assert_eq!(outputs(&dir, tmp.path(), &[]), want);
+    let reg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("stream-placement.json")).unwrap()).unwrap();
+    let packs: Vec<PathBuf> = std::fs::read_dir(
+        std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .find(|e| e.path().join("stream").is_dir())
+            .unwrap()
+            .path()
+            .join("stream"),
+    )
+    .unwrap()
+    .flatten()
+    .map(|e| e.path())
+    .collect();
+    assert_eq!(packs.len(), reg["packs"].as_array().unwrap().len());
+    // A flipped payload byte: the record's xxh3 catches it on read, and the run says where.
+    let p = &packs[0];
+    let mut b = std::fs::read(p).unwrap();
+    let n = b.len();
+    b[n - 4096 - 100] ^= 0xff;
+    std::fs::write(p, &b).unwrap();
+    let o = Command::new(bin())
+        .args(["run", "--model"])
+        .arg(&dir)
+        .args(["--prompt-ids", &ids_arg(&PROMPT), "--max-new", "6", "--memory-gb", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("checksum"), "{err}");
+    // A damaged header: the pack is not used and its experts stream again, output unchanged.
+    b[n - 4096 - 100] ^= 0xff;
+    b[100] ^= 0xff;
+    std::fs::write(p, &b).unwrap();
+    s.clear_log();
+    assert_eq!(outputs(&dir, tmp.path(), &[]), want);
+    assert!(!s.file_requests().is_empty());
+}
