@@ -17,8 +17,7 @@
 //!   must be the file's LFS sha256 (the same file version as at setup). The hub's sha256 covers
 //!   whole files, so a streamed expert's bytes cannot be checked against it; from the moment an
 //!   expert is written, its pack records its xxh3 and every later read is checked against that
-//!   (by the store, on every run), and `setup --verify-stream` compares every registered expert
-//!   with a fresh copy from the hub.
+//!   (by the store, on every run; within the run that streamed it, by `read_kept`).
 //! - Experts of one layer that are adjacent in a shard are fetched in one request (up to
 //!   [`MAX_REQUEST`] bytes); requests of one fetch run in parallel.
 
