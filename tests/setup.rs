@@ -294,6 +294,15 @@ fn stream_install_is_bit_identical_and_its_second_run_fetches_nothing() {
     let (ids, logits) = outputs(&dir, tmp.path(), &env);
     assert_eq!(ids, want_ids);
     assert!(logits == want_logits, "stream-mode logits differ from the full model's");
+    // What --stats shows of the first run: the hub as one more "drive".
+    let o = Command::new(bin())
+        .args(["run", "--model"])
+        .arg(&dir)
+        .args(["--prompt-ids", &ids_arg(&PROMPT), "--max-new", "2", "--memory-gb", "2", "--stats"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains(&format!("{}/org/tiny@0123456789abcdef", s.url)), "{err}");
     assert!(!s.file_requests().is_empty());
     let reg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("stream-placement.json")).unwrap()).unwrap();

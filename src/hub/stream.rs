@@ -486,8 +486,11 @@ impl ExpertSource for StreamSource {
     fn report(&self) -> SourceReport {
         let mut r = self.local.report();
         let (bytes, reqs) = self.http_counts();
-        r.expert_bytes_requested +=
-            (self.streamed.load(Ordering::Relaxed) + self.reread.load(Ordering::Relaxed)) * self.layout.len as u64;
+        let reread = self.reread.load(Ordering::Relaxed) * self.layout.len as u64;
+        r.expert_bytes_requested += self.streamed.load(Ordering::Relaxed) * self.layout.len as u64 + reread;
+        // Bytes over HTTP and re-reads of packs written in this run count as reads, so read
+        // amplification stays bytes read / distinct bytes needed.
+        r.expert_bytes_read = Some(r.expert_bytes_read.unwrap_or(0) + bytes + reread);
         r.drives.push(DriveReport {
             drive: r.drives.len(),
             root: format!(
