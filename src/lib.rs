@@ -3,12 +3,14 @@
 //! drives), `sched` (the layer loop over rows of one or several sessions), `k3` (the model's math),
 //! `backend` (the operations the forward pass calls; `backend::cpu` the CPU kernels), `model`
 //! (config, checkpoint, roster, tokenizer, chat template, synth), `store` (where experts are read),
-//! `spec` (speculative decoding: drafters, width policy, cost model, verified generation),
+//! `spec` (speculative decoding: drafters, width policy, cost model, verified generation), `hub`
+//! (Hugging Face-compatible downloads and stream mode),
 //! `cli` (subcommands).
 
 pub mod backend;
 pub mod cli;
 pub mod engine;
+pub mod hub;
 pub mod k3;
 pub mod memory;
 pub mod model;

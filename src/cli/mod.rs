@@ -9,6 +9,7 @@ mod place;
 mod plot;
 mod run;
 mod score;
+mod setup;
 mod synth;
 
 use clap::{Parser, Subcommand};
@@ -40,6 +41,8 @@ enum Cmd {
     Place(place::PlaceArgs),
     /// Benchmarks printing one JSON record per run.
     Bench(bench::BenchArgs),
+    /// Install a model from a Hugging Face-compatible hub (--full, or --stream experts on demand).
+    Setup(setup::SetupArgs),
 }
 
 /// How KDA evaluates a prompt (hidden option for tests and comparisons).
@@ -128,6 +131,7 @@ pub fn main() -> ExitCode {
         Cmd::Synth(a) => synth::run(a),
         Cmd::Place(a) => place::run(a),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Setup(a) => setup::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -70,6 +70,12 @@ fn bar(total: u64) -> ProgressBar {
 }
 
 pub fn run(a: PlaceArgs) -> Result<()> {
+    if crate::hub::stream::StreamInstall::load(&a.model)?.is_some() {
+        bail!(
+            "{} is a stream install: its shards hold no routed experts to place (streamed experts are kept on the install's drives)",
+            a.model.display()
+        );
+    }
     let opened = load::open(&a.model)?;
     if a.verify {
         return verify(&a, &opened);

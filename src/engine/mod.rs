@@ -121,6 +121,8 @@ pub enum EngineError {
     Draft(ModelError),
     #[error(transparent)]
     Backend(#[from] crate::backend::BackendError),
+    #[error(transparent)]
+    Hub(#[from] crate::hub::HubError),
 }
 
 /// An opened model; see the module contract.
@@ -243,6 +245,12 @@ impl Engine {
                 "--placement and --use-drives choose drives of the expert store; they cannot be used with --experts-from mmap".into(),
             ));
         }
+        // A stream install (`setup --stream`) has holes where the experts are: only its stream
+        // source may deliver them. An unfinished one is refused before its files are read.
+        let stream = if given.is_some() { None } else { crate::hub::stream::StreamInstall::load(&dir)? };
+        if let Some(st) = &stream {
+            st.check_complete()?;
+        }
         let cfg = K3Config::load(&dir)?;
         let ck = Arc::new(Checkpoint::open(&dir)?);
         let roster = Roster::build(&cfg, &ck)?;
@@ -258,8 +266,23 @@ impl Engine {
         let budget = config.memory_gb.map_or_else(machine_available, |g| (g * 1e9) as u64);
         let layout = roster.expert_layout.clone();
         let prefetch_depth = usize::from(config.prefetch);
+        let mut held = Vec::new();
         // A source given by the caller replaces the store: no placement, no holder map.
-        let spec = if given.is_some() { None } else { store_spec(&config, &dir, &ck, &roster)? };
+        let spec = match (&stream, &layout) {
+            _ if given.is_some() => None,
+            (Some(_), _) if config.experts_from == ExpertsFrom::Mmap || config.placement.is_some() => {
+                return Err(EngineError::Config(format!(
+                    "{} is a stream install (its shards hold no routed experts): experts come from its stream source, not --experts-from mmap or --placement",
+                    dir.display()
+                )));
+            }
+            (Some(st), Some(l)) => {
+                let (spec, h) = crate::hub::stream::local_spec(st, &ck, &roster, l)?;
+                held = h;
+                Some(spec)
+            }
+            _ => store_spec(&config, &dir, &ck, &roster)?,
+        };
         let rows = config.batch_rows.unwrap_or(config.prefill_rows).max(1);
         let slot = match (&spec, &layout) {
             (Some(sp), _) => expert_store::slot_size_for(sp) as u64,
@@ -293,7 +316,17 @@ impl Engine {
                 let opts =
                     StoreOptions { cache_bytes: cache, reader: config.reader, prefetch_depth, record_reads: false };
                 let store = Arc::new(ExpertStore::open(spec, opts)?);
-                (Some(store.clone() as Arc<dyn ExpertSource>), Some(store))
+                let source: Arc<dyn ExpertSource> = match stream {
+                    Some(st) => Arc::new(crate::hub::stream::StreamSource::new(
+                        st,
+                        Arc::clone(&store),
+                        held,
+                        Arc::clone(&ck),
+                        &roster,
+                    )?),
+                    None => store.clone(),
+                };
+                (Some(source), Some(store))
             }
         };
         Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, draft, source, store, plan }))

@@ -55,6 +55,11 @@ impl<'s> Landed<'s> {
         Landed { bytes: bytes.into(), release: None }
     }
 
+    /// Bytes owned by the value itself (e.g. an expert just fetched over the network).
+    pub fn owned(bytes: Vec<u8>) -> Self {
+        Landed { bytes: bytes.into(), release: None }
+    }
+
     /// Bytes whose holder is released by `release` when they are dropped.
     pub fn with_release(bytes: &'s [u8], release: Box<dyn FnOnce() + Send + 's>) -> Self {
         Landed { bytes: bytes.into(), release: Some(release) }

@@ -80,8 +80,21 @@ pub fn write_pack<'a>(
     experts: impl ExactSizeIterator<Item = (u32, std::borrow::Cow<'a, [u8]>)>,
     on_bytes: &mut dyn FnMut(u64),
 ) -> Result<PackHeader, PackError> {
-    let final_path = dir.join(pack_name(layer));
-    let tmp = dir.join(format!("{}.partial", pack_name(layer)));
+    write_pack_named(dir, &pack_name(layer), model, layer, expert_len, experts, on_bytes)
+}
+
+/// [`write_pack`] under another file name (stream mode keeps several packs per layer).
+pub fn write_pack_named<'a>(
+    dir: &Path,
+    name: &str,
+    model: &[u8; 32],
+    layer: usize,
+    expert_len: u64,
+    experts: impl ExactSizeIterator<Item = (u32, std::borrow::Cow<'a, [u8]>)>,
+    on_bytes: &mut dyn FnMut(u64),
+) -> Result<PackHeader, PackError> {
+    let final_path = dir.join(name);
+    let tmp = dir.join(format!("{name}.partial"));
     let io = |source| PackError::Io { path: tmp.clone(), source };
     let count = experts.len();
     let hlen = header_len(count);

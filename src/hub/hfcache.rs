@@ -1,0 +1,57 @@
+//! Hugging Face's own download cache (`huggingface_hub`): files already there are reused by
+//! `setup`, and a snapshot directory works as `--model` as it is.
+//!
+//! Layout (read only, never written): `HUB/models--ORG--NAME/` with `refs/<branch>` (a commit id),
+//! `snapshots/<commit>/<file>` (symbolic links into `blobs/`) and `blobs/<sha256 or git blob id>`.
+//! `HUB` is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`, else
+//! `~/.cache/huggingface/hub`. Contract: [`HfRepoCache::find`] only proposes a file of the right
+//! size; the caller verifies its checksum before using it.
+
+use super::client::RepoFile;
+use std::path::{Path, PathBuf};
+
+/// The hub cache root, if one can be named.
+pub fn hub_cache_dir() -> Option<PathBuf> {
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    env("HF_HUB_CACHE")
+        .or_else(|| env("HF_HOME").map(|h| h.join("hub")))
+        .or_else(|| env("XDG_CACHE_HOME").map(|c| c.join("huggingface/hub")))
+        .or_else(|| env("HOME").map(|h| h.join(".cache/huggingface/hub")))
+}
+
+/// One repo's directory in the cache.
+#[derive(Clone, Debug)]
+pub struct HfRepoCache {
+    pub root: PathBuf,
+}
+
+impl HfRepoCache {
+    /// `HUB/models--ORG--NAME`, when it exists.
+    pub fn open(hub: &Path, repo: &str) -> Option<Self> {
+        let root = hub.join(format!("models--{}", repo.replace('/', "--")));
+        root.is_dir().then_some(HfRepoCache { root })
+    }
+
+    /// The snapshot directory of `commit`, or of the commit `refs/<revision>` names.
+    pub fn snapshot(&self, revision: &str) -> Option<PathBuf> {
+        let commit = if revision.len() == 40 && revision.bytes().all(|b| b.is_ascii_hexdigit()) {
+            revision.to_string()
+        } else {
+            std::fs::read_to_string(self.root.join("refs").join(revision)).ok()?.trim().to_string()
+        };
+        let p = self.root.join("snapshots").join(commit);
+        p.is_dir().then_some(p)
+    }
+
+    /// A cached file with `f`'s content (by the snapshot of `commit`, else by blob name) whose
+    /// size matches; unverified.
+    pub fn find(&self, commit: &str, f: &RepoFile) -> Option<PathBuf> {
+        let size_ok = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.len() == f.size);
+        let snap = self.root.join("snapshots").join(commit).join(&f.path);
+        if size_ok(&snap) {
+            return Some(snap);
+        }
+        let blob = self.root.join("blobs").join(f.content_key());
+        size_ok(&blob).then_some(blob)
+    }
+}

@@ -1,0 +1,301 @@
+//! `setup --stream`: the local layout of a stream install.
+//!
+//! Layout (docs/setup.md): every non-shard file of the repo (config, tokenizer, chat template,
+//! index, ...) downloaded whole and verified; each safetensors shard as a **sparse file of its
+//! full size** holding its real header, every tensor that is not a routed expert
+//! (`*.block_sparse_moe.experts.*`), and the 4 KiB windows the model fingerprint samples, at their
+//! own offsets, with holes where the routed experts are. So `Checkpoint::open` reads it like the
+//! full checkpoint, the trunk is the shipped bytes, and the fingerprint equals the full model's
+//! (placements and route traces of the full model fit). `stream.json` marks the install: written
+//! first with `complete: false` (so a half-written directory is never taken for a full model) and
+//! set complete after the last shard.
+//!
+//! Contract: a shard appears under its final name only when all its ranges were written and
+//! fsynced (built as `NAME.partial`, renamed); a rerun skips finished shards and redoes others.
+//! Every range response is checked to be exactly the range asked for, from the file version the
+//! hub listed (ETag = LFS sha256). Free space for the trunk is checked before any shard is written.
+
+use super::client::{Hub, HubError, RepoFile, RepoInfo};
+use super::download::{self, DownloadOptions, Job};
+use super::hfcache::HfRepoCache;
+use super::stream::{RECORD, StreamInstall};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+const INDEX: &str = "model.safetensors.index.json";
+/// Ranges closer than this are fetched as one (the gap's bytes are few; a request costs a round trip).
+const MERGE_GAP: u64 = 64 << 10;
+const CHUNK: u64 = 32 << 20;
+/// The fingerprint's sample window (model::fingerprint).
+const WINDOW: u64 = 4096;
+
+/// True for tensors the stream install leaves as holes.
+pub fn is_routed_expert(name: &str) -> bool {
+    name.contains(".block_sparse_moe.experts.")
+}
+
+/// The repo's safetensors shards: those of the index's weight map, else `model.safetensors`.
+pub fn shard_names(info: &RepoInfo, dir: &Path) -> Result<Vec<String>, HubError> {
+    if info.file(INDEX).is_some() {
+        let p = dir.join(INDEX);
+        let text = std::fs::read_to_string(&p).map_err(|source| HubError::Io { path: p.clone(), source })?;
+        let (names, _) =
+            crate::model::checkpoint::parse_index(&p, &text).map_err(|e| HubError::Other(e.to_string()))?;
+        return Ok(names);
+    }
+    if info.file("model.safetensors").is_some() {
+        return Ok(vec!["model.safetensors".into()]);
+    }
+    Err(HubError::Other(format!(
+        "{} at {} has neither {INDEX} nor model.safetensors: not a safetensors checkpoint",
+        info.repo, info.revision
+    )))
+}
+
+/// What `install_stream` did.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct StreamReport {
+    pub small_files: download::DownloadReport,
+    pub shards: usize,
+    pub shards_skipped: usize,
+    /// Bytes of headers and trunk tensors fetched.
+    pub trunk_bytes: u64,
+    /// Bytes of routed experts left to stream on demand.
+    pub expert_bytes: u64,
+    pub requests: u64,
+}
+
+/// One shard's plan: its header bytes and the ranges to fetch.
+struct ShardPlan {
+    file: RepoFile,
+    header: Vec<u8>,
+    ranges: Vec<(u64, u64)>,
+    expert_bytes: u64,
+}
+
+fn plan_shard(hub: &Hub, info: &RepoInfo, file: &RepoFile) -> Result<ShardPlan, HubError> {
+    let url = hub.file_url(&info.repo, &info.commit, &file.path);
+    let bad = |msg: String| HubError::Protocol { url: url.clone(), msg };
+    if file.size < 8 {
+        return Err(bad(format!("{} bytes: too short for a safetensors file", file.size)));
+    }
+    let n8 = hub.get_range(&info.repo, &info.commit, file, 0, 8)?;
+    let n = u64::from_le_bytes(n8.as_slice().try_into().map_err(|_| bad("short header length".into()))?);
+    if n > 100 << 20 || 8 + n > file.size {
+        return Err(bad(format!("header length {n} does not fit a {}-byte safetensors file", file.size)));
+    }
+    let json = hub.get_range(&info.repo, &info.commit, file, 8, 8 + n)?;
+    let meta: safetensors::tensor::Metadata =
+        serde_json::from_slice(&json).map_err(|e| bad(format!("malformed safetensors header: {e}")))?;
+    let data = 8 + n;
+    let mut ranges = vec![(0, WINDOW.min(file.size))];
+    let mut expert_bytes = 0;
+    for (name, t) in meta.tensors() {
+        let (a, b) = (data + t.data_offsets.0 as u64, data + t.data_offsets.1 as u64);
+        if b > file.size || a > b {
+            return Err(bad(format!("tensor {name} ({a}..{b}) lies outside the {}-byte file", file.size)));
+        }
+        if is_routed_expert(&name) {
+            expert_bytes += b - a;
+        } else if b > a {
+            ranges.push((a, b));
+        }
+    }
+    let half = file.size / 2;
+    ranges.push((half, (half + WINDOW).min(file.size)));
+    ranges.push((file.size.saturating_sub(WINDOW), file.size));
+    // The header itself is written from `json`; the first window covers its start only.
+    ranges.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::new();
+    for (a, b) in ranges {
+        match merged.last_mut() {
+            Some(m) if a <= m.1 + MERGE_GAP => m.1 = m.1.max(b),
+            _ => merged.push((a, b)),
+        }
+    }
+    let mut chunks = Vec::new();
+    for (a, b) in merged {
+        let mut x = a;
+        while x < b {
+            let y = (x + CHUNK).min(b);
+            chunks.push((x, y));
+            x = y;
+        }
+    }
+    let mut header = n8;
+    header.extend_from_slice(&json);
+    Ok(ShardPlan { file: file.clone(), header, ranges: chunks, expert_bytes })
+}
+
+/// Options of a stream install.
+#[derive(Clone, Debug)]
+pub struct StreamOptions {
+    pub download: DownloadOptions,
+    /// Drives streamed experts go to.
+    pub drives: Vec<PathBuf>,
+}
+
+/// Installs `info` in `dir` as a stream install; see the module contract.
+pub fn install_stream(
+    hub: &Hub,
+    info: &RepoInfo,
+    dir: &Path,
+    cache: Option<&HfRepoCache>,
+    opts: &StreamOptions,
+) -> Result<StreamReport, HubError> {
+    let mut report = StreamReport::default();
+    std::fs::create_dir_all(dir).map_err(|source| HubError::Io { path: dir.to_path_buf(), source })?;
+    // A directory holding a full checkpoint is not turned into a stream install.
+    if !dir.join(RECORD).exists()
+        && (dir.join(INDEX).exists() || dir.join("model.safetensors").exists())
+        && !dir.join(download::PARTIAL_DIR).exists()
+    {
+        return Err(HubError::Other(format!(
+            "{} already holds a checkpoint; give `setup --stream` an empty --dir",
+            dir.display()
+        )));
+    }
+    let is_shard_name = |p: &str| p == "model.safetensors" || p.ends_with(".safetensors") && !p.contains('/');
+    // The small files first (the index names the shards).
+    let small: Vec<Job> = info
+        .files
+        .iter()
+        .filter(|f| !is_shard_name(&f.path))
+        .map(|f| Job { file: f.clone(), dest: dir.join(&f.path) })
+        .collect();
+    let partial = dir.join(download::PARTIAL_DIR);
+    report.small_files = download::download_all(hub, &info.repo, &info.commit, small, &partial, cache, &opts.download)?;
+    let names = shard_names(info, dir)?;
+    let shards: Vec<RepoFile> = names
+        .iter()
+        .map(|n| {
+            info.file(n).cloned().ok_or_else(|| {
+                HubError::Other(format!(
+                    "{INDEX} names shard {n}, which {} at {} does not have",
+                    info.repo, info.revision
+                ))
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let mut record = StreamInstall {
+        version: 1,
+        complete: false,
+        endpoint: hub.endpoint.clone(),
+        repo: info.repo.clone(),
+        revision: info.revision.clone(),
+        commit: info.commit.clone(),
+        drives: opts.drives.clone(),
+        shards: shards.clone(),
+        dir: dir.to_path_buf(),
+    };
+    if let Some(old) = StreamInstall::load(dir)?
+        && old.commit != info.commit
+    {
+        return Err(HubError::Other(format!(
+            "{} is a stream install of commit {}, not {}; use another --dir",
+            dir.display(),
+            old.commit,
+            info.commit
+        )));
+    }
+    record.save()?;
+    report.shards = shards.len();
+    // A shard under its final name is finished (see the contract).
+    let (done, todo): (Vec<RepoFile>, Vec<RepoFile>) =
+        shards.iter().cloned().partition(|s| std::fs::metadata(dir.join(&s.path)).is_ok_and(|m| m.len() == s.size));
+    report.shards_skipped = done.len();
+    let plans: Vec<ShardPlan> = todo.iter().map(|s| plan_shard(hub, info, s)).collect::<Result<_, _>>()?;
+    report.requests += 2 * plans.len() as u64;
+    let need: u64 = plans.iter().map(|p| p.header.len() as u64 + p.ranges.iter().map(|r| r.1 - r.0).sum::<u64>()).sum();
+    report.expert_bytes = plans.iter().map(|p| p.expert_bytes).sum();
+    if !opts.download.skip_space_check {
+        let free = download::free_bytes(dir).map_err(|source| HubError::Io { path: dir.to_path_buf(), source })?;
+        let headroom = need / 100 + (1 << 20);
+        if need + headroom > free {
+            return Err(HubError::NoSpace { dir: dir.to_path_buf(), need: need + headroom, free });
+        }
+    }
+    let bar = ProgressBar::with_draw_target(
+        Some(need),
+        if opts.download.progress { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
+    );
+    bar.set_style(
+        ProgressStyle::with_template("trunk [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    for p in &plans {
+        bar.set_message(p.file.path.clone());
+        report.requests += write_shard(hub, info, dir, p, opts.download.workers, &bar)?;
+        report.trunk_bytes += p.header.len() as u64 + p.ranges.iter().map(|r| r.1 - r.0).sum::<u64>();
+    }
+    bar.finish_and_clear();
+    record.complete = true;
+    record.save()?;
+    let _ = std::fs::remove_dir(&partial);
+    Ok(report)
+}
+
+/// Builds one sparse shard as `NAME.partial` and publishes it; returns the requests made.
+fn write_shard(
+    hub: &Hub,
+    info: &RepoInfo,
+    dir: &Path,
+    p: &ShardPlan,
+    workers: usize,
+    bar: &ProgressBar,
+) -> Result<u64, HubError> {
+    use std::os::unix::fs::FileExt;
+    let dest = dir.join(&p.file.path);
+    let tmp = dir.join(format!("{}.partial", p.file.path));
+    let io = |source: std::io::Error| -> HubError {
+        if source.raw_os_error() == Some(libc::ENOSPC) {
+            HubError::DiskFull { path: tmp.clone(), file: p.file.path.clone(), written: 0, size: p.file.size }
+        } else {
+            HubError::Io { path: tmp.clone(), source }
+        }
+    };
+    let f = std::fs::File::create(&tmp).map_err(io)?;
+    f.set_len(p.file.size).map_err(io)?;
+    f.write_all_at(&p.header, 0).map_err(io)?;
+    bar.inc(p.header.len() as u64);
+    let next = AtomicUsize::new(0);
+    let err: Mutex<Option<HubError>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..workers.clamp(1, 16).min(p.ranges.len()) {
+            s.spawn(|| {
+                loop {
+                    if err.lock().map_or(true, |e| e.is_some()) {
+                        break;
+                    }
+                    let Some(&(a, b)) = p.ranges.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
+                    let r = hub
+                        .get_range(&info.repo, &info.commit, &p.file, a, b)
+                        .and_then(|bytes| f.write_all_at(&bytes, a).map_err(io));
+                    match r {
+                        Ok(()) => bar.inc(b - a),
+                        Err(e) => {
+                            if let Ok(mut g) = err.lock() {
+                                g.get_or_insert(e);
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = err.into_inner().ok().flatten() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    // The header bytes again: a window range above may have covered them with the same bytes.
+    f.write_all_at(&p.header, 0).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    std::fs::rename(&tmp, &dest).map_err(|source| HubError::Io { path: dest.clone(), source })?;
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(p.ranges.len() as u64)
+}
