@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Runs a command and samples the storage reads of its process tree from /proc/PID/io.
 
-    peer_iomon.py TRACE.json STDOUT_FILE -- CMD [ARGS...]
+    peer_iomon.py TRACE.json STDOUT_FILE EXE -- CMD [ARGS...]
 
-Every INTERVAL seconds (env PEER_IO_INTERVAL, default 0.1) it sums read_bytes (bytes the kernel
-read from storage for these processes: page-cache misses of mmap and read, and O_DIRECT reads) and
-rchar over the command and all its descendants (the benchmark runs as a grandchild of
-bench/in_cgroup.sh). Each stdout line is stamped with the time it appeared, so a benchmark that
+Every INTERVAL seconds (env PEER_IO_INTERVAL, default 0.1) it reads read_bytes (bytes the kernel
+read from storage for the process: page-cache misses of mmap and read, and O_DIRECT reads) and
+rchar of the processes in the command's tree whose executable is EXE (the benchmark runs as a
+grandchild of bench/in_cgroup.sh). Only those: a parent's /proc/PID/io takes in a child's counts
+once it reaps it, so summing the whole tree would count the benchmark twice at its exit. Each stdout line is stamped with the time it appeared, so a benchmark that
 prints a result right after a timed phase (llama-bench -o jsonl) marks where that phase ended.
 /proc/PID/io includes the process's exited threads (io_uring workers among them). Exits with the
 command's status; the trace is written either way.
@@ -52,9 +53,10 @@ def io_of(pid: int) -> dict[str, int] | None:
 
 
 def main() -> int:
-    if len(sys.argv) < 5 or sys.argv[3] != "--":
-        sys.exit("usage: peer_iomon.py TRACE.json STDOUT_FILE -- CMD [ARGS...]")
-    trace_path, out_path, cmd = sys.argv[1], sys.argv[2], sys.argv[4:]
+    if len(sys.argv) < 6 or sys.argv[4] != "--":
+        sys.exit("usage: peer_iomon.py TRACE.json STDOUT_FILE EXE -- CMD [ARGS...]")
+    trace_path, out_path, cmd = sys.argv[1], sys.argv[2], sys.argv[5:]
+    exe = os.path.realpath(sys.argv[3])
     interval = float(os.environ.get("PEER_IO_INTERVAL", "0.1"))
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -76,6 +78,11 @@ def main() -> int:
     while True:
         done = proc.poll() is not None
         for pid in tree(proc.pid):
+            try:
+                if os.path.realpath(f"/proc/{pid}/exe") != exe:
+                    continue
+            except OSError:
+                continue
             io = io_of(pid)
             if io is not None:
                 last[pid] = io

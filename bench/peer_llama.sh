@@ -10,7 +10,8 @@
 # Everything downloaded or built (the llama-cpp-python sdist with its vendored llama.cpp, cmake and
 # ninja, the converter's Python deps, the synthetic model and its GGUF) is kept in
 # $DELTAFIN_PEER_CACHE (default ~/.cache/deltafin-peer), so a rerun only runs the benchmarks.
-# Env: DELTAFIN_PEER_JOBS (build jobs, default 2), LLAMA_CPP_PYTHON_VERSION (default 0.3.36).
+# Env: DELTAFIN_PEER_JOBS (build jobs, default 2), LLAMA_CPP_PYTHON_VERSION (default 0.3.36),
+# DELTAFIN_BIN (a deltafin binary to use instead of `cargo build --release`).
 # Exit status: 0 measured, 3 blocked (the vendored llama.cpp has no kimi_k3 support; the record says so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,9 +48,13 @@ mkdir -p "$cache" || die "cannot create the cache directory $cache"
 cache=$(cd "$cache" && pwd)
 
 # --- deltafin ---------------------------------------------------------------------------------
-step "building deltafin (cargo build --release)"
-cargo build --release --quiet || die "cargo build --release failed"
-bin=$repo/target/release/deltafin
+if [ -n "${DELTAFIN_BIN:-}" ]; then
+  bin=$(realpath "$DELTAFIN_BIN") && [ -x "$bin" ] || die "DELTAFIN_BIN=$DELTAFIN_BIN is not an executable"
+else
+  step "building deltafin (cargo build --release)"
+  cargo build --release --quiet || die "cargo build --release failed"
+  bin=$repo/target/release/deltafin
+fi
 
 # --- Python environment: cmake and ninja wheels, the converter's deps ---------------------------
 venv=$cache/venv
@@ -140,7 +145,7 @@ python3 -c "import sys; m,l=int(sys.argv[1]),int(sys.argv[2]); sys.exit(0 if m >
 run=$(mktemp -d "$work/run.XXXXXX")
 mon=$repo/bench/peer_iomon.py
 step "deltafin bench run --prompt-tokens $prompt --decode $decode in a $limit cgroup"
-"$py" "$mon" "$run/deltafin.io.json" "$run/deltafin.out" -- \
+"$py" "$mon" "$run/deltafin.io.json" "$run/deltafin.out" "$bin" -- \
   "$repo/bench/in_cgroup.sh" "$limit" "$bin" bench run --model "$model" --prompt-tokens "$prompt" \
   --decode "$decode" --threads "$threads" || die "deltafin bench run failed (output: $run/deltafin.out)"
 # llama-bench: one process per phase, one repetition, no warmup (cold like deltafin's run), the
@@ -149,7 +154,7 @@ step "deltafin bench run --prompt-tokens $prompt --decode $decode in a $limit cg
 for phase in pp tg; do
   if [ $phase = pp ]; then pn=(-p "$prompt" -n 0); else pn=(-p 0 -n "$decode"); fi
   step "llama-bench ${pn[*]} -t $threads in a $limit cgroup"
-  "$py" "$mon" "$run/llama-$phase.io.json" "$run/llama-$phase.out" -- \
+  "$py" "$mon" "$run/llama-$phase.io.json" "$run/llama-$phase.out" "$lbench" -- \
     "$repo/bench/in_cgroup.sh" "$limit" "$lbench" -m "$gguf" "${pn[@]}" -t "$threads" --repack 0 \
     -r 1 --no-warmup -o jsonl || die "llama-bench ${pn[*]} failed (output: $run/llama-$phase.out)"
 done

@@ -165,6 +165,8 @@ def main() -> None:
         "git": rec.get("git"),
         "command": command,
         "cgroup_limit_bytes": limit,
+        # the 1/5/15-minute load when the record was made: other processes share these cores
+        "loadavg_at_end": open("/proc/loadavg").read().split()[:3],
         "model": {
             "synth": synth_args,
             "bytes": model_bytes,
