@@ -12,6 +12,7 @@ pub mod engine;
 pub mod k3;
 pub mod memory;
 pub mod model;
+pub mod sample;
 pub mod sched;
 pub mod spec;
 pub mod stats;

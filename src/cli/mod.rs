@@ -30,7 +30,7 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Generate greedily from a prompt.
+    /// Generate from a prompt (greedy, or sampled with --temperature).
     Run(run::RunArgs),
     /// Compute logits at every position of a prompt and write them to a safetensors file.
     Score(score::ScoreArgs),
