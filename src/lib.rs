@@ -14,6 +14,7 @@ pub mod memory;
 pub mod model;
 pub mod sample;
 pub mod sched;
+pub mod serve;
 pub mod spec;
 pub mod stats;
 pub mod store;

@@ -9,6 +9,7 @@ mod place;
 mod plot;
 mod run;
 mod score;
+mod serve;
 mod synth;
 
 use clap::{Parser, Subcommand};
@@ -40,6 +41,8 @@ enum Cmd {
     Place(place::PlaceArgs),
     /// Benchmarks printing one JSON record per run.
     Bench(bench::BenchArgs),
+    /// OpenAI-compatible HTTP server (chat, completions, streaming, metrics, a chat page at /).
+    Serve(serve::ServeArgs),
 }
 
 /// How KDA evaluates a prompt (hidden option for tests and comparisons).
@@ -128,6 +131,7 @@ pub fn main() -> ExitCode {
         Cmd::Synth(a) => synth::run(a),
         Cmd::Place(a) => place::run(a),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Serve(a) => serve::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
