@@ -327,7 +327,10 @@ fn messages(v: Value, prefix: &str) -> Result<Value, ApiError> {
                 text
             }
             Some(_) => {
-                return Err(ApiError::invalid(format!("{at}.content"), "'content' must be a string or a list of parts"));
+                return Err(ApiError::invalid(
+                    format!("{at}.content"),
+                    "'content' must be a string or a list of parts",
+                ));
             }
         };
         let mut msg = serde_json::json!({"role": role, "content": content});
