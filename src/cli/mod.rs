@@ -1,6 +1,7 @@
 //! Command-line interface: clap definitions and one file per subcommand. Errors are `anyhow` with
 //! context here at the edge; exit codes: 0 success, 1 runtime error, 2 usage error.
 
+mod batch;
 mod bench;
 mod bench_run;
 mod engine;
@@ -41,6 +42,8 @@ enum Cmd {
     Place(place::PlaceArgs),
     /// Benchmarks printing one JSON record per run.
     Bench(bench::BenchArgs),
+    /// Run a JSONL file of requests (resumable: ids already in the output are skipped).
+    Batch(batch::BatchArgs),
     /// OpenAI-compatible HTTP server (chat, completions, streaming, metrics, a chat page at /).
     Serve(serve::ServeArgs),
 }
@@ -132,6 +135,7 @@ pub fn main() -> ExitCode {
         Cmd::Place(a) => place::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Serve(a) => serve::run(a),
+        Cmd::Batch(a) => batch::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
