@@ -76,6 +76,9 @@ fn greedy_tokens(e: &Arc<Engine>, prompt: &[u32], n: usize) -> Vec<u32> {
     greedy(e, prompt, n)
 }
 
+/// A (first, second) token pair; None: any token not listed.
+type Category = Option<(u32, Option<u32>)>;
+
 /// Upper 99.9% point of chi-square with `df` degrees of freedom (Wilson–Hilferty).
 fn chi2_999(df: f64) -> f64 {
     let z = 3.0902;
@@ -104,7 +107,7 @@ fn with_drafts_sampled_tokens_follow_k3s_distribution() {
     // often after that first token, rarely after the others.
     let d = p2[0].iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap();
     // Categories: (t1, t2) for t1 among `firsts` and t2 among its 4 likeliest, (t1, other), other t1.
-    let mut cats: Vec<(Option<(u32, Option<u32>)>, f64)> = Vec::new();
+    let mut cats: Vec<(Category, f64)> = Vec::new();
     for (i, &t1) in firsts.iter().enumerate() {
         let mut seconds: Vec<u32> = (0..p2[i].len() as u32).collect();
         seconds.sort_by(|&a, &b| p2[i][b as usize].total_cmp(&p2[i][a as usize]));

@@ -82,7 +82,7 @@ impl Metrics {
             let _ = writeln!(o, "{name} {v}");
         }
         head(&mut o, "deltafin_ttft_seconds", "histogram", "Time to first token, from arrival.");
-        let h = lock(&self.ttft).clone();
+        let h = *lock(&self.ttft);
         for (i, b) in TTFT_BUCKETS.iter().enumerate() {
             let _ = writeln!(o, "deltafin_ttft_seconds_bucket{{le=\"{b}\"}} {}", h.0[i]);
         }
