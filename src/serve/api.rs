@@ -9,6 +9,9 @@
 use crate::model::chat::Thinking;
 use serde_json::{Map, Value};
 
+/// Longest stop sequence accepted.
+pub const MAX_STOP_BYTES: usize = 1024;
+
 /// An error response: HTTP status and OpenAI's `{"error": {message, type, param, code}}`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ApiError {
@@ -205,6 +208,10 @@ fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError
     };
     if r.stop.iter().any(String::is_empty) {
         return Err(ApiError::invalid(f.name("stop"), "'stop' sequences must not be empty"));
+    }
+    // Held-back text is checked against every stop at each token: keep that small.
+    if r.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(f.name("stop"), format!("'stop' sequences are at most {MAX_STOP_BYTES} bytes")));
     }
     r.temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(0.0);
     r.top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(1.0);
@@ -443,12 +450,9 @@ pub fn parse_completion(body: &Value, ctx: &ParseContext) -> Result<GenRequest, 
         ApiError::invalid("prompt", "you must provide 'prompt'").with_code("missing_required_parameter")
     })?;
     let mut r = empty_request(Kind::Completion, completion_prompt(p, "prompt")?);
-    // OpenAI's completions default.
-    r.max_tokens = Some(16);
     common(&mut f, Kind::Completion, &mut r)?;
-    if r.max_tokens.is_none() {
-        r.max_tokens = Some(16);
-    }
+    // OpenAI's completions default.
+    r.max_tokens = r.max_tokens.or(Some(16));
     r.logprobs = f.integer("logprobs", 0, 5)?.map(|n| n as usize);
     if f.bool("echo")? == Some(true) {
         return Err(unsupported("echo", "echo"));

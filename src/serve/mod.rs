@@ -59,6 +59,9 @@ pub enum ServeError {
     Engine(#[from] crate::engine::EngineError),
 }
 
+/// How long connections may take to finish after SIGINT/SIGTERM.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
 /// What the worker sends back for one request.
 enum Msg {
     Delta(Delta),
@@ -144,18 +147,29 @@ pub fn serve(engine: Arc<Engine>, opts: ServeOptions, ready: impl FnOnce(SocketA
         ready(local);
         let app = router(Arc::clone(&state));
         let stop = Arc::clone(&state);
-        axum::serve(listener, app.into_make_service())
-            .with_graceful_shutdown(async move {
-                shutdown_signal().await;
-                tracing::info!("shutting down");
-                stop.shutting_down.store(true, Ordering::SeqCst);
-                // No new jobs: the worker drains what is queued (503s) and exits.
-                if let Ok(mut j) = stop.jobs.lock() {
-                    j.take();
-                }
-            })
-            .await
-            .map_err(ServeError::Io)
+        let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
+        let server = axum::serve(listener, app.into_make_service()).with_graceful_shutdown(async move {
+            shutdown_signal().await;
+            tracing::info!("shutting down");
+            stop.shutting_down.store(true, Ordering::SeqCst);
+            // No new jobs: the worker drains what is queued (503s) and exits.
+            if let Ok(mut j) = stop.jobs.lock() {
+                j.take();
+            }
+            let _ = signalled_tx.send(true);
+        });
+        // A client that never reads its stream must not keep the process alive after a signal.
+        let deadline = async move {
+            let _ = signalled.wait_for(|s| *s).await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        };
+        tokio::select! {
+            r = server => r.map_err(ServeError::Io),
+            _ = deadline => {
+                tracing::warn!("connections still open {} s after the signal: closing them", SHUTDOWN_GRACE.as_secs());
+                Ok(())
+            }
+        }
     });
     shutting_down.store(true, Ordering::SeqCst);
     if let Ok(mut j) = state.jobs.lock() {

@@ -7,7 +7,10 @@
 //! (`Session::verify`: one expert-union read per MoE layer for all k+1 rows, nothing committed),
 //! accepts the longest prefix of drafts equal to K3's own greedy picks, emits those and commits
 //! their rows (`Session::commit`, bit-identical to feeding them one by one); K3's pick after the
-//! last kept row is the next pending token. Drafters only change speed, never output.
+//! last kept row is the next pending token. Drafters only change speed, never output. With a
+//! sampling [`Sampler`], K3's pick at each row is a draw and a draft is kept when the draw equals
+//! it — the speculative-sampling rule for point-mass drafts ([`sampling`]), giving the tokens of
+//! plain sampling with the same seed.
 //!
 //! How wide to draft is the [`WidthPolicy`] (the published probe-2 / widen-to-7 policy) and
 //! whether to draft at all is also up to the [`CostModel`] (measured verify vs single-step time).

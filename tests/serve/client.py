@@ -155,6 +155,18 @@ def disconnect():
         time.sleep(0.05)
     generated = metric("deltafin_generated_tokens_total") - gen_before
     assert generated < 5000, generated
+    # A plain (not streamed) request whose connection closes is cancelled too.
+    before = metric("deltafin_cancelled_total")
+    try:
+        httpx.post(BASE + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5000},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
+        raise AssertionError("5000 tokens in 0.3 s: make the request longer")
+    except httpx.TimeoutException:
+        pass
+    t0 = time.time()
+    while metric("deltafin_cancelled_total") == before:
+        assert time.time() - t0 < 20, "the plain request was not cancelled"
+        time.sleep(0.05)
     # The server is free at once for the next request.
     t0 = time.time()
     client().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
