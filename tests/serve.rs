@@ -2,8 +2,8 @@
 //! official `openai` Python client (chat and completions, streaming and not, logprobs, stop,
 //! seeds, strict errors, auth), `curl -N` for the SSE framing, concurrent clients for the queue
 //! and 429, a client that disconnects, limits and garbage that must not wedge the server,
-//! conversation reuse and the memo (identical output to a server without them, counters showing
-//! the reuse), SIGTERM, and the chat page in headless Chromium.
+//! conversation reuse, the memo and drafts (identical output to a server without them, counters
+//! showing the reuse), SIGTERM, and the chat page in headless Chromium.
 
 mod common;
 use common::*;
@@ -250,10 +250,13 @@ fn conversation(s: &Server) -> serde_json::Value {
 fn conversation_reuse_and_memo_give_identical_output_and_are_counted() {
     let reuse = Server::start(&[]);
     let fresh = Server::start(&["--no-reuse", "--memo", "0"]);
+    let drafted = Server::start(&["--draft", "ngram"]);
     let a = conversation(&reuse);
     let b = conversation(&fresh);
+    let d = conversation(&drafted);
     for k in ["turn1", "turn2", "turn2_logprobs", "repeat", "prompt_tokens"] {
         assert_eq!(a[k], b[k], "{k}: reuse {a} vs fresh {b}");
+        assert_eq!(d[k], b[k], "{k}: drafts {d} vs none {b}");
     }
     assert_eq!(a["turn2"], a["repeat"]);
     let cached = a["cached"].as_u64().unwrap();

@@ -528,13 +528,17 @@ fn worker(
                     ))
                 }
             };
-            let _ = job.tx.send(msg);
             if let Ok(mut t) = metrics.totals.lock() {
                 *t = gen_.totals.clone();
             }
-        }
-        if let Ok(mut s) = last_gen_s.lock() {
-            *s = t0.elapsed().as_secs_f64();
+            if let Ok(mut s) = last_gen_s.lock() {
+                *s = t0.elapsed().as_secs_f64();
+            }
+            // Free the place first: a client that sends its next request as soon as this answer
+            // arrives must not find the queue still full.
+            metrics.pending.fetch_sub(1, Ordering::SeqCst);
+            let _ = job.tx.send(msg);
+            continue;
         }
         metrics.pending.fetch_sub(1, Ordering::SeqCst);
     }

@@ -118,7 +118,7 @@ def queue():
 
     def one():
         try:
-            client().completions.create(model=MODEL, prompt="Hi", max_tokens=300)
+            client().completions.create(model=MODEL, prompt="Hi", max_tokens=1500)
             results.append(200)
         except openai.RateLimitError as e:
             assert e.response.headers.get("retry-after", "").isdigit(), e.response.headers
