@@ -4,7 +4,8 @@
 //! Contract: [`Generator::generate`] tokenises the request (chat template for messages), picks
 //! the session to run it on and generates with the request's sampling, stop strings and
 //! log-probabilities. Conversation reuse: after a request the session is kept twice — as it was
-//! after the prompt and as it is after the answer — and a later request whose tokens extend one
+//! after the prompt (when the memory budget has room for a second sequence state) and as it is
+//! after the answer — and a later request whose tokens extend one
 //! of them resumes from the longer one instead of prefilling again (the output is bit-identical to
 //! a fresh session's: prefill chunks commit exactly like one long prefill). An exact-response
 //! memo answers a repeated identical greedy request without any compute. `sink` receives each
@@ -27,7 +28,8 @@ use std::time::Instant;
 #[derive(Clone, Debug)]
 pub struct GenConfig {
     pub draft: DraftKind,
-    /// Keep sessions for conversation reuse (costs up to two sequence states of memory).
+    /// Keep sessions for conversation reuse (a second sequence state, taken only when the memory
+    /// budget has room for it).
     pub reuse: bool,
     /// Entries of the exact-response memo (0: off).
     pub memo_entries: usize,
@@ -266,6 +268,15 @@ impl Generator {
         }
     }
 
+    /// A second sequence state (the snapshot after the prompt) fits in the memory budget beside
+    /// the running one, at their lengths: the plan only reserves one.
+    fn snapshot_fits(&self, prompt_len: usize, max_new: usize) -> bool {
+        let p = &self.engine.plan;
+        let free = p.budget.saturating_sub(p.trunk + p.expert_cache + p.staging + p.activations);
+        let tokens = (2 * prompt_len + max_new) as u64;
+        2 * p.state_fixed + p.state_per_token.saturating_mul(tokens) <= free
+    }
+
     /// The kept session that `prompt` extends the most (dropping the others), or a new one.
     fn session_for(&mut self, prompt: &[u32]) -> (Session, usize) {
         let best = self
@@ -338,7 +349,7 @@ impl Generator {
             session.prefill(&prompt[reused..])?;
         }
         let prefilled_s = t0.elapsed().as_secs_f64();
-        let snapshot = self.cfg.reuse.then(|| session.fork());
+        let snapshot = (self.cfg.reuse && self.snapshot_fits(prompt.len(), max_new)).then(|| session.fork());
         let mut sampler = Sampler::new(params);
         let lp_sink = req.logprobs.map(|n| sampler.record_logprobs(n));
         let mut spec = crate::spec::drafter_for(self.cfg.draft).ok().flatten().map(Speculator::new);
