@@ -404,10 +404,18 @@ impl Generator {
             Some(s) => session.generate_speculative_sampled(&opts, s, &mut sampler, &mut on_token),
             None => session.generate_sampled(&opts, &mut sampler, &mut on_token),
         }?;
-        let tail = stop_text.finish();
-        if !tail.is_empty() && !stop_text.hit {
+        // Bytes of an unfinished UTF-8 character, then text held back for a stop that never came.
+        let rest = decoder.finish();
+        let (rest_content, rest_reasoning) =
+            if is_chat { channels.route(u32::MAX, rest, false) } else { (rest, String::new()) };
+        let mut tail = stop_text.push(&rest_content);
+        if !stop_text.hit {
+            tail.push_str(&stop_text.finish());
+        }
+        if !tail.is_empty() || !rest_reasoning.is_empty() {
             content.push_str(&tail);
-            sink(&Delta { content: tail, ..Default::default() });
+            reasoning.push_str(&rest_reasoning);
+            sink(&Delta { content: tail, reasoning: rest_reasoning, logprobs: None });
         }
         let finish_reason = match g.reason {
             _ if cancelled => "cancelled",
