@@ -88,10 +88,24 @@ pub struct Totals {
 
 type MemoKey = (Vec<u32>, Kind, usize, Vec<String>, Option<usize>, Option<Thinking>);
 
-pub struct Generator {
+/// Turns requests into checked prompt ids; shared (`Send + Sync`) so that a server can validate a
+/// request on its HTTP threads before it queues.
+pub struct Encoder {
     engine: Arc<Engine>,
     tok: Option<Tokenizer>,
     chat: Option<ChatTemplate>,
+}
+
+/// A request's prompt ids and how many tokens it may produce (it fits the context).
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    pub prompt: Vec<u32>,
+    pub max_new: usize,
+}
+
+pub struct Generator {
+    engine: Arc<Engine>,
+    enc: Arc<Encoder>,
     stops: Vec<u32>,
     cfg: GenConfig,
     kept: Vec<Session>,
@@ -199,22 +213,31 @@ impl Generator {
         let chat = tok.as_ref().and_then(|t| ChatTemplate::load(engine.dir(), t).ok());
         let stops =
             tok.as_ref().and_then(|t| t.special_id("<|end_of_msg|>")).into_iter().chain(engine.cfg.eos_token).collect();
-        Ok(Generator {
-            engine,
-            tok,
-            chat,
-            stops,
-            cfg,
-            kept: Vec::new(),
-            memo: VecDeque::new(),
-            totals: Totals::default(),
-        })
+        let enc = Arc::new(Encoder { engine: Arc::clone(&engine), tok, chat });
+        Ok(Generator { engine, enc, stops, cfg, kept: Vec::new(), memo: VecDeque::new(), totals: Totals::default() })
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
         &self.engine
     }
 
+    /// The request encoder (for validating requests elsewhere).
+    pub fn encoder(&self) -> Arc<Encoder> {
+        Arc::clone(&self.enc)
+    }
+
+    /// The chat template can take tool definitions.
+    pub fn template_takes_tools(&self) -> bool {
+        self.enc.template_takes_tools()
+    }
+
+    /// The printable text of one token (specials by name).
+    pub fn token_text(&self, id: u32) -> String {
+        self.enc.token_text(id)
+    }
+}
+
+impl Encoder {
     /// The chat template can take tool definitions.
     pub fn template_takes_tools(&self) -> bool {
         self.engine.dir().join("chat_template.jinja").exists()
@@ -268,6 +291,29 @@ impl Generator {
         }
     }
 
+    /// The prompt ids, checked against the context bound with the request's `max_tokens` (default:
+    /// the rest of the context).
+    pub fn prepare(&self, req: &GenRequest) -> Result<Prepared, ApiError> {
+        let prompt = self.encode(req)?;
+        let bound = self.engine.plan.context_bound;
+        let room = bound.saturating_sub(prompt.len());
+        let max_new = req.max_tokens.unwrap_or(room);
+        if room == 0 || max_new > room {
+            let param = if req.max_tokens.is_some() { "max_tokens" } else { "messages" };
+            return Err(ApiError::invalid(
+                param,
+                format!(
+                    "the prompt ({} tokens) plus {max_new} new tokens exceeds the context of {bound} tokens",
+                    prompt.len()
+                ),
+            )
+            .with_code("context_length_exceeded"));
+        }
+        Ok(Prepared { prompt, max_new })
+    }
+}
+
+impl Generator {
     /// A second sequence state (the snapshot after the prompt) fits in the memory budget beside
     /// the running one, at their lengths: the plan only reserves one.
     fn snapshot_fits(&self, prompt_len: usize, max_new: usize) -> bool {
@@ -304,24 +350,20 @@ impl Generator {
         queued_s: f64,
         sink: &mut dyn FnMut(&Delta) -> bool,
     ) -> Result<Output, GenError> {
+        let prepared = self.enc.prepare(req).map_err(GenError::Request)?;
+        self.generate_prepared(req, prepared, queued_s, sink)
+    }
+
+    /// [`Generator::generate`] for a request already prepared by [`Encoder::prepare`].
+    pub fn generate_prepared(
+        &mut self,
+        req: &GenRequest,
+        prepared: Prepared,
+        queued_s: f64,
+        sink: &mut dyn FnMut(&Delta) -> bool,
+    ) -> Result<Output, GenError> {
         let t0 = Instant::now();
-        let prompt = self.encode(req).map_err(GenError::Request)?;
-        let bound = self.engine.plan.context_bound;
-        let room = bound.saturating_sub(prompt.len());
-        let max_new = req.max_tokens.unwrap_or(room);
-        if room == 0 || max_new > room {
-            let param = if req.max_tokens.is_some() { "max_tokens" } else { "messages" };
-            return Err(GenError::Request(
-                ApiError::invalid(
-                    param,
-                    format!(
-                        "the prompt ({} tokens) plus {max_new} new tokens exceeds the context of {bound} tokens",
-                        prompt.len()
-                    ),
-                )
-                .with_code("context_length_exceeded"),
-            ));
-        }
+        let Prepared { prompt, max_new } = prepared;
         self.totals.requests += 1;
         let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
         let params = SamplingParams::new(req.temperature, req.top_p, seed)
@@ -354,7 +396,8 @@ impl Generator {
         let lp_sink = req.logprobs.map(|n| sampler.record_logprobs(n));
         let mut spec = crate::spec::drafter_for(self.cfg.draft).ok().flatten().map(Speculator::new);
         let is_chat = req.kind == Kind::Chat;
-        let tok = self.tok.as_ref();
+        let enc = Arc::clone(&self.enc);
+        let tok = enc.tok.as_ref();
         let sp = |n: &str| tok.and_then(|t| t.special_id(n));
         let mut channels = Channels {
             open: sp("<|open|>"),

@@ -24,7 +24,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use generator::{Delta, GenConfig, GenError, Generator, Output};
+use generator::{Delta, Encoder, GenConfig, GenError, Generator, Output, Prepared};
 use metrics::Metrics;
 use serde_json::{Value, json};
 use std::net::SocketAddr;
@@ -59,6 +59,9 @@ pub enum ServeError {
     Engine(#[from] crate::engine::EngineError),
 }
 
+/// Longest silence in a stream before a keep-alive comment.
+const KEEPALIVE: Duration = Duration::from_secs(15);
+
 /// How long connections may take to finish after SIGINT/SIGTERM.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
@@ -71,6 +74,7 @@ enum Msg {
 
 struct Job {
     req: GenRequest,
+    prepared: Prepared,
     arrived: Instant,
     tx: tmpsc::UnboundedSender<Msg>,
 }
@@ -81,6 +85,7 @@ struct AppState {
     metrics: Arc<Metrics>,
     shutting_down: Arc<AtomicBool>,
     template_takes_tools: bool,
+    encoder: Arc<Encoder>,
     engine: Arc<Engine>,
     token_text: Arc<dyn Fn(u32) -> String + Send + Sync>,
     next_id: AtomicU64,
@@ -111,6 +116,7 @@ pub fn serve(engine: Arc<Engine>, opts: ServeOptions, ready: impl FnOnce(SocketA
         .map_err(ServeError::Runtime)?;
     let gen_ = Generator::new(Arc::clone(&engine), opts.generation.clone())?;
     let template_takes_tools = gen_.template_takes_tools();
+    let encoder = gen_.encoder();
     let tok = engine.tokenizer().ok();
     let token_text: Arc<dyn Fn(u32) -> String + Send + Sync> = Arc::new(move |id| match &tok {
         Some(t) => t.token_bytes(id).map(|b| String::from_utf8_lossy(b).into_owned()).unwrap_or_default(),
@@ -133,6 +139,7 @@ pub fn serve(engine: Arc<Engine>, opts: ServeOptions, ready: impl FnOnce(SocketA
         metrics,
         shutting_down: Arc::clone(&shutting_down),
         template_takes_tools,
+        encoder,
         engine,
         token_text,
         next_id: AtomicU64::new(1),
@@ -372,9 +379,28 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, BytesReject
             return error_response(&e);
         }
     };
+    // Tokenising (the chat template may take a while) runs off the async threads, and every
+    // request error is known before the request queues.
+    let (enc, r) = (Arc::clone(&st.encoder), req.clone());
+    let prepared = match tokio::task::spawn_blocking(move || enc.prepare(&r)).await {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => {
+            st.metrics.request(endpoint, e.status);
+            return error_response(&e);
+        }
+        Err(_) => {
+            st.metrics.request(endpoint, 500);
+            return error_response(&ApiError::new(
+                500,
+                "server_error",
+                "internal_error",
+                "Preparing the prompt failed.",
+            ));
+        }
+    };
     let (tx, mut rx) = tmpsc::unbounded_channel();
     let (stream, include_usage, want_lp) = (req.stream, req.include_usage, req.logprobs.is_some());
-    if let Err(e) = enqueue(&st, Job { req, arrived, tx }) {
+    if let Err(e) = enqueue(&st, Job { req, prepared, arrived, tx }) {
         st.metrics.request(endpoint, e.status);
         let mut r = error_response(&e);
         if e.status == 429 {
@@ -388,22 +414,22 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, BytesReject
     let n = st.next_id.fetch_add(1, Ordering::Relaxed);
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
     let meta = sse::Meta { id: format!("{prefix}-{n}"), created: unix_now(), model: st.opts.model_id.clone(), kind };
-    // The first message decides the status: an error before any token is an error response.
-    let first = match rx.recv().await {
-        Some(Msg::Failed(e)) => {
-            st.metrics.request(endpoint, e.status);
-            return error_response(&e);
-        }
-        None => {
-            let e = ApiError::new(500, "server_error", "internal_error", "The generation ended without an answer.");
-            st.metrics.request(endpoint, 500);
-            return error_response(&e);
-        }
-        Some(m) => m,
-    };
-    st.metrics.request(endpoint, 200);
     let tt = Arc::clone(&st.token_text);
     if !stream {
+        // The first message decides the status: an error before any token is an error response.
+        let first = match rx.recv().await {
+            Some(Msg::Failed(e)) => {
+                st.metrics.request(endpoint, e.status);
+                return error_response(&e);
+            }
+            None => {
+                let e = ApiError::new(500, "server_error", "internal_error", "The generation ended without an answer.");
+                st.metrics.request(endpoint, 500);
+                return error_response(&e);
+            }
+            Some(m) => m,
+        };
+        st.metrics.request(endpoint, 200);
         let mut msg = first;
         loop {
             match msg {
@@ -424,11 +450,15 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, BytesReject
             };
         }
     }
+    // A stream starts at once (headers, the role chunk) and sends a comment line while nothing
+    // else comes (a queue wait, a long prefill), so clients and proxies do not time out.
+    st.metrics.request(endpoint, 200);
+    let first: Option<Msg> = None;
     let mut pending = vec![];
     if kind == Kind::Chat {
         pending.push(sse::event(&sse::role_chunk(&meta).to_string()));
     }
-    let state = (Some(first), rx, meta, tt, pending, false);
+    let state = (first, rx, meta, tt, pending, false);
     let body =
         futures_util::stream::unfold(state, move |(mut first, mut rx, meta, tt, mut pending, done)| async move {
             loop {
@@ -443,9 +473,13 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, BytesReject
                 }
                 let msg = match first.take() {
                     Some(m) => m,
-                    None => match rx.recv().await {
-                        Some(m) => m,
-                        None => return None,
+                    None => match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
+                        Ok(Some(m)) => m,
+                        Ok(None) => return None,
+                        Err(_) => {
+                            pending.push(": keep-alive\n\n".to_string());
+                            continue;
+                        }
                     },
                 };
                 // `pending` is a stack: push the last event first.
@@ -503,7 +537,7 @@ fn worker(
             let queued = job.arrived.elapsed().as_secs_f64();
             let tx = &job.tx;
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                gen_.generate(&job.req, queued, &mut |d| {
+                gen_.generate_prepared(&job.req, job.prepared.clone(), queued, &mut |d| {
                     !stop.load(Ordering::SeqCst) && tx.send(Msg::Delta(d.clone())).is_ok()
                 })
             }));

@@ -94,6 +94,8 @@ def basic():
     tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     expect_error(openai.BadRequestError, "tools",
                  lambda: c.chat.completions.create(model=MODEL, messages=USER, tools=tool))
+    expect_error(openai.BadRequestError, "max_tokens",
+                 lambda: c.chat.completions.create(model=MODEL, messages=USER, max_tokens=10**9, stream=True))
     expect_error(openai.NotFoundError, "model", lambda: c.chat.completions.create(model="gpt-4o", messages=USER))
     r = httpx.post(BASE + "/v1/chat/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
