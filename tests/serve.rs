@@ -331,7 +331,9 @@ fn chat_page_streams_an_answer_in_headless_chromium() {
     assert!(!answer.contains("data-error"), "{dom}");
     let text = answer.split_once('>').unwrap().1.split("</div>").next().unwrap();
     assert!(!text.trim().is_empty(), "the answer has text: {dom}");
-    assert!(dom.contains("TTFT 0.") || dom.contains("TTFT 1."), "TTFT shown: {dom}");
+    // Under --virtual-time-budget the page's clock is virtual: any number will do.
+    let ttft = dom.split("id=\"ttft\">TTFT ").nth(1).and_then(|t| t.split(' ').next());
+    assert!(ttft.is_some_and(|t| t.parse::<f64>().is_ok()), "TTFT shown: {dom}");
     assert!(dom.contains("MB/s"), "per-drive read rate shown: {dom}");
     assert_eq!(s.metric("deltafin_generated_tokens_total"), 6.0);
 }
