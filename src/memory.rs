@@ -13,6 +13,8 @@ use crate::util::human_bytes;
 pub struct MemoryPlan {
     pub budget: u64,
     pub trunk: u64,
+    /// The draft model's weights and one session's drafter cache (0 without a draft model).
+    pub draft: u64,
     pub expert_cache: u64,
     /// Slots for reads in flight (besides the cache).
     pub staging: u64,
@@ -25,12 +27,13 @@ pub struct MemoryPlan {
 
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "memory budget {} is too small: the resident trunk needs {}, the expert cache {}, fixed sequence state {} and activations {} (raise --memory-gb or lower --expert-cache-gb)",
-    human_bytes(*budget), human_bytes(*trunk), human_bytes(*expert_cache), human_bytes(*state_fixed), human_bytes(*activations)
+    "memory budget {} is too small: the resident trunk needs {}, the draft model {}, the expert cache {}, fixed sequence state {} and activations {} (raise --memory-gb or lower --expert-cache-gb)",
+    human_bytes(*budget), human_bytes(*trunk), human_bytes(*draft), human_bytes(*expert_cache), human_bytes(*state_fixed), human_bytes(*activations)
 )]
 pub struct BudgetError {
     pub budget: u64,
     pub trunk: u64,
+    pub draft: u64,
     pub expert_cache: u64,
     pub state_fixed: u64,
     pub activations: u64,
@@ -108,10 +111,12 @@ pub fn activation_bytes(c: &K3Config, rows: usize) -> u64 {
 }
 
 impl MemoryPlan {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         c: &K3Config,
         budget: u64,
         trunk: u64,
+        draft: u64,
         expert_cache: u64,
         staging: u64,
         prefill_rows: usize,
@@ -120,14 +125,22 @@ impl MemoryPlan {
         let (fixed, per_token) = SeqState::footprint(c);
         let (state_fixed, state_per_token) = (fixed as u64, per_token.max(1) as u64);
         let activations = activation_bytes(c, prefill_rows.max(1)) + outputs;
-        let committed = trunk + expert_cache + staging + state_fixed + activations;
+        let committed = trunk + draft + expert_cache + staging + state_fixed + activations;
         if committed > budget {
-            return Err(BudgetError { budget, trunk, expert_cache: expert_cache + staging, state_fixed, activations });
+            return Err(BudgetError {
+                budget,
+                trunk,
+                draft,
+                expert_cache: expert_cache + staging,
+                state_fixed,
+                activations,
+            });
         }
         let context_bound = (((budget - committed) / state_per_token) as usize).min(c.max_context);
         Ok(MemoryPlan {
             budget,
             trunk,
+            draft,
             expert_cache,
             staging,
             state_fixed,
@@ -139,8 +152,9 @@ impl MemoryPlan {
 
     /// "trunk 12 MiB + expert cache 0 B + read slots 70 MiB + state 1.2 MiB + 2.3 KiB/token + activations 3 MiB of 20 GiB"
     pub fn summary(&self) -> String {
+        let draft = if self.draft > 0 { format!(" + draft model {}", human_bytes(self.draft)) } else { String::new() };
         format!(
-            "trunk {} + expert cache {} + read slots {} + state {} + {}/token + activations {} of {}",
+            "trunk {}{draft} + expert cache {} + read slots {} + state {} + {}/token + activations {} of {}",
             human_bytes(self.trunk),
             human_bytes(self.expert_cache),
             human_bytes(self.staging),

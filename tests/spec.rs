@@ -116,36 +116,6 @@ fn ngram_drafts_give_plain_greedy_output_with_1_and_2_threads() {
     }
 }
 
-/// A copy of fixture `name` whose token embeddings are scaled by 64: the embedding then dominates
-/// the residual stream, the next token depends mostly on the current one, and greedy decode falls
-/// into short cycles — the repetition n-gram drafts need (the fixtures themselves never repeat).
-fn repeating_copy(name: &str) -> tempfile::TempDir {
-    let tmp = copy_fixture(name);
-    for e in std::fs::read_dir(tmp.path()).unwrap() {
-        let path = e.unwrap().path();
-        if path.extension().is_none_or(|x| x != "safetensors") {
-            continue;
-        }
-        let mut b = std::fs::read(&path).unwrap();
-        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
-        let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
-        for (k, v) in h.as_object().unwrap() {
-            if !k.ends_with("embed_tokens.weight") {
-                continue;
-            }
-            assert_eq!(v["dtype"], "BF16");
-            let (s, e) =
-                (v["data_offsets"][0].as_u64().unwrap() as usize, v["data_offsets"][1].as_u64().unwrap() as usize);
-            for c in b[8 + n + s..8 + n + e].chunks_exact_mut(2) {
-                let x = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) * 64.0;
-                c.copy_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes());
-            }
-        }
-        std::fs::write(&path, b).unwrap();
-    }
-    tmp
-}
-
 #[test]
 fn ngram_drafts_are_accepted_on_models_that_repeat_and_change_nothing() {
     for name in FIXTURES {
@@ -229,7 +199,7 @@ impl Drafter for Scripted {
     fn taps(&self) -> &[usize] {
         &self.taps
     }
-    fn observe(&mut self, rows: &RowsOut, committed: usize) {
+    fn observe(&mut self, _start: usize, rows: &RowsOut, committed: usize) {
         assert!(committed >= 1);
         assert_eq!(rows.taps.len(), self.taps.len(), "asked taps arrive");
         self.observed += committed;
@@ -323,7 +293,7 @@ fn perfect_drafts_hand_over_fewer_expert_bytes_per_token() {
 }
 
 #[test]
-fn cli_draft_ngram_prints_the_same_ids_and_dspark_is_refused() {
+fn cli_draft_ngram_prints_the_same_ids_and_dspark_without_a_model_is_refused() {
     let r = reference("k3-tiny-c");
     let ids = ids_arg(&r.prompt[..24]);
     let run = |draft: &str| {
@@ -353,7 +323,7 @@ fn cli_draft_ngram_prints_the_same_ids_and_dspark_is_refused() {
     }
     let (c, _, err) = run("dspark");
     assert_eq!(c, Some(1));
-    assert!(err.contains("DSpark drafting is not built yet"), "{err}");
+    assert!(err.contains("--draft dspark needs --draft-model DIR"), "{err}");
 }
 
 #[test]

@@ -8,16 +8,63 @@
 //! greedy tokens; the CPU backend is the bit-exact definition (see `cpu/`).
 //!
 //! `cpu/` holds the CPU kernels (scalar reference beside AVX2 / AVX-512 / NEON), `CpuBackend` below
-//! is their implementation of the trait. A GPU backend (wgpu) plugs in here.
+//! is their implementation of the trait; `gpu/` (feature `gpu`) runs WGSL kernels from `kernels/`
+//! through wgpu. [`open`] picks one for a [`BackendKind`].
 
 pub mod cpu;
+#[cfg(feature = "gpu")]
+pub mod gpu;
 
 use crate::k3::weights::Weights;
 use cpu::kda::HeadIn;
-use cpu::mla::MlaDims;
+use cpu::mla::{MlaDims, Visible};
 use cpu::ops::Situ;
 use cpu::{Bf16Mat, Mxfp4Mat};
 use rayon::prelude::*;
+use std::sync::Arc;
+
+/// Which backend runs the forward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// The CPU kernels.
+    #[default]
+    Cpu,
+    /// The GPU kernels (any Vulkan/Metal adapter, a software one such as lavapipe included).
+    Gpu,
+    /// A discrete or integrated GPU when there is one, else the CPU.
+    Auto,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[cfg(feature = "gpu")]
+    #[error(transparent)]
+    Gpu(#[from] gpu::GpuError),
+    #[error("this build has no GPU backend (built without the `gpu` feature); use --backend cpu")]
+    NotBuilt,
+}
+
+/// The backend for `kind`.
+pub fn open(kind: BackendKind) -> Result<Arc<dyn Backend>, BackendError> {
+    match kind {
+        BackendKind::Cpu => Ok(Arc::new(CpuBackend)),
+        #[cfg(feature = "gpu")]
+        BackendKind::Gpu => Ok(Arc::new(gpu::GpuBackend::new(true)?)),
+        #[cfg(feature = "gpu")]
+        BackendKind::Auto => match gpu::GpuBackend::new(false) {
+            Ok(g) => Ok(Arc::new(g)),
+            Err(e) => {
+                tracing::info!("--backend auto: {e}; using the CPU");
+                Ok(Arc::new(CpuBackend))
+            }
+        },
+        #[cfg(not(feature = "gpu"))]
+        BackendKind::Gpu => Err(BackendError::NotBuilt),
+        #[cfg(not(feature = "gpu"))]
+        BackendKind::Auto => Ok(Arc::new(CpuBackend)),
+    }
+}
 
 pub trait Backend: Send + Sync {
     /// For the startup line, e.g. "cpu avx512 x2".
@@ -57,6 +104,21 @@ pub trait Backend: Send + Sync {
 
     /// MLA attention core over the latent cache (see `cpu::mla::attention`).
     fn mla_attention(&self, q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, dims: MlaDims, out: &mut [f32]);
+
+    /// The same core with a given scale and visibility (`cpu::mla::attention_with`): DSpark's
+    /// draft block attends without a mask.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention_with(
+        &self,
+        q: &[f32],
+        cache: &[f32],
+        past: usize,
+        kv_b: &Bf16Mat,
+        dims: MlaDims,
+        scale: f32,
+        visible: Visible,
+        out: &mut [f32],
+    );
 
     /// AttnRes mix of one row: out = sum_s softmax_s(score(v_s)) v_s over `sources` in order.
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]);
@@ -123,6 +185,20 @@ impl Backend for CpuBackend {
 
     fn mla_attention(&self, q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, dims: MlaDims, out: &mut [f32]) {
         cpu::mla::attention(q, cache, past, kv_b, dims, out)
+    }
+
+    fn mla_attention_with(
+        &self,
+        q: &[f32],
+        cache: &[f32],
+        past: usize,
+        kv_b: &Bf16Mat,
+        dims: MlaDims,
+        scale: f32,
+        visible: Visible,
+        out: &mut [f32],
+    ) {
+        cpu::mla::attention_with(q, cache, past, kv_b, dims, scale, visible, out)
     }
 
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {

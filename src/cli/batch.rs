@@ -145,10 +145,10 @@ pub fn run(a: BatchArgs) -> Result<()> {
                 .with_context(|| format!("cannot open {} for appending", a.output.display()))?,
         )
     };
-    // A drafter that cannot be built is a startup error, not a silent fallback.
-    crate::spec::drafter_for(a.draft)?;
     let rows = a.engine.prefill_rows.max(8);
     let engine = load::open_engine(a.engine.config(dir.clone(), crate::k3::KdaMode::Recurrent, rows, 0))?;
+    // A drafter that cannot be built is a startup error, not a silent fallback.
+    crate::spec::drafter_for(a.draft, &engine)?;
     if !a.quiet {
         eprintln!("{}", engine.startup_line());
     }

@@ -32,6 +32,12 @@ pub struct KernelArgs {
     /// KDA heads (K3: 96).
     #[arg(long, default_value_t = 96)]
     heads: usize,
+    /// Which kernels: the CPU's, or the GPU's (wgpu; any adapter, lavapipe included).
+    #[arg(long, value_enum, default_value_t = crate::backend::BackendKind::Cpu)]
+    backend: crate::backend::BackendKind,
+    /// Dispatches averaged per GPU measurement.
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
 }
 
 #[derive(Args)]
@@ -218,6 +224,9 @@ fn fio_run(fio: &str, reads: &[(PathBuf, u64, u64)], iodepth: usize, dir: &Path)
 }
 
 fn bench_kernels(a: KernelArgs) -> Result<()> {
+    if a.backend != crate::backend::BackendKind::Cpu {
+        return bench_kernels_gpu(&a);
+    }
     use crate::cpu::{Bf16Mat, Mxfp4Mat, matmul_bf16, matmul_mxfp4, matvec_bf16, matvec_mxfp4};
     let mut rng = crate::util::XorShift(0x9E37_79B9_7F4A_7C15);
     let mut bytes = |n: usize| -> Vec<u8> { (0..n).map(|_| rng.next_u64() as u8).collect() };
@@ -285,6 +294,51 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     );
     println!("{record}");
     Ok(())
+}
+
+/// The GPU kernels at K3's shapes: the MXFP4 matvec over one MoE layer's 16 routed w1 matrices
+/// (49152 x 3584, larger than any GPU's L2) against a plain read of the same bytes, the 512-row
+/// expert matmul, and a bf16 trunk matvec (12288 x 7168).
+#[cfg(feature = "gpu")]
+fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
+    use crate::backend::Backend;
+    use crate::backend::gpu::{BenchKind, GpuBackend};
+    let g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
+    let reps = a.reps.max(1);
+    let (mr, mc) = (16 * 3072usize, 3584usize);
+    let mx_bytes = (mr * mc / 2 + mr * mc / 32) as f64;
+    let (mv, mread) = g.time_product(BenchKind::Mxfp4, mr, mc, 1, reps);
+    let (er, ec) = (3072usize, 3584usize);
+    let (mm, _) = g.time_product(BenchKind::Mxfp4, er, ec, a.rows, reps.div_ceil(4));
+    let (br, bc) = (12288usize, 7168usize);
+    let (bv, bread) = g.time_product(BenchKind::Bf16, br, bc, 1, reps);
+    let record = crate::util::bench_record(
+        "kernels",
+        serde_json::json!({
+            "backend": "gpu",
+            "adapter": g.describe(),
+            "fma_fused": g.fma_is_fused(),
+            "reps": reps,
+            "mxfp4_matvec_shape": [mr, mc],
+            "mxfp4_matvec_s": mv,
+            "mxfp4_matvec_weight_gb_s": mx_bytes / mv / 1e9,
+            "mxfp4_plain_read_gb_s": mx_bytes / mread / 1e9,
+            "mxfp4_matvec_vs_read": mread / mv,
+            "mxfp4_matmul_rows": a.rows,
+            "mxfp4_matmul_gmac_s": (er * ec * a.rows) as f64 / mm / 1e9,
+            "bf16_matvec_12288x7168_s": bv,
+            "bf16_matvec_weight_gb_s": (br * bc * 2) as f64 / bv / 1e9,
+            "bf16_plain_read_gb_s": (br * bc * 2) as f64 / bread / 1e9,
+            "bf16_matvec_vs_read": bread / bv,
+        }),
+    );
+    println!("{record}");
+    Ok(())
+}
+
+#[cfg(not(feature = "gpu"))]
+fn bench_kernels_gpu(_: &KernelArgs) -> Result<()> {
+    Err(crate::backend::BackendError::NotBuilt.into())
 }
 
 fn median(v: &[f64]) -> Option<f64> {

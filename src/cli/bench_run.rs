@@ -35,6 +35,8 @@ pub enum BenchDraft {
     Off,
     /// n-gram prompt lookup (with the live cost model).
     Ngram,
+    /// The DSpark drafter of --draft-model (with the live cost model).
+    Dspark,
     /// K3's own greedy continuation, recorded by a plain run first (acceptance 1.0, no cost model):
     /// what batching alone gives.
     Oracle,
@@ -69,6 +71,10 @@ pub struct RunBenchArgs {
     /// Also write every record (one JSON per line) to this file.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Write the run's expert fetch trace (one [layer, [experts...]] per MoE layer pass, prefill
+    /// then decode) as JSON, for studying cache policies offline.
+    #[arg(long, value_name = "FILE")]
+    fetch_trace: Option<PathBuf>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -210,9 +216,10 @@ fn one_run(
     // A verify batch holds the pending token and up to 7 drafts.
     let rows = if a.draft == BenchDraft::Off { prompt.len() } else { prompt.len().max(8) };
     let config = engine_args.config(a.model.clone(), crate::k3::KdaMode::Recurrent, rows, 0);
-    let mut spec = match a.draft {
-        BenchDraft::Off => None,
-        BenchDraft::Ngram => crate::spec::drafter_for(DraftKind::Ngram)?.map(Speculator::new),
+    if a.draft == BenchDraft::Dspark && engine_args.draft_model.is_none() {
+        anyhow::bail!("--draft dspark needs --draft-model DIR");
+    }
+    let mut oracle = match a.draft {
         BenchDraft::Oracle => {
             // Recorded on an engine of its own, so the measured run starts as cold as the others.
             let engine = load::open_engine(config.clone())?;
@@ -222,13 +229,24 @@ fn one_run(
             let truth = prompt.iter().chain(&g.tokens).copied().collect();
             Some(Speculator::without_cost_model(Box::new(OracleDrafter::new(truth))))
         }
+        _ => None,
     };
     let dropped = drop_page_cache() || dropped;
     let engine = load::open_engine(config)?;
+    let mut spec = match a.draft {
+        BenchDraft::Off => None,
+        BenchDraft::Ngram => crate::spec::drafter_for(DraftKind::Ngram, &engine)?.map(Speculator::new),
+        BenchDraft::Dspark => crate::spec::drafter_for(DraftKind::Dspark, &engine)?.map(Speculator::new),
+        BenchDraft::Oracle => oracle.take(),
+    };
     let plan = engine.plan.clone();
     let mut session = engine.new_session();
     let t0 = Instant::now();
-    session.prefill(prompt).context("prefill failed")?;
+    match &mut spec {
+        Some(sp) => sp.prefill(&mut session, prompt),
+        None => session.prefill(prompt),
+    }
+    .context("prefill failed")?;
     let ttft = t0.elapsed().as_secs_f64();
     session.stats.ttft_s = ttft;
     session.stats.prefill_s = ttft;
@@ -261,6 +279,12 @@ fn one_run(
             unique,
             prefill_read as f64 / unique as f64
         );
+    }
+    if let Some(p) = &a.fetch_trace {
+        let body = serde_json::to_vec(
+            &json!({"cache_slots": engine.source_report().cache_slots, "prefill_passes": pre.fetch_trace.len(), "trace": stats.fetch_trace}),
+        )?;
+        crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
     }
     // Our cache against the optimal one of the same size on the same fetch trace (cold start).
     let report = engine.source_report();

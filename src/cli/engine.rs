@@ -1,6 +1,7 @@
 //! Engine options shared by `run`, `score` and `bench`, mapped one to one onto
 //! [`EngineConfig`] (the library builds the memory plan and the expert source from it).
 
+use crate::backend::BackendKind;
 use crate::engine::{EngineConfig, ExpertsFrom};
 use crate::k3::KdaMode;
 use crate::store::reader::ReaderKind;
@@ -36,6 +37,12 @@ pub struct EngineArgs {
     /// Use only these drives of the placement (comma-separated indices), e.g. for a ladder.
     #[arg(long, value_delimiter = ',')]
     pub use_drives: Option<Vec<usize>>,
+    /// DSpark draft model directory (for --draft dspark|auto); its weights count in the memory budget.
+    #[arg(long, value_name = "DIR")]
+    pub draft_model: Option<PathBuf>,
+    /// Backend: cpu, gpu (any Vulkan/Metal adapter, lavapipe included), or auto (a real GPU if present).
+    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
+    pub backend: BackendKind,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -62,6 +69,8 @@ impl EngineArgs {
             prefetch: self.prefetch == OnOff::On,
             use_drives: self.use_drives.clone(),
             kda,
+            draft_model: self.draft_model.clone(),
+            backend: self.backend,
         }
     }
 }

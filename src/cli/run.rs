@@ -8,7 +8,7 @@ use crate::engine::GenerateOptions;
 use crate::model::chat::{ChatOptions, ChatTemplate, Thinking};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::sample::{Sampler, SamplingParams};
-use crate::spec::{DraftKind, Speculator};
+use crate::spec::{DraftKind, Speculator, WidthPolicy};
 use anyhow::{Context, Result, bail};
 use clap::{ArgGroup, Args, ValueEnum};
 use std::io::{Read, Write};
@@ -153,10 +153,15 @@ pub fn run(a: RunArgs) -> Result<()> {
     let seed = a.seed.unwrap_or_else(crate::util::fresh_seed);
     let sampling = SamplingParams::new(a.temperature, a.top_p, seed).map_err(|e| anyhow::anyhow!("{e}"))?;
     let prompt = prompt_ids(&a, &dir, tok.as_ref())?;
-    let mut spec = crate::spec::drafter_for(a.draft)?.map(Speculator::new);
+    if a.draft == DraftKind::Dspark && a.engine.draft_model.is_none() {
+        bail!(
+            "--draft dspark needs --draft-model DIR (a DSpark checkpoint; `deltafin synth --dspark` writes a random one)"
+        );
+    }
     // A verify batch holds the pending token and up to `max` drafts.
-    let rows = prompt.len().max(spec.as_ref().map_or(1, |s| s.width.max + 1));
+    let rows = prompt.len().max(if a.draft == DraftKind::Off { 1 } else { WidthPolicy::default().max + 1 });
     let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), rows, 0))?;
+    let mut spec = crate::spec::drafter_for(a.draft, &engine)?.map(Speculator::new);
     if let Some(t) = &tok {
         engine.check_tokenizer(t)?;
     }
@@ -172,7 +177,11 @@ pub fn run(a: RunArgs) -> Result<()> {
     if !a.quiet {
         eprintln!("{}", engine.startup_line());
         if let Some(s) = &spec {
-            eprintln!("deltafin: drafting: {} | drafter memory: none", s.describe());
+            let memory = match (&engine.draft, s.drafter.name()) {
+                (Some(d), "dspark") => d.describe(),
+                _ => "drafter memory: none".into(),
+            };
+            eprintln!("deltafin: drafting: {} | {memory}", s.describe());
         }
         if !sampling.is_greedy() {
             eprintln!(
@@ -198,7 +207,11 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut decoder = StreamDecoder::default();
     let mut text = String::new();
     let t0 = Instant::now();
-    session.prefill(&prompt).context("prefill failed")?;
+    match &mut spec {
+        Some(sp) => sp.prefill(&mut session, &prompt),
+        None => session.prefill(&prompt),
+    }
+    .context("prefill failed")?;
     session.stats.ttft_s = t0.elapsed().as_secs_f64();
     let mut ids: Vec<u32> = Vec::with_capacity(a.max_new);
     let mut write_error: Option<anyhow::Error> = None;

@@ -62,10 +62,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
         bail!("model directory {} does not exist", dir.display());
     }
     // Verify batches need k + 1 rows; prompts are chunked at --prefill-rows.
-    // A drafter that cannot be built is a startup error, not a silent fallback.
-    crate::spec::drafter_for(a.draft)?;
     let rows = a.engine.prefill_rows.max(8);
     let engine = load::open_engine(a.engine.config(dir.clone(), crate::k3::KdaMode::Recurrent, rows, 0))?;
+    // A drafter that cannot be built is a startup error, not a silent fallback.
+    crate::spec::drafter_for(a.draft, &engine)?;
     let model_id = a.model_name.clone().unwrap_or_else(|| {
         dir.canonicalize()
             .unwrap_or(dir.clone())

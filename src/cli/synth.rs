@@ -66,9 +66,71 @@ pub struct SynthArgs {
     /// Target shard size in GB.
     #[arg(long)]
     shard_gb: Option<f64>,
+    /// Scale the token embeddings (64 makes greedy output fall into short cycles: repetitive
+    /// text for benchmarking drafters).
+    #[arg(long)]
+    embed_scale: Option<f32>,
+    /// Write a random DSpark draft model for --target instead (config.json + model.safetensors);
+    /// --layers, --mla-heads (attention heads), --dense-inter (MLP width) and --seed apply to it.
+    #[arg(long, requires = "target")]
+    dspark: bool,
+    /// The K3 model the DSpark drafter is for (its hidden size, vocabulary and layers).
+    #[arg(long, value_name = "MODEL", requires = "dspark")]
+    target: Option<PathBuf>,
+    /// Target layers the DSpark drafter taps (comma-separated; default: K3's five, scaled).
+    #[arg(long, value_delimiter = ',', requires = "dspark")]
+    taps: Option<Vec<usize>>,
+}
+
+fn run_dspark(a: &SynthArgs, target: &std::path::Path) -> Result<()> {
+    use crate::spec::dspark::synth::{self as ds, DSparkSynthSpec};
+    let tc =
+        crate::model::K3Config::load(target).with_context(|| format!("cannot read the target {}", target.display()))?;
+    let mut s = DSparkSynthSpec::for_target(&tc);
+    if let Some(l) = a.layers {
+        s.layers = l.max(1);
+    }
+    if let Some(seed) = a.seed {
+        s.seed = seed;
+    }
+    if let Some(t) = &a.taps {
+        s.taps = t.clone();
+    }
+    if let Some(i) = a.dense_inter {
+        s.intermediate = i;
+    }
+    if let Some(h) = a.mla_heads {
+        s.heads = h.max(1);
+    }
+    let total = s.total_bytes(&tc);
+    eprintln!(
+        "deltafin synth: DSpark drafter for {} ({} layers, taps {:?}, {}) -> {}",
+        target.display(),
+        s.layers,
+        s.taps,
+        crate::util::human_bytes(total),
+        a.out.display()
+    );
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    ds::write(&s, &tc, &a.out, a.force, &|done, _| bar.set_position(done))
+        .with_context(|| format!("synth into {} failed", a.out.display()))?;
+    bar.finish_and_clear();
+    eprintln!(
+        "deltafin synth: wrote {} (random weights; use with --draft dspark --draft-model {})",
+        a.out.display(),
+        a.out.display()
+    );
+    Ok(())
 }
 
 pub fn run(a: SynthArgs) -> Result<()> {
+    if let (true, Some(t)) = (a.dspark, &a.target) {
+        return run_dspark(&a, t);
+    }
     let mut s = match a.preset {
         Preset::Demo => SynthSpec::demo(),
         Preset::K3Experts => SynthSpec::k3_experts(),
@@ -80,6 +142,9 @@ pub fn run(a: SynthArgs) -> Result<()> {
          shared_experts => shared_experts, expert_inter => expert_inter, expert_latent => expert_latent,
          dense_layers => dense_layers, dense_inter => dense_inter, kda_heads => kda_heads,
          head_dim => kda_head_dim, mla_every => mla_every, mla_heads => mla_heads, block => attn_res_block, seed => seed);
+    if let Some(x) = a.embed_scale {
+        s.embed_scale = x;
+    }
     if let Some(g) = a.shard_gb {
         s.shard_bytes = (g * 1e9).max(1.0) as u64;
     }

@@ -12,13 +12,14 @@ pub(crate) mod session;
 
 pub use session::{GenerateOptions, Generation, Session, StopReason};
 
-use crate::backend::{Backend, CpuBackend};
+use crate::backend::{Backend, BackendKind};
 use crate::k3::{ForwardError, K3, KdaMode};
 use crate::memory::{BudgetError, MemoryPlan, activation_bytes, machine_available};
 use crate::model::config::{AttnKind, FfnKind};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{Checkpoint, K3Config, ModelError, Roster};
 use crate::sched::{self, LogitRows, SeqRows};
+use crate::spec::DSparkModel;
 use crate::stats::Stats;
 use crate::store::expert_store::{self, ExpertStore, StoreOptions, StoreSpec};
 use crate::store::placement::{MANIFEST, Manifest, PlacementError, manifest_spec, shard_spec};
@@ -66,6 +67,10 @@ pub struct EngineConfig {
     /// Use only these drives of the placement.
     pub use_drives: Option<Vec<usize>>,
     pub kda: KdaMode,
+    /// DSpark draft model directory (`--draft-model`); its weights count in the memory budget.
+    pub draft_model: Option<PathBuf>,
+    /// Which backend runs the forward pass.
+    pub backend: BackendKind,
 }
 
 impl Default for EngineConfig {
@@ -84,6 +89,8 @@ impl Default for EngineConfig {
             prefetch: false,
             use_drives: None,
             kda: KdaMode::Recurrent,
+            draft_model: None,
+            backend: BackendKind::Cpu,
         }
     }
 }
@@ -110,6 +117,10 @@ pub enum EngineError {
     NoTokenizer(PathBuf),
     #[error(transparent)]
     Forward(#[from] ForwardError),
+    #[error("draft model: {0}")]
+    Draft(ModelError),
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
 }
 
 /// An opened model; see the module contract.
@@ -120,6 +131,8 @@ pub struct Engine {
     pub ck: Arc<Checkpoint>,
     pub roster: Roster,
     pub model: K3,
+    /// The DSpark draft model (`EngineConfig::draft_model`), shared by every session's drafter.
+    pub draft: Option<Arc<DSparkModel>>,
     source: Option<Arc<dyn ExpertSource>>,
     store: Option<Arc<ExpertStore>>,
     pub plan: MemoryPlan,
@@ -233,9 +246,14 @@ impl Engine {
         let cfg = K3Config::load(&dir)?;
         let ck = Arc::new(Checkpoint::open(&dir)?);
         let roster = Roster::build(&cfg, &ck)?;
-        let backend: Arc<dyn Backend> = Arc::new(CpuBackend);
-        let model = K3::load(cfg.clone(), &ck, backend)?;
+        let backend: Arc<dyn Backend> = crate::backend::open(config.backend)?;
+        let model = K3::load(cfg.clone(), &ck, Arc::clone(&backend))?;
         let trunk = model.w.resident_bytes() as u64;
+        let draft = match &config.draft_model {
+            Some(d) => Some(Arc::new(DSparkModel::open(d, &cfg, &model.w, backend).map_err(EngineError::Draft)?)),
+            None => None,
+        };
+        let draft_bytes = draft.as_ref().map_or(0, |d| d.weight_bytes() + d.cache_bytes());
         let c = &cfg;
         let budget = config.memory_gb.map_or_else(machine_available, |g| (g * 1e9) as u64);
         let layout = roster.expert_layout.clone();
@@ -257,13 +275,14 @@ impl Engine {
             (Some(_), None) => {
                 let (fixed, per_token) = crate::k3::state::SeqState::footprint(c);
                 let reserve = fixed as u64 + per_token as u64 * c.max_context.min(32_768) as u64;
-                let committed = trunk + staging + reserve + activation_bytes(c, rows) + config.output_bytes;
+                let committed =
+                    trunk + draft_bytes + staging + reserve + activation_bytes(c, rows) + config.output_bytes;
                 (budget.saturating_sub(committed) as f64 * 0.9) as u64
             }
         };
         // Whole slots only, and never more than every expert.
         let cache = cache.checked_div(slot).map_or(0, |n| n.min(n_experts) * slot);
-        let plan = MemoryPlan::new(c, budget, trunk, cache, staging, rows, config.output_bytes)?;
+        let plan = MemoryPlan::new(c, budget, trunk, draft_bytes, cache, staging, rows, config.output_bytes)?;
         let (source, store): (Option<Arc<dyn ExpertSource>>, Option<Arc<ExpertStore>>) = match spec {
             None if given.is_some() => (given, None),
             None => match ShardExperts::new(Arc::clone(&ck), &roster) {
@@ -277,7 +296,7 @@ impl Engine {
                 (Some(store.clone() as Arc<dyn ExpertSource>), Some(store))
             }
         };
-        Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, source, store, plan }))
+        Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, draft, source, store, plan }))
     }
 
     /// A new, empty sequence on this engine.

@@ -109,7 +109,8 @@ impl Session {
         &mut self,
         tokens: &[u32],
         logits: LogitRows,
-        keep: &mut dyn FnMut(Vec<f32>),
+        taps: &[usize],
+        keep: &mut dyn FnMut(usize, RowsOut),
     ) -> Result<(), ForwardError> {
         let rows = self.engine.config.prefill_rows.max(1);
         if tokens.is_empty() {
@@ -119,10 +120,11 @@ impl Session {
         // Several chunks commit one by one: keep the state to come back to on a late failure.
         let before = (tokens.len() > rows).then(|| (self.state.clone(), self.tokens.len(), self.last_logits.clone()));
         for chunk in tokens.chunks(rows) {
-            match self.forward(chunk, logits, &[]) {
+            let start = self.pos();
+            match self.forward(chunk, logits, taps) {
                 Ok(out) => {
                     self.last_logits = Some(out.logits[out.logits.len().saturating_sub(vocab)..].to_vec());
-                    keep(out.logits);
+                    keep(start, out);
                 }
                 Err(e) => {
                     if let Some((st, n, logits)) = before {
@@ -141,8 +143,25 @@ impl Session {
     /// layer, one read of each layer's expert union, before the next starts); returns the last
     /// row's logits. All or nothing: on failure the session is as before the call.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], ForwardError> {
+        self.prefill_observed(tokens, &[], &mut |_, _, _| {})
+    }
+
+    /// [`Session::prefill`] that also hands each committed chunk's hidden rows after the `taps`
+    /// layers to `observe(start position, rows, row count)` (a drafter's context). If a later
+    /// chunk fails, the session is restored but earlier chunks were observed: the observer must
+    /// drop rows at or past the session's position when it next sees one (see `DSparkDrafter`).
+    pub fn prefill_observed(
+        &mut self,
+        tokens: &[u32],
+        taps: &[usize],
+        observe: &mut dyn FnMut(usize, &RowsOut, usize),
+    ) -> Result<&[f32], ForwardError> {
         let t0 = Instant::now();
-        self.chunked(tokens, LogitRows::Last, &mut |_| {})?;
+        let h = self.engine.cfg.hidden;
+        self.chunked(tokens, LogitRows::Last, taps, &mut |start, out| {
+            let n = out.taps.first().map_or(0, |(_, r)| r.len() / h);
+            observe(start, &out, n)
+        })?;
         self.stats.prompt_tokens += tokens.len() as u64;
         self.stats.prefill_s += t0.elapsed().as_secs_f64();
         Ok(self.last_logits.as_deref().unwrap_or_default())
@@ -158,7 +177,7 @@ impl Session {
     /// Logits at every position of `tokens` (chunked at `prefill_rows`), committed; all or nothing.
     pub fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
         let mut all = Vec::with_capacity(tokens.len() * self.engine.cfg.vocab);
-        self.chunked(tokens, LogitRows::All, &mut |l| all.extend(l))?;
+        self.chunked(tokens, LogitRows::All, &[], &mut |_, o| all.extend(o.logits))?;
         Ok(all)
     }
 

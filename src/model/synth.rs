@@ -118,6 +118,14 @@ pub struct SynthSpec {
     pub seed: u64,
     /// Target shard size in bytes (a shard holds whole layers or whole experts).
     pub shard_bytes: u64,
+    /// Scale of the token embeddings: large values (64) make the embedding dominate the residual
+    /// stream, so greedy decode falls into short cycles (repetitive output, for drafter benchmarks).
+    #[serde(skip_serializing_if = "is_unit_scale")]
+    pub embed_scale: f32,
+}
+
+fn is_unit_scale(x: &f32) -> bool {
+    *x == 1.0
 }
 
 impl SynthSpec {
@@ -148,6 +156,7 @@ impl SynthSpec {
             max_context: 8192,
             seed: 1,
             shard_bytes: 4 << 20,
+            embed_scale: 1.0,
         }
     }
 
@@ -179,6 +188,7 @@ impl SynthSpec {
             max_context: 1 << 20,
             seed: 1,
             shard_bytes: 4 << 30,
+            embed_scale: 1.0,
         }
     }
 
@@ -187,6 +197,9 @@ impl SynthSpec {
     }
 
     pub fn validate(&self) -> Result<(), SynthError> {
+        if !(self.embed_scale.is_finite() && self.embed_scale > 0.0) {
+            return Err(SynthError::Spec(format!("embed scale {} must be a positive number", self.embed_scale)));
+        }
         let bad = |m: String| Err(SynthError::Spec(m));
         if self.layers < 1 || self.hidden < 1 || self.kda_heads < 1 || self.kda_head_dim < 1 || self.mla_heads < 1 {
             return bad("layers, hidden and head counts must be >= 1".into());
@@ -281,7 +294,7 @@ impl SynthSpec {
     fn plan(&self) -> Vec<Vec<TensorPlan>> {
         let (h, v) = (self.hidden, self.vocab);
         let mut groups = vec![vec![
-            TensorPlan::bf16(top("embed_tokens.weight"), vec![v, h], Fill::Uniform(1.0)),
+            TensorPlan::bf16(top("embed_tokens.weight"), vec![v, h], Fill::Uniform(self.embed_scale)),
             TensorPlan::bf16(LM_HEAD.into(), vec![v, h], Fill::Uniform(3.0 / (h as f32).sqrt())),
             TensorPlan::bf16(top("norm.weight"), vec![h], Fill::Norm),
             TensorPlan::bf16(top("output_attn_res_norm.weight"), vec![h], Fill::Norm),
@@ -388,7 +401,7 @@ impl SynthSpec {
 }
 
 #[derive(Clone, Copy, Debug)]
-enum Fill {
+pub(crate) enum Fill {
     /// Uniform in [-a, a].
     Uniform(f32),
     /// 1 + uniform in [-0.1, 0.1] (norm weights).
@@ -406,7 +419,7 @@ enum Dtype {
     U8,
 }
 
-struct TensorPlan {
+pub(crate) struct TensorPlan {
     name: String,
     dtype: Dtype,
     shape: Vec<usize>,
@@ -414,10 +427,10 @@ struct TensorPlan {
 }
 
 impl TensorPlan {
-    fn bf16(name: String, shape: Vec<usize>, fill: Fill) -> Self {
+    pub(crate) fn bf16(name: String, shape: Vec<usize>, fill: Fill) -> Self {
         TensorPlan { name, dtype: Dtype::Bf16, shape, fill }
     }
-    fn f32(name: String, shape: Vec<usize>, fill: Fill) -> Self {
+    pub(crate) fn f32(name: String, shape: Vec<usize>, fill: Fill) -> Self {
         TensorPlan { name, dtype: Dtype::F32, shape, fill }
     }
     fn u8(name: String, shape: Vec<usize>, fill: Fill) -> Self {
@@ -430,7 +443,7 @@ impl TensorPlan {
             Dtype::U8 => 1,
         }
     }
-    fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self) -> u64 {
         (self.shape.iter().product::<usize>() * self.elem()) as u64
     }
     fn dtype_name(&self) -> &'static str {
@@ -624,47 +637,10 @@ fn write_into(spec: &SynthSpec, dir: &Path, progress: &(dyn Fn(u64, u64) + Sync)
     for (si, mut tensors) in shards.into_iter().enumerate() {
         let file =
             if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{n:05}.safetensors", si + 1) };
-        // Routed experts first (so with the header padded to 4 KiB, experts of real K3 size start
-        // 4 KiB-aligned and O_DIRECT reads need no widening); then the usual order: larger element
-        // alignment first, then by name. Safetensors does not prescribe an order.
-        let is_expert = |t: &TensorPlan| t.dtype == Dtype::U8;
-        tensors.sort_by(|a, b| {
-            is_expert(b).cmp(&is_expert(a)).then_with(|| b.elem().cmp(&a.elem())).then_with(|| a.name.cmp(&b.name))
-        });
-        let mut header = serde_json::Map::new();
-        let mut off = 0u64;
+        write_safetensors(&dir.join(&file), &mut tensors, spec.seed, &mut done, total, progress)?;
         for t in &tensors {
-            header.insert(
-                t.name.clone(),
-                json!({"dtype": t.dtype_name(), "shape": t.shape, "data_offsets": [off, off + t.bytes()]}),
-            );
-            off += t.bytes();
             weight_map.insert(t.name.clone(), json!(file));
         }
-        let mut h = serde_json::to_vec(&Value::Object(header)).unwrap_or_default();
-        // Pad so the data section starts 4 KiB-aligned (8-byte length prefix + header).
-        while !(h.len() + 8).is_multiple_of(4096) {
-            h.push(b' ');
-        }
-        let path = dir.join(&file);
-        let f = std::fs::File::create(&path).map_err(io(&path))?;
-        let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
-        w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io(&path))?;
-        w.write_all(&h).map_err(io(&path))?;
-        for t in &tensors {
-            let chunks = (t.bytes() as usize).div_ceil(CHUNK);
-            // Generate a batch of chunks in parallel, write them in order.
-            for batch in (0..chunks).collect::<Vec<_>>().chunks(16) {
-                let data: Vec<Vec<u8>> = batch.par_iter().map(|&c| t.chunk_bytes(spec.seed, c)).collect();
-                for d in data {
-                    w.write_all(&d).map_err(io(&path))?;
-                    done += d.len() as u64;
-                }
-                progress(done, total);
-            }
-        }
-        let f = w.into_inner().map_err(|e| SynthError::Io { path: path.clone(), source: e.into_error() })?;
-        f.sync_all().map_err(io(&path))?;
     }
     if n > 1 {
         let idx = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
@@ -681,6 +657,58 @@ fn write_into(spec: &SynthSpec, dir: &Path, progress: &(dyn Fn(u64, u64) + Sync)
         MARKER,
         &serde_json::to_string_pretty(&json!({"written_by": "deltafin synth", "files": files})).unwrap_or_default(),
     )?;
+    Ok(())
+}
+
+/// Writes `tensors` as one safetensors file at `path` (fsynced), adding the bytes written to
+/// `done` and reporting `progress(done, total)`; content is a pure function of (`seed`, names).
+pub(crate) fn write_safetensors(
+    path: &Path,
+    tensors: &mut [TensorPlan],
+    seed: u64,
+    done: &mut u64,
+    total: u64,
+    progress: &(dyn Fn(u64, u64) + Sync),
+) -> Result<(), SynthError> {
+    // Routed experts first (so with the header padded to 4 KiB, experts of real K3 size start
+    // 4 KiB-aligned and O_DIRECT reads need no widening); then the usual order: larger element
+    // alignment first, then by name. Safetensors does not prescribe an order.
+    let is_expert = |t: &TensorPlan| t.dtype == Dtype::U8;
+    tensors.sort_by(|a, b| {
+        is_expert(b).cmp(&is_expert(a)).then_with(|| b.elem().cmp(&a.elem())).then_with(|| a.name.cmp(&b.name))
+    });
+    let mut header = serde_json::Map::new();
+    let mut off = 0u64;
+    for t in tensors.iter() {
+        header.insert(
+            t.name.clone(),
+            json!({"dtype": t.dtype_name(), "shape": t.shape, "data_offsets": [off, off + t.bytes()]}),
+        );
+        off += t.bytes();
+    }
+    let mut h = serde_json::to_vec(&Value::Object(header)).unwrap_or_default();
+    // Pad so the data section starts 4 KiB-aligned (8-byte length prefix + header).
+    while !(h.len() + 8).is_multiple_of(4096) {
+        h.push(b' ');
+    }
+    let f = std::fs::File::create(path).map_err(io(path))?;
+    let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
+    w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io(path))?;
+    w.write_all(&h).map_err(io(path))?;
+    for t in tensors.iter() {
+        let chunks = (t.bytes() as usize).div_ceil(CHUNK);
+        // Generate a batch of chunks in parallel, write them in order.
+        for batch in (0..chunks).collect::<Vec<_>>().chunks(16) {
+            let data: Vec<Vec<u8>> = batch.par_iter().map(|&c| t.chunk_bytes(seed, c)).collect();
+            for d in data {
+                w.write_all(&d).map_err(io(path))?;
+                *done += d.len() as u64;
+            }
+            progress(*done, total);
+        }
+    }
+    let f = w.into_inner().map_err(|e| SynthError::Io { path: path.to_path_buf(), source: e.into_error() })?;
+    f.sync_all().map_err(io(path))?;
     Ok(())
 }
 

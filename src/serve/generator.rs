@@ -383,18 +383,23 @@ impl Generator {
             }
             return Ok(out);
         }
+        let mut spec = crate::spec::drafter_for(self.cfg.draft, &self.engine).ok().flatten().map(Speculator::new);
+        // A drafter that reads K3's hidden rows (DSpark) must see the whole prompt: no resume.
+        let taps = spec.as_ref().is_some_and(|s| !s.drafter.taps().is_empty());
         let (mut session, reused) =
-            if self.cfg.reuse { self.session_for(&prompt) } else { (self.engine.new_session(), 0) };
+            if self.cfg.reuse && !taps { self.session_for(&prompt) } else { (self.engine.new_session(), 0) };
         session.stats = Stats::default();
         let src0 = self.engine.source_report();
         if reused < prompt.len() {
-            session.prefill(&prompt[reused..])?;
+            match &mut spec {
+                Some(sp) if taps => sp.prefill(&mut session, &prompt)?,
+                _ => session.prefill(&prompt[reused..])?,
+            };
         }
         let prefilled_s = t0.elapsed().as_secs_f64();
         let snapshot = (self.cfg.reuse && self.snapshot_fits(prompt.len(), max_new)).then(|| session.fork());
         let mut sampler = Sampler::new(params);
         let lp_sink = req.logprobs.map(|n| sampler.record_logprobs(n));
-        let mut spec = crate::spec::drafter_for(self.cfg.draft).ok().flatten().map(Speculator::new);
         let is_chat = req.kind == Kind::Chat;
         let enc = Arc::clone(&self.enc);
         let tok = enc.tok.as_ref();

@@ -14,19 +14,21 @@
 //!
 //! How wide to draft is the [`WidthPolicy`] (the published probe-2 / widen-to-7 policy) and
 //! whether to draft at all is also up to the [`CostModel`] (measured verify vs single-step time).
-//! A [`Drafter`] is any proposer: [`NgramDrafter`] today ([`OracleDrafter`] replays a recorded
-//! run for benchmarks); a model drafter (DSpark) asks for
-//! hidden rows through [`Drafter::taps`] and receives them in [`Drafter::observe`].
+//! A [`Drafter`] is any proposer: [`NgramDrafter`] (prompt lookup), [`DSparkDrafter`] (the
+//! DSpark draft model, which asks for K3's hidden rows through [`Drafter::taps`] and receives
+//! them in [`Drafter::observe`]), and [`OracleDrafter`] (replays a recorded run, for benchmarks).
 
+pub mod dspark;
 mod ngram;
 mod oracle;
 pub mod sampling;
 
+pub use dspark::{DSparkDrafter, DSparkModel};
 pub use ngram::NgramDrafter;
 pub use oracle::OracleDrafter;
 
 use crate::engine::session::emit;
-use crate::engine::{GenerateOptions, Generation, Session, StopReason};
+use crate::engine::{Engine, GenerateOptions, Generation, Session, StopReason};
 use crate::k3::ForwardError;
 use crate::sample::Sampler;
 use crate::sched::RowsOut;
@@ -44,8 +46,9 @@ pub trait Drafter: Send {
     fn taps(&self) -> &[usize] {
         &[]
     }
-    /// Called after each feed with the forward's output and how many of its rows were committed.
-    fn observe(&mut self, _rows: &RowsOut, _committed: usize) {}
+    /// Called after each feed with the forward's output, the position of its first row and how
+    /// many of its rows were committed.
+    fn observe(&mut self, _start: usize, _rows: &RowsOut, _committed: usize) {}
 }
 
 /// Which drafter to use.
@@ -57,24 +60,26 @@ pub enum DraftKind {
     Off,
     /// n-gram prompt lookup over prompt + output.
     Ngram,
-    /// The DSpark draft model (not built yet).
+    /// The DSpark draft model (`--draft-model DIR`).
     Dspark,
-    /// DSpark when a draft model is configured, else n-gram (today: n-gram).
+    /// DSpark when a draft model is configured, else n-gram.
     Auto,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
-    #[error("DSpark drafting is not built yet (use --draft ngram or auto)")]
-    DsparkNotBuilt,
+    #[error("--draft dspark needs a DSpark checkpoint: give --draft-model DIR (or use --draft ngram / auto)")]
+    NoDraftModel,
 }
 
-/// The drafter for `kind` (None for `Off`).
-pub fn drafter_for(kind: DraftKind) -> Result<Option<Box<dyn Drafter>>, SpecError> {
+/// The drafter for `kind` on `engine` (None for `Off`); DSpark uses the engine's draft model.
+pub fn drafter_for(kind: DraftKind, engine: &Engine) -> Result<Option<Box<dyn Drafter>>, SpecError> {
+    let dspark = || engine.draft.as_ref().map(|m| Box::new(m.drafter()) as Box<dyn Drafter>);
     match kind {
         DraftKind::Off => Ok(None),
-        DraftKind::Ngram | DraftKind::Auto => Ok(Some(Box::new(NgramDrafter::default()))),
-        DraftKind::Dspark => Err(SpecError::DsparkNotBuilt),
+        DraftKind::Ngram => Ok(Some(Box::new(NgramDrafter::default()))),
+        DraftKind::Auto => Ok(Some(dspark().unwrap_or_else(|| Box::new(NgramDrafter::default())))),
+        DraftKind::Dspark => dspark().map(Some).ok_or(SpecError::NoDraftModel),
     }
 }
 
@@ -246,6 +251,16 @@ impl Speculator {
     fn width(&self) -> usize {
         if self.cost.as_ref().is_some_and(|c| !c.allows()) { 0 } else { self.width.width() }
     }
+
+    /// Prefills `tokens` on `session`, handing the drafter the prompt rows it taps.
+    pub fn prefill<'s>(&mut self, session: &'s mut Session, tokens: &[u32]) -> Result<&'s [f32], ForwardError> {
+        let taps = self.drafter.taps().to_vec();
+        if taps.is_empty() {
+            return session.prefill(tokens);
+        }
+        let drafter = &mut self.drafter;
+        session.prefill_observed(tokens, &taps, &mut |start, rows, n| drafter.observe(start, rows, n))
+    }
 }
 
 impl Session {
@@ -309,9 +324,10 @@ impl Session {
                 if taps.is_empty() {
                     logits = self.step(next)?.to_vec();
                 } else {
+                    let start = self.pos();
                     let rows = self.verify(&[next], &taps)?;
                     self.commit(1)?;
-                    spec.drafter.observe(&rows, 1);
+                    spec.drafter.observe(start, &rows, 1);
                     logits = rows.logits;
                 }
                 spec.width.tick();
@@ -324,6 +340,7 @@ impl Session {
             let mut rows = Vec::with_capacity(drafts.len() + 1);
             rows.push(next);
             rows.extend_from_slice(&drafts);
+            let start = self.pos();
             let got = self.verify(&rows, &taps)?;
             // K3's pick after row i is the check of draft i (row i + 1).
             let mut accepted = 0;
@@ -349,7 +366,7 @@ impl Session {
                 }
             }
             self.commit(keep)?;
-            spec.drafter.observe(&got, keep);
+            spec.drafter.observe(start, &got, keep);
             spec.width.record(drafts.len(), accepted);
             if let Some(c) = &mut spec.cost {
                 c.record_verify(accepted + 1, tv.elapsed().as_secs_f64() + draft_s);
@@ -448,14 +465,5 @@ mod tests {
             c.record_step(1.0);
         }
         assert!(c.allows());
-    }
-
-    #[test]
-    fn drafter_kinds() {
-        assert!(drafter_for(DraftKind::Off).unwrap().is_none());
-        assert_eq!(drafter_for(DraftKind::Ngram).unwrap().unwrap().name(), "ngram");
-        assert_eq!(drafter_for(DraftKind::Auto).unwrap().unwrap().name(), "ngram");
-        let e = drafter_for(DraftKind::Dspark).err().unwrap();
-        assert!(e.to_string().contains("DSpark drafting is not built yet"));
     }
 }

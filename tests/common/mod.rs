@@ -289,3 +289,44 @@ pub fn shard_store(m: &Model, cache_bytes: u64, qd: usize, prefetch_depth: usize
 pub fn drive_dirs(root: &Path, n: usize) -> Vec<PathBuf> {
     (0..n).map(|i| root.join(format!("d{i}"))).collect()
 }
+
+/// A copy of fixture `name` whose token embeddings are scaled by 64: the embedding then dominates
+/// the residual stream, the next token depends mostly on the current one, and greedy decode falls
+/// into short cycles — the repetition n-gram drafts need (the fixtures themselves never repeat).
+pub fn repeating_copy(name: &str) -> tempfile::TempDir {
+    let tmp = copy_fixture(name);
+    for e in std::fs::read_dir(tmp.path()).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_some_and(|x| x == "safetensors") {
+            edit_bf16_tensors(&path, &|n| n.ends_with("embed_tokens.weight"), &mut |_, _, x| x * 64.0);
+        }
+    }
+    tmp
+}
+
+/// Rewrites in place every BF16 tensor of the safetensors file `path` whose name `select` picks:
+/// element i becomes `f(name, i, old)` (rounded to bf16). Returns how many tensors changed.
+pub fn edit_bf16_tensors(
+    path: &Path,
+    select: &dyn Fn(&str) -> bool,
+    f: &mut dyn FnMut(&str, usize, f32) -> f32,
+) -> usize {
+    let mut b = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let h: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let mut changed = 0;
+    for (k, v) in h.as_object().unwrap() {
+        if k == "__metadata__" || !select(k) {
+            continue;
+        }
+        assert_eq!(v["dtype"], "BF16", "{k}");
+        let (s, e) = (v["data_offsets"][0].as_u64().unwrap() as usize, v["data_offsets"][1].as_u64().unwrap() as usize);
+        for (i, c) in b[8 + n + s..8 + n + e].chunks_exact_mut(2).enumerate() {
+            let x = f(k, i, half::bf16::from_le_bytes([c[0], c[1]]).to_f32());
+            c.copy_from_slice(&half::bf16::from_f32(x).to_le_bytes());
+        }
+        changed += 1;
+    }
+    std::fs::write(path, b).unwrap();
+    changed
+}

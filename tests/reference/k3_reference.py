@@ -258,8 +258,10 @@ class Reference:
 
     # -------------------------------------------------------- whole model
 
-    def logits(self, tokens):
-        """Full forward over `tokens`; returns logits [T, vocab] in float64."""
+    def logits(self, tokens, taps=None):
+        """Full forward over `tokens`; returns logits [T, vocab] in float64. With `taps` (a dict
+        keyed by layer index), stores in taps[l] the completed rows after layer l: the AttnRes
+        running prefix after the layer's FFN was added (what DSpark reads)."""
         eps = self.eps
         prefix = self.w("embed_tokens.weight")[np.asarray(tokens)]
         blocks = []
@@ -283,6 +285,8 @@ class Reference:
             else:
                 f = self.mlp(lambda n: self.lw(l, "mlp." + n), xf)
             prefix = prefix + f
+            if taps is not None and l in taps:
+                taps[l] = prefix.copy()
         out = attn_res_mix(blocks + [prefix], self.w("output_attn_res_norm.weight"),
                            self.w("output_attn_res_proj.weight"), eps)
         out = rmsnorm(out, self.w("norm.weight"), eps)

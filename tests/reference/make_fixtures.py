@@ -49,6 +49,14 @@ SPECS = {
 }
 
 
+# DSpark drafters for a target fixture (published layout: config.json + model.safetensors).
+DSPARK_SPECS = {
+    "dspark-tiny-a": dict(
+        seed=11, target="k3-tiny-a", layers=2, heads=4, q_lora=32, kv_lora=32, nope=16, rope=8, v=16,
+        inter=96, markov_rank=16, taps=[0, 2, 4], block=7, cases=[1, 40, 139]),
+}
+
+
 def bf16_bits(x):
     """float array -> uint16 bf16 bits, round to nearest even."""
     f = np.asarray(x, dtype=np.float32)
@@ -282,6 +290,92 @@ def build(name):
     raise SystemExit(f"{name}: no seed without near-ties")
 
 
+def dspark_config(spec, target):
+    tc = target.c
+    return {
+        "model_type": "k3_dspark", "architectures": ["K3DSparkModel"],
+        "hidden_size": tc["hidden_size"], "intermediate_size": spec["inter"],
+        "num_hidden_layers": spec["layers"], "num_attention_heads": spec["heads"],
+        "q_lora_rank": spec["q_lora"], "kv_lora_rank": spec["kv_lora"], "qk_nope_head_dim": spec["nope"],
+        "qk_rope_head_dim": spec["rope"], "v_head_dim": spec["v"], "mla_use_nope": False,
+        "mla_use_output_gate": False, "rms_norm_eps": 1e-5, "vocab_size": tc["vocab_size"],
+        "target_hidden_size": tc["hidden_size"], "target_layer_ids": spec["taps"],
+        "num_target_layers": len(spec["taps"]), "mask_token_id": tc["vocab_size"] - 3,
+        "markov_rank": spec["markov_rank"], "enable_confidence_head": True, "block_size": spec["block"],
+        "rope_theta": 50000.0,
+        "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 32768,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    }
+
+
+def make_dspark(spec, out_dir, seed, target):
+    rng = np.random.default_rng(seed)
+    H, V = target.c["hidden_size"], target.c["vocab_size"]
+    lin = lambda o, i, gain=1.0: rng.standard_normal((o, i)) * gain / np.sqrt(i)
+    norm = lambda n: 1.0 + 0.1 * rng.standard_normal(n)
+    T = Tensors()
+    T.bf16("context_proj.weight", lin(H, H * len(spec["taps"])))
+    T.bf16("context_norm.weight", norm(H))
+    T.bf16("final_norm.weight", norm(H))
+    T.bf16("markov_head.markov_w1.weight", rng.standard_normal((V, spec["markov_rank"])))
+    T.bf16("markov_head.markov_w2.weight", lin(V, spec["markov_rank"], 2.0))
+    T.bf16("confidence_head.proj.weight", lin(1, H + spec["markov_rank"]))
+    T.bf16("confidence_head.proj.bias", rng.standard_normal(1))
+    # The published checkpoint carries a copy of K3's embeddings, which runtimes do not read.
+    T.bf16("embed_tokens.weight", target.w("embed_tokens.weight"))
+    nh, nope, rope, vd, ql, kl, I = (spec[k] for k in ("heads", "nope", "rope", "v", "q_lora", "kv_lora", "inter"))
+    for l in range(spec["layers"]):
+        n = lambda x: f"layers.{l}.{x}"
+        T.bf16(n("input_layernorm.weight"), norm(H))
+        T.bf16(n("post_attention_layernorm.weight"), norm(H))
+        T.bf16(n("self_attn.q_a_proj.weight"), lin(ql, H))
+        T.bf16(n("self_attn.q_a_layernorm.weight"), norm(ql))
+        T.bf16(n("self_attn.q_b_proj.weight"), lin(nh * (nope + rope), ql))
+        T.bf16(n("self_attn.kv_a_proj_with_mqa.weight"), lin(kl + rope, H))
+        T.bf16(n("self_attn.kv_a_layernorm.weight"), norm(kl))
+        T.bf16(n("self_attn.kv_b_proj.weight"), lin(nh * (nope + vd), kl))
+        T.bf16(n("self_attn.o_proj.weight"), lin(H, nh * vd))
+        T.bf16(n("mlp.gate_proj.weight"), lin(I, H))
+        T.bf16(n("mlp.up_proj.weight"), lin(I, H))
+        T.bf16(n("mlp.down_proj.weight"), lin(H, I))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(dspark_config(spec, target), f, indent=2)
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), T.items)
+
+
+def build_dspark(name):
+    from dspark_reference import DSparkReference
+    spec = DSPARK_SPECS[name]
+    out_dir = os.path.join(FIXTURES, name)
+    target_dir = os.path.join(FIXTURES, spec["target"])
+    target = Reference(target_dir)
+    with open(os.path.join(target_dir, "reference.json")) as f:
+        prompt = json.load(f)["prompt_ids"]
+    for attempt in range(20):
+        seed = spec["seed"] * 1000 + attempt
+        make_dspark(spec, out_dir, seed, target)
+        ref = DSparkReference(out_dir, target)
+        taps = ref.target_taps(prompt)
+        cases, all_logits, worst = [], [], float("inf")
+        for L in spec["cases"]:
+            logits, drafts, margins = ref.block(ref.context(taps, 0, L), prompt[L], L)
+            cases.append({"context_len": L, "anchor": prompt[L], "drafts": drafts, "margins": margins})
+            all_logits.append(logits)
+            worst = min(worst, min(margins))
+        if worst < MIN_MARGIN:
+            print(f"  {name}: seed {seed} has a near-tie (margin {worst:.2e}); trying another")
+            continue
+        cross_check_with_safetensors(out_dir)
+        write_reference(out_dir, np.concatenate(all_logits, axis=0))
+        with open(os.path.join(out_dir, "reference.json"), "w") as f:
+            json.dump({"kind": "dspark", "seed": seed, "target": spec["target"], "prompt_ids": prompt,
+                       "cases": cases, "spec": spec}, f, indent=1)
+        print(f"  {name}: seed {seed}, {len(cases)} blocks, min draft margin {worst:.3f}")
+        return
+    raise SystemExit(f"{name}: no seed without near-ties")
+
+
 if __name__ == "__main__":
-    for n in (sys.argv[1:] or SPECS):
-        build(n)
+    for n in (sys.argv[1:] or list(SPECS) + list(DSPARK_SPECS)):
+        build_dspark(n) if n in DSPARK_SPECS else build(n)

@@ -19,13 +19,39 @@ pub struct MlaDims {
     pub v_head: usize,
 }
 
+/// Which cached tokens a row sees.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Visible {
+    /// Row t sees the `past` cached tokens and the new rows up to itself (K3's layers).
+    Causal,
+    /// Every row sees every cached token (DSpark's draft block: no mask).
+    All,
+}
+
 /// `q` [n, heads, nope + rope] for the `n` rows that follow `past` cached tokens; `cache` holds
 /// [past + n, lora + rope] latents (the new rows included). Writes `out` [n, heads, v_head].
+/// Causal, scale (nope + rope)^-1/2.
 pub fn attention(q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, d: MlaDims, out: &mut [f32]) {
+    let scale = 1.0 / ((d.nope + d.rope) as f32).sqrt();
+    attention_with(q, cache, past, kv_b, d, scale, Visible::Causal, out)
+}
+
+/// [`attention`] with a given softmax scale and visibility.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_with(
+    q: &[f32],
+    cache: &[f32],
+    past: usize,
+    kv_b: &Bf16Mat,
+    d: MlaDims,
+    scale: f32,
+    visible: Visible,
+    out: &mut [f32],
+) {
     let (nh, nope, rope, lora, vd) = (d.heads, d.nope, d.rope, d.lora, d.v_head);
     let qd = nope + rope;
     let lat = lora + rope;
-    let scale = 1.0 / (qd as f32).sqrt();
+    let all = cache.len() / lat;
     out.par_chunks_mut(vd).enumerate().for_each(|(idx, out)| {
         let (t, hd) = (idx / nh, idx % nh);
         let qh = &q[(t * nh + hd) * qd..][..qd];
@@ -37,7 +63,7 @@ pub fn attention(q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, d: MlaDi
             decode_bf16_row(kv_b.row(hd * (nope + vd) + i), &mut wrow);
             axpy(&mut q_abs, qi, &wrow);
         }
-        let len = past + t + 1;
+        let len = if visible == Visible::All { all } else { past + t + 1 };
         let mut p: Vec<f32> = (0..len)
             .map(|s| {
                 let cs = &cache[s * lat..(s + 1) * lat];

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU measurements on the lent NVIDIA H200 (through the device tool, from the repo root there,
+# with the Vulkan loader debs in .gl/ and stripped builds in .dev/: deltafin and the gpu test
+# binary). Writes every record under $OUT:
+#   - bench kernels --backend gpu (MXFP4 matvec vs plain read of the same bytes, 512-row matmul),
+#     and the CPU kernels on the same machine;
+#   - the gpu tests (bit-identity to the CPU when the adapter's fma is fused; fixtures vs fp64);
+#   - bench run --backend gpu and --backend cpu on a synthetic model with real expert size, 3.7x
+#     the memory cgroup's limit, cold.
+set -uo pipefail
+for f in .gl/*.deb; do dpkg -x "$f" /; done
+ldconfig
+export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+# The test binary has this checkout's path compiled in (fixtures).
+mkdir -p /work && { [ -e /work/main ] || ln -s "$PWD" /work/main; }
+B=$PWD/.dev/deltafin
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
+nproc >> "$out/gpu.txt"
+$B bench kernels --backend gpu --reps 20 2>&1 | grep -v XDG_RUNTIME | tee "$out/kernels.jsonl"
+$B bench kernels --rows 512 2>&1 | tee -a "$out/kernels.jsonl"
+.dev/gpu-test --test-threads 1 --nocapture gpu_products fixtures_on 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
+model=/tmp/k3x
+$B synth --preset k3-experts --layers 4 --experts 180 --out "$model" 2>&1 | tail -1
+echo +memory > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true
+for be in gpu cpu; do
+  bench/in_cgroup.sh 3G "$B" bench run --model "$model" --prompt-tokens 512 --decode 16 --backend "$be" \
+    --out "$out/run.jsonl" 2>&1 | grep -v XDG_RUNTIME | tail -3
+done

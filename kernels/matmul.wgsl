@@ -1,0 +1,196 @@
+// Matrix products for the GPU backend, in the CPU kernels' operation order so that a GPU whose
+// `fma` is fused gives the CPU's bits: out[i * rows + r] = W[r] . x[i], where lane l (of 16)
+// accumulates the elements k = l, l + 16, l + 32, ... with fused multiply-add (the tail past
+// `cols` padded with 0 x 0), then the 16 lanes are summed by the fixed tree
+// (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1) (`cpu::reduce16`).
+//
+// kind 0: W is bf16, row-major, two per u32 (little-endian).
+// kind 1: W is MXFP4 as shipped (weight_packed: element 2i the low nibble, 2i+1 the high one;
+//         weight_scale: E8M0, one per 32 inputs); `x` is deinterleaved per block of 32 (the 16
+//         even-indexed inputs, then the 16 odd ones: `cpu::deinterleave_mxfp4_input`), so element
+//         k of a block is the low nibble of byte k for k < 16 and the high nibble of byte k - 16.
+// The bytes are decoded here, never re-encoded.
+
+struct Params {
+    rows: u32,
+    cols: u32,
+    n: u32,
+    kind: u32,
+    // Row of W that row 0 of this dispatch is (a matrix split over several bindings).
+    row0: u32,
+    out_rows: u32,
+    _pad0: u32,
+    _pad1: u32,
+}
+
+@group(0) @binding(0) var<storage, read> w: array<u32>;
+@group(0) @binding(1) var<storage, read> scales: array<u32>;
+@group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(4) var<uniform> p: Params;
+
+// A workgroup: 16 weight rows x 16 lanes, for XR input rows at once (each weight decoded once,
+// used XR times); the input rows are staged in workgroup memory TILE elements at a time.
+const ROWS_PER_GROUP: u32 = 16u;
+const XR: u32 = 4u;
+const TILE: u32 = 512u;
+var<workgroup> lanes: array<f32, 1024>;
+var<workgroup> xt: array<f32, 2048>;
+
+// E2M1 code -> value, built as f32 bits (no table: a dynamically indexed array would live in
+// slow local memory): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 for 0..7, bit 3 the sign (code 8 is -0).
+fn e2m1(code: u32) -> f32 {
+    let m = code & 7u;
+    let e = m >> 1u;
+    var bits = 0u;
+    if (m == 1u) {
+        bits = 0x3f000000u;
+    } else if (m >= 2u) {
+        bits = ((e + 126u) << 23u) | ((m & 1u) << 22u);
+    }
+    return bitcast<f32>(bits | ((code & 8u) << 28u));
+}
+
+fn e8m0(s: u32) -> f32 {
+    if (s == 0u) {
+        return bitcast<f32>(0x00400000u);
+    }
+    if (s == 255u) {
+        return bitcast<f32>(0x7fc00000u);
+    }
+    return bitcast<f32>(s << 23u);
+}
+
+fn byte_at(idx: u32) -> u32 {
+    return (w[idx >> 2u] >> ((idx & 3u) * 8u)) & 0xffu;
+}
+
+fn weight(r: u32, k: u32) -> f32 {
+    if (p.kind == 0u) {
+        let idx = r * p.cols + k;
+        let word = w[idx >> 1u];
+        let bits = select(word & 0xffffu, word >> 16u, (idx & 1u) == 1u);
+        return bitcast<f32>(bits << 16u);
+    }
+    let b = k >> 5u;
+    let j = k & 31u;
+    let byte = byte_at(r * (p.cols >> 1u) + b * 16u + (j & 15u));
+    let code = select(byte & 15u, byte >> 4u, j >= 16u);
+    let si = r * (p.cols >> 5u) + b;
+    let s = (scales[si >> 2u] >> ((si & 3u) * 8u)) & 0xffu;
+    return e2m1(code) * e8m0(s);
+}
+
+@compute @workgroup_size(256)
+fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
+    let lane = lid.x & 15u;
+    let slot = lid.x >> 4u;
+    let r = wg.x * ROWS_PER_GROUP + slot;
+    let i0 = wg.y * XR;
+    let live = r < p.rows;
+    var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
+    // Lane order as on the CPU: elements lane, lane + 16, ... up to the columns rounded up to 16
+    // (the padding contributes fma(0, 0, acc)).
+    let padded = ((p.cols + 15u) / 16u) * 16u;
+    for (var t0 = 0u; t0 < padded; t0 = t0 + TILE) {
+        for (var j = lid.x; j < XR * TILE; j = j + 256u) {
+            let q = j / TILE;
+            let k = t0 + (j % TILE);
+            var v = 0.0;
+            if (k < p.cols && i0 + q < p.n) {
+                v = x[(i0 + q) * p.cols + k];
+            }
+            xt[j] = v;
+        }
+        workgroupBarrier();
+        let end = min(TILE, padded - t0);
+        for (var c = lane; c < end; c = c + 16u) {
+            let k = t0 + c;
+            var wv = 0.0;
+            if (live && k < p.cols) {
+                wv = weight(r, k);
+            }
+            for (var q = 0u; q < XR; q = q + 1u) {
+                acc[q] = fma(wv, xt[q * TILE + c], acc[q]);
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var q = 0u; q < XR; q = q + 1u) {
+        lanes[q * 256u + lid.x] = acc[q];
+    }
+    workgroupBarrier();
+    // The fixed tree per (input row, weight row): lanes (l, l+8), (l, l+4), (l, l+2), (l, l+1).
+    if (lane < XR && live && i0 + lane < p.n) {
+        let q = lane;
+        let b = q * 256u + slot * 16u;
+        var v8: array<f32, 8>;
+        for (var t = 0u; t < 8u; t = t + 1u) {
+            v8[t] = lanes[b + t] + lanes[b + t + 8u];
+        }
+        var v4: array<f32, 4>;
+        for (var t = 0u; t < 4u; t = t + 1u) {
+            v4[t] = v8[t] + v8[t + 4u];
+        }
+        let v2a = v4[0] + v4[2];
+        let v2b = v4[1] + v4[3];
+        out[(i0 + q) * p.out_rows + p.row0 + r] = v2a + v2b;
+    }
+}
+
+// One input row (decode): 4 weight rows x 16 lanes per workgroup, inputs read directly.
+var<workgroup> vlanes: array<f32, 64>;
+
+@compute @workgroup_size(64)
+fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
+    let lane = lid.x & 15u;
+    let slot = lid.x >> 4u;
+    let r = wg.x * 4u + slot;
+    let live = r < p.rows;
+    var acc = 0.0;
+    let chunks = (p.cols + 15u) / 16u;
+    for (var c = 0u; c < chunks; c = c + 1u) {
+        let k = c * 16u + lane;
+        var wv = 0.0;
+        var xv = 0.0;
+        if (live && k < p.cols) {
+            wv = weight(r, k);
+            xv = x[k];
+        }
+        acc = fma(wv, xv, acc);
+    }
+    vlanes[lid.x] = acc;
+    workgroupBarrier();
+    if (lane == 0u && live) {
+        let b = slot * 16u;
+        var v8: array<f32, 8>;
+        for (var t = 0u; t < 8u; t = t + 1u) {
+            v8[t] = vlanes[b + t] + vlanes[b + t + 8u];
+        }
+        var v4: array<f32, 4>;
+        for (var t = 0u; t < 4u; t = t + 1u) {
+            v4[t] = v8[t] + v8[t + 4u];
+        }
+        out[p.row0 + r] = (v4[0] + v4[2]) + (v4[1] + v4[3]);
+    }
+}
+
+// Plain read of the same kind of buffer (the bandwidth the matvec is compared with): every
+// invocation sums a strided run of words and writes one partial.
+@compute @workgroup_size(256)
+fn read_all(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let threads = nw.x * 256u;
+    let words = arrayLength(&w);
+    var s = 0u;
+    for (var k = gid.x; k < words; k = k + threads) {
+        s = s ^ w[k];
+    }
+    out[gid.x] = bitcast<f32>(s & 0x3fffffffu);
+}
+
+// fma(a[i], b[i], c[i]) for the fused-multiply-add probe.
+@compute @workgroup_size(1)
+fn fma_probe(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x * 3u;
+    out[gid.x] = fma(x[i], x[i + 1u], x[i + 2u]);
+}
