@@ -279,3 +279,9 @@ pub fn bench_record(kind: &str, body: serde_json::Value) -> serde_json::Value {
     }
     serde_json::Value::Object(m)
 }
+
+/// A seed for a sampler nobody gave one: the clock's nanoseconds mixed with the process id.
+pub fn fresh_seed() -> u64 {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    t ^ (u64::from(std::process::id()) << 32)
+}

@@ -281,7 +281,9 @@ fn one_run(
         );
     }
     if let Some(p) = &a.fetch_trace {
-        let body = serde_json::to_vec(&json!({"cache_slots": engine.source_report().cache_slots, "prefill_passes": pre.fetch_trace.len(), "trace": stats.fetch_trace}))?;
+        let body = serde_json::to_vec(
+            &json!({"cache_slots": engine.source_report().cache_slots, "prefill_passes": pre.fetch_trace.len(), "trace": stats.fetch_trace}),
+        )?;
         crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
     }
     // Our cache against the optimal one of the same size on the same fetch trace (cold start).

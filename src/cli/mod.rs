@@ -1,6 +1,7 @@
 //! Command-line interface: clap definitions and one file per subcommand. Errors are `anyhow` with
 //! context here at the edge; exit codes: 0 success, 1 runtime error, 2 usage error.
 
+mod batch;
 mod bench;
 mod bench_run;
 mod engine;
@@ -9,6 +10,7 @@ mod place;
 mod plot;
 mod run;
 mod score;
+mod serve;
 mod setup;
 mod synth;
 
@@ -31,7 +33,7 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Generate greedily from a prompt.
+    /// Generate from a prompt (greedy, or sampled with --temperature).
     Run(run::RunArgs),
     /// Compute logits at every position of a prompt and write them to a safetensors file.
     Score(score::ScoreArgs),
@@ -43,6 +45,10 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Install a model from a Hugging Face-compatible hub (--full, or --stream experts on demand).
     Setup(setup::SetupArgs),
+    /// Run a JSONL file of requests (resumable: ids already in the output are skipped).
+    Batch(batch::BatchArgs),
+    /// OpenAI-compatible HTTP server (chat, completions, streaming, metrics, a chat page at /).
+    Serve(serve::ServeArgs),
 }
 
 /// How KDA evaluates a prompt (hidden option for tests and comparisons).
@@ -132,6 +138,8 @@ pub fn main() -> ExitCode {
         Cmd::Place(a) => place::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Setup(a) => setup::run(a),
+        Cmd::Serve(a) => serve::run(a),
+        Cmd::Batch(a) => batch::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

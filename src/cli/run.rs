@@ -1,4 +1,4 @@
-//! `deltafin run`: one-shot greedy generation. Text streams to stdout as tokens are produced
+//! `deltafin run`: one-shot generation (greedy, or sampled with `--temperature`). Text streams to stdout as tokens are produced
 //! (held back only inside a UTF-8 character); diagnostics, the startup line and `--stats` go to
 //! stderr, so stdout can be piped.
 
@@ -7,6 +7,7 @@ use super::{KdaArg, TokenIds};
 use crate::engine::GenerateOptions;
 use crate::model::chat::{ChatOptions, ChatTemplate, Thinking};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
+use crate::sample::{Sampler, SamplingParams};
 use crate::spec::{DraftKind, Speculator, WidthPolicy};
 use anyhow::{Context, Result, bail};
 use clap::{ArgGroup, Args, ValueEnum};
@@ -69,6 +70,15 @@ pub struct RunArgs {
     pub trace_routes: Option<PathBuf>,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
+    /// Sampling temperature (0, the default, is greedy: K3's argmax).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    /// Seed of the sampler (default: a fresh one, printed; the same seed gives the same output).
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Draft tokens for K3 to verify in batches (output is identical; only speed changes).
     #[arg(long, value_enum, default_value_t = DraftKind::Off)]
     pub draft: DraftKind,
@@ -140,6 +150,8 @@ pub fn run(a: RunArgs) -> Result<()> {
     } else {
         None
     };
+    let seed = a.seed.unwrap_or_else(crate::util::fresh_seed);
+    let sampling = SamplingParams::new(a.temperature, a.top_p, seed).map_err(|e| anyhow::anyhow!("{e}"))?;
     let prompt = prompt_ids(&a, &dir, tok.as_ref())?;
     if a.draft == DraftKind::Dspark && a.engine.draft_model.is_none() {
         bail!(
@@ -170,6 +182,12 @@ pub fn run(a: RunArgs) -> Result<()> {
                 _ => "drafter memory: none".into(),
             };
             eprintln!("deltafin: drafting: {} | {memory}", s.describe());
+        }
+        if !sampling.is_greedy() {
+            eprintln!(
+                "deltafin: sampling: temperature {} top-p {} seed {}",
+                sampling.temperature, sampling.top_p, sampling.seed
+            );
         }
     }
     if a.demo {
@@ -223,9 +241,10 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
         true
     };
+    let mut sampler = Sampler::new(sampling);
     match &mut spec {
-        Some(sp) => session.generate_speculative(&opts, sp, &mut on_token),
-        None => session.generate(&opts, &mut on_token),
+        Some(sp) => session.generate_speculative_sampled(&opts, sp, &mut sampler, &mut on_token),
+        None => session.generate_sampled(&opts, &mut sampler, &mut on_token),
     }
     .context("decode failed")?;
     if let Some(e) = write_error {
@@ -242,7 +261,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             writeln!(out)?;
         }
         Format::Json => {
-            let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config});
+            let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config, "sampling": sampling});
             if tok.is_some() {
                 obj["text"] = serde_json::Value::String(text);
             }

@@ -7,8 +7,9 @@
 //! position (by recomputing the prefix: KDA state cannot be run backwards).
 
 use super::Engine;
+use crate::k3::ForwardError;
 use crate::k3::state::SeqState;
-use crate::k3::{ForwardError, argmax};
+use crate::sample::Sampler;
 use crate::sched::{self, LogitRows, RowsOut, SeqRows};
 use crate::stats::Stats;
 use std::sync::Arc;
@@ -209,6 +210,19 @@ impl Session {
         Ok(())
     }
 
+    /// An independent copy of this sequence (state, tokens, logits) with fresh counters: what a
+    /// server keeps to resume a conversation from, or a test branches from.
+    pub fn fork(&self) -> Session {
+        Session {
+            engine: Arc::clone(&self.engine),
+            state: self.state.clone(),
+            tokens: self.tokens.clone(),
+            last_logits: self.last_logits.clone(),
+            verifying: None,
+            stats: Stats::default(),
+        }
+    }
+
     /// Goes back to position `pos` (<= `pos()`): the state is recomputed from the first `pos`
     /// tokens (bit-identical to having stopped there). On failure the session is unchanged.
     pub fn truncate(&mut self, pos: usize) -> Result<(), ForwardError> {
@@ -238,6 +252,17 @@ impl Session {
         opts: &GenerateOptions,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Generation, ForwardError> {
+        self.generate_sampled(opts, &mut Sampler::greedy(), on_token)
+    }
+
+    /// [`Session::generate`] with each token chosen by `sampler` (greedy: the same tokens bit for
+    /// bit; sampling: one pick per emitted token, in order).
+    pub fn generate_sampled(
+        &mut self,
+        opts: &GenerateOptions,
+        sampler: &mut Sampler,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generation, ForwardError> {
         let mut out = Vec::with_capacity(opts.max_new);
         let Some(mut logits) = self.last_logits.clone() else { return Err(ForwardError::Empty) };
         let started = self.decode_start();
@@ -245,7 +270,7 @@ impl Session {
             if out.len() >= opts.max_new {
                 break StopReason::Length;
             }
-            if let Some(r) = emit(&mut out, argmax(&logits), opts, on_token) {
+            if let Some(r) = emit(&mut out, sampler.pick(&logits), opts, on_token) {
                 break r;
             }
             logits = self.step(out[out.len() - 1])?.to_vec();

@@ -7,7 +7,10 @@
 //! (`Session::verify`: one expert-union read per MoE layer for all k+1 rows, nothing committed),
 //! accepts the longest prefix of drafts equal to K3's own greedy picks, emits those and commits
 //! their rows (`Session::commit`, bit-identical to feeding them one by one); K3's pick after the
-//! last kept row is the next pending token. Drafters only change speed, never output.
+//! last kept row is the next pending token. Drafters only change speed, never output. With a
+//! sampling [`Sampler`], K3's pick at each row is a draw and a draft is kept when the draw equals
+//! it — the speculative-sampling rule for point-mass drafts ([`sampling`]), giving the tokens of
+//! plain sampling with the same seed.
 //!
 //! How wide to draft is the [`WidthPolicy`] (the published probe-2 / widen-to-7 policy) and
 //! whether to draft at all is also up to the [`CostModel`] (measured verify vs single-step time).
@@ -18,6 +21,7 @@
 pub mod dspark;
 mod ngram;
 mod oracle;
+pub mod sampling;
 
 pub use dspark::{DSparkDrafter, DSparkModel};
 pub use ngram::NgramDrafter;
@@ -25,7 +29,8 @@ pub use oracle::OracleDrafter;
 
 use crate::engine::session::emit;
 use crate::engine::{Engine, GenerateOptions, Generation, Session, StopReason};
-use crate::k3::{ForwardError, argmax};
+use crate::k3::ForwardError;
+use crate::sample::Sampler;
 use crate::sched::RowsOut;
 use std::time::Instant;
 
@@ -267,6 +272,20 @@ impl Session {
         spec: &mut Speculator,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Generation, ForwardError> {
+        self.generate_speculative_sampled(opts, spec, &mut Sampler::greedy(), on_token)
+    }
+
+    /// [`Session::generate_speculative`] with tokens chosen by `sampler`: K3's pick at each row is
+    /// `sampler.pick`, and a draft is accepted when the pick equals it (see [`sampling`]: for a
+    /// drafter's point-mass proposal this is the speculative-sampling accept/reject rule, and the
+    /// tokens equal [`Session::generate_sampled`]'s with the same sampler bit for bit).
+    pub fn generate_speculative_sampled(
+        &mut self,
+        opts: &GenerateOptions,
+        spec: &mut Speculator,
+        sampler: &mut Sampler,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generation, ForwardError> {
         let Some(first) = self.logits() else { return Err(ForwardError::Empty) };
         let mut logits = first.to_vec();
         let vocab = self.engine().cfg.vocab;
@@ -275,11 +294,16 @@ impl Session {
         // Prompt + output; the pending (emitted, not yet fed) token is last.
         let mut ctx = self.tokens().to_vec();
         let started = self.decode_start();
+        // K3's pick at a rejected draft's row, already drawn: the next pending token.
+        let mut picked = None;
         let reason = loop {
             if out.len() >= opts.max_new {
                 break StopReason::Length;
             }
-            let next = argmax(&logits);
+            let next = match picked.take() {
+                Some(t) => t,
+                None => sampler.pick(&logits),
+            };
             ctx.push(next);
             if let Some(r) = emit(&mut out, next, opts, on_token) {
                 break r;
@@ -319,11 +343,15 @@ impl Session {
             let start = self.pos();
             let got = self.verify(&rows, &taps)?;
             // K3's pick after row i is the check of draft i (row i + 1).
-            let accepted = drafts
-                .iter()
-                .enumerate()
-                .take_while(|(i, d)| argmax(&got.logits[i * vocab..(i + 1) * vocab]) == **d)
-                .count();
+            let mut accepted = 0;
+            for (i, &d) in drafts.iter().enumerate() {
+                let x = sampler.pick(&got.logits[i * vocab..(i + 1) * vocab]);
+                if x != d {
+                    picked = Some(x);
+                    break;
+                }
+                accepted += 1;
+            }
             self.stats.record_drafts(drafts.len(), accepted);
             // Emit the accepted drafts exactly as `generate` would; an end among them keeps only
             // the rows `generate` would have fed (the ending token itself is not fed).

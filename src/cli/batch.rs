@@ -1,0 +1,244 @@
+//! `deltafin batch`: a JSONL file of requests in, a JSONL file of results out, the model loaded
+//! once (through the server's generator, so conversation reuse and the memo apply here too).
+//!
+//! Contract: each input line is `{"id", "prompt" | "messages", ...}` with the server's option
+//! names (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`, `logprobs`, `reasoning_effort`,
+//! ...). Each result is one line appended with a single write (and synced) as soon as it is done,
+//! so a batch killed at any moment leaves only whole lines — at worst one torn last line, which the
+//! next run cuts off. A rerun skips the ids already in the output (resumable after kill -9). A bad
+//! line gets an error record (`{"id", "line", "error": {...}}`) and the batch goes on. `-` is
+//! standard input / standard output. Progress (done, rate, ETA) goes to stderr.
+
+use super::load;
+use crate::serve::api::{self, ApiError, ParseContext};
+use crate::serve::generator::{GenConfig, GenError, Generator, Output};
+use crate::spec::DraftKind;
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use serde_json::{Value, json};
+use std::collections::HashSet;
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Args)]
+pub struct BatchArgs {
+    /// Model directory (config.json, safetensors shards, tokenizer files).
+    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    pub model: Option<PathBuf>,
+    /// Use the built-in demo model (random weights, K3 layout).
+    #[arg(long)]
+    pub demo: bool,
+    /// Input JSONL ("-" for standard input).
+    #[arg(long = "in", value_name = "FILE")]
+    pub input: PathBuf,
+    /// Output JSONL, appended to; ids already in it are skipped ("-" for standard output).
+    #[arg(long = "out", value_name = "FILE")]
+    pub output: PathBuf,
+    /// Tokens per request when a line gives no max_tokens.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Draft tokens for K3 to verify in batches (output is identical; only speed changes).
+    #[arg(long, value_enum, default_value_t = DraftKind::Off)]
+    pub draft: DraftKind,
+    /// Do not reuse the previous request's session when a prompt extends it.
+    #[arg(long)]
+    pub no_reuse: bool,
+    #[command(flatten)]
+    pub engine: super::engine::EngineArgs,
+    /// No startup line and no progress bar.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+fn is_std(p: &Path) -> bool {
+    p.as_os_str() == "-"
+}
+
+/// Ids (and id-less line numbers) already in `out`; cuts a torn last line first.
+fn already_done(out: &Path) -> Result<(HashSet<String>, HashSet<u64>)> {
+    let mut ids = HashSet::new();
+    let mut lines = HashSet::new();
+    let Ok(mut f) = std::fs::OpenOptions::new().read(true).write(true).open(out) else { return Ok((ids, lines)) };
+    let mut bytes = Vec::new();
+    f.read_to_end(&mut bytes).with_context(|| format!("cannot read {}", out.display()))?;
+    let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    if whole < bytes.len() {
+        // A run killed mid-write left part of a line: drop it, its request is redone.
+        f.set_len(whole as u64).with_context(|| format!("cannot repair {}", out.display()))?;
+        f.seek(std::io::SeekFrom::End(0))?;
+        eprintln!("deltafin: batch: cut a torn last line ({} bytes) from {}", bytes.len() - whole, out.display());
+    }
+    for line in bytes[..whole].split(|&b| b == b'\n') {
+        let Ok(v) = serde_json::from_slice::<Value>(line) else { continue };
+        match v.get("id") {
+            Some(Value::String(s)) => {
+                ids.insert(s.clone());
+            }
+            Some(Value::Number(n)) => {
+                ids.insert(n.to_string());
+            }
+            _ => {
+                if let Some(n) = v.get("line").and_then(Value::as_u64) {
+                    lines.insert(n);
+                }
+            }
+        }
+    }
+    Ok((ids, lines))
+}
+
+fn error_record(id: &Value, line: u64, e: &ApiError) -> Value {
+    json!({"id": id, "line": line, "error": e.body()["error"]})
+}
+
+fn result_record(id: &Value, line: u64, out: &Output, logprobs: bool, text: &dyn Fn(u32) -> String) -> Value {
+    let mut r = json!({
+        "id": id,
+        "line": line,
+        "text": out.content,
+        "finish_reason": out.finish_reason,
+        "usage": crate::serve::sse::usage(out),
+        "deltafin": out.ext,
+    });
+    if !out.reasoning.is_empty() {
+        r["reasoning_content"] = json!(out.reasoning);
+    }
+    if logprobs {
+        r["logprobs"] = out
+            .logprobs
+            .iter()
+            .map(|l| {
+                json!({"token": text(l.token), "logprob": l.logprob,
+                       "top_logprobs": l.top.iter().map(|&(t, lp)| json!({"token": text(t), "logprob": lp})).collect::<Vec<_>>()})
+            })
+            .collect();
+    }
+    r
+}
+
+pub fn run(a: BatchArgs) -> Result<()> {
+    let dir = match (&a.model, a.demo) {
+        (Some(m), _) => m.clone(),
+        (None, true) => load::demo_dir()?,
+        (None, false) => bail!("give --model DIR or --demo"),
+    };
+    if !dir.is_dir() {
+        bail!("model directory {} does not exist", dir.display());
+    }
+    let input = if is_std(&a.input) {
+        let mut s = String::new();
+        std::io::stdin().read_to_string(&mut s).context("cannot read the batch from standard input")?;
+        s
+    } else {
+        std::fs::read_to_string(&a.input).with_context(|| format!("cannot read {}", a.input.display()))?
+    };
+    let (done_ids, done_lines) = if is_std(&a.output) { Default::default() } else { already_done(&a.output)? };
+    let mut file = if is_std(&a.output) {
+        None
+    } else {
+        Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&a.output)
+                .with_context(|| format!("cannot open {} for appending", a.output.display()))?,
+        )
+    };
+    let rows = a.engine.prefill_rows.max(8);
+    let engine = load::open_engine(a.engine.config(dir.clone(), crate::k3::KdaMode::Recurrent, rows, 0))?;
+    // A drafter that cannot be built is a startup error, not a silent fallback.
+    crate::spec::drafter_for(a.draft, &engine)?;
+    if !a.quiet {
+        eprintln!("{}", engine.startup_line());
+    }
+    let model_id = dir.file_name().map_or("deltafin".into(), |n| n.to_string_lossy().into_owned());
+    let mut generator = Generator::new(engine, GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: 64 })?;
+    let ctx = ParseContext { model_id: &model_id, template_takes_tools: generator.template_takes_tools() };
+    let todo: Vec<(u64, &str)> =
+        input.lines().enumerate().map(|(i, l)| (i as u64 + 1, l)).filter(|(_, l)| !l.trim().is_empty()).collect();
+    let bar = if a.quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(todo.len() as u64) };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} lines, {per_sec}, ETA {eta} {msg}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let t0 = Instant::now();
+    let (mut ok, mut errors, mut skipped) = (0u64, 0u64, 0u64);
+    let mut seen: HashSet<String> = HashSet::new();
+    for (n, line) in todo {
+        bar.inc(1);
+        let record = match serde_json::from_str::<Value>(line) {
+            Err(e) => {
+                if done_lines.contains(&n) {
+                    skipped += 1;
+                    continue;
+                }
+                error_record(
+                    &Value::Null,
+                    n,
+                    &ApiError::new(400, "invalid_request_error", "invalid_json", format!("line {n} is not JSON: {e}")),
+                )
+            }
+            Ok(v) => {
+                let (id, req) = api::parse_batch_line(&v, &ctx);
+                // Records carry the id as given (a string or a number).
+                let id_val = v.get("id").filter(|_| id.is_some()).cloned().unwrap_or(Value::Null);
+                match (&id, req) {
+                    (Some(id), _) if done_ids.contains(id) => {
+                        skipped += 1;
+                        continue;
+                    }
+                    (None, _) if done_lines.contains(&n) => {
+                        skipped += 1;
+                        continue;
+                    }
+                    (_, Err(e)) => error_record(&id_val, n, &e),
+                    (Some(id), Ok(_)) if !seen.insert(id.clone()) => error_record(
+                        &id_val,
+                        n,
+                        &ApiError::invalid("id", format!("id {id} appears twice in the input")),
+                    ),
+                    (Some(_), Ok(mut req)) => {
+                        req.max_tokens = req.max_tokens.or(Some(a.max_tokens));
+                        match generator.generate(&req, 0.0, &mut |_| true) {
+                            Ok(out) => {
+                                let tt = |t| generator.token_text(t);
+                                result_record(&id_val, n, &out, req.logprobs.is_some(), &tt)
+                            }
+                            Err(GenError::Request(e)) => error_record(&id_val, n, &e),
+                            Err(e) => error_record(
+                                &id_val,
+                                n,
+                                &ApiError::new(500, "server_error", "generation_failed", e.to_string()),
+                            ),
+                        }
+                    }
+                    (None, Ok(_)) => error_record(&Value::Null, n, &ApiError::invalid("id", "the line has no id")),
+                }
+            }
+        };
+        if record.get("error").is_some() {
+            errors += 1;
+        } else {
+            ok += 1;
+        }
+        // One write per record: a kill leaves whole lines (and at worst one torn last line).
+        let mut text = record.to_string();
+        text.push('\n');
+        match &mut file {
+            Some(f) => f.write_all(text.as_bytes()).and_then(|_| f.sync_data()),
+            None => {
+                let mut o = std::io::stdout().lock();
+                o.write_all(text.as_bytes()).and_then(|_| o.flush())
+            }
+        }
+        .context("cannot write a result")?;
+        bar.set_message(format!("{errors} errors"));
+    }
+    bar.finish_and_clear();
+    eprintln!(
+        "deltafin: batch: {ok} done, {errors} errors, {skipped} already in the output, in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

@@ -1,0 +1,96 @@
+//! `deltafin serve`: the OpenAI-compatible server over one engine (see `crate::serve`). The
+//! listening line goes to stderr once the socket is bound (tests wait for it); Ctrl-C or SIGTERM
+//! stops it cleanly.
+
+use super::load;
+use crate::serve::ServeOptions;
+use crate::serve::generator::GenConfig;
+use crate::spec::DraftKind;
+use anyhow::{Result, bail};
+use clap::Args;
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Model directory (config.json, safetensors shards, tokenizer files).
+    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    pub model: Option<PathBuf>,
+    /// Use the built-in demo model (random weights, K3 layout).
+    #[arg(long)]
+    pub demo: bool,
+    /// Address to listen on (loopback by default: nothing leaves the machine).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port (0 picks a free one; the listening line says which).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1 and /metrics (also from DELTAFIN_API_KEY).
+    #[arg(long, env = "DELTAFIN_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Requests that may wait while one runs; more get a 429 with Retry-After.
+    #[arg(long, default_value_t = 16)]
+    pub queue: usize,
+    /// Largest request body in bytes (larger: 413).
+    #[arg(long, default_value_t = 128 << 20)]
+    pub max_request_bytes: usize,
+    /// The model id clients name (default: the model directory's name).
+    #[arg(long)]
+    pub model_name: Option<String>,
+    /// Draft tokens for K3 to verify in batches (output is identical; only speed changes).
+    #[arg(long, value_enum, default_value_t = DraftKind::Off)]
+    pub draft: DraftKind,
+    /// Do not keep sessions between requests (no conversation reuse; saves one sequence state).
+    #[arg(long)]
+    pub no_reuse: bool,
+    /// Entries of the exact-response memo for repeated greedy requests (0: off).
+    #[arg(long, default_value_t = 64)]
+    pub memo: usize,
+    #[command(flatten)]
+    pub engine: super::engine::EngineArgs,
+    /// No startup line.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+pub fn run(a: ServeArgs) -> Result<()> {
+    let dir = match (&a.model, a.demo) {
+        (Some(m), _) => m.clone(),
+        (None, true) => load::demo_dir()?,
+        (None, false) => bail!("give --model DIR or --demo"),
+    };
+    if !dir.is_dir() {
+        bail!("model directory {} does not exist", dir.display());
+    }
+    // Verify batches need k + 1 rows; prompts are chunked at --prefill-rows.
+    let rows = a.engine.prefill_rows.max(8);
+    let engine = load::open_engine(a.engine.config(dir.clone(), crate::k3::KdaMode::Recurrent, rows, 0))?;
+    // A drafter that cannot be built is a startup error, not a silent fallback.
+    crate::spec::drafter_for(a.draft, &engine)?;
+    let model_id = a.model_name.clone().unwrap_or_else(|| {
+        dir.canonicalize()
+            .unwrap_or(dir.clone())
+            .file_name()
+            .map_or("deltafin".into(), |n| n.to_string_lossy().into_owned())
+    });
+    if !a.quiet {
+        eprintln!("{}", engine.startup_line());
+    }
+    if a.demo {
+        eprintln!("deltafin: note: the demo model has RANDOM weights, so its text is meaningless.");
+    }
+    let opts = ServeOptions {
+        host: a.host.clone(),
+        port: a.port,
+        api_key: a.api_key.clone().filter(|k| !k.is_empty()),
+        queue: a.queue,
+        max_request_bytes: a.max_request_bytes,
+        model_id: model_id.clone(),
+        generation: GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: a.memo },
+    };
+    let auth = if opts.api_key.is_some() { "API key required" } else { "no API key" };
+    crate::serve::serve(engine, opts, |addr| {
+        eprintln!("deltafin: serving {model_id} on http://{addr} (OpenAI API at /v1, chat page at /, {auth})");
+    })?;
+    eprintln!("deltafin: server stopped");
+    Ok(())
+}

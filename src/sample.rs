@@ -1,0 +1,294 @@
+//! Choosing the next token from K3's logits: greedy argmax, or sampling with temperature and
+//! nucleus (top-p) filtering from a seeded generator, with optional log-probabilities.
+//!
+//! Contract: temperature 0 picks exactly [`crate::k3::argmax`] and draws no randomness. Otherwise
+//! the token is drawn from softmax(logits / T) restricted to the smallest set of most likely
+//! tokens whose mass reaches `top_p` (ties broken by lower id), renormalised. The math is
+//! single-threaded f64 in a fixed order and the generator is a splitmix64 stream from `seed`, so
+//! the same logits, parameters and seed give the same tokens bit for bit on any thread count.
+//! Every pick draws exactly one uniform number, which is what lets speculative sampling
+//! ([`crate::spec`]) reproduce plain sampling token for token.
+
+use crate::k3::argmax;
+use std::sync::{Arc, Mutex};
+
+/// How tokens are chosen.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct SamplingParams {
+    /// 0 is greedy; OpenAI's range is 0..=2.
+    pub temperature: f64,
+    /// Nucleus mass in 0..=1 (1 keeps every token).
+    pub top_p: f64,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams::greedy()
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SampleError {
+    #[error("temperature {0} is outside 0..=2")]
+    Temperature(f64),
+    #[error("top_p {0} is outside 0..=1")]
+    TopP(f64),
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, top_p: 1.0, seed: 0 }
+    }
+
+    /// Checked parameters.
+    pub fn new(temperature: f64, top_p: f64, seed: u64) -> Result<Self, SampleError> {
+        if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
+            return Err(SampleError::Temperature(temperature));
+        }
+        if !(top_p.is_finite() && (0.0..=1.0).contains(&top_p)) {
+            return Err(SampleError::TopP(top_p));
+        }
+        Ok(SamplingParams { temperature, top_p, seed })
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+/// splitmix64: small, fast, and fully determined by its seed.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1) with 53 random bits.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// The sampling distribution over the whole vocabulary (zeros outside the nucleus), summing to 1.
+/// Greedy parameters give a point mass on the argmax.
+pub fn probabilities(logits: &[f32], p: &SamplingParams) -> Vec<f64> {
+    let mut probs = vec![0.0; logits.len()];
+    if logits.is_empty() {
+        return probs;
+    }
+    if p.is_greedy() {
+        probs[argmax(logits) as usize] = 1.0;
+        return probs;
+    }
+    let max = logits.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
+    if !max.is_finite() {
+        // No usable logit: fall back to the argmax rule rather than divide by zero.
+        probs[argmax(logits) as usize] = 1.0;
+        return probs;
+    }
+    for (w, &l) in probs.iter_mut().zip(logits) {
+        *w = if l.is_nan() { 0.0 } else { ((l as f64 - max) / p.temperature).exp() };
+    }
+    if p.top_p < 1.0 {
+        let total: f64 = probs.iter().sum();
+        let mut order: Vec<u32> = (0..probs.len() as u32).filter(|&i| probs[i as usize] > 0.0).collect();
+        order.sort_by(|&a, &b| probs[b as usize].total_cmp(&probs[a as usize]).then(a.cmp(&b)));
+        let mut cum = 0.0;
+        let mut keep = order.len();
+        for (n, &i) in order.iter().enumerate() {
+            cum += probs[i as usize];
+            if cum >= p.top_p * total {
+                keep = n + 1;
+                break;
+            }
+        }
+        for &i in &order[keep..] {
+            probs[i as usize] = 0.0;
+        }
+    }
+    let total: f64 = probs.iter().sum();
+    for w in &mut probs {
+        *w /= total;
+    }
+    probs
+}
+
+/// The token whose cumulative probability (in id order) first exceeds `u` in [0, 1).
+pub fn inverse_cdf(probs: &[f64], u: f64) -> u32 {
+    let mut cum = 0.0;
+    let mut last = 0;
+    for (i, &w) in probs.iter().enumerate() {
+        if w > 0.0 {
+            cum += w;
+            last = i;
+            if u < cum {
+                return i as u32;
+            }
+        }
+    }
+    // Rounding left the sum just under u: the last token with mass.
+    last as u32
+}
+
+/// One token's log-probability and the most likely alternatives (OpenAI's `logprobs` content).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f64,
+    /// (token, logprob), most likely first.
+    pub top: Vec<(u32, f64)>,
+}
+
+/// log-softmax of the raw logits (the model's own distribution, temperature 1) at `token`, with the
+/// `top` most likely tokens.
+pub fn logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = logits.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).filter(|x| !x.is_nan()).sum::<f64>().ln();
+    let lp = |i: u32| logits.get(i as usize).map_or(f64::NEG_INFINITY, |&l| l as f64 - lse);
+    let mut best: Vec<u32> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for i in 0..logits.len() as u32 {
+            let li = logits[i as usize];
+            if li.is_nan() {
+                continue;
+            }
+            let pos = best.partition_point(|&b| logits[b as usize] >= li);
+            if pos < top {
+                best.insert(pos, i);
+                best.truncate(top);
+            }
+        }
+    }
+    TokenLogprob { token, logprob: lp(token), top: best.into_iter().map(|i| (i, lp(i))).collect() }
+}
+
+/// Picks tokens for one generation; see the module contract.
+pub struct Sampler {
+    pub params: SamplingParams,
+    rng: Rng,
+    /// When set, every pick appends its log-probabilities (with this many alternatives) here.
+    logprobs: Option<(usize, Arc<Mutex<Vec<TokenLogprob>>>)>,
+    picks: u64,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        Sampler { params, rng: Rng::new(params.seed), logprobs: None, picks: 0 }
+    }
+
+    pub fn greedy() -> Self {
+        Sampler::new(SamplingParams::greedy())
+    }
+
+    /// Records each pick's log-probabilities with `top` alternatives; the returned list grows by
+    /// one entry per pick, in order (pick j is the j-th emitted token; a speculative generation may
+    /// leave extra entries after its last emitted token).
+    pub fn record_logprobs(&mut self, top: usize) -> Arc<Mutex<Vec<TokenLogprob>>> {
+        let sink = Arc::new(Mutex::new(Vec::new()));
+        self.logprobs = Some((top, Arc::clone(&sink)));
+        sink
+    }
+
+    /// Picks made so far.
+    pub fn picks(&self) -> u64 {
+        self.picks
+    }
+
+    /// The next token after `logits`.
+    pub fn pick(&mut self, logits: &[f32]) -> u32 {
+        self.picks += 1;
+        let t = if self.params.is_greedy() {
+            argmax(logits)
+        } else {
+            let u = self.rng.uniform();
+            inverse_cdf(&probabilities(logits, &self.params), u)
+        };
+        if let Some((top, sink)) = &self.logprobs {
+            let lp = logprobs(logits, t, *top);
+            if let Ok(mut v) = sink.lock() {
+                v.push(lp);
+            }
+        }
+        t
+    }
+
+    /// A uniform number from this sampler's stream (for accept/reject decisions).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.uniform()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_is_argmax_and_draws_nothing() {
+        let logits = [0.1f32, 3.0, -1.0, 3.0];
+        let mut s = Sampler::greedy();
+        assert_eq!(s.pick(&logits), argmax(&logits));
+        assert_eq!(probabilities(&logits, &SamplingParams::greedy())[argmax(&logits) as usize], 1.0);
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_nucleus() {
+        let logits = [2.0f32.ln(), 5.0f32.ln(), 3.0f32.ln(), 0.0];
+        let p = SamplingParams::new(1.0, 0.7, 0).unwrap();
+        let probs = probabilities(&logits, &p);
+        // Masses 2/11, 5/11, 3/11, 1/11: 5 + 3 = 8/11 >= 0.7.
+        assert!((probs[1] - 5.0 / 8.0).abs() < 1e-6 && (probs[2] - 3.0 / 8.0).abs() < 1e-6, "{probs:?}");
+        assert_eq!((probs[0], probs[3]), (0.0, 0.0));
+        let p0 = SamplingParams::new(1.0, 0.0, 0).unwrap();
+        assert_eq!(probabilities(&logits, &p0)[1], 1.0, "top_p 0 keeps the top token");
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_frequencies_follow_the_distribution() {
+        let logits: Vec<f32> = (0..16).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
+        let p = SamplingParams::new(0.8, 1.0, 42).unwrap();
+        let run = |seed| {
+            let mut s = Sampler::new(SamplingParams { seed, ..p });
+            (0..20000).map(|_| s.pick(&logits)).collect::<Vec<_>>()
+        };
+        let a = run(42);
+        assert_eq!(a, run(42));
+        assert_ne!(a, run(43));
+        let probs = probabilities(&logits, &p);
+        let mut counts = [0f64; 16];
+        for &t in &a {
+            counts[t as usize] += 1.0;
+        }
+        let n = a.len() as f64;
+        let chi2: f64 =
+            probs.iter().zip(&counts).filter(|(p, _)| **p > 0.0).map(|(p, c)| (c - n * p).powi(2) / (n * p)).sum();
+        // 15 degrees of freedom: the 99.9% point is 37.7.
+        assert!(chi2 < 37.7, "chi2 {chi2}");
+    }
+
+    #[test]
+    fn bad_parameters_are_refused() {
+        assert_eq!(SamplingParams::new(2.5, 1.0, 0), Err(SampleError::Temperature(2.5)));
+        assert!(SamplingParams::new(f64::NAN, 1.0, 0).is_err());
+        assert_eq!(SamplingParams::new(1.0, 1.5, 0), Err(SampleError::TopP(1.5)));
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax_with_sorted_alternatives() {
+        let logits = [1.0f32, 2.0, 3.0];
+        let lp = logprobs(&logits, 0, 2);
+        let lse = (1f64.exp() + 2f64.exp() + 3f64.exp()).ln();
+        assert!((lp.logprob - (1.0 - lse)).abs() < 1e-9);
+        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+    }
+}

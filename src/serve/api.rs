@@ -1,0 +1,586 @@
+//! Requests of the OpenAI-compatible API (and of batch input lines), validated strictly.
+//!
+//! Contract: [`parse_chat`], [`parse_completion`] and [`parse_batch_line`] turn a JSON body into a
+//! [`GenRequest`] or an [`ApiError`] in OpenAI's error shape that names the offending field
+//! (`param`): unknown fields, wrong types, out-of-range values and unsupported features (`n > 1`,
+//! image parts, penalties, `echo`, tools when the chat template cannot take them) are all 400s.
+//! Nothing here panics on any input.
+
+use crate::model::chat::Thinking;
+use serde_json::{Map, Value};
+
+/// Longest stop sequence accepted.
+pub const MAX_STOP_BYTES: usize = 1024;
+
+/// An error response: HTTP status and OpenAI's `{"error": {message, type, param, code}}`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+        ApiError {
+            status: 400,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.into()),
+            code: Some("invalid_value"),
+        }
+    }
+
+    pub fn new(status: u16, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError { status, message: message.into(), kind, param: None, code: Some(code) }
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn body(&self) -> Value {
+        serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.param {
+            Some(p) => write!(f, "{p}: {}", self.message),
+            None => write!(f, "{}", self.message),
+        }
+    }
+}
+
+/// What to generate from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    /// Raw text (completions).
+    Text(String),
+    /// Token ids (completions).
+    Ids(Vec<u32>),
+    /// Chat messages, normalised to {role, content: string, ...} for the template.
+    Messages(Value),
+}
+
+/// Which endpoint shape the answer takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    Completion,
+}
+
+/// One validated generation request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenRequest {
+    pub kind: Kind,
+    pub prompt: Prompt,
+    /// Tokens to produce at most (None: up to the context bound).
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    pub temperature: f64,
+    pub top_p: f64,
+    pub seed: Option<u64>,
+    /// Log-probabilities with this many alternatives (None: off).
+    pub logprobs: Option<usize>,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// The chat template's thinking setting (None: the template's default).
+    pub thinking: Option<Thinking>,
+    pub tools: Option<Value>,
+}
+
+/// What the parser needs to know about the model.
+pub struct ParseContext<'a> {
+    /// The served model's id; a request naming another model gets a 404.
+    pub model_id: &'a str,
+    /// The chat template mentions `tools`.
+    pub template_takes_tools: bool,
+}
+
+/// A JSON object whose fields are taken one by one; whatever is left is an unknown field.
+struct Fields {
+    map: Map<String, Value>,
+    prefix: String,
+}
+
+impl Fields {
+    fn new(v: &Value, prefix: &str) -> Result<Self, ApiError> {
+        match v {
+            Value::Object(m) => Ok(Fields { map: m.clone(), prefix: prefix.to_string() }),
+            _ => Err(ApiError::invalid(
+                if prefix.is_empty() { "body".to_string() } else { prefix.trim_end_matches('.').to_string() },
+                "expected a JSON object",
+            )),
+        }
+    }
+
+    fn name(&self, k: &str) -> String {
+        format!("{}{k}", self.prefix)
+    }
+
+    /// The field, with JSON null treated as absent (as OpenAI does).
+    fn take(&mut self, k: &str) -> Option<Value> {
+        self.map.remove(k).filter(|v| !v.is_null())
+    }
+
+    fn bool(&mut self, k: &str) -> Result<Option<bool>, ApiError> {
+        match self.take(k) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(b)),
+            Some(_) => Err(ApiError::invalid(self.name(k), format!("'{}' must be a boolean", self.name(k)))),
+        }
+    }
+
+    fn number(&mut self, k: &str, lo: f64, hi: f64) -> Result<Option<f64>, ApiError> {
+        match self.take(k) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if (lo..=hi).contains(&x) => Ok(Some(x)),
+                Some(x) => Err(ApiError::invalid(
+                    self.name(k),
+                    format!("'{}' is {x}; it must be in {lo}..={hi}", self.name(k)),
+                )),
+                None => Err(ApiError::invalid(self.name(k), format!("'{}' must be a number", self.name(k)))),
+            },
+        }
+    }
+
+    fn integer(&mut self, k: &str, lo: i64, hi: i64) -> Result<Option<i64>, ApiError> {
+        match self.take(k) {
+            None => Ok(None),
+            Some(v) => match v.as_i64().or_else(|| v.as_u64().map(|_| i64::MAX)) {
+                Some(x) if (lo..=hi).contains(&x) => Ok(Some(x)),
+                Some(_) => Err(ApiError::invalid(
+                    self.name(k),
+                    format!("'{}' must be an integer in {lo}..={hi}", self.name(k)),
+                )),
+                None => Err(ApiError::invalid(self.name(k), format!("'{}' must be an integer", self.name(k)))),
+            },
+        }
+    }
+
+    fn string(&mut self, k: &str) -> Result<Option<String>, ApiError> {
+        match self.take(k) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(_) => Err(ApiError::invalid(self.name(k), format!("'{}' must be a string", self.name(k)))),
+        }
+    }
+
+    /// Any field left over is not part of the API (or not supported here).
+    fn finish(self) -> Result<(), ApiError> {
+        match self.map.keys().next() {
+            None => Ok(()),
+            Some(k) => Err(ApiError::invalid(
+                self.name(k),
+                format!("Unrecognized request argument supplied: {}", self.name(k)),
+            )
+            .with_code("unknown_parameter")),
+        }
+    }
+}
+
+fn unsupported(param: &str, what: &str) -> ApiError {
+    ApiError::invalid(param, format!("'{param}': {what} is not supported by this server"))
+        .with_code("unsupported_value")
+}
+
+/// Options shared by chat, completions and batch lines.
+fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError> {
+    let max_tokens = f.integer("max_tokens", 1, i64::MAX)?;
+    let max_completion = if kind == Kind::Chat { f.integer("max_completion_tokens", 1, i64::MAX)? } else { None };
+    r.max_tokens = max_completion.or(max_tokens).map(|n| usize::try_from(n).unwrap_or(usize::MAX));
+    r.stop = match f.take("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(a)) if a.len() <= 4 => a
+            .iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| ApiError::invalid(f.name("stop"), "'stop' must be a string or a list of strings"))?,
+        Some(Value::Array(_)) => return Err(ApiError::invalid(f.name("stop"), "'stop' takes at most 4 sequences")),
+        Some(_) => return Err(ApiError::invalid(f.name("stop"), "'stop' must be a string or a list of strings")),
+    };
+    if r.stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid(f.name("stop"), "'stop' sequences must not be empty"));
+    }
+    // Held-back text is checked against every stop at each token: keep that small.
+    if r.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(f.name("stop"), format!("'stop' sequences are at most {MAX_STOP_BYTES} bytes")));
+    }
+    r.temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(0.0);
+    r.top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(1.0);
+    // OpenAI seeds are signed 64-bit; the bits seed the sampler.
+    r.seed = f.integer("seed", i64::MIN, i64::MAX)?.map(|s| s as u64);
+    if let Some(n) = f.integer("n", i64::MIN, i64::MAX)?
+        && n != 1
+    {
+        return Err(unsupported(&f.name("n"), "n other than 1"));
+    }
+    for k in ["presence_penalty", "frequency_penalty"] {
+        if let Some(x) = f.number(k, -2.0, 2.0)?
+            && x != 0.0
+        {
+            return Err(unsupported(&f.name(k), "a penalty other than 0"));
+        }
+    }
+    match f.take("logit_bias") {
+        None => {}
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(_) => return Err(unsupported(&f.name("logit_bias"), "logit_bias")),
+    }
+    f.string("user")?;
+    r.stream = f.bool("stream")?.unwrap_or(false);
+    if let Some(o) = f.take("stream_options") {
+        if !r.stream {
+            return Err(ApiError::invalid(
+                f.name("stream_options"),
+                "'stream_options' is only allowed when 'stream' is true",
+            ));
+        }
+        let mut so = Fields::new(&o, &f.name("stream_options."))?;
+        r.include_usage = so.bool("include_usage")?.unwrap_or(false);
+        so.finish()?;
+    }
+    Ok(())
+}
+
+fn model(f: &mut Fields, ctx: &ParseContext, required: bool) -> Result<(), ApiError> {
+    match f.string("model")? {
+        None if required => {
+            Err(ApiError::invalid("model", "you must provide a model parameter")
+                .with_code("missing_required_parameter"))
+        }
+        Some(m) if m != ctx.model_id => Err(ApiError {
+            status: 404,
+            message: format!("The model '{m}' does not exist; this server serves '{}'", ctx.model_id),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn empty_request(kind: Kind, prompt: Prompt) -> GenRequest {
+    GenRequest {
+        kind,
+        prompt,
+        max_tokens: None,
+        stop: Vec::new(),
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: None,
+        logprobs: None,
+        stream: false,
+        include_usage: false,
+        thinking: None,
+        tools: None,
+    }
+}
+
+/// Messages normalised for the template: text parts joined, `developer` as `system`.
+fn messages(v: Value, prefix: &str) -> Result<Value, ApiError> {
+    let Value::Array(list) = v else {
+        return Err(ApiError::invalid(format!("{prefix}messages"), "'messages' must be a list"));
+    };
+    if list.is_empty() {
+        return Err(ApiError::invalid(format!("{prefix}messages"), "'messages' must not be empty"));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let at = format!("{prefix}messages[{i}]");
+        let mut f = Fields::new(m, &format!("{at}."))?;
+        let role =
+            f.string("role")?.ok_or_else(|| ApiError::invalid(format!("{at}.role"), "each message needs a 'role'"))?;
+        let role = match role.as_str() {
+            "system" | "user" | "assistant" | "tool" => role,
+            "developer" => "system".to_string(),
+            other => return Err(ApiError::invalid(format!("{at}.role"), format!("unknown role '{other}'"))),
+        };
+        let content = match f.take("content") {
+            None if role == "assistant" => String::new(),
+            None => return Err(ApiError::invalid(format!("{at}.content"), "the message has no 'content'")),
+            Some(Value::String(s)) => s,
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    let mut pf = Fields::new(p, &format!("{at}.content[{j}]."))?;
+                    match pf.string("type")?.as_deref() {
+                        Some("text") => {}
+                        Some(t) => {
+                            return Err(unsupported(
+                                &format!("{at}.content[{j}].type"),
+                                &format!("content part type '{t}'"),
+                            ));
+                        }
+                        None => {
+                            return Err(ApiError::invalid(
+                                format!("{at}.content[{j}].type"),
+                                "each content part needs a 'type'",
+                            ));
+                        }
+                    }
+                    text.push_str(&pf.string("text")?.ok_or_else(|| {
+                        ApiError::invalid(format!("{at}.content[{j}].text"), "a text part needs 'text'")
+                    })?);
+                    pf.finish()?;
+                }
+                text
+            }
+            Some(_) => {
+                return Err(ApiError::invalid(
+                    format!("{at}.content"),
+                    "'content' must be a string or a list of parts",
+                ));
+            }
+        };
+        let mut msg = serde_json::json!({"role": role, "content": content});
+        if let Some(n) = f.string("name")? {
+            msg["name"] = Value::String(n);
+        }
+        if let Some(r) = f.string("reasoning_content")? {
+            msg["reasoning_content"] = Value::String(r);
+        }
+        if role == "tool"
+            && let Some(id) = f.string("tool_call_id")?
+        {
+            msg["tool_call_id"] = Value::String(id);
+        }
+        if role == "assistant"
+            && let Some(tc) = f.take("tool_calls")
+        {
+            msg["tool_calls"] = tc;
+        }
+        f.finish()?;
+        out.push(msg);
+    }
+    Ok(Value::Array(out))
+}
+
+fn chat_fields(f: &mut Fields, ctx: &ParseContext, r: &mut GenRequest) -> Result<(), ApiError> {
+    let lp = f.bool("logprobs")?.unwrap_or(false);
+    let top = f.integer("top_logprobs", 0, 20)?;
+    if top.is_some() && !lp {
+        return Err(ApiError::invalid(f.name("top_logprobs"), "'top_logprobs' needs 'logprobs' set to true"));
+    }
+    r.logprobs = lp.then(|| top.unwrap_or(0) as usize);
+    r.thinking = match f.string("reasoning_effort")?.as_deref() {
+        None => None,
+        Some("none" | "minimal") => Some(Thinking::Off),
+        Some("low") => Some(Thinking::Low),
+        Some("medium") => Some(Thinking::High),
+        Some("high" | "max") => Some(Thinking::Max),
+        Some(o) => {
+            return Err(ApiError::invalid(
+                f.name("reasoning_effort"),
+                format!("unknown reasoning_effort '{o}' (none, minimal, low, medium, high, max)"),
+            ));
+        }
+    };
+    if let Some(t) = f.take("tools") {
+        if !ctx.template_takes_tools {
+            return Err(unsupported(&f.name("tools"), "tools (the model's chat template cannot take them)"));
+        }
+        if !t.is_array() {
+            return Err(ApiError::invalid(f.name("tools"), "'tools' must be a list"));
+        }
+        r.tools = Some(t);
+    }
+    match f.take("tool_choice") {
+        None => {}
+        Some(Value::String(s)) if s == "auto" || s == "none" => {}
+        Some(_) => return Err(unsupported(&f.name("tool_choice"), "tool_choice other than auto or none")),
+    }
+    f.bool("parallel_tool_calls")?;
+    match f.take("response_format") {
+        None => {}
+        Some(v)
+            if v.get("type").and_then(Value::as_str) == Some("text") && v.as_object().is_some_and(|m| m.len() == 1) => {
+        }
+        Some(_) => return Err(unsupported(&f.name("response_format"), "response_format other than text")),
+    }
+    Ok(())
+}
+
+/// `POST /v1/chat/completions`.
+pub fn parse_chat(body: &Value, ctx: &ParseContext) -> Result<GenRequest, ApiError> {
+    let mut f = Fields::new(body, "")?;
+    model(&mut f, ctx, true)?;
+    let msgs = f.take("messages").ok_or_else(|| {
+        ApiError::invalid("messages", "you must provide 'messages'").with_code("missing_required_parameter")
+    })?;
+    let mut r = empty_request(Kind::Chat, Prompt::Messages(messages(msgs, "")?));
+    common(&mut f, Kind::Chat, &mut r)?;
+    chat_fields(&mut f, ctx, &mut r)?;
+    f.finish()?;
+    Ok(r)
+}
+
+fn completion_prompt(v: Value, name: &str) -> Result<Prompt, ApiError> {
+    let bad = || ApiError::invalid(name, "'prompt' must be a string, a list of token ids, or a list with one of those");
+    let ids = |a: &[Value]| -> Option<Vec<u32>> {
+        a.iter().map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok())).collect()
+    };
+    match v {
+        Value::String(s) => Ok(Prompt::Text(s)),
+        Value::Array(a) if a.iter().all(Value::is_number) && !a.is_empty() => ids(&a).map(Prompt::Ids).ok_or_else(bad),
+        Value::Array(a) if a.len() == 1 => match &a[0] {
+            Value::String(s) => Ok(Prompt::Text(s.clone())),
+            Value::Array(inner) if !inner.is_empty() => ids(inner).map(Prompt::Ids).ok_or_else(bad),
+            _ => Err(bad()),
+        },
+        Value::Array(a) if a.len() > 1 && a.iter().all(|x| x.is_string() || x.is_array()) => {
+            Err(unsupported(name, "more than one prompt per request"))
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// `POST /v1/completions`.
+pub fn parse_completion(body: &Value, ctx: &ParseContext) -> Result<GenRequest, ApiError> {
+    let mut f = Fields::new(body, "")?;
+    model(&mut f, ctx, true)?;
+    let p = f.take("prompt").ok_or_else(|| {
+        ApiError::invalid("prompt", "you must provide 'prompt'").with_code("missing_required_parameter")
+    })?;
+    let mut r = empty_request(Kind::Completion, completion_prompt(p, "prompt")?);
+    common(&mut f, Kind::Completion, &mut r)?;
+    // OpenAI's completions default.
+    r.max_tokens = r.max_tokens.or(Some(16));
+    r.logprobs = f.integer("logprobs", 0, 5)?.map(|n| n as usize);
+    if f.bool("echo")? == Some(true) {
+        return Err(unsupported("echo", "echo"));
+    }
+    if f.string("suffix")?.is_some() {
+        return Err(unsupported("suffix", "suffix"));
+    }
+    if let Some(b) = f.integer("best_of", i64::MIN, i64::MAX)?
+        && b != 1
+    {
+        return Err(unsupported("best_of", "best_of other than 1"));
+    }
+    f.finish()?;
+    Ok(r)
+}
+
+/// One batch input line: `{"id", "prompt" | "messages", ...}` with the server's option names
+/// (`stream` is not allowed). Returns the id (a string or number, as text) and the request.
+pub fn parse_batch_line(line: &Value, ctx: &ParseContext) -> (Option<String>, Result<GenRequest, ApiError>) {
+    let id = match line.get("id") {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Number(n)) => Some(n.to_string()),
+        _ => None,
+    };
+    let parse = || -> Result<GenRequest, ApiError> {
+        let mut f = Fields::new(line, "")?;
+        match f.take("id") {
+            Some(Value::String(_) | Value::Number(_)) => {}
+            _ => return Err(ApiError::invalid("id", "each line needs an 'id' (a string or a number)")),
+        }
+        model(&mut f, ctx, false)?;
+        let mut r = match (f.take("prompt"), f.take("messages")) {
+            (Some(p), None) => {
+                let mut r = empty_request(Kind::Completion, completion_prompt(p, "prompt")?);
+                r.logprobs = f.integer("logprobs", 0, 20)?.map(|n| n as usize);
+                r
+            }
+            (None, Some(m)) => {
+                let mut r = empty_request(Kind::Chat, Prompt::Messages(messages(m, "")?));
+                chat_fields(&mut f, ctx, &mut r)?;
+                r
+            }
+            (Some(_), Some(_)) => return Err(ApiError::invalid("prompt", "give 'prompt' or 'messages', not both")),
+            (None, None) => return Err(ApiError::invalid("prompt", "each line needs 'prompt' or 'messages'")),
+        };
+        let kind = r.kind;
+        common(&mut f, kind, &mut r)?;
+        if r.stream {
+            return Err(unsupported("stream", "streaming in a batch"));
+        }
+        f.finish()?;
+        Ok(r)
+    };
+    (id, parse())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const CTX: ParseContext = ParseContext { model_id: "m", template_takes_tools: false };
+
+    fn chat(v: Value) -> Result<GenRequest, ApiError> {
+        parse_chat(&v, &CTX)
+    }
+
+    #[test]
+    fn a_full_chat_request_parses() {
+        let r = chat(json!({"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, {"role": "user", "content": "hi"}],
+            "max_completion_tokens": 5, "stop": ["x"], "temperature": 0.5, "top_p": 0.9, "seed": -1, "logprobs": true, "top_logprobs": 3,
+            "stream": true, "stream_options": {"include_usage": true}, "reasoning_effort": "none", "n": 1, "user": "u"}))
+        .unwrap();
+        assert_eq!(r.max_tokens, Some(5));
+        assert_eq!(r.seed, Some(u64::MAX));
+        assert_eq!(r.logprobs, Some(3));
+        assert_eq!(r.thinking, Some(Thinking::Off));
+        assert!(r.include_usage);
+        assert_eq!(
+            r.prompt,
+            Prompt::Messages(json!([{"role": "system", "content": "ab"}, {"role": "user", "content": "hi"}]))
+        );
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let base = || json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        let cases = [
+            ("n", json!(2), "n"),
+            ("bogus", json!(1), "bogus"),
+            ("temperature", json!(3), "temperature"),
+            ("temperature", json!("hot"), "temperature"),
+            ("max_tokens", json!(0), "max_tokens"),
+            ("tools", json!([]), "tools"),
+            ("stream_options", json!({"include_usage": true}), "stream_options"),
+            ("top_logprobs", json!(2), "top_logprobs"),
+        ];
+        for (k, v, param) in cases {
+            let mut b = base();
+            b[k] = v;
+            let e = chat(b).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(param)), "{k}: {e:?}");
+        }
+        let mut b = base();
+        b["messages"][0]["content"] = json!([{"type": "image_url", "image_url": {"url": "x"}}]);
+        assert_eq!(chat(b).unwrap_err().param.as_deref(), Some("messages[0].content[0].type"));
+        let mut b = base();
+        b["model"] = json!("other");
+        assert_eq!(chat(b).unwrap_err().status, 404);
+        assert_eq!(chat(json!([1])).unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn completions_and_batch_lines() {
+        let r = parse_completion(&json!({"model": "m", "prompt": [[1, 2]], "logprobs": 2}), &CTX).unwrap();
+        assert_eq!((r.prompt, r.max_tokens, r.logprobs), (Prompt::Ids(vec![1, 2]), Some(16), Some(2)));
+        assert_eq!(
+            parse_completion(&json!({"model": "m", "prompt": ["a", "b"]}), &CTX).unwrap_err().param.as_deref(),
+            Some("prompt")
+        );
+        assert_eq!(
+            parse_completion(&json!({"model": "m", "prompt": "a", "echo": true}), &CTX).unwrap_err().param.as_deref(),
+            Some("echo")
+        );
+        let (id, r) = parse_batch_line(&json!({"id": 7, "prompt": "hi", "max_tokens": 3}), &CTX);
+        assert_eq!((id.as_deref(), r.unwrap().max_tokens), (Some("7"), Some(3)));
+        let (id, r) = parse_batch_line(&json!({"id": "a", "prompt": "hi", "stream": true}), &CTX);
+        assert_eq!((id.as_deref(), r.unwrap_err().param.as_deref()), (Some("a"), Some("stream")));
+        assert!(parse_batch_line(&json!({"prompt": "hi"}), &CTX).1.is_err());
+    }
+}

@@ -1,0 +1,149 @@
+//! Response shapes of the OpenAI API: whole responses, streamed chunks (server-sent events, one
+//! `data: {json}` event per chunk, then `data: [DONE]`), usage and log-probabilities.
+//!
+//! Contract: a stream is the role chunk (chat), one chunk per token that has text or
+//! log-probabilities, a final chunk with `finish_reason` (carrying the deltafin extension object
+//! when usage is not asked for), then — with `stream_options.include_usage` — a chunk with empty
+//! `choices`, `usage` and the extension object, then `[DONE]`.
+
+use super::api::Kind;
+use super::generator::{Delta, Output};
+use crate::sample::TokenLogprob;
+use serde_json::{Value, json};
+
+/// Identity of one response: id, creation time, model.
+#[derive(Clone, Debug)]
+pub struct Meta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub kind: Kind,
+}
+
+/// How token ids print in log-probabilities.
+pub type TokenText<'a> = &'a dyn Fn(u32) -> String;
+
+fn object(kind: Kind, chunk: bool) -> &'static str {
+    match (kind, chunk) {
+        (Kind::Chat, false) => "chat.completion",
+        (Kind::Chat, true) => "chat.completion.chunk",
+        (Kind::Completion, _) => "text_completion",
+    }
+}
+
+pub fn usage(out: &Output) -> Value {
+    let reused = out.ext.get("prompt_tokens_reused").cloned().unwrap_or(json!(0));
+    json!({
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.tokens.len(),
+        "total_tokens": out.prompt_tokens + out.tokens.len(),
+        "prompt_tokens_details": {"cached_tokens": reused},
+    })
+}
+
+fn chat_logprob(l: &TokenLogprob, text: TokenText) -> Value {
+    let entry = |t: u32, lp: f64| {
+        let s = text(t);
+        json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
+    };
+    let mut e = entry(l.token, l.logprob);
+    e["top_logprobs"] = Value::Array(l.top.iter().map(|&(t, lp)| entry(t, lp)).collect());
+    e
+}
+
+fn completion_logprobs(ls: &[TokenLogprob], text: TokenText) -> Value {
+    let mut offset = 0;
+    let mut offsets = Vec::new();
+    for l in ls {
+        offsets.push(offset);
+        offset += text(l.token).len();
+    }
+    json!({
+        "tokens": ls.iter().map(|l| text(l.token)).collect::<Vec<_>>(),
+        "token_logprobs": ls.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+        "top_logprobs": ls.iter().map(|l| l.top.iter().map(|&(t, lp)| (text(t), json!(lp))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+        "text_offset": offsets,
+    })
+}
+
+fn logprobs_value(kind: Kind, ls: &[TokenLogprob], text: TokenText) -> Value {
+    match kind {
+        Kind::Chat => json!({"content": ls.iter().map(|l| chat_logprob(l, text)).collect::<Vec<_>>()}),
+        Kind::Completion => completion_logprobs(ls, text),
+    }
+}
+
+/// The whole (non-streamed) response.
+pub fn response(m: &Meta, out: &Output, want_logprobs: bool, text: TokenText) -> Value {
+    let lp = if want_logprobs { logprobs_value(m.kind, &out.logprobs, text) } else { Value::Null };
+    let choice = match m.kind {
+        Kind::Chat => {
+            let mut msg = json!({"role": "assistant", "content": out.content});
+            if !out.reasoning.is_empty() {
+                msg["reasoning_content"] = json!(out.reasoning);
+            }
+            json!({"index": 0, "message": msg, "logprobs": lp, "finish_reason": out.finish_reason})
+        }
+        Kind::Completion => {
+            json!({"index": 0, "text": out.content, "logprobs": lp, "finish_reason": out.finish_reason})
+        }
+    };
+    json!({
+        "id": m.id, "object": object(m.kind, false), "created": m.created, "model": m.model,
+        "choices": [choice], "usage": usage(out), "deltafin": out.ext,
+    })
+}
+
+fn chunk(m: &Meta, choice: Value) -> Value {
+    json!({"id": m.id, "object": object(m.kind, true), "created": m.created, "model": m.model, "choices": [choice]})
+}
+
+/// The chat stream's first chunk (the role).
+pub fn role_chunk(m: &Meta) -> Value {
+    chunk(
+        m,
+        json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}),
+    )
+}
+
+/// One token's chunk, or None when it has nothing to show.
+pub fn delta_chunk(m: &Meta, d: &Delta, text: TokenText) -> Option<Value> {
+    if d.content.is_empty() && d.reasoning.is_empty() && d.logprobs.is_none() {
+        return None;
+    }
+    let lp = d.logprobs.as_ref().map_or(Value::Null, |l| logprobs_value(m.kind, std::slice::from_ref(l), text));
+    Some(match m.kind {
+        Kind::Chat => {
+            let mut delta = json!({"content": d.content});
+            if !d.reasoning.is_empty() {
+                delta["reasoning_content"] = json!(d.reasoning);
+            }
+            chunk(m, json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": null}))
+        }
+        Kind::Completion => chunk(m, json!({"index": 0, "text": d.content, "logprobs": lp, "finish_reason": null})),
+    })
+}
+
+/// The chunk carrying `finish_reason` (and the extension object unless a usage chunk follows).
+pub fn finish_chunk(m: &Meta, out: &Output, with_ext: bool) -> Value {
+    let mut c = match m.kind {
+        Kind::Chat => chunk(m, json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": out.finish_reason})),
+        Kind::Completion => {
+            chunk(m, json!({"index": 0, "text": "", "logprobs": null, "finish_reason": out.finish_reason}))
+        }
+    };
+    if with_ext {
+        c["deltafin"] = out.ext.clone();
+    }
+    c
+}
+
+/// The usage chunk of `stream_options.include_usage`.
+pub fn usage_chunk(m: &Meta, out: &Output) -> Value {
+    json!({"id": m.id, "object": object(m.kind, true), "created": m.created, "model": m.model, "choices": [], "usage": usage(out), "deltafin": out.ext})
+}
+
+/// One server-sent event.
+pub fn event(data: &str) -> String {
+    format!("data: {data}\n\n")
+}

@@ -1,0 +1,152 @@
+//! `deltafin batch`: prompts and messages with the server's option names, error records for bad
+//! lines while the batch goes on, the same text as `deltafin run`, resumable reruns (also after
+//! kill -9 and with a torn last line), and `-` for standard input and output.
+
+mod common;
+use common::*;
+use serde_json::Value;
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn model() -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    synth_small(&tmp.path().join("m"), Some("3"));
+    tmp
+}
+
+fn batch(dir: &Path, input: &Path, out: &Path) -> Command {
+    let mut c = Command::new(bin());
+    c.args(["batch", "--model"]).arg(dir).arg("--in").arg(input).arg("--out").arg(out);
+    c.args(["--prefill-rows", "256", "--memory-gb", "2", "-q"]);
+    c
+}
+
+fn records(p: &Path) -> Vec<Value> {
+    std::fs::read_to_string(p).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn lines_errors_and_reruns() {
+    let tmp = model();
+    let dir = tmp.path().join("m");
+    let input = tmp.path().join("in.jsonl");
+    let out = tmp.path().join("out.jsonl");
+    std::fs::write(
+        &input,
+        [
+            r#"{"id": "a", "prompt": "Hello", "max_tokens": 5}"#,
+            r#"{"id": 2, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "reasoning_effort": "none"}"#,
+            "",
+            "{broken",
+            r#"{"id": "c", "prompt": "x", "n": 3}"#,
+            r#"{"prompt": "no id"}"#,
+            r#"{"id": "d", "prompt": "Hello", "max_tokens": 6, "temperature": 0.9, "seed": 4, "logprobs": 2}"#,
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let (_, err) = run_ok(&mut batch(&dir, &input, &out));
+    assert!(err.contains("3 done, 3 errors"), "{err}");
+    let r = records(&out);
+    assert_eq!(r.len(), 6);
+    assert_eq!(r.iter().map(|x| x["line"].as_u64().unwrap()).collect::<Vec<_>>(), vec![1, 2, 4, 5, 6, 7]);
+    assert_eq!((&r[0]["id"], &r[0]["finish_reason"]), (&Value::from("a"), &Value::from("length")));
+    assert_eq!(r[1]["id"], 2, "ids keep their type");
+    assert_eq!(r[0]["usage"]["completion_tokens"], 5);
+    assert_eq!(r[2]["error"]["code"], "invalid_json");
+    assert_eq!(r[3]["error"]["param"], "n");
+    assert_eq!(r[4]["error"]["param"], "id");
+    assert_eq!(r[5]["logprobs"].as_array().unwrap().len(), 6);
+    // The same text as `deltafin run` on the same prompt.
+    let (run_out, _) = run_ok(Command::new(bin()).args(["run", "--model"]).arg(&dir).args([
+        "--prompt",
+        "Hello",
+        "--max-new",
+        "5",
+        "--format",
+        "json",
+        "-q",
+    ]));
+    let run: Value = serde_json::from_str(&run_out).unwrap();
+    assert_eq!(r[0]["text"], run["text"]);
+    let (run_out, _) = run_ok(Command::new(bin()).args(["run", "--model"]).arg(&dir).args([
+        "--prompt",
+        "Hello",
+        "--max-new",
+        "6",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "4",
+        "--format",
+        "json",
+        "-q",
+    ]));
+    let run: Value = serde_json::from_str(&run_out).unwrap();
+    assert_eq!(r[5]["text"], run["text"], "sampling with a seed matches run");
+    // A rerun has nothing left to do.
+    let (_, err) = run_ok(&mut batch(&dir, &input, &out));
+    assert!(err.contains("0 done, 0 errors, 6 already in the output"), "{err}");
+    assert_eq!(records(&out).len(), 6);
+}
+
+#[test]
+fn resumes_after_kill_9_with_each_id_once_and_the_same_results() {
+    let tmp = model();
+    let dir = tmp.path().join("m");
+    let input = tmp.path().join("in.jsonl");
+    let lines: Vec<String> =
+        (0..12).map(|i| format!(r#"{{"id": "q{i}", "prompt": "Prompt number {i}", "max_tokens": 300}}"#)).collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let clean = tmp.path().join("clean.jsonl");
+    run_ok(&mut batch(&dir, &input, &clean));
+    let out = tmp.path().join("out.jsonl");
+    let mut child = batch(&dir, &input, &out).stderr(Stdio::null()).spawn().unwrap();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&out).map_or(0, |s| s.lines().count()) < 3 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no progress");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let done = records(&out).len();
+    assert!(done < 12, "killed before the end ({done} done)");
+    // As if the kill had torn a line in two.
+    std::fs::OpenOptions::new().append(true).open(&out).unwrap().write_all(br#"{"id": "q11", "te"#).unwrap();
+    let (_, err) = run_ok(&mut batch(&dir, &input, &out));
+    assert!(err.contains("cut a torn last line"), "{err}");
+    let got = records(&out);
+    let want = records(&clean);
+    let ids: Vec<&Value> = got.iter().map(|r| &r["id"]).collect();
+    assert_eq!(ids, want.iter().map(|r| &r["id"]).collect::<Vec<_>>(), "each id once, in order");
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!((&g["text"], &g["finish_reason"]), (&w["text"], &w["finish_reason"]), "{}", g["id"]);
+    }
+}
+
+#[test]
+fn dash_reads_stdin_and_writes_stdout() {
+    let tmp = model();
+    let dir = tmp.path().join("m");
+    let mut child = batch(&dir, Path::new("-"), Path::new("-"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"{\"id\": 1, \"prompt\": \"Hi\", \"max_tokens\": 2}\n{\"id\": 2}\n")
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lines: Vec<Value> =
+        String::from_utf8(o.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[0]["usage"]["completion_tokens"], 2);
+    assert_eq!(lines[1]["error"]["param"], "prompt");
+}

@@ -1,0 +1,72 @@
+//! Conversation reuse in the generator, at the library level: a prompt that extends the previous
+//! prompt, or the previous prompt plus its answer, resumes from the kept session and gives exactly
+//! what a fresh session gives (tokens and log-probabilities, bit for bit), with the reuse counted;
+//! the memo answers a repeated greedy request without compute.
+
+mod common;
+use common::*;
+use deltafin::serve::api::{GenRequest, Kind, Prompt};
+use deltafin::serve::generator::{GenConfig, Generator, Output};
+
+fn request(ids: Vec<u32>, max_tokens: usize) -> GenRequest {
+    GenRequest {
+        kind: Kind::Completion,
+        prompt: Prompt::Ids(ids),
+        max_tokens: Some(max_tokens),
+        stop: Vec::new(),
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: None,
+        logprobs: Some(2),
+        stream: false,
+        include_usage: false,
+        thinking: None,
+        tools: None,
+    }
+}
+
+fn run(g: &mut Generator, r: &GenRequest) -> Output {
+    g.generate(r, 0.0, &mut |_| true).unwrap()
+}
+
+#[test]
+fn resumed_prompts_give_fresh_output_and_count_the_reuse() {
+    let r = reference("k3-tiny-c");
+    let e = engine(&fixture("k3-tiny-c"));
+    let mut kept = Generator::new(e.clone(), GenConfig::default()).unwrap();
+    let mut fresh = Generator::new(e, GenConfig { reuse: false, memo_entries: 0, ..GenConfig::default() }).unwrap();
+    let p = r.prompt[..12].to_vec();
+    let first = run(&mut kept, &request(p.clone(), 6));
+    assert_eq!(first.ext["prompt_tokens_reused"], 0);
+    // The prompt plus the whole answer plus more: resumes after the answer's fed tokens.
+    let mut next = p.clone();
+    next.extend_from_slice(&first.tokens);
+    next.extend_from_slice(&r.prompt[20..25]);
+    let a = run(&mut kept, &request(next.clone(), 8));
+    let b = run(&mut fresh, &request(next.clone(), 8));
+    assert_eq!(a.ext["prompt_tokens_reused"], p.len() + first.tokens.len() - 1);
+    assert_eq!(a.tokens, b.tokens);
+    assert_eq!(a.logprobs, b.logprobs, "log-probabilities bit for bit");
+    // A prompt that extends only the previous prompt resumes from the snapshot after it.
+    let mut branch = next.clone();
+    branch.extend_from_slice(&r.prompt[30..33]);
+    let a = run(&mut kept, &request(branch.clone(), 5));
+    let b = run(&mut fresh, &request(branch, 5));
+    assert_eq!(a.ext["prompt_tokens_reused"], next.len());
+    assert_eq!((a.tokens, a.logprobs), (b.tokens, b.logprobs));
+    // Unrelated prompt: nothing reused, still the same output.
+    let other = r.prompt[40..50].to_vec();
+    let a = run(&mut kept, &request(other.clone(), 4));
+    assert_eq!(a.ext["prompt_tokens_reused"], 0);
+    assert_eq!(a.tokens, run(&mut fresh, &request(other.clone(), 4)).tokens);
+    // The memo: greedy without logprobs, repeated.
+    let mut plain = request(other, 4);
+    plain.logprobs = None;
+    let m1 = run(&mut kept, &plain);
+    let m2 = run(&mut kept, &plain);
+    assert_eq!((m1.ext["memo_hit"].as_bool(), m2.ext["memo_hit"].as_bool()), (Some(false), Some(true)));
+    assert_eq!(m1.tokens, m2.tokens);
+    assert_eq!(kept.totals.memo_hits, 1);
+    assert!(kept.totals.prompt_tokens_reused > 0);
+    assert_eq!(fresh.totals.prompt_tokens_reused, 0);
+}

@@ -1,0 +1,190 @@
+//! Sampling: the same seed gives the same tokens bit for bit (1 or 2 threads, drafts on or off);
+//! with drafts the emitted tokens follow K3's own distribution exactly (chi-square against the
+//! distribution computed from the logits, on a tiny fixture, with a drafter whose proposals are
+//! sometimes accepted and sometimes rejected); greedy parameters are plain greedy; the CLI flags.
+
+mod common;
+use common::*;
+use deltafin::engine::{Engine, GenerateOptions, Session};
+use deltafin::sample::{Sampler, SamplingParams, probabilities};
+use deltafin::spec::{Drafter, NgramDrafter, Speculator};
+use std::sync::Arc;
+
+/// Always proposes the same tokens.
+struct Fixed(Vec<u32>);
+
+impl Drafter for Fixed {
+    fn name(&self) -> &str {
+        "fixed"
+    }
+    fn propose(&mut self, _context: &[u32], k: usize) -> Vec<u32> {
+        self.0.iter().copied().take(k).collect()
+    }
+}
+
+fn opts(max_new: usize) -> GenerateOptions {
+    GenerateOptions { max_new, stop: Vec::new() }
+}
+
+fn sampled(base: &Session, params: SamplingParams, max_new: usize, drafter: Option<Box<dyn Drafter>>) -> Vec<u32> {
+    let mut s = base.fork();
+    let mut sampler = Sampler::new(params);
+    let g = match drafter {
+        Some(d) => {
+            let mut spec = Speculator::without_cost_model(d);
+            s.generate_speculative_sampled(&opts(max_new), &mut spec, &mut sampler, &mut |_| true)
+        }
+        None => s.generate_sampled(&opts(max_new), &mut sampler, &mut |_| true),
+    };
+    g.unwrap().tokens
+}
+
+fn prefilled(e: &Arc<Engine>, prompt: &[u32]) -> Session {
+    let mut s = e.new_session();
+    s.prefill(prompt).unwrap();
+    s
+}
+
+#[test]
+fn same_seed_same_tokens_with_any_threads_and_drafts() {
+    let r = reference("k3-tiny-b");
+    let prompt = &r.prompt[..8];
+    let p = SamplingParams::new(0.9, 0.95, 1234).unwrap();
+    let mut runs = Vec::new();
+    for threads in [1, 2] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        runs.push(pool.install(|| {
+            let e = engine(&fixture("k3-tiny-b"));
+            let base = prefilled(&e, prompt);
+            let plain = sampled(&base, p, 24, None);
+            let ngram = sampled(&base, p, 24, Some(Box::new(NgramDrafter::default())));
+            let fixed = sampled(&base, p, 24, Some(Box::new(Fixed(r.greedy[..4].to_vec()))));
+            assert_eq!(ngram, plain, "{threads} threads: n-gram drafts change nothing");
+            assert_eq!(fixed, plain, "{threads} threads: fixed drafts change nothing");
+            plain
+        }));
+    }
+    assert_eq!(runs[0], runs[1], "1 and 2 threads");
+    let e = engine(&fixture("k3-tiny-b"));
+    let base = prefilled(&e, prompt);
+    assert_ne!(sampled(&base, SamplingParams { seed: 99, ..p }, 24, None), runs[0], "another seed, other tokens");
+    let greedy = sampled(&base, SamplingParams::greedy(), 24, None);
+    assert_eq!(greedy, greedy_tokens(&e, prompt, 24), "temperature 0 is greedy");
+}
+
+fn greedy_tokens(e: &Arc<Engine>, prompt: &[u32], n: usize) -> Vec<u32> {
+    greedy(e, prompt, n)
+}
+
+/// A (first, second) token pair; None: any token not listed.
+type Category = Option<(u32, Option<u32>)>;
+
+/// Upper 99.9% point of chi-square with `df` degrees of freedom (Wilson–Hilferty).
+fn chi2_999(df: f64) -> f64 {
+    let z = 3.0902;
+    df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3)
+}
+
+#[test]
+fn with_drafts_sampled_tokens_follow_k3s_distribution() {
+    let r = reference("k3-tiny-a");
+    let e = engine(&fixture("k3-tiny-a"));
+    let prompt = &r.prompt[..6];
+    let params = SamplingParams::new(0.7, 1.0, 0).unwrap();
+    let base = prefilled(&e, prompt);
+    let p1 = probabilities(base.logits().unwrap(), &params);
+    // Exact joint distribution of (t1, t2) for the most likely first tokens.
+    let mut firsts: Vec<u32> = (0..p1.len() as u32).collect();
+    firsts.sort_by(|&a, &b| p1[b as usize].total_cmp(&p1[a as usize]));
+    firsts.truncate(3);
+    let mut p2 = Vec::new();
+    for &t1 in &firsts {
+        let mut s = base.fork();
+        s.step(t1).unwrap();
+        p2.push(probabilities(s.logits().unwrap(), &params));
+    }
+    // The draft for t2 is K3's most likely second token after the most likely first one: accepted
+    // often after that first token, rarely after the others.
+    let d = p2[0].iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map(|(i, _)| i as u32).unwrap();
+    // Categories: (t1, t2) for t1 among `firsts` and t2 among its 4 likeliest, (t1, other), other t1.
+    let mut cats: Vec<(Category, f64)> = Vec::new();
+    for (i, &t1) in firsts.iter().enumerate() {
+        let mut seconds: Vec<u32> = (0..p2[i].len() as u32).collect();
+        seconds.sort_by(|&a, &b| p2[i][b as usize].total_cmp(&p2[i][a as usize]));
+        let mut rest = p1[t1 as usize];
+        for &t2 in &seconds[..4] {
+            let pj = p1[t1 as usize] * p2[i][t2 as usize];
+            cats.push((Some((t1, Some(t2))), pj));
+            rest -= pj;
+        }
+        cats.push((Some((t1, None)), rest));
+    }
+    let top: f64 = firsts.iter().map(|&t| p1[t as usize]).sum();
+    cats.push((None, 1.0 - top));
+    let n = 3000;
+    let mut counts = vec![0f64; cats.len()];
+    let (mut accepted, mut proposed) = (0, 0);
+    for seed in 0..n {
+        let mut s = base.fork();
+        let mut sampler = Sampler::new(SamplingParams { seed, ..params });
+        let mut spec = Speculator::without_cost_model(Box::new(Fixed(vec![d])));
+        // max_new 3: after t1 one draft (for t2) fits.
+        let g = s.generate_speculative_sampled(&opts(3), &mut spec, &mut sampler, &mut |_| true).unwrap();
+        accepted += s.stats.drafts_accepted;
+        proposed += s.stats.drafts_proposed;
+        let (t1, t2) = (g.tokens[0], g.tokens[1]);
+        let cat = cats
+            .iter()
+            .position(|(c, _)| *c == Some((t1, Some(t2))))
+            .or_else(|| cats.iter().position(|(c, _)| *c == Some((t1, None))))
+            .unwrap_or(cats.len() - 1);
+        counts[cat] += 1.0;
+    }
+    assert!(proposed >= n, "every generation verified a draft ({proposed})");
+    assert!(accepted > 0 && accepted < proposed, "drafts both accepted and rejected: {accepted} of {proposed}");
+    let nf = n as f64;
+    let used: Vec<(f64, f64)> =
+        cats.iter().map(|c| c.1).zip(counts.iter().copied()).filter(|(p, _)| *p > 1e-12).collect();
+    let chi2: f64 = used.iter().map(|(p, c)| (c - nf * p).powi(2) / (nf * p)).sum();
+    let bound = chi2_999((used.len() - 1) as f64);
+    eprintln!("chi2 {chi2:.1} (bound {bound:.1}), {accepted} of {proposed} drafts accepted, counts {counts:?}");
+    assert!(
+        chi2 < bound,
+        "chi2 {chi2} >= {bound}: {counts:?} vs {:?}",
+        cats.iter().map(|c| c.1 * nf).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn cli_sampling_flags_are_reproducible_and_checked() {
+    let dir = fixture("k3-tiny-b");
+    let r = reference("k3-tiny-b");
+    let run = |extra: &[&str]| {
+        let mut c = std::process::Command::new(bin());
+        c.args(["run", "--model"]).arg(&dir).args([
+            "--experts-from",
+            "mmap",
+            "--format",
+            "json",
+            "-q",
+            "--max-new",
+            "12",
+        ]);
+        c.args(["--prompt-ids", &ids_arg(&r.prompt[..8])]).args(extra);
+        let (out, _) = run_ok(&mut c);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["output_ids"].clone()
+    };
+    let a = run(&["--temperature", "0.8", "--seed", "7"]);
+    assert_eq!(a, run(&["--temperature", "0.8", "--seed", "7", "--threads", "1"]));
+    assert_eq!(a, run(&["--temperature", "0.8", "--seed", "7", "--draft", "ngram"]));
+    assert_eq!(run(&["--temperature", "0"]), run(&[]), "temperature 0 is greedy");
+    let o = std::process::Command::new(bin())
+        .args(["run", "--model"])
+        .arg(&dir)
+        .args(["--prompt-ids", "1,2", "--temperature", "3"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("temperature 3 is outside 0..=2"));
+}

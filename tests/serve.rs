@@ -1,0 +1,339 @@
+//! `deltafin serve` as users meet it: the real server on 127.0.0.1 (a small synth model), the
+//! official `openai` Python client (chat and completions, streaming and not, logprobs, stop,
+//! seeds, strict errors, auth), `curl -N` for the SSE framing, concurrent clients for the queue
+//! and 429, a client that disconnects, limits and garbage that must not wedge the server,
+//! conversation reuse, the memo and drafts (identical output to a server without them, counters
+//! showing the reuse), SIGTERM, and the chat page in headless Chromium.
+
+mod common;
+use common::*;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
+use std::time::{Duration, Instant};
+
+/// A small synth model with tokenizer and chat template, written once per target dir.
+fn model_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("serve-model");
+        if !dir.join("config.json").exists() {
+            let tmp = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("serve-model.tmp{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&tmp);
+            synth_small(&tmp, Some("11"));
+            // Another test binary may have won the race; either copy is the same model.
+            let _ = std::fs::rename(&tmp, &dir);
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        dir
+    })
+}
+
+const MODEL: &str = "serve-model";
+
+struct Server {
+    child: Child,
+    base: String,
+    stderr: Arc<Mutex<String>>,
+    key: Option<String>,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Server {
+        let mut child = Command::new(bin())
+            .args(["serve", "--model"])
+            .arg(model_dir())
+            .args(["--port", "0", "--prefill-rows", "256", "--memory-gb", "2", "-q"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = mpsc::channel();
+        let (err, log) = (child.stderr.take().unwrap(), Arc::clone(&stderr));
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                if let Some(rest) = line.split("on http://").nth(1) {
+                    let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_string());
+                }
+                log.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        let addr = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
+            panic!("the server did not start:\n{}", stderr.lock().unwrap());
+        });
+        let key = extra.iter().position(|a| *a == "--api-key").and_then(|i| extra.get(i + 1)).map(|k| k.to_string());
+        Server { child, base: format!("http://{addr}"), stderr, key }
+    }
+
+    /// Runs a scenario of tests/serve/client.py; returns its stdout.
+    fn client(&self, scenario: &str, key: Option<&str>) -> String {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve/client.py");
+        let mut c = python();
+        c.arg(script).args([&self.base, MODEL, scenario]);
+        if let Some(k) = key {
+            c.arg(k);
+        }
+        let o = c.output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success(),
+            "client scenario {scenario} failed:\n{out}\n{}\nserver log:\n{}",
+            String::from_utf8_lossy(&o.stderr),
+            self.stderr.lock().unwrap()
+        );
+        out
+    }
+
+    fn sigterm(&self) {
+        // SAFETY: kill(2) on our own child's pid; no memory is shared.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+    }
+
+    /// Waits for the process to end; None after `limit`.
+    fn wait(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let t0 = Instant::now();
+        while t0.elapsed() < limit {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let auth = format!("Authorization: Bearer {}", self.key.as_deref().unwrap_or(""));
+        let text = curl(&["-s", "-H", &auth, &format!("{}/metrics", self.base)]);
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")).map(|v| v.trim().parse().unwrap()))
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.sigterm();
+        if self.wait(Duration::from_secs(10)).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn curl(args: &[&str]) -> String {
+    let o = Command::new("curl").args(args).output().expect("curl is needed by these tests");
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn openai_client_chat_completions_streaming_and_errors() {
+    let s = Server::start(&[]);
+    s.client("basic", None);
+    assert!(s.metric("deltafin_generated_tokens_total") > 0.0);
+}
+
+#[test]
+fn api_key_is_required_when_set() {
+    let s = Server::start(&["--api-key", "sekret"]);
+    s.client("auth", Some("sekret"));
+}
+
+#[test]
+fn a_full_queue_answers_429_with_retry_after() {
+    let s = Server::start(&["--queue", "1"]);
+    s.client("queue", None);
+    assert_eq!(s.metric("deltafin_rejected_total"), 4.0);
+}
+
+#[test]
+fn a_client_that_disconnects_cancels_its_generation() {
+    let s = Server::start(&[]);
+    s.client("disconnect", None);
+}
+
+#[test]
+fn sse_framing_with_curl() {
+    let s = Server::start(&[]);
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":4,"stream":true,"stream_options":{{"include_usage":true}},"reasoning_effort":"none"}}"#
+    );
+    let out = curl(&[
+        "-sN",
+        "-i",
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        &body,
+        &format!("{}/v1/chat/completions", s.base),
+    ]);
+    let (head, events) = out.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.to_ascii_lowercase().contains("content-type: text/event-stream"), "{head}");
+    assert!(events.ends_with("data: [DONE]\n\n"), "{events:?}");
+    let evs: Vec<&str> = events.trim_end().split("\n\n").collect();
+    for e in &evs {
+        assert!(e.starts_with("data: ") && !e.contains('\n'), "one data line per event: {e:?}");
+    }
+    let chunks: Vec<serde_json::Value> =
+        evs[..evs.len() - 1].iter().map(|e| serde_json::from_str(&e["data: ".len()..]).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"].as_array().unwrap().len(), 0);
+    assert_eq!(usage["usage"]["completion_tokens"], 4);
+    assert!(usage["deltafin"]["ttft_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
+}
+
+/// Sends raw bytes on a fresh connection and returns what came back (within a second).
+fn raw(base: &str, bytes: &[u8]) -> String {
+    let mut t = std::net::TcpStream::connect(base.trim_start_matches("http://")).unwrap();
+    t.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+    let _ = t.write_all(bytes);
+    let _ = t.shutdown(std::net::Shutdown::Write);
+    let mut out = Vec::new();
+    let _ = t.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn limits_and_garbage_never_wedge_the_server() {
+    let s = Server::start(&["--max-request-bytes", "4096"]);
+    let url = format!("{}/v1/completions", s.base);
+    let big = format!(r#"{{"model":"{MODEL}","prompt":"{}"}}"#, "x".repeat(8000));
+    let out = curl(&["-s", "-w", "\n%{http_code}", "-d", &big, &url]);
+    assert!(out.ends_with("\n413"), "{out}");
+    assert!(out.contains("request_too_large"), "{out}");
+    for (body, code) in [
+        ("{", "400"),
+        ("[]", "400"),
+        (r#"{"model":"serve-model","prompt":[99999999]}"#, "400"),
+        (r#"{"model":"serve-model","prompt":"a","max_tokens":-1}"#, "400"),
+        (r#"{"model":"serve-model","prompt":"a","logprobs":99}"#, "400"),
+        (r#"{"model":"serve-model","prompt":"a","stream_options":{"include_usage":true}}"#, "400"),
+        (&format!(r#"{{"model":"serve-model","prompt":{}1{}}}"#, "[".repeat(200), "]".repeat(200)), "400"),
+    ] {
+        let out = curl(&["-s", "-w", "\n%{http_code}", "-d", body, &url]);
+        assert!(out.ends_with(code), "{body}: {out}");
+        let json = out.rsplit_once('\n').unwrap().0;
+        let v: serde_json::Value = serde_json::from_str(json).unwrap_or_else(|_| panic!("not JSON: {out}"));
+        assert!(v["error"]["message"].is_string(), "{out}");
+    }
+    let mut rng = Rng(5);
+    for i in 0..30 {
+        let n = 1 + rng.below(2000);
+        let junk = rng.bytes(n);
+        let mut req = match i % 3 {
+            0 => junk,
+            1 => format!("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", 10_000)
+                .into_bytes(),
+            _ => b"GET /v1/models HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n".to_vec(),
+        };
+        let n = rng.below(100);
+        req.extend_from_slice(&rng.bytes(n));
+        raw(&s.base, &req);
+    }
+    assert!(curl(&["-s", &format!("{}/v1/nope", s.base)]).contains("not_found"));
+    let health = curl(&["-s", &format!("{}/health", s.base)]);
+    assert!(health.contains("\"ok\""), "{health}");
+    let out = curl(&["-s", "-d", &format!(r#"{{"model":"{MODEL}","prompt":"Hi","max_tokens":2}}"#), &url]);
+    assert!(out.contains("text_completion"), "{out}");
+}
+
+fn conversation(s: &Server) -> serde_json::Value {
+    serde_json::from_str(s.client("conversation", None).trim()).unwrap()
+}
+
+#[test]
+fn conversation_reuse_and_memo_give_identical_output_and_are_counted() {
+    let reuse = Server::start(&[]);
+    let fresh = Server::start(&["--no-reuse", "--memo", "0"]);
+    let drafted = Server::start(&["--draft", "ngram"]);
+    let a = conversation(&reuse);
+    let b = conversation(&fresh);
+    let d = conversation(&drafted);
+    for k in ["turn1", "turn2", "turn2_logprobs", "repeat", "prompt_tokens"] {
+        assert_eq!(a[k], b[k], "{k}: reuse {a} vs fresh {b}");
+        assert_eq!(d[k], b[k], "{k}: drafts {d} vs none {b}");
+    }
+    assert_eq!(a["turn2"], a["repeat"]);
+    let cached = a["cached"].as_u64().unwrap();
+    assert!(cached > 0 && cached < a["prompt_tokens"].as_u64().unwrap(), "{a}");
+    assert_eq!(b["cached"], 0);
+    assert_eq!((a["repeat_memo"].as_bool(), b["repeat_memo"].as_bool()), (Some(true), Some(false)));
+    assert!(reuse.metric("deltafin_prompt_tokens_reused_total") >= cached as f64);
+    assert_eq!(reuse.metric("deltafin_memo_hits_total"), 1.0);
+    assert_eq!(fresh.metric("deltafin_prompt_tokens_reused_total"), 0.0);
+    assert_eq!(fresh.metric("deltafin_memo_hits_total"), 0.0);
+}
+
+#[test]
+fn sigterm_ends_the_running_generation_and_exits_cleanly() {
+    let mut s = Server::start(&[]);
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"Hi","max_tokens":6000,"stream":true}}"#);
+    let url = format!("{}/v1/completions", s.base);
+    let mut stream = Command::new("curl").args(["-sN", "-d", &body, &url]).stdout(Stdio::piped()).spawn().unwrap();
+    // Wait until tokens flow, then stop the server.
+    let mut first = [0u8; 64];
+    let mut out = stream.stdout.take().unwrap();
+    out.read_exact(&mut first).unwrap();
+    s.sigterm();
+    let status = s.wait(Duration::from_secs(15)).expect("the server did not stop within 15 s");
+    assert!(status.success(), "{status:?}\n{}", s.stderr.lock().unwrap());
+    let mut rest = String::new();
+    out.read_to_string(&mut rest).unwrap();
+    let _ = stream.wait();
+    assert!(
+        rest.ends_with("data: [DONE]\n\n"),
+        "the stream ends properly: {}",
+        &rest[rest.len().saturating_sub(300)..]
+    );
+    assert!(rest.contains("\"finish_reason\":\"cancelled\""), "{}", &rest[rest.len().saturating_sub(600)..]);
+    assert!(s.stderr.lock().unwrap().contains("server stopped"));
+}
+
+/// Chromium for the page test: $DELTAFIN_CHROMIUM, else the usual names on PATH.
+fn chromium() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("DELTAFIN_CHROMIUM") {
+        return Some(p.into());
+    }
+    let path = std::env::var_os("PATH")?;
+    ["chromium", "chromium-browser", "google-chrome", "google-chrome-stable"]
+        .iter()
+        .flat_map(|n| std::env::split_paths(&path).map(move |d| d.join(n)))
+        .find(|p| p.is_file())
+}
+
+#[test]
+fn chat_page_streams_an_answer_in_headless_chromium() {
+    let s = Server::start(&["--api-key", "pagekey"]);
+    let html = curl(&["-s", &format!("{}/", s.base)]);
+    assert!(html.contains("<title>deltafin</title>"));
+    for external in ["src=\"http", "href=\"http", "@import", "src=\"//"] {
+        assert!(!html.contains(external), "the page loads nothing from elsewhere ({external})");
+    }
+    let Some(browser) = chromium() else {
+        panic!("headless Chromium is needed (Debian: apt-get install chromium; or set DELTAFIN_CHROMIUM)");
+    };
+    let profile = tempfile::tempdir().unwrap();
+    let url = format!("{}/?q=Hello%20there&max_tokens=6&effort=none&key=pagekey", s.base);
+    let o = Command::new(browser)
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--virtual-time-budget=20000"])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .args(["--dump-dom", &url])
+        .output()
+        .unwrap();
+    let dom = String::from_utf8_lossy(&o.stdout);
+    let answer = dom.split("id=\"answer-1\"").nth(1).unwrap_or_else(|| panic!("no answer in the page:\n{dom}"));
+    assert!(answer.contains("data-done=\"1\""), "the answer finished: {dom}");
+    assert!(!answer.contains("data-error"), "{dom}");
+    let text = answer.split_once('>').unwrap().1.split("</div>").next().unwrap();
+    assert!(!text.trim().is_empty(), "the answer has text: {dom}");
+    // Under --virtual-time-budget the page's clock is virtual: any number will do.
+    let ttft = dom.split("id=\"ttft\">TTFT ").nth(1).and_then(|t| t.split(' ').next());
+    assert!(ttft.is_some_and(|t| t.parse::<f64>().is_ok()), "TTFT shown: {dom}");
+    assert!(dom.contains("MB/s"), "per-drive read rate shown: {dom}");
+    assert_eq!(s.metric("deltafin_generated_tokens_total"), 6.0);
+}
