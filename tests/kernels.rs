@@ -31,8 +31,8 @@ fn mxfp4(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
     (packed, scales)
 }
 
-const SHAPES: [(usize, usize); 9] =
-    [(1, 1), (3, 7), (4, 16), (5, 17), (9, 33), (16, 64), (13, 100), (33, 257), (64, 1000)];
+const SHAPES: [(usize, usize); 10] =
+    [(1, 1), (3, 7), (4, 16), (5, 17), (9, 33), (16, 64), (13, 100), (33, 257), (64, 1000), (7, 1300)];
 
 #[test]
 fn bf16_products_are_bit_identical_across_isas_and_match_f64() {
@@ -57,7 +57,7 @@ fn bf16_products_are_bit_identical_across_isas_and_match_f64() {
             matvec_bf16_isa(isa, &m, &x, &mut got);
             assert_eq!(bits(&got), bits(&want), "matvec bf16 {rows}x{cols} on {isa:?}");
             // Several input rows at once must give each row's matvec result.
-            for n in [2usize, 3, 5] {
+            for n in [2usize, 3, 5, 9, 17] {
                 let xs = rng.vec(n * cols);
                 let mut mm = vec![0f32; n * rows];
                 matmul_bf16_isa(isa, &m, &xs, &mut mm);
@@ -78,7 +78,7 @@ fn bf16_products_are_bit_identical_across_isas_and_match_f64() {
 #[test]
 fn mxfp4_products_are_bit_identical_across_isas_and_match_f64() {
     let mut rng = Rng(2);
-    for &(rows, cols) in &[(1usize, 32usize), (3, 64), (4, 96), (7, 128), (16, 32), (17, 288), (40, 512)] {
+    for &(rows, cols) in &[(1usize, 32usize), (3, 64), (4, 96), (7, 128), (16, 32), (17, 288), (40, 512), (9, 1056)] {
         let (p, s) = mxfp4(&mut rng, rows, cols);
         let m = Mxfp4Mat::new(&p, &s, rows, cols);
         let x = rng.vec(cols);
@@ -107,7 +107,7 @@ fn mxfp4_products_are_bit_identical_across_isas_and_match_f64() {
             let mut got = vec![0f32; rows];
             matvec_mxfp4_isa(isa, &m, &xd, &mut got);
             assert_eq!(bits(&got), bits(&want), "matvec mxfp4 {rows}x{cols} on {isa:?}");
-            for n in [2usize, 4, 5] {
+            for n in [2usize, 4, 5, 8, 13] {
                 let mut xs = vec![0f32; n * cols];
                 for i in 0..n {
                     deinterleave_mxfp4_input(&rng.vec(cols), &mut xs[i * cols..(i + 1) * cols]);

@@ -381,6 +381,62 @@ pub(super) unsafe fn dot4x4_f32_avx512(w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32;
     acc.map(|row| row.map(|a| unsafe { reduce512(a) }))
 }
 
+/// [`dot4x4_f32_avx512`] over one tile of the columns, continuing from the lane accumulators in
+/// `acc` ([w][x] blocks of 16 lanes) and leaving them there: the same fused multiply-adds in the
+/// same order per lane, so cutting the columns into tiles changes no bit. Every tile but the last
+/// is a multiple of 16 long; the last one's partial chunk is zero-padded as in the untiled kernel.
+///
+/// # Safety
+/// Requires avx512f; all eight slices have the same length.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn dot4x4_tile_avx512(w: [&[f32]; 4], x: [&[f32]; 4], acc: &mut [[f32; LANES]; 16]) {
+    let n = w[0].len();
+    let full = n / LANES;
+    // SAFETY: each accumulator block holds 16 floats.
+    let mut a: [[__m512; 4]; 4] =
+        std::array::from_fn(|r| std::array::from_fn(|i| unsafe { _mm512_loadu_ps(acc[r * 4 + i].as_ptr()) }));
+    let wp = w.map(|r| r.as_ptr());
+    let xp = x.map(|r| r.as_ptr());
+    for c in 0..full {
+        let o = c * LANES;
+        // SAFETY: o + 16 <= n for every row.
+        unsafe {
+            let xv = [
+                _mm512_loadu_ps(xp[0].add(o)),
+                _mm512_loadu_ps(xp[1].add(o)),
+                _mm512_loadu_ps(xp[2].add(o)),
+                _mm512_loadu_ps(xp[3].add(o)),
+            ];
+            for r in 0..4 {
+                let wv = _mm512_loadu_ps(wp[r].add(o));
+                a[r][0] = _mm512_fmadd_ps(wv, xv[0], a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(wv, xv[1], a[r][1]);
+                a[r][2] = _mm512_fmadd_ps(wv, xv[2], a[r][2]);
+                a[r][3] = _mm512_fmadd_ps(wv, xv[3], a[r][3]);
+            }
+        }
+    }
+    if !n.is_multiple_of(LANES) {
+        let wb = w.map(|r| pad_f32(r, full * LANES));
+        let xb = x.map(|r| pad_f32(r, full * LANES));
+        // SAFETY: padded buffers hold 16 elements.
+        unsafe {
+            for r in 0..4 {
+                let wv = _mm512_loadu_ps(wb[r].as_ptr());
+                for i in 0..4 {
+                    a[r][i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xb[i].as_ptr()), a[r][i]);
+                }
+            }
+        }
+    }
+    for r in 0..4 {
+        for i in 0..4 {
+            // SAFETY: each accumulator block holds 16 floats.
+            unsafe { _mm512_storeu_ps(acc[r * 4 + i].as_mut_ptr(), a[r][i]) };
+        }
+    }
+}
+
 /// Dequantises one MXFP4 row into the deinterleaved order (same values as the scalar decoder).
 ///
 /// # Safety
