@@ -13,7 +13,7 @@ use super::load;
 use crate::serve::api::{self, ApiError, ParseContext};
 use crate::serve::generator::{GenConfig, GenError, Generator, Output};
 use crate::spec::DraftKind;
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::{Value, json};
 use std::collections::HashSet;
@@ -118,14 +118,7 @@ fn result_record(id: &Value, line: u64, out: &Output, logprobs: bool, text: &dyn
 }
 
 pub fn run(a: BatchArgs) -> Result<()> {
-    let dir = match (&a.model, a.demo) {
-        (Some(m), _) => m.clone(),
-        (None, true) => load::demo_dir()?,
-        (None, false) => bail!("give --model DIR or --demo"),
-    };
-    if !dir.is_dir() {
-        bail!("model directory {} does not exist", dir.display());
-    }
+    let dir = load::model_dir(&a.model, a.demo)?;
     let input = if is_std(&a.input) {
         let mut s = String::new();
         std::io::stdin().read_to_string(&mut s).context("cannot read the batch from standard input")?;

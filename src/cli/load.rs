@@ -45,6 +45,19 @@ pub fn open_engine(cfg: EngineConfig) -> Result<Arc<Engine>> {
 const DEMO_NAME: &str = "demo-v1";
 
 /// The built-in demo model, created on first use in the cache directory.
+/// The model directory of `--model DIR` or `--demo` (created on first use), checked to exist.
+pub fn model_dir(model: &Option<PathBuf>, demo: bool) -> Result<PathBuf> {
+    let dir = match (model, demo) {
+        (Some(m), _) => m.clone(),
+        (None, true) => demo_dir()?,
+        (None, false) => anyhow::bail!("give --model DIR or --demo"),
+    };
+    if !dir.is_dir() {
+        anyhow::bail!("model directory {} does not exist", dir.display());
+    }
+    Ok(dir)
+}
+
 pub fn demo_dir() -> Result<PathBuf> {
     let dir = crate::util::cache_dir().join(DEMO_NAME);
     if !dir.join("config.json").exists() {

@@ -136,14 +136,7 @@ fn prompt_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>) -> Result<Vec<u3
 
 pub fn run(a: RunArgs) -> Result<()> {
     super::check_outputs([("--stats-json", a.stats_json.as_deref()), ("--trace-routes", a.trace_routes.as_deref())])?;
-    let dir = match (&a.model, a.demo) {
-        (Some(m), _) => m.clone(),
-        (None, true) => load::demo_dir()?,
-        (None, false) => bail!("give --model DIR or --demo"),
-    };
-    if !dir.is_dir() {
-        bail!("model directory {} does not exist", dir.display());
-    }
+    let dir = load::model_dir(&a.model, a.demo)?;
     let needs_tok = a.prompt_ids.is_none() || a.chat;
     let tok = if needs_tok || dir.join("tiktoken.model").exists() {
         Some(crate::engine::load_tokenizer(&dir)?)

@@ -6,7 +6,7 @@ use super::load;
 use crate::serve::ServeOptions;
 use crate::serve::generator::GenConfig;
 use crate::spec::DraftKind;
-use anyhow::{Result, bail};
+use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
 
@@ -53,14 +53,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
-    let dir = match (&a.model, a.demo) {
-        (Some(m), _) => m.clone(),
-        (None, true) => load::demo_dir()?,
-        (None, false) => bail!("give --model DIR or --demo"),
-    };
-    if !dir.is_dir() {
-        bail!("model directory {} does not exist", dir.display());
-    }
+    let dir = load::model_dir(&a.model, a.demo)?;
     // Verify batches need k + 1 rows; prompts are chunked at --prefill-rows.
     let rows = a.engine.prefill_rows.max(8);
     let engine = load::open_engine(a.engine.config(dir.clone(), crate::k3::KdaMode::Recurrent, rows, 0))?;

@@ -111,11 +111,7 @@ fn run_dspark(a: &SynthArgs, target: &std::path::Path) -> Result<()> {
         crate::util::human_bytes(total),
         a.out.display()
     );
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let bar = byte_bar(total);
     ds::write(&s, &tc, &a.out, a.force, &|done, _| bar.set_position(done))
         .with_context(|| format!("synth into {} failed", a.out.display()))?;
     bar.finish_and_clear();
@@ -160,14 +156,20 @@ pub fn run(a: SynthArgs) -> Result<()> {
         crate::util::human_bytes(total),
         a.out.display()
     );
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let bar = byte_bar(total);
     synth::write(&s, &a.out, a.force, &|done, _| bar.set_position(done))
         .with_context(|| format!("synth into {} failed", a.out.display()))?;
     bar.finish_and_clear();
     eprintln!("deltafin synth: wrote {} (random weights)", a.out.display());
     Ok(())
+}
+
+/// A progress bar of bytes written, with rate and ETA.
+fn byte_bar(total: u64) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
 }

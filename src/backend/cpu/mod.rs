@@ -519,11 +519,9 @@ fn tiled_band_avx512(wdec: &[f32], nr: usize, cols: usize, xs: &[f32], n: usize,
     for k0 in (0..cols).step_by(COL_TILE) {
         let k1 = (k0 + COL_TILE).min(cols);
         for wq in 0..nwq {
-            let wrows: [&[f32]; 4] =
-                std::array::from_fn(|a| &wdec[(4 * wq + a).min(nr - 1) * cols..][..cols][k0..k1]);
+            let wrows: [&[f32]; 4] = std::array::from_fn(|a| &wdec[(4 * wq + a).min(nr - 1) * cols..][..cols][k0..k1]);
             for xq in 0..nxq {
-                let xrows: [&[f32]; 4] =
-                    std::array::from_fn(|k| &xs[(4 * xq + k).min(n - 1) * cols..][..cols][k0..k1]);
+                let xrows: [&[f32]; 4] = std::array::from_fn(|k| &xs[(4 * xq + k).min(n - 1) * cols..][..cols][k0..k1]);
                 // SAFETY: Isa::Avx512 is only chosen when avx512f was detected; equal lengths.
                 unsafe { x86::dot4x4_tile_avx512(wrows, xrows, &mut acc[wq * nxq + xq]) };
             }

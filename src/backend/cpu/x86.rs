@@ -340,45 +340,11 @@ pub(super) unsafe fn dot4_mxfp4_avx2(w: [(&[u8], &[u8]); 4], xd: &[f32]) -> [f32
 /// Requires avx512f; all 8 slices have the same length.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn dot4x4_f32_avx512(w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
-    let n = w[0].len();
-    let full = n / LANES;
-    let mut acc = [[_mm512_setzero_ps(); 4]; 4];
-    let wp = w.map(|r| r.as_ptr());
-    let xp = x.map(|r| r.as_ptr());
-    for c in 0..full {
-        let o = c * LANES;
-        // SAFETY: o + 16 <= n for every row.
-        unsafe {
-            let xv = [
-                _mm512_loadu_ps(xp[0].add(o)),
-                _mm512_loadu_ps(xp[1].add(o)),
-                _mm512_loadu_ps(xp[2].add(o)),
-                _mm512_loadu_ps(xp[3].add(o)),
-            ];
-            for r in 0..4 {
-                let wv = _mm512_loadu_ps(wp[r].add(o));
-                acc[r][0] = _mm512_fmadd_ps(wv, xv[0], acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(wv, xv[1], acc[r][1]);
-                acc[r][2] = _mm512_fmadd_ps(wv, xv[2], acc[r][2]);
-                acc[r][3] = _mm512_fmadd_ps(wv, xv[3], acc[r][3]);
-            }
-        }
-    }
-    if !n.is_multiple_of(LANES) {
-        let wb = w.map(|r| pad_f32(r, full * LANES));
-        let xb = x.map(|r| pad_f32(r, full * LANES));
-        // SAFETY: padded buffers hold 16 elements.
-        unsafe {
-            for r in 0..4 {
-                let wv = _mm512_loadu_ps(wb[r].as_ptr());
-                for i in 0..4 {
-                    acc[r][i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xb[i].as_ptr()), acc[r][i]);
-                }
-            }
-        }
-    }
-    // SAFETY: avx512f is enabled for this function.
-    acc.map(|row| row.map(|a| unsafe { reduce512(a) }))
+    // One tile over all columns, from zero accumulators; the lane sums go through the same tree.
+    let mut acc = [[0f32; LANES]; 16];
+    // SAFETY: avx512f is enabled for this function; the caller checked the lengths.
+    unsafe { dot4x4_tile_avx512(w, x, &mut acc) };
+    std::array::from_fn(|r| std::array::from_fn(|i| super::reduce16(&acc[r * 4 + i])))
 }
 
 /// [`dot4x4_f32_avx512`] over one tile of the columns, continuing from the lane accumulators in
