@@ -102,11 +102,8 @@ pub trait Backend: Send + Sync {
     /// Applies rows' updates to `s` in place without outputs (committing verified rows).
     fn kda_replay(&self, s: &mut [f32], heads: &[HeadIn], dk: usize, dv: usize);
 
-    /// MLA attention core over the latent cache (see `cpu::mla::attention`).
-    fn mla_attention(&self, q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, dims: MlaDims, out: &mut [f32]);
-
-    /// The same core with a given scale and visibility (`cpu::mla::attention_with`): DSpark's
-    /// draft block attends without a mask.
+    /// MLA attention core over the latent cache with a given softmax scale and visibility
+    /// (`cpu::mla::attention_with`): K3's layers are causal, DSpark's draft block sees every row.
     #[allow(clippy::too_many_arguments)]
     fn mla_attention_with(
         &self,
@@ -181,10 +178,6 @@ impl Backend for CpuBackend {
         s.par_chunks_mut(dk * dv)
             .zip(heads.par_iter())
             .for_each(|(s, x)| cpu::kda::recurrent_head(None, s, dk, dv, x, None));
-    }
-
-    fn mla_attention(&self, q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, dims: MlaDims, out: &mut [f32]) {
-        cpu::mla::attention(q, cache, past, kv_b, dims, out)
     }
 
     fn mla_attention_with(

@@ -2,7 +2,8 @@
 //!
 //! q = q_b(RMSNorm(q_a(x))) split per head into [nope | pe]; [c | k_pe] = kv_a(x); the cache keeps
 //! [RMSNorm(c) | k_pe] per token; the backend's absorbed attention core mixes cached latents;
-//! out = o_proj(attention * sigmoid(g_proj(x))). Causal; scale (nope + pe)^-1/2.
+//! out = o_proj(attention * sigmoid(g_proj(x))). Causal; scale (nope + pe)^-1/2 (the same f32 as
+//! `cpu::mla::attention`).
 //!
 //! Contract: [`forward`] appends the new rows' latents to the cache; a forward that is not
 //! committed is undone by truncating the cache back (`MlaState::truncate`).
@@ -10,7 +11,7 @@
 use super::state::MlaState;
 use super::weights::MlaWeights;
 use crate::backend::Backend;
-use crate::backend::cpu::mla::MlaDims;
+use crate::backend::cpu::mla::{MlaDims, Visible};
 use crate::cpu::ops::sigmoid;
 use crate::model::K3Config;
 
@@ -41,7 +42,8 @@ pub fn forward(be: &dyn Backend, c: &K3Config, w: &MlaWeights, st: &mut MlaState
 
     let dims = MlaDims { heads: nh, nope, rope, lora, v_head: vd };
     let mut att = vec![0f32; n * nh * vd];
-    be.mla_attention(&q, &st.latent, past, &w.kv_b, dims, &mut att);
+    let scale = 1.0 / (qd as f32).sqrt();
+    be.mla_attention_with(&q, &st.latent, past, &w.kv_b, dims, scale, Visible::Causal, &mut att);
 
     let mut gate = vec![0f32; n * nh * vd];
     be.matmul_bf16(&w.g_proj, xn, &mut gate);

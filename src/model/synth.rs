@@ -11,6 +11,7 @@
 use super::bpe_train::{TRAINING_TEXT, rank_file, train_ranks};
 use super::roster::{LM_HEAD, expert, layer, top};
 use super::tokenizer::{NUM_SPECIALS, k3_tokenizer_config};
+use crate::sample::Rng;
 use rayon::prelude::*;
 use serde_json::{Value, json};
 use std::io::Write;
@@ -464,11 +465,13 @@ impl TensorPlan {
         match (self.dtype, self.fill) {
             (_, Fill::Bytes) => {
                 while out.len() < len {
-                    out.extend_from_slice(&rng.next().to_le_bytes());
+                    out.extend_from_slice(&rng.next_u64().to_le_bytes());
                 }
                 out.truncate(len);
             }
-            (_, Fill::Scale(c)) => out.extend((0..len).map(|_| c.wrapping_add((rng.next() % 3) as u8).wrapping_sub(1))),
+            (_, Fill::Scale(c)) => {
+                out.extend((0..len).map(|_| c.wrapping_add((rng.next_u64() % 3) as u8).wrapping_sub(1)))
+            }
             (Dtype::Bf16, f) => {
                 for _ in 0..len / 2 {
                     let x = sample(&mut rng, f);
@@ -490,7 +493,7 @@ impl TensorPlan {
 const CHUNK: usize = 1 << 20;
 
 fn sample(rng: &mut Rng, f: Fill) -> f32 {
-    let u = (rng.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+    let u = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
     match f {
         Fill::Uniform(a) => u * a,
         Fill::Norm => 1.0 + 0.1 * u,
@@ -505,22 +508,6 @@ fn bf16_bits(x: f32) -> u16 {
 
 fn fnv(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
-}
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
 }
 
 /// A small chat template in K3's format (messages, thinking-effort system message, generation

@@ -155,10 +155,6 @@ impl Backend for GpuBackend {
         self.cpu.kda_replay(s, heads, dk, dv)
     }
 
-    fn mla_attention(&self, q: &[f32], cache: &[f32], past: usize, kv_b: &Bf16Mat, dims: MlaDims, out: &mut [f32]) {
-        self.cpu.mla_attention(q, cache, past, kv_b, dims, out)
-    }
-
     fn mla_attention_with(
         &self,
         q: &[f32],

@@ -100,13 +100,13 @@ impl DSparkModel {
             let mut x = hs.clone();
             be.rms_norm_rows(&mut x, &w.post_norm, c.rms_eps);
             let (mut g, mut u) = (vec![0f32; n * c.intermediate], vec![0f32; n * c.intermediate]);
-            be.matmul_bf16(&w.gate, &x, &mut g);
-            be.matmul_bf16(&w.up, &x, &mut u);
+            be.matmul_bf16(&w.mlp.gate, &x, &mut g);
+            be.matmul_bf16(&w.mlp.up, &x, &mut u);
             for (gi, ui) in g.iter_mut().zip(&u) {
                 *gi = *gi * sigmoid(*gi) * ui;
             }
             let mut d = vec![0f32; n * h];
-            be.matmul_bf16(&w.down, &g, &mut d);
+            be.matmul_bf16(&w.mlp.down, &g, &mut d);
             add(&mut hs, &d);
         }
         be.rms_norm_rows(&mut hs, &self.final_norm, c.rms_eps);

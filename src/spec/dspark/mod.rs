@@ -25,7 +25,7 @@ pub use drafter::DSparkDrafter;
 
 use crate::backend::Backend;
 use crate::cpu::Bf16Mat;
-use crate::k3::weights::Weights;
+use crate::k3::weights::{MlpWeights, Weights};
 use crate::model::{Checkpoint, K3Config, ModelError};
 use safetensors::tensor::Dtype;
 use std::path::{Path, PathBuf};
@@ -44,9 +44,8 @@ pub struct DSparkLayer {
     pub kv_a_norm: Vec<f32>,
     pub kv_b: Bf16Mat,
     pub o_proj: Bf16Mat,
-    pub gate: Bf16Mat,
-    pub up: Bf16Mat,
-    pub down: Bf16Mat,
+    /// gate/up/down of the SiLU-gated MLP.
+    pub mlp: MlpWeights,
 }
 
 /// An opened DSpark checkpoint bound to its target.
@@ -148,9 +147,11 @@ impl DSparkModel {
                 kv_a_norm: ld.vec(&n("self_attn.kv_a_layernorm.weight"), c.kv_lora),
                 kv_b: ld.mat(&n("self_attn.kv_b_proj.weight"), nh * (c.nope + c.v_head), c.kv_lora),
                 o_proj: ld.mat(&n("self_attn.o_proj.weight"), h, nh * c.v_head),
-                gate: ld.mat(&n("mlp.gate_proj.weight"), c.intermediate, h),
-                up: ld.mat(&n("mlp.up_proj.weight"), c.intermediate, h),
-                down: ld.mat(&n("mlp.down_proj.weight"), h, c.intermediate),
+                mlp: MlpWeights {
+                    gate: ld.mat(&n("mlp.gate_proj.weight"), c.intermediate, h),
+                    up: ld.mat(&n("mlp.up_proj.weight"), c.intermediate, h),
+                    down: ld.mat(&n("mlp.down_proj.weight"), h, c.intermediate),
+                },
             });
         }
         // Tensors the runtime does not use but the published layout has: shape-checked only when
@@ -216,7 +217,7 @@ impl DSparkModel {
             + m(&self.markov_w1)
             + m(&self.markov_w2);
         for l in &self.layers {
-            total += [&l.q_a, &l.q_b, &l.kv_a, &l.kv_b, &l.o_proj, &l.gate, &l.up, &l.down]
+            total += [&l.q_a, &l.q_b, &l.kv_a, &l.kv_b, &l.o_proj, &l.mlp.gate, &l.mlp.up, &l.mlp.down]
                 .iter()
                 .map(|x| m(x))
                 .sum::<u64>()
