@@ -96,7 +96,7 @@ def main() -> int:
         time.sleep(interval)
     reader.join(timeout=10)
     with open(trace_path, "w") as f:
-        json.dump({"cmd": cmd, "rc": proc.returncode, "interval_s": interval,
+        json.dump({"cmd": cmd, "rc": proc.returncode, "interval_s": interval, "t0_unix": t0,
                    "wall_s": time.time() - t0, "samples": samples, "lines": lines}, f)
     return proc.returncode
 

@@ -11,7 +11,10 @@
 # ninja, the converter's Python deps, the synthetic model and its GGUF) is kept in
 # $DELTAFIN_PEER_CACHE (default ~/.cache/deltafin-peer), so a rerun only runs the benchmarks.
 # Env: DELTAFIN_PEER_JOBS (build jobs, default 2), LLAMA_CPP_PYTHON_VERSION (default 0.3.36),
-# DELTAFIN_BIN (a deltafin binary to use instead of `cargo build --release`).
+# DELTAFIN_BIN (a deltafin binary to use instead of `cargo build --release`), DELTAFIN_PEER_FP64=0
+# (skip checking deltafin's tokens against the fp64 reference, which takes minutes).
+# Both engines get the same prompt ids (bench/llama_bench_ids.py); deltafin's route heat is learned
+# by a short run on other text first.
 # Exit status: 0 measured, 3 blocked (the vendored llama.cpp has no kimi_k3 support; the record says so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +28,7 @@ while [ $# -gt 0 ]; do
     --decode) decode=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h|--help) sed -n 2,14p "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/{/^#/p}' "$0"; exit 0 ;;
     *) echo "peer_llama: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -144,10 +147,20 @@ python3 -c "import sys; m,l=int(sys.argv[1]),int(sys.argv[2]); sys.exit(0 if m >
 # --- the runs: same cgroup limit, cold page cache each time ------------------------------------
 run=$(mktemp -d "$work/run.XXXXXX")
 mon=$repo/bench/peer_iomon.py
-step "deltafin bench run --prompt-tokens $prompt --decode $decode in a $limit cgroup"
+# The prompt: the very ids llama-bench's prompt test feeds (it never seeds rand()).
+"$py" "$repo/bench/llama_bench_ids.py" --gguf "$gguf" --n "$prompt" >"$run/prompt-ids.json" \
+  || die "could not derive llama-bench's prompt ids from $gguf"
+# Route heat learned across runs: one short run on other text (the built-in prompt) teaches it, the
+# measured run starts from it, as a second run of a user's install does.
+step "deltafin: a short run on other text to learn the route heat ($run/expert-heat.json)"
+"$repo/bench/in_cgroup.sh" "$limit" "$bin" bench run --model "$model" --prompt-tokens 64 --decode 32 \
+  --threads "$threads" --ceiling-seconds 0 --expert-heat "$run/expert-heat.json" >"$run/deltafin-heat.out" \
+  || die "deltafin's heat run failed (output: $run/deltafin-heat.out)"
+step "deltafin bench run --prompt-ids (llama-bench's $prompt ids) --decode $decode in a $limit cgroup"
 "$py" "$mon" "$run/deltafin.io.json" "$run/deltafin.out" "$bin" -- \
-  "$repo/bench/in_cgroup.sh" "$limit" "$bin" bench run --model "$model" --prompt-tokens "$prompt" \
-  --decode "$decode" --threads "$threads" || die "deltafin bench run failed (output: $run/deltafin.out)"
+  "$repo/bench/in_cgroup.sh" "$limit" "$bin" bench run --model "$model" --prompt-ids "@$run/prompt-ids.json" \
+  --decode "$decode" --threads "$threads" --expert-heat "$run/expert-heat.json" \
+  --fetch-trace "$run/fetch-trace.json" || die "deltafin bench run failed (output: $run/deltafin.out)"
 # llama-bench: one process per phase, one repetition, no warmup (cold like deltafin's run), the
 # expert tensors read in place from the mmap (--repack 0: no repacked copy in RAM). Each jsonl line
 # appears right after its test, which marks the end of the timed window in the /proc trace.
@@ -158,6 +171,14 @@ for phase in pp tg; do
     "$repo/bench/in_cgroup.sh" "$limit" "$lbench" -m "$gguf" "${pn[@]}" -t "$threads" --repack 0 \
     -r 1 --no-warmup -o jsonl || die "llama-bench ${pn[*]} failed (output: $run/llama-$phase.out)"
 done
+
+# deltafin's tokens against the fp64 reference: one teacher-forced pass over prompt + output
+if [ "${DELTAFIN_PEER_FP64:-1}" = 1 ]; then
+  step "checking deltafin's tokens against the fp64 reference (tests/reference/check_greedy.py; minutes)"
+  "$py" "$repo/tests/reference/check_greedy.py" "$model" --prompt-ids "$run/prompt-ids.json" \
+    --generated <(grep '^{' "$run/deltafin.out" | tail -1) >"$run/fp64-check.json" || true
+fi
+python3 "$repo/bench/cache_sim.py" "$run/fetch-trace.json" >"$run/cache-sim.json" || true
 
 # --- the record ---------------------------------------------------------------------------------
 cmdline="bench/peer_llama.sh --limit $limit --prompt $prompt --decode $decode --threads $threads"

@@ -87,8 +87,16 @@ def main() -> None:
     expert_bytes = rec["expert_bytes_total"] / (moe_layers * n_exp)
     routed_per_token = top_k * moe_layers * expert_bytes
     unique = pre["expert_bytes_unique"]
-    d_pre_w = window(tr["deltafin"], t_rec - decode_s, ttft)
-    d_dec_w = window(tr["deltafin"], t_rec, decode_s)
+    phases = rec.get("phase_unix_s")
+    if phases and "t0_unix" in tr["deltafin"]:
+        # The record says when each phase ran (the ceiling probes lie between and after them).
+        t0u = tr["deltafin"]["t0_unix"]
+        (ps, pe), (ds, de) = phases["prefill"], phases["decode"]
+        d_pre_w = window(tr["deltafin"], pe - t0u, pe - ps)
+        d_dec_w = window(tr["deltafin"], de - t0u, de - ds)
+    else:
+        d_pre_w = window(tr["deltafin"], t_rec - decode_s, ttft)
+        d_dec_w = window(tr["deltafin"], t_rec, decode_s)
     d_total = tr["deltafin"]["samples"][-1][1]
     deltafin = {
         "prefill_tok_s": rec["prefill_tok_s"],
@@ -135,14 +143,18 @@ def main() -> None:
     llama["model_type"] = benches[0].get("model_type")
     llama["llama_bench"] = benches
 
-    # Part 4: the TTFT bound as the sum (no overlap) and as the max (reads fully overlapped).
-    ceiling = rec.get("ceiling_gbps")
+    # Part 4: the TTFT bound as the sum (no overlap) and as the max (reads fully overlapped), with
+    # the ceilings bench run measured around each phase (the engine's reads, until stable).
+    ceilings = rec.get("ceilings") or {}
+    ceiling = ceilings.get("prefill_gbps", rec.get("ceiling_gbps"))
     bounds = None
     if ceiling:
         read_s = unique / (ceiling * 1e9)
         compute_s = pre["compute_s"]
         bounds = {
             "ceiling_gbps": ceiling,
+            "decode_ceiling_gbps": ceilings.get("decode_gbps"),
+            "ceilings": ceilings,
             "read_s": read_s,
             "compute_s": compute_s,
             "ttft_bound_sum_s": read_s + compute_s,
@@ -151,9 +163,27 @@ def main() -> None:
             "ttft_over_max": ttft / max(read_s, compute_s),
             "decode_bound_s_per_token": rec.get("decode_bound_s_per_token"),
             "decode_over_bound": rec.get("decode_bound_ratio"),
-            "decode_sustained_gbps": (dec["bytes_read_per_token"] / dec["seconds_per_token"] / 1e9)
-            if steps else None,
+            "decode_sustained_gbps": rec.get("decode_sustained_gbps"),
         }
+
+    def optional_json(name):
+        path = os.path.join(run, name)
+        if not os.path.exists(path) or os.path.getsize(path) == 0:
+            return None
+        lines = [ln for ln in open(path) if ln.startswith("{")]
+        return json.loads(lines[-1]) if lines else None
+
+    heat_rec = optional_json("deltafin-heat.out")
+    cache = {
+        "cache_slots": rec.get("cache_slots"),
+        "cache_misses": rec.get("cache_misses"),
+        "cache_misses_opt": rec.get("cache_misses_opt"),
+        "cache_misses_vs_opt": rec.get("cache_misses_vs_opt"),
+        "heat_runs_before": rec.get("expert_heat_runs_before"),
+        "heat_run_cache_misses_vs_opt": heat_rec.get("cache_misses_vs_opt") if heat_rec else None,
+        "replayed_policies": optional_json("cache-sim.json"),
+    }
+    fp64 = optional_json("fp64-check.json")
 
     model_bytes = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)
                       if os.path.isfile(os.path.join(model, f)))
@@ -184,10 +214,13 @@ def main() -> None:
         "deltafin": deltafin,
         "llama_cpp": llama,
         "ttft_bounds": bounds,
+        "cache": cache,
+        "fp64_check": fp64,
+        "tokens_identical_to_fp64": fp64.get("identical") if fp64 else None,
         "notes": [
             "both sides cold (page cache dropped) in the same memory cgroup; llama-bench -r 1 --no-warmup, one process per phase",
-            "prompt ids differ: deltafin tokenizes its built-in text, llama-bench draws random ids (it takes no ids);"
-            " with 512 tokens x top-16 of 128 experts both prompts route to every expert",
+            "same prompt ids: llama-bench's unseeded rand() stream (bench/llama_bench_ids.py) given to deltafin as --prompt-ids",
+            "deltafin's route heat was learned by one short run on other text (the built-in prompt) before the measured run",
             "decode: deltafin generates after its prompt (context 512..543); llama-bench tg starts from an empty context",
             "bytes per token: /proc/PID/io read_bytes over each phase's timed window (see bench/peer_record.py)",
         ],

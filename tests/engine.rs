@@ -278,6 +278,40 @@ fn hidden_rows_are_tapped_after_the_asked_layers() {
 }
 
 #[test]
+fn route_heat_from_an_earlier_run_keeps_its_hot_experts_cached() {
+    let dir = fixture("k3-tiny-a");
+    let m = open_model(&dir);
+    let slot = deltafin::store::expert_store::slot_size(m.cfg.expert_bytes()) as u64;
+    let tmp = tempfile::tempdir().unwrap();
+    let heat = tmp.path().join("expert-heat.json");
+    // Run 1: experts 0 and 1 are the hot ones.
+    {
+        let s = shard_store_with_heat(&m, 2 * slot, 2, 0, Some(heat.clone()));
+        assert_eq!(s.heat_runs(), Some(0));
+        for _ in 0..3 {
+            fetch_all(&*s, 1, &[0, 1]);
+        }
+        fetch_all(&*s, 1, &[2, 3]);
+    }
+    let text = std::fs::read_to_string(&heat).unwrap();
+    assert!(text.contains("\"runs\":1"), "{text}");
+    // Run 2 meets the cold experts first: with the heat, the hot pair displaces them and is hit
+    // on its next request; without it, the first comers stay (equal counts) and the pair misses.
+    let replay = |heat: Option<std::path::PathBuf>| {
+        let s = shard_store_with_heat(&m, 2 * slot, 2, 0, heat);
+        fetch_all(&*s, 1, &[2, 3]);
+        fetch_all(&*s, 1, &[0, 1]);
+        let before = s.report().cache_hits.unwrap();
+        let got = fetch_all(&*s, 1, &[0, 1]);
+        assert_eq!(got.len(), 2);
+        (s.report().cache_hits.unwrap() - before, s.heat_runs())
+    };
+    assert_eq!(replay(None), (0, None));
+    assert_eq!(replay(Some(heat.clone())), (2, Some(1)));
+    assert!(std::fs::read_to_string(&heat).unwrap().contains("\"runs\":2"));
+}
+
+#[test]
 fn a_fetch_never_evicts_its_own_cache_hits() {
     let dir = fixture("k3-tiny-a");
     let m = open_model(&dir);

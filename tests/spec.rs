@@ -352,3 +352,66 @@ fn bench_run_records_the_same_ids_with_every_drafter_and_the_oracle_accepts_all(
     assert_eq!(v["decode"]["drafts_proposed"].as_u64(), Some(accepted));
     assert_eq!(v["decode"]["draft_acceptance"], 1.0);
 }
+
+/// `bench run --prompt-ids @FILE` runs on exactly those ids, and its decoded tokens pass the fp64
+/// reference's teacher-forced greedy check (tests/reference/check_greedy.py, the path the peer
+/// benchmark checks its big model with); a changed token fails that check.
+#[test]
+fn bench_run_on_given_ids_matches_the_fp64_greedy_check() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ids: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
+    let ids_file = tmp.path().join("ids.json");
+    std::fs::write(&ids_file, serde_json::to_string(&ids).unwrap()).unwrap();
+    let model = fixture("k3-tiny-a");
+    let (out, _) = run_ok(
+        std::process::Command::new(bin())
+            .args(["bench", "run", "--model"])
+            .arg(&model)
+            .arg(format!("--prompt-ids=@{}", ids_file.display()))
+            .args(["--decode", "6", "--ceiling-seconds", "0", "--expert-heat", "off"]),
+    );
+    let rec: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(rec["prompt_tokens"], 40);
+    let generated: Vec<u64> = rec["output_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    let check = |tokens: &[u64]| {
+        let gen_file = tmp.path().join("gen.json");
+        std::fs::write(&gen_file, serde_json::to_string(tokens).unwrap()).unwrap();
+        python()
+            .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/check_greedy.py"))
+            .arg(&model)
+            .arg("--prompt-ids")
+            .arg(&ids_file)
+            .arg("--generated")
+            .arg(&gen_file)
+            .output()
+            .unwrap()
+    };
+    let ok = check(&generated);
+    let verdict: serde_json::Value = serde_json::from_slice(&ok.stdout).unwrap();
+    assert!(ok.status.success() && verdict["identical"] == true, "{verdict}");
+    let mut wrong = generated.clone();
+    wrong[3] = (wrong[3] + 1) % 200;
+    assert_eq!(check(&wrong).status.code(), Some(1), "a changed token must fail the check");
+    // Inline ids give the same run; ids outside the vocabulary are refused.
+    let inline = ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
+    let (out2, _) = run_ok(std::process::Command::new(bin()).args(["bench", "run", "--model"]).arg(&model).args([
+        "--prompt-ids",
+        &inline,
+        "--decode",
+        "6",
+        "--ceiling-seconds",
+        "0",
+        "--expert-heat",
+        "off",
+    ]));
+    let rec2: serde_json::Value = serde_json::from_str(out2.lines().next().unwrap()).unwrap();
+    assert_eq!(rec2["output_ids"], rec["output_ids"]);
+    let o = std::process::Command::new(bin())
+        .args(["bench", "run", "--model"])
+        .arg(&model)
+        .args(["--prompt-ids", "1,2,999999", "--ceiling-seconds", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("outside the vocabulary"));
+}

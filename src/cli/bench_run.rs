@@ -1,9 +1,15 @@
 //! `deltafin bench run`: an exact prompt, cold, then a few decode steps; one JSON record per run
 //! with machine, command, git revision, every counter and timer, the disk ceiling measured in the
-//! same run and the two bound ratios:
+//! same run and the bound ratios:
 //! - TTFT / (distinct expert bytes / ceiling + measured compute), where compute = TTFT minus the
-//!   time the prefill waited for reads;
+//!   time the prefill waited for reads (the serial bound), and TTFT / max(read, compute) (the bound
+//!   of a schedule that overlaps reads and compute completely);
 //! - decode seconds per token / (bytes read per token / ceiling).
+//!
+//! The ceiling is measured the way the engine reads (whole-expert O_DIRECT reads on the run's own
+//! expert holders, the store's queue depth, until the rate is stable) three times: before the
+//! prompt, between prompt and decode, and after decode; each phase's bound uses the mean of the
+//! two probes around it, since a shared or bursting disk drifts over minutes.
 //!
 //! `--ladder` repeats over drive subsets of the placement; `--plot DIR` draws the ladder and the
 //! per-layer read wait as SVG.
@@ -48,8 +54,13 @@ pub struct RunBenchArgs {
     #[arg(long)]
     model: PathBuf,
     /// Prompt length in tokens.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 512, conflicts_with = "prompt_ids")]
     prompt_tokens: usize,
+    /// Prompt token ids instead of the built-in text: comma-separated (1,2,3, as `run` takes them),
+    /// or @FILE holding a JSON array or ids separated by spaces, commas or newlines (e.g. the ids
+    /// another engine's benchmark used).
+    #[arg(long, value_name = "IDS|@FILE")]
+    prompt_ids: Option<String>,
     /// Decode steps after the prompt.
     #[arg(long, default_value_t = 8)]
     decode: usize,
@@ -62,7 +73,7 @@ pub struct RunBenchArgs {
     /// Prefetch setting(s) to run.
     #[arg(long, value_enum, default_value_t = PrefetchRuns::Off)]
     prefetch_runs: PrefetchRuns,
-    /// Seconds of reads to measure the disk ceiling (0 skips it).
+    /// Seconds of reads (at least) for each of the three disk ceiling probes (0 skips them).
     #[arg(long, default_value_t = 3.0)]
     ceiling_seconds: f64,
     /// Drafting during the decode steps (output is identical; the record shows acceptance).
@@ -102,6 +113,61 @@ fn prompt_tokens(opened: &Opened, n: usize) -> Result<Vec<u32>> {
     Ok((0..n).map(|_| (rng.next_u64() % opened.cfg.vocab as u64) as u32).collect())
 }
 
+/// Prompt ids from `path`: a JSON array of integers, or integers separated by whitespace or commas;
+/// each must be below the model's vocabulary size.
+fn prompt_ids_from(path: &std::path::Path, vocab: usize) -> Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let ids: Vec<u64> = if text.trim_start().starts_with('[') {
+        serde_json::from_str(&text)
+            .with_context(|| format!("{}: expected a JSON array of token ids", path.display()))?
+    } else {
+        text.split(|c: char| c.is_whitespace() || c == ',')
+            .filter(|t| !t.is_empty())
+            .map(|t| t.parse::<u64>().with_context(|| format!("{}: {t:?} is not a token id", path.display())))
+            .collect::<Result<_>>()?
+    };
+    if ids.is_empty() {
+        bail!("{}: no token ids", path.display());
+    }
+    if let Some((i, id)) = ids.iter().enumerate().find(|(_, id)| **id >= vocab as u64) {
+        bail!("{}: id {id} at position {i} is outside the vocabulary (size {vocab})", path.display());
+    }
+    Ok(ids.into_iter().map(|id| id as u32).collect())
+}
+
+/// What the three ceiling probes of a run measure on.
+struct CeilingProbe<'a> {
+    opened: &'a Opened,
+    manifest: Option<&'a Manifest>,
+    drives: Option<Vec<usize>>,
+    qd: usize,
+    secs: f64,
+}
+
+impl CeilingProbe<'_> {
+    fn measure(&self) -> Result<Option<probe::Ceiling>> {
+        if self.secs <= 0.0 {
+            return Ok(None);
+        }
+        measure_ceiling(self.opened, self.manifest, self.drives.as_deref(), self.qd, self.secs).map(Some)
+    }
+}
+
+fn ceiling_json(c: &Option<probe::Ceiling>) -> Value {
+    match c {
+        Some(c) => json!({"gbps": c.gbps, "seconds": c.seconds, "stable": c.stable, "windows_gbps": c.windows}),
+        None => Value::Null,
+    }
+}
+
+fn mean_gbps(a: &Option<probe::Ceiling>, b: &Option<probe::Ceiling>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some((a.gbps + b.gbps) / 2.0),
+        (Some(c), None) | (None, Some(c)) => Some(c.gbps),
+        (None, None) => None,
+    }
+}
+
 /// The read ceiling of the drives the run will use, measured on expert holders: random whole-expert
 /// O_DIRECT reads at the store's total queue depth.
 fn measure_ceiling(
@@ -110,7 +176,7 @@ fn measure_ceiling(
     drives: Option<&[usize]>,
     qd: usize,
     secs: f64,
-) -> Result<f64> {
+) -> Result<probe::Ceiling> {
     let layout = opened.roster.expert_layout.clone().context("no experts")?;
     let (ranges, read_len) = match manifest {
         Some(m) => {
@@ -138,7 +204,7 @@ fn measure_ceiling(
         Duration::from_secs_f64(secs),
     )
     .map_err(|e| anyhow::anyhow!("measuring the disk ceiling: {e}"))?;
-    Ok(c.gbps)
+    Ok(c)
 }
 
 pub fn run(a: RunBenchArgs) -> Result<()> {
@@ -147,7 +213,19 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         bail!("--prompt-tokens must be > 0");
     }
     let opened = load::open(&a.model)?;
-    let prompt = prompt_tokens(&opened, a.prompt_tokens)?;
+    let prompt = match a.prompt_ids.as_deref() {
+        Some(arg) => match arg.strip_prefix('@') {
+            Some(file) => prompt_ids_from(std::path::Path::new(file), opened.cfg.vocab)?,
+            None => {
+                let ids = super::parse_ids(arg).map_err(|e| anyhow::anyhow!("--prompt-ids: {e}"))?.0;
+                if let Some(bad) = ids.iter().find(|&&id| id as usize >= opened.cfg.vocab) {
+                    bail!("--prompt-ids: id {bad} is outside the vocabulary (size {})", opened.cfg.vocab);
+                }
+                ids
+            }
+        },
+        None => prompt_tokens(&opened, a.prompt_tokens)?,
+    };
     let manifest_path = a.engine.placement.clone().or_else(|| Some(a.model.join(MANIFEST)).filter(|p| p.exists()));
     let manifest = manifest_path.as_ref().map(|p| Manifest::load(p)).transpose()?;
     let subsets: Vec<Option<Vec<usize>>> = if a.ladder {
@@ -172,16 +250,18 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
                 .sum()
         });
         let dropped = drop_page_cache();
-        let ceiling = if a.ceiling_seconds > 0.0 {
-            Some(measure_ceiling(&opened, manifest.as_ref(), subset.as_deref(), qd_total, a.ceiling_seconds)?)
-        } else {
-            None
+        let probe = CeilingProbe {
+            opened: &opened,
+            manifest: manifest.as_ref(),
+            drives: subset.clone(),
+            qd: qd_total,
+            secs: a.ceiling_seconds,
         };
         for &pf in &prefetch {
             let mut engine = a.engine.clone();
             engine.use_drives = subset.clone();
             engine.prefetch = pf;
-            let rec = one_run(&a, &opened, &engine, &prompt, ceiling, dropped)?;
+            let rec = one_run(&a, &opened, &engine, &prompt, &probe, dropped)?;
             println!("{rec}");
             if let Some(p) = &a.out {
                 use std::io::Write;
@@ -209,7 +289,7 @@ fn one_run(
     opened: &Opened,
     engine_args: &EngineArgs,
     prompt: &[u32],
-    ceiling: Option<f64>,
+    probe: &CeilingProbe,
     dropped: bool,
 ) -> Result<Value> {
     let opts = GenerateOptions { max_new: a.decode.max(1), stop: Vec::new() };
@@ -241,6 +321,9 @@ fn one_run(
     };
     let plan = engine.plan.clone();
     let mut session = engine.new_session();
+    let ceiling_before = probe.measure()?;
+    let unix = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+    let prefill_start = unix();
     let t0 = Instant::now();
     match &mut spec {
         Some(sp) => sp.prefill(&mut session, prompt),
@@ -254,6 +337,9 @@ fn one_run(
     let pre_src = engine.source_report();
     let prefill_read = pre_src.expert_bytes_read.unwrap_or(0);
     let unique = pre.expert_bytes_unique();
+    let prefill_end = unix();
+    let ceiling_mid = probe.measure()?;
+    let decode_start = unix();
     let t1 = Instant::now();
     let generation = match &mut spec {
         Some(sp) => session.generate_speculative(&opts, sp, &mut |_| true),
@@ -262,6 +348,10 @@ fn one_run(
     .context("decode failed")?;
     let out_ids = generation.tokens;
     let decode_s = t1.elapsed().as_secs_f64();
+    let decode_end = unix();
+    let ceiling_after = probe.measure()?;
+    let prefill_ceiling = mean_gbps(&ceiling_before, &ceiling_mid);
+    let decode_ceiling = mean_gbps(&ceiling_mid, &ceiling_after);
     let mut stats = session.stats.clone();
     stats.decode_s = decode_s;
     stats.generated_tokens = out_ids.len() as u64;
@@ -269,9 +359,11 @@ fn one_run(
     let steps = out_ids.len().saturating_sub(1);
     let decode_read = stats.bytes_read().unwrap_or(0).saturating_sub(prefill_read);
     let compute = ttft - pre.read_wait_s;
-    let ttft_bound = ceiling.map(|c| unique as f64 / (c * 1e9) + compute);
+    let prefill_read_s = prefill_ceiling.map(|c| unique as f64 / (c * 1e9));
+    let ttft_bound = prefill_read_s.map(|r| r + compute);
+    let ttft_bound_max = prefill_read_s.map(|r| r.max(compute));
     let per_token_read = if steps > 0 { decode_read as f64 / steps as f64 } else { 0.0 };
-    let decode_bound = ceiling.filter(|_| steps > 0 && per_token_read > 0.0).map(|c| per_token_read / (c * 1e9));
+    let decode_bound = decode_ceiling.filter(|_| steps > 0 && per_token_read > 0.0).map(|c| per_token_read / (c * 1e9));
     if stats.bytes_read().is_some() && unique > 0 && prefill_read > unique {
         eprintln!(
             "deltafin bench: note: prefill read {} bytes for {} distinct ({:.4}x)",
@@ -307,7 +399,15 @@ fn one_run(
             "page_cache_dropped": dropped,
             "memory_budget": plan.budget,
             "expert_cache_bytes": plan.expert_cache,
-            "ceiling_gbps": ceiling,
+            "ceiling_gbps": ceiling_before.as_ref().map(|c| c.gbps),
+            "ceilings": {
+                "before_prompt": ceiling_json(&ceiling_before),
+                "after_prompt": ceiling_json(&ceiling_mid),
+                "after_decode": ceiling_json(&ceiling_after),
+                "prefill_gbps": prefill_ceiling,
+                "decode_gbps": decode_ceiling,
+            },
+            "phase_unix_s": {"prefill": [prefill_start, prefill_end], "decode": [decode_start, decode_end]},
             "prompt_tokens": prompt.len(),
             "ttft_s": ttft,
             "prefill_tok_s": prompt.len() as f64 / ttft,
@@ -326,6 +426,9 @@ fn one_run(
             },
             "ttft_bound_s": ttft_bound,
             "ttft_bound_ratio": ttft_bound.map(|b| ttft / b),
+            "ttft_bound_max_s": ttft_bound_max,
+            "ttft_over_max": ttft_bound_max.map(|b| ttft / b),
+            "prefill_read_bound_s": prefill_read_s,
             "decode": {
                 "steps": steps,
                 "seconds_per_token": if steps > 0 { Some(decode_s / steps as f64) } else { None },
@@ -340,8 +443,10 @@ fn one_run(
                 "expert_bytes_requested_per_token": stats.decode_expert_bytes_per_token(),
             },
             "decode_bound_s_per_token": decode_bound,
+            "decode_sustained_gbps": if decode_s > 0.0 && steps > 0 { Some(decode_read as f64 / decode_s / 1e9) } else { None },
             "decode_bound_ratio": decode_bound.map(|b| (decode_s / steps as f64) / b),
             "cache_slots": report.cache_slots,
+            "expert_heat_runs_before": engine.store().and_then(|s| s.heat_runs()),
             "cache_misses": report.cache_misses,
             "cache_misses_opt": cache_opt,
             "cache_misses_vs_opt": cache_vs_opt,

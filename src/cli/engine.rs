@@ -2,7 +2,7 @@
 //! [`EngineConfig`] (the library builds the memory plan and the expert source from it).
 
 use crate::backend::BackendKind;
-use crate::engine::{EngineConfig, ExpertsFrom};
+use crate::engine::{EngineConfig, ExpertHeat, ExpertsFrom};
 use crate::k3::KdaMode;
 use crate::store::reader::ReaderKind;
 use clap::{Args, ValueEnum};
@@ -43,6 +43,18 @@ pub struct EngineArgs {
     /// Backend: cpu, gpu (any Vulkan/Metal adapter, lavapipe included), or auto (a real GPU if present).
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
+    /// Route heat kept across runs, which seeds the expert cache with the experts this model is
+    /// routed to most: `auto` (beside the placement manifest, else under ~/.cache/deltafin/heat),
+    /// `off`, or a file. Changes only what is cached, never the output.
+    #[arg(long, value_name = "auto|off|FILE", default_value = "auto", value_parser = parse_heat)]
+    pub expert_heat: ExpertHeat,
+}
+
+fn parse_heat(s: &str) -> Result<ExpertHeat, String> {
+    if s.is_empty() {
+        return Err("expected auto, off or a file path".into());
+    }
+    Ok(ExpertHeat::from(s.to_string()))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -71,6 +83,7 @@ impl EngineArgs {
             kda,
             draft_model: self.draft_model.clone(),
             backend: self.backend,
+            expert_heat: self.expert_heat.clone(),
         }
     }
 }

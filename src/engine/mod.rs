@@ -40,6 +40,39 @@ pub enum ExpertsFrom {
     Mmap,
 }
 
+/// Where the route heat kept across runs lives (`--expert-heat`; see [`crate::store::heat`]).
+#[derive(Clone, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(into = "String", from = "String")]
+pub enum ExpertHeat {
+    /// No heat: the cache learns from this run only.
+    #[default]
+    Off,
+    /// Beside the placement manifest when there is one, else in the user's cache directory.
+    Auto,
+    /// This file.
+    At(PathBuf),
+}
+
+impl From<ExpertHeat> for String {
+    fn from(h: ExpertHeat) -> String {
+        match h {
+            ExpertHeat::Off => "off".into(),
+            ExpertHeat::Auto => "auto".into(),
+            ExpertHeat::At(p) => p.display().to_string(),
+        }
+    }
+}
+
+impl From<String> for ExpertHeat {
+    fn from(s: String) -> ExpertHeat {
+        match s.as_str() {
+            "off" => ExpertHeat::Off,
+            "auto" => ExpertHeat::Auto,
+            _ => ExpertHeat::At(PathBuf::from(s)),
+        }
+    }
+}
+
 /// Everything an engine is opened from. The CLI flags map onto these fields one to one.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -71,6 +104,8 @@ pub struct EngineConfig {
     pub draft_model: Option<PathBuf>,
     /// Which backend runs the forward pass.
     pub backend: BackendKind,
+    /// Route heat kept across runs, seeding the expert cache.
+    pub expert_heat: ExpertHeat,
 }
 
 impl Default for EngineConfig {
@@ -91,6 +126,7 @@ impl Default for EngineConfig {
             kda: KdaMode::Recurrent,
             draft_model: None,
             backend: BackendKind::Cpu,
+            expert_heat: ExpertHeat::Off,
         }
     }
 }
@@ -313,8 +349,22 @@ impl Engine {
                 None => (None, None),
             },
             Some(spec) => {
-                let opts =
-                    StoreOptions { cache_bytes: cache, reader: config.reader, prefetch_depth, record_reads: false };
+                let heat = match &config.expert_heat {
+                    ExpertHeat::Off => None,
+                    ExpertHeat::At(p) => Some(p.clone()),
+                    ExpertHeat::Auto => {
+                        let manifest =
+                            config.placement.clone().or_else(|| Some(dir.join(MANIFEST)).filter(|p| p.exists()));
+                        crate::store::heat::default_path(&dir, manifest.as_deref())
+                    }
+                };
+                let opts = StoreOptions {
+                    cache_bytes: cache,
+                    reader: config.reader,
+                    prefetch_depth,
+                    record_reads: false,
+                    heat,
+                };
                 let store = Arc::new(ExpertStore::open(spec, opts)?);
                 let source: Arc<dyn ExpertSource> = match stream {
                     Some(st) => Arc::new(crate::hub::stream::StreamSource::new(

@@ -9,11 +9,12 @@
 //! Implementations: [`expert_store::ExpertStore`] (holders on drives, O_DIRECT readers, balancer,
 //! cache, failover — the engine's path) and [`ShardExperts`] (slices of the memory-mapped shards —
 //! the in-memory reference the store is tested against). `pack` is the on-drive format of expert
-//! copies, `placement` decides and writes where they go, `probe` measures drives.
+//! copies, `placement` decides and writes where they go, `probe` measures drives, `heat` keeps route heat across runs.
 
 pub mod cache;
 pub mod counters;
 pub mod expert_store;
+pub mod heat;
 pub mod pack;
 pub mod placement;
 pub mod pread;

@@ -19,12 +19,34 @@ pub enum ProbeError {
 }
 
 /// Result of a measurement.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Ceiling {
     pub gbps: f64,
     pub bytes: u64,
     pub seconds: f64,
     pub direct: bool,
+    /// Rates (GB/s) of the successive windows of [`WINDOW`].
+    pub windows: Vec<f64>,
+    /// True when the last [`STABLE_WINDOWS`] windows agreed within [`STABLE_SPREAD`] of their mean
+    /// (the measurement stopped there); false when it ran to its time cap first.
+    pub stable: bool,
+}
+
+/// Length of one rate window of a measurement.
+pub const WINDOW: Duration = Duration::from_millis(500);
+/// Windows that must agree before a measurement may stop.
+pub const STABLE_WINDOWS: usize = 4;
+/// Their largest allowed relative distance from their mean.
+pub const STABLE_SPREAD: f64 = 0.05;
+
+/// True when the last [`STABLE_WINDOWS`] rates lie within [`STABLE_SPREAD`] of their mean.
+pub fn is_stable(windows: &[f64]) -> bool {
+    if windows.len() < STABLE_WINDOWS {
+        return false;
+    }
+    let last = &windows[windows.len() - STABLE_WINDOWS..];
+    let mean = last.iter().sum::<f64>() / last.len() as f64;
+    mean > 0.0 && last.iter().all(|r| (r - mean).abs() <= STABLE_SPREAD * mean)
 }
 
 /// Free bytes on the file system holding `dir`.
@@ -75,7 +97,8 @@ pub fn measure_dir(
 }
 
 /// Random reads of `len` bytes at the given (file, offset) places (offsets 4 KiB-aligned), `qd`
-/// in flight, for about `time` (at least 2 x qd reads).
+/// in flight, for at least `time` (and 2 x qd reads), then on until the rate is stable
+/// ([`is_stable`]) or 3 x `time` has passed. The rate is over the whole measurement.
 pub fn measure_ranges(
     ranges: &[(PathBuf, u64)],
     len: u64,
@@ -109,11 +132,20 @@ pub fn measure_ranges(
     let mut rng = crate::util::XorShift(0x2545_F491_4F6C_DD1D);
     let mut next = || rng.next_u64();
     let t0 = Instant::now();
-    let (mut issued, mut done_reads, mut bytes) = (0usize, 0usize, 0u64);
+    let (mut issued, mut bytes) = (0usize, 0u64);
     let min_reads = 2 * qd;
     let mut done: Vec<Done> = Vec::new();
+    let (mut windows, mut window_start, mut window_bytes) = (Vec::new(), t0, 0u64);
+    let mut stable = false;
     loop {
-        let keep_issuing = t0.elapsed() < time || issued < min_reads;
+        let now = Instant::now();
+        if now - window_start >= WINDOW {
+            windows.push(window_bytes as f64 / (now - window_start).as_secs_f64() / 1e9);
+            (window_start, window_bytes) = (now, 0);
+            stable = is_stable(&windows);
+        }
+        let elapsed = now - t0;
+        let keep_issuing = (elapsed < time || !stable) && elapsed < 3 * time || issued < min_reads;
         while keep_issuing && let Some(slot) = free.pop() {
             let (fi, off) = idx[(next() % idx.len() as u64) as usize];
             let op = ReadOp {
@@ -135,11 +167,23 @@ pub fn measure_ranges(
         for d in done.drain(..) {
             let n = d.result.map_err(|e| ProbeError::Other(format!("read failed: {e}")))?;
             bytes += n as u64;
-            done_reads += 1;
+            window_bytes += n as u64;
             free.push(d.tag as usize);
         }
     }
     let seconds = t0.elapsed().as_secs_f64();
-    let _ = done_reads;
-    Ok(Ceiling { gbps: bytes as f64 / seconds / 1e9, bytes, seconds, direct })
+    Ok(Ceiling { gbps: bytes as f64 / seconds / 1e9, bytes, seconds, direct, windows, stable })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_stable;
+
+    #[test]
+    fn stability_needs_enough_windows_that_agree() {
+        assert!(!is_stable(&[1.0, 1.0, 1.0]));
+        assert!(is_stable(&[0.2, 1.0, 1.02, 0.98, 1.01]));
+        assert!(!is_stable(&[1.0, 1.0, 1.0, 1.3]));
+        assert!(!is_stable(&[0.0; 6]));
+    }
 }

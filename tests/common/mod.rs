@@ -269,17 +269,29 @@ pub fn manifest_store(
         deltafin::store::placement::manifest_spec(man, &m.ck, &m.roster, m.roster.expert_layout.clone().unwrap())
             .unwrap();
     Arc::new(
-        ExpertStore::open(spec, StoreOptions { cache_bytes, reader, prefetch_depth, record_reads: false }).unwrap(),
+        ExpertStore::open(spec, StoreOptions { cache_bytes, reader, prefetch_depth, record_reads: false, heat: None })
+            .unwrap(),
     )
 }
 
 /// The store over the model's own shards (one drive).
 pub fn shard_store(m: &Model, cache_bytes: u64, qd: usize, prefetch_depth: usize) -> Arc<ExpertStore> {
+    shard_store_with_heat(m, cache_bytes, qd, prefetch_depth, None)
+}
+
+/// [`shard_store`] seeded with (and saving) the route heat at `heat`.
+pub fn shard_store_with_heat(
+    m: &Model,
+    cache_bytes: u64,
+    qd: usize,
+    prefetch_depth: usize,
+    heat: Option<PathBuf>,
+) -> Arc<ExpertStore> {
     let spec = deltafin::store::placement::shard_spec(&m.ck, &m.roster, &m.dir, qd, 1.0).unwrap();
     Arc::new(
         ExpertStore::open(
             spec,
-            StoreOptions { cache_bytes, reader: ReaderKind::Auto, prefetch_depth, record_reads: false },
+            StoreOptions { cache_bytes, reader: ReaderKind::Auto, prefetch_depth, record_reads: false, heat },
         )
         .unwrap(),
     )

@@ -39,33 +39,68 @@ def read_safetensors(path):
         if name == "__metadata__":
             continue
         s, e = info["data_offsets"]
-        raw = data[base + s:base + e]
-        shape = info["shape"]
-        dt = info["dtype"]
-        if dt == "BF16":
-            bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
-            arr = bits.view(np.float32).astype(np.float64)
-        elif dt == "F16":
-            arr = np.frombuffer(raw, dtype="<f2").astype(np.float64)
-        elif dt == "F32":
-            arr = np.frombuffer(raw, dtype="<f4").astype(np.float64)
-        elif dt == "F64":
-            arr = np.frombuffer(raw, dtype="<f8").astype(np.float64)
-        elif dt == "U8":
-            arr = np.frombuffer(raw, dtype=np.uint8).copy()
-        else:
-            raise ValueError(f"{path}: unsupported dtype {dt} for {name}")
-        out[name] = arr.reshape(shape)
+        arr = _decode(data[base + s:base + e], info["dtype"], info["shape"], path, name)
+        out[name] = arr.copy() if info["dtype"] == "U8" else arr
     return out
 
 
-def load_tensors(model_dir):
+def _decode(raw, dt, shape, path, name):
+    if dt == "BF16":
+        bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+        arr = bits.view(np.float32).astype(np.float64)
+    elif dt == "F16":
+        arr = np.frombuffer(raw, dtype="<f2").astype(np.float64)
+    elif dt == "F32":
+        arr = np.frombuffer(raw, dtype="<f4").astype(np.float64)
+    elif dt == "F64":
+        arr = np.frombuffer(raw, dtype="<f8").astype(np.float64)
+    elif dt == "U8":
+        arr = np.frombuffer(raw, dtype=np.uint8)
+    else:
+        raise ValueError(f"{path}: unsupported dtype {dt} for {name}")
+    return arr.reshape(shape)
+
+
+class LazyTensors:
+    """The same mapping as load_tensors, for checkpoints larger than memory: the shards are
+    memory-mapped and a tensor is decoded when it is looked up (float tensors kept once decoded,
+    uint8 expert bytes read from the map each time, never held)."""
+
+    def __init__(self, model_dir, files):
+        self.index, self.maps, self.done = {}, {}, {}
+        for fn in files:
+            path = os.path.join(model_dir, fn)
+            mm = np.memmap(path, dtype=np.uint8, mode="r")
+            (n,) = struct.unpack("<Q", bytes(mm[:8]))
+            header = json.loads(bytes(mm[8:8 + n]))
+            self.maps[path] = mm
+            for name, info in header.items():
+                if name != "__metadata__":
+                    self.index[name] = (path, 8 + n, info)
+
+    def __contains__(self, name):
+        return name in self.index
+
+    def __getitem__(self, name):
+        if name in self.done:
+            return self.done[name]
+        path, base, info = self.index[name]
+        s, e = info["data_offsets"]
+        arr = _decode(self.maps[path][base + s:base + e], info["dtype"], info["shape"], path, name)
+        if info["dtype"] != "U8":
+            self.done[name] = arr
+        return arr
+
+
+def load_tensors(model_dir, lazy=False):
     idx = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(idx):
         with open(idx) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
     else:
         files = ["model.safetensors"]
+    if lazy:
+        return LazyTensors(model_dir, files)
     tensors = {}
     for fn in files:
         tensors.update(read_safetensors(os.path.join(model_dir, fn)))
@@ -119,12 +154,15 @@ def attn_res_mix(sources, norm_w, proj_w, eps):
 
 
 class Reference:
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, lazy=False):
+        """lazy: map the shards and dequantise each expert when it is used, keeping nothing (for
+        checkpoints larger than memory)."""
+        self.lazy = lazy
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
         assert cfg["model_type"] == "kimi_k3"
         self.c = cfg["text_config"]
-        self.t = load_tensors(model_dir)
+        self.t = load_tensors(model_dir, lazy)
         c = self.c
         self.L = c["num_hidden_layers"]
         lac = c["linear_attn_config"]
@@ -222,6 +260,8 @@ class Reference:
             for proj in ("w1", "w3", "w2"):
                 base = f"block_sparse_moe.experts.{e}.{proj}."
                 mats.append(dequant_mxfp4(self.lw(l, base + "weight_packed"), self.lw(l, base + "weight_scale")))
+            if self.lazy:
+                return mats
             self._experts[key] = mats
         return self._experts[key]
 

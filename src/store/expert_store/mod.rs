@@ -14,6 +14,7 @@
 
 use super::cache::{EvictionOrder, Slab};
 use super::counters::{DriveCounters, DriveReport, SourceReport};
+use super::heat::Heat;
 use super::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader, widen};
 use super::{ExpertSink, ExpertSource, Flow, Landed, StoreError};
 use crate::model::roster::ExpertLayout;
@@ -93,11 +94,14 @@ pub struct StoreOptions {
     pub prefetch_depth: usize,
     /// Keep a log of every read issued (file, offset, length), for replaying with fio.
     pub record_reads: bool,
+    /// Route heat kept across runs ([`super::heat`]): seeds the cache's request counts at open and
+    /// is rewritten with this run folded in when the store closes. None: no heat.
+    pub heat: Option<PathBuf>,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { cache_bytes: 0, reader: ReaderKind::Auto, prefetch_depth: 1, record_reads: false }
+        StoreOptions { cache_bytes: 0, reader: ReaderKind::Auto, prefetch_depth: 1, record_reads: false, heat: None }
     }
 }
 
@@ -246,6 +250,8 @@ struct Shared {
 pub struct ExpertStore {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    /// The heat this store was seeded with, folded and saved on drop.
+    heat: Mutex<Option<Heat>>,
 }
 
 fn lock(s: &Shared) -> MutexGuard<'_, State> {
@@ -331,12 +337,18 @@ impl ExpertStore {
             }
         }
         let n_slots = slab.slots;
+        let heat = opts.heat.as_deref().map(|path| {
+            let layers: Vec<u32> =
+                spec.holders.iter().enumerate().filter(|(_, h)| h.is_some()).map(|(l, _)| l as u32).collect();
+            let experts = spec.holders.iter().flatten().map(|h| h.len()).max().unwrap_or(0);
+            Heat::open(path, &layers, experts)
+        });
         let st = State {
             slots: vec![Slot::Free; n_slots],
             keys: HashMap::new(),
             free: (0..n_slots).rev().collect(),
             lru: EvictionOrder::new(n_slots),
-            uses: HashMap::new(),
+            uses: heat.as_ref().map(Heat::seed).unwrap_or_default(),
             reqs: Vec::new(),
             free_reqs: Vec::new(),
             drives,
@@ -366,7 +378,7 @@ impl ExpertStore {
             prefetch_cap,
         });
         // Threads are owned by the store as they start, so an error below still shuts them down.
-        let mut store = ExpertStore { shared, threads: Vec::new() };
+        let mut store = ExpertStore { shared, threads: Vec::new(), heat: Mutex::new(heat) };
         for d in 0..n_drives {
             if lock(&store.shared).drives[d].failed.is_some() {
                 continue;
@@ -445,6 +457,11 @@ impl ExpertStore {
         }
     }
 
+    /// Runs folded into the heat this store was seeded with (None without heat).
+    pub fn heat_runs(&self) -> Option<u64> {
+        self.heat.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|h| h.runs)
+    }
+
     pub fn report(&self) -> SourceReport {
         let sh = &*self.shared;
         let st = lock(sh);
@@ -505,6 +522,16 @@ impl ExpertStore {
 
 impl Drop for ExpertStore {
     fn drop(&mut self) {
+        if let Some(mut heat) = self.heat.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let st = lock(&self.shared);
+            if st.requested > 0 {
+                heat.fold(&st.uses);
+                drop(st);
+                if let Err(e) = heat.save() {
+                    tracing::warn!("expert heat not saved: {e}");
+                }
+            }
+        }
         lock(&self.shared).shutdown = true;
         for cv in &self.shared.drive_cv {
             cv.notify_all();
