@@ -483,6 +483,10 @@ impl ExpertSource for StreamSource {
         Ok(())
     }
 
+    fn note_routes(&self, layer: usize, routes: &[u32], rows: usize) {
+        self.local.note_routes(layer, routes, rows)
+    }
+
     fn report(&self) -> SourceReport {
         let mut r = self.local.report();
         let (bytes, reqs) = self.http_counts();

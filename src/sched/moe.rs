@@ -40,6 +40,7 @@ pub fn layer(
     let routes: Routes = moe::route(be, c, w, xn);
     let k = routes.k;
     stats.record_routes(layer, &routes.experts, c.experts);
+    src.note_routes(layer, &routes.experts, n);
     let union = routes.union();
     if let Some(pred) = look.predicted_here {
         // Score the prediction and drop queued prefetches the real route does not need.

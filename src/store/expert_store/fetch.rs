@@ -199,6 +199,10 @@ impl ExpertSource for ExpertStore {
         ExpertStore::cancel_prefetch(self, layer, keep)
     }
 
+    fn note_routes(&self, layer: usize, routes: &[u32], rows: usize) {
+        ExpertStore::note_routes(self, layer, routes, rows)
+    }
+
     fn describe(&self) -> String {
         let r = self.report();
         let drives: Vec<String> = r
