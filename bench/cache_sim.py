@@ -1,6 +1,8 @@
 """Replays an expert fetch trace (`deltafin bench run --fetch-trace FILE`) through cache policies of
 the same size and prints one JSON record of their misses against the optimal (Belady) cache.
-Used to choose the store's policy by measurement:  python3 bench/cache_sim.py TRACE.json [SLOTS]"""
+Used to choose the store's policy by measurement:  python3 bench/cache_sim.py TRACE.json [SLOTS]
+`oracle_lookahead` bounds what route prediction could give: exact knowledge of the next 1/2/3
+tokens' routes (then next_use beyond)."""
 
 import json
 import math
@@ -74,6 +76,28 @@ def next_use(k, st, layers):
     return -(d + n * (1 - p) / p)
 
 
+def oracle_lookahead(trace, cap, window):
+    """A policy that knows the next `window` passes exactly (an upper bound for any route
+    predictor that sees that far) and falls back to next_use beyond them: how far ahead one must
+    see to get near the optimum."""
+    next_pass = [{} for _ in trace]
+    upcoming = {}
+    for t in range(len(trace) - 1, -1, -1):
+        next_pass[t] = dict(upcoming)
+        l, u = trace[t]
+        for e in u:
+            upcoming[(l, e)] = t
+
+    def score(k, st, layers):
+        t = st["t"]
+        j = next_pass[t].get(k)
+        if j is not None and j - t <= window:
+            return 1e9 - j
+        return next_use(k, st, layers)
+
+    return scored(trace, cap, score)
+
+
 def main():
     d = json.load(open(sys.argv[1]))
     cap = int(sys.argv[2]) if len(sys.argv) > 2 else d["cache_slots"]
@@ -84,6 +108,13 @@ def main():
     for name, f in [("lru", lru), ("lfu", lfu), ("next_use", next_use)]:
         m = scored(trace, cap, f)
         out[name] = {"misses": m, "vs_opt": m / opt if opt else None}
+    # Decode passes per token = MoE layers; windows in tokens of exact foresight.
+    n_layers = len({l for l, _ in trace})
+    look = {}
+    for tokens in (1, 2, 3):
+        m = oracle_lookahead(trace, cap, tokens * n_layers)
+        look[f"{tokens}_token"] = {"passes": tokens * n_layers, "misses": m, "vs_opt": m / opt if opt else None}
+    out["oracle_lookahead"] = look
     print(json.dumps(out))
 
 
