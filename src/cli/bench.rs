@@ -272,20 +272,28 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     let kda_rec = crate::cpu::kda::time_state_update(a.rows, a.heads, 128, false);
     let kda_chunk = crate::cpu::kda::time_state_update(a.rows, a.heads, 128, true);
     let macs = (rows * cols) as f64;
+    let (peak, peak_lanes) = crate::cpu::peak::fma_peak(0.5);
+    let peak_g = peak / 1e9;
+    let prompt_gmac = macs * a.rows as f64 / mxm / 1e9;
+    let expert_gmac = macs * m_rows as f64 / mm / 1e9;
     let record = crate::util::bench_record(
         "kernels",
         serde_json::json!({
             "threads": rayon::current_num_threads(),
+            "fma_peak_gfma_s": peak_g,
+            "fma_peak_lanes": peak_lanes,
+            "mxfp4_matmul_fraction_of_peak": expert_gmac / peak_g,
+            "mxfp4_matmul_prompt_fraction_of_peak": prompt_gmac / peak_g,
             "mxfp4_matvec_3072x3584_s": mv,
             "mxfp4_matvec_gmac_s": macs / mv / 1e9,
             "mxfp4_matvec_weight_gb_s": (packed.len() + scales.len()) as f64 / mv / 1e9,
             "mxfp4_matmul_rows": m_rows,
-            "mxfp4_matmul_gmac_s": macs * m_rows as f64 / mm / 1e9,
+            "mxfp4_matmul_gmac_s": expert_gmac,
             "bf16_matvec_12288x7168_s": bv,
             "bf16_matvec_weight_gb_s": bw.len() as f64 / bv / 1e9,
             "bf16_matmul4_gmac_s": (br * bc * 4) as f64 / bm / 1e9,
             "bf16_matmul_prompt_gmac_s": (dr * dc * a.rows) as f64 / dmm / 1e9,
-            "mxfp4_matmul_prompt_gmac_s": macs * a.rows as f64 / mxm / 1e9,
+            "mxfp4_matmul_prompt_gmac_s": prompt_gmac,
             "kda_rows": a.rows,
             "kda_heads": a.heads,
             "kda_recurrent_s": kda_rec,

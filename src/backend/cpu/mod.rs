@@ -14,6 +14,7 @@ pub mod mla;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub mod ops;
+pub mod peak;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
