@@ -42,6 +42,8 @@ const XR: u32 = 4u;
 const TILE: u32 = 512u;
 var<workgroup> lanes: array<f32, 1024>;
 var<workgroup> xt: array<f32, 2048>;
+// E2M1 code -> value for `matmul` (as in matvec.wgsl: one shared load instead of the bit decode).
+var<workgroup> lut: array<f32, 16>;
 
 // E2M1 code -> value, built as f32 bits (no table: a dynamically indexed array would live in
 // slow local memory): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 for 0..7, bit 3 the sign (code 8 is -0).
@@ -88,8 +90,25 @@ fn weight(r: u32, k: u32) -> f32 {
     return e2m1(code) * e8m0(s);
 }
 
+// `weight` with the E2M1 value from the workgroup table (same value, same product).
+fn weight_lut(r: u32, k: u32) -> f32 {
+    if (p.kind == 0u) {
+        return weight(r, k);
+    }
+    let b = k >> 5u;
+    let j = k & 31u;
+    let byte = byte_at(r * (p.cols >> 1u) + b * 16u + (j & 15u));
+    let code = select(byte & 15u, byte >> 4u, j >= 16u);
+    let si = p.s_off * 4u + r * (p.cols >> 5u) + b;
+    let s = (scales[si >> 2u] >> ((si & 3u) * 8u)) & 0xffu;
+    return lut[code] * e8m0(s);
+}
+
 @compute @workgroup_size(256)
 fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
+    if (lid.x < 16u) {
+        lut[lid.x] = e2m1(lid.x);
+    }
     let lane = lid.x & 15u;
     let slot = lid.x >> 4u;
     let r = wg.x * ROWS_PER_GROUP + slot;
@@ -115,7 +134,7 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
             let k = t0 + c;
             var wv = 0.0;
             if (live && k < p.cols) {
-                wv = weight(r, k);
+                wv = weight_lut(r, k);
             }
             for (var q = 0u; q < XR; q = q + 1u) {
                 acc[q] = fma(wv, xt[q * TILE + c], acc[q]);
