@@ -6,7 +6,9 @@
 //! `GpuBackend::matmul_mxfp4`, so the outputs equal the per-expert path bit for bit; outputs come
 //! back in the order the experts were queued. An expert's bytes are copied into a pooled staging
 //! buffer before `add` returns (the store may reuse its buffer at once): its six records at
-//! 16-byte-aligned offsets, each matrix addressed by word offsets in that one buffer.
+//! 16-byte-aligned offsets, each matrix addressed by word offsets in that one buffer; the copy is
+//! submitted at once, so host staging memory stays about one expert. Device memory: one group's
+//! staging buffers (16 images, 281 MB for K3), pooled across layers.
 
 use super::GpuBackend;
 use super::device::{Chunk, Gpu, Kind, OUTPUT, Resident, STAGED, f32_bytes};
@@ -171,6 +173,12 @@ impl ExpertBatch for GpuExperts<'_> {
                 tail[..len - whole].copy_from_slice(&part[whole..]);
                 g.queue.write_buffer(&slot, (at + whole) as u64, &tail);
             }
+        }
+        // Hand the writes to the GPU now: queued writes sit in host staging memory until a submit,
+        // and a group's worth (16 x 17.55 MB for K3) would be host memory outside the budget.
+        g.queue.submit([]);
+        if let Err(e) = g.device.poll(wgpu::PollType::Poll) {
+            tracing::error!("GPU poll failed: {e}");
         }
         self.group.push(Queued { slot, zd: zd.to_vec(), index });
         if self.group.len() >= GROUP {
