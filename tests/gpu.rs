@@ -6,7 +6,7 @@
 
 mod common;
 use common::*;
-use deltafin::backend::gpu::GpuBackend;
+use deltafin::backend::gpu::{GpuBackend, MatvecKernel};
 use deltafin::backend::{Backend, BackendKind, CpuBackend};
 use deltafin::cpu::ops::Situ;
 use deltafin::cpu::{Bf16Mat, Mxfp4Mat, decode_bf16_row, decode_mxfp4_row, deinterleave_mxfp4_input};
@@ -42,6 +42,17 @@ fn rel_err_f64(got: &[f32], w: &[Vec<f32>], xs: &[f32], cols: usize) -> f64 {
 fn gpu_products_match_fp64_and_the_cpu_bits_when_fma_is_fused() {
     let Some(g) = gpu() else { return };
     eprintln!("{} (fma fused: {})", g.describe(), g.fma_is_fused());
+    products_match(&g);
+}
+
+#[test]
+fn gpu_products_of_the_legacy_matvec_match_too() {
+    let Some(mut g) = gpu() else { return };
+    g.set_matvec_kernel(MatvecKernel::Legacy);
+    products_match(&g);
+}
+
+fn products_match(g: &GpuBackend) {
     let mut rng = Rng(3);
     let cpu = CpuBackend;
     // Tails: rows not a multiple of the workgroup's 16, columns not a multiple of 16 (one input

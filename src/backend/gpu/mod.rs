@@ -91,6 +91,11 @@ impl GpuBackend {
     pub fn matvec_kernel(&self) -> MatvecKernel {
         self.gpu.matvec_kernel
     }
+
+    /// Picks the kernel for one input row (tests; `DELTAFIN_GPU_MATVEC` at start otherwise).
+    pub fn set_matvec_kernel(&mut self, k: MatvecKernel) {
+        self.gpu.matvec_kernel = k;
+    }
 }
 
 /// What `time_product` measures.
