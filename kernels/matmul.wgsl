@@ -19,8 +19,14 @@ struct Params {
     // Row of W that row 0 of this dispatch is (a matrix split over several bindings).
     row0: u32,
     out_rows: u32,
-    _pad0: u32,
-    _pad1: u32,
+    // As in matvec.wgsl: word offsets of weights and scales, bf16 row stride (elements), float
+    // offsets of the input rows and of the output.
+    w_off: u32,
+    s_off: u32,
+    stride: u32,
+    x_off: u32,
+    out_off: u32,
+    _pad: u32,
 }
 
 @group(0) @binding(0) var<storage, read> w: array<u32>;
@@ -36,6 +42,8 @@ const XR: u32 = 4u;
 const TILE: u32 = 512u;
 var<workgroup> lanes: array<f32, 1024>;
 var<workgroup> xt: array<f32, 2048>;
+// E2M1 code -> value for `matmul` (as in matvec.wgsl: one shared load instead of the bit decode).
+var<workgroup> lut: array<f32, 16>;
 
 // E2M1 code -> value, built as f32 bits (no table: a dynamically indexed array would live in
 // slow local memory): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 for 0..7, bit 3 the sign (code 8 is -0).
@@ -62,13 +70,14 @@ fn e8m0(s: u32) -> f32 {
 }
 
 fn byte_at(idx: u32) -> u32 {
-    return (w[idx >> 2u] >> ((idx & 3u) * 8u)) & 0xffu;
+    let i = p.w_off * 4u + idx;
+    return (w[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu;
 }
 
 fn weight(r: u32, k: u32) -> f32 {
     if (p.kind == 0u) {
-        let idx = r * p.cols + k;
-        let word = w[idx >> 1u];
+        let idx = r * p.stride + k;
+        let word = w[p.w_off + (idx >> 1u)];
         let bits = select(word & 0xffffu, word >> 16u, (idx & 1u) == 1u);
         return bitcast<f32>(bits << 16u);
     }
@@ -76,13 +85,30 @@ fn weight(r: u32, k: u32) -> f32 {
     let j = k & 31u;
     let byte = byte_at(r * (p.cols >> 1u) + b * 16u + (j & 15u));
     let code = select(byte & 15u, byte >> 4u, j >= 16u);
-    let si = r * (p.cols >> 5u) + b;
+    let si = p.s_off * 4u + r * (p.cols >> 5u) + b;
     let s = (scales[si >> 2u] >> ((si & 3u) * 8u)) & 0xffu;
     return e2m1(code) * e8m0(s);
 }
 
+// `weight` with the E2M1 value from the workgroup table (same value, same product).
+fn weight_lut(r: u32, k: u32) -> f32 {
+    if (p.kind == 0u) {
+        return weight(r, k);
+    }
+    let b = k >> 5u;
+    let j = k & 31u;
+    let byte = byte_at(r * (p.cols >> 1u) + b * 16u + (j & 15u));
+    let code = select(byte & 15u, byte >> 4u, j >= 16u);
+    let si = p.s_off * 4u + r * (p.cols >> 5u) + b;
+    let s = (scales[si >> 2u] >> ((si & 3u) * 8u)) & 0xffu;
+    return lut[code] * e8m0(s);
+}
+
 @compute @workgroup_size(256)
 fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
+    if (lid.x < 16u) {
+        lut[lid.x] = e2m1(lid.x);
+    }
     let lane = lid.x & 15u;
     let slot = lid.x >> 4u;
     let r = wg.x * ROWS_PER_GROUP + slot;
@@ -98,7 +124,7 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
             let k = t0 + (j % TILE);
             var v = 0.0;
             if (k < p.cols && i0 + q < p.n) {
-                v = x[(i0 + q) * p.cols + k];
+                v = x[p.x_off + (i0 + q) * p.cols + k];
             }
             xt[j] = v;
         }
@@ -108,7 +134,7 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
             let k = t0 + c;
             var wv = 0.0;
             if (live && k < p.cols) {
-                wv = weight(r, k);
+                wv = weight_lut(r, k);
             }
             for (var q = 0u; q < XR; q = q + 1u) {
                 acc[q] = fma(wv, xt[q * TILE + c], acc[q]);
@@ -134,15 +160,17 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
         }
         let v2a = v4[0] + v4[2];
         let v2b = v4[1] + v4[3];
-        out[(i0 + q) * p.out_rows + p.row0 + r] = v2a + v2b;
+        out[p.out_off + (i0 + q) * p.out_rows + p.row0 + r] = v2a + v2b;
     }
 }
 
-// One input row (decode): 4 weight rows x 16 lanes per workgroup, inputs read directly.
+// The first matvec (one input row): 4 weight rows x 16 lanes per workgroup, a thread per (row,
+// lane) reading single bytes. Kept for comparison (`DELTAFIN_GPU_MATVEC=legacy`, `bench kernels`)
+// until the H200 shows matvec.wgsl faster everywhere.
 var<workgroup> vlanes: array<f32, 64>;
 
 @compute @workgroup_size(64)
-fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
+fn matvec_legacy(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
     let lane = lid.x & 15u;
     let slot = lid.x >> 4u;
     let r = wg.x * 4u + slot;
@@ -155,7 +183,7 @@ fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
         var xv = 0.0;
         if (live && k < p.cols) {
             wv = weight(r, k);
-            xv = x[k];
+            xv = x[p.x_off + k];
         }
         acc = fma(wv, xv, acc);
     }
@@ -171,21 +199,8 @@ fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
         for (var t = 0u; t < 4u; t = t + 1u) {
             v4[t] = v8[t] + v8[t + 4u];
         }
-        out[p.row0 + r] = (v4[0] + v4[2]) + (v4[1] + v4[3]);
+        out[p.out_off + p.row0 + r] = (v4[0] + v4[2]) + (v4[1] + v4[3]);
     }
-}
-
-// Plain read of the same kind of buffer (the bandwidth the matvec is compared with): every
-// invocation sums a strided run of words and writes one partial.
-@compute @workgroup_size(256)
-fn read_all(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
-    let threads = nw.x * 256u;
-    let words = arrayLength(&w);
-    var s = 0u;
-    for (var k = gid.x; k < words; k = k + threads) {
-        s = s ^ w[k];
-    }
-    out[gid.x] = bitcast<f32>(s & 0x3fffffffu);
 }
 
 // fma(a[i], b[i], c[i]) for the fused-multiply-add probe.

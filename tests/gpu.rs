@@ -6,11 +6,14 @@
 
 mod common;
 use common::*;
-use deltafin::backend::gpu::GpuBackend;
+use deltafin::backend::gpu::{GpuBackend, MatvecKernel};
 use deltafin::backend::{Backend, BackendKind, CpuBackend};
+use deltafin::cpu::ops::Situ;
 use deltafin::cpu::{Bf16Mat, Mxfp4Mat, decode_bf16_row, decode_mxfp4_row, deinterleave_mxfp4_input};
 use deltafin::engine::{Engine, EngineConfig};
 use deltafin::k3::KdaMode;
+use deltafin::k3::moe::run_expert;
+use deltafin::model::roster::ExpertLayout;
 
 fn gpu() -> Option<GpuBackend> {
     match GpuBackend::new(true) {
@@ -39,9 +42,24 @@ fn rel_err_f64(got: &[f32], w: &[Vec<f32>], xs: &[f32], cols: usize) -> f64 {
 fn gpu_products_match_fp64_and_the_cpu_bits_when_fma_is_fused() {
     let Some(g) = gpu() else { return };
     eprintln!("{} (fma fused: {})", g.describe(), g.fma_is_fused());
+    products_match(&g);
+}
+
+#[test]
+fn gpu_products_of_the_legacy_matvec_match_too() {
+    let Some(mut g) = gpu() else { return };
+    g.set_matvec_kernel(MatvecKernel::Legacy);
+    products_match(&g);
+}
+
+fn products_match(g: &GpuBackend) {
     let mut rng = Rng(3);
     let cpu = CpuBackend;
-    for (rows, cols, n) in [(37usize, 80usize, 1usize), (64, 7168, 1), (19, 333, 5), (130, 512, 9)] {
+    // Tails: rows not a multiple of the workgroup's 16, columns not a multiple of 16 (one input
+    // row: the matvec kernel; several: the tiled one), fewer chunks than the 4-way unroll.
+    for (rows, cols, n) in
+        [(37usize, 80usize, 1usize), (64, 7168, 1), (19, 333, 5), (130, 512, 9), (21, 333, 1), (5, 7, 1), (17, 1000, 1)]
+    {
         let bytes: Vec<u8> =
             (0..rows * cols).flat_map(|_| half::bf16::from_f32(rng.f32() * 2.0 - 1.0).to_le_bytes()).collect();
         let w = Bf16Mat::from_vec(bytes, rows, cols);
@@ -64,7 +82,10 @@ fn gpu_products_match_fp64_and_the_cpu_bits_when_fma_is_fused() {
             assert_eq!(same, a.len(), "fused fma: the CPU's bits");
         }
     }
-    for (rows, cols, n) in [(33usize, 64usize, 1usize), (96, 3584, 1), (40, 3072, 6)] {
+    // MXFP4: 1, 3, 5 and 112 blocks per row (the 4-block unroll and its remainder), odd row counts.
+    for (rows, cols, n) in
+        [(33usize, 64usize, 1usize), (96, 3584, 1), (40, 3072, 6), (7, 32, 1), (49, 96, 1), (18, 160, 1), (3, 160, 2)]
+    {
         let packed = rng.bytes(rows * cols / 2);
         let scales: Vec<u8> = (0..rows * cols / 32).map(|i| 118 + (i % 5) as u8).collect();
         let w = Mxfp4Mat::new(&packed, &scales, rows, cols);
@@ -93,6 +114,86 @@ fn gpu_products_match_fp64_and_the_cpu_bits_when_fma_is_fused() {
         eprintln!("mxfp4 {rows}x{cols} x{n}: error {err:.2e}, {same} of {} bit-identical to the CPU", a.len());
         if g.fma_is_fused() {
             assert_eq!(same, a.len(), "fused fma: the CPU's bits");
+        }
+    }
+}
+
+/// A random expert in a layout whose records sit at unaligned offsets (a gap of 3 bytes between
+/// them), so that staging must copy record by record.
+fn random_expert(rng: &mut Rng, inter: usize, latent: usize) -> (ExpertLayout, Vec<u8>) {
+    let sizes = [
+        inter * latent / 2,
+        inter * latent / 32,
+        inter * latent / 2,
+        inter * latent / 32,
+        latent * inter / 2,
+        latent * inter / 32,
+    ];
+    let mut parts = [(0usize, 0usize); 6];
+    let mut bytes = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        bytes.extend_from_slice(&[0xee; 3]);
+        parts[i] = (bytes.len(), n);
+        if i % 2 == 1 {
+            bytes.extend((0..n).map(|j| 119 + (j % 6) as u8));
+        } else {
+            bytes.extend(rng.bytes(n));
+        }
+    }
+    (ExpertLayout { parts, len: bytes.len(), inter, latent }, bytes)
+}
+
+#[test]
+fn the_batched_expert_path_equals_the_per_expert_path() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(11);
+    let situ = Situ { beta: 4.0, linear_beta: 0.0 };
+    for (inter, latent) in [(96usize, 64usize), (64, 3584)] {
+        // 21 experts (more than one group of 16), with 1, 0, 2 and 5 rows.
+        let experts: Vec<(ExpertLayout, Vec<u8>)> = (0..21).map(|_| random_expert(&mut rng, inter, latent)).collect();
+        let layout = experts[0].0.clone();
+        let inputs: Vec<Vec<f32>> = (0..21)
+            .map(|i| {
+                let x = rng.vec([1, 0, 2, 5][i % 4] * latent);
+                let mut xd = vec![0f32; x.len()];
+                for (s, d) in x.chunks(latent).zip(xd.chunks_mut(latent)) {
+                    deinterleave_mxfp4_input(s, d);
+                }
+                xd
+            })
+            .collect();
+        let mut batch = g.expert_batch(&layout, situ);
+        for ((l, b), zd) in experts.iter().zip(&inputs) {
+            assert_eq!(l.parts.map(|p| p.1), layout.parts.map(|p| p.1));
+            // Same sizes and offsets: the layout of the first describes every one.
+            batch.add(b, zd);
+        }
+        let got = batch.finish();
+        assert_eq!(got.len(), 21);
+        let cpu = CpuBackend;
+        let mut same_cpu = 0usize;
+        let mut total = 0usize;
+        for (i, ((_, b), zd)) in experts.iter().zip(&inputs).enumerate() {
+            let one = run_expert(&g, &layout, b, situ, zd);
+            assert_eq!(got[i].len(), zd.len(), "expert {i}: output rows");
+            assert!(
+                got[i].iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "expert {i} ({inter}x{latent}): the batch differs from the per-expert GPU path"
+            );
+            let c = run_expert(&cpu, &layout, b, situ, zd);
+            // Two products and SiTU between unfused and fused fma: relative L2 distance.
+            let d: f64 = got[i].iter().zip(&c).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+            let m: f64 = c.iter().map(|b| f64::from(*b).powi(2)).sum();
+            let rel = (d / m.max(1e-30)).sqrt();
+            assert!(rel < 1e-5, "expert {i}: relative L2 distance {rel:.2e} from the CPU");
+            same_cpu += got[i].iter().zip(&c).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+            total += c.len();
+        }
+        eprintln!(
+            "batched experts {inter}x{latent}: equal to per-expert; {same_cpu} of {total} bit-identical to the CPU"
+        );
+        if g.fma_is_fused() {
+            assert_eq!(same_cpu, total, "fused fma: the CPU's bits");
         }
     }
 }

@@ -16,6 +16,7 @@ pub mod cpu;
 pub mod gpu;
 
 use crate::k3::weights::Weights;
+use crate::model::roster::ExpertLayout;
 use cpu::kda::HeadIn;
 use cpu::mla::{MlaDims, Visible};
 use cpu::ops::Situ;
@@ -79,6 +80,13 @@ pub trait Backend: Send + Sync {
     /// The same for an expert matrix; `xds` holds deinterleaved inputs (`cpu::deinterleave_mxfp4_input`).
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]);
 
+    /// A batch for one layer's routed experts: each is queued with its rows and may run at once
+    /// or with others (one submission for many on the GPU). The default runs each expert as it is
+    /// queued, exactly `k3::moe::run_expert` (so the CPU path keeps its order and overlap).
+    fn expert_batch<'a>(&'a self, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
+        Box::new(EachExpert { be: self, layout, situ, outs: Vec::new() })
+    }
+
     /// RMSNorm of every row of `x` (rows of `w.len()`), in place.
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32);
 
@@ -119,6 +127,34 @@ pub trait Backend: Send + Sync {
 
     /// AttnRes mix of one row: out = sum_s softmax_s(score(v_s)) v_s over `sources` in order.
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]);
+}
+
+/// Routed experts queued for one layer ([`Backend::expert_batch`]).
+pub trait ExpertBatch {
+    /// Queues one expert (its shipped bytes in the layer's `ExpertLayout`) on deinterleaved latent
+    /// rows `zd` [m, latent]. `bytes` is not used after this returns.
+    fn add(&mut self, bytes: &[u8], zd: &[f32]);
+
+    /// The outputs [m, latent] of every queued expert, in the order they were queued.
+    fn finish(self: Box<Self>) -> Vec<Vec<f32>>;
+}
+
+/// The default batch: each expert runs when it is queued.
+pub struct EachExpert<'a, B: Backend + ?Sized> {
+    pub be: &'a B,
+    pub layout: &'a ExpertLayout,
+    pub situ: Situ,
+    pub outs: Vec<Vec<f32>>,
+}
+
+impl<B: Backend + ?Sized> ExpertBatch for EachExpert<'_, B> {
+    fn add(&mut self, bytes: &[u8], zd: &[f32]) {
+        self.outs.push(crate::k3::moe::run_expert(self.be, self.layout, bytes, self.situ, zd));
+    }
+
+    fn finish(self: Box<Self>) -> Vec<Vec<f32>> {
+        self.outs
+    }
 }
 
 /// The CPU kernels as a backend.

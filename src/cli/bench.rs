@@ -310,16 +310,21 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
 #[cfg(feature = "gpu")]
 fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     use crate::backend::Backend;
-    use crate::backend::gpu::{BenchKind, GpuBackend};
+    use crate::backend::gpu::{BenchKind, GpuBackend, MatvecKernel};
     let g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
     let reps = a.reps.max(1);
     let (mr, mc) = (16 * 3072usize, 3584usize);
     let mx_bytes = (mr * mc / 2 + mr * mc / 32) as f64;
-    let (mv, mread) = g.time_product(BenchKind::Mxfp4, mr, mc, 1, reps);
+    let (wide, legacy) = (MatvecKernel::Wide, MatvecKernel::Legacy);
+    let (mv, mread) = g.time_product(BenchKind::Mxfp4, mr, mc, 1, reps, wide);
+    let (mv_old, _) = g.time_product(BenchKind::Mxfp4, mr, mc, 1, reps, legacy);
+    // One expert's w1 alone (what a product costs without the batched path).
+    let (ev, _) = g.time_product(BenchKind::Mxfp4, 3072, mc, 1, reps, wide);
     let (er, ec) = (3072usize, 3584usize);
-    let (mm, _) = g.time_product(BenchKind::Mxfp4, er, ec, a.rows, reps.div_ceil(4));
+    let (mm, _) = g.time_product(BenchKind::Mxfp4, er, ec, a.rows, reps.div_ceil(4), wide);
     let (br, bc) = (12288usize, 7168usize);
-    let (bv, bread) = g.time_product(BenchKind::Bf16, br, bc, 1, reps);
+    let (bv, bread) = g.time_product(BenchKind::Bf16, br, bc, 1, reps, wide);
+    let (bv_old, _) = g.time_product(BenchKind::Bf16, br, bc, 1, reps, legacy);
     let record = crate::util::bench_record(
         "kernels",
         serde_json::json!({
@@ -332,12 +337,17 @@ fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
             "mxfp4_matvec_weight_gb_s": mx_bytes / mv / 1e9,
             "mxfp4_plain_read_gb_s": mx_bytes / mread / 1e9,
             "mxfp4_matvec_vs_read": mread / mv,
+            "mxfp4_matvec_legacy_weight_gb_s": mx_bytes / mv_old / 1e9,
+            "mxfp4_matvec_legacy_vs_read": mread / mv_old,
+            "mxfp4_matvec_3072x3584_s": ev,
             "mxfp4_matmul_rows": a.rows,
             "mxfp4_matmul_gmac_s": (er * ec * a.rows) as f64 / mm / 1e9,
             "bf16_matvec_12288x7168_s": bv,
             "bf16_matvec_weight_gb_s": (br * bc * 2) as f64 / bv / 1e9,
             "bf16_plain_read_gb_s": (br * bc * 2) as f64 / bread / 1e9,
             "bf16_matvec_vs_read": bread / bv,
+            "bf16_matvec_legacy_vs_read": bread / bv_old,
+            "plain_read": "u32 per thread per load, 4 loads in flight, consecutive threads on consecutive words",
         }),
     );
     println!("{record}");

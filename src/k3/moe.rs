@@ -96,7 +96,13 @@ fn expert_mats<'b>(l: &ExpertLayout, bytes: &'b [u8]) -> [Mxfp4Mat<'b>; 3] {
 }
 
 /// One expert on `m` deinterleaved latent rows `zd` [m, latent]; returns [m, latent].
-pub fn run_expert(be: &dyn Backend, layout: &ExpertLayout, bytes: &[u8], situ: Situ, zd: &[f32]) -> Vec<f32> {
+pub fn run_expert<B: Backend + ?Sized>(
+    be: &B,
+    layout: &ExpertLayout,
+    bytes: &[u8],
+    situ: Situ,
+    zd: &[f32],
+) -> Vec<f32> {
     let [w1, w3, w2] = expert_mats(layout, bytes);
     let m = zd.len() / layout.latent;
     let mut g = vec![0f32; m * layout.inter];

@@ -66,6 +66,10 @@ pub fn layer(
     }
     let mut kernel_s = 0f64;
     let mut expert_rows = 0usize;
+    // The backend may run each expert as it is queued (CPU) or several in one submission (GPU);
+    // outputs come back in queue order, recorded here as union indices.
+    let mut batch = be.expert_batch(&layout, situ);
+    let mut queued: Vec<usize> = Vec::with_capacity(union.len());
     let t_fetch = Instant::now();
     src.fetch(layer, &union, &mut |e: u32, bytes: Landed<'_>| {
         // Every demanded read of this layer is queued by now; predictions fill idle capacity.
@@ -73,20 +77,26 @@ pub fn layer(
             src.prefetch(*nl, pred);
         }
         let t = Instant::now();
-        let targets: &[(usize, usize)] = union.binary_search(&e).map_or(&[], |u| &targets_of[u]);
+        let Ok(u) = union.binary_search(&e) else { return Ok(Flow::Continue) };
+        let targets = &targets_of[u];
         let mut rows_in = Vec::with_capacity(targets.len() * lat);
         for &(r, _) in targets {
             rows_in.extend_from_slice(&zd[r * lat..(r + 1) * lat]);
         }
-        let y = moe::run_expert(be, &layout, bytes.bytes(), situ, &rows_in);
+        batch.add(bytes.bytes(), &rows_in);
         drop(bytes);
-        for (i, &(r, j)) in targets.iter().enumerate() {
-            slots[(r * k + j) * lat..][..lat].copy_from_slice(&y[i * lat..(i + 1) * lat]);
-        }
+        queued.push(u);
         expert_rows += targets.len();
         kernel_s += t.elapsed().as_secs_f64();
         Ok(Flow::Continue)
     })?;
+    let t = Instant::now();
+    for (u, y) in queued.into_iter().zip(batch.finish()) {
+        for (i, &(r, j)) in targets_of[u].iter().enumerate() {
+            slots[(r * k + j) * lat..][..lat].copy_from_slice(&y[i * lat..(i + 1) * lat]);
+        }
+    }
+    kernel_s += t.elapsed().as_secs_f64();
     let fetch_s = t_fetch.elapsed().as_secs_f64();
     stats.layer_passes += 1;
     stats.experts_fetched += union.len() as u64;

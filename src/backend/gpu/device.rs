@@ -1,17 +1,26 @@
-//! The wgpu device, the kernels' pipelines, resident matrices and the dispatch/readback of one
-//! product. Every product is one submission that ends with its result read back (the rest of the
-//! forward pass runs on the CPU between products).
+//! The wgpu device, the kernels' pipelines, pooled buffers, resident matrices and the encoding,
+//! dispatch and readback of products. [`Gpu::matmul`] is one submission that ends with its result
+//! read back; the batched expert path (`experts.rs`) encodes many products into one submission.
+//!
+//! Layout contract shared with the kernels: bf16 rows are stored padded with zeros to a multiple
+//! of 16 elements (`Resident::stride`); a matrix may sit at a word offset inside a larger buffer
+//! (`Chunk::w_off`, `s_off`); the one-input-row kernel (`matvec.wgsl`) reads its input as
+//! `vec4<f32>` from a float offset that is a multiple of 4, zero past `cols` up to the stride.
 
 use crate::cpu::{Bf16Mat, Mxfp4Mat};
-use std::time::Instant;
 use wgpu::util::DeviceExt;
 
 const SHADER: &str = include_str!("../../../kernels/matmul.wgsl");
+const MATVEC_SHADER: &str = include_str!("../../../kernels/matvec.wgsl");
 const ROWS_PER_GROUP: usize = 16;
 /// Input rows per workgroup (`XR` in the kernel).
 const XR: usize = 4;
-/// Weight rows per workgroup of the one-input-row kernel (`matvec`).
-const MATVEC_ROWS: usize = 4;
+/// Weight rows per workgroup of the legacy one-input-row kernel (`matvec_legacy`).
+const LEGACY_MATVEC_ROWS: usize = 4;
+/// Weight rows per workgroup of `matvec.wgsl`.
+const MATVEC_ROWS: usize = 16;
+/// Workgroups per dispatch dimension (WebGPU's guaranteed limit).
+const MAX_GROUPS: usize = 65_535;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
@@ -43,15 +52,20 @@ pub enum Kind {
 pub struct Resident {
     pub rows: usize,
     pub cols: usize,
+    /// Elements per stored row (bf16: `cols` rounded up to 16; MXFP4: `cols`).
+    pub stride: usize,
     pub bytes: u64,
-    chunks: Vec<Chunk>,
+    pub(super) chunks: Vec<Chunk>,
 }
 
-struct Chunk {
-    row0: usize,
-    rows: usize,
-    w: wgpu::Buffer,
-    scales: wgpu::Buffer,
+pub(super) struct Chunk {
+    pub row0: usize,
+    pub rows: usize,
+    pub w: wgpu::Buffer,
+    pub scales: wgpu::Buffer,
+    /// Word offsets of this chunk's weights and scales in `w` and `scales`.
+    pub w_off: u32,
+    pub s_off: u32,
 }
 
 /// Buffers of one call kept for the next (creating device buffers per product costs more than
@@ -61,42 +75,70 @@ struct Pool {
     free: std::sync::Mutex<std::collections::HashMap<(u32, u64), Vec<wgpu::Buffer>>>,
 }
 
+/// Which one-input-row kernel products with `n == 1` use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatvecKernel {
+    /// `matvec.wgsl`: 4 threads per row, u32 loads, several in flight.
+    Wide,
+    /// The first kernel: a thread per (row, lane) reading single bytes.
+    Legacy,
+}
+
 pub struct Gpu {
     pool: Pool,
-    device: wgpu::Device,
-    queue: wgpu::Queue,
+    pub(super) device: wgpu::Device,
+    pub(super) queue: wgpu::Queue,
     layout: wgpu::BindGroupLayout,
     matmul: wgpu::ComputePipeline,
     matvec: wgpu::ComputePipeline,
-    read_all: wgpu::ComputePipeline,
+    matvec_legacy: wgpu::ComputePipeline,
+    pub(super) read_all: wgpu::ComputePipeline,
     fma_probe: wgpu::ComputePipeline,
-    empty: wgpu::Buffer,
+    pub(super) empty: wgpu::Buffer,
+    /// The kernel for `n == 1` (`DELTAFIN_GPU_MATVEC=legacy` picks the first one).
+    pub matvec_kernel: MatvecKernel,
     pub summary: AdapterSummary,
 }
 
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Params {
-    rows: u32,
-    cols: u32,
-    n: u32,
-    kind: u32,
-    row0: u32,
-    out_rows: u32,
-    pad: [u32; 2],
+#[derive(Clone, Copy, Default)]
+pub(super) struct Params {
+    pub rows: u32,
+    pub cols: u32,
+    pub n: u32,
+    pub kind: u32,
+    pub row0: u32,
+    pub out_rows: u32,
+    pub w_off: u32,
+    pub s_off: u32,
+    pub stride: u32,
+    pub x_off: u32,
+    pub out_off: u32,
 }
 
 impl Params {
     fn bytes(&self) -> Vec<u8> {
-        [self.rows, self.cols, self.n, self.kind, self.row0, self.out_rows, self.pad[0], self.pad[1]]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect()
+        [
+            self.rows,
+            self.cols,
+            self.n,
+            self.kind,
+            self.row0,
+            self.out_rows,
+            self.w_off,
+            self.s_off,
+            self.stride,
+            self.x_off,
+            self.out_off,
+            0,
+        ]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect()
     }
 }
 
-const STAGED: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_DST);
-const OUTPUT: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC);
+pub(super) const STAGED: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_DST);
+pub(super) const OUTPUT: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC);
 const READBACK: wgpu::BufferUsages = wgpu::BufferUsages::MAP_READ.union(wgpu::BufferUsages::COPY_DST);
 
 fn rank(t: wgpu::DeviceType) -> u8 {
@@ -109,11 +151,16 @@ fn rank(t: wgpu::DeviceType) -> u8 {
     }
 }
 
-/// Bytes padded to whole u32 words (storage bindings are arrays of u32).
+/// Bytes padded to whole vec4 words (storage bindings are arrays of u32 or vec4).
 fn padded(b: &[u8]) -> Vec<u8> {
     let mut v = b.to_vec();
-    v.resize(b.len().div_ceil(4).max(1) * 4, 0);
+    v.resize(b.len().div_ceil(16).max(1) * 16, 0);
     v
+}
+
+/// Little-endian bytes of floats.
+pub(super) fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|f| f.to_le_bytes()).collect()
 }
 
 impl Gpu {
@@ -149,6 +196,10 @@ impl Gpu {
             label: Some("matmul.wgsl"),
             source: wgpu::ShaderSource::Wgsl(SHADER.into()),
         });
+        let mv_module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some("matvec.wgsl"),
+            source: wgpu::ShaderSource::Wgsl(MATVEC_SHADER.into()),
+        });
         let storage = |binding, read_only| wgpu::BindGroupLayoutEntry {
             binding,
             visibility: wgpu::ShaderStages::COMPUTE,
@@ -183,21 +234,26 @@ impl Gpu {
             bind_group_layouts: &[Some(&layout)],
             immediate_size: 0,
         });
-        let pipeline = |entry: &str| {
+        let pipeline = |module: &wgpu::ShaderModule, entry: &str| {
             device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                 label: Some(entry),
                 layout: Some(&pl),
-                module: &module,
+                module,
                 entry_point: Some(entry),
                 compilation_options: Default::default(),
                 cache: None,
             })
         };
-        let (matmul, matvec) = (pipeline("matmul"), pipeline("matvec"));
-        let (read_all, fma_probe) = (pipeline("read_all"), pipeline("fma_probe"));
+        let (matmul, matvec_legacy) = (pipeline(&module, "matmul"), pipeline(&module, "matvec_legacy"));
+        let (matvec, read_all) = (pipeline(&mv_module, "matvec"), pipeline(&mv_module, "read_all"));
+        let fma_probe = pipeline(&module, "fma_probe");
+        let matvec_kernel = match std::env::var("DELTAFIN_GPU_MATVEC").as_deref() {
+            Ok("legacy") => MatvecKernel::Legacy,
+            _ => MatvecKernel::Wide,
+        };
         let empty = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("empty"),
-            contents: &[0u8; 16],
+            contents: &[0u8; 64],
             usage: wgpu::BufferUsages::STORAGE,
         });
         let summary = AdapterSummary {
@@ -207,13 +263,34 @@ impl Gpu {
             driver: format!("{} {}", info.driver, info.driver_info).trim().to_string(),
             max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
         };
-        Ok(Gpu { pool: Pool::default(), device, queue, layout, matmul, matvec, read_all, fma_probe, empty, summary })
+        Ok(Gpu {
+            pool: Pool::default(),
+            device,
+            queue,
+            layout,
+            matmul,
+            matvec,
+            matvec_legacy,
+            read_all,
+            fma_probe,
+            empty,
+            matvec_kernel,
+            summary,
+        })
     }
 
     /// A pooled buffer of at least `size` bytes with `usage`.
-    fn take(&self, usage: wgpu::BufferUsages, size: u64) -> wgpu::Buffer {
+    pub(super) fn take(&self, usage: wgpu::BufferUsages, size: u64) -> wgpu::Buffer {
+        // Powers of two up to 16 MiB; larger (an expert's image) in whole MiB, so that a pool of
+        // expert-sized buffers does not waste up to half of its device memory.
         let pow2 = size.max(256).next_power_of_two();
-        let size = if pow2 <= self.summary.max_binding { pow2 } else { size.div_ceil(4) * 4 };
+        let size = if pow2 <= 16 << 20 && pow2 <= self.summary.max_binding {
+            pow2
+        } else if size.div_ceil(1 << 20) << 20 <= self.summary.max_binding {
+            size.div_ceil(1 << 20) << 20
+        } else {
+            size.div_ceil(16) * 16
+        };
         let key = (usage.bits(), size);
         if let Some(b) = self.pool.free.lock().ok().and_then(|mut m| m.get_mut(&key).and_then(|v| v.pop())) {
             return b;
@@ -226,24 +303,24 @@ impl Gpu {
         })
     }
 
-    fn give(&self, usage: wgpu::BufferUsages, b: wgpu::Buffer) {
+    pub(super) fn give(&self, usage: wgpu::BufferUsages, b: wgpu::Buffer) {
         if let Ok(mut m) = self.pool.free.lock() {
             let v = m.entry((usage.bits(), b.size())).or_default();
-            // A few per size are enough (one call's worth, plus the chunks of a large matrix).
-            if v.len() < 8 {
+            // One batch's worth (two outputs per expert of a group, the chunks of a large matrix).
+            if v.len() < 64 {
                 v.push(b);
             }
         }
     }
 
     /// `bytes` in a pooled storage buffer (uploaded through the queue).
-    fn staged(&self, bytes: &[u8]) -> wgpu::Buffer {
+    pub(super) fn staged(&self, bytes: &[u8]) -> wgpu::Buffer {
         let b = self.take(STAGED, bytes.len() as u64);
         self.queue.write_buffer(&b, 0, &padded(bytes));
         b
     }
 
-    fn storage(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
+    pub(super) fn storage(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
         self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some(label),
             contents: &padded(bytes),
@@ -257,21 +334,31 @@ impl Gpu {
         (max / row_bytes.max(1)).clamp(1, rows.max(1))
     }
 
+    /// A trunk matrix in device memory, each row padded with zeros to `stride` elements (so the
+    /// kernels' tail is fma(0, 0, acc) and every row starts on a 32-byte boundary).
     pub fn upload_bf16(&self, w: &Bf16Mat) -> Resident {
         let (rows, cols) = (w.rows, w.cols);
-        let per = self.rows_per_chunk(cols * 2, rows);
+        let stride = cols.div_ceil(16) * 16;
+        let per = self.rows_per_chunk(stride * 2, rows);
         let chunks = (0..rows)
             .step_by(per)
             .map(|r0| {
                 let n = per.min(rows - r0);
-                let mut bytes = Vec::with_capacity(n * cols * 2);
-                for r in r0..r0 + n {
-                    bytes.extend_from_slice(w.row(r));
+                let mut bytes = vec![0u8; n * stride * 2];
+                for (r, dst) in (r0..r0 + n).zip(bytes.chunks_exact_mut(stride * 2)) {
+                    dst[..cols * 2].copy_from_slice(w.row(r));
                 }
-                Chunk { row0: r0, rows: n, w: self.storage("bf16", &bytes), scales: self.empty.clone() }
+                Chunk {
+                    row0: r0,
+                    rows: n,
+                    w: self.storage("bf16", &bytes),
+                    scales: self.empty.clone(),
+                    w_off: 0,
+                    s_off: 0,
+                }
             })
             .collect();
-        Resident { rows, cols, bytes: (rows * cols * 2) as u64, chunks }
+        Resident { rows, cols, stride, bytes: (rows * stride * 2) as u64, chunks }
     }
 
     /// An expert's matrix for one call (pooled buffers, given back by [`Gpu::release`]); `exact`:
@@ -297,13 +384,15 @@ impl Gpu {
                     } else {
                         self.staged(&w.scales[r0 * sb..(r0 + n) * sb])
                     },
+                    w_off: 0,
+                    s_off: 0,
                 }
             })
             .collect();
-        Resident { rows, cols, bytes: (rows * (pb + sb)) as u64, chunks }
+        Resident { rows, cols, stride: cols, bytes: (rows * (pb + sb)) as u64, chunks }
     }
 
-    fn bind(
+    pub(super) fn bind(
         &self,
         w: &wgpu::Buffer,
         s: &wgpu::Buffer,
@@ -323,7 +412,7 @@ impl Gpu {
         })
     }
 
-    fn uniform(&self, p: Params) -> wgpu::Buffer {
+    pub(super) fn uniform(&self, p: Params) -> wgpu::Buffer {
         self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("params"),
             contents: &p.bytes(),
@@ -331,7 +420,7 @@ impl Gpu {
         })
     }
 
-    fn output(&self, floats: usize) -> wgpu::Buffer {
+    pub(super) fn output(&self, floats: usize) -> wgpu::Buffer {
         self.take(OUTPUT, (floats.max(1) * 4) as u64)
     }
 
@@ -344,10 +433,22 @@ impl Gpu {
     }
 
     /// Submits `encoder` after copying `out` to a mapped buffer; returns its floats.
-    fn finish(&self, mut encoder: wgpu::CommandEncoder, out: &wgpu::Buffer, floats: usize) -> Vec<f32> {
+    pub(super) fn finish(&self, encoder: wgpu::CommandEncoder, out: &wgpu::Buffer, floats: usize) -> Vec<f32> {
         let size = (floats.max(1) * 4) as u64;
-        let read = self.take(READBACK, size);
-        encoder.copy_buffer_to_buffer(out, 0, &read, 0, size);
+        self.finish_many(encoder, &[(out, size)]).into_iter().take(floats).collect()
+    }
+
+    /// Submits `encoder` after copying each (buffer, bytes) in turn into one mapped buffer (one
+    /// readback for many products); returns the floats of all of them, in order.
+    pub(super) fn finish_many(&self, mut encoder: wgpu::CommandEncoder, outs: &[(&wgpu::Buffer, u64)]) -> Vec<f32> {
+        let total: u64 = outs.iter().map(|(_, n)| n).sum::<u64>().max(4);
+        let floats = (total / 4) as usize;
+        let read = self.take(READBACK, total);
+        let mut at = 0;
+        for (b, n) in outs {
+            encoder.copy_buffer_to_buffer(b, 0, &read, at, *n);
+            at += n;
+        }
         self.queue.submit([encoder.finish()]);
         read.map_async(wgpu::MapMode::Read, .., |r| {
             if let Err(e) = r {
@@ -371,39 +472,63 @@ impl Gpu {
         v
     }
 
-    fn encode_products(
+    /// Encodes `out[out_off + i * rows + r] = W[r] . x[x_off + i * cols ..]` for the `n` input
+    /// rows (`n == 1`: the matvec kernel, whose input is padded to the stride; else the tiled one).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn encode_products(
         &self,
-        enc: &mut wgpu::CommandEncoder,
+        pass: &mut wgpu::ComputePass<'_>,
         r: &Resident,
         kind: Kind,
         x: &wgpu::Buffer,
+        x_off: usize,
         out: &wgpu::Buffer,
+        out_off: usize,
         n: usize,
+        mv: MatvecKernel,
     ) {
-        let groups: Vec<(wgpu::BindGroup, u32)> = r
-            .chunks
-            .iter()
-            .map(|c| {
-                let p = self.uniform(Params {
-                    rows: c.rows as u32,
-                    cols: r.cols as u32,
-                    n: n as u32,
-                    kind: kind as u32,
-                    row0: c.row0 as u32,
-                    out_rows: r.rows as u32,
-                    pad: [0; 2],
-                });
-                let per_group = if n == 1 { MATVEC_ROWS } else { ROWS_PER_GROUP };
-                (self.bind(&c.w, &c.scales, x, out, &p), c.rows.div_ceil(per_group) as u32)
-            })
-            .collect();
-        let mut pass =
-            enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("matmul"), timestamp_writes: None });
-        pass.set_pipeline(if n == 1 { &self.matvec } else { &self.matmul });
-        for (bg, wx) in &groups {
-            pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(*wx, n.div_ceil(XR) as u32, 1);
+        let (pipeline, per_group) = match (n, mv) {
+            (1, MatvecKernel::Wide) => (&self.matvec, MATVEC_ROWS),
+            (1, MatvecKernel::Legacy) => (&self.matvec_legacy, LEGACY_MATVEC_ROWS),
+            _ => (&self.matmul, ROWS_PER_GROUP),
+        };
+        pass.set_pipeline(pipeline);
+        for c in &r.chunks {
+            let p = self.uniform(Params {
+                rows: c.rows as u32,
+                cols: r.cols as u32,
+                n: n as u32,
+                kind: kind as u32,
+                row0: c.row0 as u32,
+                out_rows: r.rows as u32,
+                w_off: c.w_off,
+                s_off: c.s_off,
+                stride: r.stride as u32,
+                x_off: x_off as u32,
+                out_off: out_off as u32,
+            });
+            let bg = self.bind(&c.w, &c.scales, x, out, &p);
+            pass.set_bind_group(0, &bg, &[]);
+            let groups = c.rows.div_ceil(per_group);
+            if n == 1 && mv == MatvecKernel::Wide {
+                // Rows past 65535 workgroups go to a second dimension (the kernel folds it back).
+                let gx = groups.clamp(1, MAX_GROUPS);
+                pass.dispatch_workgroups(gx as u32, groups.div_ceil(gx) as u32, 1);
+            } else {
+                pass.dispatch_workgroups(groups as u32, n.div_ceil(XR) as u32, 1);
+            }
         }
+    }
+
+    /// The input rows `xs` (`cols` each) as the product kernels read them: for `n == 1` padded
+    /// with zeros to `stride`.
+    pub(super) fn input_bytes(xs: &[f32], cols: usize, stride: usize) -> Vec<u8> {
+        if xs.len() == cols && stride > cols {
+            let mut v = xs.to_vec();
+            v.resize(stride, 0.0);
+            return f32_bytes(&v);
+        }
+        f32_bytes(xs)
     }
 
     /// out[i, r] = W[r] . xs[i] for every row i of `xs` (batches of at most 65535 rows).
@@ -412,11 +537,14 @@ impl Gpu {
         const BATCH: usize = 65_535 * XR;
         for b0 in (0..n).step_by(BATCH) {
             let nb = BATCH.min(n - b0);
-            let xb: Vec<u8> = xs[b0 * r.cols..(b0 + nb) * r.cols].iter().flat_map(|v| v.to_le_bytes()).collect();
-            let x = self.staged(&xb);
+            let x = self.staged(&Self::input_bytes(&xs[b0 * r.cols..(b0 + nb) * r.cols], r.cols, r.stride));
             let o = self.output(nb * r.rows);
             let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            self.encode_products(&mut enc, r, kind, &x, &o, nb);
+            {
+                let mut pass = enc
+                    .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("matmul"), timestamp_writes: None });
+                self.encode_products(&mut pass, r, kind, &x, 0, &o, 0, nb, self.matvec_kernel);
+            }
             let v = self.finish(enc, &o, nb * r.rows);
             out[b0 * r.rows..(b0 + nb) * r.rows].copy_from_slice(&v);
             self.give(STAGED, x);
@@ -440,7 +568,7 @@ impl Gpu {
         let xb: Vec<u8> = triples.iter().flat_map(|v| v.to_le_bytes()).collect();
         let x = self.storage("x", &xb);
         let o = self.output(n);
-        let p = self.uniform(Params { rows: 0, cols: 0, n: 0, kind: 0, row0: 0, out_rows: 0, pad: [0; 2] });
+        let p = self.uniform(Params::default());
         let bg = self.bind(&self.empty, &self.empty, &x, &o, &p);
         let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         {
@@ -455,72 +583,5 @@ impl Gpu {
             return Err(GpuError::Probe("the fma probe returned NaN".into()));
         }
         Ok(triples.chunks_exact(3).zip(&got).all(|(t, g)| t[0].mul_add(t[1], t[2]).to_bits() == g.to_bits()))
-    }
-
-    /// Seconds per product dispatch (weights resident, `n` input rows) and per plain read of the
-    /// same weight bytes, each averaged over `reps` dispatches in one submission.
-    pub fn time_product(&self, kind: super::BenchKind, rows: usize, cols: usize, n: usize, reps: usize) -> (f64, f64) {
-        let mut seed = 7u64;
-        let mut byte = || {
-            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            (seed >> 33) as u8
-        };
-        let r = match kind {
-            super::BenchKind::Bf16 => {
-                // Normal values of moderate size (random bits would include NaNs and denormals).
-                let b: Vec<u8> = (0..rows * cols).flat_map(|_| [byte(), (byte() & 0x80) | 0x3d]).collect();
-                self.upload_bf16(&Bf16Mat::from_vec(b, rows, cols))
-            }
-            super::BenchKind::Mxfp4 => {
-                let packed: Vec<u8> = (0..rows * cols / 2).map(|_| byte()).collect();
-                let scales = vec![121u8; rows * cols / 32];
-                self.upload_mxfp4(&Mxfp4Mat::new(&packed, &scales, rows, cols), true)
-            }
-        };
-        let xb: Vec<u8> = (0..n * cols).flat_map(|i| (((i % 17) as f32 - 8.0) / 8.0).to_le_bytes()).collect();
-        let x = self.storage("x", &xb);
-        let o = self.output(n * rows);
-        let run = |reps: usize| {
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            for _ in 0..reps {
-                self.encode_products(&mut enc, &r, kind_of(kind), &x, &o, n);
-            }
-            let t = Instant::now();
-            self.finish(enc, &o, 1);
-            t.elapsed().as_secs_f64()
-        };
-        run(1);
-        let product = run(reps) / reps as f64;
-        let threads = 65_535usize.min(r.bytes.div_ceil(1024) as usize).max(1);
-        let partial = self.output(threads * 256);
-        let read = |reps: usize| {
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            let p = self.uniform(Params { rows: 0, cols: 0, n: 0, kind: 0, row0: 0, out_rows: 0, pad: [0; 2] });
-            let groups: Vec<wgpu::BindGroup> =
-                r.chunks.iter().map(|c| self.bind(&c.w, &c.scales, &x, &partial, &p)).collect();
-            {
-                let mut pass = enc
-                    .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("read"), timestamp_writes: None });
-                pass.set_pipeline(&self.read_all);
-                for _ in 0..reps {
-                    for bg in &groups {
-                        pass.set_bind_group(0, bg, &[]);
-                        pass.dispatch_workgroups(threads as u32, 1, 1);
-                    }
-                }
-            }
-            let t = Instant::now();
-            self.finish(enc, &partial, 1);
-            t.elapsed().as_secs_f64()
-        };
-        read(1);
-        (product, read(reps) / reps as f64)
-    }
-}
-
-fn kind_of(k: super::BenchKind) -> Kind {
-    match k {
-        super::BenchKind::Bf16 => Kind::Bf16,
-        super::BenchKind::Mxfp4 => Kind::Mxfp4,
     }
 }

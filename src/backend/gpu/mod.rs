@@ -6,19 +6,24 @@
 //! ([`GpuBackend::fma_is_fused`]) they give the CPU's bits; on any adapter they stay within the
 //! fp64 reference's tolerance. Trunk matrices are uploaded once ([`Backend::prepare`], or on first
 //! use) and kept resident, split into bindings no larger than the adapter allows; expert bytes are
-//! uploaded per call from the store's buffers (decoded in the kernel, never re-encoded). Every other
-//! operation (norms, SiTU, KDA, MLA, AttnRes) runs on the CPU kernels for now.
+//! uploaded from the store's buffers (decoded in the kernel, never re-encoded): per call for
+//! `matmul_mxfp4`, or a layer's experts in groups of one submission per phase through
+//! [`Backend::expert_batch`] (`experts.rs`). Every other operation (norms, SiTU, KDA, MLA,
+//! AttnRes) runs on the CPU kernels for now.
 
+mod bench;
 mod device;
+mod experts;
 
-pub use device::{AdapterSummary, GpuError};
+pub use device::{AdapterSummary, GpuError, MatvecKernel};
 
 use super::cpu::kda::HeadIn;
 use super::cpu::mla::{MlaDims, Visible};
 use super::cpu::ops::Situ;
 use super::cpu::{Bf16Mat, Mxfp4Mat};
-use super::{Backend, CpuBackend};
+use super::{Backend, CpuBackend, EachExpert, ExpertBatch};
 use crate::k3::weights::{Attn, Ffn, Weights};
+use crate::model::roster::ExpertLayout;
 use device::{Gpu, Kind, Resident};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -67,10 +72,29 @@ impl GpuBackend {
         Arc::clone(&entry.1)
     }
 
-    /// Seconds per dispatch of the product (weights resident) and of a plain read of the same
-    /// bytes, each averaged over `reps` dispatches in one submission (for `bench kernels`).
-    pub fn time_product(&self, kind: BenchKind, rows: usize, cols: usize, n: usize, reps: usize) -> (f64, f64) {
-        self.gpu.time_product(kind, rows, cols, n, reps)
+    /// Seconds per dispatch of the product (weights resident; `mv`: the kernel for one input
+    /// row) and of a plain read of the same bytes, each averaged over `reps` dispatches in one
+    /// submission (for `bench kernels`).
+    pub fn time_product(
+        &self,
+        kind: BenchKind,
+        rows: usize,
+        cols: usize,
+        n: usize,
+        reps: usize,
+        mv: MatvecKernel,
+    ) -> (f64, f64) {
+        self.gpu.time_product(kind, rows, cols, n, reps, mv)
+    }
+
+    /// The kernel products with one input row use.
+    pub fn matvec_kernel(&self) -> MatvecKernel {
+        self.gpu.matvec_kernel
+    }
+
+    /// Picks the kernel for one input row (tests; `DELTAFIN_GPU_MATVEC` at start otherwise).
+    pub fn set_matvec_kernel(&mut self, k: MatvecKernel) {
+        self.gpu.matvec_kernel = k;
     }
 }
 
@@ -128,6 +152,14 @@ impl Backend for GpuBackend {
         let r = self.gpu.upload_mxfp4(w, false);
         self.gpu.matmul(&r, Kind::Mxfp4, xds, out);
         self.gpu.release(r);
+    }
+
+    fn expert_batch<'a>(&'a self, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
+        // One expert image per staging buffer: one that exceeds a binding goes matrix by matrix.
+        if (experts::slot_layout(layout).1 as u64) > self.gpu.summary.max_binding {
+            return Box::new(EachExpert { be: self, layout, situ, outs: Vec::new() });
+        }
+        Box::new(experts::GpuExperts::new(self, layout, situ))
     }
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {

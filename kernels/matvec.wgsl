@@ -1,0 +1,197 @@
+// One input row (decode) times a weight matrix, in the CPU kernels' operation order (see
+// matmul.wgsl for the order and the MXFP4 element layout): out[out_off + row0 + r] = W[r] . x.
+//
+// Layout of the work: 4 threads per weight row, 16 rows per workgroup of 64. Thread g (0..3) of a
+// row owns lanes 4g .. 4g+3 and keeps their 4 accumulators; lane chains never cross threads, so
+// each lane's fused multiply-adds run in the CPU's order. Per step the 4 threads of a row read 16
+// adjacent bytes as one u32 each (MXFP4: word g of a 32-element block holds exactly lanes 4g..4g+3's
+// low and high nibbles; bf16: words 2g, 2g+1 of a 16-element chunk), several steps unrolled so
+// several loads are in flight. The inputs are read as vec4<f32> (4 lanes at a time). At the end
+// the 16 lanes go through workgroup memory to the fixed tree.
+//
+// bf16 rows are padded to a multiple of 16 elements with zeros at upload (`stride`), and x past
+// `cols` is zero in its buffer, so the tail is fma(0, 0, acc) exactly as on the CPU.
+
+struct Params {
+    rows: u32,
+    cols: u32,
+    n: u32,
+    kind: u32,
+    row0: u32,
+    out_rows: u32,
+    // Word offsets of the matrix's weights and scales in their bindings (several matrices share
+    // one buffer in the batched expert path).
+    w_off: u32,
+    s_off: u32,
+    // bf16: elements per stored row (cols rounded up to 16). MXFP4: cols.
+    stride: u32,
+    // Float offsets of the input in `x` (a multiple of 4 here) and of the output in `out`.
+    x_off: u32,
+    out_off: u32,
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<storage, read> w: array<u32>;
+@group(0) @binding(1) var<storage, read> scales: array<u32>;
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(4) var<uniform> p: Params;
+
+// E2M1 code -> value in workgroup memory: a lookup costs one shared load where the bit-built
+// decode costs about ten integer operations per element; 16 words in 16 banks, so any pattern of
+// lookups is conflict-free.
+var<workgroup> lut: array<f32, 16>;
+var<workgroup> part: array<vec4<f32>, 64>;
+
+fn e2m1(code: u32) -> f32 {
+    let m = code & 7u;
+    let e = m >> 1u;
+    var bits = 0u;
+    if (m == 1u) {
+        bits = 0x3f000000u;
+    } else if (m >= 2u) {
+        bits = ((e + 126u) << 23u) | ((m & 1u) << 22u);
+    }
+    return bitcast<f32>(bits | ((code & 8u) << 28u));
+}
+
+fn e8m0(s: u32) -> f32 {
+    if (s == 0u) {
+        return bitcast<f32>(0x00400000u);
+    }
+    if (s == 255u) {
+        return bitcast<f32>(0x7fc00000u);
+    }
+    return bitcast<f32>(s << 23u);
+}
+
+// Lanes 4g+i of one MXFP4 block: byte i of `word` (element 4g+i low nibble, 16+4g+i high nibble).
+fn mx_step(acc: vec4<f32>, word: u32, s: f32, xlo: vec4<f32>, xhi: vec4<f32>) -> vec4<f32> {
+    let lo = vec4<f32>(
+        lut[word & 15u] * s,
+        lut[(word >> 8u) & 15u] * s,
+        lut[(word >> 16u) & 15u] * s,
+        lut[(word >> 24u) & 15u] * s,
+    );
+    let hi = vec4<f32>(
+        lut[(word >> 4u) & 15u] * s,
+        lut[(word >> 12u) & 15u] * s,
+        lut[(word >> 20u) & 15u] * s,
+        lut[word >> 28u] * s,
+    );
+    return fma(hi, xhi, fma(lo, xlo, acc));
+}
+
+fn scale_at(idx: u32) -> f32 {
+    let i = p.s_off * 4u + idx;
+    return e8m0((scales[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu);
+}
+
+fn bf16x4(a: u32, b: u32) -> vec4<f32> {
+    return vec4<f32>(
+        bitcast<f32>(a << 16u),
+        bitcast<f32>(a & 0xffff0000u),
+        bitcast<f32>(b << 16u),
+        bitcast<f32>(b & 0xffff0000u),
+    );
+}
+
+@compute @workgroup_size(64)
+fn matvec(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nw: vec3<u32>,
+) {
+    if (lid.x < 16u) {
+        lut[lid.x] = e2m1(lid.x);
+    }
+    workgroupBarrier();
+    let g = lid.x & 3u;
+    let slot = lid.x >> 2u;
+    let r = (wg.y * nw.x + wg.x) * 16u + slot;
+    let x0 = p.x_off / 4u;
+    var acc = vec4<f32>(0.0);
+    if (r < p.rows) {
+        if (p.kind == 1u) {
+            let blocks = p.cols >> 5u;
+            // Word g of block b of row r: 4 words per block.
+            let wb = p.w_off + r * (p.cols >> 3u) + g;
+            let sb = r * blocks;
+            var b = 0u;
+            for (; b + 4u <= blocks; b = b + 4u) {
+                let w0 = w[wb + b * 4u];
+                let w1 = w[wb + b * 4u + 4u];
+                let w2 = w[wb + b * 4u + 8u];
+                let w3 = w[wb + b * 4u + 12u];
+                let xi = x0 + b * 8u + g;
+                acc = mx_step(acc, w0, scale_at(sb + b), x[xi], x[xi + 4u]);
+                acc = mx_step(acc, w1, scale_at(sb + b + 1u), x[xi + 8u], x[xi + 12u]);
+                acc = mx_step(acc, w2, scale_at(sb + b + 2u), x[xi + 16u], x[xi + 20u]);
+                acc = mx_step(acc, w3, scale_at(sb + b + 3u), x[xi + 24u], x[xi + 28u]);
+            }
+            for (; b < blocks; b = b + 1u) {
+                let xi = x0 + b * 8u + g;
+                acc = mx_step(acc, w[wb + b * 4u], scale_at(sb + b), x[xi], x[xi + 4u]);
+            }
+        } else {
+            let chunks = p.stride >> 4u;
+            // Words 2g, 2g+1 of chunk c of row r: 8 words per chunk.
+            let wb = p.w_off + r * (p.stride >> 1u) + 2u * g;
+            var c = 0u;
+            for (; c + 4u <= chunks; c = c + 4u) {
+                let o = wb + c * 8u;
+                let a0 = w[o];
+                let b0 = w[o + 1u];
+                let a1 = w[o + 8u];
+                let b1 = w[o + 9u];
+                let a2 = w[o + 16u];
+                let b2 = w[o + 17u];
+                let a3 = w[o + 24u];
+                let b3 = w[o + 25u];
+                let xi = x0 + c * 4u + g;
+                acc = fma(bf16x4(a0, b0), x[xi], acc);
+                acc = fma(bf16x4(a1, b1), x[xi + 4u], acc);
+                acc = fma(bf16x4(a2, b2), x[xi + 8u], acc);
+                acc = fma(bf16x4(a3, b3), x[xi + 12u], acc);
+            }
+            for (; c < chunks; c = c + 1u) {
+                let o = wb + c * 8u;
+                acc = fma(bf16x4(w[o], w[o + 1u]), x[x0 + c * 4u + g], acc);
+            }
+        }
+    }
+    part[lid.x] = acc;
+    workgroupBarrier();
+    if (g == 0u && r < p.rows) {
+        // part[4 slot + j] holds lanes 4j .. 4j+3: the tree (l, l+8), (l, l+4), (l, l+2), (l, l+1).
+        let b = slot * 4u;
+        let v8a = part[b] + part[b + 2u];
+        let v8b = part[b + 1u] + part[b + 3u];
+        let v4 = v8a + v8b;
+        out[p.out_off + p.row0 + r] = (v4.x + v4.z) + (v4.y + v4.w);
+    }
+}
+
+// Plain read of the same bytes (what the matvec is compared with in `bench kernels`): the same
+// access width (one u32 per thread per load, 4 loads in flight), consecutive threads on consecutive
+// words, each thread over many words, one partial written per thread.
+@compute @workgroup_size(256)
+fn read_all(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let threads = nw.x * 256u;
+    let words = arrayLength(&w);
+    var s0 = 0u;
+    var s1 = 0u;
+    var s2 = 0u;
+    var s3 = 0u;
+    var k = gid.x;
+    for (; k + 3u * threads < words; k = k + 4u * threads) {
+        s0 = s0 ^ w[k];
+        s1 = s1 ^ w[k + threads];
+        s2 = s2 ^ w[k + 2u * threads];
+        s3 = s3 ^ w[k + 3u * threads];
+    }
+    for (; k < words; k = k + threads) {
+        s0 = s0 ^ w[k];
+    }
+    out[gid.x] = bitcast<f32>((s0 ^ s1 ^ s2 ^ s3) & 0x3fffffffu);
+}
