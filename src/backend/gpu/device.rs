@@ -47,6 +47,16 @@ pub struct Resident {
     chunks: Vec<Chunk>,
 }
 
+impl Resident {
+    /// The weight buffer when the matrix is one binding (the MLA kernel reads kv_b whole).
+    pub fn whole(&self) -> Option<&wgpu::Buffer> {
+        match self.chunks.as_slice() {
+            [c] => Some(&c.w),
+            _ => None,
+        }
+    }
+}
+
 struct Chunk {
     row0: usize,
     rows: usize,
@@ -63,8 +73,8 @@ struct Pool {
 
 pub struct Gpu {
     pool: Pool,
-    device: wgpu::Device,
-    queue: wgpu::Queue,
+    pub(super) device: wgpu::Device,
+    pub(super) queue: wgpu::Queue,
     layout: wgpu::BindGroupLayout,
     matmul: wgpu::ComputePipeline,
     matvec: wgpu::ComputePipeline,
@@ -95,8 +105,8 @@ impl Params {
     }
 }
 
-const STAGED: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_DST);
-const OUTPUT: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC);
+pub(super) const STAGED: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_DST);
+pub(super) const OUTPUT: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_SRC);
 const READBACK: wgpu::BufferUsages = wgpu::BufferUsages::MAP_READ.union(wgpu::BufferUsages::COPY_DST);
 
 fn rank(t: wgpu::DeviceType) -> u8 {
@@ -211,7 +221,7 @@ impl Gpu {
     }
 
     /// A pooled buffer of at least `size` bytes with `usage`.
-    fn take(&self, usage: wgpu::BufferUsages, size: u64) -> wgpu::Buffer {
+    pub(super) fn take(&self, usage: wgpu::BufferUsages, size: u64) -> wgpu::Buffer {
         let pow2 = size.max(256).next_power_of_two();
         let size = if pow2 <= self.summary.max_binding { pow2 } else { size.div_ceil(4) * 4 };
         let key = (usage.bits(), size);
@@ -226,7 +236,7 @@ impl Gpu {
         })
     }
 
-    fn give(&self, usage: wgpu::BufferUsages, b: wgpu::Buffer) {
+    pub(super) fn give(&self, usage: wgpu::BufferUsages, b: wgpu::Buffer) {
         if let Ok(mut m) = self.pool.free.lock() {
             let v = m.entry((usage.bits(), b.size())).or_default();
             // A few per size are enough (one call's worth, plus the chunks of a large matrix).
@@ -237,7 +247,7 @@ impl Gpu {
     }
 
     /// `bytes` in a pooled storage buffer (uploaded through the queue).
-    fn staged(&self, bytes: &[u8]) -> wgpu::Buffer {
+    pub(super) fn staged(&self, bytes: &[u8]) -> wgpu::Buffer {
         let b = self.take(STAGED, bytes.len() as u64);
         self.queue.write_buffer(&b, 0, &padded(bytes));
         b
@@ -331,7 +341,7 @@ impl Gpu {
         })
     }
 
-    fn output(&self, floats: usize) -> wgpu::Buffer {
+    pub(super) fn output(&self, floats: usize) -> wgpu::Buffer {
         self.take(OUTPUT, (floats.max(1) * 4) as u64)
     }
 
@@ -344,11 +354,31 @@ impl Gpu {
     }
 
     /// Submits `encoder` after copying `out` to a mapped buffer; returns its floats.
-    fn finish(&self, mut encoder: wgpu::CommandEncoder, out: &wgpu::Buffer, floats: usize) -> Vec<f32> {
-        let size = (floats.max(1) * 4) as u64;
-        let read = self.take(READBACK, size);
-        encoder.copy_buffer_to_buffer(out, 0, &read, 0, size);
+    fn finish(&self, encoder: wgpu::CommandEncoder, out: &wgpu::Buffer, floats: usize) -> Vec<f32> {
+        self.finish_words(encoder, &[(out, floats)]).pop().unwrap_or_default().into_iter().map(f32::from_bits).collect()
+    }
+
+    /// Submits `encoder` after copying each (buffer, words) to a mapped buffer; returns their
+    /// 32-bit words (NaN on a failed readback).
+    pub(super) fn finish_words(
+        &self,
+        mut encoder: wgpu::CommandEncoder,
+        outs: &[(&wgpu::Buffer, usize)],
+    ) -> Vec<Vec<u32>> {
+        let reads: Vec<(wgpu::Buffer, usize)> = outs
+            .iter()
+            .map(|&(out, words)| {
+                let size = (words.max(1) * 4) as u64;
+                let read = self.take(READBACK, size);
+                encoder.copy_buffer_to_buffer(out, 0, &read, 0, size);
+                (read, words)
+            })
+            .collect();
         self.queue.submit([encoder.finish()]);
+        reads.into_iter().map(|(read, words)| self.read_mapped(read, words)).collect()
+    }
+
+    fn read_mapped(&self, read: wgpu::Buffer, floats: usize) -> Vec<u32> {
         read.map_async(wgpu::MapMode::Read, .., |r| {
             if let Err(e) = r {
                 tracing::error!("GPU readback failed: {e}");
@@ -359,11 +389,11 @@ impl Gpu {
         }
         let v = match read.get_mapped_range(..) {
             Ok(view) => {
-                view.chunks_exact(4).take(floats).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+                view.chunks_exact(4).take(floats).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
             }
             Err(e) => {
                 tracing::error!("GPU readback failed: {e}");
-                vec![f32::NAN; floats]
+                vec![f32::NAN.to_bits(); floats]
             }
         };
         read.unmap();

@@ -10,14 +10,38 @@
 //! operation (norms, SiTU, KDA, MLA, AttnRes) runs on the CPU kernels for now.
 
 mod device;
+mod ops;
 
 pub use device::{AdapterSummary, GpuError};
+use ops::{Limits, Ops};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Elements of work below which an operation other than a product stays on the CPU kernels (its
+/// upload, submission and readback cost more than the work); `DELTAFIN_GPU_OPS_MIN` or
+/// [`set_ops_min`] change it for backends opened afterwards (0: every operation on the GPU).
+pub const DEFAULT_OPS_MIN: usize = 1 << 16;
+static OPS_MIN: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Sets the size threshold of [`DEFAULT_OPS_MIN`] for GPU backends opened after the call.
+pub fn set_ops_min(elems: usize) {
+    OPS_MIN.store(elems, Ordering::Relaxed);
+}
+
+fn ops_min() -> usize {
+    match OPS_MIN.load(Ordering::Relaxed) {
+        usize::MAX => {
+            std::env::var("DELTAFIN_GPU_OPS_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_OPS_MIN)
+        }
+        v => v,
+    }
+}
 
 use super::cpu::kda::HeadIn;
 use super::cpu::mla::{MlaDims, Visible};
 use super::cpu::ops::Situ;
 use super::cpu::{Bf16Mat, Mxfp4Mat};
 use super::{Backend, CpuBackend};
+use crate::k3::moe::RouteRule;
 use crate::k3::weights::{Attn, Ffn, Weights};
 use device::{Gpu, Kind, Resident};
 use std::collections::HashMap;
@@ -29,9 +53,11 @@ type Entry = (Bf16Mat, Arc<Resident>);
 
 pub struct GpuBackend {
     gpu: Gpu,
+    ops: Ops,
     resident: Mutex<HashMap<(usize, usize, usize), Entry>>,
     cpu: CpuBackend,
     fused: bool,
+    ops_min: usize,
 }
 
 impl GpuBackend {
@@ -40,7 +66,23 @@ impl GpuBackend {
     pub fn new(allow_cpu: bool) -> Result<Self, GpuError> {
         let gpu = Gpu::new(allow_cpu)?;
         let fused = gpu.fma_is_fused()?;
-        Ok(GpuBackend { gpu, resident: Mutex::new(HashMap::new()), cpu: CpuBackend, fused })
+        let ops = Ops::new(&gpu);
+        Ok(GpuBackend { gpu, ops, resident: Mutex::new(HashMap::new()), cpu: CpuBackend, fused, ops_min: ops_min() })
+    }
+
+    /// Elements of work from which the non-product operations run on the GPU.
+    pub fn ops_min(&self) -> usize {
+        self.ops_min
+    }
+
+    /// The same backend with another threshold (0: every operation on the GPU; tests).
+    pub fn with_ops_min(mut self, elems: usize) -> Self {
+        self.ops_min = elems;
+        self
+    }
+
+    fn on_gpu(&self, work: usize) -> bool {
+        work >= self.ops_min.max(1)
     }
 
     pub fn adapter(&self) -> &AdapterSummary {
@@ -131,11 +173,17 @@ impl Backend for GpuBackend {
     }
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {
-        self.cpu.rms_norm_rows(x, w, eps)
+        if !self.on_gpu(x.len()) || w.is_empty() {
+            return self.cpu.rms_norm_rows(x, w, eps);
+        }
+        self.ops.rms_norm_rows(&self.gpu, x, w, eps)
     }
 
     fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        self.cpu.situ(situ, gate, up, out)
+        if !self.on_gpu(out.len()) {
+            return self.cpu.situ(situ, gate, up, out);
+        }
+        self.ops.situ(&self.gpu, situ.beta, situ.linear_beta, gate, up, out)
     }
 
     fn kda_update(
@@ -148,11 +196,21 @@ impl Backend for GpuBackend {
         o: &mut [f32],
         chunked: bool,
     ) {
-        self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked)
+        // The chunked form stays on the CPU (its order is not the recurrence's).
+        if chunked || heads.is_empty() || !self.on_gpu(s_in.len()) {
+            return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
+        }
+        let (s, out) = self.ops.kda_recurrent(&self.gpu, s_in, heads, dk, dv, true);
+        copy_bits(&s, s_out);
+        copy_bits(&out, o);
     }
 
     fn kda_replay(&self, s: &mut [f32], heads: &[HeadIn], dk: usize, dv: usize) {
-        self.cpu.kda_replay(s, heads, dk, dv)
+        if heads.is_empty() || !self.on_gpu(s.len()) {
+            return self.cpu.kda_replay(s, heads, dk, dv);
+        }
+        let (st, _) = self.ops.kda_recurrent(&self.gpu, s, heads, dk, dv, false);
+        copy_bits(&st, s);
     }
 
     fn mla_attention_with(
@@ -166,10 +224,44 @@ impl Backend for GpuBackend {
         visible: Visible,
         out: &mut [f32],
     ) {
-        self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out)
+        let lat = dims.lora + dims.rope;
+        let work = out.len() / dims.v_head.max(1) * (cache.len() / lat.max(1)) * lat;
+        let fits = dims.lora <= Limits::LORA && dims.rope <= Limits::ROPE && dims.v_head > 0 && lat > 0;
+        let r = if fits && self.on_gpu(work) { Some(self.resident(kv_b)) } else { None };
+        match r.as_deref().and_then(|r| r.whole()) {
+            Some(w) => {
+                self.ops.mla_attention(&self.gpu, q, cache, past, w, dims, scale, visible == Visible::Causal, out)
+            }
+            None => self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out),
+        }
     }
 
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
-        self.cpu.attn_res_mix(sources, score_w, eps, out)
+        let work = sources.len() * score_w.len();
+        if sources.is_empty() || sources.len() > Limits::ATTN_RES_SOURCES || !self.on_gpu(work) {
+            return self.cpu.attn_res_mix(sources, score_w, eps, out);
+        }
+        self.ops.attn_res_mix(&self.gpu, sources, score_w, eps, out)
+    }
+
+    fn route_top_k(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
+        let fits = !bias.is_empty() && bias.len() <= Limits::EXPERTS && rule.k <= Limits::TOP_K && rule.k <= bias.len();
+        if !fits || !self.on_gpu(logits.len()) {
+            return self.cpu.route_top_k(logits, bias, rule, experts, weights);
+        }
+        self.ops.route_top_k(&self.gpu, logits, bias, rule, experts, weights)
+    }
+
+    fn argmax(&self, logits: &[f32]) -> u32 {
+        if logits.is_empty() || !self.on_gpu(logits.len()) {
+            return self.cpu.argmax(logits);
+        }
+        self.ops.argmax(&self.gpu, logits)
+    }
+}
+
+fn copy_bits(words: &[u32], out: &mut [f32]) {
+    for (o, w) in out.iter_mut().zip(words) {
+        *o = f32::from_bits(*w);
     }
 }
