@@ -6,8 +6,13 @@
 //! ([`GpuBackend::fma_is_fused`]) they give the CPU's bits; on any adapter they stay within the
 //! fp64 reference's tolerance. Trunk matrices are uploaded once ([`Backend::prepare`], or on first
 //! use) and kept resident, split into bindings no larger than the adapter allows; expert bytes are
-//! uploaded per call from the store's buffers (decoded in the kernel, never re-encoded). Every other
-//! operation (norms, SiTU, KDA, MLA, AttnRes) runs on the CPU kernels for now.
+//! uploaded per call from the store's buffers (decoded in the kernel, never re-encoded).
+//! RMSNorm, SiTU, the AttnRes mix, routing top-k, argmax, the KDA recurrence (update and replay)
+//! and the MLA core run on the GPU too (`ops`), with the same rule (CPU order, `detmath` for
+//! transcendentals and division, explicit fma), from [`DEFAULT_OPS_MIN`] elements of work
+//! (smaller calls, the chunked KDA form and calls past `ops::Limits` run on the CPU kernels);
+//! top-k and argmax pick the CPU's indices on every adapter. Every call uploads its inputs and
+//! reads its results back (no residency of activations yet).
 
 mod device;
 mod ops;
@@ -83,6 +88,11 @@ impl GpuBackend {
 
     fn on_gpu(&self, work: usize) -> bool {
         work >= self.ops_min.max(1)
+    }
+
+    /// Whether buffers of `floats` f32 fit one binding (larger calls stay on the CPU).
+    fn fits(&self, floats: usize) -> bool {
+        (floats as u64).saturating_mul(4) <= self.gpu.summary.max_binding
     }
 
     pub fn adapter(&self) -> &AdapterSummary {
@@ -173,14 +183,14 @@ impl Backend for GpuBackend {
     }
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {
-        if !self.on_gpu(x.len()) || w.is_empty() {
+        if !self.on_gpu(x.len()) || w.is_empty() || !self.fits(x.len()) {
             return self.cpu.rms_norm_rows(x, w, eps);
         }
         self.ops.rms_norm_rows(&self.gpu, x, w, eps)
     }
 
     fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        if !self.on_gpu(out.len()) {
+        if !self.on_gpu(out.len()) || !self.fits(out.len()) {
             return self.cpu.situ(situ, gate, up, out);
         }
         self.ops.situ(&self.gpu, situ.beta, situ.linear_beta, gate, up, out)
@@ -197,7 +207,9 @@ impl Backend for GpuBackend {
         chunked: bool,
     ) {
         // The chunked form stays on the CPU (its order is not the recurrence's).
-        if chunked || heads.is_empty() || !self.on_gpu(s_in.len()) {
+        let n = heads.first().map_or(0, |h| h.beta.len());
+        let inputs = 3 * heads.len() * n * dk;
+        if chunked || heads.is_empty() || !self.on_gpu(s_in.len()) || !self.fits(inputs.max(s_in.len())) {
             return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
         }
         let (s, out) = self.ops.kda_recurrent(&self.gpu, s_in, heads, dk, dv, true);
@@ -206,7 +218,8 @@ impl Backend for GpuBackend {
     }
 
     fn kda_replay(&self, s: &mut [f32], heads: &[HeadIn], dk: usize, dv: usize) {
-        if heads.is_empty() || !self.on_gpu(s.len()) {
+        let n = heads.first().map_or(0, |h| h.beta.len());
+        if heads.is_empty() || !self.on_gpu(s.len()) || !self.fits((3 * heads.len() * n * dk).max(s.len())) {
             return self.cpu.kda_replay(s, heads, dk, dv);
         }
         let (st, _) = self.ops.kda_recurrent(&self.gpu, s, heads, dk, dv, false);
@@ -226,7 +239,12 @@ impl Backend for GpuBackend {
     ) {
         let lat = dims.lora + dims.rope;
         let work = out.len() / dims.v_head.max(1) * (cache.len() / lat.max(1)) * lat;
-        let fits = dims.lora <= Limits::LORA && dims.rope <= Limits::ROPE && dims.v_head > 0 && lat > 0;
+        let scores = out.len() / dims.v_head.max(1) * (cache.len() / lat.max(1));
+        let fits = dims.lora <= Limits::LORA
+            && dims.rope <= Limits::ROPE
+            && dims.v_head > 0
+            && lat > 0
+            && self.fits(scores.max(cache.len()).max(q.len()));
         let r = if fits && self.on_gpu(work) { Some(self.resident(kv_b)) } else { None };
         match r.as_deref().and_then(|r| r.whole()) {
             Some(w) => {
@@ -238,7 +256,7 @@ impl Backend for GpuBackend {
 
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
         let work = sources.len() * score_w.len();
-        if sources.is_empty() || sources.len() > Limits::ATTN_RES_SOURCES || !self.on_gpu(work) {
+        if sources.is_empty() || sources.len() > Limits::ATTN_RES_SOURCES || !self.on_gpu(work) || !self.fits(work) {
             return self.cpu.attn_res_mix(sources, score_w, eps, out);
         }
         self.ops.attn_res_mix(&self.gpu, sources, score_w, eps, out)
@@ -246,14 +264,14 @@ impl Backend for GpuBackend {
 
     fn route_top_k(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
         let fits = !bias.is_empty() && bias.len() <= Limits::EXPERTS && rule.k <= Limits::TOP_K && rule.k <= bias.len();
-        if !fits || !self.on_gpu(logits.len()) {
+        if !fits || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
             return self.cpu.route_top_k(logits, bias, rule, experts, weights);
         }
         self.ops.route_top_k(&self.gpu, logits, bias, rule, experts, weights)
     }
 
     fn argmax(&self, logits: &[f32]) -> u32 {
-        if logits.is_empty() || !self.on_gpu(logits.len()) {
+        if logits.is_empty() || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
             return self.cpu.argmax(logits);
         }
         self.ops.argmax(&self.gpu, logits)

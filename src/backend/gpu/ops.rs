@@ -258,7 +258,9 @@ impl Ops {
             grid(n),
         );
         copy_f32(&w, weights);
-        experts.copy_from_slice(&x[..experts.len().min(x.len())]);
+        for (e, v) in experts.iter_mut().zip(&x) {
+            *e = *v;
+        }
     }
 
     pub fn argmax(&self, gpu: &Gpu, logits: &[f32]) -> u32 {
