@@ -190,52 +190,60 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
     assert_eq!(g.argmax(&logits), 123);
     assert_eq!(g.argmax(&[f32::NAN, f32::NAN, 1.0, 1.0]), 2);
     assert_eq!(g.argmax(&[f32::NAN; 3]), 0);
-    // KDA recurrence: update from a start state, then replay.
-    let (nh, n, dk, dv) = (3usize, 5usize, 16usize, 12usize);
-    let heads: Vec<HeadIn> = (0..nh)
-        .map(|_| {
-            let unit = |v: Vec<f32>| -> Vec<f32> {
-                v.chunks(dk)
-                    .flat_map(|c| {
-                        let norm = c.iter().map(|x| x * x).sum::<f32>().sqrt();
-                        c.iter().map(move |x| x / norm).collect::<Vec<_>>()
-                    })
-                    .collect()
-            };
-            HeadIn {
-                q: unit(rng.vec(n * dk)),
-                k: unit(rng.vec(n * dk)),
-                v: rng.vec(n * dv),
-                g: rng.vec(n * dk).iter().map(|x| -2.5 * (x + 1.0)).collect(),
-                beta: rng.vec(n).iter().map(|x| 0.5 + 0.4 * x).collect(),
-            }
-        })
-        .collect();
-    let s0 = rng.vec(nh * dk * dv);
-    let (mut sa, mut sb) = (vec![0f32; s0.len()], vec![0f32; s0.len()]);
-    let (mut oa, mut ob) = (vec![0f32; nh * n * dv], vec![0f32; nh * n * dv]);
-    g.kda_update(&s0, &mut sa, &heads, dk, dv, &mut oa, false);
-    cpu.kda_update(&s0, &mut sb, &heads, dk, dv, &mut ob, false);
-    check(&g, "kda_update state", &sa, &sb, TOL);
-    check(&g, "kda_update outputs", &oa, &ob, TOL);
-    let (mut ra, mut rb) = (s0.clone(), s0);
-    g.kda_replay(&mut ra, &heads, dk, dv);
-    cpu.kda_replay(&mut rb, &heads, dk, dv);
-    check(&g, "kda_replay state", &ra, &rb, TOL);
-    assert_eq!(ra.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), sa.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
-    // MLA core: causal over a cache, and every row seeing every token.
-    let d = MlaDims { heads: 3, nope: 16, rope: 8, lora: 40, v_head: 16 };
-    let rows = d.heads * (d.nope + d.v_head);
-    let wbytes: Vec<u8> = (0..rows * d.lora).flat_map(|_| half::bf16::from_f32(rng.f32()).to_le_bytes()).collect();
-    let kv_b = Bf16Mat::from_vec(wbytes, rows, d.lora);
-    let (past, n) = (6usize, 3usize);
-    let cache: Vec<f32> = rng.vec((past + n) * (d.lora + d.rope)).iter().map(|v| v * 2.0).collect();
-    let q = rng.vec(n * d.heads * (d.nope + d.rope));
-    for visible in [Visible::Causal, Visible::All] {
-        let (mut a, mut b) = (vec![0f32; n * d.heads * d.v_head], vec![0f32; n * d.heads * d.v_head]);
-        g.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut a);
-        cpu.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut b);
-        check(&g, &format!("mla {visible:?}"), &a, &b, TOL);
+    // KDA recurrence: update from a start state, then replay; small and K3's head size.
+    for (nh, n, dk, dv) in [(3usize, 5usize, 16usize, 12usize), (2, 3, 128, 128)] {
+        let heads: Vec<HeadIn> = (0..nh)
+            .map(|_| {
+                let unit = |v: Vec<f32>| -> Vec<f32> {
+                    v.chunks(dk)
+                        .flat_map(|c| {
+                            let norm = c.iter().map(|x| x * x).sum::<f32>().sqrt();
+                            c.iter().map(move |x| x / norm).collect::<Vec<_>>()
+                        })
+                        .collect()
+                };
+                HeadIn {
+                    q: unit(rng.vec(n * dk)),
+                    k: unit(rng.vec(n * dk)),
+                    v: rng.vec(n * dv),
+                    g: rng.vec(n * dk).iter().map(|x| -2.5 * (x + 1.0)).collect(),
+                    beta: rng.vec(n).iter().map(|x| 0.5 + 0.4 * x).collect(),
+                }
+            })
+            .collect();
+        let s0 = rng.vec(nh * dk * dv);
+        let (mut sa, mut sb) = (vec![0f32; s0.len()], vec![0f32; s0.len()]);
+        let (mut oa, mut ob) = (vec![0f32; nh * n * dv], vec![0f32; nh * n * dv]);
+        g.kda_update(&s0, &mut sa, &heads, dk, dv, &mut oa, false);
+        cpu.kda_update(&s0, &mut sb, &heads, dk, dv, &mut ob, false);
+        check(&g, &format!("kda_update state dk {dk}"), &sa, &sb, TOL);
+        check(&g, &format!("kda_update outputs dk {dk}"), &oa, &ob, TOL);
+        let (mut ra, mut rb) = (s0.clone(), s0);
+        g.kda_replay(&mut ra, &heads, dk, dv);
+        cpu.kda_replay(&mut rb, &heads, dk, dv);
+        check(&g, &format!("kda_replay state dk {dk}"), &ra, &rb, TOL);
+        assert_eq!(
+            ra.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            sa.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+    // MLA core: causal over a cache, and every row seeing every token; small and K3's widths.
+    for d in [
+        MlaDims { heads: 3, nope: 16, rope: 8, lora: 40, v_head: 16 },
+        MlaDims { heads: 2, nope: 128, rope: 64, lora: 512, v_head: 128 },
+    ] {
+        let rows = d.heads * (d.nope + d.v_head);
+        let wbytes: Vec<u8> = (0..rows * d.lora).flat_map(|_| half::bf16::from_f32(rng.f32()).to_le_bytes()).collect();
+        let kv_b = Bf16Mat::from_vec(wbytes, rows, d.lora);
+        let (past, n) = (6usize, 3usize);
+        let cache: Vec<f32> = rng.vec((past + n) * (d.lora + d.rope)).iter().map(|v| v * 2.0).collect();
+        let q = rng.vec(n * d.heads * (d.nope + d.rope));
+        for visible in [Visible::Causal, Visible::All] {
+            let (mut a, mut b) = (vec![0f32; n * d.heads * d.v_head], vec![0f32; n * d.heads * d.v_head]);
+            g.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut a);
+            cpu.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut b);
+            check(&g, &format!("mla {visible:?} lora {}", d.lora), &a, &b, TOL);
+        }
     }
 }
 
