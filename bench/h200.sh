@@ -4,7 +4,8 @@
 # binary). Writes every record under $OUT:
 #   - bench kernels --backend gpu (MXFP4 matvec vs plain read of the same bytes, 512-row matmul),
 #     and the CPU kernels on the same machine;
-#   - the gpu tests (bit-identity to the CPU when the adapter's fma is fused; fixtures vs fp64);
+#   - the gpu tests (products and the other ops bit-identical to the CPU when the adapter's fma is
+#     fused; fixtures vs fp64);
 #   - bench run --backend gpu and --backend cpu on a synthetic model with real expert size, 3.7x
 #     the memory cgroup's limit, cold.
 set -uo pipefail
@@ -20,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 nproc >> "$out/gpu.txt"
 $B bench kernels --backend gpu --reps 20 2>&1 | grep -v XDG_RUNTIME | tee "$out/kernels.jsonl"
 $B bench kernels --rows 512 2>&1 | tee -a "$out/kernels.jsonl"
-.dev/gpu-test --test-threads 1 --nocapture gpu_products fixtures_on 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
+.dev/gpu-test --test-threads 1 --nocapture gpu_products gpu_ops fixtures_on 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
 model=/tmp/k3x
 $B synth --preset k3-experts --layers 4 --experts 180 --out "$model" 2>&1 | tail -1
 echo +memory > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true
