@@ -5,8 +5,8 @@
 #   - bench kernels --backend gpu (MXFP4 and bf16 matvec, new and legacy kernel, vs a plain read
 #     of the same bytes with the same u32 access width; one expert alone; 512-row matmul),
 #     and the CPU kernels on the same machine;
-#   - the gpu tests (bit-identity to the CPU when the adapter's fma is fused, tail shapes, the
-#     batched expert path equal to the per-expert one; fixtures vs fp64);
+#   - the gpu tests (products and the other ops bit-identical to the CPU when the adapter's fma is
+#     fused, tail shapes, the batched expert path equal to the per-expert one; fixtures vs fp64);
 #   - bench run --backend gpu and --backend cpu on a synthetic model with real expert size, 3.7x
 #     the memory cgroup's limit, cold.
 set -uo pipefail
@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 nproc >> "$out/gpu.txt"
 $B bench kernels --backend gpu --reps 20 2>&1 | grep -v XDG_RUNTIME | tee "$out/kernels.jsonl"
 $B bench kernels --rows 512 2>&1 | tee -a "$out/kernels.jsonl"
-.dev/gpu-test --test-threads 1 --nocapture gpu_products batched fixtures_on 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
+.dev/gpu-test --test-threads 1 --nocapture gpu_products batched gpu_ops fixtures_on 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
 model=/tmp/k3x
 $B synth --preset k3-experts --layers 4 --experts 180 --out "$model" 2>&1 | tail -1
 echo +memory > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true

@@ -207,9 +207,14 @@ impl Sampler {
 
     /// The next token after `logits`.
     pub fn pick(&mut self, logits: &[f32]) -> u32 {
+        self.pick_on(&crate::backend::CpuBackend, logits)
+    }
+
+    /// [`Sampler::pick`] with the greedy argmax run by `be` (the same index on every backend).
+    pub fn pick_on(&mut self, be: &dyn crate::backend::Backend, logits: &[f32]) -> u32 {
         self.picks += 1;
         let t = if self.params.is_greedy() {
-            argmax(logits)
+            be.argmax(logits)
         } else {
             let u = self.rng.uniform();
             inverse_cdf(&probabilities(logits, &self.params), u)

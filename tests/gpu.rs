@@ -1,7 +1,10 @@
 //! The GPU backend (runs where wgpu finds an adapter; CI installs Mesa's lavapipe): its bf16 and
 //! MXFP4 products against an fp64 dot within 1e-5 and, on an adapter whose fma is fused, bit for
-//! bit against the CPU kernels; the fixtures through `--backend gpu` within 1e-4 of the fp64
-//! reference with identical greedy tokens; `auto` falls back to the CPU without a real GPU.
+//! bit against the CPU kernels; the other operations (RMSNorm, SiTU, AttnRes mix, routing,
+//! argmax, KDA recurrence, MLA core) within 1e-5 of the CPU backend (normwise) and bit for bit
+//! when fma is fused, routing and argmax choosing the CPU's indices everywhere; the fixtures
+//! through `--backend gpu` (every operation on the GPU) within 1e-4 of the fp64 reference with
+//! identical greedy tokens; `auto` falls back to the CPU without a real GPU.
 #![cfg(feature = "gpu")]
 
 mod common;
@@ -198,6 +201,153 @@ fn the_batched_expert_path_equals_the_per_expert_path() {
     }
 }
 
+/// Worst |a - b| / max |b| over a vector (0 for equal vectors), and how many elements are
+/// bit-identical.
+fn compare(a: &[f32], b: &[f32]) -> (f64, usize) {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f64, |m, v| m.max(f64::from(*v).abs())).max(1e-30);
+    let worst = a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((f64::from(*x) - f64::from(*y)).abs() / scale));
+    (worst, a.iter().zip(b).filter(|(x, y)| x.to_bits() == y.to_bits()).count())
+}
+
+/// On lavapipe (fma not fused) within `tol` of the CPU, normwise; bit-identical when fused.
+fn check(g: &GpuBackend, what: &str, a: &[f32], b: &[f32], tol: f64) {
+    let (err, same) = compare(a, b);
+    eprintln!("{what}: error {err:.2e} vs the CPU, {same} of {} bit-identical", a.len());
+    assert!(err <= tol, "{what}: error {err:.2e} > {tol:.0e}");
+    if g.fma_is_fused() {
+        assert_eq!(same, a.len(), "{what}: fused fma must give the CPU's bits");
+    }
+}
+
+#[test]
+fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
+    use deltafin::cpu::kda::HeadIn;
+    use deltafin::cpu::mla::{MlaDims, Visible};
+    use deltafin::cpu::ops::Situ;
+    use deltafin::k3::moe::RouteRule;
+    let Some(g) = gpu() else { return };
+    let g = g.with_ops_min(0);
+    let cpu = CpuBackend;
+    let mut rng = Rng(17);
+    const TOL: f64 = 1e-5;
+
+    // RMSNorm: odd widths, several rows.
+    for (rows, cols) in [(1usize, 16usize), (5, 333), (3, 7168)] {
+        let x: Vec<f32> = rng.vec(rows * cols).iter().map(|v| v * 3.0).collect();
+        let w = rng.vec(cols);
+        let (mut a, mut b) = (x.clone(), x);
+        g.rms_norm_rows(&mut a, &w, 1e-5);
+        cpu.rms_norm_rows(&mut b, &w, 1e-5);
+        check(&g, &format!("rms_norm {rows}x{cols}"), &a, &b, TOL);
+    }
+    // SiTU over the activation range, with and without the up transform.
+    let gate: Vec<f32> = rng.vec(3000).iter().map(|v| v * 30.0).collect();
+    let up: Vec<f32> = rng.vec(3000).iter().map(|v| v * 60.0).collect();
+    for linear_beta in [25.0f32, 0.0] {
+        let s = Situ { beta: 4.0, linear_beta };
+        let (mut a, mut b) = (vec![0f32; 3000], vec![0f32; 3000]);
+        g.situ(s, &gate, &up, &mut a);
+        cpu.situ(s, &gate, &up, &mut b);
+        check(&g, &format!("situ linear_beta {linear_beta}"), &a, &b, TOL);
+    }
+    // AttnRes mix: 1 to 9 sources.
+    for ns in [1usize, 2, 9] {
+        let h = 517;
+        let src: Vec<Vec<f32>> = (0..ns).map(|i| rng.vec(h).iter().map(|v| v * (1.0 + i as f32)).collect()).collect();
+        let refs: Vec<&[f32]> = src.iter().map(|v| v.as_slice()).collect();
+        let w = rng.vec(h);
+        let (mut a, mut b) = (vec![0f32; h], vec![0f32; h]);
+        g.attn_res_mix(&refs, &w, 1e-5, &mut a);
+        cpu.attn_res_mix(&refs, &w, 1e-5, &mut b);
+        check(&g, &format!("attn_res_mix {ns} sources"), &a, &b, TOL);
+    }
+    // Routing: ties in the biased score (repeated logits, zero bias) and a NaN must pick the CPU's
+    // experts in the CPU's order on any adapter.
+    for renormalize in [true, false] {
+        let (n, e, k) = (4usize, 37usize, 8usize);
+        let mut logits: Vec<f32> = rng.vec(n * e).iter().map(|v| v * 4.0).collect();
+        for r in 0..n {
+            for j in 0..e / 3 {
+                logits[r * e + 3 * j + 1] = logits[r * e + 3 * j];
+            }
+        }
+        logits[5] = f32::NAN;
+        let bias: Vec<f32> = (0..e).map(|j| if j % 4 == 0 { 0.0 } else { 0.01 * (j % 7) as f32 }).collect();
+        let rule = RouteRule { k, renormalize, scaling: 2.5 };
+        let (mut ea, mut eb) = (vec![0u32; n * k], vec![0u32; n * k]);
+        let (mut wa, mut wb) = (vec![0f32; n * k], vec![0f32; n * k]);
+        g.route_top_k(&logits, &bias, rule, &mut ea, &mut wa);
+        cpu.route_top_k(&logits, &bias, rule, &mut eb, &mut wb);
+        assert_eq!(ea, eb, "routing: the CPU's experts in router order");
+        check(&g, &format!("route weights (renormalize {renormalize})"), &wa, &wb, TOL);
+    }
+    // Argmax: ties (first index wins), NaN never wins, all-NaN gives 0.
+    let mut logits = rng.vec(70_001);
+    logits[123] = 5.0;
+    logits[40_000] = 5.0;
+    logits[7] = f32::NAN;
+    assert_eq!(g.argmax(&logits), cpu.argmax(&logits));
+    assert_eq!(g.argmax(&logits), 123);
+    assert_eq!(g.argmax(&[f32::NAN, f32::NAN, 1.0, 1.0]), 2);
+    assert_eq!(g.argmax(&[f32::NAN; 3]), 0);
+    // KDA recurrence: update from a start state, then replay; small and K3's head size.
+    for (nh, n, dk, dv) in [(3usize, 5usize, 16usize, 12usize), (2, 3, 128, 128)] {
+        let heads: Vec<HeadIn> = (0..nh)
+            .map(|_| {
+                let unit = |v: Vec<f32>| -> Vec<f32> {
+                    v.chunks(dk)
+                        .flat_map(|c| {
+                            let norm = c.iter().map(|x| x * x).sum::<f32>().sqrt();
+                            c.iter().map(move |x| x / norm).collect::<Vec<_>>()
+                        })
+                        .collect()
+                };
+                HeadIn {
+                    q: unit(rng.vec(n * dk)),
+                    k: unit(rng.vec(n * dk)),
+                    v: rng.vec(n * dv),
+                    g: rng.vec(n * dk).iter().map(|x| -2.5 * (x + 1.0)).collect(),
+                    beta: rng.vec(n).iter().map(|x| 0.5 + 0.4 * x).collect(),
+                }
+            })
+            .collect();
+        let s0 = rng.vec(nh * dk * dv);
+        let (mut sa, mut sb) = (vec![0f32; s0.len()], vec![0f32; s0.len()]);
+        let (mut oa, mut ob) = (vec![0f32; nh * n * dv], vec![0f32; nh * n * dv]);
+        g.kda_update(&s0, &mut sa, &heads, dk, dv, &mut oa, false);
+        cpu.kda_update(&s0, &mut sb, &heads, dk, dv, &mut ob, false);
+        check(&g, &format!("kda_update state dk {dk}"), &sa, &sb, TOL);
+        check(&g, &format!("kda_update outputs dk {dk}"), &oa, &ob, TOL);
+        let (mut ra, mut rb) = (s0.clone(), s0);
+        g.kda_replay(&mut ra, &heads, dk, dv);
+        cpu.kda_replay(&mut rb, &heads, dk, dv);
+        check(&g, &format!("kda_replay state dk {dk}"), &ra, &rb, TOL);
+        assert_eq!(
+            ra.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            sa.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+    // MLA core: causal over a cache, and every row seeing every token; small and K3's widths.
+    for d in [
+        MlaDims { heads: 3, nope: 16, rope: 8, lora: 40, v_head: 16 },
+        MlaDims { heads: 2, nope: 128, rope: 64, lora: 512, v_head: 128 },
+    ] {
+        let rows = d.heads * (d.nope + d.v_head);
+        let wbytes: Vec<u8> = (0..rows * d.lora).flat_map(|_| half::bf16::from_f32(rng.f32()).to_le_bytes()).collect();
+        let kv_b = Bf16Mat::from_vec(wbytes, rows, d.lora);
+        let (past, n) = (6usize, 3usize);
+        let cache: Vec<f32> = rng.vec((past + n) * (d.lora + d.rope)).iter().map(|v| v * 2.0).collect();
+        let q = rng.vec(n * d.heads * (d.nope + d.rope));
+        for visible in [Visible::Causal, Visible::All] {
+            let (mut a, mut b) = (vec![0f32; n * d.heads * d.v_head], vec![0f32; n * d.heads * d.v_head]);
+            g.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut a);
+            cpu.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut b);
+            check(&g, &format!("mla {visible:?} lora {}", d.lora), &a, &b, TOL);
+        }
+    }
+}
+
 fn gpu_engine(dir: &std::path::Path) -> std::sync::Arc<Engine> {
     Engine::open(EngineConfig { backend: BackendKind::Gpu, ..test_config(dir, KdaMode::Recurrent) }).unwrap()
 }
@@ -207,6 +357,8 @@ fn fixtures_on_the_gpu_match_the_fp64_reference_with_the_same_greedy_tokens() {
     if gpu().is_none() {
         return;
     }
+    // Every operation on the GPU, however small (the fixtures are far below the threshold).
+    deltafin::backend::gpu::set_ops_min(0);
     for name in FIXTURES {
         let r = reference(name);
         let e = gpu_engine(&fixture(name));
@@ -247,4 +399,11 @@ fn auto_uses_the_cpu_without_a_real_gpu_and_the_cli_takes_backend_gpu() {
     let (gpu_ids, err) = run("gpu");
     assert_eq!(gpu_ids, cpu_ids);
     assert!(err.contains("| gpu "), "{err}");
+    // The same with every operation on the GPU.
+    let mut c = std::process::Command::new(bin());
+    c.env("DELTAFIN_GPU_OPS_MIN", "0").args(["run", "--model"]).arg(fixture("k3-tiny-b"));
+    c.args(["--prompt-ids", &ids, "--max-new", "10", "--ignore-eos", "--format", "json", "--backend", "gpu"]);
+    let (out, _) = run_ok(&mut c);
+    let j: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(j["output_ids"], cpu_ids, "every op on the GPU");
 }

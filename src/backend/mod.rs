@@ -12,9 +12,11 @@
 //! through wgpu. [`open`] picks one for a [`BackendKind`].
 
 pub mod cpu;
+pub mod detmath;
 #[cfg(feature = "gpu")]
 pub mod gpu;
 
+use crate::k3::moe::RouteRule;
 use crate::k3::weights::Weights;
 use crate::model::roster::ExpertLayout;
 use cpu::kda::HeadIn;
@@ -127,6 +129,17 @@ pub trait Backend: Send + Sync {
 
     /// AttnRes mix of one row: out = sum_s softmax_s(score(v_s)) v_s over `sources` in order.
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]);
+
+    /// The router's choice for rows of logits [n, e] (`k3::moe::route_rows`: experts in router
+    /// order and their weights, [n, k] each).
+    fn route_top_k(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
+        crate::k3::moe::route_rows(logits, bias, rule, experts, weights)
+    }
+
+    /// Index of the largest logit, lowest index on ties, NaN never wins ([`crate::k3::argmax`]).
+    fn argmax(&self, logits: &[f32]) -> u32 {
+        crate::k3::argmax(logits)
+    }
 }
 
 /// Routed experts queued for one layer ([`Backend::expert_batch`]).

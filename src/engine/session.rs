@@ -270,7 +270,7 @@ impl Session {
             if out.len() >= opts.max_new {
                 break StopReason::Length;
             }
-            if let Some(r) = emit(&mut out, sampler.pick(&logits), opts, on_token) {
+            if let Some(r) = emit(&mut out, sampler.pick_on(&*self.engine.model.be, &logits), opts, on_token) {
                 break r;
             }
             logits = self.step(out[out.len() - 1])?.to_vec();

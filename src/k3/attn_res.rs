@@ -8,11 +8,11 @@ use crate::cpu::dot_f32;
 /// out = sum_s p_s * v_s, p = softmax_s( (v_s . score_w) / sqrt(mean(v_s^2) + eps) ).
 /// Sources are summed in the order given (blocks oldest first, then the prefix).
 pub fn mix(sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
-    let h = score_w.len();
-    debug_assert!(sources.iter().all(|s| s.len() == h));
-    let mut scores: Vec<f32> =
-        sources.iter().map(|v| dot_f32(v, score_w) / (dot_f32(v, v) / h as f32 + eps).sqrt()).collect();
-    crate::cpu::ops::softmax_inplace(&mut scores);
+    debug_assert!(sources.iter().all(|s| s.len() == score_w.len()));
+    // score_s = (v_s . w) * rms_factor(v_s); the product is formed inside the softmax's fma.
+    let mut scores: Vec<f32> = sources.iter().map(|v| dot_f32(v, score_w)).collect();
+    let factors: Vec<f32> = sources.iter().map(|v| crate::cpu::ops::rms_factor(v, eps)).collect();
+    crate::cpu::ops::softmax_of_products(&mut scores, &factors);
     for (o, &v0) in out.iter_mut().zip(sources[0]) {
         *o = scores[0] * v0;
     }

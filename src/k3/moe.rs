@@ -55,12 +55,31 @@ pub fn route(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) -> Rout
     let k = c.top_k;
     let mut logits = vec![0f32; n * e];
     be.matmul_bf16(&w.router, xn, &mut logits);
-    let mut experts = Vec::with_capacity(n * k);
-    let mut weights = Vec::with_capacity(n * k);
+    let mut experts = vec![0u32; n * k];
+    let mut weights = vec![0f32; n * k];
+    let rule = RouteRule { k, renormalize: c.renormalize, scaling: c.routed_scaling };
+    be.route_top_k(&logits, &w.bias, rule, &mut experts, &mut weights);
+    Routes { k, experts, weights }
+}
+
+/// How router logits become a row's experts and weights.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteRule {
+    pub k: usize,
+    /// Divide the selected scores by their sum (+ 1e-20).
+    pub renormalize: bool,
+    pub scaling: f32,
+}
+
+/// The CPU's routing of rows of router logits [n, e] (e = `bias.len()`): s = sigmoid(logit); the
+/// k largest of s + bias, descending, lower id first on ties, NaN last (router order); weights
+/// s / (sum of the selected s in router order + 1e-20) * scaling. Writes [n, k] of each.
+pub fn route_rows(logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
+    let (e, k) = (bias.len(), rule.k);
     let mut order: Vec<u32> = Vec::with_capacity(e);
-    for row in logits.chunks_exact(e) {
+    for ((row, ex), wt) in logits.chunks_exact(e).zip(experts.chunks_exact_mut(k)).zip(weights.chunks_exact_mut(k)) {
         let s: Vec<f32> = row.iter().map(|&x| sigmoid(x)).collect();
-        let choice: Vec<f32> = s.iter().zip(&w.bias).map(|(a, b)| a + b).collect();
+        let choice: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
         order.clear();
         order.extend(0..e as u32);
         // Descending biased score, lower id first on ties; NaN sorts last.
@@ -73,13 +92,12 @@ pub fn route(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) -> Rout
         for &i in sel {
             sum += s[i as usize];
         }
-        let denom = if c.renormalize { sum + 1e-20 } else { 1.0 };
-        for &i in sel {
-            experts.push(i);
-            weights.push(s[i as usize] / denom * c.routed_scaling);
+        let denom = if rule.renormalize { sum + 1e-20 } else { 1.0 };
+        for ((&i, x), w) in sel.iter().zip(ex.iter_mut()).zip(wt.iter_mut()) {
+            *x = i;
+            *w = crate::backend::detmath::div(s[i as usize], denom) * rule.scaling;
         }
     }
-    Routes { k, experts, weights }
 }
 
 /// The three MXFP4 matrices of one expert, borrowed from its raw bytes.

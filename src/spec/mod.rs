@@ -302,7 +302,7 @@ impl Session {
             }
             let next = match picked.take() {
                 Some(t) => t,
-                None => sampler.pick(&logits),
+                None => sampler.pick_on(&*self.engine().model.be, &logits),
             };
             ctx.push(next);
             if let Some(r) = emit(&mut out, next, opts, on_token) {
@@ -345,7 +345,7 @@ impl Session {
             // K3's pick after row i is the check of draft i (row i + 1).
             let mut accepted = 0;
             for (i, &d) in drafts.iter().enumerate() {
-                let x = sampler.pick(&got.logits[i * vocab..(i + 1) * vocab]);
+                let x = sampler.pick_on(&*self.engine().model.be, &got.logits[i * vocab..(i + 1) * vocab]);
                 if x != d {
                     picked = Some(x);
                     break;

@@ -7,6 +7,7 @@
 
 use super::dot_f32;
 use super::ops::{l2_norm_inplace, sigmoid};
+use crate::backend::detmath;
 use crate::model::config::{KDA_CHUNK, KDA_L2_EPS};
 use rayon::prelude::*;
 
@@ -20,72 +21,77 @@ pub struct HeadIn {
     pub beta: Vec<f32>,
 }
 
-/// Token recurrence for one head. `s` is [dk][dv]; with `s_in` the first token reads the start state
-/// from there (so the caller's committed state stays untouched), else `s` is updated in place.
-/// Writes o [n, dv] when `o` is given (a replay of committed rows needs only the state).
-pub fn recurrent_head(
-    s_in: Option<&[f32]>,
-    s: &mut [f32],
-    dk: usize,
-    dv: usize,
-    x: &HeadIn,
-    mut o: Option<&mut [f32]>,
-) {
-    let n = x.beta.len();
-    let mut u = vec![0f32; dv];
-    for t in 0..n {
-        let (kt, vt, gt) = (&x.k[t * dk..][..dk], &x.v[t * dv..][..dv], &x.g[t * dk..][..dk]);
-        u.fill(0.0);
-        for i in 0..dk {
-            let e = gt[i].exp();
-            let row = &mut s[i * dv..(i + 1) * dv];
-            match s_in {
-                // The same multiply as the in-place update, reading the start state elsewhere.
-                Some(src) if t == 0 => {
-                    for ((sj, &s0), uj) in row.iter_mut().zip(&src[i * dv..(i + 1) * dv]).zip(u.iter_mut()) {
-                        *sj = s0 * e;
-                        *uj += kt[i] * *sj;
+detmath::fma_fn! {
+    /// Token recurrence for one head. `s` is [dk][dv]; with `s_in` the first token reads the start
+    /// state from there (so the caller's committed state stays untouched), else `s` is updated in
+    /// place. Writes o [n, dv] when `o` is given (a replay of committed rows needs only the state).
+    /// Each column j of the state is updated by its own fixed sequence (`exp` from `detmath`, every
+    /// product-sum a `mul_add`), which `kernels/kda.wgsl` repeats thread by thread.
+    pub fn recurrent_head(
+        s_in: Option<&[f32]>,
+        s: &mut [f32],
+        dk: usize,
+        dv: usize,
+        x: &HeadIn,
+        o: Option<&mut [f32]>,
+    ) {
+        let mut o = o;
+        let n = x.beta.len();
+        let mut u = vec![0f32; dv];
+        for t in 0..n {
+            let (kt, vt, gt) = (&x.k[t * dk..][..dk], &x.v[t * dv..][..dv], &x.g[t * dk..][..dk]);
+            u.fill(0.0);
+            for i in 0..dk {
+                let e = detmath::exp(gt[i]);
+                let row = &mut s[i * dv..(i + 1) * dv];
+                match s_in {
+                    // The same multiply as the in-place update, reading the start state elsewhere.
+                    Some(src) if t == 0 => {
+                        for ((sj, &s0), uj) in row.iter_mut().zip(&src[i * dv..(i + 1) * dv]).zip(u.iter_mut()) {
+                            *sj = s0 * e;
+                            *uj = kt[i].mul_add(*sj, *uj);
+                        }
+                    }
+                    _ => {
+                        for (sj, uj) in row.iter_mut().zip(u.iter_mut()) {
+                            *sj *= e;
+                            *uj = kt[i].mul_add(*sj, *uj);
+                        }
                     }
                 }
-                _ => {
-                    for (sj, uj) in row.iter_mut().zip(u.iter_mut()) {
-                        *sj *= e;
-                        *uj += kt[i] * *sj;
+            }
+            let b = x.beta[t];
+            for (uj, &vj) in u.iter_mut().zip(vt) {
+                *uj = b * (vj - *uj);
+            }
+            match o.as_deref_mut() {
+                Some(o) => {
+                    let qt = &x.q[t * dk..][..dk];
+                    let ot = &mut o[t * dv..(t + 1) * dv];
+                    ot.fill(0.0);
+                    for i in 0..dk {
+                        let row = &mut s[i * dv..(i + 1) * dv];
+                        for ((sj, &dj), oj) in row.iter_mut().zip(&u).zip(ot.iter_mut()) {
+                            *sj = kt[i].mul_add(dj, *sj);
+                            *oj = qt[i].mul_add(*sj, *oj);
+                        }
+                    }
+                }
+                None => {
+                    for i in 0..dk {
+                        let row = &mut s[i * dv..(i + 1) * dv];
+                        for (sj, &dj) in row.iter_mut().zip(&u) {
+                            *sj = kt[i].mul_add(dj, *sj);
+                        }
                     }
                 }
             }
         }
-        let b = x.beta[t];
-        for (uj, &vj) in u.iter_mut().zip(vt) {
-            *uj = b * (vj - *uj);
+        if n == 0
+            && let Some(src) = s_in
+        {
+            s.copy_from_slice(src);
         }
-        match o.as_deref_mut() {
-            Some(o) => {
-                let qt = &x.q[t * dk..][..dk];
-                let ot = &mut o[t * dv..(t + 1) * dv];
-                ot.fill(0.0);
-                for i in 0..dk {
-                    let row = &mut s[i * dv..(i + 1) * dv];
-                    for ((sj, &dj), oj) in row.iter_mut().zip(&u).zip(ot.iter_mut()) {
-                        *sj += kt[i] * dj;
-                        *oj += qt[i] * *sj;
-                    }
-                }
-            }
-            None => {
-                for i in 0..dk {
-                    let row = &mut s[i * dv..(i + 1) * dv];
-                    for (sj, &dj) in row.iter_mut().zip(&u) {
-                        *sj += kt[i] * dj;
-                    }
-                }
-            }
-        }
-    }
-    if n == 0
-        && let Some(src) = s_in
-    {
-        s.copy_from_slice(src);
     }
 }
 

@@ -5,7 +5,7 @@
 //! result does not depend on threading. The tests check it against the textbook form (keys and
 //! values expanded through kv_b) in f64.
 
-use super::ops::{axpy, softmax_inplace};
+use super::ops::{axpy, softmax_of_products};
 use super::{Bf16Mat, decode_bf16_row, dot_f32};
 use rayon::prelude::*;
 
@@ -67,10 +67,11 @@ pub fn attention_with(
         let mut p: Vec<f32> = (0..len)
             .map(|s| {
                 let cs = &cache[s * lat..(s + 1) * lat];
-                (dot_f32(&q_abs, &cs[..lora]) + dot_f32(q_pe, &cs[lora..])) * scale
+                dot_f32(&q_abs, &cs[..lora]) + dot_f32(q_pe, &cs[lora..])
             })
             .collect();
-        softmax_inplace(&mut p);
+        // The scale is applied inside the softmax's fma (no separate product a GPU could contract).
+        softmax_of_products(&mut p, &[scale]);
         let mut mixed = vec![0f32; lora];
         for (s, &ps) in p.iter().enumerate() {
             axpy(&mut mixed, ps, &cache[s * lat..s * lat + lora]);

@@ -58,6 +58,17 @@ pub struct Resident {
     pub(super) chunks: Vec<Chunk>,
 }
 
+impl Resident {
+    /// The weight buffer when the matrix is one binding starting at its first word (the MLA
+    /// kernel reads kv_b whole, rows `stride` elements apart).
+    pub fn whole(&self) -> Option<&wgpu::Buffer> {
+        match self.chunks.as_slice() {
+            [c] if c.w_off == 0 => Some(&c.w),
+            _ => None,
+        }
+    }
+}
+
 pub(super) struct Chunk {
     pub row0: usize,
     pub rows: usize,
@@ -450,6 +461,30 @@ impl Gpu {
             at += n;
         }
         self.queue.submit([encoder.finish()]);
+        self.read_mapped(read, floats).into_iter().map(f32::from_bits).collect()
+    }
+
+    /// Submits `encoder` after copying each (buffer, words) to a mapped buffer; returns their
+    /// 32-bit words (NaN on a failed readback).
+    pub(super) fn finish_words(
+        &self,
+        mut encoder: wgpu::CommandEncoder,
+        outs: &[(&wgpu::Buffer, usize)],
+    ) -> Vec<Vec<u32>> {
+        let reads: Vec<(wgpu::Buffer, usize)> = outs
+            .iter()
+            .map(|&(out, words)| {
+                let size = (words.max(1) * 4) as u64;
+                let read = self.take(READBACK, size);
+                encoder.copy_buffer_to_buffer(out, 0, &read, 0, size);
+                (read, words)
+            })
+            .collect();
+        self.queue.submit([encoder.finish()]);
+        reads.into_iter().map(|(read, words)| self.read_mapped(read, words)).collect()
+    }
+
+    fn read_mapped(&self, read: wgpu::Buffer, floats: usize) -> Vec<u32> {
         read.map_async(wgpu::MapMode::Read, .., |r| {
             if let Err(e) = r {
                 tracing::error!("GPU readback failed: {e}");
@@ -460,11 +495,11 @@ impl Gpu {
         }
         let v = match read.get_mapped_range(..) {
             Ok(view) => {
-                view.chunks_exact(4).take(floats).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+                view.chunks_exact(4).take(floats).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
             }
             Err(e) => {
                 tracing::error!("GPU readback failed: {e}");
-                vec![f32::NAN; floats]
+                vec![f32::NAN.to_bits(); floats]
             }
         };
         read.unmap();

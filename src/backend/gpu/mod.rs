@@ -8,20 +8,49 @@
 //! use) and kept resident, split into bindings no larger than the adapter allows; expert bytes are
 //! uploaded from the store's buffers (decoded in the kernel, never re-encoded): per call for
 //! `matmul_mxfp4`, or a layer's experts in groups of one submission per phase through
-//! [`Backend::expert_batch`] (`experts.rs`). Every other operation (norms, SiTU, KDA, MLA,
-//! AttnRes) runs on the CPU kernels for now.
+//! [`Backend::expert_batch`] (`experts.rs`). RMSNorm, SiTU, the AttnRes mix, routing top-k,
+//! argmax, the KDA recurrence (update and replay) and the MLA core run on the GPU too (`ops`), with
+//! the same rule (CPU order, `detmath` for transcendentals and division, explicit fma), from
+//! [`DEFAULT_OPS_MIN`] elements of work (smaller calls, the chunked KDA form and calls past
+//! `ops::Limits` run on the CPU kernels); top-k and argmax pick the CPU's indices on every
+//! adapter. Every call uploads its inputs and reads its results back (no residency of activations
+//! yet).
 
 mod bench;
 mod device;
 mod experts;
+mod ops;
 
 pub use device::{AdapterSummary, GpuError, MatvecKernel};
+use ops::{Limits, Ops};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Elements of work below which an operation other than a product stays on the CPU kernels (its
+/// upload, submission and readback cost more than the work); `DELTAFIN_GPU_OPS_MIN` or
+/// [`set_ops_min`] change it for backends opened afterwards (0: every operation on the GPU).
+pub const DEFAULT_OPS_MIN: usize = 1 << 16;
+static OPS_MIN: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Sets the size threshold of [`DEFAULT_OPS_MIN`] for GPU backends opened after the call.
+pub fn set_ops_min(elems: usize) {
+    OPS_MIN.store(elems, Ordering::Relaxed);
+}
+
+fn ops_min() -> usize {
+    match OPS_MIN.load(Ordering::Relaxed) {
+        usize::MAX => {
+            std::env::var("DELTAFIN_GPU_OPS_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_OPS_MIN)
+        }
+        v => v,
+    }
+}
 
 use super::cpu::kda::HeadIn;
 use super::cpu::mla::{MlaDims, Visible};
 use super::cpu::ops::Situ;
 use super::cpu::{Bf16Mat, Mxfp4Mat};
 use super::{Backend, CpuBackend, EachExpert, ExpertBatch};
+use crate::k3::moe::RouteRule;
 use crate::k3::weights::{Attn, Ffn, Weights};
 use crate::model::roster::ExpertLayout;
 use device::{Gpu, Kind, Resident};
@@ -34,9 +63,11 @@ type Entry = (Bf16Mat, Arc<Resident>);
 
 pub struct GpuBackend {
     gpu: Gpu,
+    ops: Ops,
     resident: Mutex<HashMap<(usize, usize, usize), Entry>>,
     cpu: CpuBackend,
     fused: bool,
+    ops_min: usize,
 }
 
 impl GpuBackend {
@@ -45,7 +76,28 @@ impl GpuBackend {
     pub fn new(allow_cpu: bool) -> Result<Self, GpuError> {
         let gpu = Gpu::new(allow_cpu)?;
         let fused = gpu.fma_is_fused()?;
-        Ok(GpuBackend { gpu, resident: Mutex::new(HashMap::new()), cpu: CpuBackend, fused })
+        let ops = Ops::new(&gpu);
+        Ok(GpuBackend { gpu, ops, resident: Mutex::new(HashMap::new()), cpu: CpuBackend, fused, ops_min: ops_min() })
+    }
+
+    /// Elements of work from which the non-product operations run on the GPU.
+    pub fn ops_min(&self) -> usize {
+        self.ops_min
+    }
+
+    /// The same backend with another threshold (0: every operation on the GPU; tests).
+    pub fn with_ops_min(mut self, elems: usize) -> Self {
+        self.ops_min = elems;
+        self
+    }
+
+    fn on_gpu(&self, work: usize) -> bool {
+        work >= self.ops_min.max(1)
+    }
+
+    /// Whether buffers of `floats` f32 fit one binding (larger calls stay on the CPU).
+    fn fits(&self, floats: usize) -> bool {
+        (floats as u64).saturating_mul(4) <= self.gpu.summary.max_binding
     }
 
     pub fn adapter(&self) -> &AdapterSummary {
@@ -163,11 +215,17 @@ impl Backend for GpuBackend {
     }
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {
-        self.cpu.rms_norm_rows(x, w, eps)
+        if !self.on_gpu(x.len()) || w.is_empty() || !self.fits(x.len()) {
+            return self.cpu.rms_norm_rows(x, w, eps);
+        }
+        self.ops.rms_norm_rows(&self.gpu, x, w, eps)
     }
 
     fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        self.cpu.situ(situ, gate, up, out)
+        if !self.on_gpu(out.len()) || !self.fits(out.len()) {
+            return self.cpu.situ(situ, gate, up, out);
+        }
+        self.ops.situ(&self.gpu, situ.beta, situ.linear_beta, gate, up, out)
     }
 
     fn kda_update(
@@ -180,11 +238,24 @@ impl Backend for GpuBackend {
         o: &mut [f32],
         chunked: bool,
     ) {
-        self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked)
+        // The chunked form stays on the CPU (its order is not the recurrence's).
+        let n = heads.first().map_or(0, |h| h.beta.len());
+        let inputs = 3 * heads.len() * n * dk;
+        if chunked || heads.is_empty() || !self.on_gpu(s_in.len()) || !self.fits(inputs.max(s_in.len())) {
+            return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
+        }
+        let (s, out) = self.ops.kda_recurrent(&self.gpu, s_in, heads, dk, dv, true);
+        copy_bits(&s, s_out);
+        copy_bits(&out, o);
     }
 
     fn kda_replay(&self, s: &mut [f32], heads: &[HeadIn], dk: usize, dv: usize) {
-        self.cpu.kda_replay(s, heads, dk, dv)
+        let n = heads.first().map_or(0, |h| h.beta.len());
+        if heads.is_empty() || !self.on_gpu(s.len()) || !self.fits((3 * heads.len() * n * dk).max(s.len())) {
+            return self.cpu.kda_replay(s, heads, dk, dv);
+        }
+        let (st, _) = self.ops.kda_recurrent(&self.gpu, s, heads, dk, dv, false);
+        copy_bits(&st, s);
     }
 
     fn mla_attention_with(
@@ -198,10 +269,57 @@ impl Backend for GpuBackend {
         visible: Visible,
         out: &mut [f32],
     ) {
-        self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out)
+        let lat = dims.lora + dims.rope;
+        let work = out.len() / dims.v_head.max(1) * (cache.len() / lat.max(1)) * lat;
+        let scores = out.len() / dims.v_head.max(1) * (cache.len() / lat.max(1));
+        let fits = dims.lora <= Limits::LORA
+            && dims.rope <= Limits::ROPE
+            && dims.v_head > 0
+            && lat > 0
+            && self.fits(scores.max(cache.len()).max(q.len()));
+        let r = if fits && self.on_gpu(work) { Some(self.resident(kv_b)) } else { None };
+        match r.as_deref().and_then(|r| r.whole().map(|w| (w, r.stride))) {
+            Some((w, stride)) => self.ops.mla_attention(
+                &self.gpu,
+                q,
+                cache,
+                past,
+                (w, stride),
+                dims,
+                scale,
+                visible == Visible::Causal,
+                out,
+            ),
+            None => self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out),
+        }
     }
 
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
-        self.cpu.attn_res_mix(sources, score_w, eps, out)
+        let work = sources.len() * score_w.len();
+        if sources.is_empty() || sources.len() > Limits::ATTN_RES_SOURCES || !self.on_gpu(work) || !self.fits(work) {
+            return self.cpu.attn_res_mix(sources, score_w, eps, out);
+        }
+        self.ops.attn_res_mix(&self.gpu, sources, score_w, eps, out)
+    }
+
+    fn route_top_k(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
+        let fits = !bias.is_empty() && bias.len() <= Limits::EXPERTS && rule.k <= Limits::TOP_K && rule.k <= bias.len();
+        if !fits || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
+            return self.cpu.route_top_k(logits, bias, rule, experts, weights);
+        }
+        self.ops.route_top_k(&self.gpu, logits, bias, rule, experts, weights)
+    }
+
+    fn argmax(&self, logits: &[f32]) -> u32 {
+        if logits.is_empty() || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
+            return self.cpu.argmax(logits);
+        }
+        self.ops.argmax(&self.gpu, logits)
+    }
+}
+
+fn copy_bits(words: &[u32], out: &mut [f32]) {
+    for (o, w) in out.iter_mut().zip(words) {
+        *o = f32::from_bits(*w);
     }
 }

@@ -6,7 +6,6 @@ use super::DSparkModel;
 use crate::backend::cpu::mla::{MlaDims, Visible};
 use crate::cpu::decode_bf16_row;
 use crate::cpu::ops::sigmoid;
-use crate::k3::argmax;
 
 impl DSparkModel {
     /// Rotates the interleaved pairs (x[2i], x[2i+1]) of `x` by pos x inv_freq[i].
@@ -125,7 +124,7 @@ impl DSparkModel {
             decode_bf16_row(self.markov_w1.row(prev as usize), &mut emb);
             be.matmul_bf16(&self.markov_w2, &emb, &mut bias);
             add(row, &bias);
-            prev = argmax(row);
+            prev = be.argmax(row);
             drafts.push(prev);
         }
         (logits, drafts)

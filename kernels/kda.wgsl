@@ -1,0 +1,76 @@
+// The KDA token recurrence for the GPU backend (with detmath.wgsl prepended), thread by thread the
+// CPU's `cpu::kda::recurrent_head`: thread (head h, column j) owns column j of that head's state
+// S [dk][dv] and runs, per token t: s_ij = s_ij * exp(g_ti); u = fma(k_ti, s_ij, u) over i;
+// u = beta_t (v_tj - u); then s_ij = fma(k_ti, u, s_ij) and o = fma(q_ti, s_ij, o) over i.
+// The first token reads the start state from `b` (the in-place update's multiply, reading
+// elsewhere), later ones the state in `out`.
+
+struct P {
+    u: array<vec4<u32>, 4>,
+}
+
+// a = [q | k | g], each [heads, n, dk]; wq = [v [heads, n, dv] | beta [heads, n]] as f32 bits.
+@group(0) @binding(0) var<storage, read> a: array<f32>;
+@group(0) @binding(1) var<storage, read> b: array<f32>;
+@group(0) @binding(2) var<storage, read> wq: array<u32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(4) var<storage, read_write> out2: array<f32>;
+@group(0) @binding(5) var<uniform> p: P;
+
+fn pu(i: u32) -> u32 {
+    return p.u[i >> 2u][i & 3u];
+}
+
+// params (heads, n, dk, dv, with_output). out = the state after the last row [heads, dk, dv];
+// out2 = o [heads, n, dv] when with_output.
+@compute @workgroup_size(64)
+fn kda_recurrent(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let heads = pu(0u);
+    let n = pu(1u);
+    let dk = pu(2u);
+    let dv = pu(3u);
+    let with_o = pu(4u) != 0u;
+    let j = gid.x;
+    let h = gid.y;
+    if (j >= dv || h >= heads) {
+        return;
+    }
+    let plane = heads * n * dk;
+    let qb = h * n * dk;
+    let kb = plane + h * n * dk;
+    let gb = 2u * plane + h * n * dk;
+    let vb = h * n * dv;
+    let betab = heads * n * dv + h * n;
+    let sb = h * dk * dv;
+    if (n == 0u) {
+        for (var i = 0u; i < dk; i = i + 1u) {
+            out[sb + i * dv + j] = b[sb + i * dv + j];
+        }
+        return;
+    }
+    for (var t = 0u; t < n; t = t + 1u) {
+        var u = 0.0;
+        for (var i = 0u; i < dk; i = i + 1u) {
+            let e = dm_exp(a[gb + t * dk + i]);
+            var s: f32;
+            if (t == 0u) {
+                s = b[sb + i * dv + j] * e;
+            } else {
+                s = out[sb + i * dv + j] * e;
+            }
+            out[sb + i * dv + j] = s;
+            u = fma(a[kb + t * dk + i], s, u);
+        }
+        let beta = bitcast<f32>(wq[betab + t]);
+        u = beta * (bitcast<f32>(wq[vb + t * dv + j]) - u);
+        var o = 0.0;
+        for (var i = 0u; i < dk; i = i + 1u) {
+            let s = fma(a[kb + t * dk + i], u, out[sb + i * dv + j]);
+            out[sb + i * dv + j] = s;
+            o = fma(a[qb + t * dk + i], s, o);
+        }
+        if (with_o) {
+            out2[(h * n + t) * dv + j] = o;
+        }
+    }
+}

@@ -1,0 +1,370 @@
+//! The GPU kernels of the forward pass besides the products: RMSNorm of rows, SiTU, the AttnRes
+//! mix, routing top-k, argmax, the KDA token recurrence and the MLA attention core
+//! (`kernels/{norm,route,kda,mla}.wgsl`, each with `kernels/detmath.wgsl` prepended).
+//!
+//! Contract: each kernel repeats the CPU kernel's operation order (16-lane dots with the fixed
+//! tree, `mul_add` as `fma`, `detmath` for exp / tanh / sigmoid / division / rsqrt), so on an
+//! adapter whose `fma` is fused the results are the CPU backend's bits; selections (top-k,
+//! argmax) are total orders and pick the CPU's indices on any adapter. Each call uploads its
+//! inputs, runs one submission and reads its results back (no residency of activations yet).
+//! The callers in `gpu/mod.rs` decide by size which calls come here and check the kernels' limits
+//! (see [`Limits`]).
+
+use super::device::Gpu;
+
+const DETMATH: &str = include_str!("../../../kernels/detmath.wgsl");
+const NORM: &str = include_str!("../../../kernels/norm.wgsl");
+const ROUTE: &str = include_str!("../../../kernels/route.wgsl");
+const KDA: &str = include_str!("../../../kernels/kda.wgsl");
+const MLA: &str = include_str!("../../../kernels/mla.wgsl");
+
+/// The kernels' fixed sizes; larger calls stay on the CPU.
+pub struct Limits;
+
+impl Limits {
+    /// Sources of one AttnRes mix (16 lanes each in one workgroup of 256).
+    pub const ATTN_RES_SOURCES: usize = 16;
+    /// Experts per router row and selected experts (workgroup arrays).
+    pub const EXPERTS: usize = 1024;
+    pub const TOP_K: usize = 64;
+    /// MLA latent width and rope width (workgroup arrays).
+    pub const LORA: usize = 1024;
+    pub const ROPE: usize = 256;
+}
+
+/// One input binding.
+pub enum Src<'a> {
+    F32(&'a [f32]),
+    Buf(&'a wgpu::Buffer),
+    None,
+}
+
+pub struct Ops {
+    layout: wgpu::BindGroupLayout,
+    rms: wgpu::ComputePipeline,
+    situ: wgpu::ComputePipeline,
+    mix: wgpu::ComputePipeline,
+    route: wgpu::ComputePipeline,
+    argmax: wgpu::ComputePipeline,
+    kda: wgpu::ComputePipeline,
+    mla: wgpu::ComputePipeline,
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Workgroups for `n` items: (x, y) with x at most 65535 (the kernels index `y * 65535 + x`).
+fn grid(n: usize) -> (u32, u32) {
+    let n = n.max(1);
+    if n <= 65_535 { (n as u32, 1) } else { (65_535, n.div_ceil(65_535) as u32) }
+}
+
+impl Ops {
+    pub fn new(gpu: &Gpu) -> Self {
+        let device = &gpu.device;
+        let storage = |binding, read_only| wgpu::BindGroupLayoutEntry {
+            binding,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Storage { read_only },
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        };
+        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("ops"),
+            entries: &[
+                storage(0, true),
+                storage(1, true),
+                storage(2, true),
+                storage(3, false),
+                storage(4, false),
+                wgpu::BindGroupLayoutEntry {
+                    binding: 5,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer {
+                        ty: wgpu::BufferBindingType::Uniform,
+                        has_dynamic_offset: false,
+                        min_binding_size: None,
+                    },
+                    count: None,
+                },
+            ],
+        });
+        let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some("ops"),
+            bind_group_layouts: &[Some(&layout)],
+            immediate_size: 0,
+        });
+        let module = |label: &str, src: &str| {
+            device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(label),
+                source: wgpu::ShaderSource::Wgsl(format!("{DETMATH}\n{src}").into()),
+            })
+        };
+        let (norm, route, kda, mla) =
+            (module("norm.wgsl", NORM), module("route.wgsl", ROUTE), module("kda.wgsl", KDA), module("mla.wgsl", MLA));
+        let pipeline = |m: &wgpu::ShaderModule, entry: &str| {
+            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: Some(&pl),
+                module: m,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            })
+        };
+        Ops {
+            rms: pipeline(&norm, "rms_norm_rows"),
+            situ: pipeline(&norm, "situ"),
+            mix: pipeline(&norm, "attn_res_mix"),
+            route: pipeline(&route, "route_top_k"),
+            argmax: pipeline(&route, "argmax"),
+            kda: pipeline(&kda, "kda_recurrent"),
+            mla: pipeline(&mla, "mla_attention"),
+            layout,
+        }
+    }
+
+    /// One dispatch of `pipe` over `groups` with inputs `ins` (bindings 0-2), outputs of `outs`
+    /// words (bindings 3-4; a negative count: scratch of that many words, not read back) and
+    /// `params`; returns the two outputs' words.
+    fn run(
+        &self,
+        gpu: &Gpu,
+        pipe: &wgpu::ComputePipeline,
+        ins: [Src; 3],
+        outs: [isize; 2],
+        params: [u32; 16],
+        groups: (u32, u32),
+    ) -> [Vec<u32>; 2] {
+        use wgpu::util::DeviceExt;
+        let staged: Vec<Option<wgpu::Buffer>> = ins
+            .iter()
+            .map(|s| match s {
+                Src::F32(v) => Some(gpu.staged(&f32_bytes(v))),
+                Src::Buf(_) => None,
+                Src::None => Some(gpu.staged(&[0u8; 16])),
+            })
+            .collect();
+        let bufs: Vec<&wgpu::Buffer> = ins
+            .iter()
+            .zip(&staged)
+            .map(|(s, st)| match (s, st) {
+                (Src::Buf(b), _) => *b,
+                (_, Some(b)) => b,
+                // Every other case was staged just above.
+                (_, None) => unreachable!("input neither staged nor given"),
+            })
+            .collect();
+        let o: Vec<wgpu::Buffer> = outs.iter().map(|&w| gpu.output(w.unsigned_abs())).collect();
+        let pbytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let p = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("op params"),
+            contents: &pbytes,
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+        let all: [&wgpu::Buffer; 6] = [bufs[0], bufs[1], bufs[2], &o[0], &o[1], &p];
+        let entries: Vec<wgpu::BindGroupEntry> = all
+            .iter()
+            .enumerate()
+            .map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() })
+            .collect();
+        let bg = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &self.layout,
+            entries: &entries,
+        });
+        let mut enc = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("op"), timestamp_writes: None });
+            pass.set_pipeline(pipe);
+            pass.set_bind_group(0, &bg, &[]);
+            pass.dispatch_workgroups(groups.0, groups.1, 1);
+        }
+        let want: Vec<(&wgpu::Buffer, usize)> =
+            o.iter().zip(outs).filter(|(_, w)| *w > 0).map(|(b, w)| (b, w as usize)).collect();
+        let mut got = gpu.finish_words(enc, &want).into_iter();
+        let res = outs.map(|w| if w > 0 { got.next().unwrap_or_default() } else { Vec::new() });
+        for b in staged.into_iter().flatten() {
+            gpu.give(super::device::STAGED, b);
+        }
+        for b in o {
+            gpu.give(super::device::OUTPUT, b);
+        }
+        res
+    }
+
+    /// RMSNorm of every row of `x` (rows of `w.len()`), in place.
+    pub fn rms_norm_rows(&self, gpu: &Gpu, x: &mut [f32], w: &[f32], eps: f32) {
+        let cols = w.len();
+        let rows = x.len() / cols.max(1);
+        let mut p = [0u32; 16];
+        p[..3].copy_from_slice(&[cols as u32, rows as u32, eps.to_bits()]);
+        let [o, _] = self.run(
+            gpu,
+            &self.rms,
+            [Src::F32(x), Src::F32(w), Src::None],
+            [x.len() as isize, 0],
+            p,
+            grid(rows.div_ceil(16)),
+        );
+        copy_f32(&o, x);
+    }
+
+    pub fn situ(&self, gpu: &Gpu, beta: f32, linear_beta: f32, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let n = out.len();
+        let mut p = [0u32; 16];
+        p[..3].copy_from_slice(&[n as u32, beta.to_bits(), linear_beta.to_bits()]);
+        let (gx, gy) = grid(n.div_ceil(256));
+        let [o, _] = self.run(gpu, &self.situ, [Src::F32(gate), Src::F32(up), Src::None], [n as isize, 0], p, (gx, gy));
+        copy_f32(&o, out);
+    }
+
+    /// At most [`Limits::ATTN_RES_SOURCES`] sources.
+    pub fn attn_res_mix(&self, gpu: &Gpu, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
+        let h = score_w.len();
+        let packed: Vec<f32> = sources.iter().flat_map(|s| s.iter().copied()).collect();
+        let mut p = [0u32; 16];
+        p[..3].copy_from_slice(&[h as u32, sources.len() as u32, eps.to_bits()]);
+        let [o, _] =
+            self.run(gpu, &self.mix, [Src::F32(&packed), Src::F32(score_w), Src::None], [h as isize, 0], p, (1, 1));
+        copy_f32(&o, out);
+    }
+
+    /// At most [`Limits::EXPERTS`] experts and [`Limits::TOP_K`] selected.
+    pub fn route_top_k(
+        &self,
+        gpu: &Gpu,
+        logits: &[f32],
+        bias: &[f32],
+        rule: crate::k3::moe::RouteRule,
+        experts: &mut [u32],
+        weights: &mut [f32],
+    ) {
+        let e = bias.len();
+        let n = logits.len() / e.max(1);
+        let mut p = [0u32; 16];
+        p[..4].copy_from_slice(&[e as u32, rule.k as u32, rule.renormalize as u32, rule.scaling.to_bits()]);
+        let [w, x] = self.run(
+            gpu,
+            &self.route,
+            [Src::F32(logits), Src::F32(bias), Src::None],
+            [(n * rule.k) as isize, (n * rule.k) as isize],
+            p,
+            grid(n),
+        );
+        copy_f32(&w, weights);
+        for (e, v) in experts.iter_mut().zip(&x) {
+            *e = *v;
+        }
+    }
+
+    pub fn argmax(&self, gpu: &Gpu, logits: &[f32]) -> u32 {
+        let mut p = [0u32; 16];
+        p[0] = logits.len() as u32;
+        let [_, i] = self.run(gpu, &self.argmax, [Src::F32(logits), Src::None, Src::None], [0, 1], p, (1, 1));
+        i.first().copied().unwrap_or(0)
+    }
+
+    /// The recurrence of every head over `n` rows from `s_in`: returns the final state
+    /// [heads, dk, dv] and, with `with_o`, the outputs [heads, n, dv].
+    #[allow(clippy::too_many_arguments)]
+    pub fn kda_recurrent(
+        &self,
+        gpu: &Gpu,
+        s_in: &[f32],
+        heads: &[crate::cpu::kda::HeadIn],
+        dk: usize,
+        dv: usize,
+        with_o: bool,
+    ) -> (Vec<u32>, Vec<u32>) {
+        let nh = heads.len();
+        let n = heads.first().map_or(0, |h| h.beta.len());
+        let mut a = Vec::with_capacity(3 * nh * n * dk);
+        for part in 0..3 {
+            for h in heads {
+                a.extend_from_slice(match part {
+                    0 => &h.q,
+                    1 => &h.k,
+                    _ => &h.g,
+                });
+            }
+        }
+        let mut vb: Vec<f32> = Vec::with_capacity(nh * n * (dv + 1));
+        for h in heads {
+            vb.extend_from_slice(&h.v);
+        }
+        for h in heads {
+            vb.extend_from_slice(&h.beta);
+        }
+        let mut p = [0u32; 16];
+        p[..5].copy_from_slice(&[nh as u32, n as u32, dk as u32, dv as u32, with_o as u32]);
+        let [s, o] = self.run(
+            gpu,
+            &self.kda,
+            [Src::F32(&a), Src::F32(s_in), Src::F32(&vb)],
+            [(nh * dk * dv) as isize, if with_o { (nh * n * dv) as isize } else { 0 }],
+            p,
+            (dv.div_ceil(64) as u32, nh as u32),
+        );
+        (s, o)
+    }
+
+    /// The MLA core with kv_b resident in `kv_b` (one binding, bf16 rows `stride` elements apart);
+    /// sizes within [`Limits`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_attention(
+        &self,
+        gpu: &Gpu,
+        q: &[f32],
+        cache: &[f32],
+        past: usize,
+        (kv_b, stride): (&wgpu::Buffer, usize),
+        d: crate::cpu::mla::MlaDims,
+        scale: f32,
+        causal: bool,
+        out: &mut [f32],
+    ) {
+        let qd = d.nope + d.rope;
+        let lat = d.lora + d.rope;
+        let n = q.len() / (d.heads * qd).max(1);
+        let all = cache.len() / lat.max(1);
+        let vals = [
+            d.heads,
+            d.nope,
+            d.rope,
+            d.lora,
+            d.v_head,
+            past,
+            all,
+            causal as usize,
+            scale.to_bits() as usize,
+            n,
+            all,
+            stride,
+        ];
+        let mut p = [0u32; 16];
+        for (dst, v) in p.iter_mut().zip(vals) {
+            *dst = v as u32;
+        }
+        let [o, _] = self.run(
+            gpu,
+            &self.mla,
+            [Src::F32(q), Src::F32(cache), Src::Buf(kv_b)],
+            [out.len() as isize, -((n * d.heads * all) as isize)],
+            p,
+            grid(n * d.heads),
+        );
+        copy_f32(&o, out);
+    }
+}
+
+fn copy_f32(words: &[u32], out: &mut [f32]) {
+    for (o, w) in out.iter_mut().zip(words) {
+        *o = f32::from_bits(*w);
+    }
+}
