@@ -194,7 +194,15 @@ impl Backend for CpuBackend {
     }
 
     fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        situ.apply_rows(gate, up, out)
+        // Element-wise, so splitting it across threads changes no bit; a prompt's experts apply it
+        // to millions of elements (two tanh, two divisions and a sigmoid each).
+        const CHUNK: usize = 16 << 10;
+        if out.len() < 2 * CHUNK {
+            return situ.apply_rows(gate, up, out);
+        }
+        out.par_chunks_mut(CHUNK)
+            .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
+            .for_each(|(o, (g, u))| situ.apply_rows(g, u, o));
     }
 
     fn kda_update(
