@@ -118,16 +118,34 @@ fn matvec(
             let wb = p.w_off + r * (p.cols >> 3u) + g;
             let sb = r * blocks;
             var b = 0u;
-            for (; b + 4u <= blocks; b = b + 4u) {
-                let w0 = w[wb + b * 4u];
-                let w1 = w[wb + b * 4u + 4u];
-                let w2 = w[wb + b * 4u + 8u];
-                let w3 = w[wb + b * 4u + 12u];
-                let xi = x0 + b * 8u + g;
-                acc = mx_step(acc, w0, scale_at(sb + b), x[xi], x[xi + 4u]);
-                acc = mx_step(acc, w1, scale_at(sb + b + 1u), x[xi + 8u], x[xi + 12u]);
-                acc = mx_step(acc, w2, scale_at(sb + b + 2u), x[xi + 16u], x[xi + 20u]);
-                acc = mx_step(acc, w3, scale_at(sb + b + 3u), x[xi + 24u], x[xi + 28u]);
+            if ((sb & 3u) == 0u) {
+                // The row's scales start on a word (every K3 width is a multiple of 128): the four
+                // blocks of a step take their four scales from one load.
+                let sw0 = p.s_off + (sb >> 2u);
+                for (; b + 4u <= blocks; b = b + 4u) {
+                    let w0 = w[wb + b * 4u];
+                    let w1 = w[wb + b * 4u + 4u];
+                    let w2 = w[wb + b * 4u + 8u];
+                    let w3 = w[wb + b * 4u + 12u];
+                    let sw = scales[sw0 + (b >> 2u)];
+                    let xi = x0 + b * 8u + g;
+                    acc = mx_step(acc, w0, e8m0(sw & 0xffu), x[xi], x[xi + 4u]);
+                    acc = mx_step(acc, w1, e8m0((sw >> 8u) & 0xffu), x[xi + 8u], x[xi + 12u]);
+                    acc = mx_step(acc, w2, e8m0((sw >> 16u) & 0xffu), x[xi + 16u], x[xi + 20u]);
+                    acc = mx_step(acc, w3, e8m0(sw >> 24u), x[xi + 24u], x[xi + 28u]);
+                }
+            } else {
+                for (; b + 4u <= blocks; b = b + 4u) {
+                    let w0 = w[wb + b * 4u];
+                    let w1 = w[wb + b * 4u + 4u];
+                    let w2 = w[wb + b * 4u + 8u];
+                    let w3 = w[wb + b * 4u + 12u];
+                    let xi = x0 + b * 8u + g;
+                    acc = mx_step(acc, w0, scale_at(sb + b), x[xi], x[xi + 4u]);
+                    acc = mx_step(acc, w1, scale_at(sb + b + 1u), x[xi + 8u], x[xi + 12u]);
+                    acc = mx_step(acc, w2, scale_at(sb + b + 2u), x[xi + 16u], x[xi + 20u]);
+                    acc = mx_step(acc, w3, scale_at(sb + b + 3u), x[xi + 24u], x[xi + 28u]);
+                }
             }
             for (; b < blocks; b = b + 1u) {
                 let xi = x0 + b * 8u + g;
