@@ -5,21 +5,9 @@
 // The first token reads the start state from `b` (the in-place update's multiply, reading
 // elsewhere), later ones the state in `out`.
 
-struct P {
-    u: array<vec4<u32>, 4>,
-}
-
 // a = [q | k | g], each [heads, n, dk]; wq = [v [heads, n, dv] | beta [heads, n]] as f32 bits.
-@group(0) @binding(0) var<storage, read> a: array<f32>;
-@group(0) @binding(1) var<storage, read> b: array<f32>;
-@group(0) @binding(2) var<storage, read> wq: array<u32>;
-@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+// P, a, b, wq, out, p, pu and pf: ops_common.wgsl (prepended).
 @group(0) @binding(4) var<storage, read_write> out2: array<f32>;
-@group(0) @binding(5) var<uniform> p: P;
-
-fn pu(i: u32) -> u32 {
-    return p.u[i >> 2u][i & 3u];
-}
 
 // params (heads, n, dk, dv, with_output). out = the state after the last row [heads, dk, dv];
 // out2 = o [heads, n, dv] when with_output.

@@ -11,29 +11,8 @@
 //         k of a block is the low nibble of byte k for k < 16 and the high nibble of byte k - 16.
 // The bytes are decoded here, never re-encoded.
 
-struct Params {
-    rows: u32,
-    cols: u32,
-    n: u32,
-    kind: u32,
-    // Row of W that row 0 of this dispatch is (a matrix split over several bindings).
-    row0: u32,
-    out_rows: u32,
-    // As in matvec.wgsl: word offsets of weights and scales, bf16 row stride (elements), float
-    // offsets of the input rows and of the output.
-    w_off: u32,
-    s_off: u32,
-    stride: u32,
-    x_off: u32,
-    out_off: u32,
-    _pad: u32,
-}
-
-@group(0) @binding(0) var<storage, read> w: array<u32>;
-@group(0) @binding(1) var<storage, read> scales: array<u32>;
+// Params, w, scales, out, p, lut, e2m1 and e8m0: products.wgsl (prepended).
 @group(0) @binding(2) var<storage, read> x: array<f32>;
-@group(0) @binding(3) var<storage, read_write> out: array<f32>;
-@group(0) @binding(4) var<uniform> p: Params;
 
 // A workgroup: 16 weight rows x 16 lanes, for XR input rows at once (each weight decoded once,
 // used XR times); the input rows are staged in workgroup memory TILE elements at a time.
@@ -42,32 +21,6 @@ const XR: u32 = 4u;
 const TILE: u32 = 512u;
 var<workgroup> lanes: array<f32, 1024>;
 var<workgroup> xt: array<f32, 2048>;
-// E2M1 code -> value for `matmul` (as in matvec.wgsl: one shared load instead of the bit decode).
-var<workgroup> lut: array<f32, 16>;
-
-// E2M1 code -> value, built as f32 bits (no table: a dynamically indexed array would live in
-// slow local memory): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 for 0..7, bit 3 the sign (code 8 is -0).
-fn e2m1(code: u32) -> f32 {
-    let m = code & 7u;
-    let e = m >> 1u;
-    var bits = 0u;
-    if (m == 1u) {
-        bits = 0x3f000000u;
-    } else if (m >= 2u) {
-        bits = ((e + 126u) << 23u) | ((m & 1u) << 22u);
-    }
-    return bitcast<f32>(bits | ((code & 8u) << 28u));
-}
-
-fn e8m0(s: u32) -> f32 {
-    if (s == 0u) {
-        return bitcast<f32>(0x00400000u);
-    }
-    if (s == 255u) {
-        return bitcast<f32>(0x7fc00000u);
-    }
-    return bitcast<f32>(s << 23u);
-}
 
 fn byte_at(idx: u32) -> u32 {
     let i = p.w_off * 4u + idx;

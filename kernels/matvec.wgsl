@@ -12,58 +12,10 @@
 // bf16 rows are padded to a multiple of 16 elements with zeros at upload (`stride`), and x past
 // `cols` is zero in its buffer, so the tail is fma(0, 0, acc) exactly as on the CPU.
 
-struct Params {
-    rows: u32,
-    cols: u32,
-    n: u32,
-    kind: u32,
-    row0: u32,
-    out_rows: u32,
-    // Word offsets of the matrix's weights and scales in their bindings (several matrices share
-    // one buffer in the batched expert path).
-    w_off: u32,
-    s_off: u32,
-    // bf16: elements per stored row (cols rounded up to 16). MXFP4: cols.
-    stride: u32,
-    // Float offsets of the input in `x` (a multiple of 4 here) and of the output in `out`.
-    x_off: u32,
-    out_off: u32,
-    _pad: u32,
-}
-
-@group(0) @binding(0) var<storage, read> w: array<u32>;
-@group(0) @binding(1) var<storage, read> scales: array<u32>;
+// Params, w, scales, out, p, lut, e2m1 and e8m0: products.wgsl (prepended).
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read_write> out: array<f32>;
-@group(0) @binding(4) var<uniform> p: Params;
 
-// E2M1 code -> value in workgroup memory: a lookup costs one shared load where the bit-built
-// decode costs about ten integer operations per element; 16 words in 16 banks, so any pattern of
-// lookups is conflict-free.
-var<workgroup> lut: array<f32, 16>;
 var<workgroup> part: array<vec4<f32>, 64>;
-
-fn e2m1(code: u32) -> f32 {
-    let m = code & 7u;
-    let e = m >> 1u;
-    var bits = 0u;
-    if (m == 1u) {
-        bits = 0x3f000000u;
-    } else if (m >= 2u) {
-        bits = ((e + 126u) << 23u) | ((m & 1u) << 22u);
-    }
-    return bitcast<f32>(bits | ((code & 8u) << 28u));
-}
-
-fn e8m0(s: u32) -> f32 {
-    if (s == 0u) {
-        return bitcast<f32>(0x00400000u);
-    }
-    if (s == 255u) {
-        return bitcast<f32>(0x7fc00000u);
-    }
-    return bitcast<f32>(s << 23u);
-}
 
 // Lanes 4g+i of one MXFP4 block: byte i of `word` (element 4g+i low nibble, 16+4g+i high nibble).
 fn mx_step(acc: vec4<f32>, word: u32, s: f32, xlo: vec4<f32>, xhi: vec4<f32>) -> vec4<f32> {

@@ -5,38 +5,14 @@
 // (`cpu::ops::softmax_of_products`); mixed = sum_s p_s c_s by fma in token order; out_j =
 // dot(W_v[j], mixed) in the 16-lane order. kv_b is bf16, two per u32 word.
 
-struct P {
-    u: array<vec4<u32>, 4>,
-}
-
 // a = q [n, heads, nope + rope]; b = cache [all, lora + rope]; wq = kv_b.
-@group(0) @binding(0) var<storage, read> a: array<f32>;
-@group(0) @binding(1) var<storage, read> b: array<f32>;
-@group(0) @binding(2) var<storage, read> wq: array<u32>;
-@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+// P, a, b, wq, out, p, pu, pf and reduce16: ops_common.wgsl (prepended).
 @group(0) @binding(4) var<storage, read_write> out2: array<f32>;
-@group(0) @binding(5) var<uniform> p: P;
-
-fn pu(i: u32) -> u32 {
-    return p.u[i >> 2u][i & 3u];
-}
 
 fn bf16_at(idx: u32) -> f32 {
     let word = wq[idx >> 1u];
     let bits = select(word & 0xffffu, word >> 16u, (idx & 1u) == 1u);
     return bitcast<f32>(bits << 16u);
-}
-
-fn reduce16(acc: array<f32, 16>) -> f32 {
-    var v8: array<f32, 8>;
-    for (var t = 0u; t < 8u; t = t + 1u) {
-        v8[t] = acc[t] + acc[t + 8u];
-    }
-    var v4: array<f32, 4>;
-    for (var t = 0u; t < 4u; t = t + 1u) {
-        v4[t] = v8[t] + v8[t + 4u];
-    }
-    return (v4[0] + v4[2]) + (v4[1] + v4[3]);
 }
 
 const MAX_LORA: u32 = 1024u;

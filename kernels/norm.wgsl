@@ -4,37 +4,18 @@
 // `cpu::dot_f32`: lane l of 16 accumulates elements l, l + 16, ... by fma (the tail padded with
 // fma(0, 0, acc)), then the tree (l, l+8), (l, l+4), (l, l+2), (l, l+1).
 
-struct P {
-    u: array<vec4<u32>, 4>,
-}
-
-@group(0) @binding(0) var<storage, read> a: array<f32>;
-@group(0) @binding(1) var<storage, read> b: array<f32>;
-@group(0) @binding(2) var<storage, read> wq: array<u32>;
-@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+// P, a, b, wq, out, p, pu, pf and reduce16: ops_common.wgsl (prepended).
 @group(0) @binding(4) var<storage, read_write> out2: array<u32>;
-@group(0) @binding(5) var<uniform> p: P;
-
-fn pu(i: u32) -> u32 {
-    return p.u[i >> 2u][i & 3u];
-}
-
-fn pf(i: u32) -> f32 {
-    return bitcast<f32>(pu(i));
-}
 
 var<workgroup> lanes: array<f32, 256>;
 
+// The tree over lanes[base .. base + 16].
 fn reduce16_at(base: u32) -> f32 {
-    var v8: array<f32, 8>;
-    for (var t = 0u; t < 8u; t = t + 1u) {
-        v8[t] = lanes[base + t] + lanes[base + t + 8u];
+    var acc: array<f32, 16>;
+    for (var t = 0u; t < 16u; t = t + 1u) {
+        acc[t] = lanes[base + t];
     }
-    var v4: array<f32, 4>;
-    for (var t = 0u; t < 4u; t = t + 1u) {
-        v4[t] = v8[t] + v8[t + 4u];
-    }
-    return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+    return reduce16(acc);
 }
 
 var<workgroup> factor: array<f32, 16>;

@@ -4,24 +4,8 @@
 // `k3::argmax` (the first index of the largest value; NaN never wins). A selection is a total
 // order, so any reduction tree picks the same element as the CPU's sequential code.
 
-struct P {
-    u: array<vec4<u32>, 4>,
-}
-
-@group(0) @binding(0) var<storage, read> a: array<f32>;
-@group(0) @binding(1) var<storage, read> b: array<f32>;
-@group(0) @binding(2) var<storage, read> wq: array<u32>;
-@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+// P, a, b, wq, out, p, pu and pf: ops_common.wgsl (prepended).
 @group(0) @binding(4) var<storage, read_write> out2: array<u32>;
-@group(0) @binding(5) var<uniform> p: P;
-
-fn pu(i: u32) -> u32 {
-    return p.u[i >> 2u][i & 3u];
-}
-
-fn pf(i: u32) -> f32 {
-    return bitcast<f32>(pu(i));
-}
 
 // Whether expert i sorts before expert j by biased score x (value) / y.
 fn before(x: f32, i: u32, y: f32, j: u32) -> bool {

@@ -12,6 +12,60 @@ use wgpu::util::DeviceExt;
 
 const SHADER: &str = include_str!("../../../kernels/matmul.wgsl");
 const MATVEC_SHADER: &str = include_str!("../../../kernels/matvec.wgsl");
+/// Prepended to both product shaders: their parameters, shared bindings and MXFP4 decoders.
+const PRODUCTS: &str = include_str!("../../../kernels/products.wgsl");
+
+/// A shader module from WGSL sources joined in order (WGSL has no includes).
+pub(super) fn shader(device: &wgpu::Device, label: &str, sources: &[&str]) -> wgpu::ShaderModule {
+    device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some(label),
+        source: wgpu::ShaderSource::Wgsl(sources.join("\n").into()),
+    })
+}
+
+/// The bind group layout every kernel of a family shares — storage buffers at bindings 0.. (read
+/// only where `read_only` says so), then one uniform — and its pipeline layout.
+pub(super) struct ComputeLayout {
+    pub bind: wgpu::BindGroupLayout,
+    pipeline: wgpu::PipelineLayout,
+}
+
+impl ComputeLayout {
+    pub fn new(device: &wgpu::Device, label: &str, read_only: &[bool]) -> Self {
+        let buffer = |binding: usize, ty| wgpu::BindGroupLayoutEntry {
+            binding: binding as u32,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer { ty, has_dynamic_offset: false, min_binding_size: None },
+            count: None,
+        };
+        let mut entries: Vec<_> = read_only
+            .iter()
+            .enumerate()
+            .map(|(i, &read_only)| buffer(i, wgpu::BufferBindingType::Storage { read_only }))
+            .collect();
+        entries.push(buffer(read_only.len(), wgpu::BufferBindingType::Uniform));
+        let bind =
+            device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: Some(label), entries: &entries });
+        let pipeline = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some(label),
+            bind_group_layouts: &[Some(&bind)],
+            immediate_size: 0,
+        });
+        ComputeLayout { bind, pipeline }
+    }
+
+    /// The compute pipeline of `entry` in `module` on this layout.
+    pub fn pipeline(&self, device: &wgpu::Device, module: &wgpu::ShaderModule, entry: &str) -> wgpu::ComputePipeline {
+        device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(entry),
+            layout: Some(&self.pipeline),
+            module,
+            entry_point: Some(entry),
+            compilation_options: Default::default(),
+            cache: None,
+        })
+    }
+}
 const ROWS_PER_GROUP: usize = 16;
 /// Input rows per workgroup (`XR` in the kernel).
 const XR: usize = 4;
@@ -203,58 +257,11 @@ impl Gpu {
             ..Default::default()
         }))
         .map_err(|e| GpuError::Device { adapter: info.name.clone(), msg: e.to_string() })?;
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("matmul.wgsl"),
-            source: wgpu::ShaderSource::Wgsl(SHADER.into()),
-        });
-        let mv_module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some("matvec.wgsl"),
-            source: wgpu::ShaderSource::Wgsl(MATVEC_SHADER.into()),
-        });
-        let storage = |binding, read_only| wgpu::BindGroupLayoutEntry {
-            binding,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: wgpu::BufferBindingType::Storage { read_only },
-                has_dynamic_offset: false,
-                min_binding_size: None,
-            },
-            count: None,
-        };
-        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("matmul"),
-            entries: &[
-                storage(0, true),
-                storage(1, true),
-                storage(2, true),
-                storage(3, false),
-                wgpu::BindGroupLayoutEntry {
-                    binding: 4,
-                    visibility: wgpu::ShaderStages::COMPUTE,
-                    ty: wgpu::BindingType::Buffer {
-                        ty: wgpu::BufferBindingType::Uniform,
-                        has_dynamic_offset: false,
-                        min_binding_size: None,
-                    },
-                    count: None,
-                },
-            ],
-        });
-        let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some("matmul"),
-            bind_group_layouts: &[Some(&layout)],
-            immediate_size: 0,
-        });
-        let pipeline = |module: &wgpu::ShaderModule, entry: &str| {
-            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(entry),
-                layout: Some(&pl),
-                module,
-                entry_point: Some(entry),
-                compilation_options: Default::default(),
-                cache: None,
-            })
-        };
+        let module = shader(&device, "matmul.wgsl", &[PRODUCTS, SHADER]);
+        let mv_module = shader(&device, "matvec.wgsl", &[PRODUCTS, MATVEC_SHADER]);
+        // w, scales, x (read), out (written), then the uniform parameters.
+        let layout = ComputeLayout::new(&device, "matmul", &[true, true, true, false]);
+        let pipeline = |module: &wgpu::ShaderModule, entry: &str| layout.pipeline(&device, module, entry);
         let (matmul, matvec_legacy) = (pipeline(&module, "matmul"), pipeline(&module, "matvec_legacy"));
         let (matvec, read_all) = (pipeline(&mv_module, "matvec"), pipeline(&mv_module, "read_all"));
         let fma_probe = pipeline(&module, "fma_probe");
@@ -278,7 +285,7 @@ impl Gpu {
             pool: Pool::default(),
             device,
             queue,
-            layout,
+            layout: layout.bind,
             matmul,
             matvec,
             matvec_legacy,

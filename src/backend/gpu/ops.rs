@@ -10,9 +10,10 @@
 //! The callers in `gpu/mod.rs` decide by size which calls come here and check the kernels' limits
 //! (see [`Limits`]).
 
-use super::device::Gpu;
+use super::device::{ComputeLayout, Gpu, shader};
 
 const DETMATH: &str = include_str!("../../../kernels/detmath.wgsl");
+const OPS_COMMON: &str = include_str!("../../../kernels/ops_common.wgsl");
 const NORM: &str = include_str!("../../../kernels/norm.wgsl");
 const ROUTE: &str = include_str!("../../../kernels/route.wgsl");
 const KDA: &str = include_str!("../../../kernels/kda.wgsl");
@@ -63,59 +64,12 @@ fn grid(n: usize) -> (u32, u32) {
 impl Ops {
     pub fn new(gpu: &Gpu) -> Self {
         let device = &gpu.device;
-        let storage = |binding, read_only| wgpu::BindGroupLayoutEntry {
-            binding,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: wgpu::BufferBindingType::Storage { read_only },
-                has_dynamic_offset: false,
-                min_binding_size: None,
-            },
-            count: None,
-        };
-        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("ops"),
-            entries: &[
-                storage(0, true),
-                storage(1, true),
-                storage(2, true),
-                storage(3, false),
-                storage(4, false),
-                wgpu::BindGroupLayoutEntry {
-                    binding: 5,
-                    visibility: wgpu::ShaderStages::COMPUTE,
-                    ty: wgpu::BindingType::Buffer {
-                        ty: wgpu::BufferBindingType::Uniform,
-                        has_dynamic_offset: false,
-                        min_binding_size: None,
-                    },
-                    count: None,
-                },
-            ],
-        });
-        let pl = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some("ops"),
-            bind_group_layouts: &[Some(&layout)],
-            immediate_size: 0,
-        });
-        let module = |label: &str, src: &str| {
-            device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some(label),
-                source: wgpu::ShaderSource::Wgsl(format!("{DETMATH}\n{src}").into()),
-            })
-        };
+        // a, b, wq (read), out, out2 (written), then the parameters.
+        let layout = ComputeLayout::new(device, "ops", &[true, true, true, false, false]);
+        let module = |label: &str, src: &str| shader(device, label, &[DETMATH, OPS_COMMON, src]);
         let (norm, route, kda, mla) =
             (module("norm.wgsl", NORM), module("route.wgsl", ROUTE), module("kda.wgsl", KDA), module("mla.wgsl", MLA));
-        let pipeline = |m: &wgpu::ShaderModule, entry: &str| {
-            device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(entry),
-                layout: Some(&pl),
-                module: m,
-                entry_point: Some(entry),
-                compilation_options: Default::default(),
-                cache: None,
-            })
-        };
+        let pipeline = |m: &wgpu::ShaderModule, entry: &str| layout.pipeline(device, m, entry);
         Ops {
             rms: pipeline(&norm, "rms_norm_rows"),
             situ: pipeline(&norm, "situ"),
@@ -124,7 +78,7 @@ impl Ops {
             argmax: pipeline(&route, "argmax"),
             kda: pipeline(&kda, "kda_recurrent"),
             mla: pipeline(&mla, "mla_attention"),
-            layout,
+            layout: layout.bind,
         }
     }
 

@@ -1,0 +1,58 @@
+// Shared by matmul.wgsl and matvec.wgsl (prepended to each): the product kernels' parameters, the
+// bindings both use (each file declares its own input `x` at binding 2: f32 or vec4<f32>), the
+// E2M1 table in workgroup memory, and the MXFP4 element and scale decoders.
+
+struct Params {
+    rows: u32,
+    cols: u32,
+    n: u32,
+    kind: u32,
+    // Row of W that row 0 of this dispatch is (a matrix split over several bindings).
+    row0: u32,
+    out_rows: u32,
+    // Word offsets of the matrix's weights and scales in their bindings (several matrices share
+    // one buffer in the batched expert path).
+    w_off: u32,
+    s_off: u32,
+    // bf16: elements per stored row (cols rounded up to 16). MXFP4: cols.
+    stride: u32,
+    // Float offsets of the input in `x` and of the output in `out`.
+    x_off: u32,
+    out_off: u32,
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<storage, read> w: array<u32>;
+@group(0) @binding(1) var<storage, read> scales: array<u32>;
+@group(0) @binding(3) var<storage, read_write> out: array<f32>;
+@group(0) @binding(4) var<uniform> p: Params;
+
+// E2M1 code -> value in workgroup memory: a lookup costs one shared load where the bit-built
+// decode costs about ten integer operations per element; 16 words in 16 banks, so any pattern of
+// lookups is conflict-free. Filled by the first 16 threads of a workgroup from `e2m1`.
+var<workgroup> lut: array<f32, 16>;
+
+// E2M1 code -> value, built as f32 bits: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 for 0..7, bit 3 the
+// sign (code 8 is -0).
+fn e2m1(code: u32) -> f32 {
+    let m = code & 7u;
+    let e = m >> 1u;
+    var bits = 0u;
+    if (m == 1u) {
+        bits = 0x3f000000u;
+    } else if (m >= 2u) {
+        bits = ((e + 126u) << 23u) | ((m & 1u) << 22u);
+    }
+    return bitcast<f32>(bits | ((code & 8u) << 28u));
+}
+
+// E8M0 scale -> 2^(s - 127); 0 is 2^-127 (a subnormal), 255 is NaN.
+fn e8m0(s: u32) -> f32 {
+    if (s == 0u) {
+        return bitcast<f32>(0x00400000u);
+    }
+    if (s == 255u) {
+        return bitcast<f32>(0x7fc00000u);
+    }
+    return bitcast<f32>(s << 23u);
+}
