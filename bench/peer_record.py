@@ -21,31 +21,24 @@ import os
 import sys
 
 
-def load_json_lines(path: str, want: str) -> list[dict]:
-    out = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line.startswith("{"):
-                try:
-                    d = json.loads(line)
-                except ValueError:
-                    continue
-                if want in d:
-                    out.append(d)
-    return out
+def json_object(line: str):
+    """The JSON object on a line, or None when the line is not one."""
+    line = line.strip()
+    if not line.startswith("{"):
+        return None
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return None
+    return d if isinstance(d, dict) else None
 
 
 def stamped_line(trace: dict, want: str) -> tuple[float, dict]:
     """(time printed, parsed) of the last stdout line that is a JSON object holding `want`."""
     for t, line in reversed(trace["lines"]):
-        if line.startswith("{"):
-            try:
-                d = json.loads(line)
-            except ValueError:
-                continue
-            if want in d:
-                return t, d
+        d = json_object(line)
+        if d is not None and want in d:
+            return t, d
     raise SystemExit(f"peer_record: no JSON line with {want!r} in the trace of {trace['cmd'][:3]}")
 
 
@@ -167,11 +160,12 @@ def main() -> None:
         }
 
     def optional_json(name):
+        """The last JSON object line of RUN/name, or None when there is none."""
         path = os.path.join(run, name)
-        if not os.path.exists(path) or os.path.getsize(path) == 0:
+        if not os.path.exists(path):
             return None
-        lines = [ln for ln in open(path) if ln.startswith("{")]
-        return json.loads(lines[-1]) if lines else None
+        objs = [d for d in map(json_object, open(path)) if d is not None]
+        return objs[-1] if objs else None
 
     heat_rec = optional_json("deltafin-heat.out")
     cache = {

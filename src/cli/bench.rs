@@ -6,7 +6,7 @@
 use super::load;
 use crate::store::ExpertSource;
 use crate::store::expert_store::{ExpertStore, StoreOptions};
-use crate::store::placement::{MANIFEST, Manifest, manifest_spec, shard_spec};
+use crate::store::placement::{Manifest, manifest_path, manifest_spec, shard_spec};
 use crate::store::reader::ReaderKind;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
@@ -84,7 +84,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
 fn bench_io(a: IoArgs) -> Result<()> {
     let opened = load::open(&a.model)?;
     let layout = opened.roster.expert_layout.clone().context("the model has no routed experts")?;
-    let manifest_path = a.placement.clone().or_else(|| Some(a.model.join(MANIFEST)).filter(|p| p.exists()));
+    let manifest_path = manifest_path(a.placement.as_deref(), &a.model);
     let manifest = manifest_path.as_ref().map(|p| Manifest::load(p)).transpose()?;
     // The expert set: experts of every MoE layer in a fixed shuffled order, up to --gb.
     let layers: Vec<usize> = (0..opened.cfg.layers).filter(|&l| opened.roster.experts[l].is_some()).collect();

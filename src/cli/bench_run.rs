@@ -18,7 +18,7 @@ use super::engine::{EngineArgs, OnOff};
 use super::load;
 use crate::engine::GenerateOptions;
 use crate::spec::{DraftKind, OracleDrafter, Speculator};
-use crate::store::placement::{MANIFEST, Manifest};
+use crate::store::placement::{Manifest, manifest_path};
 use crate::store::probe;
 use crate::store::reader::widen;
 use anyhow::{Context, Result, bail};
@@ -113,43 +113,81 @@ fn prompt_tokens(opened: &Opened, n: usize) -> Result<Vec<u32>> {
     Ok((0..n).map(|_| (rng.next_u64() % opened.cfg.vocab as u64) as u32).collect())
 }
 
-/// Prompt ids from `path`: a JSON array of integers, or integers separated by whitespace or commas;
-/// each must be below the model's vocabulary size.
-fn prompt_ids_from(path: &std::path::Path, vocab: usize) -> Result<Vec<u32>> {
+/// Prompt ids from `path`: a JSON array of integers, or integers separated by whitespace or commas.
+fn prompt_ids_from(path: &std::path::Path) -> Result<Vec<u32>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let ids: Vec<u64> = if text.trim_start().starts_with('[') {
+    let ids: Vec<u32> = if text.trim_start().starts_with('[') {
         serde_json::from_str(&text)
             .with_context(|| format!("{}: expected a JSON array of token ids", path.display()))?
     } else {
         text.split(|c: char| c.is_whitespace() || c == ',')
             .filter(|t| !t.is_empty())
-            .map(|t| t.parse::<u64>().with_context(|| format!("{}: {t:?} is not a token id", path.display())))
+            .map(|t| t.parse::<u32>().with_context(|| format!("{}: {t:?} is not a token id", path.display())))
             .collect::<Result<_>>()?
     };
     if ids.is_empty() {
         bail!("{}: no token ids", path.display());
     }
-    if let Some((i, id)) = ids.iter().enumerate().find(|(_, id)| **id >= vocab as u64) {
-        bail!("{}: id {id} at position {i} is outside the vocabulary (size {vocab})", path.display());
-    }
-    Ok(ids.into_iter().map(|id| id as u32).collect())
+    Ok(ids)
 }
 
-/// What the three ceiling probes of a run measure on.
-struct CeilingProbe<'a> {
-    opened: &'a Opened,
-    manifest: Option<&'a Manifest>,
-    drives: Option<Vec<usize>>,
+/// The read ceiling of the drives a run uses, measured on its expert holders (random whole-expert
+/// O_DIRECT reads at the store's total queue depth); the holders are listed once for the three
+/// probes of a run.
+struct CeilingProbe {
+    ranges: Vec<(PathBuf, u64)>,
+    read_len: u64,
     qd: usize,
     secs: f64,
 }
 
-impl CeilingProbe<'_> {
+impl CeilingProbe {
+    fn new(
+        opened: &Opened,
+        manifest: Option<&Manifest>,
+        drives: Option<&[usize]>,
+        qd: usize,
+        secs: f64,
+    ) -> Result<Self> {
+        if secs <= 0.0 {
+            return Ok(CeilingProbe { ranges: Vec::new(), read_len: 0, qd, secs });
+        }
+        let layout = opened.roster.expert_layout.clone().context("no experts")?;
+        let (ranges, read_len) = match manifest {
+            Some(m) => {
+                let mut ranges: Vec<(PathBuf, u64)> = Vec::new();
+                for ml in &m.layers {
+                    for d in 0..m.drives.len() {
+                        if drives.is_some_and(|k| !k.contains(&d)) {
+                            continue;
+                        }
+                        let path = m.pack_path(d, ml.layer);
+                        if let Ok(h) = crate::store::pack::read_header(&path) {
+                            ranges.extend(h.entries.iter().map(|e| (path.clone(), e.offset)));
+                        }
+                    }
+                }
+                (ranges, widen(0, layout.len as u64).1)
+            }
+            None => crate::store::placement::shard_read_ranges(&opened.ck, &opened.roster),
+        };
+        Ok(CeilingProbe { ranges, read_len, qd, secs })
+    }
+
+    /// One probe (None when probes are off).
     fn measure(&self) -> Result<Option<probe::Ceiling>> {
         if self.secs <= 0.0 {
             return Ok(None);
         }
-        measure_ceiling(self.opened, self.manifest, self.drives.as_deref(), self.qd, self.secs).map(Some)
+        probe::measure_ranges(
+            &self.ranges,
+            self.read_len,
+            self.qd,
+            crate::store::reader::ReaderKind::Auto,
+            Duration::from_secs_f64(self.secs),
+        )
+        .map(Some)
+        .map_err(|e| anyhow::anyhow!("measuring the disk ceiling: {e}"))
     }
 }
 
@@ -168,45 +206,6 @@ fn mean_gbps(a: &Option<probe::Ceiling>, b: &Option<probe::Ceiling>) -> Option<f
     }
 }
 
-/// The read ceiling of the drives the run will use, measured on expert holders: random whole-expert
-/// O_DIRECT reads at the store's total queue depth.
-fn measure_ceiling(
-    opened: &Opened,
-    manifest: Option<&Manifest>,
-    drives: Option<&[usize]>,
-    qd: usize,
-    secs: f64,
-) -> Result<probe::Ceiling> {
-    let layout = opened.roster.expert_layout.clone().context("no experts")?;
-    let (ranges, read_len) = match manifest {
-        Some(m) => {
-            let mut ranges: Vec<(PathBuf, u64)> = Vec::new();
-            for ml in &m.layers {
-                for d in 0..m.drives.len() {
-                    if drives.is_some_and(|k| !k.contains(&d)) {
-                        continue;
-                    }
-                    let path = m.pack_path(d, ml.layer);
-                    if let Ok(h) = crate::store::pack::read_header(&path) {
-                        ranges.extend(h.entries.iter().map(|e| (path.clone(), e.offset)));
-                    }
-                }
-            }
-            (ranges, widen(0, layout.len as u64).1)
-        }
-        None => crate::store::placement::shard_read_ranges(&opened.ck, &opened.roster),
-    };
-    let c = probe::measure_ranges(
-        &ranges,
-        read_len,
-        qd,
-        crate::store::reader::ReaderKind::Auto,
-        Duration::from_secs_f64(secs),
-    )
-    .map_err(|e| anyhow::anyhow!("measuring the disk ceiling: {e}"))?;
-    Ok(c)
-}
-
 pub fn run(a: RunBenchArgs) -> Result<()> {
     super::check_outputs([("--out", a.out.as_deref())])?;
     if a.prompt_tokens == 0 {
@@ -214,19 +213,22 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
     }
     let opened = load::open(&a.model)?;
     let prompt = match a.prompt_ids.as_deref() {
-        Some(arg) => match arg.strip_prefix('@') {
-            Some(file) => prompt_ids_from(std::path::Path::new(file), opened.cfg.vocab)?,
-            None => {
-                let ids = super::parse_ids(arg).map_err(|e| anyhow::anyhow!("--prompt-ids: {e}"))?.0;
-                if let Some(bad) = ids.iter().find(|&&id| id as usize >= opened.cfg.vocab) {
-                    bail!("--prompt-ids: id {bad} is outside the vocabulary (size {})", opened.cfg.vocab);
-                }
-                ids
+        Some(arg) => {
+            let ids = match arg.strip_prefix('@') {
+                Some(file) => prompt_ids_from(std::path::Path::new(file))?,
+                None => super::parse_ids(arg).map_err(|e| anyhow::anyhow!("--prompt-ids: {e}"))?.0,
+            };
+            // Checked here too (the forward pass refuses them) so a bad id fails before the
+            // engine opens and the disk is probed.
+            let vocab = opened.cfg.vocab;
+            if let Some((i, id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+                bail!("--prompt-ids: id {id} at position {i} is outside the vocabulary (size {vocab})");
             }
-        },
+            ids
+        }
         None => prompt_tokens(&opened, a.prompt_tokens)?,
     };
-    let manifest_path = a.engine.placement.clone().or_else(|| Some(a.model.join(MANIFEST)).filter(|p| p.exists()));
+    let manifest_path = manifest_path(a.engine.placement.as_deref(), &a.model);
     let manifest = manifest_path.as_ref().map(|p| Manifest::load(p)).transpose()?;
     let subsets: Vec<Option<Vec<usize>>> = if a.ladder {
         let m = manifest.as_ref().context("--ladder needs a placement (deltafin place)")?;
@@ -250,13 +252,7 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
                 .sum()
         });
         let dropped = drop_page_cache();
-        let probe = CeilingProbe {
-            opened: &opened,
-            manifest: manifest.as_ref(),
-            drives: subset.clone(),
-            qd: qd_total,
-            secs: a.ceiling_seconds,
-        };
+        let probe = CeilingProbe::new(&opened, manifest.as_ref(), subset.as_deref(), qd_total, a.ceiling_seconds)?;
         for &pf in &prefetch {
             let mut engine = a.engine.clone();
             engine.use_drives = subset.clone();

@@ -22,7 +22,7 @@ use crate::sched::{self, LogitRows, SeqRows};
 use crate::spec::DSparkModel;
 use crate::stats::Stats;
 use crate::store::expert_store::{self, ExpertStore, StoreOptions, StoreSpec};
-use crate::store::placement::{MANIFEST, Manifest, PlacementError, manifest_spec, shard_spec};
+use crate::store::placement::{Manifest, PlacementError, manifest_path, manifest_spec, shard_spec};
 use crate::store::reader::ReaderKind;
 use crate::store::{ExpertSource, ShardExperts, SourceReport, StoreError};
 use serde::{Deserialize, Serialize};
@@ -212,7 +212,7 @@ fn store_spec(
     ck: &Checkpoint,
     roster: &Roster,
 ) -> Result<Option<StoreSpec>, EngineError> {
-    let manifest_path = config.placement.clone().or_else(|| Some(dir.join(MANIFEST)).filter(|p| p.exists()));
+    let manifest_path = manifest_path(config.placement.as_deref(), dir);
     let manifest = match &manifest_path {
         Some(p) if config.experts_from == ExpertsFrom::Store => {
             Some(Manifest::load(p).map_err(|source| EngineError::Placement { path: p.clone(), source })?)
@@ -353,9 +353,8 @@ impl Engine {
                     ExpertHeat::Off => None,
                     ExpertHeat::At(p) => Some(p.clone()),
                     ExpertHeat::Auto => {
-                        let manifest =
-                            config.placement.clone().or_else(|| Some(dir.join(MANIFEST)).filter(|p| p.exists()));
-                        crate::store::heat::default_path(&dir, manifest.as_deref())
+                        let manifest = manifest_path(config.placement.as_deref(), &dir);
+                        Some(crate::store::heat::default_path(&dir, manifest.as_deref()))
                     }
                 };
                 let opts = StoreOptions {

@@ -483,8 +483,8 @@ impl ExpertSource for StreamSource {
         Ok(())
     }
 
-    fn note_routes(&self, layer: usize, routes: &[u32], rows: usize) {
-        self.local.note_routes(layer, routes, rows)
+    fn note_routes(&self, layer: usize, experts: &[u32], rows_of: &[usize], rows: usize) {
+        self.local.note_routes(layer, experts, rows_of, rows)
     }
 
     fn report(&self) -> SourceReport {

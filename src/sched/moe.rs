@@ -40,7 +40,6 @@ pub fn layer(
     let routes: Routes = moe::route(be, c, w, xn);
     let k = routes.k;
     stats.record_routes(layer, &routes.experts, c.experts);
-    src.note_routes(layer, &routes.experts, n);
     let union = routes.union();
     if let Some(pred) = look.predicted_here {
         // Score the prediction and drop queued prefetches the real route does not need.
@@ -63,6 +62,10 @@ pub fn layer(
         if let Ok(u) = union.binary_search(e) {
             targets_of[u].push((i / k, i % k));
         }
+    }
+    if n > 1 {
+        let rows_of: Vec<usize> = targets_of.iter().map(Vec::len).collect();
+        src.note_routes(layer, &union, &rows_of, n);
     }
     let mut kernel_s = 0f64;
     let mut expert_rows = 0usize;

@@ -144,20 +144,16 @@ impl Heat {
 }
 
 /// Where the heat of a model lives when none is named: beside the placement manifest when there is
-/// one (heat describes the experts that manifest places), else under the user's cache directory,
-/// keyed by the model directory's canonical path.
-pub fn default_path(model_dir: &Path, placement: Option<&Path>) -> Option<PathBuf> {
+/// one (heat describes the experts that manifest places), else under deltafin's cache directory
+/// (`util::cache_dir`), keyed by the model directory's canonical path.
+pub fn default_path(model_dir: &Path, placement: Option<&Path>) -> PathBuf {
     if let Some(p) = placement {
-        return Some(p.parent().unwrap_or(Path::new(".")).join("expert-heat.json"));
+        return p.parent().unwrap_or(Path::new(".")).join("expert-heat.json");
     }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .filter(|p| p.is_absolute())
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
     let canon = std::fs::canonicalize(model_dir).unwrap_or_else(|_| model_dir.to_path_buf());
     let key = xxhash_rust::xxh3::xxh3_64(canon.as_os_str().as_encoded_bytes());
     let name = canon.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
-    Some(base.join("deltafin").join("heat").join(format!("{name}-{key:016x}.json")))
+    crate::util::cache_dir().join("heat").join(format!("{name}-{key:016x}.json"))
 }
 
 #[cfg(test)]

@@ -113,9 +113,9 @@ pub trait ExpertSource: Send + Sync {
     /// Drops queued prefetches of `layer` that are not in `keep`.
     fn cancel_prefetch(&self, _layer: usize, _keep: &[u32]) {}
 
-    /// The routes of a batch of `rows` rows at `layer` (every row's experts, `routes.len() / rows`
-    /// each), before its union is fetched: a cache may weigh what to keep by them.
-    fn note_routes(&self, _layer: usize, _routes: &[u32], _rows: usize) {}
+    /// The routes of a batch of `rows` rows at `layer` before its union is fetched: each expert of
+    /// the union and how many rows it serves. A cache may weigh what to keep by them.
+    fn note_routes(&self, _layer: usize, _experts: &[u32], _rows_of: &[usize], _rows: usize) {}
 
     /// Counters for `--stats` (what this source can measure; unknown ones are None).
     fn report(&self) -> SourceReport {

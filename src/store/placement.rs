@@ -24,6 +24,11 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 pub const MANIFEST: &str = "placement.json";
+
+/// The placement manifest a run uses: the one given, else `MODEL/placement.json` when it exists.
+pub fn manifest_path(given: Option<&Path>, model_dir: &Path) -> Option<PathBuf> {
+    given.map(Path::to_path_buf).or_else(|| Some(model_dir.join(MANIFEST)).filter(|p| p.exists()))
+}
 pub const VERSION: u32 = 2;
 const PLAN: &str = ".placement-plan.json";
 /// Lock file, in the model directory and in each drive's model directory, held while placing.

@@ -50,16 +50,12 @@ pub fn max_rel_l2(got: &[f32], want: &[f32], cols: usize) -> (f64, usize) {
     worst
 }
 
-/// splitmix64: deterministic test randomness without a dependency.
+/// Deterministic test randomness: the library's splitmix64 stream from the seed held here.
 pub struct Rng(pub u64);
 
 impl Rng {
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        deltafin::sample::splitmix64(&mut self.0)
     }
     /// Uniform in [-1, 1).
     pub fn f32(&mut self) -> f32 {

@@ -30,13 +30,7 @@ impl ExpertSource for ExpertStore {
             let mut st = lock(sh);
             let st = &mut *st;
             for &e in experts {
-                *st.uses.entry((l, e)).or_insert(0) += 1;
-                // A cached expert keeps its place in the eviction order under its new count.
-                if let Some(KeyState::Ready { slot }) = st.keys.get(&(l, e)) {
-                    let slot = *slot;
-                    let r = rank(st, slot);
-                    st.lru.rerank(slot, r);
-                }
+                add_uses(st, (l, e), 1);
             }
         }
         let mut remaining = wants.len();
@@ -199,8 +193,8 @@ impl ExpertSource for ExpertStore {
         ExpertStore::cancel_prefetch(self, layer, keep)
     }
 
-    fn note_routes(&self, layer: usize, routes: &[u32], rows: usize) {
-        ExpertStore::note_routes(self, layer, routes, rows)
+    fn note_routes(&self, layer: usize, experts: &[u32], rows_of: &[usize], rows: usize) {
+        ExpertStore::note_routes(self, layer, experts, rows_of, rows)
     }
 
     fn describe(&self) -> String {

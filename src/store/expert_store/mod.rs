@@ -464,29 +464,17 @@ impl ExpertStore {
 
     /// Counts a batch's routes into the cache's request counts: a prompt tells early which experts
     /// this model and text route to most, long before decode's one request per step would. Each
-    /// row counts as one request, scaled down for batches above [`PROMPT_HEAT_ROWS`] rows so one
-    /// long prompt weighs as much as that many decode steps. Single rows are counted by `fetch`.
-    pub fn note_routes(&self, layer: usize, routes: &[u32], rows: usize) {
-        if rows <= 1 || routes.is_empty() {
+    /// row routed to an expert counts as one request, scaled down for batches above
+    /// [`PROMPT_HEAT_ROWS`] rows so one long prompt weighs as much as that many decode steps.
+    /// Single rows are counted by `fetch`.
+    pub fn note_routes(&self, layer: usize, experts: &[u32], rows_of: &[usize], rows: usize) {
+        if rows <= 1 {
             return;
-        }
-        let mut per: HashMap<u32, u64> = HashMap::new();
-        for &e in routes {
-            *per.entry(e).or_insert(0) += 1;
         }
         let scale = PROMPT_HEAT_ROWS.min(rows) as f64 / rows as f64;
         let mut st = lock(&self.shared);
-        let st = &mut *st;
-        for (e, c) in per {
-            let key = (layer as u32, e);
-            let add = (c as f64 * scale).round() as u32;
-            let u = st.uses.entry(key).or_insert(0);
-            *u = u.saturating_add(add);
-            if let Some(KeyState::Ready { slot }) = st.keys.get(&key) {
-                let slot = *slot;
-                let r = rank(st, slot);
-                st.lru.rerank(slot, r);
-            }
+        for (&e, &c) in experts.iter().zip(rows_of) {
+            add_uses(&mut st, (layer as u32, e), (c as f64 * scale).round() as u32);
         }
     }
 
@@ -584,6 +572,18 @@ fn evict_slot(st: &mut State, slot: usize) {
         st.keys.remove(&key);
     }
     st.slots[slot] = Slot::Free;
+}
+
+/// Adds `n` requests to an expert's count; a cached expert keeps its place in the eviction order
+/// under its new count.
+fn add_uses(st: &mut State, key: Key, n: u32) {
+    let u = st.uses.entry(key).or_insert(0);
+    *u = u.saturating_add(n);
+    if let Some(KeyState::Ready { slot }) = st.keys.get(&key) {
+        let slot = *slot;
+        let r = rank(st, slot);
+        st.lru.rerank(slot, r);
+    }
 }
 
 /// A cached slot's eviction rank: how often its expert has been requested, so eviction honours the
