@@ -27,6 +27,15 @@ fn byte_at(idx: u32) -> u32 {
     return (w[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu;
 }
 
+// MXFP4 element k of row r: its E2M1 code and its block's E8M0 scale byte.
+fn mx_code_scale(r: u32, k: u32) -> vec2<u32> {
+    let b = k >> 5u;
+    let j = k & 31u;
+    let byte = byte_at(r * (p.cols >> 1u) + b * 16u + (j & 15u));
+    let si = p.s_off * 4u + r * (p.cols >> 5u) + b;
+    return vec2<u32>(select(byte & 15u, byte >> 4u, j >= 16u), (scales[si >> 2u] >> ((si & 3u) * 8u)) & 0xffu);
+}
+
 fn weight(r: u32, k: u32) -> f32 {
     if (p.kind == 0u) {
         let idx = r * p.stride + k;
@@ -34,13 +43,8 @@ fn weight(r: u32, k: u32) -> f32 {
         let bits = select(word & 0xffffu, word >> 16u, (idx & 1u) == 1u);
         return bitcast<f32>(bits << 16u);
     }
-    let b = k >> 5u;
-    let j = k & 31u;
-    let byte = byte_at(r * (p.cols >> 1u) + b * 16u + (j & 15u));
-    let code = select(byte & 15u, byte >> 4u, j >= 16u);
-    let si = p.s_off * 4u + r * (p.cols >> 5u) + b;
-    let s = (scales[si >> 2u] >> ((si & 3u) * 8u)) & 0xffu;
-    return e2m1(code) * e8m0(s);
+    let cs = mx_code_scale(r, k);
+    return e2m1(cs.x) * e8m0(cs.y);
 }
 
 // `weight` with the E2M1 value from the workgroup table (same value, same product).
@@ -48,13 +52,8 @@ fn weight_lut(r: u32, k: u32) -> f32 {
     if (p.kind == 0u) {
         return weight(r, k);
     }
-    let b = k >> 5u;
-    let j = k & 31u;
-    let byte = byte_at(r * (p.cols >> 1u) + b * 16u + (j & 15u));
-    let code = select(byte & 15u, byte >> 4u, j >= 16u);
-    let si = p.s_off * 4u + r * (p.cols >> 5u) + b;
-    let s = (scales[si >> 2u] >> ((si & 3u) * 8u)) & 0xffu;
-    return lut[code] * e8m0(s);
+    let cs = mx_code_scale(r, k);
+    return lut[cs.x] * e8m0(cs.y);
 }
 
 @compute @workgroup_size(256)
