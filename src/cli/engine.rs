@@ -44,7 +44,7 @@ pub struct EngineArgs {
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
     /// Route heat kept across runs, which seeds the expert cache with the experts this model is
-    /// routed to most: `auto` (beside the placement manifest, else under ~/.cache/deltafin/heat),
+    /// routed to most: `auto` (beside the placement manifest, else under deltafin's cache directory, ~/.cache/deltafin/heat by default),
     /// `off`, or a file. Changes only what is cached, never the output.
     #[arg(long, value_name = "auto|off|FILE", default_value = "auto", value_parser = parse_heat)]
     pub expert_heat: ExpertHeat,
