@@ -56,12 +56,7 @@ fn rms_norm_rows(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgrou
 }
 
 // situ: params (n, beta, linear_beta); out[i] = situ(a[i], b[i]).
-@compute @workgroup_size(256)
-fn situ(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
-    let i = gid.y * nw.x * 256u + gid.x;
-    if (i >= pu(0u)) {
-        return;
-    }
+fn situ_of(i: u32) -> f32 {
     let beta = pf(1u);
     let lb = pf(2u);
     let g = a[i];
@@ -71,7 +66,29 @@ fn situ(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) 
     if (lb > 0.0) {
         y = lb * dm_tanh(dm_div(u, lb));
     }
-    out[i] = x * y;
+    return x * y;
+}
+
+@compute @workgroup_size(256)
+fn situ(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let i = gid.y * nw.x * 256u + gid.x;
+    if (i >= pu(0u)) {
+        return;
+    }
+    out[i] = situ_of(i);
+}
+
+// situ_deinterleave: the same values written in the MXFP4 input order of the next product
+// (`cpu::deinterleave_mxfp4_input`): in each block of 32, element 2j goes to j and 2j+1 to 16+j
+// (n is a multiple of 32), so the expert's w2 reads them without a trip to the CPU.
+@compute @workgroup_size(256)
+fn situ_deinterleave(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
+    let i = gid.y * nw.x * 256u + gid.x;
+    if (i >= pu(0u)) {
+        return;
+    }
+    let j = i & 31u;
+    out[(i - j) + (j >> 1u) + 16u * (j & 1u)] = situ_of(i);
 }
 
 // attn_res_mix: params (h, sources, eps); `a` = the sources [sources, h] in order, `b` = score_w.

@@ -24,6 +24,8 @@ pub struct Stats {
     pub expert_bytes_read: Option<u64>,
     pub cache_hits: Option<u64>,
     pub cache_misses: Option<u64>,
+    /// Experts the backend ran from its own device memory (`--gpu-cache-gb`), not fetched.
+    pub device_expert_hits: u64,
     /// Distinct (layer, expert) pairs used over the whole run.
     pub distinct_experts: HashSet<(u32, u32)>,
     pub expert_bytes: u64,
@@ -78,6 +80,7 @@ impl Stats {
         self.experts_fetched += o.experts_fetched;
         self.expert_rows += o.expert_rows;
         self.expert_bytes_requested += o.expert_bytes_requested;
+        self.device_expert_hits += o.device_expert_hits;
         self.distinct_experts.extend(o.distinct_experts.iter().copied());
         self.expert_bytes = self.expert_bytes.max(o.expert_bytes);
         self.read_wait_s += o.read_wait_s;
@@ -232,6 +235,7 @@ impl Stats {
             "read_amplification": self.read_amplification(),
             "cache_hits": self.source.as_ref().and_then(|s| s.cache_hits).or(self.cache_hits),
             "cache_misses": self.source.as_ref().and_then(|s| s.cache_misses).or(self.cache_misses),
+            "device_expert_hits": self.device_expert_hits,
             "inflight_joins": self.source.as_ref().and_then(|s| s.inflight_joins),
             "prefetch_issued": self.source.as_ref().map(|s| s.prefetch_issued),
             "prefetch_used": self.source.as_ref().map(|s| s.prefetch_used),

@@ -165,19 +165,22 @@ fn the_batched_expert_path_equals_the_per_expert_path() {
                 xd
             })
             .collect();
-        let mut batch = g.expert_batch(&layout, situ);
-        for ((l, b), zd) in experts.iter().zip(&inputs) {
+        let mut batch = g.expert_batch(1, &layout, situ);
+        for (i, ((l, b), zd)) in experts.iter().zip(&inputs).enumerate() {
             assert_eq!(l.parts.map(|p| p.1), layout.parts.map(|p| p.1));
             // Same sizes and offsets: the layout of the first describes every one.
-            batch.add(b, zd);
+            batch.add(i as u32, b, zd);
         }
         let got = batch.finish();
         assert_eq!(got.len(), 21);
         let cpu = CpuBackend;
+        // The per-expert path with every op on the GPU (the batch runs SiTU there at any size).
+        let Some(g0) = gpu() else { return };
+        let g0 = g0.with_ops_min(0);
         let mut same_cpu = 0usize;
         let mut total = 0usize;
         for (i, ((_, b), zd)) in experts.iter().zip(&inputs).enumerate() {
-            let one = run_expert(&g, &layout, b, situ, zd);
+            let one = run_expert(&g0, &layout, b, situ, zd);
             assert_eq!(got[i].len(), zd.len(), "expert {i}: output rows");
             assert!(
                 got[i].iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
@@ -406,4 +409,43 @@ fn auto_uses_the_cpu_without_a_real_gpu_and_the_cli_takes_backend_gpu() {
     let (out, _) = run_ok(&mut c);
     let j: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(j["output_ids"], cpu_ids, "every op on the GPU");
+}
+
+#[test]
+fn the_device_expert_cache_changes_no_bit_and_serves_repeated_experts() {
+    if gpu().is_none() {
+        return;
+    }
+    let dir = fixture("k3-tiny-b");
+    let r = reference("k3-tiny-b");
+    let run = |gb: Option<f64>| {
+        let config =
+            EngineConfig { backend: BackendKind::Gpu, gpu_cache_gb: gb, ..test_config(&dir, KdaMode::Recurrent) };
+        let e = Engine::open(config).unwrap();
+        let mut s = e.new_session();
+        let first: Vec<u32> = s.prefill(&r.prompt[..24]).unwrap().iter().map(|v| v.to_bits()).collect();
+        let opts = deltafin::engine::GenerateOptions { max_new: 8, stop: Vec::new() };
+        let tokens = s.generate(&opts, &mut |_| true).unwrap().tokens;
+        let last: Vec<u32> = s.logits().unwrap().iter().map(|v| v.to_bits()).collect();
+        (first, tokens, last, s.stats.device_expert_hits, s.stats.expert_bytes_requested, e)
+    };
+    let (first, tokens, last, hits, requested, e) = run(None);
+    assert_eq!(hits, 0);
+    let expert = e.cfg.expert_bytes() as f64;
+    // Every expert fits; then three slots, so that nearly every layer evicts.
+    for (gb, what) in [(1.0, "every expert held"), (3.5 * expert / 1e9, "three slots")] {
+        let (f, t, l, h, req, e2) = run(Some(gb));
+        assert_eq!(f, first, "{what}: prompt logits");
+        assert_eq!(t, tokens, "{what}: greedy tokens");
+        assert_eq!(l, last, "{what}: last logits");
+        assert!(h > 0, "{what}: no expert served from device memory");
+        // Experts run from device memory are not fetched from the expert source.
+        assert_eq!(req + h * e.cfg.expert_bytes() as u64, requested, "{what}: bytes fetched");
+        assert!(e2.startup_line().contains("expert cache"), "{}", e2.startup_line());
+        eprintln!("device expert cache, {what}: {h} experts from device memory, same bits");
+    }
+    // The CPU backend has no device memory to keep experts in.
+    let config = EngineConfig { gpu_cache_gb: Some(1.0), ..test_config(&dir, KdaMode::Recurrent) };
+    let err = Engine::open(config).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("--backend gpu"), "{err}");
 }

@@ -48,14 +48,24 @@ pub enum BackendError {
     NotBuilt,
 }
 
+/// What a backend is opened with besides its kind.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BackendOptions {
+    /// Bytes of device memory for routed experts kept across layers and tokens (`--gpu-cache-gb`;
+    /// 0: none). Only a device backend has one.
+    pub device_cache_bytes: u64,
+}
+
 /// The backend for `kind`.
-pub fn open(kind: BackendKind) -> Result<Arc<dyn Backend>, BackendError> {
+pub fn open(kind: BackendKind, opts: BackendOptions) -> Result<Arc<dyn Backend>, BackendError> {
+    #[cfg(feature = "gpu")]
+    let gpu = |allow_cpu| gpu::GpuBackend::new(allow_cpu).map(|g| g.with_device_cache(opts.device_cache_bytes));
     match kind {
         BackendKind::Cpu => Ok(Arc::new(CpuBackend)),
         #[cfg(feature = "gpu")]
-        BackendKind::Gpu => Ok(Arc::new(gpu::GpuBackend::new(true)?)),
+        BackendKind::Gpu => Ok(Arc::new(gpu(true)?)),
         #[cfg(feature = "gpu")]
-        BackendKind::Auto => match gpu::GpuBackend::new(false) {
+        BackendKind::Auto => match gpu(false) {
             Ok(g) => Ok(Arc::new(g)),
             Err(e) => {
                 tracing::info!("--backend auto: {e}; using the CPU");
@@ -65,7 +75,10 @@ pub fn open(kind: BackendKind) -> Result<Arc<dyn Backend>, BackendError> {
         #[cfg(not(feature = "gpu"))]
         BackendKind::Gpu => Err(BackendError::NotBuilt),
         #[cfg(not(feature = "gpu"))]
-        BackendKind::Auto => Ok(Arc::new(CpuBackend)),
+        BackendKind::Auto => {
+            let _ = opts;
+            Ok(Arc::new(CpuBackend))
+        }
     }
 }
 
@@ -82,11 +95,33 @@ pub trait Backend: Send + Sync {
     /// The same for an expert matrix; `xds` holds deinterleaved inputs (`cpu::deinterleave_mxfp4_input`).
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]);
 
-    /// A batch for one layer's routed experts: each is queued with its rows and may run at once
-    /// or with others (one submission for many on the GPU). The default runs each expert as it is
-    /// queued, exactly `k3::moe::run_expert` (so the CPU path keeps its order and overlap).
-    fn expert_batch<'a>(&'a self, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
+    /// A batch for MoE layer `layer`'s routed experts: each is queued with its rows and may run at
+    /// once or with others (one submission for many on the GPU). The default runs each expert as
+    /// it is queued, exactly `k3::moe::run_expert` (so the CPU path keeps its order and overlap).
+    fn expert_batch<'a>(&'a self, _layer: usize, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
         Box::new(EachExpert { be: self, layout, situ, outs: Vec::new() })
+    }
+
+    /// Called once with the routed experts' layout and count (every layer's) before the first
+    /// forward, so that the startup line can state the device memory the batch path will use.
+    fn plan_experts(&self, _layout: &ExpertLayout, _experts: usize) {}
+
+    /// Which of `experts` of MoE layer `layer` this backend keeps in its own memory (a device
+    /// expert cache), so that they need not be fetched (the lookahead skips them). The default:
+    /// none.
+    fn holds_experts(&self, _layer: usize, experts: &[u32]) -> Vec<bool> {
+        vec![false; experts.len()]
+    }
+
+    /// Bytes of device memory the backend uses for routed experts (its cache and staging), for
+    /// the memory plan's line; 0 for the CPU.
+    fn device_expert_bytes(&self) -> u64 {
+        0
+    }
+
+    /// Experts the backend's device cache has room for now (slots allocated); 0 for the CPU.
+    fn device_expert_slots(&self) -> usize {
+        0
     }
 
     /// RMSNorm of every row of `x` (rows of `w.len()`), in place.
@@ -144,9 +179,21 @@ pub trait Backend: Send + Sync {
 
 /// Routed experts queued for one layer ([`Backend::expert_batch`]).
 pub trait ExpertBatch {
-    /// Queues one expert (its shipped bytes in the layer's `ExpertLayout`) on deinterleaved latent
-    /// rows `zd` [m, latent]. `bytes` is not used after this returns.
-    fn add(&mut self, bytes: &[u8], zd: &[f32]);
+    /// Claims those of `experts` that the backend holds for this layer (see
+    /// [`Backend::holds_experts`]): they stay held until [`ExpertBatch::finish`], and only those
+    /// may be queued with [`ExpertBatch::add_held`]. The default holds none.
+    fn claim_held(&mut self, experts: &[u32]) -> Vec<bool> {
+        vec![false; experts.len()]
+    }
+
+    /// Queues expert `expert` (its shipped bytes in the layer's `ExpertLayout`) on deinterleaved
+    /// latent rows `zd` [m, latent]. `bytes` is not used after this returns.
+    fn add(&mut self, expert: u32, bytes: &[u8], zd: &[f32]);
+
+    /// Queues an expert that [`ExpertBatch::claim_held`] claimed, from the backend's own copy.
+    fn add_held(&mut self, expert: u32, _zd: &[f32]) {
+        unreachable!("expert {expert} was queued as held, but this batch holds no experts")
+    }
 
     /// The outputs [m, latent] of every queued expert, in the order they were queued.
     fn finish(self: Box<Self>) -> Vec<Vec<f32>>;
@@ -161,7 +208,7 @@ pub struct EachExpert<'a, B: Backend + ?Sized> {
 }
 
 impl<B: Backend + ?Sized> ExpertBatch for EachExpert<'_, B> {
-    fn add(&mut self, bytes: &[u8], zd: &[f32]) {
+    fn add(&mut self, _expert: u32, bytes: &[u8], zd: &[f32]) {
         self.outs.push(crate::k3::moe::run_expert(self.be, self.layout, bytes, self.situ, zd));
     }
 

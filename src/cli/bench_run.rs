@@ -374,9 +374,12 @@ fn one_run(
         )?;
         crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
     }
-    // Our cache against the optimal one of the same size on the same fetch trace (cold start).
+    // Our cache against the optimal one of the same size on the same fetch trace (cold start);
+    // with a device expert cache in front, the optimum has the slots of both.
     let report = engine.source_report();
-    let cache_opt = report.cache_slots.map(|slots| crate::store::cache::belady_misses(&stats.fetch_trace, slots));
+    let device_slots = engine.model.be.device_expert_slots();
+    let cache_opt =
+        report.cache_slots.map(|slots| crate::store::cache::belady_misses(&stats.fetch_trace, slots + device_slots));
     let cache_vs_opt = match (report.cache_misses, cache_opt) {
         (Some(ours), Some(opt)) if opt > 0 => Some(ours as f64 / opt as f64),
         _ => None,
@@ -442,6 +445,8 @@ fn one_run(
             "decode_sustained_gbps": if decode_s > 0.0 && steps > 0 { Some(decode_read as f64 / decode_s / 1e9) } else { None },
             "decode_bound_ratio": decode_bound.map(|b| (decode_s / steps as f64) / b),
             "cache_slots": report.cache_slots,
+            "gpu_cache_slots": device_slots,
+            "device_expert_bytes": engine.model.be.device_expert_bytes(),
             "expert_heat_runs_before": engine.store().and_then(|s| s.heat_runs()),
             "cache_misses": report.cache_misses,
             "cache_misses_opt": cache_opt,

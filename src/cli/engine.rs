@@ -43,6 +43,11 @@ pub struct EngineArgs {
     /// Backend: cpu, gpu (any Vulkan/Metal adapter, lavapipe included), or auto (a real GPU if present).
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
+    /// Device memory in GB for routed experts kept on the GPU across layers and tokens, in front
+    /// of the RAM expert cache (0: none). Experts it holds are neither read nor uploaded again.
+    /// Worth it on a discrete GPU; on unified memory (Apple) it would hold a second copy.
+    #[arg(long, value_parser = super::parse_gb, value_name = "GB")]
+    pub gpu_cache_gb: Option<f64>,
     /// Route heat kept across runs, which seeds the expert cache with the experts this model is
     /// routed to most: `auto` (beside the placement manifest, else under deltafin's cache directory, ~/.cache/deltafin/heat by default),
     /// `off`, or a file. Changes only what is cached, never the output.
@@ -83,6 +88,7 @@ impl EngineArgs {
             kda,
             draft_model: self.draft_model.clone(),
             backend: self.backend,
+            gpu_cache_gb: self.gpu_cache_gb,
             expert_heat: self.expert_heat.clone(),
         }
     }

@@ -104,6 +104,8 @@ pub struct EngineConfig {
     pub draft_model: Option<PathBuf>,
     /// Which backend runs the forward pass.
     pub backend: BackendKind,
+    /// Device memory in GB for the GPU backend's expert cache (`--gpu-cache-gb`; None or 0: none).
+    pub gpu_cache_gb: Option<f64>,
     /// Route heat kept across runs, seeding the expert cache.
     pub expert_heat: ExpertHeat,
 }
@@ -126,6 +128,7 @@ impl Default for EngineConfig {
             kda: KdaMode::Recurrent,
             draft_model: None,
             backend: BackendKind::Cpu,
+            gpu_cache_gb: None,
             expert_heat: ExpertHeat::Off,
         }
     }
@@ -276,6 +279,16 @@ impl Engine {
         {
             return Err(EngineError::Config(format!("--expert-cache-gb {g}: give a number of GB >= 0")));
         }
+        if let Some(g) = config.gpu_cache_gb {
+            if !(g.is_finite() && g >= 0.0) {
+                return Err(EngineError::Config(format!("--gpu-cache-gb {g}: give a number of GB >= 0")));
+            }
+            if g > 0.0 && config.backend == BackendKind::Cpu {
+                return Err(EngineError::Config(format!(
+                    "--gpu-cache-gb {g} keeps experts in GPU memory: it needs --backend gpu or auto"
+                )));
+            }
+        }
         if config.experts_from == ExpertsFrom::Mmap && (config.placement.is_some() || config.use_drives.is_some()) {
             return Err(EngineError::Config(
                 "--placement and --use-drives choose drives of the expert store; they cannot be used with --experts-from mmap".into(),
@@ -290,8 +303,13 @@ impl Engine {
         let cfg = K3Config::load(&dir)?;
         let ck = Arc::new(Checkpoint::open(&dir)?);
         let roster = Roster::build(&cfg, &ck)?;
-        let backend: Arc<dyn Backend> = crate::backend::open(config.backend)?;
+        let device_cache_bytes = config.gpu_cache_gb.map_or(0, |g| (g * 1e9) as u64);
+        let backend: Arc<dyn Backend> =
+            crate::backend::open(config.backend, crate::backend::BackendOptions { device_cache_bytes })?;
         let model = K3::load(cfg.clone(), &ck, Arc::clone(&backend))?;
+        if let Some(l) = &roster.expert_layout {
+            backend.plan_experts(l, cfg.moe_layers() * cfg.experts);
+        }
         let trunk = model.w.resident_bytes() as u64;
         let draft = match &config.draft_model {
             Some(d) => Some(Arc::new(DSparkModel::open(d, &cfg, &model.w, backend).map_err(EngineError::Draft)?)),

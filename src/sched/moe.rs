@@ -55,7 +55,6 @@ pub fn layer(
     // Expert outputs land in slots [row][k] so the sum can follow router order.
     let mut slots = vec![0f32; n * k * lat];
     let layout = src.layout().clone();
-    let mut prefetch_pending = predicted_next.as_ref();
     // (row, router slot) pairs of each expert of the union, built once for the layer.
     let mut targets_of: Vec<Vec<(usize, usize)>> = vec![Vec::new(); union.len()];
     for (i, e) in routes.experts.iter().enumerate() {
@@ -71,25 +70,47 @@ pub fn layer(
     let mut expert_rows = 0usize;
     // The backend may run each expert as it is queued (CPU) or several in one submission (GPU);
     // outputs come back in queue order, recorded here as union indices.
-    let mut batch = be.expert_batch(&layout, situ);
+    let mut batch = be.expert_batch(layer, &layout, situ);
     let mut queued: Vec<usize> = Vec::with_capacity(union.len());
+    let rows_in = |u: usize| -> Vec<f32> {
+        let mut v = Vec::with_capacity(targets_of[u].len() * lat);
+        for &(r, _) in &targets_of[u] {
+            v.extend_from_slice(&zd[r * lat..(r + 1) * lat]);
+        }
+        v
+    };
+    // Experts the backend keeps in device memory run from there and are not fetched.
+    let held = batch.claim_held(&union);
+    let t = Instant::now();
+    for (u, _) in held.iter().enumerate().filter(|(_, h)| **h) {
+        batch.add_held(union[u], &rows_in(u));
+        queued.push(u);
+        expert_rows += targets_of[u].len();
+    }
+    kernel_s += t.elapsed().as_secs_f64();
+    let held_n = queued.len();
+    let wanted: Vec<u32> = union.iter().zip(&held).filter(|(_, h)| !**h).map(|(&e, _)| e).collect();
+    let mut prefetch_pending = predicted_next.as_ref().map(|(nl, pred)| {
+        let far = be.holds_experts(*nl, pred);
+        (*nl, pred.iter().zip(far).filter(|(_, h)| !*h).map(|(&e, _)| e).collect::<Vec<u32>>())
+    });
+    if wanted.is_empty()
+        && let Some((nl, pred)) = prefetch_pending.take()
+    {
+        src.prefetch(nl, &pred);
+    }
     let t_fetch = Instant::now();
-    src.fetch(layer, &union, &mut |e: u32, bytes: Landed<'_>| {
+    src.fetch(layer, &wanted, &mut |e: u32, bytes: Landed<'_>| {
         // Every demanded read of this layer is queued by now; predictions fill idle capacity.
         if let Some((nl, pred)) = prefetch_pending.take() {
-            src.prefetch(*nl, pred);
+            src.prefetch(nl, &pred);
         }
         let t = Instant::now();
         let Ok(u) = union.binary_search(&e) else { return Ok(Flow::Continue) };
-        let targets = &targets_of[u];
-        let mut rows_in = Vec::with_capacity(targets.len() * lat);
-        for &(r, _) in targets {
-            rows_in.extend_from_slice(&zd[r * lat..(r + 1) * lat]);
-        }
-        batch.add(bytes.bytes(), &rows_in);
+        batch.add(e, bytes.bytes(), &rows_in(u));
         drop(bytes);
         queued.push(u);
-        expert_rows += targets.len();
+        expert_rows += targets_of[u].len();
         kernel_s += t.elapsed().as_secs_f64();
         Ok(Flow::Continue)
     })?;
@@ -102,9 +123,10 @@ pub fn layer(
     kernel_s += t.elapsed().as_secs_f64();
     let fetch_s = t_fetch.elapsed().as_secs_f64();
     stats.layer_passes += 1;
+    stats.device_expert_hits += held_n as u64;
     stats.experts_fetched += union.len() as u64;
     stats.expert_rows += expert_rows as u64;
-    stats.expert_bytes_requested += (union.len() * layout.len) as u64;
+    stats.expert_bytes_requested += ((union.len() - held_n) * layout.len) as u64;
     stats.expert_bytes = layout.len as u64;
     stats.distinct_experts.extend(union.iter().map(|&e| (layer as u32, e)));
     stats.fetch_trace.push((layer as u32, union.clone()));

@@ -1,26 +1,28 @@
-//! The batched routed-expert path: a layer's experts are queued as they land and run in groups,
-//! each group in two submissions with one readback each (w1 and w3 of every expert; then, after
-//! SiTU, w2 of every expert), instead of a submission and readback per product.
+//! The batched routed-expert path: a layer's experts are queued as they land and run in groups of
+//! one submission each — w1 and w3 of every expert, SiTU written in the MXFP4 input order, then w2
+//! — with one readback. A submitted group runs while the next group's experts are still read and
+//! uploaded; a group is read back only when the one after it is submitted (or at `finish`).
 //!
 //! Contract: every product is the same kernel on the same bytes and inputs as
-//! `GpuBackend::matmul_mxfp4`, so the outputs equal the per-expert path bit for bit; outputs come
-//! back in the order the experts were queued. An expert's bytes are copied into a pooled staging
-//! buffer before `add` returns (the store may reuse its buffer at once): its six records at
-//! 16-byte-aligned offsets, each matrix addressed by word offsets in that one buffer; the copy is
-//! submitted at once, so host staging memory stays about one expert. Device memory: one group's
-//! staging buffers (16 images, 281 MB for K3), pooled across layers.
+//! `GpuBackend::matmul_mxfp4`, and SiTU is the `ops` kernel, so the outputs equal the per-expert
+//! path on the GPU bit for bit (the CPU's bits where fma is fused); outputs come back in the order
+//! the experts were queued. An expert's bytes are copied before `add` returns (the store may
+//! reuse its buffer at once): its six records at 16-byte-aligned offsets of one image, in a slot
+//! of the device expert cache when it is admitted there (`expert_cache.rs`), else in a pooled
+//! staging buffer; the copy is submitted at once, so host staging memory stays about one expert.
+//! Device memory besides the cache: at most two groups' staging images ([`staging_bytes`]).
 
 use super::GpuBackend;
-use super::device::{Chunk, Gpu, Kind, OUTPUT, Resident, STAGED, f32_bytes};
-use crate::backend::{Backend, ExpertBatch};
-use crate::cpu::deinterleave_mxfp4_input;
+use super::device::{Chunk, Gpu, Kind, OUTPUT, READBACK, Resident, STAGED, f32_bytes};
+use crate::backend::ExpertBatch;
 use crate::cpu::ops::Situ;
 use crate::model::roster::ExpertLayout;
+use std::collections::VecDeque;
 
-/// Experts per group (one pair of submissions): a decode step's 16 routed experts in one group.
+/// Experts per group (one submission): a decode step's 16 routed experts in one group.
 const GROUP: usize = 16;
 
-/// Where each of the six records goes in a staging slot, and the slot's size.
+/// Where each of the six records goes in an expert's image, and the image's size.
 pub(super) fn slot_layout(l: &ExpertLayout) -> ([usize; 6], usize) {
     let mut offs = [0usize; 6];
     let mut at = 0;
@@ -31,89 +33,101 @@ pub(super) fn slot_layout(l: &ExpertLayout) -> ([usize; 6], usize) {
     (offs, at)
 }
 
+/// Device memory of the staging images the batch path may hold at once (the group being filled
+/// and the one running).
+pub(super) fn staging_bytes(l: &ExpertLayout) -> u64 {
+    2 * GROUP as u64 * slot_layout(l).1 as u64
+}
+
+/// Where a queued expert's image is.
+enum Image {
+    Staged(wgpu::Buffer),
+    /// A pinned slot of the device expert cache.
+    Cached(usize, wgpu::Buffer),
+}
+
+impl Image {
+    fn buf(&self) -> &wgpu::Buffer {
+        match self {
+            Image::Staged(b) | Image::Cached(_, b) => b,
+        }
+    }
+}
+
 struct Queued {
-    slot: wgpu::Buffer,
+    image: Image,
     zd: Vec<f32>,
     index: usize,
 }
 
+/// A submitted group: its readback (mapped when done), where each output goes, and the buffers
+/// to give back once it is done.
+struct InFlight {
+    submission: wgpu::SubmissionIndex,
+    read: wgpu::Buffer,
+    /// (output index, floats) in readback order.
+    parts: Vec<(usize, usize)>,
+    images: Vec<Image>,
+    temps: Vec<(wgpu::BufferUsages, wgpu::Buffer)>,
+}
+
 pub(super) struct GpuExperts<'a> {
     be: &'a GpuBackend,
+    layer: usize,
     layout: &'a ExpertLayout,
     situ: Situ,
     offs: [usize; 6],
     slot_bytes: usize,
     group: Vec<Queued>,
+    flying: VecDeque<InFlight>,
     outs: Vec<Vec<f32>>,
 }
 
 impl<'a> GpuExperts<'a> {
-    pub(super) fn new(be: &'a GpuBackend, layout: &'a ExpertLayout, situ: Situ) -> Self {
+    pub(super) fn new(be: &'a GpuBackend, layer: usize, layout: &'a ExpertLayout, situ: Situ) -> Self {
         let (offs, slot_bytes) = slot_layout(layout);
-        GpuExperts { be, layout, situ, offs, slot_bytes, group: Vec::new(), outs: Vec::new() }
+        be.with_cache(|c| c.fit(slot_bytes as u64));
+        GpuExperts {
+            be,
+            layer,
+            layout,
+            situ,
+            offs,
+            slot_bytes,
+            group: Vec::new(),
+            flying: VecDeque::new(),
+            outs: Vec::new(),
+        }
     }
 
     fn gpu(&self) -> &Gpu {
         &self.be.gpu
     }
 
-    /// Matrix `i` (0: w1, 1: w3, 2: w2) of a staged expert.
-    fn mat(&self, slot: &wgpu::Buffer, i: usize) -> Resident {
+    /// Matrix `i` (0: w1, 1: w3, 2: w2) of an expert's image.
+    fn mat(&self, image: &wgpu::Buffer, i: usize) -> Resident {
         let l = self.layout;
         let (rows, cols) = if i == 2 { (l.latent, l.inter) } else { (l.inter, l.latent) };
         let chunk = Chunk {
             row0: 0,
             rows,
-            w: slot.clone(),
-            scales: slot.clone(),
+            w: image.clone(),
+            scales: image.clone(),
             w_off: (self.offs[2 * i] / 4) as u32,
             s_off: (self.offs[2 * i + 1] / 4) as u32,
         };
         Resident { rows, cols, stride: cols, bytes: (rows * cols / 2 + rows * cols / 32) as u64, chunks: vec![chunk] }
     }
 
-    /// One submission: `mats[e][j]` applied to expert e's input at `x_off[e]`, each product into
-    /// its own output buffer (no barrier between the dispatches); one readback of all of them.
-    fn run(&self, x: &wgpu::Buffer, jobs: &[(Resident, usize, usize)]) -> Vec<Vec<f32>> {
-        let g = self.gpu();
-        let outs: Vec<(wgpu::Buffer, usize)> =
-            jobs.iter().map(|(r, _, m)| (g.output(m * r.rows), m * r.rows)).collect();
-        let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("experts") });
-        {
-            let mut pass =
-                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("experts"), timestamp_writes: None });
-            for ((r, x_off, m), (o, _)) in jobs.iter().zip(&outs) {
-                g.encode_products(&mut pass, r, Kind::Mxfp4, x, *x_off, o, 0, *m, g.matvec_kernel);
-            }
-        }
-        let list: Vec<(&wgpu::Buffer, u64)> = outs.iter().map(|(b, n)| (b, (n * 4) as u64)).collect();
-        let all = g.finish_many(enc, &list);
-        let mut at = 0;
-        let split = outs
-            .iter()
-            .map(|(_, n)| {
-                let v = all[at..at + n].to_vec();
-                at += n;
-                v
-            })
-            .collect();
-        for (b, _) in outs {
-            g.give(OUTPUT, b);
-        }
-        split
-    }
-
-    /// Runs the queued group: w1 and w3 of every expert, SiTU on the CPU side of the backend,
-    /// then w2 of every expert.
+    /// Submits the queued group as one chain: w1 and w3 of every expert (each into its own
+    /// buffer, no barrier between them), SiTU into w2's input order, w2, one readback.
     fn flush(&mut self) {
         let group = std::mem::take(&mut self.group);
         if group.is_empty() {
             return;
         }
         let (inter, lat) = (self.layout.inter, self.layout.latent);
-        let be = self.be;
-        let g = &be.gpu;
-        let rows: Vec<usize> = group.iter().map(|q| q.zd.len() / lat).collect();
+        let g = self.gpu();
         let mut xs = Vec::new();
         let mut x_off = Vec::new();
         for q in &group {
@@ -121,57 +135,175 @@ impl<'a> GpuExperts<'a> {
             xs.extend_from_slice(&q.zd);
         }
         let x = g.staged(&f32_bytes(&xs));
-        let mut jobs = Vec::new();
-        for ((q, &off), &m) in group.iter().zip(&x_off).zip(&rows) {
-            jobs.push((self.mat(&q.slot, 0), off, m));
-            jobs.push((self.mat(&q.slot, 1), off, m));
-        }
-        let gu = self.run(&x, &jobs);
-        g.give(STAGED, x);
-        let mut ads = Vec::new();
-        let mut a_off = Vec::new();
-        for (e, &m) in rows.iter().enumerate() {
-            let mut a = vec![0f32; m * inter];
-            self.be.situ(self.situ, &gu[2 * e], &gu[2 * e + 1], &mut a);
-            a_off.push(ads.len());
-            let start = ads.len();
-            ads.resize(start + m * inter, 0.0);
-            for (src, dst) in a.chunks_exact(inter).zip(ads[start..].chunks_exact_mut(inter)) {
-                deinterleave_mxfp4_input(src, dst);
+        let rows: Vec<usize> = group.iter().map(|q| q.zd.len() / lat).collect();
+        let bufs: Vec<[wgpu::Buffer; 4]> = rows
+            .iter()
+            .map(|&m| [g.output(m * inter), g.output(m * inter), g.output(m * inter), g.output(m * lat)])
+            .collect();
+        let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("experts") });
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("experts"), timestamp_writes: None });
+            for ((q, &off), (&m, [gate, up, _, _])) in group.iter().zip(&x_off).zip(rows.iter().zip(&bufs)) {
+                g.encode_products(
+                    &mut pass,
+                    &self.mat(q.image.buf(), 0),
+                    Kind::Mxfp4,
+                    &x,
+                    off,
+                    gate,
+                    0,
+                    m,
+                    g.matvec_kernel,
+                );
+                g.encode_products(
+                    &mut pass,
+                    &self.mat(q.image.buf(), 1),
+                    Kind::Mxfp4,
+                    &x,
+                    off,
+                    up,
+                    0,
+                    m,
+                    g.matvec_kernel,
+                );
+            }
+            for (&m, [gate, up, act, _]) in rows.iter().zip(&bufs) {
+                let (beta, lb) = (self.situ.beta, self.situ.linear_beta);
+                self.be.ops.encode_situ_deinterleave(g, &mut pass, gate, up, act, m * inter, beta, lb);
+            }
+            for ((q, &m), [_, _, act, y]) in group.iter().zip(&rows).zip(&bufs) {
+                g.encode_products(
+                    &mut pass,
+                    &self.mat(q.image.buf(), 2),
+                    Kind::Mxfp4,
+                    act,
+                    0,
+                    y,
+                    0,
+                    m,
+                    g.matvec_kernel,
+                );
             }
         }
-        let x2 = g.staged(&f32_bytes(&ads));
-        let jobs: Vec<(Resident, usize, usize)> =
-            group.iter().zip(&a_off).zip(&rows).map(|((q, &off), &m)| (self.mat(&q.slot, 2), off, m)).collect();
-        let ys = self.run(&x2, &jobs);
-        g.give(STAGED, x2);
-        for (q, y) in group.into_iter().zip(ys) {
-            self.outs[q.index] = y;
-            g.give(STAGED, q.slot);
+        let total: usize = rows.iter().map(|m| m * lat).sum();
+        let read = g.take(READBACK, (total.max(1) * 4) as u64);
+        let mut at = 0u64;
+        for (&m, [_, _, _, y]) in rows.iter().zip(&bufs) {
+            let n = (m * lat * 4) as u64;
+            if n > 0 {
+                enc.copy_buffer_to_buffer(y, 0, &read, at, n);
+            }
+            at += n;
+        }
+        let submission = g.queue.submit([enc.finish()]);
+        read.map_async(wgpu::MapMode::Read, .., |r| {
+            if let Err(e) = r {
+                tracing::error!("GPU readback of experts failed: {e}");
+            }
+        });
+        let parts = group.iter().zip(&rows).map(|(q, &m)| (q.index, m * lat)).collect();
+        let mut temps: Vec<(wgpu::BufferUsages, wgpu::Buffer)> = vec![(STAGED, x)];
+        temps.extend(bufs.into_iter().flatten().map(|b| (OUTPUT, b)));
+        let images = group.into_iter().map(|q| q.image).collect();
+        self.flying.push_back(InFlight { submission, read, parts, images, temps });
+        // Keep one group running while the next is filled; older ones are read back now.
+        while self.flying.len() > 1 {
+            self.land_oldest();
+        }
+    }
+
+    /// Waits for the oldest submitted group, takes its outputs and gives its buffers back.
+    fn land_oldest(&mut self) {
+        let Some(f) = self.flying.pop_front() else { return };
+        let g = &self.be.gpu;
+        let wait = wgpu::PollType::Wait { submission_index: Some(f.submission), timeout: None };
+        if let Err(e) = g.device.poll(wait) {
+            tracing::error!("GPU wait failed: {e}");
+        }
+        match f.read.get_mapped_range(..) {
+            Ok(view) => {
+                let mut at = 0;
+                for &(index, n) in &f.parts {
+                    self.outs[index] = view[at * 4..(at + n) * 4]
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect();
+                    at += n;
+                }
+            }
+            Err(e) => {
+                tracing::error!("GPU readback of experts failed: {e}");
+                for &(index, n) in &f.parts {
+                    self.outs[index] = vec![f32::NAN; n];
+                }
+            }
+        }
+        f.read.unmap();
+        g.give(READBACK, f.read);
+        for (usage, b) in f.temps {
+            g.give(usage, b);
+        }
+        for image in f.images {
+            match image {
+                Image::Staged(b) => g.give(STAGED, b),
+                Image::Cached(slot, _) => self.be.with_cache(|c| c.unpin(slot)),
+            }
+        }
+    }
+
+    fn queue(&mut self, image: Image, zd: &[f32]) {
+        let index = self.outs.len();
+        self.outs.push(Vec::new());
+        self.group.push(Queued { image, zd: zd.to_vec(), index });
+        if self.group.len() >= GROUP {
+            self.flush();
         }
     }
 }
 
 impl ExpertBatch for GpuExperts<'_> {
-    fn add(&mut self, bytes: &[u8], zd: &[f32]) {
-        let index = self.outs.len();
-        self.outs.push(Vec::new());
+    fn claim_held(&mut self, experts: &[u32]) -> Vec<bool> {
+        // Pinned from now until their group lands, so nothing this layer admits can evict them.
+        let layer = self.layer;
+        self.be.with_cache(|c| experts.iter().map(|&e| c.claim(layer, e).is_some()).collect())
+    }
+
+    fn add_held(&mut self, expert: u32, zd: &[f32]) {
+        let layer = self.layer;
+        let Some((slot, buf)) = self.be.with_cache(|c| c.slot_of(layer, expert)) else {
+            unreachable!("expert {expert} of layer {layer} was claimed as held but is not in the device cache")
+        };
         if zd.is_empty() {
+            self.be.with_cache(|c| c.unpin(slot));
+            self.outs.push(Vec::new());
             return;
         }
-        let g = self.gpu();
-        let slot = g.take(STAGED, self.slot_bytes as u64);
+        self.queue(Image::Cached(slot, buf), zd);
+    }
+
+    fn add(&mut self, expert: u32, bytes: &[u8], zd: &[f32]) {
+        let g = &self.be.gpu;
+        let cached = self.be.with_cache(|c| if c.enabled() { c.admit(&g.device, self.layer, expert) } else { None });
+        if zd.is_empty() && cached.is_none() {
+            self.outs.push(Vec::new());
+            return;
+        }
+        let image = match cached {
+            Some((slot, buf)) => Image::Cached(slot, buf),
+            None => Image::Staged(g.take(STAGED, self.slot_bytes as u64)),
+        };
         for (&(o, len), &at) in self.layout.parts.iter().zip(&self.offs) {
             let part = &bytes[o..o + len];
             // Queue writes must be whole words: the last partial word goes padded.
             let whole = len / 4 * 4;
             if whole > 0 {
-                g.queue.write_buffer(&slot, at as u64, &part[..whole]);
+                g.queue.write_buffer(image.buf(), at as u64, &part[..whole]);
             }
             if whole < len {
                 let mut tail = [0u8; 4];
                 tail[..len - whole].copy_from_slice(&part[whole..]);
-                g.queue.write_buffer(&slot, (at + whole) as u64, &tail);
+                g.queue.write_buffer(image.buf(), (at + whole) as u64, &tail);
             }
         }
         // Hand the writes to the GPU now: queued writes sit in host staging memory until a submit,
@@ -180,14 +312,37 @@ impl ExpertBatch for GpuExperts<'_> {
         if let Err(e) = g.device.poll(wgpu::PollType::Poll) {
             tracing::error!("GPU poll failed: {e}");
         }
-        self.group.push(Queued { slot, zd: zd.to_vec(), index });
-        if self.group.len() >= GROUP {
-            self.flush();
+        if zd.is_empty() {
+            // Admitted for later tokens, but no row of this batch needs it.
+            if let Image::Cached(slot, _) = image {
+                self.be.with_cache(|c| c.unpin(slot));
+            }
+            self.outs.push(Vec::new());
+            return;
         }
+        self.queue(image, zd);
     }
 
     fn finish(mut self: Box<Self>) -> Vec<Vec<f32>> {
         self.flush();
+        while !self.flying.is_empty() {
+            self.land_oldest();
+        }
         std::mem::take(&mut self.outs)
+    }
+}
+
+impl Drop for GpuExperts<'_> {
+    /// A batch dropped without `finish` (a failed fetch) still releases what it pinned.
+    fn drop(&mut self) {
+        while !self.flying.is_empty() {
+            self.land_oldest();
+        }
+        for q in std::mem::take(&mut self.group) {
+            match q.image {
+                Image::Staged(b) => self.be.gpu.give(STAGED, b),
+                Image::Cached(slot, _) => self.be.with_cache(|c| c.unpin(slot)),
+            }
+        }
     }
 }

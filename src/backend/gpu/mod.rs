@@ -18,6 +18,7 @@
 
 mod bench;
 mod device;
+mod expert_cache;
 mod experts;
 mod ops;
 
@@ -65,6 +66,9 @@ pub struct GpuBackend {
     gpu: Gpu,
     ops: Ops,
     resident: Mutex<HashMap<(usize, usize, usize), Entry>>,
+    cache: Mutex<expert_cache::DeviceCache>,
+    /// Device memory of the batch path's staging images (set by the first batch).
+    staging: AtomicUsize,
     cpu: CpuBackend,
     fused: bool,
     ops_min: usize,
@@ -77,7 +81,34 @@ impl GpuBackend {
         let gpu = Gpu::new(allow_cpu)?;
         let fused = gpu.fma_is_fused()?;
         let ops = Ops::new(&gpu);
-        Ok(GpuBackend { gpu, ops, resident: Mutex::new(HashMap::new()), cpu: CpuBackend, fused, ops_min: ops_min() })
+        Ok(GpuBackend {
+            gpu,
+            ops,
+            resident: Mutex::new(HashMap::new()),
+            cache: Mutex::new(expert_cache::DeviceCache::new(0)),
+            staging: AtomicUsize::new(0),
+            cpu: CpuBackend,
+            fused,
+            ops_min: ops_min(),
+        })
+    }
+
+    /// The same backend with a device expert cache of `bytes` (`--gpu-cache-gb`; 0: none).
+    pub fn with_device_cache(self, bytes: u64) -> Self {
+        self.with_cache(|c| *c = expert_cache::DeviceCache::new(bytes));
+        self
+    }
+
+    fn with_cache<T>(&self, f: impl FnOnce(&mut expert_cache::DeviceCache) -> T) -> T {
+        match self.cache.lock() {
+            Ok(mut c) => f(&mut c),
+            Err(p) => f(&mut p.into_inner()),
+        }
+    }
+
+    /// (slots allocated, slots the budget allows) of the device expert cache.
+    pub fn device_cache_slots(&self) -> (usize, usize) {
+        self.with_cache(|c| c.slots())
     }
 
     /// Elements of work from which the non-product operations run on the GPU.
@@ -160,13 +191,20 @@ pub enum BenchKind {
 impl Backend for GpuBackend {
     fn describe(&self) -> String {
         let a = &self.gpu.summary;
+        let hb = crate::util::human_bytes;
+        let (trunk, staging) = (self.resident_bytes(), self.staging.load(Ordering::Relaxed) as u64);
+        let (cache, slots) = self.with_cache(|c| (c.planned_bytes(), c.slots().1));
+        let cache_part =
+            if cache > 0 { format!(" + expert cache {} ({slots} experts)", hb(cache)) } else { String::new() };
+        let staging_part = if staging > 0 { format!(" + expert staging {}", hb(staging)) } else { String::new() };
         format!(
-            "gpu {} ({:?}, {}, fma {}, {} of trunk resident) + {}",
+            "gpu {} ({:?}, {}, fma {}, device memory: trunk {}{cache_part}{staging_part} = {}) + {}",
             a.name,
             a.device_type,
             a.backend,
             if self.fused { "fused" } else { "not fused" },
-            crate::util::human_bytes(self.resident_bytes()),
+            hb(trunk),
+            hb(trunk + cache + staging),
             self.cpu.describe()
         )
     }
@@ -206,12 +244,34 @@ impl Backend for GpuBackend {
         self.gpu.release(r);
     }
 
-    fn expert_batch<'a>(&'a self, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
+    fn expert_batch<'a>(&'a self, layer: usize, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
         // One expert image per staging buffer: one that exceeds a binding goes matrix by matrix.
         if (experts::slot_layout(layout).1 as u64) > self.gpu.summary.max_binding {
             return Box::new(EachExpert { be: self, layout, situ, outs: Vec::new() });
         }
-        Box::new(experts::GpuExperts::new(self, layout, situ))
+        self.with_cache(|c| c.fit(experts::slot_layout(layout).1 as u64));
+        Box::new(experts::GpuExperts::new(self, layer, layout, situ))
+    }
+
+    fn plan_experts(&self, layout: &ExpertLayout, experts: usize) {
+        let (_, image) = experts::slot_layout(layout);
+        self.staging.store(experts::staging_bytes(layout) as usize, Ordering::Relaxed);
+        self.with_cache(|c| {
+            c.fit(image as u64);
+            c.limit_slots(experts);
+        });
+    }
+
+    fn holds_experts(&self, layer: usize, experts: &[u32]) -> Vec<bool> {
+        self.with_cache(|c| experts.iter().map(|&e| c.holds(layer, e)).collect())
+    }
+
+    fn device_expert_slots(&self) -> usize {
+        self.with_cache(|c| c.slots().0)
+    }
+
+    fn device_expert_bytes(&self) -> u64 {
+        self.with_cache(|c| c.bytes()) + self.staging.load(Ordering::Relaxed) as u64
     }
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {

@@ -44,6 +44,9 @@ pub struct Ops {
     layout: wgpu::BindGroupLayout,
     rms: wgpu::ComputePipeline,
     situ: wgpu::ComputePipeline,
+    situ_deinterleave: wgpu::ComputePipeline,
+    /// A writable binding for entry points that have no second output.
+    spare: wgpu::Buffer,
     mix: wgpu::ComputePipeline,
     route: wgpu::ComputePipeline,
     argmax: wgpu::ComputePipeline,
@@ -73,6 +76,8 @@ impl Ops {
         Ops {
             rms: pipeline(&norm, "rms_norm_rows"),
             situ: pipeline(&norm, "situ"),
+            situ_deinterleave: pipeline(&norm, "situ_deinterleave"),
+            spare: gpu.output(4),
             mix: pipeline(&norm, "attn_res_mix"),
             route: pipeline(&route, "route_top_k"),
             argmax: pipeline(&route, "argmax"),
@@ -176,6 +181,49 @@ impl Ops {
         let (gx, gy) = grid(n.div_ceil(256));
         let [o, _] = self.run(gpu, &self.situ, [Src::F32(gate), Src::F32(up), Src::None], [n as isize, 0], p, (gx, gy));
         copy_f32(&o, out);
+    }
+
+    /// Encodes SiTU of `n` elements of device buffers `gate` and `up` into `out` in the MXFP4
+    /// input order (`situ_deinterleave`; `n` a multiple of 32), for a chain of dispatches in one
+    /// submission (the batched experts' w1/w3 -> SiTU -> w2).
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_situ_deinterleave(
+        &self,
+        gpu: &Gpu,
+        pass: &mut wgpu::ComputePass<'_>,
+        gate: &wgpu::Buffer,
+        up: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+        n: usize,
+        beta: f32,
+        linear_beta: f32,
+    ) {
+        use wgpu::util::DeviceExt;
+        let mut params = [0u32; 16];
+        params[..3].copy_from_slice(&[n as u32, beta.to_bits(), linear_beta.to_bits()]);
+        let pbytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let p = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("situ params"),
+            contents: &pbytes,
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+        // Bindings 2 (wq) and 4 (out2) are not read by this entry point; any buffers of their
+        // kinds do (`out` itself cannot be bound twice as writable; `spare` is never written).
+        let all: [&wgpu::Buffer; 6] = [gate, up, &gpu.empty, out, &self.spare, &p];
+        let entries: Vec<wgpu::BindGroupEntry> = all
+            .iter()
+            .enumerate()
+            .map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() })
+            .collect();
+        let bg = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &self.layout,
+            entries: &entries,
+        });
+        pass.set_pipeline(&self.situ_deinterleave);
+        pass.set_bind_group(0, &bg, &[]);
+        let (gx, gy) = grid(n.div_ceil(256));
+        pass.dispatch_workgroups(gx, gy, 1);
     }
 
     /// At most [`Limits::ATTN_RES_SOURCES`] sources.

@@ -1,0 +1,190 @@
+//! The device-memory expert cache (`--gpu-cache-gb`): routed experts kept in GPU memory across
+//! layers and tokens, in front of the store's RAM cache. An expert it holds is neither fetched
+//! from the store nor uploaded again.
+//!
+//! Contract: a slot holds one expert's staging image (`experts::slot_layout`) with exactly the
+//! shipped bytes, so running an expert from its slot gives the bits of running it from a fresh
+//! upload. Slots are allocated when first needed, up to the budget, or until the adapter reports
+//! that it is out of memory (the cache then stays at the slots it has, with a warning). A slot
+//! claimed or filled by a batch is pinned until that batch finishes, so a layer never overwrites
+//! an expert it still runs. Eviction takes the unpinned slot with the fewest uses (counted for
+//! every expert seen, halved every few thousand admissions so old heat fades), then the least
+//! recently used; a newcomer with fewer uses than that victim is not admitted (it runs from a
+//! staging buffer instead), so one pass over cold experts cannot flush the hot ones.
+
+use std::collections::HashMap;
+
+type Key = (u32, u32);
+
+struct Slot {
+    buf: wgpu::Buffer,
+    key: Option<Key>,
+    last: u64,
+    pins: u32,
+}
+
+#[derive(Default)]
+pub(super) struct DeviceCache {
+    budget: u64,
+    slot_bytes: u64,
+    slots: Vec<Slot>,
+    map: HashMap<Key, usize>,
+    uses: HashMap<Key, u32>,
+    tick: u64,
+    since_decay: usize,
+    /// False once the adapter refused a slot.
+    can_grow: bool,
+    /// Experts there are (no use for more slots than that).
+    max_slots: Option<usize>,
+}
+
+/// Admissions between halvings of every use count (in slots of the cache, at least this many).
+const DECAY_EVERY: usize = 4096;
+
+impl DeviceCache {
+    pub fn new(budget: u64) -> Self {
+        DeviceCache { budget, can_grow: true, ..Default::default() }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.budget > 0
+    }
+
+    /// Device memory held by allocated slots.
+    pub fn bytes(&self) -> u64 {
+        self.slots.len() as u64 * self.slot_bytes
+    }
+
+    /// Slots the budget allows for experts of `slot_bytes`, at most one per expert there is.
+    fn capacity(&self) -> usize {
+        let n = self.budget.checked_div(self.slot_bytes).unwrap_or(0) as usize;
+        self.max_slots.map_or(n, |m| n.min(m))
+    }
+
+    /// No more slots than `experts` (the model's routed experts).
+    pub fn limit_slots(&mut self, experts: usize) {
+        self.max_slots = Some(experts);
+    }
+
+    /// Device memory the cache will hold when full.
+    pub fn planned_bytes(&self) -> u64 {
+        self.capacity() as u64 * self.slot_bytes
+    }
+
+    /// Slots for images of `slot_bytes`: a different expert layout empties the cache.
+    pub fn fit(&mut self, slot_bytes: u64) {
+        if self.slot_bytes != slot_bytes {
+            self.slots.clear();
+            self.map.clear();
+            self.slot_bytes = slot_bytes;
+        }
+    }
+
+    pub fn holds(&self, layer: usize, expert: u32) -> bool {
+        self.map.contains_key(&(layer as u32, expert))
+    }
+
+    fn touch(&mut self, key: Key) -> u32 {
+        self.tick += 1;
+        let u = self.uses.entry(key).or_insert(0);
+        *u = u.saturating_add(1);
+        *u
+    }
+
+    /// The held expert's slot as it is (no pin, no use counted).
+    pub fn slot_of(&self, layer: usize, expert: u32) -> Option<(usize, wgpu::Buffer)> {
+        let &i = self.map.get(&(layer as u32, expert))?;
+        Some((i, self.slots[i].buf.clone()))
+    }
+
+    /// The held expert's slot, pinned, or None.
+    pub fn claim(&mut self, layer: usize, expert: u32) -> Option<(usize, wgpu::Buffer)> {
+        let key = (layer as u32, expert);
+        let &i = self.map.get(&key)?;
+        self.touch(key);
+        let s = &mut self.slots[i];
+        s.last = self.tick;
+        s.pins += 1;
+        Some((i, s.buf.clone()))
+    }
+
+    /// A pinned slot for an expert about to be uploaded (a new one, or the victim's), or None
+    /// when it is not worth a place.
+    pub fn admit(&mut self, device: &wgpu::Device, layer: usize, expert: u32) -> Option<(usize, wgpu::Buffer)> {
+        let key = (layer as u32, expert);
+        if let Some(hit) = self.claim(layer, expert) {
+            return Some(hit);
+        }
+        let uses = self.touch(key);
+        self.since_decay += 1;
+        if self.since_decay >= DECAY_EVERY.max(self.capacity()) {
+            self.since_decay = 0;
+            self.uses.retain(|_, u| {
+                *u /= 2;
+                *u > 0
+            });
+        }
+        let i = if self.can_grow && self.slots.len() < self.capacity() {
+            match self.allocate(device) {
+                Some(buf) => {
+                    self.slots.push(Slot { buf, key: None, last: 0, pins: 0 });
+                    self.slots.len() - 1
+                }
+                None => self.victim(uses)?,
+            }
+        } else {
+            self.victim(uses)?
+        };
+        if let Some(old) = self.slots[i].key.take() {
+            self.map.remove(&old);
+        }
+        let s = &mut self.slots[i];
+        s.key = Some(key);
+        s.last = self.tick;
+        s.pins += 1;
+        self.map.insert(key, i);
+        Some((i, s.buf.clone()))
+    }
+
+    /// The unpinned slot with the fewest uses, then the oldest, if it has no more uses than
+    /// `newcomer`.
+    fn victim(&self, newcomer: u32) -> Option<usize> {
+        let uses_of = |s: &Slot| s.key.and_then(|k| self.uses.get(&k).copied()).unwrap_or(0);
+        let (i, s) =
+            self.slots.iter().enumerate().filter(|(_, s)| s.pins == 0).min_by_key(|(_, s)| (uses_of(s), s.last))?;
+        (uses_of(s) <= newcomer).then_some(i)
+    }
+
+    fn allocate(&mut self, device: &wgpu::Device) -> Option<wgpu::Buffer> {
+        let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buf = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("expert cache slot"),
+            size: self.slot_bytes,
+            usage: super::device::STAGED,
+            mapped_at_creation: false,
+        });
+        match pollster::block_on(scope.pop()) {
+            None => Some(buf),
+            Some(e) => {
+                self.can_grow = false;
+                tracing::warn!(
+                    "the GPU expert cache stops at {} slots ({}): the adapter is out of memory ({e})",
+                    self.slots.len(),
+                    crate::util::human_bytes(self.bytes())
+                );
+                None
+            }
+        }
+    }
+
+    pub fn unpin(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get_mut(slot) {
+            s.pins = s.pins.saturating_sub(1);
+        }
+    }
+
+    /// (slots allocated, slots the budget allows) for the startup line.
+    pub fn slots(&self) -> (usize, usize) {
+        (self.slots.len(), self.capacity())
+    }
+}
