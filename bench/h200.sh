@@ -7,8 +7,9 @@
 #     and the CPU kernels on the same machine;
 #   - the gpu tests (products and the other ops bit-identical to the CPU when the adapter's fma is
 #     fused, tail shapes, the batched expert path equal to the per-expert one; fixtures vs fp64);
-#   - bench run --backend gpu and --backend cpu on a synthetic model with real expert size, 3.7x
-#     the memory cgroup's limit, cold.
+#   - bench run --backend gpu (with and without a device expert cache that holds every expert)
+#     and --backend cpu on a synthetic model with real expert size, 3.7x the memory cgroup's
+#     limit, cold.
 set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
@@ -22,11 +23,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 nproc >> "$out/gpu.txt"
 $B bench kernels --backend gpu --reps 20 2>&1 | grep -v XDG_RUNTIME | tee "$out/kernels.jsonl"
 $B bench kernels --rows 512 2>&1 | tee -a "$out/kernels.jsonl"
-.dev/gpu-test --test-threads 1 --nocapture gpu_products batched gpu_ops fixtures_on 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
+.dev/gpu-test --test-threads 1 --nocapture gpu_products batched gpu_ops fixtures_on device_expert_cache 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
 model=/tmp/k3x
 $B synth --preset k3-experts --layers 4 --experts 180 --out "$model" 2>&1 | tail -1
 echo +memory > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true
-for be in gpu cpu; do
-  bench/in_cgroup.sh 3G "$B" bench run --model "$model" --prompt-tokens 512 --decode 16 --backend "$be" \
+# The GPU alone, the GPU with every expert fitting its device cache (prefill admits them, decode
+# then runs from device memory), and the CPU's 16 cores.
+for be in "gpu" "gpu --gpu-cache-gb 12" "cpu"; do
+  # shellcheck disable=SC2086
+  bench/in_cgroup.sh 3G "$B" bench run --model "$model" --prompt-tokens 512 --decode 16 --backend $be \
     --out "$out/run.jsonl" 2>&1 | grep -v XDG_RUNTIME | tail -3
 done

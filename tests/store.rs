@@ -466,3 +466,31 @@ fn prefetched_experts_are_used_and_cancelled_ones_are_not_read() {
     let r2 = store.report();
     assert!(r2.drives[0].reads - 4 < 1 + 16, "cancelled prefetches were not all read");
 }
+
+#[test]
+fn experts_read_ahead_for_a_large_batch_are_kept_until_their_layer_and_read_once() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let slot = deltafin::store::expert_store::slot_size(m.cfg.expert_bytes()) as u64;
+    // Eight cache slots and no guessing prefetch: read-ahead works without `--prefetch`.
+    let store = shard_store(&m, 8 * slot, 2, 0);
+    let next: Vec<u32> = (5..11).collect();
+    store
+        .fetch_then(1, &[0, 1, 2, 3], Some((2, &next)), &mut |_e: u32, _b: deltafin::store::Landed<'_>| {
+            Ok(deltafin::store::Flow::Continue)
+        })
+        .unwrap();
+    // Half the cache at most: 5, 6, 7, 8 (in the order given).
+    assert_eq!(store.report().prefetch_issued, 4);
+    // More of layer 1 before layer 2 comes: the experts read ahead are not what gets evicted.
+    fetch_each(&*store, 1, &[11, 12, 13, 14, 15], |_, _| {});
+    let before = store.report();
+    let mut seen = Vec::new();
+    fetch_each(&*store, 2, &[5, 6, 7, 8, 9], |e, _| seen.push(e));
+    seen.sort();
+    assert_eq!(seen, vec![5, 6, 7, 8, 9]);
+    let r = store.report();
+    assert_eq!(r.prefetch_used, 4, "every expert read ahead was used");
+    assert_eq!(r.drives[0].reads - before.drives[0].reads, 1, "only expert 9 read for layer 2");
+    assert_eq!(r.drives[0].reads, 4 + 4 + 5 + 1, "no expert read twice");
+}

@@ -164,7 +164,7 @@ fn run(
             }
             Ffn::Moe(w) => {
                 let src = source.ok_or(ForwardError::NoExpertSource)?;
-                let next = if opts.prefetch { model.next_moe(l) } else { None };
+                let next = if opts.prefetch || total >= moe::READ_AHEAD_ROWS { model.next_moe(l) } else { None };
                 let look = moe::Lookahead { predicted_here: predicted.as_deref(), next };
                 let (out, pred) = moe::layer(model, w, l, src, &x, stats, look)?;
                 predicted = pred;

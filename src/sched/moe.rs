@@ -12,6 +12,15 @@ use crate::stats::Stats;
 use crate::store::{ExpertSource, Flow, Landed, StoreError};
 use std::time::Instant;
 
+/// Rows from which a batch reads the next MoE layer's predicted experts ahead (whatever
+/// `--prefetch` says): with this many rows the next layer's router on this layer's input names
+/// nearly all of that layer's union, so the reads it starts while the batch computes attention are
+/// reads the batch needs anyway (prefill stays one read per expert), and the drives do not idle.
+pub const READ_AHEAD_ROWS: usize = 128;
+
+/// Experts the next layer's router names for at least this many rows are read ahead.
+const READ_AHEAD_MIN_ROWS: usize = 2;
+
 /// Lookahead prefetch around one MoE layer: the experts predicted for this layer earlier (to score
 /// and cancel), and the next MoE layer's router (to predict and prefetch its experts).
 #[derive(Default)]
@@ -47,7 +56,26 @@ pub fn layer(
         stats.record_prediction(layer, pred.len(), union.len(), hit);
         src.cancel_prefetch(layer, &union);
     }
-    let predicted_next = look.next.map(|(nl, nw)| (nl, moe::route(be, c, nw, xn).union()));
+    let next_routes = look.next.map(|(nl, nw)| (nl, moe::route(be, c, nw, xn)));
+    let predicted_next = next_routes.as_ref().map(|(nl, r)| (*nl, r.union()));
+    // A large batch reads ahead the next layer's experts its router names for several rows, the
+    // most-named first.
+    let read_ahead: Option<(usize, Vec<u32>)> = next_routes.filter(|_| n >= READ_AHEAD_ROWS).map(|(nl, r)| {
+        let mut count = vec![0usize; c.experts];
+        for &e in &r.experts {
+            count[e as usize] += 1;
+        }
+        let held = be.holds_experts(nl, &r.union());
+        let mut sure: Vec<u32> = r
+            .union()
+            .into_iter()
+            .zip(held)
+            .filter(|&(e, h)| !h && count[e as usize] >= READ_AHEAD_MIN_ROWS)
+            .map(|(e, _)| e)
+            .collect();
+        sure.sort_by_key(|&e| std::cmp::Reverse(count[e as usize]));
+        (nl, sure)
+    });
     let t_routed = Instant::now();
     stats.router_s += (t_routed - t_start).as_secs_f64();
 
@@ -90,7 +118,7 @@ pub fn layer(
     kernel_s += t.elapsed().as_secs_f64();
     let held_n = queued.len();
     let wanted: Vec<u32> = union.iter().zip(&held).filter(|(_, h)| !**h).map(|(&e, _)| e).collect();
-    let mut prefetch_pending = predicted_next.as_ref().map(|(nl, pred)| {
+    let mut prefetch_pending = predicted_next.as_ref().filter(|_| read_ahead.is_none()).map(|(nl, pred)| {
         let far = be.holds_experts(*nl, pred);
         (*nl, pred.iter().zip(far).filter(|(_, h)| !*h).map(|(&e, _)| e).collect::<Vec<u32>>())
     });
@@ -100,7 +128,8 @@ pub fn layer(
         src.prefetch(nl, &pred);
     }
     let t_fetch = Instant::now();
-    src.fetch(layer, &wanted, &mut |e: u32, bytes: Landed<'_>| {
+    let then = read_ahead.as_ref().map(|(nl, sure)| (*nl, sure.as_slice()));
+    src.fetch_then(layer, &wanted, then, &mut |e: u32, bytes: Landed<'_>| {
         // Every demanded read of this layer is queued by now; predictions fill idle capacity.
         if let Some((nl, pred)) = prefetch_pending.take() {
             src.prefetch(nl, &pred);

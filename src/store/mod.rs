@@ -107,6 +107,19 @@ pub trait ExpertSource: Send + Sync {
     /// the sink stops or fails. A failed fetch delivers no bytes of a failed read.
     fn fetch<'s>(&'s self, layer: usize, experts: &[u32], sink: &mut dyn ExpertSink<'s>) -> Result<(), StoreError>;
 
+    /// `fetch`, and once every read of `experts` has started, reads of `then`'s experts (a later
+    /// layer's, which a large batch will surely need) into the cache, so the drives keep reading
+    /// while that batch computes attention. The default ignores `then`.
+    fn fetch_then<'s>(
+        &'s self,
+        layer: usize,
+        experts: &[u32],
+        _then: Option<(usize, &[u32])>,
+        sink: &mut dyn ExpertSink<'s>,
+    ) -> Result<(), StoreError> {
+        self.fetch(layer, experts, sink)
+    }
+
     /// Starts reading experts a later layer will probably need (only into idle capacity).
     fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
 

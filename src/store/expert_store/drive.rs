@@ -272,8 +272,9 @@ fn complete(sh: &Shared, d: usize, c: Done) {
             }
             st.read += n;
             let prefetched = req.waiters == 0;
+            let sure = req.sure && prefetched;
             st.slots[slot] =
-                Slot::Ready { key, pins: req.waiters, start: start as u32, drive: d as u16, at: now, prefetched };
+                Slot::Ready { key, pins: req.waiters, start: start as u32, drive: d as u16, at: now, prefetched, sure };
             st.keys.insert(key, KeyState::Ready { slot });
             if req.waiters == 0 {
                 // Prefetched: evictable until demanded.

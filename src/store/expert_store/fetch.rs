@@ -22,6 +22,16 @@ impl ExpertSource for ExpertStore {
     }
 
     fn fetch<'s>(&'s self, layer: usize, experts: &[u32], sink: &mut dyn ExpertSink<'s>) -> Result<(), StoreError> {
+        self.fetch_then(layer, experts, None, sink)
+    }
+
+    fn fetch_then<'s>(
+        &'s self,
+        layer: usize,
+        experts: &[u32],
+        mut then: Option<(usize, &[u32])>,
+        sink: &mut dyn ExpertSink<'s>,
+    ) -> Result<(), StoreError> {
         let sh = &*self.shared;
         let len = sh.spec.layout.len;
         let l = layer as u32;
@@ -29,6 +39,7 @@ impl ExpertSource for ExpertStore {
         {
             let mut st = lock(sh);
             let st = &mut *st;
+            demote_read_ahead(st, layer);
             for &e in experts {
                 add_uses(st, (l, e), 1);
             }
@@ -145,6 +156,11 @@ impl ExpertSource for ExpertStore {
                         }
                     }
                     first_pass = false;
+                    // Every read of this fetch has a slot: the next layer's reads may start.
+                    if let Some((nl, next)) = then.take_if(|_| !wants.iter().any(|(_, w)| matches!(w, Want::Deferred)))
+                    {
+                        read_ahead(sh, st_ref, nl, next);
+                    }
                     if !ready.is_empty() || remaining == 0 {
                         break;
                     }
@@ -174,6 +190,10 @@ impl ExpertSource for ExpertStore {
         }
         if let Some((_, drive)) = last_land {
             lock(sh).drives[drive as usize].counters.lands_last += 1;
+        }
+        // Nothing to read for this layer (all cached or held elsewhere): read ahead now.
+        if let Some((nl, next)) = then.filter(|_| error.is_none() && !stopped) {
+            read_ahead(sh, &mut lock(sh), nl, next);
         }
         match error {
             Some(e) => Err(e),

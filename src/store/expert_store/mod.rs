@@ -118,6 +118,9 @@ enum Slot {
         drive: u16,
         at: Instant,
         prefetched: bool,
+        /// Read ahead for a batch that will surely need it (`read_ahead`): kept above every
+        /// demanded expert until that layer is fetched.
+        sure: bool,
     },
     /// Its read may still be in the kernel after its reader failed: never reused.
     Poisoned,
@@ -136,6 +139,8 @@ struct Req {
     /// Drives already tried (failed) for this read.
     tried: Vec<u16>,
     prefetch: bool,
+    /// A read ahead (see `read_ahead`).
+    sure: bool,
     /// Fetchers waiting for this read; they each hold a pin once it completes.
     waiters: u32,
     submitted: Option<Instant>,
@@ -207,6 +212,8 @@ struct State {
     prefetch_used: u64,
     /// Prefetch reads queued or in flight (capped).
     prefetch_outstanding: usize,
+    /// Slots read ahead and not yet demanded (see `read_ahead`).
+    sure_slots: Vec<usize>,
     shutdown: bool,
     /// (file, offset, length) of reads issued, when recording.
     read_log: Option<Vec<(u32, u64, u64)>>,
@@ -365,6 +372,7 @@ impl ExpertStore {
             prefetch_issued: 0,
             prefetch_used: 0,
             prefetch_outstanding: 0,
+            sure_slots: Vec::new(),
             shutdown: false,
             read_log: opts.record_reads.then(Vec::new),
             faults: Vec::new(),
@@ -563,6 +571,69 @@ impl Drop for ExpertStore {
     }
 }
 
+/// Starts reads of `experts` of `layer` that a batch will surely need (a prompt chunk's next
+/// layer, predicted by its router on all rows), once every read of the current fetch has been
+/// started: they run while the batch computes attention, so the drives do not idle. Each takes a
+/// free slot or the least-used cached one (never one of `layer`'s own, never a pinned one), at most
+/// half of the cache, and ranks above every demanded expert until `layer` is fetched
+/// ([`demote_read_ahead`]). Counted as prefetches (`prefetch_issued` / `prefetch_used`).
+fn read_ahead(sh: &Shared, st: &mut State, layer: usize, experts: &[u32]) {
+    let cap = (sh.cache_slots / 2).saturating_sub(st.sure_slots.len());
+    let mut started = 0;
+    for &e in experts {
+        if started >= cap {
+            break;
+        }
+        let key = (layer as u32, e);
+        if st.keys.contains_key(&key) || choose_holder(sh, st, key, &[]).is_none() {
+            continue;
+        }
+        let slot = match st.free.pop() {
+            Some(s) => s,
+            None => match st.lru.first() {
+                Some((_, v)) if !matches!(st.slots[v], Slot::Ready { key: k, sure, .. } if k.0 == key.0 || sure) => {
+                    evict_slot(st, v);
+                    v
+                }
+                _ => break,
+            },
+        };
+        if !start_read(sh, st, key, slot, false, &[]) {
+            st.free.push(slot);
+            continue;
+        }
+        if let Some(KeyState::Loading { req }) = st.keys.get(&key)
+            && let Some(q) = st.reqs[*req].as_mut()
+        {
+            q.sure = true;
+        }
+        st.sure_slots.push(slot);
+        st.prefetch_issued += 1;
+        started += 1;
+    }
+}
+
+/// Slots read ahead for other layers than `layer` lose their place above demanded experts (the
+/// batch they were read for has moved past them); called when `layer` is fetched.
+fn demote_read_ahead(st: &mut State, layer: usize) {
+    let slots = std::mem::take(&mut st.sure_slots);
+    for slot in slots {
+        match st.slots[slot] {
+            Slot::Ready { sure: true, key, pins, .. } if key.0 != layer as u32 => {
+                if let Slot::Ready { sure, .. } = &mut st.slots[slot] {
+                    *sure = false;
+                }
+                if pins == 0 {
+                    let r = rank(st, slot);
+                    st.lru.rerank(slot, r);
+                }
+            }
+            Slot::Ready { sure: true, .. } | Slot::Loading => st.sure_slots.push(slot),
+            _ => {}
+        }
+    }
+}
+
 /// Frees an unpinned Ready slot.
 fn evict_slot(st: &mut State, slot: usize) {
     st.lru.remove(slot);
@@ -590,6 +661,7 @@ fn add_uses(st: &mut State, key: Key, n: u32) {
 /// same counts as admission; a prefetched guess nobody asked for yet ranks below anything demanded.
 fn rank(st: &State, slot: usize) -> u32 {
     match st.slots[slot] {
+        Slot::Ready { sure: true, .. } => u32::MAX - 1,
         Slot::Ready { prefetched: true, .. } => 0,
         Slot::Ready { key, .. } => st.uses.get(&key).copied().unwrap_or(0),
         _ => u32::MAX,
@@ -663,6 +735,7 @@ fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, prefetch: bool
         drive: h.drive,
         tried: exclude.to_vec(),
         prefetch,
+        sure: false,
         waiters: 0,
         submitted: None,
         op_len,
@@ -699,6 +772,10 @@ fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, prefetch: bool
 fn join_read(st: &mut State, r: usize) {
     let Some(q) = st.reqs[r].as_mut() else { return };
     q.waiters += 1;
+    if q.sure {
+        q.sure = false;
+        st.prefetch_used += 1;
+    }
     if q.prefetch {
         q.prefetch = false;
         st.prefetch_used += 1;
@@ -714,8 +791,9 @@ fn join_read(st: &mut State, r: usize) {
 /// Pins a Ready slot for a fetcher.
 fn pin_ready(st: &mut State, slot: usize) {
     st.lru.remove(slot);
-    if let Slot::Ready { pins, prefetched, .. } = &mut st.slots[slot] {
+    if let Slot::Ready { pins, prefetched, sure, .. } = &mut st.slots[slot] {
         *pins += 1;
+        *sure = false;
         if *prefetched {
             *prefetched = false;
             st.prefetch_used += 1;
