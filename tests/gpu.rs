@@ -449,3 +449,33 @@ fn the_device_expert_cache_changes_no_bit_and_serves_repeated_experts() {
     let err = Engine::open(config).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err.contains("--backend gpu"), "{err}");
 }
+
+#[test]
+fn several_products_of_one_input_in_one_submission_give_each_products_bits() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(17);
+    let mut mat = |rows: usize, cols: usize| {
+        let bytes: Vec<u8> =
+            (0..rows * cols).flat_map(|_| half::bf16::from_f32(rng.f32() * 2.0 - 1.0).to_le_bytes()).collect();
+        Bf16Mat::from_vec(bytes, rows, cols)
+    };
+    // Widths not a multiple of 16 (padded rows), one input row (matvec) and several (matmul).
+    for (cols, n) in [(333usize, 1usize), (333, 4), (512, 1)] {
+        let ws = [mat(37, cols), mat(5, cols), mat(130, cols)];
+        let xs = Rng(cols as u64 + n as u64).vec(n * cols);
+        let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; n * w.rows]).collect();
+        {
+            let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+            g.matmul_bf16_many(&ws.iter().collect::<Vec<_>>(), &xs, &mut slices);
+        }
+        for (w, got) in ws.iter().zip(&outs) {
+            let mut one = vec![0f32; n * w.rows];
+            g.matmul_bf16(w, &xs, &mut one);
+            assert!(
+                got.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{}x{cols} x{n}: one submission differs from the single product",
+                w.rows
+            );
+        }
+    }
+}

@@ -92,6 +92,15 @@ pub trait Backend: Send + Sync {
     /// out[i, r] = W[r] . xs[i] for `n = xs.len() / W.cols` rows.
     fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]);
 
+    /// Several products of the same input rows (`outs[j] = ws[j] . xs`; every matrix `xs`'s width):
+    /// one upload and one submission on the GPU instead of one each. Each product gives exactly
+    /// `matmul_bf16`'s bits.
+    fn matmul_bf16_many(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul_bf16(w, xs, out);
+        }
+    }
+
     /// The same for an expert matrix; `xds` holds deinterleaved inputs (`cpu::deinterleave_mxfp4_input`).
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]);
 

@@ -101,16 +101,20 @@ pub fn forward(
     let (nh, dk) = (c.kda_heads, c.kda_head_dim);
     let dv = dk;
 
+    // The six projections of the input in one call (one submission on the GPU).
     let mut conv_in: [Vec<f32>; 3] = std::array::from_fn(|_| vec![0f32; n * p]);
-    let mut proj: [Vec<f32>; 3] = std::array::from_fn(|_| Vec::new());
-    for (i, (m, taps)) in
-        [(&w.q_proj, &w.q_conv), (&w.k_proj, &w.k_conv), (&w.v_proj, &w.v_conv)].into_iter().enumerate()
-    {
-        be.matmul_bf16(m, xn, &mut conv_in[i]);
-        proj[i] = conv_silu(&conv_in[i], &st.tail[i], taps, p, c.conv_width);
-    }
     let mut fa = vec![0f32; n * dk];
-    be.matmul_bf16(&w.f_a, xn, &mut fa);
+    let mut beta = vec![0f32; n * nh];
+    let mut gate = vec![0f32; n * p];
+    {
+        let [cq, ck, cv] = &mut conv_in;
+        let ws = [&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a, &w.b_proj, &w.g_proj];
+        be.matmul_bf16_many(&ws, xn, &mut [cq, ck, cv, &mut fa, &mut beta, &mut gate]);
+    }
+    let proj: [Vec<f32>; 3] = std::array::from_fn(|i| {
+        let taps = [&w.q_conv, &w.k_conv, &w.v_conv][i];
+        conv_silu(&conv_in[i], &st.tail[i], taps, p, c.conv_width)
+    });
     let mut g = vec![0f32; n * p];
     be.matmul_bf16(&w.f_b, &fa, &mut g);
     let lb = c.kda_gate_lower_bound;
@@ -119,8 +123,6 @@ pub fn forward(
             *gv = lb * sigmoid(w.a_exp[ch / dk] * (*gv + w.dt_bias[ch]));
         }
     }
-    let mut beta = vec![0f32; n * nh];
-    be.matmul_bf16(&w.b_proj, xn, &mut beta);
     beta.iter_mut().for_each(|b| *b = sigmoid(*b));
 
     // Gather per-head inputs; normalise q and k per head.
@@ -150,8 +152,6 @@ pub fn forward(
     be.kda_update(&st.s, &mut s_after, &heads, dk, dv, &mut o_heads, mode == KdaMode::Chunked);
 
     // Per-head RMSNorm, output gate, o_proj.
-    let mut gate = vec![0f32; n * p];
-    be.matmul_bf16(&w.g_proj, xn, &mut gate);
     let mut o = vec![0f32; n * p];
     for t in 0..n {
         for hd in 0..nh {

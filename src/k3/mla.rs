@@ -24,16 +24,17 @@ pub fn forward(be: &dyn Backend, c: &K3Config, w: &MlaWeights, st: &mut MlaState
     let qd = nope + rope;
     let lat = lora + rope;
 
+    // The three projections of the input in one call (one submission on the GPU).
     let mut qa = vec![0f32; n * c.q_lora];
-    be.matmul_bf16(&w.q_a, xn, &mut qa);
+    let mut ckv = vec![0f32; n * lat];
+    let mut gate = vec![0f32; n * nh * vd];
+    be.matmul_bf16_many(&[&w.q_a, &w.kv_a, &w.g_proj], xn, &mut [&mut qa, &mut ckv, &mut gate]);
     for r in qa.chunks_exact_mut(c.q_lora) {
         be.rms_norm_rows(r, &w.q_a_norm, c.mla_norm_eps);
     }
     let mut q = vec![0f32; n * nh * qd];
     be.matmul_bf16(&w.q_b, &qa, &mut q);
 
-    let mut ckv = vec![0f32; n * lat];
-    be.matmul_bf16(&w.kv_a, xn, &mut ckv);
     for r in ckv.chunks_exact_mut(lat) {
         be.rms_norm_rows(&mut r[..lora], &w.kv_a_norm, c.mla_norm_eps);
     }
@@ -45,8 +46,6 @@ pub fn forward(be: &dyn Backend, c: &K3Config, w: &MlaWeights, st: &mut MlaState
     let scale = 1.0 / (qd as f32).sqrt();
     be.mla_attention_with(&q, &st.latent, past, &w.kv_b, dims, scale, Visible::Causal, &mut att);
 
-    let mut gate = vec![0f32; n * nh * vd];
-    be.matmul_bf16(&w.g_proj, xn, &mut gate);
     for (a, &g) in att.iter_mut().zip(&gate) {
         *a *= sigmoid(g);
     }

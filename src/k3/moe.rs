@@ -22,8 +22,7 @@ pub fn mlp(be: &dyn Backend, w: &MlpWeights, situ: Situ, xn: &[f32]) -> Vec<f32>
     let n = xn.len() / w.gate.cols;
     let mut g = vec![0f32; n * inter];
     let mut u = vec![0f32; n * inter];
-    be.matmul_bf16(&w.gate, xn, &mut g);
-    be.matmul_bf16(&w.up, xn, &mut u);
+    be.matmul_bf16_many(&[&w.gate, &w.up], xn, &mut [&mut g, &mut u]);
     let mut a = vec![0f32; n * inter];
     be.situ(situ, &g, &u, &mut a);
     let mut out = vec![0f32; n * h];

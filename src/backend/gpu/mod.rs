@@ -238,6 +238,44 @@ impl Backend for GpuBackend {
         self.gpu.matmul(&r, Kind::Bf16, xs, out);
     }
 
+    fn matmul_bf16_many(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) {
+        let Some(first) = ws.first() else { return };
+        let (cols, stride) = (first.cols, first.cols.div_ceil(16) * 16);
+        let n = xs.len() / cols.max(1);
+        // One input binding serves all only when the widths agree; very tall batches go one by one.
+        if ws.iter().any(|w| w.cols != cols) || n == 0 || n > 65_535 {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul_bf16(w, xs, out);
+            }
+            return;
+        }
+        let g = &self.gpu;
+        let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
+        let x = g.staged(&Gpu::input_bytes(xs, cols, stride));
+        let bufs: Vec<(wgpu::Buffer, u64)> =
+            rs.iter().map(|r| (g.output(n * r.rows), (n * r.rows * 4) as u64)).collect();
+        let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("products") });
+        {
+            let mut pass = enc
+                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("products"), timestamp_writes: None });
+            for (r, (o, _)) in rs.iter().zip(&bufs) {
+                g.encode_products(&mut pass, r, Kind::Bf16, &x, 0, o, 0, n, g.matvec_kernel);
+            }
+        }
+        let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();
+        let all = g.finish_many(enc, &list);
+        let mut at = 0;
+        for (out, (_, len)) in outs.iter_mut().zip(&bufs) {
+            let k = *len as usize / 4;
+            out.copy_from_slice(&all[at..at + k]);
+            at += k;
+        }
+        g.give(device::STAGED, x);
+        for (b, _) in bufs {
+            g.give(device::OUTPUT, b);
+        }
+    }
+
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
         let r = self.gpu.upload_mxfp4(w, false);
         self.gpu.matmul(&r, Kind::Mxfp4, xds, out);
