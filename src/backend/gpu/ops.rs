@@ -99,7 +99,6 @@ impl Ops {
         params: [u32; 16],
         groups: (u32, u32),
     ) -> [Vec<u32>; 2] {
-        use wgpu::util::DeviceExt;
         let staged: Vec<Option<wgpu::Buffer>> = ins
             .iter()
             .map(|s| match s {
@@ -119,23 +118,7 @@ impl Ops {
             })
             .collect();
         let o: Vec<wgpu::Buffer> = outs.iter().map(|&w| gpu.output(w.unsigned_abs())).collect();
-        let pbytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let p = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("op params"),
-            contents: &pbytes,
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
-        let all: [&wgpu::Buffer; 6] = [bufs[0], bufs[1], bufs[2], &o[0], &o[1], &p];
-        let entries: Vec<wgpu::BindGroupEntry> = all
-            .iter()
-            .enumerate()
-            .map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() })
-            .collect();
-        let bg = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &self.layout,
-            entries: &entries,
-        });
+        let bg = self.bind_all(gpu, [bufs[0], bufs[1], bufs[2], &o[0], &o[1]], params);
         let mut enc = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         {
             let mut pass =
@@ -183,6 +166,29 @@ impl Ops {
         copy_f32(&o, out);
     }
 
+    /// The bind group of a, b, wq, out, out2 and a uniform block holding `params`.
+    fn bind_all(&self, gpu: &Gpu, bufs: [&wgpu::Buffer; 5], params: [u32; 16]) -> wgpu::BindGroup {
+        use wgpu::util::DeviceExt;
+        let pbytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let p = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("op params"),
+            contents: &pbytes,
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+        let entries: Vec<wgpu::BindGroupEntry> = bufs
+            .iter()
+            .copied()
+            .chain([&p])
+            .enumerate()
+            .map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() })
+            .collect();
+        gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &self.layout,
+            entries: &entries,
+        })
+    }
+
     /// Encodes SiTU of `n` elements of device buffers `gate` and `up` into `out` in the MXFP4
     /// input order (`situ_deinterleave`; `n` a multiple of 32), for a chain of dispatches in one
     /// submission (the batched experts' w1/w3 -> SiTU -> w2).
@@ -198,28 +204,11 @@ impl Ops {
         beta: f32,
         linear_beta: f32,
     ) {
-        use wgpu::util::DeviceExt;
         let mut params = [0u32; 16];
         params[..3].copy_from_slice(&[n as u32, beta.to_bits(), linear_beta.to_bits()]);
-        let pbytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let p = gpu.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("situ params"),
-            contents: &pbytes,
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
         // Bindings 2 (wq) and 4 (out2) are not read by this entry point; any buffers of their
         // kinds do (`out` itself cannot be bound twice as writable; `spare` is never written).
-        let all: [&wgpu::Buffer; 6] = [gate, up, &gpu.empty, out, &self.spare, &p];
-        let entries: Vec<wgpu::BindGroupEntry> = all
-            .iter()
-            .enumerate()
-            .map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() })
-            .collect();
-        let bg = gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &self.layout,
-            entries: &entries,
-        });
+        let bg = self.bind_all(gpu, [gate, up, &gpu.empty, out, &self.spare], params);
         pass.set_pipeline(&self.situ_deinterleave);
         pass.set_bind_group(0, &bg, &[]);
         let (gx, gy) = grid(n.div_ceil(256));
