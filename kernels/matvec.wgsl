@@ -142,6 +142,172 @@ fn matvec(
     }
 }
 
+// The candidate variants (`MatvecKernel` other than `Wide`, timed side by side by `bench kernels`):
+// one entry point, specialised per pipeline by the override constants below. The layout is Wide's
+// (thread g of a row owns lanes 4g..4g+3 for the whole row; same loads of the same words, same
+// float operations per lane in the same order, same tree), with three knobs:
+// - ROWS: weight rows per thread (1, 2 or 4). A thread of slot s takes rows base + 16j + s, so each
+//   input vec4 it loads serves ROWS rows (Wide loads it once per row); 16 ROWS rows per workgroup.
+// - STEP: blocks (MXFP4) or chunks (bf16) per loop step, all of a step's weight words loaded before
+//   any is used: ROWS x STEP (bf16: twice that) loads in flight per thread.
+// - ARITH: E2M1 values built from the code's bits in registers (`e2m1`, exact, the same f32 as the
+//   table) instead of the shared-memory table, trading a shared load for ~8 integer operations.
+// Rows past `rows` read row rows - 1 (in bounds, uniform control flow for the barriers) and are not
+// written.
+override ROWS: u32 = 1u;
+override STEP: u32 = 4u;
+override ARITH: bool = false;
+
+// ROWS x STEP (bf16: 2 ROWS x STEP) at most.
+const MAX_WORDS: u32 = 64u;
+var<workgroup> part_rows: array<vec4<f32>, 256>;
+
+fn e2v(code: u32) -> f32 {
+    if (ARITH) {
+        // Magnitude bits (m3 << 22) + 126 << 23 for codes 2..7 (exponent e + 126, mantissa m);
+        // code 1 is 0.5, code 0 is 0; bit 3 the sign.
+        let m3 = code & 7u;
+        let mag = select(0u, (m3 << 22u) + select(0x3ec00000u, 0x3f000000u, m3 >= 2u), m3 != 0u);
+        return bitcast<f32>(mag | ((code & 8u) << 28u));
+    }
+    return lut[code];
+}
+
+// `mx_step` with the decoder chosen by ARITH (the same values, the same products and fmas).
+fn mx_step_v(acc: vec4<f32>, word: u32, s: f32, xlo: vec4<f32>, xhi: vec4<f32>) -> vec4<f32> {
+    let lo = vec4<f32>(
+        e2v(word & 15u) * s,
+        e2v((word >> 8u) & 15u) * s,
+        e2v((word >> 16u) & 15u) * s,
+        e2v((word >> 24u) & 15u) * s,
+    );
+    let hi = vec4<f32>(
+        e2v((word >> 4u) & 15u) * s,
+        e2v((word >> 12u) & 15u) * s,
+        e2v((word >> 20u) & 15u) * s,
+        e2v(word >> 28u) * s,
+    );
+    return fma(hi, xhi, fma(lo, xlo, acc));
+}
+
+@compute @workgroup_size(64)
+fn matvec_rows(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nw: vec3<u32>,
+) {
+    if (lid.x < 16u) {
+        lut[lid.x] = e2m1(lid.x);
+    }
+    workgroupBarrier();
+    let g = lid.x & 3u;
+    let slot = lid.x >> 2u;
+    let base = (wg.y * nw.x + wg.x) * 16u * ROWS;
+    let x0 = p.x_off / 4u;
+    var rr: array<u32, 4>;
+    for (var j = 0u; j < ROWS; j = j + 1u) {
+        rr[j] = min(base + 16u * j + slot, p.rows - 1u);
+    }
+    var acc: array<vec4<f32>, 4>;
+    for (var j = 0u; j < ROWS; j = j + 1u) {
+        acc[j] = vec4<f32>(0.0);
+    }
+    var wv: array<u32, MAX_WORDS>;
+    if (p.kind == 1u) {
+        let blocks = p.cols >> 5u;
+        var wb: array<u32, 4>;
+        var sb: array<u32, 4>;
+        for (var j = 0u; j < ROWS; j = j + 1u) {
+            wb[j] = p.w_off + rr[j] * (p.cols >> 3u) + g;
+            sb[j] = rr[j] * blocks;
+        }
+        var b = 0u;
+        // Every row's scales start on a word when a row has a multiple of 4 blocks (every K3
+        // width): the 4 blocks of each quarter-step take their scales from one load.
+        let aligned = (blocks & 3u) == 0u && STEP % 4u == 0u;
+        for (; b + STEP <= blocks; b = b + STEP) {
+            for (var j = 0u; j < ROWS; j = j + 1u) {
+                for (var t = 0u; t < STEP; t = t + 1u) {
+                    wv[j * STEP + t] = w[wb[j] + (b + t) * 4u];
+                }
+            }
+            var sw: array<u32, 4>;
+            for (var t = 0u; t < STEP; t = t + 1u) {
+                let xi = x0 + (b + t) * 8u + g;
+                let xlo = x[xi];
+                let xhi = x[xi + 4u];
+                for (var j = 0u; j < ROWS; j = j + 1u) {
+                    var s: f32;
+                    if (aligned) {
+                        if ((t & 3u) == 0u) {
+                            sw[j] = scales[p.s_off + ((sb[j] + b + t) >> 2u)];
+                        }
+                        s = e8m0((sw[j] >> ((t & 3u) * 8u)) & 0xffu);
+                    } else {
+                        s = scale_at(sb[j] + b + t);
+                    }
+                    acc[j] = mx_step_v(acc[j], wv[j * STEP + t], s, xlo, xhi);
+                }
+            }
+        }
+        for (; b < blocks; b = b + 1u) {
+            let xi = x0 + b * 8u + g;
+            let xlo = x[xi];
+            let xhi = x[xi + 4u];
+            for (var j = 0u; j < ROWS; j = j + 1u) {
+                acc[j] = mx_step_v(acc[j], w[wb[j] + b * 4u], scale_at(sb[j] + b), xlo, xhi);
+            }
+        }
+    } else {
+        let chunks = p.stride >> 4u;
+        var wb: array<u32, 4>;
+        for (var j = 0u; j < ROWS; j = j + 1u) {
+            wb[j] = p.w_off + rr[j] * (p.stride >> 1u) + 2u * g;
+        }
+        var c = 0u;
+        for (; c + STEP <= chunks; c = c + STEP) {
+            for (var j = 0u; j < ROWS; j = j + 1u) {
+                for (var t = 0u; t < STEP; t = t + 1u) {
+                    let o = wb[j] + (c + t) * 8u;
+                    wv[(j * STEP + t) * 2u] = w[o];
+                    wv[(j * STEP + t) * 2u + 1u] = w[o + 1u];
+                }
+            }
+            for (var t = 0u; t < STEP; t = t + 1u) {
+                let xv = x[x0 + (c + t) * 4u + g];
+                for (var j = 0u; j < ROWS; j = j + 1u) {
+                    let i = (j * STEP + t) * 2u;
+                    acc[j] = fma(bf16x4(wv[i], wv[i + 1u]), xv, acc[j]);
+                }
+            }
+        }
+        for (; c < chunks; c = c + 1u) {
+            let xv = x[x0 + c * 4u + g];
+            for (var j = 0u; j < ROWS; j = j + 1u) {
+                let o = wb[j] + c * 8u;
+                acc[j] = fma(bf16x4(w[o], w[o + 1u]), xv, acc[j]);
+            }
+        }
+    }
+    for (var j = 0u; j < ROWS; j = j + 1u) {
+        part_rows[j * 64u + lid.x] = acc[j];
+    }
+    workgroupBarrier();
+    if (g == 0u) {
+        for (var j = 0u; j < ROWS; j = j + 1u) {
+            let r = base + 16u * j + slot;
+            if (r < p.rows) {
+                // As in `matvec`: the tree (l, l+8), (l, l+4), (l, l+2), (l, l+1).
+                let q = j * 64u + slot * 4u;
+                let v8a = part_rows[q] + part_rows[q + 2u];
+                let v8b = part_rows[q + 1u] + part_rows[q + 3u];
+                let v4 = v8a + v8b;
+                out[p.out_off + p.row0 + r] = (v4.x + v4.z) + (v4.y + v4.w);
+            }
+        }
+    }
+}
+
 // Plain read of the same bytes (what the matvec is compared with in `bench kernels`): the same
 // access width (one u32 per thread per load, 4 loads in flight), consecutive threads on consecutive
 // words, each thread over many words, one partial written per thread.
