@@ -10,8 +10,12 @@
 //         even-indexed inputs, then the 16 odd ones: `cpu::deinterleave_mxfp4_input`), so element
 //         k of a block is the low nibble of byte k for k < 16 and the high nibble of byte k - 16.
 // The bytes are decoded here, never re-encoded.
+//
+// Entry points: `matmul` (`MatmulKernel::Tiled`, the default: a thread per (weight row, lane),
+// single-byte loads), `matmul_reg` (register-tiled variants: u32 loads, each decoded weight and
+// each staged input used by several outputs; see there), `fma_probe`.
 
-// Params, w, scales, out, p, lut, e2m1 and e8m0: products.wgsl (prepended).
+// Params, w, scales, out, p, lut, e2m1, e8m0, scale_at and bf16x4: products.wgsl (prepended).
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 
 // A workgroup: 16 weight rows x 16 lanes, for XR input rows at once (each weight decoded once,
@@ -130,20 +134,6 @@ const RTILE: u32 = 256u;
 // MM_XR x RTILE floats at most (8 input rows); reused for the lanes at the end.
 var<workgroup> xt4: array<vec4<f32>, 512>;
 
-fn bf16x4(a: u32, b: u32) -> vec4<f32> {
-    return vec4<f32>(
-        bitcast<f32>(a << 16u),
-        bitcast<f32>(a & 0xffff0000u),
-        bitcast<f32>(b << 16u),
-        bitcast<f32>(b & 0xffff0000u),
-    );
-}
-
-fn scale_of(idx: u32) -> f32 {
-    let i = p.s_off * 4u + idx;
-    return e8m0((scales[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu);
-}
-
 @compute @workgroup_size(256)
 fn matmul_reg(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
     if (lid.x < 16u) {
@@ -202,7 +192,7 @@ fn matmul_reg(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_i
                 var hi: array<vec4<f32>, 2>;
                 for (var j = 0u; j < MM_ROWS; j = j + 1u) {
                     let word = w[wb[j] + b * 4u];
-                    let s = scale_of(sb[j] + b);
+                    let s = scale_at(sb[j] + b);
                     lo[j] = vec4<f32>(
                         lut[word & 15u] * s,
                         lut[(word >> 8u) & 15u] * s,

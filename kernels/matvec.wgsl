@@ -9,10 +9,15 @@
 // several loads are in flight. The inputs are read as vec4<f32> (4 lanes at a time). At the end
 // the 16 lanes go through workgroup memory to the fixed tree.
 //
+// Entry points: `matvec` (`MatvecKernel::Wide`, the default) and `matvec_rows` (the candidate
+// variants: the same layout and the same float operations per output, specialised per pipeline by
+// override constants; see there), both with the 2-D dispatch fold past 65535 workgroups; `read_all`
+// is the bench's plain-read reference.
+//
 // bf16 rows are padded to a multiple of 16 elements with zeros at upload (`stride`), and x past
 // `cols` is zero in its buffer, so the tail is fma(0, 0, acc) exactly as on the CPU.
 
-// Params, w, scales, out, p, lut, e2m1 and e8m0: products.wgsl (prepended).
+// Params, w, scales, out, p, lut, e2m1, e8m0, scale_at and bf16x4: products.wgsl (prepended).
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 
 var<workgroup> part: array<vec4<f32>, 64>;
@@ -32,20 +37,6 @@ fn mx_step(acc: vec4<f32>, word: u32, s: f32, xlo: vec4<f32>, xhi: vec4<f32>) ->
         lut[word >> 28u] * s,
     );
     return fma(hi, xhi, fma(lo, xlo, acc));
-}
-
-fn scale_at(idx: u32) -> f32 {
-    let i = p.s_off * 4u + idx;
-    return e8m0((scales[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu);
-}
-
-fn bf16x4(a: u32, b: u32) -> vec4<f32> {
-    return vec4<f32>(
-        bitcast<f32>(a << 16u),
-        bitcast<f32>(a & 0xffff0000u),
-        bitcast<f32>(b << 16u),
-        bitcast<f32>(b & 0xffff0000u),
-    );
 }
 
 @compute @workgroup_size(64)
@@ -222,31 +213,44 @@ fn matvec_rows(
             sb[j] = rr[j] * blocks;
         }
         var b = 0u;
-        // Every row's scales start on a word when a row has a multiple of 4 blocks (every K3
-        // width): the 4 blocks of each quarter-step take their scales from one load.
-        let aligned = (blocks & 3u) == 0u && STEP % 4u == 0u;
-        for (; b + STEP <= blocks; b = b + STEP) {
-            for (var j = 0u; j < ROWS; j = j + 1u) {
+        if ((blocks & 3u) == 0u && STEP % 4u == 0u) {
+            // Every row's scales start on a word when a row has a multiple of 4 blocks (every K3
+            // width): each 4 blocks of a step take their scales from one load, issued with the
+            // step's weight words (before any is used).
+            var sw: array<u32, 16>;
+            for (; b + STEP <= blocks; b = b + STEP) {
+                for (var j = 0u; j < ROWS; j = j + 1u) {
+                    for (var t = 0u; t < STEP; t = t + 1u) {
+                        wv[j * STEP + t] = w[wb[j] + (b + t) * 4u];
+                    }
+                    for (var u = 0u; u < STEP / 4u; u = u + 1u) {
+                        sw[j * (STEP / 4u) + u] = scales[p.s_off + ((sb[j] + b) >> 2u) + u];
+                    }
+                }
                 for (var t = 0u; t < STEP; t = t + 1u) {
-                    wv[j * STEP + t] = w[wb[j] + (b + t) * 4u];
+                    let xi = x0 + (b + t) * 8u + g;
+                    let xlo = x[xi];
+                    let xhi = x[xi + 4u];
+                    for (var j = 0u; j < ROWS; j = j + 1u) {
+                        let s = e8m0((sw[j * (STEP / 4u) + t / 4u] >> ((t & 3u) * 8u)) & 0xffu);
+                        acc[j] = mx_step_v(acc[j], wv[j * STEP + t], s, xlo, xhi);
+                    }
                 }
             }
-            var sw: array<u32, 4>;
-            for (var t = 0u; t < STEP; t = t + 1u) {
-                let xi = x0 + (b + t) * 8u + g;
-                let xlo = x[xi];
-                let xhi = x[xi + 4u];
+        } else {
+            for (; b + STEP <= blocks; b = b + STEP) {
                 for (var j = 0u; j < ROWS; j = j + 1u) {
-                    var s: f32;
-                    if (aligned) {
-                        if ((t & 3u) == 0u) {
-                            sw[j] = scales[p.s_off + ((sb[j] + b + t) >> 2u)];
-                        }
-                        s = e8m0((sw[j] >> ((t & 3u) * 8u)) & 0xffu);
-                    } else {
-                        s = scale_at(sb[j] + b + t);
+                    for (var t = 0u; t < STEP; t = t + 1u) {
+                        wv[j * STEP + t] = w[wb[j] + (b + t) * 4u];
                     }
-                    acc[j] = mx_step_v(acc[j], wv[j * STEP + t], s, xlo, xhi);
+                }
+                for (var t = 0u; t < STEP; t = t + 1u) {
+                    let xi = x0 + (b + t) * 8u + g;
+                    let xlo = x[xi];
+                    let xhi = x[xi + 4u];
+                    for (var j = 0u; j < ROWS; j = j + 1u) {
+                        acc[j] = mx_step_v(acc[j], wv[j * STEP + t], scale_at(sb[j] + b + t), xlo, xhi);
+                    }
                 }
             }
         }

@@ -163,6 +163,8 @@ pub enum MatvecKernel {
     Deep,
     /// `Deep` with E2M1 built in registers.
     DeepAlu,
+    /// `matvec_rows`, one row per thread, 16 blocks per step (256 bytes of a row per step).
+    Deep16,
     /// `matvec_rows`, 2 rows per thread (each input load serves both), 4 blocks per step.
     Pair,
     /// `Pair` with 8 blocks per step (16 loads in flight).
@@ -174,11 +176,12 @@ pub enum MatvecKernel {
 }
 
 impl MatvecKernel {
-    pub const ALL: [MatvecKernel; 8] = [
+    pub const ALL: [MatvecKernel; 9] = [
         MatvecKernel::Wide,
         MatvecKernel::Alu,
         MatvecKernel::Deep,
         MatvecKernel::DeepAlu,
+        MatvecKernel::Deep16,
         MatvecKernel::Pair,
         MatvecKernel::PairDeep,
         MatvecKernel::Quad,
@@ -192,6 +195,7 @@ impl MatvecKernel {
             MatvecKernel::Alu => "alu",
             MatvecKernel::Deep => "deep",
             MatvecKernel::DeepAlu => "deep_alu",
+            MatvecKernel::Deep16 => "deep16",
             MatvecKernel::Pair => "pair",
             MatvecKernel::PairDeep => "pair_deep",
             MatvecKernel::Quad => "quad",
@@ -210,6 +214,7 @@ impl MatvecKernel {
             MatvecKernel::Alu => Some((1, 4, true)),
             MatvecKernel::Deep => Some((1, 8, false)),
             MatvecKernel::DeepAlu => Some((1, 8, true)),
+            MatvecKernel::Deep16 => Some((1, 16, false)),
             MatvecKernel::Pair => Some((2, 4, false)),
             MatvecKernel::PairDeep => Some((2, 8, false)),
             MatvecKernel::Quad => Some((4, 4, false)),
