@@ -136,11 +136,13 @@ fn matvec(
 // The candidate variants (`MatvecKernel` other than `Wide`, timed side by side by `bench kernels`):
 // one entry point, specialised per pipeline by the override constants below. The layout is Wide's
 // (thread g of a row owns lanes 4g..4g+3 for the whole row; same loads of the same words, same
-// float operations per lane in the same order, same tree), with three knobs:
+// float operations per lane in the same order, same tree), with four knobs:
 // - ROWS: weight rows per thread (1, 2 or 4). A thread of slot s takes rows base + 16j + s, so each
 //   input vec4 it loads serves ROWS rows (Wide loads it once per row); 16 ROWS rows per workgroup.
 // - STEP: blocks (MXFP4) or chunks (bf16) per loop step, all of a step's weight words loaded before
 //   any is used: ROWS x STEP (bf16: twice that) loads in flight per thread.
+// - PREFETCH: the next step's words (and scales) are loaded before the current step is computed
+//   (twice the words held, the memory latency overlapped with a step's arithmetic).
 // - ARITH: E2M1 values built from the code's bits in registers (`e2m1`, exact, the same f32 as the
 //   table) instead of the shared-memory table, trading a shared load for ~8 integer operations.
 // Rows past `rows` read row rows - 1 (in bounds, uniform control flow for the barriers) and are not
@@ -148,6 +150,7 @@ fn matvec(
 override ROWS: u32 = 1u;
 override STEP: u32 = 4u;
 override ARITH: bool = false;
+override PREFETCH: bool = false;
 
 // ROWS x STEP (bf16: 2 ROWS x STEP) at most.
 const MAX_WORDS: u32 = 64u;
@@ -179,6 +182,30 @@ fn mx_step_v(acc: vec4<f32>, word: u32, s: f32, xlo: vec4<f32>, xhi: vec4<f32>) 
         e2v(word >> 28u) * s,
     );
     return fma(hi, xhi, fma(lo, xlo, acc));
+}
+
+// Step `b`'s MXFP4 words of each row (into `dst[j STEP + t]`) and, rows' scales starting on a word,
+// its scale words (`sdst[j STEP / 4 + u]`).
+fn load_mx(dst: ptr<function, array<u32, MAX_WORDS>>, sdst: ptr<function, array<u32, 16>>, wb: array<u32, 4>, sb: array<u32, 4>, b: u32) {
+    for (var j = 0u; j < ROWS; j = j + 1u) {
+        for (var t = 0u; t < STEP; t = t + 1u) {
+            (*dst)[j * STEP + t] = w[wb[j] + (b + t) * 4u];
+        }
+        for (var u = 0u; u < STEP / 4u; u = u + 1u) {
+            (*sdst)[j * (STEP / 4u) + u] = scales[p.s_off + ((sb[j] + b) >> 2u) + u];
+        }
+    }
+}
+
+// Step `c`'s bf16 words 2g, 2g+1 of each chunk of each row (into `dst[2 (j STEP + t)] ..`).
+fn load_bf(dst: ptr<function, array<u32, MAX_WORDS>>, wb: array<u32, 4>, c: u32) {
+    for (var j = 0u; j < ROWS; j = j + 1u) {
+        for (var t = 0u; t < STEP; t = t + 1u) {
+            let o = wb[j] + (c + t) * 8u;
+            (*dst)[(j * STEP + t) * 2u] = w[o];
+            (*dst)[(j * STEP + t) * 2u + 1u] = w[o + 1u];
+        }
+    }
 }
 
 @compute @workgroup_size(64)
@@ -218,22 +245,26 @@ fn matvec_rows(
             // width): each 4 blocks of a step take their scales from one load, issued with the
             // step's weight words (before any is used).
             var sw: array<u32, 16>;
+            if (PREFETCH && STEP <= blocks) {
+                load_mx(&wv, &sw, wb, sb, 0u);
+            }
             for (; b + STEP <= blocks; b = b + STEP) {
-                for (var j = 0u; j < ROWS; j = j + 1u) {
-                    for (var t = 0u; t < STEP; t = t + 1u) {
-                        wv[j * STEP + t] = w[wb[j] + (b + t) * 4u];
+                var cw = wv;
+                var cs = sw;
+                if (PREFETCH) {
+                    if (b + 2u * STEP <= blocks) {
+                        load_mx(&wv, &sw, wb, sb, b + STEP);
                     }
-                    for (var u = 0u; u < STEP / 4u; u = u + 1u) {
-                        sw[j * (STEP / 4u) + u] = scales[p.s_off + ((sb[j] + b) >> 2u) + u];
-                    }
+                } else {
+                    load_mx(&cw, &cs, wb, sb, b);
                 }
                 for (var t = 0u; t < STEP; t = t + 1u) {
                     let xi = x0 + (b + t) * 8u + g;
                     let xlo = x[xi];
                     let xhi = x[xi + 4u];
                     for (var j = 0u; j < ROWS; j = j + 1u) {
-                        let s = e8m0((sw[j * (STEP / 4u) + t / 4u] >> ((t & 3u) * 8u)) & 0xffu);
-                        acc[j] = mx_step_v(acc[j], wv[j * STEP + t], s, xlo, xhi);
+                        let s = e8m0((cs[j * (STEP / 4u) + t / 4u] >> ((t & 3u) * 8u)) & 0xffu);
+                        acc[j] = mx_step_v(acc[j], cw[j * STEP + t], s, xlo, xhi);
                     }
                 }
             }
@@ -269,19 +300,23 @@ fn matvec_rows(
             wb[j] = p.w_off + rr[j] * (p.stride >> 1u) + 2u * g;
         }
         var c = 0u;
+        if (PREFETCH && STEP <= chunks) {
+            load_bf(&wv, wb, 0u);
+        }
         for (; c + STEP <= chunks; c = c + STEP) {
-            for (var j = 0u; j < ROWS; j = j + 1u) {
-                for (var t = 0u; t < STEP; t = t + 1u) {
-                    let o = wb[j] + (c + t) * 8u;
-                    wv[(j * STEP + t) * 2u] = w[o];
-                    wv[(j * STEP + t) * 2u + 1u] = w[o + 1u];
+            var cw = wv;
+            if (PREFETCH) {
+                if (c + 2u * STEP <= chunks) {
+                    load_bf(&wv, wb, c + STEP);
                 }
+            } else {
+                load_bf(&cw, wb, c);
             }
             for (var t = 0u; t < STEP; t = t + 1u) {
                 let xv = x[x0 + (c + t) * 4u + g];
                 for (var j = 0u; j < ROWS; j = j + 1u) {
                     let i = (j * STEP + t) * 2u;
-                    acc[j] = fma(bf16x4(wv[i], wv[i + 1u]), xv, acc[j]);
+                    acc[j] = fma(bf16x4(cw[i], cw[i + 1u]), xv, acc[j]);
                 }
             }
         }

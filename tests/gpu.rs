@@ -91,9 +91,7 @@ fn gpu_products_of_every_matvec_variant_have_the_wide_kernels_bits() {
     // MXFP4 rows of 1 and 3 blocks (below every unroll), 5 (the 4-block one and a remainder), 112
     // and 224 (K3's), 225 (7168 + 32: rows whose scales do not start on a word, and a remainder of
     // the 8-block unroll).
-    for (rows, cols) in
-        [(37usize, 32usize), (70, 96), (5, 160), (131, 3584), (67, 7168), (33, 7200), (100, 256)]
-    {
+    for (rows, cols) in [(37usize, 32usize), (70, 96), (5, 160), (131, 3584), (67, 7168), (33, 7200), (100, 256)] {
         let (packed, scales, xd) = random_mxfp4(&mut rng, rows, cols, 1);
         let w = Mxfp4Mat::new(&packed, &scales, rows, cols);
         let f = |g: &GpuBackend| {

@@ -169,6 +169,11 @@ pub enum MatvecKernel {
     Pair,
     /// `Pair` with 8 blocks per step (16 loads in flight).
     PairDeep,
+    /// `matvec_rows`, one row per thread, 4 blocks per step, the next step's words loaded before
+    /// the current one is computed.
+    Prefetch,
+    /// `Prefetch` with 2 rows per thread.
+    PairPrefetch,
     /// `matvec_rows`, 4 rows per thread, 4 blocks per step (16 loads in flight).
     Quad,
     /// `Quad` with E2M1 built in registers.
@@ -176,7 +181,7 @@ pub enum MatvecKernel {
 }
 
 impl MatvecKernel {
-    pub const ALL: [MatvecKernel; 9] = [
+    pub const ALL: [MatvecKernel; 11] = [
         MatvecKernel::Wide,
         MatvecKernel::Alu,
         MatvecKernel::Deep,
@@ -184,6 +189,8 @@ impl MatvecKernel {
         MatvecKernel::Deep16,
         MatvecKernel::Pair,
         MatvecKernel::PairDeep,
+        MatvecKernel::Prefetch,
+        MatvecKernel::PairPrefetch,
         MatvecKernel::Quad,
         MatvecKernel::QuadAlu,
     ];
@@ -198,6 +205,8 @@ impl MatvecKernel {
             MatvecKernel::Deep16 => "deep16",
             MatvecKernel::Pair => "pair",
             MatvecKernel::PairDeep => "pair_deep",
+            MatvecKernel::Prefetch => "prefetch",
+            MatvecKernel::PairPrefetch => "pair_prefetch",
             MatvecKernel::Quad => "quad",
             MatvecKernel::QuadAlu => "quad_alu",
         }
@@ -207,18 +216,20 @@ impl MatvecKernel {
         Self::ALL.into_iter().find(|k| k.name() == name)
     }
 
-    /// `matvec_rows`'s (ROWS, STEP, ARITH); None for `Wide`.
-    fn config(self) -> Option<(usize, usize, bool)> {
+    /// `matvec_rows`'s (ROWS, STEP, ARITH, PREFETCH); None for `Wide`.
+    fn config(self) -> Option<(usize, usize, bool, bool)> {
         match self {
             MatvecKernel::Wide => None,
-            MatvecKernel::Alu => Some((1, 4, true)),
-            MatvecKernel::Deep => Some((1, 8, false)),
-            MatvecKernel::DeepAlu => Some((1, 8, true)),
-            MatvecKernel::Deep16 => Some((1, 16, false)),
-            MatvecKernel::Pair => Some((2, 4, false)),
-            MatvecKernel::PairDeep => Some((2, 8, false)),
-            MatvecKernel::Quad => Some((4, 4, false)),
-            MatvecKernel::QuadAlu => Some((4, 4, true)),
+            MatvecKernel::Alu => Some((1, 4, true, false)),
+            MatvecKernel::Deep => Some((1, 8, false, false)),
+            MatvecKernel::DeepAlu => Some((1, 8, true, false)),
+            MatvecKernel::Deep16 => Some((1, 16, false, false)),
+            MatvecKernel::Pair => Some((2, 4, false, false)),
+            MatvecKernel::PairDeep => Some((2, 8, false, false)),
+            MatvecKernel::Prefetch => Some((1, 4, false, true)),
+            MatvecKernel::PairPrefetch => Some((2, 4, false, true)),
+            MatvecKernel::Quad => Some((4, 4, false, false)),
+            MatvecKernel::QuadAlu => Some((4, 4, true, false)),
         }
     }
 
@@ -226,8 +237,9 @@ impl MatvecKernel {
     pub fn describe(self) -> String {
         match self.config() {
             None => "matvec: 4 threads per row, 1 row per thread, 4 blocks per step, E2M1 table".into(),
-            Some((rows, step, arith)) => format!(
-                "matvec_rows: 4 threads per row, {rows} row(s) per thread, {step} blocks per step, E2M1 {}",
+            Some((rows, step, arith, prefetch)) => format!(
+                "matvec_rows: 4 threads per row, {rows} row(s) per thread, {step} blocks per step{}, E2M1 {}",
+                if prefetch { ", next step prefetched" } else { "" },
                 if arith { "built in registers" } else { "table" }
             ),
         }
@@ -235,7 +247,7 @@ impl MatvecKernel {
 
     /// Weight rows per workgroup.
     fn rows_per_group(self) -> usize {
-        self.config().map_or(MATVEC_ROWS, |(rows, _, _)| MATVEC_ROWS * rows)
+        self.config().map_or(MATVEC_ROWS, |(rows, ..)| MATVEC_ROWS * rows)
     }
 }
 
@@ -728,10 +740,12 @@ impl Gpu {
     }
 
     fn matvec_pipeline(&self, k: MatvecKernel) -> &wgpu::ComputePipeline {
-        let Some((rows, step, arith)) = k.config() else { return &self.matvec };
+        let Some((rows, step, arith, prefetch)) = k.config() else { return &self.matvec };
         let i = MatvecKernel::ALL.iter().position(|&v| v == k).unwrap_or(0);
         self.matvec_variants[i].get_or_init(|| {
-            let c = [("ROWS", rows as f64), ("STEP", step as f64), ("ARITH", f64::from(u8::from(arith)))];
+            let flag = |b: bool| f64::from(u8::from(b));
+            let c =
+                [("ROWS", rows as f64), ("STEP", step as f64), ("ARITH", flag(arith)), ("PREFETCH", flag(prefetch))];
             self.pipeline_layout.pipeline_with(&self.device, &self.mv_module, "matvec_rows", &c)
         })
     }
