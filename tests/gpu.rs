@@ -1,10 +1,12 @@
 //! The GPU backend (runs where wgpu finds an adapter; CI installs Mesa's lavapipe): its bf16 and
 //! MXFP4 products against an fp64 dot within 1e-5 and, on an adapter whose fma is fused, bit for
-//! bit against the CPU kernels; the other operations (RMSNorm, SiTU, AttnRes mix, routing,
-//! argmax, KDA recurrence, MLA core) within 1e-5 of the CPU backend (normwise) and bit for bit
-//! when fma is fused, routing and argmax choosing the CPU's indices everywhere; the fixtures
-//! through `--backend gpu` (every operation on the GPU) within 1e-4 of the fp64 reference with
-//! identical greedy tokens; `auto` falls back to the CPU without a real GPU.
+//! bit against the CPU kernels, and every candidate product kernel (`MatvecKernel`,
+//! `MatmulKernel`) bit for bit against the default one on any adapter; the other operations
+//! (RMSNorm, SiTU, AttnRes mix, routing, argmax, KDA recurrence, MLA core) within 1e-5 of the CPU
+//! backend (normwise) and bit for bit when fma is fused, routing and argmax choosing the CPU's
+//! indices everywhere; the fixtures through `--backend gpu` (every operation on the GPU) within
+//! 1e-4 of the fp64 reference with identical greedy tokens; `auto` falls back to the CPU without
+//! a real GPU.
 #![cfg(feature = "gpu")]
 
 mod common;
