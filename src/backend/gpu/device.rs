@@ -1,4 +1,5 @@
-//! The wgpu device, the kernels' pipelines, pooled buffers, resident matrices and the encoding,
+//! The wgpu device, the kernels' pipelines (the candidate product kernels' — [`MatvecKernel`],
+//! [`MatmulKernel`] — built on first use), pooled buffers, resident matrices and the encoding,
 //! dispatch and readback of products. [`Gpu::matmul`] is one submission that ends with its result
 //! read back; the batched expert path (`experts.rs`) encodes many products into one submission.
 //!
