@@ -328,15 +328,22 @@ fn matvec_rows(
             }
         }
     }
+    write_rows(lid.x, base, acc);
+}
+
+// The 16 lanes of each of a thread's ROWS rows (`acc[j]`: lanes 4g..4g+3 of row base + 16j + slot)
+// through workgroup memory to the tree, as in `matvec`. Called by every thread (a barrier).
+fn write_rows(l: u32, base: u32, acc: array<vec4<f32>, 4>) {
     for (var j = 0u; j < ROWS; j = j + 1u) {
-        part_rows[j * 64u + lid.x] = acc[j];
+        part_rows[j * 64u + l] = acc[j];
     }
     workgroupBarrier();
-    if (g == 0u) {
+    let slot = l >> 2u;
+    if ((l & 3u) == 0u) {
         for (var j = 0u; j < ROWS; j = j + 1u) {
             let r = base + 16u * j + slot;
             if (r < p.rows) {
-                // As in `matvec`: the tree (l, l+8), (l, l+4), (l, l+2), (l, l+1).
+                // The tree (l, l+8), (l, l+4), (l, l+2), (l, l+1).
                 let q = j * 64u + slot * 4u;
                 let v8a = part_rows[q] + part_rows[q + 2u];
                 let v8b = part_rows[q + 1u] + part_rows[q + 3u];
@@ -345,6 +352,55 @@ fn matvec_rows(
             }
         }
     }
+}
+
+// bf16 only (the `*_x2` variants): `matvec_rows` with each thread's two words of a chunk (2g,
+// 2g+1, adjacent) read as one vec2<u32> load, through a second view of binding 0 (an entry point
+// uses one of the two). Needs an even `w_off` (bf16 trunk matrices start at word 0). No prefetch.
+@group(0) @binding(0) var<storage, read> w2: array<vec2<u32>>;
+
+@compute @workgroup_size(64)
+fn matvec_rows_bf16x2(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nw: vec3<u32>,
+) {
+    let g = lid.x & 3u;
+    let slot = lid.x >> 2u;
+    let base = (wg.y * nw.x + wg.x) * 16u * ROWS;
+    let x0 = p.x_off / 4u;
+    let chunks = p.stride >> 4u;
+    var wb: array<u32, 4>;
+    var acc: array<vec4<f32>, 4>;
+    for (var j = 0u; j < ROWS; j = j + 1u) {
+        // Words 2g, 2g+1 of chunk c of row r: vec2 (w_off + r stride / 2 + 8c + 2g) / 2.
+        wb[j] = (p.w_off >> 1u) + min(base + 16u * j + slot, p.rows - 1u) * (p.stride >> 2u) + g;
+        acc[j] = vec4<f32>(0.0);
+    }
+    var wv: array<vec2<u32>, 32>;
+    var c = 0u;
+    for (; c + STEP <= chunks; c = c + STEP) {
+        for (var j = 0u; j < ROWS; j = j + 1u) {
+            for (var t = 0u; t < STEP; t = t + 1u) {
+                wv[j * STEP + t] = w2[wb[j] + (c + t) * 4u];
+            }
+        }
+        for (var t = 0u; t < STEP; t = t + 1u) {
+            let xv = x[x0 + (c + t) * 4u + g];
+            for (var j = 0u; j < ROWS; j = j + 1u) {
+                let v = wv[j * STEP + t];
+                acc[j] = fma(bf16x4(v.x, v.y), xv, acc[j]);
+            }
+        }
+    }
+    for (; c < chunks; c = c + 1u) {
+        let xv = x[x0 + c * 4u + g];
+        for (var j = 0u; j < ROWS; j = j + 1u) {
+            let v = w2[wb[j] + c * 4u];
+            acc[j] = fma(bf16x4(v.x, v.y), xv, acc[j]);
+        }
+    }
+    write_rows(lid.x, base, acc);
 }
 
 // Plain read of the same bytes (what the matvec is compared with in `bench kernels`): the same

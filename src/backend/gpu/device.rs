@@ -179,10 +179,14 @@ pub enum MatvecKernel {
     Quad,
     /// `Quad` with E2M1 built in registers.
     QuadAlu,
+    /// `Deep`, bf16 words read as vec2 (`matvec_rows_bf16x2`; MXFP4 as `Deep`).
+    DeepX2,
+    /// `Quad`, bf16 words read as vec2 (MXFP4 as `Quad`).
+    QuadX2,
 }
 
 impl MatvecKernel {
-    pub const ALL: [MatvecKernel; 11] = [
+    pub const ALL: [MatvecKernel; 13] = [
         MatvecKernel::Wide,
         MatvecKernel::Alu,
         MatvecKernel::Deep,
@@ -194,6 +198,8 @@ impl MatvecKernel {
         MatvecKernel::PairPrefetch,
         MatvecKernel::Quad,
         MatvecKernel::QuadAlu,
+        MatvecKernel::DeepX2,
+        MatvecKernel::QuadX2,
     ];
 
     /// The name `DELTAFIN_GPU_MATVEC` takes and `bench kernels` reports.
@@ -210,6 +216,8 @@ impl MatvecKernel {
             MatvecKernel::PairPrefetch => "pair_prefetch",
             MatvecKernel::Quad => "quad",
             MatvecKernel::QuadAlu => "quad_alu",
+            MatvecKernel::DeepX2 => "deep_x2",
+            MatvecKernel::QuadX2 => "quad_x2",
         }
     }
 
@@ -231,7 +239,14 @@ impl MatvecKernel {
             MatvecKernel::PairPrefetch => Some((2, 4, false, true)),
             MatvecKernel::Quad => Some((4, 4, false, false)),
             MatvecKernel::QuadAlu => Some((4, 4, true, false)),
+            MatvecKernel::DeepX2 => Some((1, 8, false, false)),
+            MatvecKernel::QuadX2 => Some((4, 4, false, false)),
         }
+    }
+
+    /// Whether bf16 words are read as vec2 (`matvec_rows_bf16x2`).
+    fn bf16_x2(self) -> bool {
+        matches!(self, MatvecKernel::DeepX2 | MatvecKernel::QuadX2)
     }
 
     /// A one-line description for the bench record.
@@ -239,9 +254,10 @@ impl MatvecKernel {
         match self.config() {
             None => "matvec: 4 threads per row, 1 row per thread, 4 blocks per step, E2M1 table".into(),
             Some((rows, step, arith, prefetch)) => format!(
-                "matvec_rows: 4 threads per row, {rows} row(s) per thread, {step} blocks per step{}, E2M1 {}",
+                "matvec_rows: 4 threads per row, {rows} row(s) per thread, {step} blocks per step{}, E2M1 {}{}",
                 if prefetch { ", next step prefetched" } else { "" },
-                if arith { "built in registers" } else { "table" }
+                if arith { "built in registers" } else { "table" },
+                if self.bf16_x2() { ", bf16 words as vec2 loads" } else { "" }
             ),
         }
     }
@@ -324,6 +340,8 @@ pub struct Gpu {
     /// The other variants' pipelines, built on first use (by `MatvecKernel::ALL` /
     /// `MatmulKernel::ALL` index).
     matvec_variants: [std::sync::OnceLock<wgpu::ComputePipeline>; MatvecKernel::ALL.len()],
+    /// `matvec_rows_bf16x2` per variant that uses it.
+    matvec_bf16x2: [std::sync::OnceLock<wgpu::ComputePipeline>; MatvecKernel::ALL.len()],
     matmul_variants: [std::sync::OnceLock<wgpu::ComputePipeline>; MatmulKernel::ALL.len()],
     pub(super) read_all: wgpu::ComputePipeline,
     fma_probe: wgpu::ComputePipeline,
@@ -468,6 +486,7 @@ impl Gpu {
             matmul,
             matvec,
             matvec_variants: Default::default(),
+            matvec_bf16x2: Default::default(),
             matmul_variants: Default::default(),
             read_all,
             fma_probe,
@@ -712,7 +731,14 @@ impl Gpu {
     ) {
         let mm = self.matmul_kernel;
         let (per_group, inputs_per_group) = if n == 1 { (mv.rows_per_group(), 1) } else { mm.tile() };
-        pass.set_pipeline(if n == 1 { self.matvec_pipeline(mv) } else { self.matmul_pipeline(mm) });
+        let pipeline = if n > 1 {
+            self.matmul_pipeline(mm)
+        } else if kind == Kind::Bf16 && mv.bf16_x2() && r.chunks.iter().all(|c| c.w_off % 2 == 0) {
+            self.matvec_bf16x2_pipeline(mv)
+        } else {
+            self.matvec_pipeline(mv)
+        };
+        pass.set_pipeline(pipeline);
         for c in &r.chunks {
             let p = self.uniform(Params {
                 rows: c.rows as u32,
@@ -748,6 +774,15 @@ impl Gpu {
             let c =
                 [("ROWS", rows as f64), ("STEP", step as f64), ("ARITH", flag(arith)), ("PREFETCH", flag(prefetch))];
             self.pipeline_layout.pipeline_with(&self.device, &self.mv_module, "matvec_rows", &c)
+        })
+    }
+
+    fn matvec_bf16x2_pipeline(&self, k: MatvecKernel) -> &wgpu::ComputePipeline {
+        let Some((rows, step, ..)) = k.config() else { return &self.matvec };
+        let i = MatvecKernel::ALL.iter().position(|&v| v == k).unwrap_or(0);
+        self.matvec_bf16x2[i].get_or_init(|| {
+            let c = [("ROWS", rows as f64), ("STEP", step as f64)];
+            self.pipeline_layout.pipeline_with(&self.device, &self.mv_module, "matvec_rows_bf16x2", &c)
         })
     }
 
