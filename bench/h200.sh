@@ -2,8 +2,9 @@
 # The GPU measurements on the lent NVIDIA H200 (through the device tool, from the repo root there,
 # with the Vulkan loader debs in .gl/ and stripped builds in .dev/: deltafin and the gpu test
 # binary). Writes every record under $OUT:
-#   - bench kernels --backend gpu (MXFP4 and bf16 matvec, new and legacy kernel, vs a plain read
-#     of the same bytes with the same u32 access width; one expert alone; 512-row matmul),
+#   - bench kernels --backend gpu (MXFP4 and bf16 matvec, every `MatvecKernel` variant, vs a plain
+#     read of the same bytes with the same u32 access width; one expert alone; 512-row MXFP4 and
+#     bf16 matmul, every `MatmulKernel` variant: pick the winners from this record),
 #     and the CPU kernels on the same machine;
 #   - the gpu tests (products and the other ops bit-identical to the CPU when the adapter's fma is
 #     fused, tail shapes, the batched expert path equal to the per-expert one; fixtures vs fp64);

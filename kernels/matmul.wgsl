@@ -10,8 +10,12 @@
 //         even-indexed inputs, then the 16 odd ones: `cpu::deinterleave_mxfp4_input`), so element
 //         k of a block is the low nibble of byte k for k < 16 and the high nibble of byte k - 16.
 // The bytes are decoded here, never re-encoded.
+//
+// Entry points: `matmul` (`MatmulKernel::Tiled`, the default: a thread per (weight row, lane),
+// single-byte loads), `matmul_reg` (register-tiled variants: u32 loads, each decoded weight and
+// each staged input used by several outputs; see there), `fma_probe`.
 
-// Params, w, scales, out, p, lut, e2m1 and e8m0: products.wgsl (prepended).
+// Params, w, scales, out, p, lut, e2m1, e8m0, scale_at and bf16x4: products.wgsl (prepended).
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 
 // A workgroup: 16 weight rows x 16 lanes, for XR input rows at once (each weight decoded once,
@@ -116,42 +120,139 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     }
 }
 
-// The first matvec (one input row): 4 weight rows x 16 lanes per workgroup, a thread per (row,
-// lane) reading single bytes. Kept for comparison (`DELTAFIN_GPU_MATVEC=legacy`, `bench kernels`)
-// until the H200 shows matvec.wgsl faster everywhere.
-var<workgroup> vlanes: array<f32, 64>;
+// The register-tiled variant (`MatmulKernel::Reg*`): the same float operations per output as
+// `matmul` in the same order, with fewer loads per multiply-add. A workgroup of 256 threads is
+// 64 slots x 4; thread g of a slot owns lanes 4g..4g+3 (as in matvec.wgsl) of MM_ROWS weight rows
+// (base + 64j + slot) for MM_XR input rows. Per 32-element MXFP4 block it loads one u32 word per
+// weight row (bytes 4g..4g+3: its lanes' low and high nibbles) and one scale, decodes 8 values
+// once and uses them for all MM_XR input rows, whose vec4 inputs (staged in workgroup memory, 256
+// columns per tile) serve all MM_ROWS weight rows. bf16: words 2g, 2g+1 of each 16-element chunk.
+// The 16 lanes of each output meet in workgroup memory (one input row per round) for the tree.
+override MM_ROWS: u32 = 2u;
+override MM_XR: u32 = 8u;
+const RTILE: u32 = 256u;
+// MM_XR x RTILE floats at most (8 input rows); reused for the lanes at the end.
+var<workgroup> xt4: array<vec4<f32>, 512>;
 
-@compute @workgroup_size(64)
-fn matvec_legacy(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
-    let lane = lid.x & 15u;
-    let slot = lid.x >> 4u;
-    let r = wg.x * 4u + slot;
-    let live = r < p.rows;
-    var acc = 0.0;
-    let chunks = (p.cols + 15u) / 16u;
-    for (var c = 0u; c < chunks; c = c + 1u) {
-        let k = c * 16u + lane;
-        var wv = 0.0;
-        var xv = 0.0;
-        if (live && k < p.cols) {
-            wv = weight(r, k);
-            xv = x[p.x_off + k];
-        }
-        acc = fma(wv, xv, acc);
+@compute @workgroup_size(256)
+fn matmul_reg(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
+    if (lid.x < 16u) {
+        lut[lid.x] = e2m1(lid.x);
     }
-    vlanes[lid.x] = acc;
-    workgroupBarrier();
-    if (lane == 0u && live) {
-        let b = slot * 16u;
-        var v8: array<f32, 8>;
-        for (var t = 0u; t < 8u; t = t + 1u) {
-            v8[t] = vlanes[b + t] + vlanes[b + t + 8u];
+    let g = lid.x & 3u;
+    let slot = lid.x >> 2u;
+    let base = wg.x * 64u * MM_ROWS;
+    let i0 = wg.y * MM_XR;
+    var wb: array<u32, 2>;
+    var sb: array<u32, 2>;
+    for (var j = 0u; j < MM_ROWS; j = j + 1u) {
+        // Rows past `rows` read the last row (in bounds) and are not written.
+        let r = min(base + 64u * j + slot, p.rows - 1u);
+        if (p.kind == 1u) {
+            wb[j] = p.w_off + r * (p.cols >> 3u) + g;
+            sb[j] = r * (p.cols >> 5u);
+        } else {
+            wb[j] = p.w_off + r * (p.stride >> 1u) + 2u * g;
         }
-        var v4: array<f32, 4>;
-        for (var t = 0u; t < 4u; t = t + 1u) {
-            v4[t] = v8[t] + v8[t + 4u];
+    }
+    var acc: array<vec4<f32>, 16>;
+    for (var a = 0u; a < MM_ROWS * MM_XR; a = a + 1u) {
+        acc[a] = vec4<f32>(0.0);
+    }
+    // Lane order as on the CPU: up to the columns rounded up to 16, the padding fma(0, 0, acc).
+    let padded = ((p.cols + 15u) / 16u) * 16u;
+    for (var t0 = 0u; t0 < padded; t0 = t0 + RTILE) {
+        for (var v = lid.x; v < MM_XR * (RTILE / 4u); v = v + 256u) {
+            let q = v / (RTILE / 4u);
+            let k = t0 + (v % (RTILE / 4u)) * 4u;
+            var e = vec4<f32>(0.0);
+            if (i0 + q < p.n) {
+                let o = p.x_off + (i0 + q) * p.cols + k;
+                if (k < p.cols) {
+                    e.x = x[o];
+                }
+                if (k + 1u < p.cols) {
+                    e.y = x[o + 1u];
+                }
+                if (k + 2u < p.cols) {
+                    e.z = x[o + 2u];
+                }
+                if (k + 3u < p.cols) {
+                    e.w = x[o + 3u];
+                }
+            }
+            xt4[v] = e;
         }
-        out[p.out_off + p.row0 + r] = (v4[0] + v4[2]) + (v4[1] + v4[3]);
+        workgroupBarrier();
+        let end = min(RTILE, padded - t0);
+        if (p.kind == 1u) {
+            for (var jb = 0u; jb < end / 32u; jb = jb + 1u) {
+                let b = t0 / 32u + jb;
+                var lo: array<vec4<f32>, 2>;
+                var hi: array<vec4<f32>, 2>;
+                for (var j = 0u; j < MM_ROWS; j = j + 1u) {
+                    let word = w[wb[j] + b * 4u];
+                    let s = scale_at(sb[j] + b);
+                    lo[j] = vec4<f32>(
+                        lut[word & 15u] * s,
+                        lut[(word >> 8u) & 15u] * s,
+                        lut[(word >> 16u) & 15u] * s,
+                        lut[(word >> 24u) & 15u] * s,
+                    );
+                    hi[j] = vec4<f32>(
+                        lut[(word >> 4u) & 15u] * s,
+                        lut[(word >> 12u) & 15u] * s,
+                        lut[(word >> 20u) & 15u] * s,
+                        lut[word >> 28u] * s,
+                    );
+                }
+                for (var q = 0u; q < MM_XR; q = q + 1u) {
+                    let xlo = xt4[q * (RTILE / 4u) + jb * 8u + g];
+                    let xhi = xt4[q * (RTILE / 4u) + jb * 8u + 4u + g];
+                    for (var j = 0u; j < MM_ROWS; j = j + 1u) {
+                        let a = j * MM_XR + q;
+                        acc[a] = fma(hi[j], xhi, fma(lo[j], xlo, acc[a]));
+                    }
+                }
+            }
+        } else {
+            for (var jc = 0u; jc < end / 16u; jc = jc + 1u) {
+                let c = t0 / 16u + jc;
+                var wv: array<vec4<f32>, 2>;
+                for (var j = 0u; j < MM_ROWS; j = j + 1u) {
+                    let o = wb[j] + c * 8u;
+                    wv[j] = bf16x4(w[o], w[o + 1u]);
+                }
+                for (var q = 0u; q < MM_XR; q = q + 1u) {
+                    let xv = xt4[q * (RTILE / 4u) + jc * 4u + g];
+                    for (var j = 0u; j < MM_ROWS; j = j + 1u) {
+                        let a = j * MM_XR + q;
+                        acc[a] = fma(wv[j], xv, acc[a]);
+                    }
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var q = 0u; q < MM_XR; q = q + 1u) {
+        for (var j = 0u; j < MM_ROWS; j = j + 1u) {
+            xt4[j * 256u + lid.x] = acc[j * MM_XR + q];
+        }
+        workgroupBarrier();
+        if (g == 0u && i0 + q < p.n) {
+            for (var j = 0u; j < MM_ROWS; j = j + 1u) {
+                let r = base + 64u * j + slot;
+                if (r < p.rows) {
+                    // xt4[j 256 + 4 slot + m] holds lanes 4m..4m+3: the tree as in `matmul`.
+                    let o = j * 256u + slot * 4u;
+                    let v8a = xt4[o] + xt4[o + 2u];
+                    let v8b = xt4[o + 1u] + xt4[o + 3u];
+                    let v4 = v8a + v8b;
+                    out[p.out_off + (i0 + q) * p.out_rows + p.row0 + r] = (v4.x + v4.z) + (v4.y + v4.w);
+                }
+            }
+        }
+        workgroupBarrier();
     }
 }
 

@@ -1,6 +1,6 @@
 // Shared by matmul.wgsl and matvec.wgsl (prepended to each): the product kernels' parameters, the
 // bindings both use (each file declares its own input `x` at binding 2: f32 or vec4<f32>), the
-// E2M1 table in workgroup memory, and the MXFP4 element and scale decoders.
+// E2M1 table in workgroup memory, and the MXFP4 element and scale and the bf16 decoders.
 
 struct Params {
     rows: u32,
@@ -55,4 +55,20 @@ fn e8m0(s: u32) -> f32 {
         return bitcast<f32>(0x7fc00000u);
     }
     return bitcast<f32>(s << 23u);
+}
+
+// The E8M0 scale of block `idx` of the matrix (scales packed four to a word from word `s_off`).
+fn scale_at(idx: u32) -> f32 {
+    let i = p.s_off * 4u + idx;
+    return e8m0((scales[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu);
+}
+
+// bf16 elements 2i, 2i+1 of word a and of word b as f32 (little-endian: the low half first).
+fn bf16x4(a: u32, b: u32) -> vec4<f32> {
+    return vec4<f32>(
+        bitcast<f32>(a << 16u),
+        bitcast<f32>(a & 0xffff0000u),
+        bitcast<f32>(b << 16u),
+        bitcast<f32>(b & 0xffff0000u),
+    );
 }

@@ -22,7 +22,7 @@ mod expert_cache;
 mod experts;
 mod ops;
 
-pub use device::{AdapterSummary, GpuError, MatvecKernel};
+pub use device::{AdapterSummary, GpuError, MatmulKernel, MatvecKernel};
 use ops::{Limits, Ops};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -178,6 +178,17 @@ impl GpuBackend {
     /// Picks the kernel for one input row (tests; `DELTAFIN_GPU_MATVEC` at start otherwise).
     pub fn set_matvec_kernel(&mut self, k: MatvecKernel) {
         self.gpu.matvec_kernel = k;
+    }
+
+    /// The kernel products with several input rows use.
+    pub fn matmul_kernel(&self) -> MatmulKernel {
+        self.gpu.matmul_kernel
+    }
+
+    /// Picks the kernel for several input rows (tests, `bench kernels`; `DELTAFIN_GPU_MATMUL` at
+    /// start otherwise).
+    pub fn set_matmul_kernel(&mut self, k: MatmulKernel) {
+        self.gpu.matmul_kernel = k;
     }
 }
 
