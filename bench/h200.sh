@@ -24,7 +24,15 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 nproc >> "$out/gpu.txt"
 $B bench kernels --backend gpu --reps 20 2>&1 | grep -v XDG_RUNTIME | tee "$out/kernels.jsonl"
 $B bench kernels --rows 512 2>&1 | tee -a "$out/kernels.jsonl"
-.dev/gpu-test --test-threads 1 --nocapture gpu_products batched gpu_ops fixtures_on device_expert_cache 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
+# The fastest matvec (MXFP4) and matmul variants of that record run the engine below (every
+# variant gives the default kernels' bits: tests/gpu.rs). MATVEC / MATMUL override the choice.
+if command -v python3 >/dev/null; then
+  pick() { python3 -c "import json,sys; r=json.loads([l for l in open(sys.argv[1]) if '\"backend\":\"gpu\"' in l][0]); k=[(v,x[len(sys.argv[2]):-len(sys.argv[3])]) for x,v in r.items() if x.startswith(sys.argv[2]) and x.endswith(sys.argv[3])]; print(max(k)[1])" "$out/kernels.jsonl" "$@"; }
+  export DELTAFIN_GPU_MATVEC=${MATVEC:-$(pick mxfp4_matvec_ _weight_gb_s)}
+  export DELTAFIN_GPU_MATMUL=${MATMUL:-$(pick mxfp4_matmul_ _gmac_s)}
+  echo "engine kernels: matvec $DELTAFIN_GPU_MATVEC, matmul $DELTAFIN_GPU_MATMUL" | tee -a "$out/gpu.txt"
+fi
+.dev/gpu-test --test-threads 1 --nocapture gpu_products batched gpu_ops fixtures_on device_expert_cache several 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
 model=/tmp/k3x
 $B synth --preset k3-experts --layers 4 --experts 180 --out "$model" 2>&1 | tail -1
 echo +memory > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true

@@ -311,6 +311,7 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
 /// `mxfp4_matvec_<v>_vs_read`, `mxfp4_matvec_<v>_3072x3584_s`, `bf16_matvec_<v>_weight_gb_s`,
 /// `bf16_matvec_<v>_vs_read`; per matmul variant `m`: `mxfp4_matmul_<m>_gmac_s`,
 /// `bf16_matmul_<m>_gmac_s`. The unprefixed fields are the default kernels' (as in older records).
+/// `round_trip_us`: one tiny product's upload, submission and readback.
 #[cfg(feature = "gpu")]
 fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     use crate::backend::Backend;
@@ -392,6 +393,19 @@ fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
         }
     }
     g.set_matmul_kernel(default_mm);
+    // One tiny product with its upload, submission and readback: what every GPU call costs beyond
+    // its work (a decode step makes about ten per layer).
+    let w = crate::cpu::Bf16Mat::from_vec(vec![0x3c; 16 * 64 * 2], 16, 64);
+    let (x, mut o) = (vec![0.5f32; 64], vec![0f32; 16]);
+    for _ in 0..20 {
+        g.matmul_bf16(&w, &x, &mut o);
+    }
+    let calls = 500;
+    let t = std::time::Instant::now();
+    for _ in 0..calls {
+        g.matmul_bf16(&w, &x, &mut o);
+    }
+    put("round_trip_us".into(), (t.elapsed().as_secs_f64() / calls as f64 * 1e6).into());
     let record = crate::util::bench_record("kernels", serde_json::Value::Object(rec));
     println!("{record}");
     Ok(())
