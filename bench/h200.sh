@@ -2,10 +2,9 @@
 # The GPU measurements on the lent NVIDIA H200 (through the device tool, from the repo root there,
 # with the Vulkan loader debs in .gl/ and stripped builds in .dev/: deltafin and the gpu test
 # binary). Writes every record under $OUT:
-#   - bench kernels --backend gpu (MXFP4 and bf16 matvec, every `MatvecKernel` variant, vs a plain
-#     read of the same bytes with the same u32 access width; one expert alone; 512-row MXFP4 and
-#     bf16 matmul, every `MatmulKernel` variant: pick the winners from this record),
-#     and the CPU kernels on the same machine;
+#   - bench kernels --backend gpu (MXFP4 and bf16 matvec vs a plain read of the same bytes with
+#     the same u32 access width; one expert alone; 512-row MXFP4 and bf16 matmul; the round trip
+#     of one tiny product), and the CPU kernels on the same machine;
 #   - the gpu tests (products and the other ops bit-identical to the CPU when the adapter's fma is
 #     fused, tail shapes, the batched expert path equal to the per-expert one; fixtures vs fp64);
 #   - bench run --backend gpu (with and without a device expert cache that holds every expert)
@@ -24,14 +23,6 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 nproc >> "$out/gpu.txt"
 $B bench kernels --backend gpu --reps 20 2>&1 | grep -v XDG_RUNTIME | tee "$out/kernels.jsonl"
 $B bench kernels --rows 512 2>&1 | tee -a "$out/kernels.jsonl"
-# The fastest matvec (MXFP4) and matmul variants of that record run the engine below (every
-# variant gives the default kernels' bits: tests/gpu.rs). MATVEC / MATMUL override the choice.
-if command -v python3 >/dev/null; then
-  pick() { python3 -c "import json,sys; r=json.loads([l for l in open(sys.argv[1]) if '\"backend\":\"gpu\"' in l][0]); k=[(v,x[len(sys.argv[2]):-len(sys.argv[3])]) for x,v in r.items() if x.startswith(sys.argv[2]) and x.endswith(sys.argv[3])]; print(max(k)[1])" "$out/kernels.jsonl" "$@"; }
-  export DELTAFIN_GPU_MATVEC=${MATVEC:-$(pick mxfp4_matvec_ _weight_gb_s)}
-  export DELTAFIN_GPU_MATMUL=${MATMUL:-$(pick mxfp4_matmul_ _gmac_s)}
-  echo "engine kernels: matvec $DELTAFIN_GPU_MATVEC, matmul $DELTAFIN_GPU_MATMUL" | tee -a "$out/gpu.txt"
-fi
 .dev/gpu-test --test-threads 1 --nocapture gpu_products batched gpu_ops fixtures_on device_expert_cache several 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
 model=/tmp/k3x
 $B synth --preset k3-experts --layers 4 --experts 180 --out "$model" 2>&1 | tail -1

@@ -11,131 +11,29 @@
 //         k of a block is the low nibble of byte k for k < 16 and the high nibble of byte k - 16.
 // The bytes are decoded here, never re-encoded.
 //
-// Entry points: `matmul` (`MatmulKernel::Tiled`, the default: a thread per (weight row, lane),
-// single-byte loads), `matmul_reg` (register-tiled variants: u32 loads, each decoded weight and
-// each staged input used by several outputs; see there), `fma_probe`.
+// Entry points: `matmul` (u32 loads, each decoded weight and each staged input used by several
+// outputs; see there) and `fma_probe`. One input row goes to matvec.wgsl.
 
 // Params, w, scales, out, p, lut, e2m1, e8m0, scale_at and bf16x4: products.wgsl (prepended).
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 
-// A workgroup: 16 weight rows x 16 lanes, for XR input rows at once (each weight decoded once,
-// used XR times); the input rows are staged in workgroup memory TILE elements at a time.
-const ROWS_PER_GROUP: u32 = 16u;
-const XR: u32 = 4u;
-const TILE: u32 = 512u;
-var<workgroup> lanes: array<f32, 1024>;
-var<workgroup> xt: array<f32, 2048>;
-
-fn byte_at(idx: u32) -> u32 {
-    let i = p.w_off * 4u + idx;
-    return (w[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu;
-}
-
-// MXFP4 element k of row r: its E2M1 code and its block's E8M0 scale byte.
-fn mx_code_scale(r: u32, k: u32) -> vec2<u32> {
-    let b = k >> 5u;
-    let j = k & 31u;
-    let byte = byte_at(r * (p.cols >> 1u) + b * 16u + (j & 15u));
-    let si = p.s_off * 4u + r * (p.cols >> 5u) + b;
-    return vec2<u32>(select(byte & 15u, byte >> 4u, j >= 16u), (scales[si >> 2u] >> ((si & 3u) * 8u)) & 0xffu);
-}
-
-fn weight(r: u32, k: u32) -> f32 {
-    if (p.kind == 0u) {
-        let idx = r * p.stride + k;
-        let word = w[p.w_off + (idx >> 1u)];
-        let bits = select(word & 0xffffu, word >> 16u, (idx & 1u) == 1u);
-        return bitcast<f32>(bits << 16u);
-    }
-    let cs = mx_code_scale(r, k);
-    return e2m1(cs.x) * e8m0(cs.y);
-}
-
-// `weight` with the E2M1 value from the workgroup table (same value, same product).
-fn weight_lut(r: u32, k: u32) -> f32 {
-    if (p.kind == 0u) {
-        return weight(r, k);
-    }
-    let cs = mx_code_scale(r, k);
-    return lut[cs.x] * e8m0(cs.y);
-}
-
-@compute @workgroup_size(256)
-fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
-    if (lid.x < 16u) {
-        lut[lid.x] = e2m1(lid.x);
-    }
-    let lane = lid.x & 15u;
-    let slot = lid.x >> 4u;
-    let r = wg.x * ROWS_PER_GROUP + slot;
-    let i0 = wg.y * XR;
-    let live = r < p.rows;
-    var acc = array<f32, 4>(0.0, 0.0, 0.0, 0.0);
-    // Lane order as on the CPU: elements lane, lane + 16, ... up to the columns rounded up to 16
-    // (the padding contributes fma(0, 0, acc)).
-    let padded = ((p.cols + 15u) / 16u) * 16u;
-    for (var t0 = 0u; t0 < padded; t0 = t0 + TILE) {
-        for (var j = lid.x; j < XR * TILE; j = j + 256u) {
-            let q = j / TILE;
-            let k = t0 + (j % TILE);
-            var v = 0.0;
-            if (k < p.cols && i0 + q < p.n) {
-                v = x[p.x_off + (i0 + q) * p.cols + k];
-            }
-            xt[j] = v;
-        }
-        workgroupBarrier();
-        let end = min(TILE, padded - t0);
-        for (var c = lane; c < end; c = c + 16u) {
-            let k = t0 + c;
-            var wv = 0.0;
-            if (live && k < p.cols) {
-                wv = weight_lut(r, k);
-            }
-            for (var q = 0u; q < XR; q = q + 1u) {
-                acc[q] = fma(wv, xt[q * TILE + c], acc[q]);
-            }
-        }
-        workgroupBarrier();
-    }
-    for (var q = 0u; q < XR; q = q + 1u) {
-        lanes[q * 256u + lid.x] = acc[q];
-    }
-    workgroupBarrier();
-    // The fixed tree per (input row, weight row): lanes (l, l+8), (l, l+4), (l, l+2), (l, l+1).
-    if (lane < XR && live && i0 + lane < p.n) {
-        let q = lane;
-        let b = q * 256u + slot * 16u;
-        var v8: array<f32, 8>;
-        for (var t = 0u; t < 8u; t = t + 1u) {
-            v8[t] = lanes[b + t] + lanes[b + t + 8u];
-        }
-        var v4: array<f32, 4>;
-        for (var t = 0u; t < 4u; t = t + 1u) {
-            v4[t] = v8[t] + v8[t + 4u];
-        }
-        let v2a = v4[0] + v4[2];
-        let v2b = v4[1] + v4[3];
-        out[p.out_off + (i0 + q) * p.out_rows + p.row0 + r] = v2a + v2b;
-    }
-}
-
-// The register-tiled variant (`MatmulKernel::Reg*`): the same float operations per output as
-// `matmul` in the same order, with fewer loads per multiply-add. A workgroup of 256 threads is
-// 64 slots x 4; thread g of a slot owns lanes 4g..4g+3 (as in matvec.wgsl) of MM_ROWS weight rows
+// Several input rows (`n > 1`), register-tiled so that each load serves several multiply-adds. A
+// workgroup of 256 threads is 64 slots x 4; thread g of a slot owns lanes 4g..4g+3 (as in matvec.wgsl) of MM_ROWS weight rows
 // (base + 64j + slot) for MM_XR input rows. Per 32-element MXFP4 block it loads one u32 word per
 // weight row (bytes 4g..4g+3: its lanes' low and high nibbles) and one scale, decodes 8 values
 // once and uses them for all MM_XR input rows, whose vec4 inputs (staged in workgroup memory, 256
 // columns per tile) serve all MM_ROWS weight rows. bf16: words 2g, 2g+1 of each 16-element chunk.
 // The 16 lanes of each output meet in workgroup memory (one input row per round) for the tree.
-override MM_ROWS: u32 = 2u;
-override MM_XR: u32 = 8u;
+// Measured on the H200 (2026-12-01, 512 input rows): 1 x 8 ran MXFP4 at 1,997 GMAC/s, 2 x 8 at 1,563,
+// 2 x 4 at 1,838, the earlier byte-loading kernel at 151.
+const MM_ROWS: u32 = 1u;
+const MM_XR: u32 = 8u;
 const RTILE: u32 = 256u;
 // MM_XR x RTILE floats at most (8 input rows); reused for the lanes at the end.
 var<workgroup> xt4: array<vec4<f32>, 512>;
 
 @compute @workgroup_size(256)
-fn matmul_reg(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
+fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
     if (lid.x < 16u) {
         lut[lid.x] = e2m1(lid.x);
     }
@@ -243,7 +141,7 @@ fn matmul_reg(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_i
             for (var j = 0u; j < MM_ROWS; j = j + 1u) {
                 let r = base + 64u * j + slot;
                 if (r < p.rows) {
-                    // xt4[j 256 + 4 slot + m] holds lanes 4m..4m+3: the tree as in `matmul`.
+                    // xt4[j 256 + 4 slot + m] holds lanes 4m..4m+3: the tree (l, l+8), (l, l+4), ...
                     let o = j * 256u + slot * 4u;
                     let v8a = xt4[o] + xt4[o + 2u];
                     let v8b = xt4[o + 1u] + xt4[o + 3u];

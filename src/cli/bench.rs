@@ -304,95 +304,51 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     Ok(())
 }
 
-/// The GPU kernels at K3's shapes, every variant in one run: the MXFP4 matvec over one MoE
-/// layer's 16 routed w1 matrices (49152 x 3584, larger than any GPU's L2) and the bf16 trunk matvec
-/// (12288 x 7168), each against a plain read of the same bytes, one expert's w1 alone (3072 x
-/// 3584), and the `rows`-row expert matmul. Per matvec variant `v`: `mxfp4_matvec_<v>_weight_gb_s`,
-/// `mxfp4_matvec_<v>_vs_read`, `mxfp4_matvec_<v>_3072x3584_s`, `bf16_matvec_<v>_weight_gb_s`,
-/// `bf16_matvec_<v>_vs_read`; per matmul variant `m`: `mxfp4_matmul_<m>_gmac_s`,
-/// `bf16_matmul_<m>_gmac_s`. The unprefixed fields are the default kernels' (as in older records).
+/// The GPU kernels at K3's shapes: the MXFP4 matvec over one MoE layer's 16 routed w1 matrices
+/// (49152 x 3584, larger than any GPU's L2) and the bf16 trunk matvec (12288 x 7168), each against
+/// a plain read of the same bytes; one expert's w1 alone (3072 x 3584); the `rows`-row MXFP4
+/// matmul on one expert's w1 and bf16 matmul on `routed_expert_down_proj` (3584 x 7168).
 /// `round_trip_us`: one tiny product's upload, submission and readback.
 #[cfg(feature = "gpu")]
 fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     use crate::backend::Backend;
-    use crate::backend::gpu::{BenchKind, GpuBackend, MatmulKernel, MatvecKernel};
-    let mut g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
+    use crate::backend::gpu::{BenchKind, GpuBackend};
+    let g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
     let reps = a.reps.max(1);
     let (mr, mc) = (16 * 3072usize, 3584usize);
     let mx_bytes = (mr * mc / 2 + mr * mc / 32) as f64;
     let (er, ec) = (3072usize, 3584usize);
     let (br, bc) = (12288usize, 7168usize);
     let bf_bytes = (br * bc * 2) as f64;
-    let (default_mv, default_mm) = (g.matvec_kernel(), g.matmul_kernel());
-    let mut rec = serde_json::Map::new();
-    let mut put = |k: String, v: serde_json::Value| {
-        rec.insert(k, v);
-    };
-    put("backend".into(), "gpu".into());
-    put("adapter".into(), g.describe().into());
-    put("fma_fused".into(), g.fma_is_fused().into());
-    put("reps".into(), reps.into());
-    put("mxfp4_matvec_shape".into(), serde_json::json!([mr, mc]));
-    put("bf16_matvec_shape".into(), serde_json::json!([br, bc]));
-    put(
-        "plain_read".into(),
-        "u32 per thread per load, 4 loads in flight, consecutive threads on consecutive words".into(),
-    );
-    put("matvec_default".into(), default_mv.name().into());
-    put("matmul_default".into(), default_mm.name().into());
-    let (mut mx_read, mut bf_read) = (f64::INFINITY, f64::INFINITY);
-    let mut mx_times = Vec::new();
-    for k in MatvecKernel::ALL {
-        let (mv, mread) = g.time_product(BenchKind::Mxfp4, mr, mc, 1, reps, k);
-        let (ev, _) = g.time_product(BenchKind::Mxfp4, er, ec, 1, reps, k);
-        let (bv, bread) = g.time_product(BenchKind::Bf16, br, bc, 1, reps, k);
-        // The fastest of the plain reads timed alongside (the same dispatch each time).
-        mx_read = mx_read.min(mread);
-        bf_read = bf_read.min(bread);
-        mx_times.push((k, mv, ev, bv));
-    }
-    put("mxfp4_plain_read_gb_s".into(), (mx_bytes / mx_read / 1e9).into());
-    put("bf16_plain_read_gb_s".into(), (bf_bytes / bf_read / 1e9).into());
-    for (k, mv, ev, bv) in mx_times {
-        let n = k.name();
-        put(format!("matvec_{n}"), k.describe().into());
-        put(format!("mxfp4_matvec_{n}_s"), mv.into());
-        put(format!("mxfp4_matvec_{n}_weight_gb_s"), (mx_bytes / mv / 1e9).into());
-        put(format!("mxfp4_matvec_{n}_vs_read"), (mx_read / mv).into());
-        put(format!("mxfp4_matvec_{n}_3072x3584_s"), ev.into());
-        put(format!("bf16_matvec_{n}_s"), bv.into());
-        put(format!("bf16_matvec_{n}_weight_gb_s"), (bf_bytes / bv / 1e9).into());
-        put(format!("bf16_matvec_{n}_vs_read"), (bf_read / bv).into());
-        if k == default_mv {
-            put("mxfp4_matvec_s".into(), mv.into());
-            put("mxfp4_matvec_weight_gb_s".into(), (mx_bytes / mv / 1e9).into());
-            put("mxfp4_matvec_vs_read".into(), (mx_read / mv).into());
-            put("mxfp4_matvec_3072x3584_s".into(), ev.into());
-            put("bf16_matvec_12288x7168_s".into(), bv.into());
-            put("bf16_matvec_weight_gb_s".into(), (bf_bytes / bv / 1e9).into());
-            put("bf16_matvec_vs_read".into(), (bf_read / bv).into());
-        }
-    }
-    // Matmul: one expert's w1 and a prompt-sized bf16 projection (routed_expert_down_proj
-    // 3584 x 7168) on `rows` input rows.
     let (dr, dc) = (3584usize, 7168usize);
-    put("mxfp4_matmul_rows".into(), a.rows.into());
-    put("bf16_matmul_shape".into(), serde_json::json!([dr, dc]));
-    for k in MatmulKernel::ALL {
-        g.set_matmul_kernel(k);
-        let n = k.name();
-        let (mm, _) = g.time_product(BenchKind::Mxfp4, er, ec, a.rows, reps.div_ceil(4), default_mv);
-        let (bm, _) = g.time_product(BenchKind::Bf16, dr, dc, a.rows, reps.div_ceil(4), default_mv);
-        let (mx_gmac, bf_gmac) = ((er * ec * a.rows) as f64 / mm / 1e9, (dr * dc * a.rows) as f64 / bm / 1e9);
-        put(format!("matmul_{n}"), k.describe().into());
-        put(format!("mxfp4_matmul_{n}_gmac_s"), mx_gmac.into());
-        put(format!("bf16_matmul_{n}_gmac_s"), bf_gmac.into());
-        if k == default_mm {
-            put("mxfp4_matmul_gmac_s".into(), mx_gmac.into());
-            put("bf16_matmul_gmac_s".into(), bf_gmac.into());
-        }
-    }
-    g.set_matmul_kernel(default_mm);
+    let mut rec = serde_json::Map::new();
+    let mut put = |k: &str, v: serde_json::Value| {
+        rec.insert(k.to_string(), v);
+    };
+    put("backend", "gpu".into());
+    put("adapter", g.describe().into());
+    put("fma_fused", g.fma_is_fused().into());
+    put("reps", reps.into());
+    put("plain_read", "u32 per thread per load, 4 loads in flight, consecutive threads on consecutive words".into());
+    let (mv, mread) = g.time_product(BenchKind::Mxfp4, mr, mc, 1, reps);
+    let (ev, _) = g.time_product(BenchKind::Mxfp4, er, ec, 1, reps);
+    let (bv, bread) = g.time_product(BenchKind::Bf16, br, bc, 1, reps);
+    put("mxfp4_matvec_shape", serde_json::json!([mr, mc]));
+    put("mxfp4_matvec_s", mv.into());
+    put("mxfp4_matvec_weight_gb_s", (mx_bytes / mv / 1e9).into());
+    put("mxfp4_plain_read_gb_s", (mx_bytes / mread / 1e9).into());
+    put("mxfp4_matvec_vs_read", (mread / mv).into());
+    put("mxfp4_matvec_3072x3584_s", ev.into());
+    put("bf16_matvec_12288x7168_s", bv.into());
+    put("bf16_matvec_weight_gb_s", (bf_bytes / bv / 1e9).into());
+    put("bf16_plain_read_gb_s", (bf_bytes / bread / 1e9).into());
+    put("bf16_matvec_vs_read", (bread / bv).into());
+    let (mm, _) = g.time_product(BenchKind::Mxfp4, er, ec, a.rows, reps.div_ceil(4));
+    let (bm, _) = g.time_product(BenchKind::Bf16, dr, dc, a.rows, reps.div_ceil(4));
+    put("mxfp4_matmul_rows", a.rows.into());
+    put("mxfp4_matmul_gmac_s", ((er * ec * a.rows) as f64 / mm / 1e9).into());
+    put("bf16_matmul_shape", serde_json::json!([dr, dc]));
+    put("bf16_matmul_gmac_s", ((dr * dc * a.rows) as f64 / bm / 1e9).into());
     // One tiny product with its upload, submission and readback: what every GPU call costs beyond
     // its work (a decode step makes about ten per layer).
     let w = crate::cpu::Bf16Mat::from_vec(vec![0x3c; 16 * 64 * 2], 16, 64);
@@ -405,7 +361,7 @@ fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     for _ in 0..calls {
         g.matmul_bf16(&w, &x, &mut o);
     }
-    put("round_trip_us".into(), (t.elapsed().as_secs_f64() / calls as f64 * 1e6).into());
+    put("round_trip_us", (t.elapsed().as_secs_f64() / calls as f64 * 1e6).into());
     let record = crate::util::bench_record("kernels", serde_json::Value::Object(rec));
     println!("{record}");
     Ok(())

@@ -8,7 +8,7 @@
 //! writes one partial per thread (under 2% of the bytes read).
 
 use super::BenchKind;
-use super::device::{Gpu, Kind, MatvecKernel};
+use super::device::{Gpu, Kind};
 use crate::cpu::{Bf16Mat, Mxfp4Mat};
 use std::time::Instant;
 
@@ -16,17 +16,9 @@ use std::time::Instant;
 const WORDS_PER_THREAD: u64 = 64;
 
 impl Gpu {
-    /// Seconds per product dispatch (weights resident, `n` input rows, `mv` for `n == 1`) and per
+    /// Seconds per product dispatch (weights resident, `n` input rows) and per
     /// plain read of the same weight bytes, each averaged over `reps` dispatches.
-    pub fn time_product(
-        &self,
-        kind: BenchKind,
-        rows: usize,
-        cols: usize,
-        n: usize,
-        reps: usize,
-        mv: MatvecKernel,
-    ) -> (f64, f64) {
+    pub fn time_product(&self, kind: BenchKind, rows: usize, cols: usize, n: usize, reps: usize) -> (f64, f64) {
         let mut seed = 7u64;
         let mut byte = || {
             seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
@@ -55,7 +47,7 @@ impl Gpu {
                     timestamp_writes: None,
                 });
                 for _ in 0..reps {
-                    self.encode_products(&mut pass, &r, k, &x, 0, &o, 0, n, mv);
+                    self.encode_products(&mut pass, &r, k, &x, 0, &o, 0, n);
                 }
             }
             let t = Instant::now();

@@ -1,6 +1,5 @@
-//! The wgpu device, the kernels' pipelines (the candidate product kernels' — [`MatvecKernel`],
-//! [`MatmulKernel`] — built on first use), pooled buffers, resident matrices and the encoding,
-//! dispatch and readback of products. [`Gpu::matmul`] is one submission that ends with its result
+//! The wgpu device, the product kernels' pipelines, pooled buffers, resident matrices and the
+//! encoding, dispatch and readback of products. [`Gpu::matmul`] is one submission that ends with its result
 //! read back; the batched expert path (`experts.rs`) encodes many products into one submission.
 //!
 //! Layout contract shared with the kernels: bf16 rows are stored padded with zeros to a multiple
@@ -57,30 +56,20 @@ impl ComputeLayout {
 
     /// The compute pipeline of `entry` in `module` on this layout.
     pub fn pipeline(&self, device: &wgpu::Device, module: &wgpu::ShaderModule, entry: &str) -> wgpu::ComputePipeline {
-        self.pipeline_with(device, module, entry, &[])
-    }
-
-    /// [`Self::pipeline`] with the module's override constants set (`name`, value).
-    pub fn pipeline_with(
-        &self,
-        device: &wgpu::Device,
-        module: &wgpu::ShaderModule,
-        entry: &str,
-        constants: &[(&str, f64)],
-    ) -> wgpu::ComputePipeline {
         device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some(entry),
             layout: Some(&self.pipeline),
             module,
             entry_point: Some(entry),
-            compilation_options: wgpu::PipelineCompilationOptions { constants, ..Default::default() },
+            compilation_options: Default::default(),
             cache: None,
         })
     }
 }
-const ROWS_PER_GROUP: usize = 16;
-/// Input rows per workgroup (`XR` in the kernel).
-const XR: usize = 4;
+
+/// Weight rows and input rows per workgroup of `matmul` (64 `MM_ROWS` and `MM_XR` in the kernel).
+const ROWS_PER_GROUP: usize = 64;
+const XR: usize = 8;
 /// Weight rows per workgroup of `matvec.wgsl`.
 const MATVEC_ROWS: usize = 16;
 /// Workgroups per dispatch dimension (WebGPU's guaranteed limit).
@@ -150,206 +139,16 @@ struct Pool {
     free: std::sync::Mutex<std::collections::HashMap<(u32, u64), Vec<wgpu::Buffer>>>,
 }
 
-/// Which one-input-row kernel products with `n == 1` use. Every variant performs the same float
-/// operations in the same order per output (the same bits on any adapter); they differ in how the
-/// work is laid out, and `bench kernels` times each.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MatvecKernel {
-    /// `matvec` in `matvec.wgsl`: 4 threads per row, u32 loads, 4 blocks (chunks) per step, E2M1
-    /// from the shared table.
-    Wide,
-    /// `matvec_rows`, one row per thread, 4 blocks per step, E2M1 built in registers.
-    Alu,
-    /// `matvec_rows`, one row per thread, 8 blocks per step (8 loads in flight; bf16 16).
-    Deep,
-    /// `Deep` with E2M1 built in registers.
-    DeepAlu,
-    /// `matvec_rows`, one row per thread, 16 blocks per step (256 bytes of a row per step).
-    Deep16,
-    /// `matvec_rows`, 2 rows per thread (each input load serves both), 4 blocks per step.
-    Pair,
-    /// `Pair` with 8 blocks per step (16 loads in flight).
-    PairDeep,
-    /// `matvec_rows`, one row per thread, 4 blocks per step, the next step's words loaded before
-    /// the current one is computed.
-    Prefetch,
-    /// `Prefetch` with 2 rows per thread.
-    PairPrefetch,
-    /// `matvec_rows`, 4 rows per thread, 4 blocks per step (16 loads in flight).
-    Quad,
-    /// `Quad` with E2M1 built in registers.
-    QuadAlu,
-    /// `Deep`, bf16 words read as vec2 (`matvec_rows_bf16x2`; MXFP4 as `Deep`).
-    DeepX2,
-    /// `Quad`, bf16 words read as vec2 (MXFP4 as `Quad`).
-    QuadX2,
-}
-
-impl MatvecKernel {
-    pub const ALL: [MatvecKernel; 13] = [
-        MatvecKernel::Wide,
-        MatvecKernel::Alu,
-        MatvecKernel::Deep,
-        MatvecKernel::DeepAlu,
-        MatvecKernel::Deep16,
-        MatvecKernel::Pair,
-        MatvecKernel::PairDeep,
-        MatvecKernel::Prefetch,
-        MatvecKernel::PairPrefetch,
-        MatvecKernel::Quad,
-        MatvecKernel::QuadAlu,
-        MatvecKernel::DeepX2,
-        MatvecKernel::QuadX2,
-    ];
-
-    /// The name `DELTAFIN_GPU_MATVEC` takes and `bench kernels` reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            MatvecKernel::Wide => "wide",
-            MatvecKernel::Alu => "alu",
-            MatvecKernel::Deep => "deep",
-            MatvecKernel::DeepAlu => "deep_alu",
-            MatvecKernel::Deep16 => "deep16",
-            MatvecKernel::Pair => "pair",
-            MatvecKernel::PairDeep => "pair_deep",
-            MatvecKernel::Prefetch => "prefetch",
-            MatvecKernel::PairPrefetch => "pair_prefetch",
-            MatvecKernel::Quad => "quad",
-            MatvecKernel::QuadAlu => "quad_alu",
-            MatvecKernel::DeepX2 => "deep_x2",
-            MatvecKernel::QuadX2 => "quad_x2",
-        }
-    }
-
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| k.name() == name)
-    }
-
-    /// `matvec_rows`'s (ROWS, STEP, ARITH, PREFETCH); None for `Wide`.
-    fn config(self) -> Option<(usize, usize, bool, bool)> {
-        match self {
-            MatvecKernel::Wide => None,
-            MatvecKernel::Alu => Some((1, 4, true, false)),
-            MatvecKernel::Deep => Some((1, 8, false, false)),
-            MatvecKernel::DeepAlu => Some((1, 8, true, false)),
-            MatvecKernel::Deep16 => Some((1, 16, false, false)),
-            MatvecKernel::Pair => Some((2, 4, false, false)),
-            MatvecKernel::PairDeep => Some((2, 8, false, false)),
-            MatvecKernel::Prefetch => Some((1, 4, false, true)),
-            MatvecKernel::PairPrefetch => Some((2, 4, false, true)),
-            MatvecKernel::Quad => Some((4, 4, false, false)),
-            MatvecKernel::QuadAlu => Some((4, 4, true, false)),
-            MatvecKernel::DeepX2 => Some((1, 8, false, false)),
-            MatvecKernel::QuadX2 => Some((4, 4, false, false)),
-        }
-    }
-
-    /// Whether bf16 words are read as vec2 (`matvec_rows_bf16x2`).
-    fn bf16_x2(self) -> bool {
-        matches!(self, MatvecKernel::DeepX2 | MatvecKernel::QuadX2)
-    }
-
-    /// A one-line description for the bench record.
-    pub fn describe(self) -> String {
-        match self.config() {
-            None => "matvec: 4 threads per row, 1 row per thread, 4 blocks per step, E2M1 table".into(),
-            Some((rows, step, arith, prefetch)) => format!(
-                "matvec_rows: 4 threads per row, {rows} row(s) per thread, {step} blocks per step{}, E2M1 {}{}",
-                if prefetch { ", next step prefetched" } else { "" },
-                if arith { "built in registers" } else { "table" },
-                if self.bf16_x2() { ", bf16 words as vec2 loads" } else { "" }
-            ),
-        }
-    }
-
-    /// Weight rows per workgroup.
-    fn rows_per_group(self) -> usize {
-        self.config().map_or(MATVEC_ROWS, |(rows, ..)| MATVEC_ROWS * rows)
-    }
-}
-
-/// Which kernel products with `n > 1` use (the same float operations in the same order per
-/// output in each; `bench kernels` times each).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MatmulKernel {
-    /// `matmul`: a thread per (weight row, lane), 4 input rows, single-byte weight loads.
-    Tiled,
-    /// `matmul_reg`: 4 threads per weight row (4 lanes each, u32 loads), 2 weight rows x 8 input
-    /// rows per thread.
-    Reg2x8,
-    /// `matmul_reg`, 1 weight row x 8 input rows per thread.
-    Reg1x8,
-    /// `matmul_reg`, 2 weight rows x 4 input rows per thread.
-    Reg2x4,
-}
-
-impl MatmulKernel {
-    pub const ALL: [MatmulKernel; 4] =
-        [MatmulKernel::Tiled, MatmulKernel::Reg2x8, MatmulKernel::Reg1x8, MatmulKernel::Reg2x4];
-
-    /// The name `DELTAFIN_GPU_MATMUL` takes and `bench kernels` reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            MatmulKernel::Tiled => "tiled",
-            MatmulKernel::Reg2x8 => "reg2x8",
-            MatmulKernel::Reg1x8 => "reg1x8",
-            MatmulKernel::Reg2x4 => "reg2x4",
-        }
-    }
-
-    pub fn from_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| k.name() == name)
-    }
-
-    /// `matmul_reg`'s (MM_ROWS, MM_XR); None for `Tiled`.
-    fn config(self) -> Option<(usize, usize)> {
-        match self {
-            MatmulKernel::Tiled => None,
-            MatmulKernel::Reg2x8 => Some((2, 8)),
-            MatmulKernel::Reg1x8 => Some((1, 8)),
-            MatmulKernel::Reg2x4 => Some((2, 4)),
-        }
-    }
-
-    /// A one-line description for the bench record.
-    pub fn describe(self) -> String {
-        match self.config() {
-            None => "matmul: 16 weight rows x 16 lanes per workgroup, 4 input rows, byte loads".into(),
-            Some((rows, xr)) => format!(
-                "matmul_reg: 4 threads per weight row, {rows} weight row(s) x {xr} input rows per thread, u32 loads"
-            ),
-        }
-    }
-
-    /// (weight rows, input rows) per workgroup.
-    fn tile(self) -> (usize, usize) {
-        self.config().map_or((ROWS_PER_GROUP, XR), |(rows, xr)| (64 * rows, xr))
-    }
-}
-
 pub struct Gpu {
     pool: Pool,
     pub(super) device: wgpu::Device,
     pub(super) queue: wgpu::Queue,
     layout: wgpu::BindGroupLayout,
-    pipeline_layout: ComputeLayout,
-    module: wgpu::ShaderModule,
-    mv_module: wgpu::ShaderModule,
     matmul: wgpu::ComputePipeline,
     matvec: wgpu::ComputePipeline,
-    /// The other variants' pipelines, built on first use (by `MatvecKernel::ALL` /
-    /// `MatmulKernel::ALL` index).
-    matvec_variants: [std::sync::OnceLock<wgpu::ComputePipeline>; MatvecKernel::ALL.len()],
-    /// `matvec_rows_bf16x2` per variant that uses it.
-    matvec_bf16x2: [std::sync::OnceLock<wgpu::ComputePipeline>; MatvecKernel::ALL.len()],
-    matmul_variants: [std::sync::OnceLock<wgpu::ComputePipeline>; MatmulKernel::ALL.len()],
     pub(super) read_all: wgpu::ComputePipeline,
     fma_probe: wgpu::ComputePipeline,
     pub(super) empty: wgpu::Buffer,
-    /// The kernel for `n == 1` (`DELTAFIN_GPU_MATVEC=<name>` at start; `Wide` otherwise).
-    pub matvec_kernel: MatvecKernel,
-    /// The kernel for `n > 1` (`DELTAFIN_GPU_MATMUL=<name>` at start; `Tiled` otherwise).
-    pub matmul_kernel: MatmulKernel,
     pub summary: AdapterSummary,
 }
 
@@ -453,16 +252,6 @@ impl Gpu {
         let matmul = pipeline(&module, "matmul");
         let (matvec, read_all) = (pipeline(&mv_module, "matvec"), pipeline(&mv_module, "read_all"));
         let fma_probe = pipeline(&module, "fma_probe");
-        // A name that names no kernel warns and keeps the default.
-        fn pick<K>(var: &str, from_name: fn(&str) -> Option<K>, default: K) -> K {
-            let Ok(v) = std::env::var(var) else { return default };
-            from_name(&v).unwrap_or_else(|| {
-                tracing::warn!("{var}={v}: no such kernel; the default is used");
-                default
-            })
-        }
-        let matvec_kernel = pick("DELTAFIN_GPU_MATVEC", MatvecKernel::from_name, MatvecKernel::Wide);
-        let matmul_kernel = pick("DELTAFIN_GPU_MATMUL", MatmulKernel::from_name, MatmulKernel::Tiled);
         let empty = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("empty"),
             contents: &[0u8; 64],
@@ -479,20 +268,12 @@ impl Gpu {
             pool: Pool::default(),
             device,
             queue,
-            layout: layout.bind.clone(),
-            pipeline_layout: layout,
-            module,
-            mv_module,
+            layout: layout.bind,
             matmul,
             matvec,
-            matvec_variants: Default::default(),
-            matvec_bf16x2: Default::default(),
-            matmul_variants: Default::default(),
             read_all,
             fma_probe,
             empty,
-            matvec_kernel,
-            matmul_kernel,
             summary,
         })
     }
@@ -715,7 +496,7 @@ impl Gpu {
     }
 
     /// Encodes `out[out_off + i * rows + r] = W[r] . x[x_off + i * cols ..]` for the `n` input
-    /// rows (`n == 1`: the matvec kernel, whose input is padded to the stride; else the tiled one).
+    /// rows (`n == 1`: the matvec kernel, whose input is padded to the stride; else the matmul).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn encode_products(
         &self,
@@ -727,17 +508,9 @@ impl Gpu {
         out: &wgpu::Buffer,
         out_off: usize,
         n: usize,
-        mv: MatvecKernel,
     ) {
-        let mm = self.matmul_kernel;
-        let (per_group, inputs_per_group) = if n == 1 { (mv.rows_per_group(), 1) } else { mm.tile() };
-        let pipeline = if n > 1 {
-            self.matmul_pipeline(mm)
-        } else if kind == Kind::Bf16 && mv.bf16_x2() && r.chunks.iter().all(|c| c.w_off % 2 == 0) {
-            self.matvec_bf16x2_pipeline(mv)
-        } else {
-            self.matvec_pipeline(mv)
-        };
+        let (pipeline, per_group, inputs_per_group) =
+            if n == 1 { (&self.matvec, MATVEC_ROWS, 1) } else { (&self.matmul, ROWS_PER_GROUP, XR) };
         pass.set_pipeline(pipeline);
         for c in &r.chunks {
             let p = self.uniform(Params {
@@ -766,35 +539,6 @@ impl Gpu {
         }
     }
 
-    fn matvec_pipeline(&self, k: MatvecKernel) -> &wgpu::ComputePipeline {
-        let Some((rows, step, arith, prefetch)) = k.config() else { return &self.matvec };
-        let i = MatvecKernel::ALL.iter().position(|&v| v == k).unwrap_or(0);
-        self.matvec_variants[i].get_or_init(|| {
-            let flag = |b: bool| f64::from(u8::from(b));
-            let c =
-                [("ROWS", rows as f64), ("STEP", step as f64), ("ARITH", flag(arith)), ("PREFETCH", flag(prefetch))];
-            self.pipeline_layout.pipeline_with(&self.device, &self.mv_module, "matvec_rows", &c)
-        })
-    }
-
-    fn matvec_bf16x2_pipeline(&self, k: MatvecKernel) -> &wgpu::ComputePipeline {
-        let Some((rows, step, ..)) = k.config() else { return &self.matvec };
-        let i = MatvecKernel::ALL.iter().position(|&v| v == k).unwrap_or(0);
-        self.matvec_bf16x2[i].get_or_init(|| {
-            let c = [("ROWS", rows as f64), ("STEP", step as f64)];
-            self.pipeline_layout.pipeline_with(&self.device, &self.mv_module, "matvec_rows_bf16x2", &c)
-        })
-    }
-
-    fn matmul_pipeline(&self, k: MatmulKernel) -> &wgpu::ComputePipeline {
-        let Some((rows, xr)) = k.config() else { return &self.matmul };
-        let i = MatmulKernel::ALL.iter().position(|&v| v == k).unwrap_or(0);
-        self.matmul_variants[i].get_or_init(|| {
-            let c = [("MM_ROWS", rows as f64), ("MM_XR", xr as f64)];
-            self.pipeline_layout.pipeline_with(&self.device, &self.module, "matmul_reg", &c)
-        })
-    }
-
     /// The input rows `xs` (`cols` each) as the product kernels read them: for `n == 1` padded
     /// with zeros to `stride`.
     pub(super) fn input_bytes(xs: &[f32], cols: usize, stride: usize) -> Vec<u8> {
@@ -818,7 +562,7 @@ impl Gpu {
             {
                 let mut pass = enc
                     .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("matmul"), timestamp_writes: None });
-                self.encode_products(&mut pass, r, kind, &x, 0, &o, 0, nb, self.matvec_kernel);
+                self.encode_products(&mut pass, r, kind, &x, 0, &o, 0, nb);
             }
             let v = self.finish(enc, &o, nb * r.rows);
             out[b0 * r.rows..(b0 + nb) * r.rows].copy_from_slice(&v);

@@ -145,45 +145,15 @@ impl<'a> GpuExperts<'a> {
             let mut pass =
                 enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("experts"), timestamp_writes: None });
             for ((q, &off), (&m, [gate, up, _, _])) in group.iter().zip(&x_off).zip(rows.iter().zip(&bufs)) {
-                g.encode_products(
-                    &mut pass,
-                    &self.mat(q.image.buf(), 0),
-                    Kind::Mxfp4,
-                    &x,
-                    off,
-                    gate,
-                    0,
-                    m,
-                    g.matvec_kernel,
-                );
-                g.encode_products(
-                    &mut pass,
-                    &self.mat(q.image.buf(), 1),
-                    Kind::Mxfp4,
-                    &x,
-                    off,
-                    up,
-                    0,
-                    m,
-                    g.matvec_kernel,
-                );
+                g.encode_products(&mut pass, &self.mat(q.image.buf(), 0), Kind::Mxfp4, &x, off, gate, 0, m);
+                g.encode_products(&mut pass, &self.mat(q.image.buf(), 1), Kind::Mxfp4, &x, off, up, 0, m);
             }
             for (&m, [gate, up, act, _]) in rows.iter().zip(&bufs) {
                 let (beta, lb) = (self.situ.beta, self.situ.linear_beta);
                 self.be.ops.encode_situ_deinterleave(g, &mut pass, gate, up, act, m * inter, beta, lb);
             }
             for ((q, &m), [_, _, act, y]) in group.iter().zip(&rows).zip(&bufs) {
-                g.encode_products(
-                    &mut pass,
-                    &self.mat(q.image.buf(), 2),
-                    Kind::Mxfp4,
-                    act,
-                    0,
-                    y,
-                    0,
-                    m,
-                    g.matvec_kernel,
-                );
+                g.encode_products(&mut pass, &self.mat(q.image.buf(), 2), Kind::Mxfp4, act, 0, y, 0, m);
             }
         }
         let total: usize = rows.iter().map(|m| m * lat).sum();

@@ -22,7 +22,7 @@ mod expert_cache;
 mod experts;
 mod ops;
 
-pub use device::{AdapterSummary, GpuError, MatmulKernel, MatvecKernel};
+pub use device::{AdapterSummary, GpuError};
 use ops::{Limits, Ops};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -155,40 +155,10 @@ impl GpuBackend {
         Arc::clone(&entry.1)
     }
 
-    /// Seconds per dispatch of the product (weights resident; `mv`: the kernel for one input
-    /// row) and of a plain read of the same bytes, each averaged over `reps` dispatches in one
-    /// submission (for `bench kernels`).
-    pub fn time_product(
-        &self,
-        kind: BenchKind,
-        rows: usize,
-        cols: usize,
-        n: usize,
-        reps: usize,
-        mv: MatvecKernel,
-    ) -> (f64, f64) {
-        self.gpu.time_product(kind, rows, cols, n, reps, mv)
-    }
-
-    /// The kernel products with one input row use.
-    pub fn matvec_kernel(&self) -> MatvecKernel {
-        self.gpu.matvec_kernel
-    }
-
-    /// Picks the kernel for one input row (tests; `DELTAFIN_GPU_MATVEC` at start otherwise).
-    pub fn set_matvec_kernel(&mut self, k: MatvecKernel) {
-        self.gpu.matvec_kernel = k;
-    }
-
-    /// The kernel products with several input rows use.
-    pub fn matmul_kernel(&self) -> MatmulKernel {
-        self.gpu.matmul_kernel
-    }
-
-    /// Picks the kernel for several input rows (tests, `bench kernels`; `DELTAFIN_GPU_MATMUL` at
-    /// start otherwise).
-    pub fn set_matmul_kernel(&mut self, k: MatmulKernel) {
-        self.gpu.matmul_kernel = k;
+    /// Seconds per dispatch of the product (weights resident) and of a plain read of the same
+    /// bytes, each averaged over `reps` dispatches in one submission (for `bench kernels`).
+    pub fn time_product(&self, kind: BenchKind, rows: usize, cols: usize, n: usize, reps: usize) -> (f64, f64) {
+        self.gpu.time_product(kind, rows, cols, n, reps)
     }
 }
 
@@ -270,7 +240,7 @@ impl Backend for GpuBackend {
             let mut pass = enc
                 .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("products"), timestamp_writes: None });
             for (r, (o, _)) in rs.iter().zip(&bufs) {
-                g.encode_products(&mut pass, r, Kind::Bf16, &x, 0, o, 0, n, g.matvec_kernel);
+                g.encode_products(&mut pass, r, Kind::Bf16, &x, 0, o, 0, n);
             }
         }
         let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();

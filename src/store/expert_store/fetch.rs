@@ -29,7 +29,7 @@ impl ExpertSource for ExpertStore {
         &'s self,
         layer: usize,
         experts: &[u32],
-        mut then: Option<(usize, &[u32])>,
+        then: Option<(usize, &[u32])>,
         sink: &mut dyn ExpertSink<'s>,
     ) -> Result<(), StoreError> {
         let sh = &*self.shared;
@@ -50,6 +50,7 @@ impl ExpertSource for ExpertStore {
         let mut error: Option<StoreError> = None;
         let mut stopped = false;
         let mut first_pass = true;
+        let mut ahead_armed = false;
         while remaining > 0 {
             let mut ready: Vec<(u32, usize, usize)> = Vec::new();
             {
@@ -156,9 +157,10 @@ impl ExpertSource for ExpertStore {
                         }
                     }
                     first_pass = false;
-                    // Every read of this fetch has a slot: the next layer's reads may start.
-                    if let Some((nl, next)) = then.take_if(|_| !wants.iter().any(|(_, w)| matches!(w, Want::Deferred)))
-                    {
+                    // Once every read of this fetch has a slot, the next layer's reads start, as
+                    // many as slots allow now and more as this layer's experts are released.
+                    ahead_armed = ahead_armed || !wants.iter().any(|(_, w)| matches!(w, Want::Deferred));
+                    if let Some((nl, next)) = then.filter(|_| ahead_armed) {
                         read_ahead(sh, st_ref, nl, next);
                     }
                     if !ready.is_empty() || remaining == 0 {
@@ -191,7 +193,7 @@ impl ExpertSource for ExpertStore {
         if let Some((_, drive)) = last_land {
             lock(sh).drives[drive as usize].counters.lands_last += 1;
         }
-        // Nothing to read for this layer (all cached or held elsewhere): read ahead now.
+        // Every expert of this layer has been released by now: read ahead into what it frees.
         if let Some((nl, next)) = then.filter(|_| error.is_none() && !stopped) {
             read_ahead(sh, &mut lock(sh), nl, next);
         }

@@ -584,6 +584,7 @@ fn read_ahead(sh: &Shared, st: &mut State, layer: usize, experts: &[u32]) {
         if started >= cap {
             break;
         }
+        // Called again as slots free up: what is read or cached already is skipped.
         let key = (layer as u32, e);
         if st.keys.contains_key(&key) || choose_holder(sh, st, key, &[]).is_none() {
             continue;
