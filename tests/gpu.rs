@@ -49,11 +49,12 @@ fn gpu_products_match_fp64_and_the_cpu_bits_when_fma_is_fused() {
     products_match(&g);
 }
 
-/// A random MXFP4 matrix's packed bytes and scales (over a range that includes the subnormal
-/// 2^-127 of byte 0) and `n` deinterleaved input rows.
+/// A random MXFP4 matrix's packed bytes and scales and `n` deinterleaved input rows. The scales
+/// stay clear of byte 0 (2^-127, which makes subnormal weights): the H200 flushes those (measured:
+/// one output of 37 differed by 1.7e-39), so the CPU's bits are not promised for them.
 fn random_mxfp4(rng: &mut Rng, rows: usize, cols: usize, n: usize) -> (Vec<u8>, Vec<u8>, Vec<f32>) {
     let packed = rng.bytes(rows * cols / 2);
-    let scales: Vec<u8> = (0..rows * cols / 32).map(|i| if i % 97 == 3 { 0 } else { 114 + (i % 13) as u8 }).collect();
+    let scales: Vec<u8> = (0..rows * cols / 32).map(|i| 114 + (i % 13) as u8).collect();
     let x = rng.vec(n * cols);
     let mut xd = vec![0f32; x.len()];
     for (s, d) in x.chunks(cols).zip(xd.chunks_mut(cols)) {

@@ -494,3 +494,19 @@ fn experts_read_ahead_for_a_large_batch_are_kept_until_their_layer_and_read_once
     assert_eq!(r.drives[0].reads - before.drives[0].reads, 1, "only expert 9 read for layer 2");
     assert_eq!(r.drives[0].reads, 4 + 4 + 5 + 1, "no expert read twice");
 }
+
+#[test]
+fn read_ahead_continues_layer_after_layer() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let slot = deltafin::store::expert_store::slot_size(m.cfg.expert_bytes()) as u64;
+    let store = shard_store(&m, 8 * slot, 2, 0);
+    let land = |_e: u32, _b: deltafin::store::Landed<'_>| Ok(deltafin::store::Flow::Continue);
+    store.fetch_then(1, &[0, 1], Some((2, &[5, 6, 7, 8][..])), &mut land.clone()).unwrap();
+    // Layer 2 uses what was read ahead for it, and reads ahead for layer 3 as much again.
+    store.fetch_then(2, &[5, 6, 7, 8], Some((3, &[1, 2, 3, 4][..])), &mut land.clone()).unwrap();
+    fetch_each(&*store, 3, &[1, 2, 3, 4], |_, _| {});
+    let r = store.report();
+    assert_eq!((r.prefetch_issued, r.prefetch_used), (8, 8));
+    assert_eq!(r.drives[0].reads, 2 + 4 + 4, "every expert read once");
+}

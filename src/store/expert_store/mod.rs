@@ -578,6 +578,10 @@ impl Drop for ExpertStore {
 /// half of the cache, and ranks above every demanded expert until `layer` is fetched
 /// ([`demote_read_ahead`]). Counted as prefetches (`prefetch_issued` / `prefetch_used`).
 fn read_ahead(sh: &Shared, st: &mut State, layer: usize, experts: &[u32]) {
+    // Only reads still ahead count against the cap (a demanded one is no longer ahead).
+    let slots = std::mem::take(&mut st.sure_slots);
+    st.sure_slots =
+        slots.into_iter().filter(|&s| matches!(st.slots[s], Slot::Ready { sure: true, .. } | Slot::Loading)).collect();
     let cap = (sh.cache_slots / 2).saturating_sub(st.sure_slots.len());
     let mut started = 0;
     for &e in experts {
