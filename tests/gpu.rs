@@ -534,22 +534,3 @@ fn several_products_of_one_input_in_one_submission_give_each_products_bits() {
         }
     }
 }
-
-#[test]
-fn gpu_products_of_the_four_rows_per_thread_matvec_have_the_one_row_kernels_bits() {
-    let Some(mut g) = gpu() else { return };
-    let mut rng = Rng(31);
-    // Rows not a multiple of its 64 per workgroup (and fewer than one); K3's widths.
-    for (rows, cols) in [(1usize, 128usize), (63, 128), (64, 3584), (131, 3584), (67, 7168), (5, 3072)] {
-        let (packed, scales, xd) = random_mxfp4(&mut rng, rows, cols, 1);
-        let w = Mxfp4Mat::new(&packed, &scales, rows, cols);
-        let mut run = |four: bool| {
-            g.set_matvec_rows4(four);
-            let mut o = vec![0f32; rows];
-            g.matmul_mxfp4(&w, &xd, &mut o);
-            o.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
-        };
-        let (one, four) = (run(false), run(true));
-        assert_eq!(four, one, "mxfp4 {rows}x{cols}: four rows per thread differ from one");
-    }
-}

@@ -313,7 +313,7 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
 fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     use crate::backend::Backend;
     use crate::backend::gpu::{BenchKind, GpuBackend};
-    let mut g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
+    let g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
     let reps = a.reps.max(1);
     let (mr, mc) = (16 * 3072usize, 3584usize);
     let mx_bytes = (mr * mc / 2 + mr * mc / 32) as f64;
@@ -330,14 +330,6 @@ fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     put("fma_fused", g.fma_is_fused().into());
     put("reps", reps.into());
     put("plain_read", "u32 per thread per load, 4 loads in flight, consecutive threads on consecutive words".into());
-    // The one-row-per-thread MXFP4 kernel first, for comparison; then the default.
-    let rows4 = g.matvec_rows4();
-    g.set_matvec_rows4(false);
-    let (mv1, mread1) = g.time_product(BenchKind::Mxfp4, mr, mc, 1, reps);
-    g.set_matvec_rows4(rows4);
-    put("mxfp4_matvec_one_row_per_thread_weight_gb_s", (mx_bytes / mv1 / 1e9).into());
-    put("mxfp4_matvec_one_row_per_thread_vs_read", (mread1 / mv1).into());
-    put("mxfp4_matvec_rows_per_thread", if rows4 { 4 } else { 1 }.into());
     let (mv, mread) = g.time_product(BenchKind::Mxfp4, mr, mc, 1, reps);
     let (ev, _) = g.time_product(BenchKind::Mxfp4, er, ec, 1, reps);
     let (bv, bread) = g.time_product(BenchKind::Bf16, br, bc, 1, reps);

@@ -146,11 +146,6 @@ pub struct Gpu {
     layout: wgpu::BindGroupLayout,
     matmul: wgpu::ComputePipeline,
     matvec: wgpu::ComputePipeline,
-    /// MXFP4, four rows per thread (`matvec4`).
-    matvec4: wgpu::ComputePipeline,
-    /// Whether MXFP4 products of one input row use `matvec4` where they can (else `matvec`;
-    /// `DELTAFIN_GPU_MATVEC=wide` at start, or tests and `bench kernels` comparing the two).
-    pub matvec_rows4: bool,
     pub(super) read_all: wgpu::ComputePipeline,
     fma_probe: wgpu::ComputePipeline,
     pub(super) empty: wgpu::Buffer,
@@ -256,7 +251,6 @@ impl Gpu {
         let pipeline = |module: &wgpu::ShaderModule, entry: &str| layout.pipeline(&device, module, entry);
         let matmul = pipeline(&module, "matmul");
         let (matvec, read_all) = (pipeline(&mv_module, "matvec"), pipeline(&mv_module, "read_all"));
-        let matvec4 = pipeline(&mv_module, "matvec4");
         let fma_probe = pipeline(&module, "fma_probe");
         let empty = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("empty"),
@@ -277,8 +271,6 @@ impl Gpu {
             layout: layout.bind,
             matmul,
             matvec,
-            matvec4,
-            matvec_rows4: std::env::var("DELTAFIN_GPU_MATVEC").map_or(true, |v| v != "wide"),
             read_all,
             fma_probe,
             empty,
@@ -517,13 +509,8 @@ impl Gpu {
         out_off: usize,
         n: usize,
     ) {
-        // Four rows per thread where every row's scales start on a word (every K3 width).
-        let four = kind == Kind::Mxfp4 && (r.cols / 32) % 4 == 0 && self.matvec_rows4;
-        let (pipeline, per_group, inputs_per_group) = match n {
-            1 if four => (&self.matvec4, 4 * MATVEC_ROWS, 1),
-            1 => (&self.matvec, MATVEC_ROWS, 1),
-            _ => (&self.matmul, ROWS_PER_GROUP, XR),
-        };
+        let (pipeline, per_group, inputs_per_group) =
+            if n == 1 { (&self.matvec, MATVEC_ROWS, 1) } else { (&self.matmul, ROWS_PER_GROUP, XR) };
         pass.set_pipeline(pipeline);
         for c in &r.chunks {
             let p = self.uniform(Params {

@@ -155,17 +155,6 @@ impl GpuBackend {
         Arc::clone(&entry.1)
     }
 
-    /// Whether one-row MXFP4 products use the four-rows-per-thread kernel where they can.
-    pub fn matvec_rows4(&self) -> bool {
-        self.gpu.matvec_rows4
-    }
-
-    /// Chooses between the four-rows-per-thread MXFP4 matvec and the one-row one (the same bits;
-    /// tests and `bench kernels` compare them).
-    pub fn set_matvec_rows4(&mut self, on: bool) {
-        self.gpu.matvec_rows4 = on;
-    }
-
     /// Seconds per dispatch of the product (weights resident) and of a plain read of the same
     /// bytes, each averaged over `reps` dispatches in one submission (for `bench kernels`).
     pub fn time_product(&self, kind: BenchKind, rows: usize, cols: usize, n: usize, reps: usize) -> (f64, f64) {
