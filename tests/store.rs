@@ -491,6 +491,9 @@ fn experts_read_ahead_for_a_large_batch_are_kept_until_their_layer_and_read_once
     assert_eq!(seen, vec![5, 6, 7, 8, 9]);
     let r = store.report();
     assert_eq!(r.prefetch_used, 4, "every expert read ahead was used");
+    // Read ahead is still read: misses for the cache's count, not hits.
+    assert_eq!(r.cache_misses.unwrap() - before.cache_misses.unwrap(), 5);
+    assert_eq!(r.cache_hits.unwrap() - before.cache_hits.unwrap(), 0);
     assert_eq!(r.drives[0].reads - before.drives[0].reads, 1, "only expert 9 read for layer 2");
     assert_eq!(r.drives[0].reads, 4 + 4 + 5 + 1, "no expert read twice");
 }

@@ -74,17 +74,29 @@ impl ExpertSource for ExpertStore {
                                 match st_ref.keys.get(&key) {
                                     Some(KeyState::Ready { slot }) => {
                                         let slot = *slot;
+                                        // An expert read ahead for this fetch was read, not
+                                        // kept: a miss for the cache's count.
+                                        let ahead = matches!(st_ref.slots[slot], Slot::Ready { sure: true, .. });
                                         pin_ready(st_ref, slot);
                                         if first_pass {
-                                            st_ref.hits += 1;
+                                            if ahead {
+                                                st_ref.misses += 1;
+                                            } else {
+                                                st_ref.hits += 1;
+                                            }
                                         }
                                         *w = Want::Ready(slot);
                                     }
                                     Some(KeyState::Loading { req }) => {
                                         let r = *req;
+                                        let ahead = st_ref.reqs[r].as_ref().is_some_and(|q| q.sure);
                                         join_read(st_ref, r);
                                         if first_pass {
-                                            st_ref.joins += 1;
+                                            if ahead {
+                                                st_ref.misses += 1;
+                                            } else {
+                                                st_ref.joins += 1;
+                                            }
                                         }
                                         *w = Want::Waiting;
                                     }
