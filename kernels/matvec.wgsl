@@ -9,10 +9,8 @@
 // several loads are in flight. The inputs are read as vec4<f32> (4 lanes at a time). At the end
 // the 16 lanes go through workgroup memory to the fixed tree.
 //
-// Entry points: `matvec` (`MatvecKernel::Wide`, the default) and `matvec_rows` (the candidate
-// variants: the same layout and the same float operations per output, specialised per pipeline by
-// override constants; see there), both with the 2-D dispatch fold past 65535 workgroups; `read_all`
-// is the bench's plain-read reference.
+// Entry points: `matvec` (with the 2-D dispatch fold past 65535 workgroups) and `read_all`, the
+// bench's plain-read reference.
 //
 // bf16 rows are padded to a multiple of 16 elements with zeros at upload (`stride`), and x past
 // `cols` is zero in its buffer, so the tail is fma(0, 0, acc) exactly as on the CPU.
