@@ -499,6 +499,12 @@ fn the_device_expert_cache_changes_no_bit_and_serves_repeated_experts() {
         assert!(e2.startup_line().contains("expert cache"), "{}", e2.startup_line());
         eprintln!("device expert cache, {what}: {h} experts from device memory, same bits");
     }
+    // The slots are allocated when the engine opens (at most one per routed expert), not during
+    // the first prompt.
+    let config =
+        EngineConfig { backend: BackendKind::Gpu, gpu_cache_gb: Some(1.0), ..test_config(&dir, KdaMode::Recurrent) };
+    let opened = Engine::open(config).unwrap();
+    assert_eq!(opened.model.be.device_expert_slots(), opened.cfg.moe_layers() * opened.cfg.experts);
     // The CPU backend has no device memory to keep experts in.
     let config = EngineConfig { gpu_cache_gb: Some(1.0), ..test_config(&dir, KdaMode::Recurrent) };
     let err = Engine::open(config).err().map(|e| e.to_string()).unwrap_or_default();

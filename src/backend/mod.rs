@@ -112,8 +112,12 @@ pub trait Backend: Send + Sync {
     }
 
     /// Called once with the routed experts' layout and count (every layer's) before the first
-    /// forward, so that the startup line can state the device memory the batch path will use.
-    fn plan_experts(&self, _layout: &ExpertLayout, _experts: usize) {}
+    /// forward: a device backend sizes and allocates its expert cache here (device memory it
+    /// cannot have is an error before any work), so that the startup line states the device
+    /// memory the plan uses.
+    fn plan_experts(&self, _layout: &ExpertLayout, _experts: usize) -> Result<(), BackendError> {
+        Ok(())
+    }
 
     /// Which of `experts` of MoE layer `layer` this backend keeps in its own memory (a device
     /// expert cache), so that they need not be fetched (the lookahead skips them). The default:

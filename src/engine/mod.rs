@@ -308,7 +308,7 @@ impl Engine {
             crate::backend::open(config.backend, crate::backend::BackendOptions { device_cache_bytes })?;
         let model = K3::load(cfg.clone(), &ck, Arc::clone(&backend))?;
         if let Some(l) = &roster.expert_layout {
-            backend.plan_experts(l, cfg.moe_layers() * cfg.experts);
+            backend.plan_experts(l, cfg.moe_layers() * cfg.experts)?;
             if device_cache_bytes > 0 && backend.device_expert_bytes() == 0 {
                 tracing::warn!("--gpu-cache-gb: {} has no device memory for experts; ignored", backend.describe());
             }

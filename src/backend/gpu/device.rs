@@ -83,6 +83,10 @@ pub enum GpuError {
     Device { adapter: String, msg: String },
     #[error("the GPU probe failed: {0}")]
     Probe(String),
+    #[error(
+        "--gpu-cache-gb: the adapter ran out of device memory after {got} of {wanted} expert slots ({msg}); give at most {fits_gb:.1} GB"
+    )]
+    DeviceCache { wanted: usize, got: usize, fits_gb: f64, msg: String },
 }
 
 /// What the startup line says about the adapter.

@@ -4,8 +4,9 @@
 //!
 //! Contract: a slot holds one expert's staging image (`experts::slot_layout`) with exactly the
 //! shipped bytes, so running an expert from its slot gives the bits of running it from a fresh
-//! upload. Slots are allocated when first needed, up to the budget, or until the adapter reports
-//! that it is out of memory (the cache then stays at the slots it has, with a warning). A slot
+//! upload. Every slot the budget allows (at most one per routed expert) is allocated when the
+//! engine opens ([`DeviceCache::reserve`]): device memory the adapter cannot give is an error
+//! before any work, never a failure halfway through a prompt. A slot
 //! claimed or filled by a batch is pinned until that batch finishes, so a layer never overwrites
 //! an expert it still runs. Eviction takes the unpinned slot with the fewest uses (counted for
 //! every expert seen, halved every few thousand admissions so old heat fades), then the least
@@ -32,8 +33,6 @@ pub(super) struct DeviceCache {
     uses: HashMap<Key, u32>,
     tick: u64,
     since_decay: usize,
-    /// False once the adapter refused a slot.
-    can_grow: bool,
     /// Experts there are (no use for more slots than that).
     max_slots: Option<usize>,
 }
@@ -43,7 +42,7 @@ const DECAY_EVERY: usize = 4096;
 
 impl DeviceCache {
     pub fn new(budget: u64) -> Self {
-        DeviceCache { budget, can_grow: true, ..Default::default() }
+        DeviceCache { budget, ..Default::default() }
     }
 
     pub fn enabled(&self) -> bool {
@@ -108,6 +107,24 @@ impl DeviceCache {
         Some((i, s.buf.clone()))
     }
 
+    /// Allocates every slot the budget allows (see the module contract).
+    pub fn reserve(&mut self, device: &wgpu::Device) -> Result<(), super::GpuError> {
+        let wanted = self.capacity();
+        while self.slots.len() < wanted {
+            match self.allocate(device) {
+                Ok(buf) => self.slots.push(Slot { buf, key: None, last: 0, pins: 0 }),
+                Err(msg) => {
+                    let got = self.slots.len();
+                    // Free them again: the engine does not open.
+                    self.slots.clear();
+                    let fits_gb = got as f64 * self.slot_bytes as f64 / 1e9;
+                    return Err(super::GpuError::DeviceCache { wanted, got, fits_gb, msg });
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// A pinned slot for an expert about to be uploaded (a new one, or the victim's), or None
     /// when it is not worth a place.
     pub fn admit(&mut self, device: &wgpu::Device, layer: usize, expert: u32) -> Option<(usize, wgpu::Buffer)> {
@@ -124,16 +141,17 @@ impl DeviceCache {
                 *u > 0
             });
         }
-        let i = if self.can_grow && self.slots.len() < self.capacity() {
-            match self.allocate(device) {
-                Some(buf) => {
+        // A free slot (reserved at open, or after a change of layout), else the victim's.
+        let i = match self.slots.iter().position(|s| s.key.is_none() && s.pins == 0) {
+            Some(i) => i,
+            None if self.slots.len() < self.capacity() => match self.allocate(device) {
+                Ok(buf) => {
                     self.slots.push(Slot { buf, key: None, last: 0, pins: 0 });
                     self.slots.len() - 1
                 }
-                None => self.victim(uses)?,
-            }
-        } else {
-            self.victim(uses)?
+                Err(_) => self.victim(uses)?,
+            },
+            None => self.victim(uses)?,
         };
         if let Some(old) = self.slots[i].key.take() {
             self.map.remove(&old);
@@ -155,7 +173,7 @@ impl DeviceCache {
         (uses_of(s) <= newcomer).then_some(i)
     }
 
-    fn allocate(&mut self, device: &wgpu::Device) -> Option<wgpu::Buffer> {
+    fn allocate(&mut self, device: &wgpu::Device) -> Result<wgpu::Buffer, String> {
         let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let buf = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("expert cache slot"),
@@ -164,16 +182,8 @@ impl DeviceCache {
             mapped_at_creation: false,
         });
         match pollster::block_on(scope.pop()) {
-            None => Some(buf),
-            Some(e) => {
-                self.can_grow = false;
-                tracing::warn!(
-                    "the GPU expert cache stops at {} slots ({}): the adapter is out of memory ({e})",
-                    self.slots.len(),
-                    crate::util::human_bytes(self.bytes())
-                );
-                None
-            }
+            None => Ok(buf),
+            Some(e) => Err(e.to_string()),
         }
     }
 

@@ -272,13 +272,15 @@ impl Backend for GpuBackend {
         Box::new(experts::GpuExperts::new(self, layer, layout, situ))
     }
 
-    fn plan_experts(&self, layout: &ExpertLayout, experts: usize) {
+    fn plan_experts(&self, layout: &ExpertLayout, experts: usize) -> Result<(), super::BackendError> {
         let (_, image) = experts::slot_layout(layout);
         self.staging.store(experts::staging_bytes(layout) as usize, Ordering::Relaxed);
         self.with_cache(|c| {
             c.fit(image as u64);
             c.limit_slots(experts);
-        });
+            c.reserve(&self.gpu.device)
+        })?;
+        Ok(())
     }
 
     fn holds_experts(&self, layer: usize, experts: &[u32]) -> Vec<bool> {
