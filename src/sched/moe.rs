@@ -60,22 +60,19 @@ pub fn layer(
     let predicted_next = next_routes.as_ref().map(|(nl, r)| (*nl, r.union()));
     // A large batch reads ahead the next layer's experts its router names for several rows, the
     // most-named first.
-    let read_ahead: Option<(usize, Vec<u32>)> = next_routes.filter(|_| n >= READ_AHEAD_ROWS).map(|(nl, r)| {
-        let mut count = vec![0usize; c.experts];
-        for &e in &r.experts {
-            count[e as usize] += 1;
+    let read_ahead: Option<(usize, Vec<u32>)> = match (&next_routes, &predicted_next) {
+        (Some((_, r)), Some((nl, pred))) if n >= READ_AHEAD_ROWS => {
+            let mut count = vec![0usize; c.experts];
+            for &e in &r.experts {
+                count[e as usize] += 1;
+            }
+            let mut sure = not_held(be, *nl, pred);
+            sure.retain(|&e| count[e as usize] >= READ_AHEAD_MIN_ROWS);
+            sure.sort_by_key(|&e| std::cmp::Reverse(count[e as usize]));
+            Some((*nl, sure))
         }
-        let held = be.holds_experts(nl, &r.union());
-        let mut sure: Vec<u32> = r
-            .union()
-            .into_iter()
-            .zip(held)
-            .filter(|&(e, h)| !h && count[e as usize] >= READ_AHEAD_MIN_ROWS)
-            .map(|(e, _)| e)
-            .collect();
-        sure.sort_by_key(|&e| std::cmp::Reverse(count[e as usize]));
-        (nl, sure)
-    });
+        _ => None,
+    };
     let t_routed = Instant::now();
     stats.router_s += (t_routed - t_start).as_secs_f64();
 
@@ -118,10 +115,8 @@ pub fn layer(
     kernel_s += t.elapsed().as_secs_f64();
     let held_n = queued.len();
     let wanted: Vec<u32> = union.iter().zip(&held).filter(|(_, h)| !**h).map(|(&e, _)| e).collect();
-    let mut prefetch_pending = predicted_next.as_ref().filter(|_| read_ahead.is_none()).map(|(nl, pred)| {
-        let far = be.holds_experts(*nl, pred);
-        (*nl, pred.iter().zip(far).filter(|(_, h)| !*h).map(|(&e, _)| e).collect::<Vec<u32>>())
-    });
+    let mut prefetch_pending =
+        predicted_next.as_ref().filter(|_| read_ahead.is_none()).map(|(nl, pred)| (*nl, not_held(be, *nl, pred)));
     if wanted.is_empty()
         && let Some((nl, pred)) = prefetch_pending.take()
     {
@@ -166,4 +161,9 @@ pub fn layer(
     // z, the weighted sum, the latent norm/up-projection and shared experts count as expert work.
     stats.expert_kernel_s += kernel_s + t_tail.elapsed().as_secs_f64() + (t_fetch - t_routed).as_secs_f64();
     Ok((out, predicted_next.map(|(_, p)| p)))
+}
+
+/// `experts` of MoE layer `layer` less those the backend keeps in device memory.
+fn not_held(be: &dyn crate::backend::Backend, layer: usize, experts: &[u32]) -> Vec<u32> {
+    experts.iter().zip(be.holds_experts(layer, experts)).filter(|(_, h)| !*h).map(|(&e, _)| e).collect()
 }

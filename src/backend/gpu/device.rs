@@ -23,6 +23,20 @@ pub(super) fn shader(device: &wgpu::Device, label: &str, sources: &[&str]) -> wg
     })
 }
 
+/// A bind group of whole buffers at bindings 0, 1, ... in order.
+pub(super) fn bind_group(
+    device: &wgpu::Device,
+    layout: &wgpu::BindGroupLayout,
+    bufs: &[&wgpu::Buffer],
+) -> wgpu::BindGroup {
+    let entries: Vec<wgpu::BindGroupEntry> = bufs
+        .iter()
+        .enumerate()
+        .map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() })
+        .collect();
+    device.create_bind_group(&wgpu::BindGroupDescriptor { label: None, layout, entries: &entries })
+}
+
 /// The bind group layout every kernel of a family shares — storage buffers at bindings 0.. (read
 /// only where `read_only` says so), then one uniform — and its pipeline layout.
 pub(super) struct ComputeLayout {
@@ -403,16 +417,7 @@ impl Gpu {
         out: &wgpu::Buffer,
         p: &wgpu::Buffer,
     ) -> wgpu::BindGroup {
-        let entries: Vec<wgpu::BindGroupEntry> = [w, s, x, out, p]
-            .iter()
-            .enumerate()
-            .map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() })
-            .collect();
-        self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &self.layout,
-            entries: &entries,
-        })
+        bind_group(&self.device, &self.layout, &[w, s, x, out, p])
     }
 
     pub(super) fn uniform(&self, p: Params) -> wgpu::Buffer {
@@ -477,12 +482,23 @@ impl Gpu {
     }
 
     fn read_mapped(&self, read: wgpu::Buffer, floats: usize) -> Vec<u32> {
+        self.read_back(read, floats, None)
+    }
+
+    /// The first `floats` words of `read` once `submission` (None: the latest) has run (NaN on a
+    /// failed readback); gives `read` back to the pool.
+    pub(super) fn read_back(
+        &self,
+        read: wgpu::Buffer,
+        floats: usize,
+        submission: Option<wgpu::SubmissionIndex>,
+    ) -> Vec<u32> {
         read.map_async(wgpu::MapMode::Read, .., |r| {
             if let Err(e) = r {
                 tracing::error!("GPU readback failed: {e}");
             }
         });
-        if let Err(e) = self.device.poll(wgpu::PollType::wait_indefinitely()) {
+        if let Err(e) = self.device.poll(wgpu::PollType::Wait { submission_index: submission, timeout: None }) {
             tracing::error!("GPU wait failed: {e}");
         }
         let v = match read.get_mapped_range(..) {
@@ -556,22 +572,41 @@ impl Gpu {
 
     /// out[i, r] = W[r] . xs[i] for every row i of `xs` (batches of at most 65535 rows).
     pub fn matmul(&self, r: &Resident, kind: Kind, xs: &[f32], out: &mut [f32]) {
-        let n = xs.len() / r.cols.max(1);
+        self.matmul_many(&[r], kind, xs, &mut [out]);
+    }
+
+    /// [`Gpu::matmul`] of several matrices on the same input rows (every one `rs[0]`'s width and
+    /// stride): one upload of the inputs and one submission and readback per batch of rows.
+    pub fn matmul_many(&self, rs: &[&Resident], kind: Kind, xs: &[f32], outs: &mut [&mut [f32]]) {
+        let Some(first) = rs.first() else { return };
+        let (cols, stride) = (first.cols, first.stride);
+        let n = xs.len() / cols.max(1);
         const BATCH: usize = 65_535 * XR;
         for b0 in (0..n).step_by(BATCH) {
             let nb = BATCH.min(n - b0);
-            let x = self.staged(&Self::input_bytes(&xs[b0 * r.cols..(b0 + nb) * r.cols], r.cols, r.stride));
-            let o = self.output(nb * r.rows);
+            let x = self.staged(&Self::input_bytes(&xs[b0 * cols..(b0 + nb) * cols], cols, stride));
+            let bufs: Vec<(wgpu::Buffer, u64)> =
+                rs.iter().map(|r| (self.output(nb * r.rows), (nb * r.rows * 4) as u64)).collect();
             let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
             {
                 let mut pass = enc
                     .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("matmul"), timestamp_writes: None });
-                self.encode_products(&mut pass, r, kind, &x, 0, &o, 0, nb);
+                for (r, (o, _)) in rs.iter().zip(&bufs) {
+                    self.encode_products(&mut pass, r, kind, &x, 0, o, 0, nb);
+                }
             }
-            let v = self.finish(enc, &o, nb * r.rows);
-            out[b0 * r.rows..(b0 + nb) * r.rows].copy_from_slice(&v);
+            let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();
+            let all = self.finish_many(enc, &list);
+            let mut at = 0;
+            for (out, r) in outs.iter_mut().zip(rs) {
+                let k = nb * r.rows;
+                out[b0 * r.rows..(b0 + nb) * r.rows].copy_from_slice(&all[at..at + k]);
+                at += k;
+            }
             self.give(STAGED, x);
-            self.give(OUTPUT, o);
+            for (b, _) in bufs {
+                self.give(OUTPUT, b);
+            }
         }
     }
 

@@ -10,9 +10,11 @@
 //! claimed or filled by a batch is pinned until that batch finishes, so a layer never overwrites
 //! an expert it still runs. Eviction takes the unpinned slot with the fewest uses (counted for
 //! every expert seen, halved every few thousand admissions so old heat fades), then the least
-//! recently used; a newcomer with fewer uses than that victim is not admitted (it runs from a
-//! staging buffer instead), so one pass over cold experts cannot flush the hot ones.
+//! recently used — the store's [`EvictionOrder`]; a newcomer with fewer uses than that victim is not
+//! admitted (it runs from a staging buffer instead), so one pass over cold experts cannot flush the
+//! hot ones.
 
+use crate::store::cache::EvictionOrder;
 use std::collections::HashMap;
 
 type Key = (u32, u32);
@@ -20,18 +22,19 @@ type Key = (u32, u32);
 struct Slot {
     buf: wgpu::Buffer,
     key: Option<Key>,
-    last: u64,
     pins: u32,
 }
 
-#[derive(Default)]
 pub(super) struct DeviceCache {
     budget: u64,
     slot_bytes: u64,
     slots: Vec<Slot>,
+    /// Slots holding no expert.
+    free: Vec<usize>,
+    /// Unpinned slots holding an expert, in eviction order (rank: the expert's uses).
+    order: EvictionOrder,
     map: HashMap<Key, usize>,
     uses: HashMap<Key, u32>,
-    tick: u64,
     since_decay: usize,
     /// Experts there are (no use for more slots than that).
     max_slots: Option<usize>,
@@ -42,11 +45,17 @@ const DECAY_EVERY: usize = 4096;
 
 impl DeviceCache {
     pub fn new(budget: u64) -> Self {
-        DeviceCache { budget, ..Default::default() }
-    }
-
-    pub fn enabled(&self) -> bool {
-        self.budget > 0
+        DeviceCache {
+            budget,
+            slot_bytes: 0,
+            slots: Vec::new(),
+            free: Vec::new(),
+            order: EvictionOrder::new(0),
+            map: HashMap::new(),
+            uses: HashMap::new(),
+            since_decay: 0,
+            max_slots: None,
+        }
     }
 
     /// Device memory held by allocated slots.
@@ -70,10 +79,13 @@ impl DeviceCache {
         self.capacity() as u64 * self.slot_bytes
     }
 
-    /// Slots for images of `slot_bytes`: a different expert layout empties the cache.
+    /// Slots for images of `slot_bytes`: a different expert layout empties the cache (it holds no
+    /// slot until [`DeviceCache::reserve`] again).
     pub fn fit(&mut self, slot_bytes: u64) {
         if self.slot_bytes != slot_bytes {
             self.slots.clear();
+            self.free.clear();
+            self.order = EvictionOrder::new(0);
             self.map.clear();
             self.slot_bytes = slot_bytes;
         }
@@ -83,8 +95,12 @@ impl DeviceCache {
         self.map.contains_key(&(layer as u32, expert))
     }
 
-    fn touch(&mut self, key: Key) -> u32 {
-        self.tick += 1;
+    fn uses_of(&self, key: Key) -> u32 {
+        self.uses.get(&key).copied().unwrap_or(0)
+    }
+
+    /// Counts one use of `key`; returns its count.
+    fn count_use(&mut self, key: Key) -> u32 {
         let u = self.uses.entry(key).or_insert(0);
         *u = u.saturating_add(1);
         *u
@@ -100,9 +116,9 @@ impl DeviceCache {
     pub fn claim(&mut self, layer: usize, expert: u32) -> Option<(usize, wgpu::Buffer)> {
         let key = (layer as u32, expert);
         let &i = self.map.get(&key)?;
-        self.touch(key);
+        self.count_use(key);
+        self.order.remove(i);
         let s = &mut self.slots[i];
-        s.last = self.tick;
         s.pins += 1;
         Some((i, s.buf.clone()))
     }
@@ -112,7 +128,7 @@ impl DeviceCache {
         let wanted = self.capacity();
         while self.slots.len() < wanted {
             match self.allocate(device) {
-                Ok(buf) => self.slots.push(Slot { buf, key: None, last: 0, pins: 0 }),
+                Ok(buf) => self.slots.push(Slot { buf, key: None, pins: 0 }),
                 Err(msg) => {
                     let got = self.slots.len();
                     // Free them again: the engine does not open.
@@ -122,17 +138,22 @@ impl DeviceCache {
                 }
             }
         }
+        self.free = (0..self.slots.len()).rev().collect();
+        self.order = EvictionOrder::new(self.slots.len());
         Ok(())
     }
 
-    /// A pinned slot for an expert about to be uploaded (a new one, or the victim's), or None
+    /// A pinned slot for an expert about to be uploaded (a free one, or the victim's), or None
     /// when it is not worth a place.
-    pub fn admit(&mut self, device: &wgpu::Device, layer: usize, expert: u32) -> Option<(usize, wgpu::Buffer)> {
-        let key = (layer as u32, expert);
+    pub fn admit(&mut self, layer: usize, expert: u32) -> Option<(usize, wgpu::Buffer)> {
+        if self.slots.is_empty() {
+            return None;
+        }
         if let Some(hit) = self.claim(layer, expert) {
             return Some(hit);
         }
-        let uses = self.touch(key);
+        let key = (layer as u32, expert);
+        let uses = self.count_use(key);
         self.since_decay += 1;
         if self.since_decay >= DECAY_EVERY.max(self.capacity()) {
             self.since_decay = 0;
@@ -140,37 +161,31 @@ impl DeviceCache {
                 *u /= 2;
                 *u > 0
             });
-        }
-        // A free slot (reserved at open, or after a change of layout), else the victim's.
-        let i = match self.slots.iter().position(|s| s.key.is_none() && s.pins == 0) {
-            Some(i) => i,
-            None if self.slots.len() < self.capacity() => match self.allocate(device) {
-                Ok(buf) => {
-                    self.slots.push(Slot { buf, key: None, last: 0, pins: 0 });
-                    self.slots.len() - 1
+            for i in 0..self.slots.len() {
+                if let Some(k) = self.slots[i].key.filter(|_| self.order.contains(i)) {
+                    self.order.rerank(i, self.uses_of(k));
                 }
-                Err(_) => self.victim(uses)?,
-            },
-            None => self.victim(uses)?,
+            }
+        }
+        let i = match self.free.pop() {
+            Some(i) => i,
+            None => {
+                let (victim_uses, v) = self.order.first()?;
+                if victim_uses > uses {
+                    return None;
+                }
+                self.order.remove(v);
+                v
+            }
         };
         if let Some(old) = self.slots[i].key.take() {
             self.map.remove(&old);
         }
         let s = &mut self.slots[i];
         s.key = Some(key);
-        s.last = self.tick;
         s.pins += 1;
         self.map.insert(key, i);
         Some((i, s.buf.clone()))
-    }
-
-    /// The unpinned slot with the fewest uses, then the oldest, if it has no more uses than
-    /// `newcomer`.
-    fn victim(&self, newcomer: u32) -> Option<usize> {
-        let uses_of = |s: &Slot| s.key.and_then(|k| self.uses.get(&k).copied()).unwrap_or(0);
-        let (i, s) =
-            self.slots.iter().enumerate().filter(|(_, s)| s.pins == 0).min_by_key(|(_, s)| (uses_of(s), s.last))?;
-        (uses_of(s) <= newcomer).then_some(i)
     }
 
     fn allocate(&mut self, device: &wgpu::Device) -> Result<wgpu::Buffer, String> {
@@ -187,9 +202,13 @@ impl DeviceCache {
         }
     }
 
+    /// Releases one pin; an unpinned slot joins the eviction order as its most recent entry.
     pub fn unpin(&mut self, slot: usize) {
-        if let Some(s) = self.slots.get_mut(slot) {
-            s.pins = s.pins.saturating_sub(1);
+        let Some(s) = self.slots.get_mut(slot) else { return };
+        s.pins = s.pins.saturating_sub(1);
+        if let Some(key) = s.key.filter(|_| s.pins == 0) {
+            let rank = self.uses_of(key);
+            self.order.push(slot, rank);
         }
     }
 

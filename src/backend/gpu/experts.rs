@@ -167,11 +167,6 @@ impl<'a> GpuExperts<'a> {
             at += n;
         }
         let submission = g.queue.submit([enc.finish()]);
-        read.map_async(wgpu::MapMode::Read, .., |r| {
-            if let Err(e) = r {
-                tracing::error!("GPU readback of experts failed: {e}");
-            }
-        });
         let parts = group.iter().zip(&rows).map(|(q, &m)| (q.index, m * lat)).collect();
         let mut temps: Vec<(wgpu::BufferUsages, wgpu::Buffer)> = vec![(STAGED, x)];
         temps.extend(bufs.into_iter().flatten().map(|b| (OUTPUT, b)));
@@ -187,30 +182,13 @@ impl<'a> GpuExperts<'a> {
     fn land_oldest(&mut self) {
         let Some(f) = self.flying.pop_front() else { return };
         let g = &self.be.gpu;
-        let wait = wgpu::PollType::Wait { submission_index: Some(f.submission), timeout: None };
-        if let Err(e) = g.device.poll(wait) {
-            tracing::error!("GPU wait failed: {e}");
+        let total = f.parts.iter().map(|&(_, n)| n).sum();
+        let words = g.read_back(f.read, total, Some(f.submission));
+        let mut at = 0;
+        for &(index, n) in &f.parts {
+            self.outs[index] = words[at..at + n].iter().map(|&w| f32::from_bits(w)).collect();
+            at += n;
         }
-        match f.read.get_mapped_range(..) {
-            Ok(view) => {
-                let mut at = 0;
-                for &(index, n) in &f.parts {
-                    self.outs[index] = view[at * 4..(at + n) * 4]
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect();
-                    at += n;
-                }
-            }
-            Err(e) => {
-                tracing::error!("GPU readback of experts failed: {e}");
-                for &(index, n) in &f.parts {
-                    self.outs[index] = vec![f32::NAN; n];
-                }
-            }
-        }
-        f.read.unmap();
-        g.give(READBACK, f.read);
         for (usage, b) in f.temps {
             g.give(usage, b);
         }
@@ -253,13 +231,12 @@ impl ExpertBatch for GpuExperts<'_> {
     }
 
     fn add(&mut self, expert: u32, bytes: &[u8], zd: &[f32]) {
-        let g = &self.be.gpu;
-        let cached = self.be.with_cache(|c| if c.enabled() { c.admit(&g.device, self.layer, expert) } else { None });
-        if zd.is_empty() && cached.is_none() {
+        if zd.is_empty() {
             self.outs.push(Vec::new());
             return;
         }
-        let image = match cached {
+        let g = &self.be.gpu;
+        let image = match self.be.with_cache(|c| c.admit(self.layer, expert)) {
             Some((slot, buf)) => Image::Cached(slot, buf),
             None => Image::Staged(g.take(STAGED, self.slot_bytes as u64)),
         };
@@ -281,14 +258,6 @@ impl ExpertBatch for GpuExperts<'_> {
         g.queue.submit([]);
         if let Err(e) = g.device.poll(wgpu::PollType::Poll) {
             tracing::error!("GPU poll failed: {e}");
-        }
-        if zd.is_empty() {
-            // Admitted for later tokens, but no row of this batch needs it.
-            if let Image::Cached(slot, _) = image {
-                self.be.with_cache(|c| c.unpin(slot));
-            }
-            self.outs.push(Vec::new());
-            return;
         }
         self.queue(image, zd);
     }

@@ -106,11 +106,6 @@ impl GpuBackend {
         }
     }
 
-    /// (slots allocated, slots the budget allows) of the device expert cache.
-    pub fn device_cache_slots(&self) -> (usize, usize) {
-        self.with_cache(|c| c.slots())
-    }
-
     /// Elements of work from which the non-product operations run on the GPU.
     pub fn ops_min(&self) -> usize {
         self.ops_min
@@ -220,41 +215,16 @@ impl Backend for GpuBackend {
     }
 
     fn matmul_bf16_many(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) {
-        let Some(first) = ws.first() else { return };
-        let (cols, stride) = (first.cols, first.cols.div_ceil(16) * 16);
-        let n = xs.len() / cols.max(1);
-        // One input binding serves all only when the widths agree; very tall batches go one by one.
-        if ws.iter().any(|w| w.cols != cols) || n == 0 || n > 65_535 {
+        // One input binding serves all only when the widths agree.
+        if ws.iter().any(|w| w.cols != ws[0].cols) {
             for (w, out) in ws.iter().zip(outs.iter_mut()) {
                 self.matmul_bf16(w, xs, out);
             }
             return;
         }
-        let g = &self.gpu;
         let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
-        let x = g.staged(&Gpu::input_bytes(xs, cols, stride));
-        let bufs: Vec<(wgpu::Buffer, u64)> =
-            rs.iter().map(|r| (g.output(n * r.rows), (n * r.rows * 4) as u64)).collect();
-        let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("products") });
-        {
-            let mut pass = enc
-                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("products"), timestamp_writes: None });
-            for (r, (o, _)) in rs.iter().zip(&bufs) {
-                g.encode_products(&mut pass, r, Kind::Bf16, &x, 0, o, 0, n);
-            }
-        }
-        let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();
-        let all = g.finish_many(enc, &list);
-        let mut at = 0;
-        for (out, (_, len)) in outs.iter_mut().zip(&bufs) {
-            let k = *len as usize / 4;
-            out.copy_from_slice(&all[at..at + k]);
-            at += k;
-        }
-        g.give(device::STAGED, x);
-        for (b, _) in bufs {
-            g.give(device::OUTPUT, b);
-        }
+        let refs: Vec<&Resident> = rs.iter().map(|r| &**r).collect();
+        self.gpu.matmul_many(&refs, Kind::Bf16, xs, outs);
     }
 
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
@@ -268,7 +238,6 @@ impl Backend for GpuBackend {
         if (experts::slot_layout(layout).1 as u64) > self.gpu.summary.max_binding {
             return Box::new(EachExpert { be: self, layout, situ, outs: Vec::new() });
         }
-        self.with_cache(|c| c.fit(experts::slot_layout(layout).1 as u64));
         Box::new(experts::GpuExperts::new(self, layer, layout, situ))
     }
 

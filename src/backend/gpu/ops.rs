@@ -175,18 +175,8 @@ impl Ops {
             contents: &pbytes,
             usage: wgpu::BufferUsages::UNIFORM,
         });
-        let entries: Vec<wgpu::BindGroupEntry> = bufs
-            .iter()
-            .copied()
-            .chain([&p])
-            .enumerate()
-            .map(|(i, b)| wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() })
-            .collect();
-        gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &self.layout,
-            entries: &entries,
-        })
+        let [a, b, wq, out, out2] = bufs;
+        super::device::bind_group(&gpu.device, &self.layout, &[a, b, wq, out, out2, &p])
     }
 
     /// Encodes SiTU of `n` elements of device buffers `gate` and `up` into `out` in the MXFP4

@@ -51,6 +51,8 @@ impl ExpertSource for ExpertStore {
         let mut stopped = false;
         let mut first_pass = true;
         let mut ahead_armed = false;
+        // Where the read-ahead resumes in `then`'s list.
+        let mut ahead_at = 0;
         while remaining > 0 {
             let mut ready: Vec<(u32, usize, usize)> = Vec::new();
             {
@@ -173,7 +175,7 @@ impl ExpertSource for ExpertStore {
                     // many as slots allow now and more as this layer's experts are released.
                     ahead_armed = ahead_armed || !wants.iter().any(|(_, w)| matches!(w, Want::Deferred));
                     if let Some((nl, next)) = then.filter(|_| ahead_armed) {
-                        read_ahead(sh, st_ref, nl, next);
+                        ahead_at = read_ahead(sh, st_ref, nl, next, ahead_at);
                     }
                     if !ready.is_empty() || remaining == 0 {
                         break;
@@ -207,7 +209,7 @@ impl ExpertSource for ExpertStore {
         }
         // Every expert of this layer has been released by now: read ahead into what it frees.
         if let Some((nl, next)) = then.filter(|_| error.is_none() && !stopped) {
-            read_ahead(sh, &mut lock(sh), nl, next);
+            read_ahead(sh, &mut lock(sh), nl, next, ahead_at);
         }
         match error {
             Some(e) => Err(e),

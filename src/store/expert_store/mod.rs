@@ -571,24 +571,26 @@ impl Drop for ExpertStore {
     }
 }
 
-/// Starts reads of `experts` of `layer` that a batch will surely need (a prompt chunk's next
-/// layer, predicted by its router on all rows), once every read of the current fetch has been
-/// started: they run while the batch computes attention, so the drives do not idle. Each takes a
-/// free slot or the least-used cached one (never one of `layer`'s own, never a pinned one), at most
-/// half of the cache, and ranks above every demanded expert until `layer` is fetched
-/// ([`demote_read_ahead`]). Counted as prefetches (`prefetch_issued` / `prefetch_used`).
-fn read_ahead(sh: &Shared, st: &mut State, layer: usize, experts: &[u32]) {
+/// Starts reads of `experts[from..]` of `layer` that a batch will surely need (a prompt chunk's
+/// next layer, predicted by its router on all rows), once every read of the current fetch has
+/// been started: they run while the batch computes attention, so the drives do not idle. Each
+/// takes a free slot or the least-used cached one (never one of `layer`'s own, never a pinned
+/// one), at most half of the cache, and ranks above every demanded expert until `layer` is
+/// fetched ([`demote_read_ahead`]). Counted as prefetches (`prefetch_issued` / `prefetch_used`).
+/// Returns where to resume when slots free up (the experts before it are started or skipped).
+fn read_ahead(sh: &Shared, st: &mut State, layer: usize, experts: &[u32], from: usize) -> usize {
+    if from >= experts.len() {
+        return from;
+    }
     // Only reads still ahead count against the cap (a demanded one is no longer ahead).
     let slots = std::mem::take(&mut st.sure_slots);
-    st.sure_slots =
-        slots.into_iter().filter(|&s| matches!(st.slots[s], Slot::Ready { sure: true, .. } | Slot::Loading)).collect();
+    st.sure_slots = slots.into_iter().filter(|&s| still_ahead(&st.slots[s])).collect();
     let cap = (sh.cache_slots / 2).saturating_sub(st.sure_slots.len());
     let mut started = 0;
-    for &e in experts {
+    for (i, &e) in experts.iter().enumerate().skip(from) {
         if started >= cap {
-            break;
+            return i;
         }
-        // Called again as slots free up: what is read or cached already is skipped.
         let key = (layer as u32, e);
         if st.keys.contains_key(&key) || choose_holder(sh, st, key, &[]).is_none() {
             continue;
@@ -600,7 +602,7 @@ fn read_ahead(sh: &Shared, st: &mut State, layer: usize, experts: &[u32]) {
                     evict_slot(st, v);
                     v
                 }
-                _ => break,
+                _ => return i,
             },
         };
         if !start_read(sh, st, key, slot, false, &[]) {
@@ -616,6 +618,12 @@ fn read_ahead(sh: &Shared, st: &mut State, layer: usize, experts: &[u32]) {
         st.prefetch_issued += 1;
         started += 1;
     }
+    experts.len()
+}
+
+/// Whether a slot listed in `sure_slots` may still hold (or be reading) an expert read ahead.
+fn still_ahead(slot: &Slot) -> bool {
+    matches!(slot, Slot::Ready { sure: true, .. } | Slot::Loading)
 }
 
 /// Slots read ahead for other layers than `layer` lose their place above demanded experts (the
@@ -633,7 +641,7 @@ fn demote_read_ahead(st: &mut State, layer: usize) {
                     st.lru.rerank(slot, r);
                 }
             }
-            Slot::Ready { sure: true, .. } | Slot::Loading => st.sure_slots.push(slot),
+            s if still_ahead(&s) => st.sure_slots.push(slot),
             _ => {}
         }
     }
