@@ -14,7 +14,8 @@
 // Entry points: `matmul` (u32 loads, each decoded weight and each staged input used by several
 // outputs; see there) and `fma_probe`. One input row goes to matvec.wgsl.
 
-// Params, w, scales, out, p, lut, e2m1, e8m0, scale_at and bf16x4: products.wgsl (prepended).
+// Params, scales, out, p, lut, e2m1, e8m0, scale_at and bf16x4: products.wgsl (prepended).
+@group(0) @binding(0) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 
 // Several input rows (`n > 1`), register-tiled so that each load serves several multiply-adds. A

@@ -1,5 +1,6 @@
 // Shared by matmul.wgsl and matvec.wgsl (prepended to each): the product kernels' parameters, the
-// bindings both use (each file declares its own input `x` at binding 2: f32 or vec4<f32>), the
+// bindings both use (each file declares its own weights at binding 0, u32 words or vec4<u32>, and
+// its own input `x` at binding 2, f32 or vec4<f32>), the
 // E2M1 table in workgroup memory, and the MXFP4 element and scale and the bf16 decoders.
 
 struct Params {
@@ -22,7 +23,6 @@ struct Params {
     _pad: u32,
 }
 
-@group(0) @binding(0) var<storage, read> w: array<u32>;
 @group(0) @binding(1) var<storage, read> scales: array<u32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
 @group(0) @binding(4) var<uniform> p: Params;

@@ -78,7 +78,18 @@ fn gpu_products_at_tail_shapes_match_the_cpu() {
     // blocks (below the 4-block unroll), 5 (a remainder), 112 and 224 (K3's), 225 (7168 + 32:
     // rows whose scales do not start on a word). Several rows (matmul): input rows not a
     // multiple of its 8, weight rows not a multiple of its 64, columns past one 256-column tile.
-    let mx = [(37usize, 32usize, 1usize), (70, 96, 1), (5, 160, 1), (131, 3584, 1), (67, 7168, 1), (33, 7200, 1)];
+    // The matvec's tiles of 8 blocks: exactly one (256), one and a tail of 4 (384), none (128).
+    let mx = [
+        (37usize, 32usize, 1usize),
+        (70, 96, 1),
+        (5, 160, 1),
+        (131, 3584, 1),
+        (67, 7168, 1),
+        (33, 7200, 1),
+        (45, 256, 1),
+        (29, 384, 1),
+        (19, 128, 1),
+    ];
     let mm = [(37, 32, 2), (130, 96, 9), (5, 3584, 17), (131, 7200, 3), (67, 288, 8)];
     for (rows, cols, n) in mx.into_iter().chain(mm) {
         let (packed, scales, xd) = random_mxfp4(&mut rng, rows, cols, n);
@@ -108,6 +119,39 @@ fn gpu_products_at_tail_shapes_match_the_cpu() {
     g.matmul_mxfp4(&w, &xd, &mut a);
     cpu.matmul_mxfp4(&w, &xd, &mut b);
     check(&g, &format!("mxfp4 {rows}x32 x1"), &a, &b, 1e-5);
+}
+
+#[test]
+fn mxfp4_scale_bytes_above_240_give_the_cpus_products() {
+    // Blocks 1, 4, 7, ... of every row have scale bytes 241..250 (2^114 .. 2^123, whose E2M1
+    // products need the two-step form on the GPU) and inputs near 2^-100, so that every product
+    // and sum stays a normal float; the rest have ordinary scales and inputs. 384 columns: one
+    // tile of 8 blocks (taken by the two-step path as a whole) and a tail of 4 (block by block).
+    let Some(g) = gpu() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(41);
+    for (rows, cols) in [(37usize, 384usize), (20, 7168), (9, 96)] {
+        let blocks = cols / 32;
+        let packed = rng.bytes(rows * cols / 2);
+        let wide = |b: usize| b % 3 == 1;
+        let scales: Vec<u8> = (0..rows * blocks)
+            .map(|i| if wide(i % blocks) { 241 + (i % 10) as u8 } else { 114 + (i % 13) as u8 })
+            .collect();
+        let x: Vec<f32> = (0..cols)
+            .map(|c| {
+                let v = (0.5 + rng.f32() / 2.0) * if c % 2 == 0 { 1.0 } else { -1.0 };
+                if wide(c / 32) { v * 2f32.powi(-100) } else { v }
+            })
+            .collect();
+        let mut xd = vec![0f32; cols];
+        deinterleave_mxfp4_input(&x, &mut xd);
+        let w = Mxfp4Mat::new(&packed, &scales, rows, cols);
+        let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+        g.matmul_mxfp4(&w, &xd, &mut a);
+        cpu.matmul_mxfp4(&w, &xd, &mut b);
+        assert!(b.iter().all(|v| v.is_finite()), "the CPU's products stay finite");
+        check(&g, &format!("mxfp4 wide scales {rows}x{cols}"), &a, &b, 1e-5);
+    }
 }
 
 fn products_match(g: &GpuBackend) {

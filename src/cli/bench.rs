@@ -38,6 +38,10 @@ pub struct KernelArgs {
     /// Dispatches averaged per GPU measurement.
     #[arg(long, default_value_t = 20)]
     reps: usize,
+    /// Development: also time every `*.wgsl` in DIR as the one-row MXFP4 kernel (entry `matvec`)
+    /// on the 49152 x 3584 matrix, with whether its output bits equal the shipped kernel's.
+    #[arg(long, value_name = "DIR", hide = true)]
+    matvec_variants: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -329,7 +333,10 @@ fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     put("adapter", g.describe().into());
     put("fma_fused", g.fma_is_fused().into());
     put("reps", reps.into());
-    put("plain_read", "u32 per thread per load, 4 loads in flight, consecutive threads on consecutive words".into());
+    put(
+        "plain_read",
+        "vec4<u32> per thread per load, 4 loads in flight, consecutive threads on consecutive 16 bytes".into(),
+    );
     let (mv, mread) = g.time_product(BenchKind::Mxfp4, mr, mc, 1, reps);
     let (ev, _) = g.time_product(BenchKind::Mxfp4, er, ec, 1, reps);
     let (bv, bread) = g.time_product(BenchKind::Bf16, br, bc, 1, reps);
@@ -362,6 +369,19 @@ fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
         g.matmul_bf16(&w, &x, &mut o);
     }
     put("round_trip_us", (t.elapsed().as_secs_f64() / calls as f64 * 1e6).into());
+    if let Some(dir) = &a.matvec_variants {
+        for v in g.time_matvec_variants(dir, mr, mc, reps) {
+            let n = &v.name;
+            match v.secs {
+                Some(s) => {
+                    put(&format!("variant_{n}_gb_s"), (mx_bytes / s / 1e9).into());
+                    put(&format!("variant_{n}_vs_read"), (v.read_secs / s).into());
+                    put(&format!("variant_{n}_bits_equal"), v.bits_equal.into());
+                }
+                None => put(&format!("variant_{n}_error"), v.error.unwrap_or_default().into()),
+            }
+        }
+    }
     let record = crate::util::bench_record("kernels", serde_json::Value::Object(rec));
     println!("{record}");
     Ok(())

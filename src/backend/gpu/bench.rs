@@ -3,19 +3,167 @@
 //!
 //! Contract: both are timed as `reps` dispatches in one submission, ended by a one-float readback,
 //! after one untimed warm-up submission. The plain read (`read_all` in `kernels/matvec.wgsl`) loads
-//! the weight and scale buffers with the matvec kernel's access width (one u32 per thread per load, four
-//! loads in flight), consecutive threads on consecutive words, about 64 words per thread, and
-//! writes one partial per thread (under 2% of the bytes read).
+//! the weight and scale buffers with the matvec kernel's access width (one vec4<u32> per thread
+//! per load, four loads in flight), consecutive threads on consecutive 16 bytes, about 16 of them
+//! per thread, and writes one partial per thread (under 2% of the bytes read).
 
 use super::BenchKind;
-use super::device::{Gpu, Kind};
+use super::device::{Gpu, Kind, MATVEC_ROWS, MAX_GROUPS, PRODUCTS, Params};
 use crate::cpu::{Bf16Mat, Mxfp4Mat};
 use std::time::Instant;
 
-/// Words each thread of the plain read covers (the grid is sized from it).
+/// 32-bit words each thread of the plain read covers (the grid is sized from it).
 const WORDS_PER_THREAD: u64 = 64;
 
+/// One candidate matvec kernel measured by [`Gpu::time_matvec_variants`].
+pub struct VariantTiming {
+    pub name: String,
+    /// Seconds per dispatch (None: it did not compile or run; `error` says why).
+    pub secs: Option<f64>,
+    /// Seconds per plain read of the same bytes, the mean of one timed just before and one just
+    /// after the variant (the read drifts by several percent within a run).
+    pub read_secs: f64,
+    /// Whether every output has the same bits as the shipped `matvec` kernel's.
+    pub bits_equal: bool,
+    pub error: Option<String>,
+}
+
+/// The weights as 32-bit words at binding 0, for variants that take `products.wgsl`.
+const WORDS: &str = "@group(0) @binding(0) var<storage, read> w: array<u32>;";
+
+/// The packed bytes and scales of a random MXFP4 matrix with normal scales.
+fn bench_mxfp4(rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
+    let mut seed = 7u64;
+    let mut byte = || {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (seed >> 33) as u8
+    };
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| byte()).collect();
+    let scales: Vec<u8> = (0..rows * cols / 32).map(|i| 115 + (i % 13) as u8).collect();
+    (packed, scales)
+}
+
 impl Gpu {
+    /// Times the shipped one-row MXFP4 kernel (as `shipped`) and each `*.wgsl` file of `dir` in
+    /// its place on a `rows` x `cols` matrix, each between two plain reads of the same bytes, and
+    /// says whether each one's outputs have the shipped kernel's bits. A variant's entry point is
+    /// `matvec`; `products.wgsl` and a u32 view `w` of the weights are prepended unless it has a
+    /// line `// standalone`; `// rows_per_group: N` sets its dispatch (default 16); `// trusted`
+    /// compiles it without wgpu's injected bounds clamps and loop counters. A development tool
+    /// (`bench kernels --matvec-variants DIR`; `bench/matvec_variants/`).
+    pub fn time_matvec_variants(
+        &self,
+        dir: &std::path::Path,
+        rows: usize,
+        cols: usize,
+        reps: usize,
+    ) -> Vec<VariantTiming> {
+        let mut files: Vec<_> = match std::fs::read_dir(dir) {
+            Ok(d) => d
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|e| e == "wgsl"))
+                .collect(),
+            Err(e) => {
+                return vec![VariantTiming {
+                    name: dir.display().to_string(),
+                    secs: None,
+                    read_secs: 0.0,
+                    bits_equal: false,
+                    error: Some(e.to_string()),
+                }];
+            }
+        };
+        files.sort();
+        let (packed, scales) = bench_mxfp4(rows, cols);
+        let r = self.upload_mxfp4(&Mxfp4Mat::new(&packed, &scales, rows, cols), true);
+        let xs: Vec<f32> = (0..cols).map(|i| ((i * 7 % 23) as f32 - 11.0) / 16.0).collect();
+        let x = self.storage("x", &Gpu::input_bytes(&xs, cols, r.stride));
+        let o = self.output(rows);
+        let c = &r.chunks[0];
+        let p = self.uniform(Params {
+            rows: c.rows as u32,
+            cols: cols as u32,
+            n: 1,
+            kind: Kind::Mxfp4 as u32,
+            row0: 0,
+            out_rows: rows as u32,
+            stride: r.stride as u32,
+            ..Default::default()
+        });
+        let bg = self.bind(&c.w, &c.scales, &x, &o, &p);
+        let run = |pipe: &wgpu::ComputePipeline, per_group: usize, reps: usize| {
+            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            {
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("variant"),
+                    timestamp_writes: None,
+                });
+                pass.set_pipeline(pipe);
+                pass.set_bind_group(0, &bg, &[]);
+                let groups = rows.div_ceil(per_group);
+                let gx = groups.clamp(1, MAX_GROUPS);
+                for _ in 0..reps {
+                    pass.dispatch_workgroups(gx as u32, groups.div_ceil(gx) as u32, 1);
+                }
+            }
+            let t = Instant::now();
+            let v = self.finish(enc, &o, rows);
+            (t.elapsed().as_secs_f64(), v)
+        };
+        let (_, reference) = run(&self.matvec, MATVEC_ROWS, 1);
+        let read = PlainRead::new(self, &r, Kind::Mxfp4, &x);
+        read.secs(self, 1);
+        // A warm-up, then the kernel between two timed plain reads.
+        let time = |name: String, pipe: &wgpu::ComputePipeline, per_group: usize| {
+            run(pipe, per_group, 1);
+            let before = read.secs(self, reps);
+            let (secs, got) = run(pipe, per_group, reps);
+            let read_secs = (before + read.secs(self, reps)) / 2.0 / reps as f64;
+            let bits_equal =
+                got.len() == reference.len() && got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
+            VariantTiming { name, secs: Some(secs / reps as f64), read_secs, bits_equal, error: None }
+        };
+        let shipped = time("shipped".into(), &self.matvec, MATVEC_ROWS);
+        let variants = files.iter().map(|f| {
+            let name = f.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let fail = |e: String| VariantTiming {
+                name: name.clone(),
+                secs: None,
+                read_secs: 0.0,
+                bits_equal: false,
+                error: Some(e),
+            };
+            let src = match std::fs::read_to_string(f) {
+                Ok(s) => s,
+                Err(e) => return fail(e.to_string()),
+            };
+            let per_group = src
+                .lines()
+                .find_map(|l| l.trim().strip_prefix("// rows_per_group:").and_then(|v| v.trim().parse::<usize>().ok()))
+                .unwrap_or(MATVEC_ROWS);
+            let trusted = src.lines().any(|l| l.trim() == "// trusted");
+            let standalone = src.lines().any(|l| l.trim() == "// standalone");
+            let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+            let source = if standalone { src.clone() } else { [PRODUCTS, WORDS, &src].join("\n") };
+            let desc =
+                wgpu::ShaderModuleDescriptor { label: Some(&name), source: wgpu::ShaderSource::Wgsl(source.into()) };
+            let module = if trusted {
+                // SAFETY: a development kernel run on the bench's own matrix; on Vulkan the
+                // driver's robust buffer access still bounds its buffer accesses, and its output
+                // is checked against the shipped kernel's bits.
+                unsafe { self.device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
+            } else {
+                self.device.create_shader_module(desc)
+            };
+            let pipe = self.pipeline_of(&module, "matvec");
+            if let Some(e) = pollster::block_on(scope.pop()) {
+                return fail(e.to_string());
+            }
+            time(name, &pipe, per_group)
+        });
+        std::iter::once(shipped).chain(variants).collect()
+    }
+
     /// Seconds per product dispatch (weights resident, `n` input rows) and per
     /// plain read of the same weight bytes, each averaged over `reps` dispatches.
     pub fn time_product(&self, kind: BenchKind, rows: usize, cols: usize, n: usize, reps: usize) -> (f64, f64) {
@@ -56,38 +204,52 @@ impl Gpu {
         };
         run(1);
         let product = run(reps) / reps as f64;
-        // Each buffer (an MXFP4 chunk's weights and its scales) is read by its own dispatch, sized
-        // for its words.
+        let read = PlainRead::new(self, &r, k, &x);
+        read.secs(self, 1);
+        (product, read.secs(self, reps) / reps as f64)
+    }
+}
+
+/// The plain read of a resident matrix's bytes: each buffer (an MXFP4 chunk's weights and its
+/// scales) read by its own dispatch of `read_all`, sized for its words.
+struct PlainRead {
+    groups: Vec<(wgpu::BindGroup, u32)>,
+    sink: wgpu::Buffer,
+}
+
+impl PlainRead {
+    fn new(gpu: &Gpu, r: &super::device::Resident, k: Kind, x: &wgpu::Buffer) -> Self {
         let bufs: Vec<&wgpu::Buffer> =
             r.chunks.iter().flat_map(|c| if k == Kind::Mxfp4 { vec![&c.w, &c.scales] } else { vec![&c.w] }).collect();
-        let groups: Vec<(wgpu::BindGroup, u32)> = bufs
+        let groups = bufs
             .into_iter()
             .map(|b| {
                 let words = b.size() / 4;
                 let wgs = words.div_ceil(256 * WORDS_PER_THREAD).clamp(1, 65_535) as u32;
-                let partial = self.output(wgs as usize * 256);
-                let p = self.uniform(Default::default());
-                (self.bind(b, b, &x, &partial, &p), wgs)
+                let partial = gpu.output(wgs as usize * 256);
+                let p = gpu.uniform(Default::default());
+                (gpu.bind(b, b, x, &partial, &p), wgs)
             })
             .collect();
-        let read = |reps: usize| {
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            {
-                let mut pass = enc
-                    .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("read"), timestamp_writes: None });
-                pass.set_pipeline(&self.read_all);
-                for _ in 0..reps {
-                    for (bg, wgs) in &groups {
-                        pass.set_bind_group(0, bg, &[]);
-                        pass.dispatch_workgroups(*wgs, 1, 1);
-                    }
+        PlainRead { groups, sink: gpu.output(1) }
+    }
+
+    /// Seconds for `reps` reads in one submission (ended by a one-float readback).
+    fn secs(&self, gpu: &Gpu, reps: usize) -> f64 {
+        let mut enc = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("read"), timestamp_writes: None });
+            pass.set_pipeline(&gpu.read_all);
+            for _ in 0..reps {
+                for (bg, wgs) in &self.groups {
+                    pass.set_bind_group(0, bg, &[]);
+                    pass.dispatch_workgroups(*wgs, 1, 1);
                 }
             }
-            let t = Instant::now();
-            self.finish(enc, &o, 1);
-            t.elapsed().as_secs_f64()
-        };
-        read(1);
-        (product, read(reps) / reps as f64)
+        }
+        let t = Instant::now();
+        gpu.finish(enc, &self.sink, 1);
+        t.elapsed().as_secs_f64()
     }
 }

@@ -22,6 +22,8 @@ mod expert_cache;
 mod experts;
 mod ops;
 
+pub use bench::VariantTiming;
+
 pub use device::{AdapterSummary, GpuError};
 use ops::{Limits, Ops};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -154,6 +156,17 @@ impl GpuBackend {
     /// bytes, each averaged over `reps` dispatches in one submission (for `bench kernels`).
     pub fn time_product(&self, kind: BenchKind, rows: usize, cols: usize, n: usize, reps: usize) -> (f64, f64) {
         self.gpu.time_product(kind, rows, cols, n, reps)
+    }
+
+    /// [`Gpu::time_matvec_variants`] (for `bench kernels --matvec-variants`).
+    pub fn time_matvec_variants(
+        &self,
+        dir: &std::path::Path,
+        rows: usize,
+        cols: usize,
+        reps: usize,
+    ) -> Vec<VariantTiming> {
+        self.gpu.time_matvec_variants(dir, rows, cols, reps)
     }
 }
 
