@@ -32,6 +32,10 @@ pub struct Stats {
     // Phases (seconds).
     pub read_wait_s: f64,
     pub expert_kernel_s: f64,
+    /// Of `expert_kernel_s`: the routed experts themselves (queued, run, outputs placed) and the
+    /// layer's combine (weighted sum, latent norm, up-projection, shared experts).
+    pub moe_experts_s: f64,
+    pub moe_combine_s: f64,
     pub attention_s: f64,
     pub router_s: f64,
     pub other_s: f64,
@@ -85,6 +89,8 @@ impl Stats {
         self.expert_bytes = self.expert_bytes.max(o.expert_bytes);
         self.read_wait_s += o.read_wait_s;
         self.expert_kernel_s += o.expert_kernel_s;
+        self.moe_experts_s += o.moe_experts_s;
+        self.moe_combine_s += o.moe_combine_s;
         self.attention_s += o.attention_s;
         self.router_s += o.router_s;
         self.other_s += o.other_s;
@@ -242,6 +248,8 @@ impl Stats {
             "drives": self.source.as_ref().map(|s| serde_json::to_value(&s.drives).unwrap_or_default()),
             "read_wait_s": self.read_wait_s,
             "expert_kernel_s": self.expert_kernel_s,
+            "moe_experts_s": self.moe_experts_s,
+            "moe_combine_s": self.moe_combine_s,
             "attention_s": self.attention_s,
             "router_s": self.router_s,
             "other_s": self.other_s,

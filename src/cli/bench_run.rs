@@ -418,6 +418,8 @@ fn one_run(
                 "read_amplification": if unique > 0 { Some(prefill_read as f64 / unique as f64) } else { None },
                 "read_wait_s": pre.read_wait_s,
                 "expert_kernel_s": pre.expert_kernel_s,
+                "moe_experts_s": pre.moe_experts_s,
+                "moe_combine_s": pre.moe_combine_s,
                 "attention_s": pre.attention_s,
                 "router_s": pre.router_s,
                 "other_s": pre.other_s,

@@ -158,8 +158,11 @@ pub fn layer(
     *stats.layer_read_wait_s.entry(layer as u32).or_insert(0.0) += (fetch_s - kernel_s).max(0.0);
     let t_tail = Instant::now();
     let out = moe::combine(be, c, w, &routes, &slots, xn);
+    let combine_s = t_tail.elapsed().as_secs_f64();
     // z, the weighted sum, the latent norm/up-projection and shared experts count as expert work.
-    stats.expert_kernel_s += kernel_s + t_tail.elapsed().as_secs_f64() + (t_fetch - t_routed).as_secs_f64();
+    stats.expert_kernel_s += kernel_s + combine_s + (t_fetch - t_routed).as_secs_f64();
+    stats.moe_experts_s += kernel_s;
+    stats.moe_combine_s += combine_s;
     Ok((out, predicted_next.map(|(_, p)| p)))
 }
 
