@@ -82,6 +82,26 @@ pub fn open(kind: BackendKind, opts: BackendOptions) -> Result<Arc<dyn Backend>,
     }
 }
 
+/// Work a device backend has sent to its device, counted since it opened: what `bench run`
+/// reports per phase, so that every round trip and re-upload shows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct DeviceTraffic {
+    pub submissions: u64,
+    pub upload_bytes: u64,
+    pub readback_bytes: u64,
+}
+
+impl DeviceTraffic {
+    /// The traffic since `earlier`.
+    pub fn since(self, earlier: DeviceTraffic) -> DeviceTraffic {
+        DeviceTraffic {
+            submissions: self.submissions.saturating_sub(earlier.submissions),
+            upload_bytes: self.upload_bytes.saturating_sub(earlier.upload_bytes),
+            readback_bytes: self.readback_bytes.saturating_sub(earlier.readback_bytes),
+        }
+    }
+}
+
 pub trait Backend: Send + Sync {
     /// For the startup line, e.g. "cpu avx512 x2".
     fn describe(&self) -> String;
@@ -135,6 +155,11 @@ pub trait Backend: Send + Sync {
     /// Experts the backend's device cache has room for now (slots allocated); 0 for the CPU.
     fn device_expert_slots(&self) -> usize {
         0
+    }
+
+    /// The device traffic so far (submissions, bytes uploaded, bytes read back); zero for the CPU.
+    fn device_traffic(&self) -> DeviceTraffic {
+        DeviceTraffic::default()
     }
 
     /// RMSNorm of every row of `x` (rows of `w.len()`), in place.

@@ -318,6 +318,7 @@ fn one_run(
     let plan = engine.plan.clone();
     let mut session = engine.new_session();
     let ceiling_before = probe.measure()?;
+    let traffic_start = engine.model.be.device_traffic();
     let unix = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     let prefill_start = unix();
     let t0 = Instant::now();
@@ -330,6 +331,7 @@ fn one_run(
     session.stats.ttft_s = ttft;
     session.stats.prefill_s = ttft;
     let pre = session.stats.clone();
+    let traffic_prefill = engine.model.be.device_traffic();
     let pre_src = engine.source_report();
     let prefill_read = pre_src.expert_bytes_read.unwrap_or(0);
     let unique = pre.expert_bytes_unique();
@@ -344,6 +346,7 @@ fn one_run(
     .context("decode failed")?;
     let out_ids = generation.tokens;
     let decode_s = t1.elapsed().as_secs_f64();
+    let traffic_decode = engine.model.be.device_traffic().since(traffic_prefill);
     let decode_end = unix();
     let ceiling_after = probe.measure()?;
     let prefill_ceiling = mean_gbps(&ceiling_before, &ceiling_mid);
@@ -448,6 +451,19 @@ fn one_run(
             "decode_bound_ratio": decode_bound.map(|b| (decode_s / steps as f64) / b),
             "cache_slots": report.cache_slots,
             "gpu_cache_slots": device_slots,
+            // Submissions (round trips and upload flushes) and bytes to and from the device.
+            "device_traffic": {
+                "prefill": traffic_prefill.since(traffic_start),
+                "decode": traffic_decode,
+                "decode_per_token": (steps > 0).then(|| {
+                    let n = steps as f64;
+                    json!({
+                        "submissions": traffic_decode.submissions as f64 / n,
+                        "upload_bytes": traffic_decode.upload_bytes as f64 / n,
+                        "readback_bytes": traffic_decode.readback_bytes as f64 / n,
+                    })
+                }),
+            },
             "device_expert_bytes": engine.model.be.device_expert_bytes(),
             "expert_heat_runs_before": engine.store().and_then(|s| s.heat_runs()),
             "cache_misses": report.cache_misses,

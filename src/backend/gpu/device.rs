@@ -173,8 +173,38 @@ struct Pool {
     free: std::sync::Mutex<std::collections::HashMap<(u32, u64), Vec<wgpu::Buffer>>>,
 }
 
+/// [`crate::backend::DeviceTraffic`] as it accumulates.
+#[derive(Default)]
+pub(super) struct Traffic {
+    pub submissions: std::sync::atomic::AtomicU64,
+    pub upload_bytes: std::sync::atomic::AtomicU64,
+    pub readback_bytes: std::sync::atomic::AtomicU64,
+}
+
+impl Traffic {
+    pub fn submitted(&self, readback: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.submissions.fetch_add(1, Relaxed);
+        self.readback_bytes.fetch_add(readback, Relaxed);
+    }
+
+    pub fn uploaded(&self, bytes: u64) {
+        self.upload_bytes.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> crate::backend::DeviceTraffic {
+        use std::sync::atomic::Ordering::Relaxed;
+        crate::backend::DeviceTraffic {
+            submissions: self.submissions.load(Relaxed),
+            upload_bytes: self.upload_bytes.load(Relaxed),
+            readback_bytes: self.readback_bytes.load(Relaxed),
+        }
+    }
+}
+
 pub struct Gpu {
     pool: Pool,
+    pub(super) traffic: Traffic,
     pub(super) device: wgpu::Device,
     pub(super) queue: wgpu::Queue,
     products_layout: ComputeLayout,
@@ -300,6 +330,7 @@ impl Gpu {
         };
         Ok(Gpu {
             pool: Pool::default(),
+            traffic: Traffic::default(),
             device,
             queue,
             products_layout: layout,
@@ -349,11 +380,13 @@ impl Gpu {
     /// `bytes` in a pooled storage buffer (uploaded through the queue).
     pub(super) fn staged(&self, bytes: &[u8]) -> wgpu::Buffer {
         let b = self.take(STAGED, bytes.len() as u64);
+        self.traffic.uploaded(bytes.len() as u64);
         self.queue.write_buffer(&b, 0, &padded(bytes));
         b
     }
 
     pub(super) fn storage(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
+        self.traffic.uploaded(bytes.len() as u64);
         self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some(label),
             contents: &padded(bytes),
@@ -478,6 +511,7 @@ impl Gpu {
             encoder.copy_buffer_to_buffer(b, 0, &read, at, *n);
             at += n;
         }
+        self.traffic.submitted(total);
         self.queue.submit([encoder.finish()]);
         self.read_mapped(read, floats).into_iter().map(f32::from_bits).collect()
     }
@@ -498,6 +532,7 @@ impl Gpu {
                 (read, words)
             })
             .collect();
+        self.traffic.submitted(reads.iter().map(|(_, w)| (w.max(&1) * 4) as u64).sum());
         self.queue.submit([encoder.finish()]);
         reads.into_iter().map(|(read, words)| self.read_mapped(read, words)).collect()
     }

@@ -166,6 +166,7 @@ impl<'a> GpuExperts<'a> {
             }
             at += n;
         }
+        g.traffic.submitted((total * 4) as u64);
         let submission = g.queue.submit([enc.finish()]);
         let parts = group.iter().zip(&rows).map(|(q, &m)| (q.index, m * lat)).collect();
         let mut temps: Vec<(wgpu::BufferUsages, wgpu::Buffer)> = vec![(STAGED, x)];
@@ -255,6 +256,8 @@ impl ExpertBatch for GpuExperts<'_> {
         }
         // Hand the writes to the GPU now: queued writes sit in host staging memory until a submit,
         // and a group's worth (16 x 17.55 MB for K3) would be host memory outside the budget.
+        g.traffic.uploaded(self.layout.parts.iter().map(|&(_, len)| len as u64).sum());
+        g.traffic.submitted(0);
         g.queue.submit([]);
         if let Err(e) = g.device.poll(wgpu::PollType::Poll) {
             tracing::error!("GPU poll failed: {e}");

@@ -277,6 +277,10 @@ impl Backend for GpuBackend {
         self.with_cache(|c| c.bytes()) + self.staging.load(Ordering::Relaxed) as u64
     }
 
+    fn device_traffic(&self) -> crate::backend::DeviceTraffic {
+        self.gpu.traffic.snapshot()
+    }
+
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {
         if !self.on_gpu(x.len()) || w.is_empty() || !self.fits(x.len()) {
             return self.cpu.rms_norm_rows(x, w, eps);
