@@ -2,20 +2,26 @@
 // CPU's `cpu::kda::recurrent_head`: thread (head h, column j) owns column j of that head's state
 // S [dk][dv] and runs, per token t: s_ij = s_ij * exp(g_ti); u = fma(k_ti, s_ij, u) over i;
 // u = beta_t (v_tj - u); then s_ij = fma(k_ti, u, s_ij) and o = fma(q_ti, s_ij, o) over i.
-// The first token reads the start state from `b` (the in-place update's multiply, reading
-// elsewhere), later ones the state in `out`.
+// The start state comes from `b`; the state after the last token goes to `out`.
 
 // a = [q | k | g], each [heads, n, dk]; wq = [v [heads, n, dv] | beta [heads, n]] as f32 bits.
 // P, a, b, wq, out, p, pu and pf: ops_common.wgsl (prepended).
 @group(0) @binding(4) var<storage, read_write> out2: array<f32>;
 
+// Column j of the state, while the tokens run: in workgroup memory, not in `out` (a load right
+// after a store to the same global address waits for it; here each step is a shared access).
+// Element i of the thread's column is at i * 64 + its local index (every access conflict-free).
+// dk is at most `Limits::KDA_DK` = 128 (larger calls stay on the CPU).
+const KDA_DK: u32 = 128u;
+var<workgroup> col: array<f32, 8192>;
+
 // params (heads, n, dk, dv, with_output). out = the state after the last row [heads, dk, dv];
 // out2 = o [heads, n, dv] when with_output.
 @compute @workgroup_size(64)
-fn kda_recurrent(@builtin(global_invocation_id) gid: vec3<u32>) {
+fn kda_recurrent(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let heads = pu(0u);
     let n = pu(1u);
-    let dk = pu(2u);
+    let dk = min(pu(2u), KDA_DK);
     let dv = pu(3u);
     let with_o = pu(4u) != 0u;
     let j = gid.x;
@@ -30,35 +36,31 @@ fn kda_recurrent(@builtin(global_invocation_id) gid: vec3<u32>) {
     let vb = h * n * dv;
     let betab = heads * n * dv + h * n;
     let sb = h * dk * dv;
-    if (n == 0u) {
-        for (var i = 0u; i < dk; i = i + 1u) {
-            out[sb + i * dv + j] = b[sb + i * dv + j];
-        }
-        return;
+    let c = lid.x;
+    for (var i = 0u; i < dk; i = i + 1u) {
+        col[i * 64u + c] = b[sb + i * dv + j];
     }
     for (var t = 0u; t < n; t = t + 1u) {
         var u = 0.0;
         for (var i = 0u; i < dk; i = i + 1u) {
             let e = dm_exp(a[gb + t * dk + i]);
-            var s: f32;
-            if (t == 0u) {
-                s = b[sb + i * dv + j] * e;
-            } else {
-                s = out[sb + i * dv + j] * e;
-            }
-            out[sb + i * dv + j] = s;
+            let s = col[i * 64u + c] * e;
+            col[i * 64u + c] = s;
             u = fma(a[kb + t * dk + i], s, u);
         }
         let beta = bitcast<f32>(wq[betab + t]);
         u = beta * (bitcast<f32>(wq[vb + t * dv + j]) - u);
         var o = 0.0;
         for (var i = 0u; i < dk; i = i + 1u) {
-            let s = fma(a[kb + t * dk + i], u, out[sb + i * dv + j]);
-            out[sb + i * dv + j] = s;
+            let s = fma(a[kb + t * dk + i], u, col[i * 64u + c]);
+            col[i * 64u + c] = s;
             o = fma(a[qb + t * dk + i], s, o);
         }
         if (with_o) {
             out2[(h * n + t) * dv + j] = o;
         }
+    }
+    for (var i = 0u; i < dk; i = i + 1u) {
+        out[sb + i * dv + j] = col[i * 64u + c];
     }
 }

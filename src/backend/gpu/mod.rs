@@ -308,7 +308,12 @@ impl Backend for GpuBackend {
         // The chunked form stays on the CPU (its order is not the recurrence's).
         let n = heads.first().map_or(0, |h| h.beta.len());
         let inputs = 3 * heads.len() * n * dk;
-        if chunked || heads.is_empty() || !self.on_gpu(s_in.len()) || !self.fits(inputs.max(s_in.len())) {
+        if chunked
+            || heads.is_empty()
+            || dk > Limits::KDA_DK
+            || !self.on_gpu(s_in.len())
+            || !self.fits(inputs.max(s_in.len()))
+        {
             return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
         }
         let (s, out) = self.ops.kda_recurrent(&self.gpu, s_in, heads, dk, dv, true);
@@ -318,7 +323,11 @@ impl Backend for GpuBackend {
 
     fn kda_replay(&self, s: &mut [f32], heads: &[HeadIn], dk: usize, dv: usize) {
         let n = heads.first().map_or(0, |h| h.beta.len());
-        if heads.is_empty() || !self.on_gpu(s.len()) || !self.fits((3 * heads.len() * n * dk).max(s.len())) {
+        if heads.is_empty()
+            || dk > Limits::KDA_DK
+            || !self.on_gpu(s.len())
+            || !self.fits((3 * heads.len() * n * dk).max(s.len()))
+        {
             return self.cpu.kda_replay(s, heads, dk, dv);
         }
         let (st, _) = self.ops.kda_recurrent(&self.gpu, s, heads, dk, dv, false);

@@ -31,6 +31,8 @@ impl Limits {
     /// MLA latent width and rope width (workgroup arrays).
     pub const LORA: usize = 1024;
     pub const ROPE: usize = 256;
+    /// KDA key width (the state column in workgroup memory).
+    pub const KDA_DK: usize = 128;
 }
 
 /// One input binding.
