@@ -29,10 +29,12 @@ fn kda_recurrent(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_i
     if (j >= dv || h >= heads) {
         return;
     }
+    // a holds [q (only with outputs), k, g] planes of [heads, n, dk].
     let plane = heads * n * dk;
+    let planes_before_k = select(0u, 1u, with_o);
     let qb = h * n * dk;
-    let kb = plane + h * n * dk;
-    let gb = 2u * plane + h * n * dk;
+    let kb = planes_before_k * plane + h * n * dk;
+    let gb = (planes_before_k + 1u) * plane + h * n * dk;
     let vb = h * n * dv;
     let betab = heads * n * dv + h * n;
     let sb = h * dk * dv;

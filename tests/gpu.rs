@@ -11,7 +11,7 @@
 mod common;
 use common::*;
 use deltafin::backend::gpu::GpuBackend;
-use deltafin::backend::{Backend, BackendKind, CpuBackend};
+use deltafin::backend::{Backend, BackendKind, CpuBackend, StateBuf};
 use deltafin::cpu::ops::Situ;
 use deltafin::cpu::{Bf16Mat, Mxfp4Mat, decode_bf16_row, decode_mxfp4_row, deinterleave_mxfp4_input};
 use deltafin::engine::{Engine, EngineConfig};
@@ -414,21 +414,52 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
                 }
             })
             .collect();
-        let s0 = rng.vec(nh * dk * dv);
-        let (mut sa, mut sb) = (vec![0f32; s0.len()], vec![0f32; s0.len()]);
+        let s0 = StateBuf::from(rng.vec(nh * dk * dv));
+        let (mut sa, mut sb) = (StateBuf::zeros(s0.len()), StateBuf::zeros(s0.len()));
         let (mut oa, mut ob) = (vec![0f32; nh * n * dv], vec![0f32; nh * n * dv]);
         g.kda_update(&s0, &mut sa, &heads, dk, dv, &mut oa, false);
         cpu.kda_update(&s0, &mut sb, &heads, dk, dv, &mut ob, false);
-        check(&g, &format!("kda_update state dk {dk}"), &sa, &sb, TOL);
+        assert!(sa.on_device(), "the GPU's state stays in device memory");
+        check(&g, &format!("kda_update state dk {dk}"), &sa.host_values(), &sb.host_values(), TOL);
         check(&g, &format!("kda_update outputs dk {dk}"), &oa, &ob, TOL);
-        let (mut ra, mut rb) = (s0.clone(), s0);
-        g.kda_replay(&mut ra, &heads, dk, dv);
-        cpu.kda_replay(&mut rb, &heads, dk, dv);
-        check(&g, &format!("kda_replay state dk {dk}"), &ra, &rb, TOL);
+        // A second step from the resident state into a buffer that was used before (as decode
+        // does with its spare): the state neither goes up nor comes back, only the rows and o.
+        let (mut sa2, mut sb2) = (StateBuf::zeros(s0.len()), StateBuf::zeros(s0.len()));
+        let before = g.device_traffic();
+        g.kda_update(&s0, &mut sa2, &heads, dk, dv, &mut oa, false);
+        let from_host = g.device_traffic().since(before);
+        g.kda_update(&sa, &mut sa2, &heads, dk, dv, &mut oa, false);
+        let step = g.device_traffic().since(before).since(from_host);
+        cpu.kda_update(&sb, &mut sb2, &heads, dk, dv, &mut ob, false);
+        let state_bytes = 4 * s0.len() as u64;
+        assert_eq!(step.readback_bytes, 4 * oa.len() as u64, "only o comes back: {step:?}");
         assert_eq!(
-            ra.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-            sa.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            step.upload_bytes + state_bytes,
+            from_host.upload_bytes,
+            "the resident state is not uploaded: {step:?} vs {from_host:?}"
         );
+        assert!(step.resident_state_bytes >= 2 * state_bytes);
+        check(&g, &format!("kda_update from a resident state dk {dk}"), &sa2.host_values(), &sb2.host_values(), TOL);
+        check(&g, &format!("kda_update outputs from a resident state dk {dk}"), &oa, &ob, TOL);
+        // Replay from the host and from a resident state, with rows that carry no q (as a
+        // commit's do); the CPU backend reads a resident state through the host.
+        let no_q: Vec<HeadIn> = heads.iter().map(|x| HeadIn { q: Vec::new(), ..x.clone() }).collect();
+        let (mut ra, mut rb) = (s0.clone(), s0.clone());
+        g.kda_replay(&mut ra, &no_q, dk, dv);
+        cpu.kda_replay(&mut rb, &no_q, dk, dv);
+        check(&g, &format!("kda_replay state dk {dk}"), &ra.host_values(), &rb.host_values(), TOL);
+        assert_eq!(bits(&ra.host_values()), bits(&sa.host_values()));
+        let mut rc = sa.clone();
+        let mut rd = StateBuf::zeros(s0.len());
+        g.kda_update(&s0, &mut rd, &heads, dk, dv, &mut oa, false);
+        g.kda_replay(&mut rd, &no_q, dk, dv);
+        cpu.kda_replay(&mut rc, &no_q, dk, dv);
+        assert!(rd.on_device());
+        check(&g, &format!("kda_replay of a resident state dk {dk}"), &rd.host_values(), &rc.host_values(), TOL);
+        let (mut on_cpu, mut from_host) = (StateBuf::zeros(s0.len()), StateBuf::zeros(s0.len()));
+        cpu.kda_update(&sa, &mut on_cpu, &heads, dk, dv, &mut ob, false);
+        cpu.kda_update(&StateBuf::from(sa.host_values().into_owned()), &mut from_host, &heads, dk, dv, &mut oa, false);
+        assert_eq!(bits(&on_cpu.host_values()), bits(&from_host.host_values()), "the CPU reads a GPU state");
     }
     // MLA core: causal over a cache, and every row seeing every token; small and K3's widths.
     for d in [
@@ -472,6 +503,44 @@ fn fixtures_on_the_gpu_match_the_fp64_reference_with_the_same_greedy_tokens() {
         assert_eq!(g, r.greedy[..12].to_vec(), "{name}: greedy tokens");
         eprintln!("{name}: max relative error {err:.2e} on the GPU, greedy identical");
     }
+}
+
+#[test]
+fn kda_state_kept_on_the_gpu_survives_partial_commits_and_forks_with_the_cpus_tokens() {
+    let Some(g) = gpu() else { return };
+    // Every operation on the GPU, so that the fixture's KDA states live in device memory.
+    deltafin::backend::gpu::set_ops_min(0);
+    let dir = fixture("k3-tiny-b");
+    let r = reference("k3-tiny-b");
+    let drive = |e: &std::sync::Arc<Engine>| -> (Vec<f32>, Vec<u32>, u64) {
+        let mut s = e.new_session();
+        s.prefill(&r.prompt[..20]).unwrap();
+        // Five rows verified, two kept: a replay onto the committed (resident) state.
+        s.verify(&r.prompt[20..25], &[]).unwrap();
+        s.commit(2).unwrap();
+        s.verify(&r.prompt[22..24], &[]).unwrap();
+        s.commit(0).unwrap();
+        let mut f = s.fork();
+        let mut logits = Vec::new();
+        let mut forked = Vec::new();
+        for &t in &r.prompt[22..26] {
+            logits.extend_from_slice(s.step(t).unwrap());
+            forked.extend_from_slice(f.step(t).unwrap());
+        }
+        assert_eq!(bits(&logits), bits(&forked), "a fork continues with the same bits");
+        let opts = deltafin::engine::GenerateOptions { max_new: 6, stop: Vec::new() };
+        let tokens = s.generate(&opts, &mut |_| true).unwrap().tokens;
+        let resident = e.model.be.device_traffic().resident_state_bytes;
+        (logits, tokens, resident)
+    };
+    let cpu = Engine::open(test_config(&dir, KdaMode::Recurrent)).unwrap();
+    let on_gpu = gpu_engine(&dir);
+    let (gl, gt, resident) = drive(&on_gpu);
+    let (cl, ct, _) = drive(&cpu);
+    assert!(resident > 0, "the KDA states were kept in device memory");
+    assert_eq!(gt, ct, "greedy tokens");
+    check(&g, "logits after partial commits and a fork", &gl, &cl, 1e-4);
+    assert_eq!(on_gpu.model.be.device_traffic().resident_state_bytes, 0, "dropped sessions free their states");
 }
 
 #[test]

@@ -15,6 +15,7 @@ pub mod cpu;
 pub mod detmath;
 #[cfg(feature = "gpu")]
 pub mod gpu;
+pub mod state_buf;
 
 use crate::k3::moe::RouteRule;
 use crate::k3::weights::Weights;
@@ -24,6 +25,7 @@ use cpu::mla::{MlaDims, Visible};
 use cpu::ops::Situ;
 use cpu::{Bf16Mat, Mxfp4Mat};
 use rayon::prelude::*;
+pub use state_buf::StateBuf;
 use std::sync::Arc;
 
 /// Which backend runs the forward pass.
@@ -89,6 +91,9 @@ pub struct DeviceTraffic {
     pub submissions: u64,
     pub upload_bytes: u64,
     pub readback_bytes: u64,
+    /// Device memory held by recurrent state kept there ([`StateBuf`]) at the time of the reading
+    /// (a level, not a count: [`DeviceTraffic::since`] keeps the later one).
+    pub resident_state_bytes: u64,
 }
 
 impl DeviceTraffic {
@@ -98,6 +103,7 @@ impl DeviceTraffic {
             submissions: self.submissions.saturating_sub(earlier.submissions),
             upload_bytes: self.upload_bytes.saturating_sub(earlier.upload_bytes),
             readback_bytes: self.readback_bytes.saturating_sub(earlier.readback_bytes),
+            resident_state_bytes: self.resident_state_bytes,
         }
     }
 }
@@ -169,12 +175,13 @@ pub trait Backend: Send + Sync {
     fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]);
 
     /// KDA state update of every head over its rows: reads the start state from `s_in`, writes the
-    /// state after the last row to `s_out` and the outputs o [heads][n, dv].
+    /// state after the last row to `s_out` (whole; a device backend may leave it in device memory)
+    /// and the outputs o [heads][n, dv].
     #[allow(clippy::too_many_arguments)]
     fn kda_update(
         &self,
-        s_in: &[f32],
-        s_out: &mut [f32],
+        s_in: &StateBuf,
+        s_out: &mut StateBuf,
         heads: &[HeadIn],
         dk: usize,
         dv: usize,
@@ -183,7 +190,7 @@ pub trait Backend: Send + Sync {
     );
 
     /// Applies rows' updates to `s` in place without outputs (committing verified rows).
-    fn kda_replay(&self, s: &mut [f32], heads: &[HeadIn], dk: usize, dv: usize);
+    fn kda_replay(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize);
 
     /// MLA attention core over the latent cache with a given softmax scale and visibility
     /// (`cpu::mla::attention_with`): K3's layers are causal, DSpark's draft block sees every row.
@@ -292,8 +299,8 @@ impl Backend for CpuBackend {
 
     fn kda_update(
         &self,
-        s_in: &[f32],
-        s_out: &mut [f32],
+        s_in: &StateBuf,
+        s_out: &mut StateBuf,
         heads: &[HeadIn],
         dk: usize,
         dv: usize,
@@ -301,7 +308,9 @@ impl Backend for CpuBackend {
         chunked: bool,
     ) {
         let n = heads.first().map_or(0, |h| h.beta.len());
+        let s_in = s_in.host_values();
         s_out
+            .overwrite()
             .par_chunks_mut(dk * dv)
             .zip(s_in.par_chunks(dk * dv))
             .zip(o.par_chunks_mut((n * dv).max(1)))
@@ -316,8 +325,9 @@ impl Backend for CpuBackend {
             });
     }
 
-    fn kda_replay(&self, s: &mut [f32], heads: &[HeadIn], dk: usize, dv: usize) {
-        s.par_chunks_mut(dk * dv)
+    fn kda_replay(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize) {
+        s.host_mut()
+            .par_chunks_mut(dk * dv)
             .zip(heads.par_iter())
             .for_each(|(s, x)| cpu::kda::recurrent_head(None, s, dk, dv, x, None));
     }

@@ -14,8 +14,8 @@
 
 use super::state::KdaState;
 use super::weights::KdaWeights;
-use crate::backend::Backend;
 use crate::backend::cpu::kda::HeadIn;
+use crate::backend::{Backend, StateBuf};
 use crate::cpu::ops::{l2_norm_inplace, sigmoid, silu};
 use crate::model::K3Config;
 use crate::model::config::KDA_L2_EPS;
@@ -34,7 +34,7 @@ pub enum KdaMode {
 
 /// A KDA layer's uncommitted result: the state after every row and what a replay needs.
 pub struct KdaPending {
-    s_after: Vec<f32>,
+    s_after: StateBuf,
     /// Pre-conv projections of q, k, v for each row: [n, P] each.
     conv_in: [Vec<f32>; 3],
     heads: Vec<HeadIn>,
@@ -43,7 +43,7 @@ pub struct KdaPending {
 
 impl KdaPending {
     /// The state buffer, for reuse by the next forward.
-    pub fn into_spare(self) -> Vec<f32> {
+    pub fn into_spare(self) -> StateBuf {
         self.s_after
     }
 }
@@ -93,7 +93,7 @@ pub fn forward(
     st: &KdaState,
     xn: &[f32],
     mode: KdaMode,
-    spare: Option<Vec<f32>>,
+    spare: Option<StateBuf>,
 ) -> (Vec<f32>, KdaPending) {
     let h = c.hidden;
     let n = xn.len() / h;
@@ -147,7 +147,7 @@ pub fn forward(
         })
         .collect();
 
-    let mut s_after = spare.filter(|s| s.len() == st.s.len()).unwrap_or_else(|| vec![0f32; st.s.len()]);
+    let mut s_after = spare.filter(|s| s.len() == st.s.len()).unwrap_or_else(|| StateBuf::zeros(st.s.len()));
     let mut o_heads = vec![0f32; nh * n * dv];
     be.kda_update(&st.s, &mut s_after, &heads, dk, dv, &mut o_heads, mode == KdaMode::Chunked);
 
@@ -171,7 +171,7 @@ pub fn forward(
 }
 
 /// Makes the first `j` rows of `pending` part of the committed state; returns the spare buffer.
-pub fn commit(be: &dyn Backend, c: &K3Config, st: &mut KdaState, pending: KdaPending, j: usize) -> Vec<f32> {
+pub fn commit(be: &dyn Backend, c: &K3Config, st: &mut KdaState, pending: KdaPending, j: usize) -> StateBuf {
     let p = c.kda_dim();
     let j = j.min(pending.rows);
     for (tail, rows) in st.tail.iter_mut().zip(&pending.conv_in) {

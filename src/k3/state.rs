@@ -9,14 +9,14 @@
 //! exactly what it was before the forward.
 
 use super::kda::{self, KdaPending};
-use crate::backend::Backend;
+use crate::backend::{Backend, StateBuf};
 use crate::model::K3Config;
 use crate::model::config::AttnKind;
 
 #[derive(Clone)]
 pub struct KdaState {
-    /// [heads][dk][dv], row i of a head = key channel i.
-    pub s: Vec<f32>,
+    /// [heads][dk][dv], row i of a head = key channel i; a GPU backend keeps it in device memory.
+    pub s: StateBuf,
     /// Conv tails for q, k, v: each [width-1][P], oldest row first (zeros before the sequence).
     pub tail: [Vec<f32>; 3],
 }
@@ -50,7 +50,7 @@ pub struct SeqState {
     pub pending: Vec<Option<LayerPending>>,
     pending_rows: usize,
     /// Spare KDA state buffers, reused by the next forward.
-    spare: Vec<Option<Vec<f32>>>,
+    spare: Vec<Option<StateBuf>>,
 }
 
 impl Clone for SeqState {
@@ -80,7 +80,7 @@ impl SeqState {
             .iter()
             .map(|a| match a {
                 AttnKind::Kda => LayerState::Kda(KdaState {
-                    s: vec![0.0; c.kda_heads * c.kda_head_dim * c.kda_head_dim],
+                    s: StateBuf::zeros(c.kda_heads * c.kda_head_dim * c.kda_head_dim),
                     tail: std::array::from_fn(|_| vec![0.0; (c.conv_width - 1) * c.kda_dim()]),
                 }),
                 AttnKind::Mla => LayerState::Mla(MlaState { latent: Vec::new() }),
@@ -111,7 +111,7 @@ impl SeqState {
         self.pending_rows = rows;
     }
 
-    pub(crate) fn take_spare(&mut self, l: usize) -> Option<Vec<f32>> {
+    pub(crate) fn take_spare(&mut self, l: usize) -> Option<StateBuf> {
         self.spare[l].take()
     }
 

@@ -179,6 +179,8 @@ pub(super) struct Traffic {
     pub submissions: std::sync::atomic::AtomicU64,
     pub upload_bytes: std::sync::atomic::AtomicU64,
     pub readback_bytes: std::sync::atomic::AtomicU64,
+    /// Device memory of the recurrent states kept resident (`state.rs`), now.
+    pub resident_state_bytes: std::sync::atomic::AtomicU64,
 }
 
 impl Traffic {
@@ -198,13 +200,18 @@ impl Traffic {
             submissions: self.submissions.load(Relaxed),
             upload_bytes: self.upload_bytes.load(Relaxed),
             readback_bytes: self.readback_bytes.load(Relaxed),
+            resident_state_bytes: self.resident_state_bytes.load(Relaxed),
         }
     }
 }
 
+static NEXT_GPU_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 pub struct Gpu {
     pool: Pool,
-    pub(super) traffic: Traffic,
+    pub(super) traffic: std::sync::Arc<Traffic>,
+    /// Tells this device's buffers from another's (each `Gpu` gets its own).
+    pub(super) id: u64,
     pub(super) device: wgpu::Device,
     pub(super) queue: wgpu::Queue,
     products_layout: ComputeLayout,
@@ -330,7 +337,8 @@ impl Gpu {
         };
         Ok(Gpu {
             pool: Pool::default(),
-            traffic: Traffic::default(),
+            traffic: Default::default(),
+            id: NEXT_GPU_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             device,
             queue,
             products_layout: layout,

@@ -13,19 +13,23 @@
 //! the same rule (CPU order, `detmath` for transcendentals and division, explicit fma), from
 //! [`DEFAULT_OPS_MIN`] elements of work (smaller calls, the chunked KDA form and calls past
 //! `ops::Limits` run on the CPU kernels); top-k and argmax pick the CPU's indices on every
-//! adapter. Every call uploads its inputs and reads its results back (no residency of activations
-//! yet).
+//! adapter. Every call uploads its inputs and reads its results back, except the KDA state: a
+//! [`StateBuf`] that the GPU updated stays in device memory (`state.rs`) and is read from there
+//! by the next update or replay, so decode moves only each token's rows and outputs; other
+//! activations are not resident yet.
 
 mod bench;
 mod device;
 mod expert_cache;
 mod experts;
 mod ops;
+mod state;
 
 pub use bench::VariantTiming;
 
 pub use device::{AdapterSummary, GpuError};
-use ops::{Limits, Ops};
+use ops::{Dst, Limits, Ops, Src};
+use state::DeviceState;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Elements of work below which an operation other than a product stays on the CPU kernels (its
@@ -52,7 +56,7 @@ use super::cpu::kda::HeadIn;
 use super::cpu::mla::{MlaDims, Visible};
 use super::cpu::ops::Situ;
 use super::cpu::{Bf16Mat, Mxfp4Mat};
-use super::{Backend, CpuBackend, EachExpert, ExpertBatch};
+use super::{Backend, CpuBackend, EachExpert, ExpertBatch, StateBuf};
 use crate::k3::moe::RouteRule;
 use crate::k3::weights::{Attn, Ffn, Weights};
 use crate::model::roster::ExpertLayout;
@@ -297,8 +301,8 @@ impl Backend for GpuBackend {
 
     fn kda_update(
         &self,
-        s_in: &[f32],
-        s_out: &mut [f32],
+        s_in: &StateBuf,
+        s_out: &mut StateBuf,
         heads: &[HeadIn],
         dk: usize,
         dv: usize,
@@ -316,12 +320,29 @@ impl Backend for GpuBackend {
         {
             return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
         }
-        let (s, out) = self.ops.kda_recurrent(&self.gpu, s_in, heads, dk, dv, true);
-        copy_bits(&s, s_out);
+        let floats = s_in.len();
+        // The state stays in device memory: read from the input's copy when this device holds
+        // it (else uploaded once), written into the output's own copy (made on first use).
+        let host;
+        let src = match s_in.current_device().and_then(|d| DeviceState::of(&self.gpu, d, floats)) {
+            Some(b) => Src::Buf(b),
+            None => {
+                host = s_in.host_values();
+                Src::F32(&host)
+            }
+        };
+        if s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)).is_none() {
+            s_out.set_device(Box::new(DeviceState::new(&self.gpu, floats)));
+        }
+        let Some(dst) = s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)) else {
+            unreachable!("the output's device copy was made just above")
+        };
+        let (_, out) = self.ops.kda_recurrent(&self.gpu, src, Dst::Into(dst), heads, dk, dv, true);
         copy_bits(&out, o);
+        s_out.mark_device_written();
     }
 
-    fn kda_replay(&self, s: &mut [f32], heads: &[HeadIn], dk: usize, dv: usize) {
+    fn kda_replay(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize) {
         let n = heads.first().map_or(0, |h| h.beta.len());
         if heads.is_empty()
             || dk > Limits::KDA_DK
@@ -330,8 +351,21 @@ impl Backend for GpuBackend {
         {
             return self.cpu.kda_replay(s, heads, dk, dv);
         }
-        let (st, _) = self.ops.kda_recurrent(&self.gpu, s, heads, dk, dv, false);
-        copy_bits(&st, s);
+        let floats = s.len();
+        // Read and written buffers must differ: the result goes to a new copy that replaces it.
+        let fresh = DeviceState::new(&self.gpu, floats);
+        {
+            let host;
+            let src = match s.current_device().and_then(|d| DeviceState::of(&self.gpu, d, floats)) {
+                Some(b) => Src::Buf(b),
+                None => {
+                    host = s.host_values();
+                    Src::F32(&host)
+                }
+            };
+            self.ops.kda_recurrent(&self.gpu, src, Dst::Into(&fresh.buf), heads, dk, dv, false);
+        }
+        s.set_device(Box::new(fresh));
     }
 
     fn mla_attention_with(

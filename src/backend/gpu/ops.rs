@@ -6,7 +6,8 @@
 //! tree, `mul_add` as `fma`, `detmath` for exp / tanh / sigmoid / division / rsqrt), so on an
 //! adapter whose `fma` is fused the results are the CPU backend's bits; selections (top-k,
 //! argmax) are total orders and pick the CPU's indices on any adapter. Each call uploads its
-//! inputs, runs one submission and reads its results back (no residency of activations yet).
+//! inputs, runs one submission and reads its results back, except the KDA state, which can stay
+//! in device memory between calls (`state.rs`); other activations are not resident yet.
 //! The callers in `gpu/mod.rs` decide by size which calls come here and check the kernels' limits
 //! (see [`Limits`]).
 
@@ -33,6 +34,14 @@ impl Limits {
     pub const ROPE: usize = 256;
     /// KDA key width (the state column in workgroup memory).
     pub const KDA_DK: usize = 128;
+}
+
+/// One output binding: read back (words), scratch (words, not read back), or a given buffer
+/// that keeps the result on the device.
+pub enum Dst<'a> {
+    Read(usize),
+    Scratch(usize),
+    Into(&'a wgpu::Buffer),
 }
 
 /// One input binding.
@@ -89,15 +98,14 @@ impl Ops {
         }
     }
 
-    /// One dispatch of `pipe` over `groups` with inputs `ins` (bindings 0-2), outputs of `outs`
-    /// words (bindings 3-4; a negative count: scratch of that many words, not read back) and
-    /// `params`; returns the two outputs' words.
+    /// One dispatch of `pipe` over `groups` with inputs `ins` (bindings 0-2), outputs `outs`
+    /// (bindings 3-4) and `params`; returns the words of the outputs that are [`Dst::Read`].
     fn run(
         &self,
         gpu: &Gpu,
         pipe: &wgpu::ComputePipeline,
         ins: [Src; 3],
-        outs: [isize; 2],
+        outs: [Dst; 2],
         params: [u32; 16],
         groups: (u32, u32),
     ) -> [Vec<u32>; 2] {
@@ -119,8 +127,23 @@ impl Ops {
                 (_, None) => unreachable!("input neither staged nor given"),
             })
             .collect();
-        let o: Vec<wgpu::Buffer> = outs.iter().map(|&w| gpu.output(w.unsigned_abs())).collect();
-        let bg = self.bind_all(gpu, [bufs[0], bufs[1], bufs[2], &o[0], &o[1]], params);
+        let pooled: Vec<Option<wgpu::Buffer>> = outs
+            .iter()
+            .map(|d| match d {
+                Dst::Read(w) | Dst::Scratch(w) => Some(gpu.output(*w)),
+                Dst::Into(_) => None,
+            })
+            .collect();
+        let o: Vec<&wgpu::Buffer> = outs
+            .iter()
+            .zip(&pooled)
+            .map(|(d, p)| match (d, p) {
+                (Dst::Into(b), _) => *b,
+                (_, Some(b)) => b,
+                (_, None) => unreachable!("output neither pooled nor given"),
+            })
+            .collect();
+        let bg = self.bind_all(gpu, [bufs[0], bufs[1], bufs[2], o[0], o[1]], params);
         let mut enc = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         {
             let mut pass =
@@ -129,14 +152,23 @@ impl Ops {
             pass.set_bind_group(0, &bg, &[]);
             pass.dispatch_workgroups(groups.0, groups.1, 1);
         }
-        let want: Vec<(&wgpu::Buffer, usize)> =
-            o.iter().zip(outs).filter(|(_, w)| *w > 0).map(|(b, w)| (b, w as usize)).collect();
+        let want: Vec<(&wgpu::Buffer, usize)> = o
+            .iter()
+            .zip(&outs)
+            .filter_map(|(b, d)| match d {
+                Dst::Read(w) if *w > 0 => Some((*b, *w)),
+                _ => None,
+            })
+            .collect();
         let mut got = gpu.finish_words(enc, &want).into_iter();
-        let res = outs.map(|w| if w > 0 { got.next().unwrap_or_default() } else { Vec::new() });
+        let res = outs.map(|d| match d {
+            Dst::Read(w) if w > 0 => got.next().unwrap_or_default(),
+            _ => Vec::new(),
+        });
         for b in staged.into_iter().flatten() {
             gpu.give(super::device::STAGED, b);
         }
-        for b in o {
+        for b in pooled.into_iter().flatten() {
             gpu.give(super::device::OUTPUT, b);
         }
         res
@@ -152,7 +184,7 @@ impl Ops {
             gpu,
             &self.rms,
             [Src::F32(x), Src::F32(w), Src::None],
-            [x.len() as isize, 0],
+            [Dst::Read(x.len()), Dst::Scratch(0)],
             p,
             grid(rows.div_ceil(16)),
         );
@@ -164,7 +196,14 @@ impl Ops {
         let mut p = [0u32; 16];
         p[..3].copy_from_slice(&[n as u32, beta.to_bits(), linear_beta.to_bits()]);
         let (gx, gy) = grid(n.div_ceil(256));
-        let [o, _] = self.run(gpu, &self.situ, [Src::F32(gate), Src::F32(up), Src::None], [n as isize, 0], p, (gx, gy));
+        let [o, _] = self.run(
+            gpu,
+            &self.situ,
+            [Src::F32(gate), Src::F32(up), Src::None],
+            [Dst::Read(n), Dst::Scratch(0)],
+            p,
+            (gx, gy),
+        );
         copy_f32(&o, out);
     }
 
@@ -213,8 +252,14 @@ impl Ops {
         let packed: Vec<f32> = sources.iter().flat_map(|s| s.iter().copied()).collect();
         let mut p = [0u32; 16];
         p[..3].copy_from_slice(&[h as u32, sources.len() as u32, eps.to_bits()]);
-        let [o, _] =
-            self.run(gpu, &self.mix, [Src::F32(&packed), Src::F32(score_w), Src::None], [h as isize, 0], p, (1, 1));
+        let [o, _] = self.run(
+            gpu,
+            &self.mix,
+            [Src::F32(&packed), Src::F32(score_w), Src::None],
+            [Dst::Read(h), Dst::Scratch(0)],
+            p,
+            (1, 1),
+        );
         copy_f32(&o, out);
     }
 
@@ -236,7 +281,7 @@ impl Ops {
             gpu,
             &self.route,
             [Src::F32(logits), Src::F32(bias), Src::None],
-            [(n * rule.k) as isize, (n * rule.k) as isize],
+            [Dst::Read(n * rule.k), Dst::Read(n * rule.k)],
             p,
             grid(n),
         );
@@ -249,17 +294,26 @@ impl Ops {
     pub fn argmax(&self, gpu: &Gpu, logits: &[f32]) -> u32 {
         let mut p = [0u32; 16];
         p[0] = logits.len() as u32;
-        let [_, i] = self.run(gpu, &self.argmax, [Src::F32(logits), Src::None, Src::None], [0, 1], p, (1, 1));
+        let [_, i] = self.run(
+            gpu,
+            &self.argmax,
+            [Src::F32(logits), Src::None, Src::None],
+            [Dst::Scratch(0), Dst::Read(1)],
+            p,
+            (1, 1),
+        );
         i.first().copied().unwrap_or(0)
     }
 
-    /// The recurrence of every head over `n` rows from `s_in`: returns the final state
-    /// [heads, dk, dv] and, with `with_o`, the outputs [heads, n, dv].
+    /// The recurrence of every head over `n` rows from the state `s_in` into `s_out` (the final
+    /// state [heads, dk, dv]; its words are returned when it is [`Dst::Read`]) and, with
+    /// `with_o`, the outputs [heads, n, dv] (returned second).
     #[allow(clippy::too_many_arguments)]
     pub fn kda_recurrent(
         &self,
         gpu: &Gpu,
-        s_in: &[f32],
+        s_in: Src,
+        s_out: Dst,
         heads: &[crate::cpu::kda::HeadIn],
         dk: usize,
         dv: usize,
@@ -267,8 +321,9 @@ impl Ops {
     ) -> (Vec<u32>, Vec<u32>) {
         let nh = heads.len();
         let n = heads.first().map_or(0, |h| h.beta.len());
+        // q only where outputs are wanted (a replay's rows carry no q).
         let mut a = Vec::with_capacity(3 * nh * n * dk);
-        for part in 0..3 {
+        for part in if with_o { 0..3 } else { 1..3 } {
             for h in heads {
                 a.extend_from_slice(match part {
                     0 => &h.q,
@@ -289,8 +344,8 @@ impl Ops {
         let [s, o] = self.run(
             gpu,
             &self.kda,
-            [Src::F32(&a), Src::F32(s_in), Src::F32(&vb)],
-            [(nh * dk * dv) as isize, if with_o { (nh * n * dv) as isize } else { 0 }],
+            [Src::F32(&a), s_in, Src::F32(&vb)],
+            [s_out, if with_o { Dst::Read(nh * n * dv) } else { Dst::Scratch(0) }],
             p,
             (dv.div_ceil(64) as u32, nh as u32),
         );
@@ -338,7 +393,7 @@ impl Ops {
             gpu,
             &self.mla,
             [Src::F32(q), Src::F32(cache), Src::Buf(kv_b)],
-            [out.len() as isize, -((n * d.heads * all) as isize)],
+            [Dst::Read(out.len()), Dst::Scratch(n * d.heads * all)],
             p,
             grid(n * d.heads),
         );
