@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 nproc >> "$out/gpu.txt"
 $B bench kernels --backend gpu --reps 20 2>&1 | grep -v XDG_RUNTIME | tee "$out/kernels.jsonl"
 $B bench kernels --rows 512 2>&1 | tee -a "$out/kernels.jsonl"
-.dev/gpu-test --test-threads 1 --nocapture gpu_products batched gpu_ops fixtures_on device_expert_cache several kda_state 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
+.dev/gpu-test --test-threads 1 --nocapture gpu_products batched gpu_ops fixtures_on device_expert_cache several sequence_state 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
 model=/tmp/k3x
 $B synth --preset k3-experts --layers 4 --experts 180 --out "$model" 2>&1 | tail -1
 echo +memory > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true

@@ -11,7 +11,7 @@
 mod common;
 use common::*;
 use deltafin::backend::gpu::GpuBackend;
-use deltafin::backend::{Backend, BackendKind, CpuBackend, StateBuf};
+use deltafin::backend::{AppendBuf, Backend, BackendKind, CpuBackend, StateBuf};
 use deltafin::cpu::ops::Situ;
 use deltafin::cpu::{Bf16Mat, Mxfp4Mat, decode_bf16_row, decode_mxfp4_row, deinterleave_mxfp4_input};
 use deltafin::engine::{Engine, EngineConfig};
@@ -470,13 +470,36 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
         let wbytes: Vec<u8> = (0..rows * d.lora).flat_map(|_| half::bf16::from_f32(rng.f32()).to_le_bytes()).collect();
         let kv_b = Bf16Mat::from_vec(wbytes, rows, d.lora);
         let (past, n) = (6usize, 3usize);
-        let cache: Vec<f32> = rng.vec((past + n) * (d.lora + d.rope)).iter().map(|v| v * 2.0).collect();
+        let lat = d.lora + d.rope;
+        let mut cache = AppendBuf::from(rng.vec((past + n) * lat).iter().map(|v| v * 2.0).collect::<Vec<f32>>());
         let q = rng.vec(n * d.heads * (d.nope + d.rope));
         for visible in [Visible::Causal, Visible::All] {
             let (mut a, mut b) = (vec![0f32; n * d.heads * d.v_head], vec![0f32; n * d.heads * d.v_head]);
             g.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut a);
             cpu.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut b);
             check(&g, &format!("mla {visible:?} lora {}", d.lora), &a, &b, TOL);
+        }
+        // Decode steps on the mirrored cache: one row appended each, past the mirror's first
+        // capacity; then a rollback (truncation) and other rows in their place.
+        let q1 = rng.vec(d.heads * (d.nope + d.rope));
+        let (mut a, mut b) = (vec![0f32; d.heads * d.v_head], vec![0f32; d.heads * d.v_head]);
+        for step in 0..60 {
+            if step == 50 {
+                cache.truncate((past + n + 40) * lat);
+            }
+            let tokens = cache.len() / lat;
+            cache.extend_from_slice(&rng.vec(lat));
+            let before = g.device_traffic();
+            g.mla_attention_with(&q1, &cache, tokens, &kv_b, d, 0.2, Visible::Causal, &mut a);
+            let t = g.device_traffic().since(before);
+            cpu.mla_attention_with(&q1, &cache, tokens, &kv_b, d, 0.2, Visible::Causal, &mut b);
+            check(&g, &format!("mla step {step} lora {}", d.lora), &a, &b, TOL);
+            assert_eq!(
+                t.upload_bytes,
+                4 * (q1.len() + lat) as u64,
+                "step {step}: only q and the new row go up ({t:?})"
+            );
+            assert!(t.resident_state_bytes >= 4 * cache.len() as u64);
         }
     }
 }
@@ -506,9 +529,9 @@ fn fixtures_on_the_gpu_match_the_fp64_reference_with_the_same_greedy_tokens() {
 }
 
 #[test]
-fn kda_state_kept_on_the_gpu_survives_partial_commits_and_forks_with_the_cpus_tokens() {
+fn sequence_state_kept_on_the_gpu_survives_partial_commits_and_forks_with_the_cpus_tokens() {
     let Some(g) = gpu() else { return };
-    // Every operation on the GPU, so that the fixture's KDA states live in device memory.
+    // Every operation on the GPU, so that the fixture's KDA states and MLA caches live in device memory.
     deltafin::backend::gpu::set_ops_min(0);
     let dir = fixture("k3-tiny-b");
     let r = reference("k3-tiny-b");
@@ -537,7 +560,7 @@ fn kda_state_kept_on_the_gpu_survives_partial_commits_and_forks_with_the_cpus_to
     let on_gpu = gpu_engine(&dir);
     let (gl, gt, resident) = drive(&on_gpu);
     let (cl, ct, _) = drive(&cpu);
-    assert!(resident > 0, "the KDA states were kept in device memory");
+    assert!(resident > 0, "the KDA states and MLA caches were kept in device memory");
     assert_eq!(gt, ct, "greedy tokens");
     check(&g, "logits after partial commits and a fork", &gl, &cl, 1e-4);
     assert_eq!(on_gpu.model.be.device_traffic().resident_state_bytes, 0, "dropped sessions free their states");

@@ -11,6 +11,7 @@
 //! is their implementation of the trait; `gpu/` (feature `gpu`) runs WGSL kernels from `kernels/`
 //! through wgpu. [`open`] picks one for a [`BackendKind`].
 
+pub mod append_buf;
 pub mod cpu;
 pub mod detmath;
 #[cfg(feature = "gpu")]
@@ -20,6 +21,7 @@ pub mod state_buf;
 use crate::k3::moe::RouteRule;
 use crate::k3::weights::Weights;
 use crate::model::roster::ExpertLayout;
+pub use append_buf::AppendBuf;
 use cpu::kda::HeadIn;
 use cpu::mla::{MlaDims, Visible};
 use cpu::ops::Situ;
@@ -91,8 +93,9 @@ pub struct DeviceTraffic {
     pub submissions: u64,
     pub upload_bytes: u64,
     pub readback_bytes: u64,
-    /// Device memory held by recurrent state kept there ([`StateBuf`]) at the time of the reading
-    /// (a level, not a count: [`DeviceTraffic::since`] keeps the later one).
+    /// Device memory held by per-sequence state kept there (KDA states in [`StateBuf`]s, MLA
+    /// latent caches mirrored from [`AppendBuf`]s) at the time of the reading (a level, not a
+    /// count: [`DeviceTraffic::since`] keeps the later one).
     pub resident_state_bytes: u64,
 }
 
@@ -194,11 +197,12 @@ pub trait Backend: Send + Sync {
 
     /// MLA attention core over the latent cache with a given softmax scale and visibility
     /// (`cpu::mla::attention_with`): K3's layers are causal, DSpark's draft block sees every row.
+    /// A device backend may mirror the cache in device memory (only new rows go up).
     #[allow(clippy::too_many_arguments)]
     fn mla_attention_with(
         &self,
         q: &[f32],
-        cache: &[f32],
+        cache: &AppendBuf,
         past: usize,
         kv_b: &Bf16Mat,
         dims: MlaDims,
@@ -335,7 +339,7 @@ impl Backend for CpuBackend {
     fn mla_attention_with(
         &self,
         q: &[f32],
-        cache: &[f32],
+        cache: &AppendBuf,
         past: usize,
         kv_b: &Bf16Mat,
         dims: MlaDims,

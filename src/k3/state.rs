@@ -9,7 +9,7 @@
 //! exactly what it was before the forward.
 
 use super::kda::{self, KdaPending};
-use crate::backend::{Backend, StateBuf};
+use crate::backend::{AppendBuf, Backend, StateBuf};
 use crate::model::K3Config;
 use crate::model::config::AttnKind;
 
@@ -23,8 +23,9 @@ pub struct KdaState {
 
 #[derive(Clone)]
 pub struct MlaState {
-    /// [tokens][kv_lora + rope]: the normalised latent then the shared key part.
-    pub latent: Vec<f32>,
+    /// [tokens][kv_lora + rope]: the normalised latent then the shared key part; a GPU backend
+    /// mirrors it in device memory.
+    pub latent: AppendBuf,
 }
 
 #[derive(Clone)]
@@ -83,7 +84,7 @@ impl SeqState {
                     s: StateBuf::zeros(c.kda_heads * c.kda_head_dim * c.kda_head_dim),
                     tail: std::array::from_fn(|_| vec![0.0; (c.conv_width - 1) * c.kda_dim()]),
                 }),
-                AttnKind::Mla => LayerState::Mla(MlaState { latent: Vec::new() }),
+                AttnKind::Mla => LayerState::Mla(MlaState { latent: AppendBuf::new() }),
             })
             .collect();
         let n = layers.len();

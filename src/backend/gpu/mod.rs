@@ -13,10 +13,10 @@
 //! the same rule (CPU order, `detmath` for transcendentals and division, explicit fma), from
 //! [`DEFAULT_OPS_MIN`] elements of work (smaller calls, the chunked KDA form and calls past
 //! `ops::Limits` run on the CPU kernels); top-k and argmax pick the CPU's indices on every
-//! adapter. Every call uploads its inputs and reads its results back, except the KDA state: a
-//! [`StateBuf`] that the GPU updated stays in device memory (`state.rs`) and is read from there
-//! by the next update or replay, so decode moves only each token's rows and outputs; other
-//! activations are not resident yet.
+//! adapter. Every call uploads its inputs and reads its results back, except per-sequence state
+//! (`state.rs`): a KDA [`StateBuf`] that the GPU updated stays in device memory and is read from
+//! there by the next update or replay, and an MLA latent cache ([`AppendBuf`]) is mirrored there,
+//! so that decode moves only each token's rows and outputs; other activations are not resident.
 
 mod bench;
 mod device;
@@ -29,7 +29,7 @@ pub use bench::VariantTiming;
 
 pub use device::{AdapterSummary, GpuError};
 use ops::{Dst, Limits, Ops, Src};
-use state::DeviceState;
+use state::{DeviceState, LatentMirror};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Elements of work below which an operation other than a product stays on the CPU kernels (its
@@ -56,7 +56,7 @@ use super::cpu::kda::HeadIn;
 use super::cpu::mla::{MlaDims, Visible};
 use super::cpu::ops::Situ;
 use super::cpu::{Bf16Mat, Mxfp4Mat};
-use super::{Backend, CpuBackend, EachExpert, ExpertBatch, StateBuf};
+use super::{AppendBuf, Backend, CpuBackend, EachExpert, ExpertBatch, StateBuf};
 use crate::k3::moe::RouteRule;
 use crate::k3::weights::{Attn, Ffn, Weights};
 use crate::model::roster::ExpertLayout;
@@ -371,7 +371,7 @@ impl Backend for GpuBackend {
     fn mla_attention_with(
         &self,
         q: &[f32],
-        cache: &[f32],
+        cache: &AppendBuf,
         past: usize,
         kv_b: &Bf16Mat,
         dims: MlaDims,
@@ -389,17 +389,20 @@ impl Backend for GpuBackend {
             && self.fits(scores.max(cache.len()).max(q.len()));
         let r = if fits && self.on_gpu(work) { Some(self.resident(kv_b)) } else { None };
         match r.as_deref().and_then(|r| r.whole().map(|w| (w, r.stride))) {
-            Some((w, stride)) => self.ops.mla_attention(
-                &self.gpu,
-                q,
-                cache,
-                past,
-                (w, stride),
-                dims,
-                scale,
-                visible == Visible::Causal,
-                out,
-            ),
+            // The cache's rows stay mirrored in device memory: only those added since go up.
+            Some((w, stride)) => LatentMirror::with(&self.gpu, cache, |buf| {
+                self.ops.mla_attention(
+                    &self.gpu,
+                    q,
+                    (buf, cache.len()),
+                    past,
+                    (w, stride),
+                    dims,
+                    scale,
+                    visible == Visible::Causal,
+                    out,
+                )
+            }),
             None => self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out),
         }
     }

@@ -6,8 +6,9 @@
 //! tree, `mul_add` as `fma`, `detmath` for exp / tanh / sigmoid / division / rsqrt), so on an
 //! adapter whose `fma` is fused the results are the CPU backend's bits; selections (top-k,
 //! argmax) are total orders and pick the CPU's indices on any adapter. Each call uploads its
-//! inputs, runs one submission and reads its results back, except the KDA state, which can stay
-//! in device memory between calls (`state.rs`); other activations are not resident yet.
+//! inputs, runs one submission and reads its results back, except the KDA state and the MLA
+//! latent cache, which stay in device memory between calls (`state.rs`); other activations are
+//! not resident.
 //! The callers in `gpu/mod.rs` decide by size which calls come here and check the kernels' limits
 //! (see [`Limits`]).
 
@@ -352,14 +353,14 @@ impl Ops {
         (s, o)
     }
 
-    /// The MLA core with kv_b resident in `kv_b` (one binding, bf16 rows `stride` elements apart);
-    /// sizes within [`Limits`].
+    /// The MLA core over the first `cache_floats` of the device cache `cache`, with kv_b resident
+    /// in `kv_b` (one binding, bf16 rows `stride` elements apart); sizes within [`Limits`].
     #[allow(clippy::too_many_arguments)]
     pub fn mla_attention(
         &self,
         gpu: &Gpu,
         q: &[f32],
-        cache: &[f32],
+        (cache, cache_floats): (&wgpu::Buffer, usize),
         past: usize,
         (kv_b, stride): (&wgpu::Buffer, usize),
         d: crate::cpu::mla::MlaDims,
@@ -370,7 +371,7 @@ impl Ops {
         let qd = d.nope + d.rope;
         let lat = d.lora + d.rope;
         let n = q.len() / (d.heads * qd).max(1);
-        let all = cache.len() / lat.max(1);
+        let all = cache_floats / lat.max(1);
         let vals = [
             d.heads,
             d.nope,
@@ -392,7 +393,7 @@ impl Ops {
         let [o, _] = self.run(
             gpu,
             &self.mla,
-            [Src::F32(q), Src::F32(cache), Src::Buf(kv_b)],
+            [Src::F32(q), Src::Buf(cache), Src::Buf(kv_b)],
             [Dst::Read(out.len()), Dst::Scratch(n * d.heads * all)],
             p,
             grid(n * d.heads),

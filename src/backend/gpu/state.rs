@@ -1,9 +1,11 @@
-//! Recurrent state kept in device memory between calls: the GPU's [`DeviceCopy`] of a
-//! [`crate::backend::StateBuf`] (the KDA state S of one layer of one sequence).
+//! Per-sequence state kept in device memory between calls: the GPU's [`DeviceCopy`] of a
+//! [`crate::backend::StateBuf`] (the KDA state S of one layer of one sequence) and the mirror of
+//! an MLA latent cache ([`LatentMirror`]).
 //!
 //! Contract: a [`DeviceState`] is one storage buffer of the state's floats on the device that
-//! made it (`Gpu::id`), counted in `Traffic::resident_state_bytes` while it lives; reading it back
-//! is one copy and one submission, counted as readback.
+//! made it (`Gpu::id`); reading it back is one copy and one submission, counted as readback. A
+//! [`LatentMirror`] holds a valid prefix of its cache and uploads only the floats past it. Both
+//! count in `Traffic::resident_state_bytes` while they live.
 
 use super::device::{Gpu, READBACK, Traffic};
 use crate::backend::state_buf::DeviceCopy;
@@ -94,5 +96,81 @@ impl DeviceCopy for DeviceState {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+}
+
+/// The device copy of an MLA latent cache's prefix ([`crate::backend::AppendBuf`]): a storage
+/// buffer with room for `capacity` floats, grown by doubling (the valid prefix copied on the
+/// device), counted in `Traffic::resident_state_bytes` while it lives.
+pub(super) struct LatentMirror {
+    pub buf: wgpu::Buffer,
+    capacity: usize,
+    gpu_id: u64,
+    traffic: Arc<Traffic>,
+}
+
+impl crate::backend::append_buf::DeviceMirror for LatentMirror {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Drop for LatentMirror {
+    fn drop(&mut self) {
+        self.traffic.resident_state_bytes.fetch_sub(self.buf.size(), Relaxed);
+    }
+}
+
+impl LatentMirror {
+    fn new(gpu: &Gpu, capacity: usize) -> Self {
+        let size = (capacity.max(4) * 4).div_ceil(16) as u64 * 16;
+        let buf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("latent cache"),
+            size,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        gpu.traffic.resident_state_bytes.fetch_add(size, Relaxed);
+        LatentMirror { buf, capacity, gpu_id: gpu.id, traffic: gpu.traffic.clone() }
+    }
+
+    fn ours<'a>(gpu: &Gpu, m: &'a crate::backend::append_buf::Mirror) -> Option<&'a LatentMirror> {
+        m.copy.as_any().downcast_ref::<LatentMirror>().filter(|l| l.gpu_id == gpu.id)
+    }
+
+    /// Brings `cache`'s mirror up to date (made or grown as needed, then only the floats past its
+    /// valid prefix uploaded) and runs `f` with its buffer while the mirror is locked.
+    pub fn with<R>(gpu: &Gpu, cache: &crate::backend::AppendBuf, f: impl FnOnce(&wgpu::Buffer) -> R) -> R {
+        let len = cache.len();
+        let mut guard = cache.mirror();
+        let fits = guard.as_ref().and_then(|m| Self::ours(gpu, m)).is_some_and(|l| l.capacity >= len);
+        if !fits {
+            // Double past what is needed, within one binding; the old valid prefix moves on the device.
+            let max = (gpu.summary.max_binding / 4) as usize;
+            let capacity = (len.max(1024) * 2).min(max).max(len);
+            let grown = LatentMirror::new(gpu, capacity);
+            let mut valid = 0;
+            if let Some((old, v)) = guard.as_ref().and_then(|m| Self::ours(gpu, m).map(|l| (l, m.valid)))
+                && v > 0
+            {
+                let mut enc = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+                enc.copy_buffer_to_buffer(&old.buf, 0, &grown.buf, 0, (v * 4) as u64);
+                gpu.traffic.submitted(0);
+                gpu.queue.submit([enc.finish()]);
+                valid = v;
+            }
+            *guard = Some(crate::backend::append_buf::Mirror { copy: Box::new(grown), valid });
+        }
+        let Some(m) = guard.as_mut() else { unreachable!("the mirror was made just above") };
+        let Some(l) = Self::ours(gpu, m) else { unreachable!("the mirror is this device's") };
+        let valid = m.valid.min(len);
+        if valid < len {
+            let bytes = super::device::f32_bytes(&cache.as_slice()[valid..len]);
+            gpu.traffic.uploaded(bytes.len() as u64);
+            gpu.queue.write_buffer(&l.buf, (valid * 4) as u64, &bytes);
+        }
+        let r = f(&l.buf);
+        m.valid = len;
+        r
     }
 }
