@@ -19,15 +19,32 @@ pub struct Mirror {
     pub valid: usize,
 }
 
-#[derive(Default)]
 pub struct AppendBuf {
     host: Vec<f32>,
     mirror: Mutex<Option<Mirror>>,
+    /// False for a cache built for one call (not worth a device copy of its own).
+    keep: bool,
+}
+
+impl Default for AppendBuf {
+    fn default() -> Self {
+        AppendBuf { host: Vec::new(), mirror: Mutex::new(None), keep: true }
+    }
 }
 
 impl AppendBuf {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Rows for one call only: a backend uploads them with the call instead of mirroring them.
+    pub fn transient(host: Vec<f32>) -> Self {
+        AppendBuf { host, mirror: Mutex::new(None), keep: false }
+    }
+
+    /// Whether a backend may keep a device mirror of it.
+    pub fn worth_mirroring(&self) -> bool {
+        self.keep
     }
 
     pub fn extend_from_slice(&mut self, rows: &[f32]) {
@@ -62,13 +79,13 @@ impl std::ops::Deref for AppendBuf {
 
 impl From<Vec<f32>> for AppendBuf {
     fn from(host: Vec<f32>) -> Self {
-        AppendBuf { host, mirror: Mutex::new(None) }
+        AppendBuf { host, mirror: Mutex::new(None), keep: true }
     }
 }
 
 impl Clone for AppendBuf {
     fn clone(&self) -> Self {
-        AppendBuf::from(self.host.clone())
+        AppendBuf { host: self.host.clone(), mirror: Mutex::new(None), keep: self.keep }
     }
 }
 

@@ -86,6 +86,17 @@ pub fn open(kind: BackendKind, opts: BackendOptions) -> Result<Arc<dyn Backend>,
     }
 }
 
+/// One sequence's per-layer state as the model defines it: a KDA state of `kda_state_floats` per
+/// KDA layer (twice while a forward is pending) and `mla_token_floats` per token per MLA layer.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SequenceState {
+    pub kda_layers: usize,
+    pub kda_state_floats: usize,
+    pub kda_head_dim: usize,
+    pub mla_layers: usize,
+    pub mla_token_floats: usize,
+}
+
 /// Work a device backend has sent to its device, counted since it opened: what `bench run`
 /// reports per phase, so that every round trip and re-upload shows.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
@@ -165,6 +176,10 @@ pub trait Backend: Send + Sync {
     fn device_expert_slots(&self) -> usize {
         0
     }
+
+    /// The shape of one sequence's recurrent state and attention cache, which a device backend
+    /// may keep in its memory (shown in its description); the CPU ignores it.
+    fn plan_sequence_state(&self, _state: SequenceState) {}
 
     /// The device traffic so far (submissions, bytes uploaded, bytes read back); zero for the CPU.
     fn device_traffic(&self) -> DeviceTraffic {

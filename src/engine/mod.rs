@@ -12,7 +12,7 @@ pub(crate) mod session;
 
 pub use session::{GenerateOptions, Generation, Session, StopReason};
 
-use crate::backend::{Backend, BackendKind};
+use crate::backend::{Backend, BackendKind, SequenceState};
 use crate::k3::{ForwardError, K3, KdaMode};
 use crate::memory::{BudgetError, MemoryPlan, activation_bytes, machine_available};
 use crate::model::config::{AttnKind, FfnKind};
@@ -312,6 +312,17 @@ impl Engine {
             if device_cache_bytes > 0 && backend.device_expert_bytes() == 0 {
                 tracing::warn!("--gpu-cache-gb: {} has no device memory for experts; ignored", backend.describe());
             }
+        }
+        {
+            let kda_layers = cfg.attn.iter().filter(|a| **a == AttnKind::Kda).count();
+            let state = cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim;
+            backend.plan_sequence_state(SequenceState {
+                kda_layers,
+                kda_state_floats: state,
+                kda_head_dim: cfg.kda_head_dim,
+                mla_layers: cfg.layers - kda_layers,
+                mla_token_floats: cfg.kv_lora + cfg.qk_rope,
+            });
         }
         let trunk = model.w.resident_bytes() as u64;
         let draft = match &config.draft_model {

@@ -56,7 +56,7 @@ use super::cpu::kda::HeadIn;
 use super::cpu::mla::{MlaDims, Visible};
 use super::cpu::ops::Situ;
 use super::cpu::{Bf16Mat, Mxfp4Mat};
-use super::{AppendBuf, Backend, CpuBackend, EachExpert, ExpertBatch, StateBuf};
+use super::{AppendBuf, Backend, CpuBackend, EachExpert, ExpertBatch, SequenceState, StateBuf};
 use crate::k3::moe::RouteRule;
 use crate::k3::weights::{Attn, Ffn, Weights};
 use crate::model::roster::ExpertLayout;
@@ -78,6 +78,8 @@ pub struct GpuBackend {
     cpu: CpuBackend,
     fused: bool,
     ops_min: usize,
+    /// The model's per-sequence state, for the description of device memory.
+    sequence: Mutex<SequenceState>,
 }
 
 impl GpuBackend {
@@ -96,6 +98,7 @@ impl GpuBackend {
             cpu: CpuBackend,
             fused,
             ops_min: ops_min(),
+            sequence: Mutex::new(SequenceState::default()),
         })
     }
 
@@ -190,8 +193,21 @@ impl Backend for GpuBackend {
         let cache_part =
             if cache > 0 { format!(" + expert cache {} ({slots} experts)", hb(cache)) } else { String::new() };
         let staging_part = if staging > 0 { format!(" + expert staging {}", hb(staging)) } else { String::new() };
+        let seq = self.sequence.lock().map(|s| *s).unwrap_or_default();
+        let kda = seq.kda_layers as u64 * 2 * 4 * seq.kda_state_floats as u64;
+        let kda_on_gpu = kda > 0 && seq.kda_head_dim <= Limits::KDA_DK && self.on_gpu(seq.kda_state_floats);
+        let mla = seq.mla_layers as u64 * 4 * seq.mla_token_floats as u64;
+        let mut per_seq = Vec::new();
+        if kda_on_gpu {
+            per_seq.push(format!("KDA state {}", hb(kda)));
+        }
+        if mla > 0 {
+            per_seq.push(format!("MLA cache {}/token", hb(mla)));
+        }
+        let seq_part =
+            if per_seq.is_empty() { String::new() } else { format!("; per sequence {}", per_seq.join(" + ")) };
         format!(
-            "gpu {} ({:?}, {}, fma {}, device memory: trunk {}{cache_part}{staging_part} = {}) + {}",
+            "gpu {} ({:?}, {}, fma {}, device memory: trunk {}{cache_part}{staging_part} = {}{seq_part}) + {}",
             a.name,
             a.device_type,
             a.backend,
@@ -256,6 +272,12 @@ impl Backend for GpuBackend {
             return Box::new(EachExpert { be: self, layout, situ, outs: Vec::new() });
         }
         Box::new(experts::GpuExperts::new(self, layer, layout, situ))
+    }
+
+    fn plan_sequence_state(&self, state: SequenceState) {
+        if let Ok(mut s) = self.sequence.lock() {
+            *s = state;
+        }
     }
 
     fn plan_experts(&self, layout: &ExpertLayout, experts: usize) -> Result<(), super::BackendError> {
@@ -332,7 +354,10 @@ impl Backend for GpuBackend {
             }
         };
         if s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)).is_none() {
-            s_out.set_device(Box::new(DeviceState::new(&self.gpu, floats)));
+            match DeviceState::new(&self.gpu, floats) {
+                Some(fresh) => s_out.set_device(Box::new(fresh)),
+                None => return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked),
+            }
         }
         let Some(dst) = s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)) else {
             unreachable!("the output's device copy was made just above")
@@ -353,7 +378,9 @@ impl Backend for GpuBackend {
         }
         let floats = s.len();
         // Read and written buffers must differ: the result goes to a new copy that replaces it.
-        let fresh = DeviceState::new(&self.gpu, floats);
+        let Some(fresh) = DeviceState::new(&self.gpu, floats) else {
+            return self.cpu.kda_replay(s, heads, dk, dv);
+        };
         {
             let host;
             let src = match s.current_device().and_then(|d| DeviceState::of(&self.gpu, d, floats)) {
@@ -390,19 +417,27 @@ impl Backend for GpuBackend {
         let r = if fits && self.on_gpu(work) { Some(self.resident(kv_b)) } else { None };
         match r.as_deref().and_then(|r| r.whole().map(|w| (w, r.stride))) {
             // The cache's rows stay mirrored in device memory: only those added since go up.
-            Some((w, stride)) => LatentMirror::with(&self.gpu, cache, |buf| {
-                self.ops.mla_attention(
-                    &self.gpu,
-                    q,
-                    (buf, cache.len()),
-                    past,
-                    (w, stride),
-                    dims,
-                    scale,
-                    visible == Visible::Causal,
-                    out,
-                )
-            }),
+            Some((w, stride)) => {
+                let mut run = |src: Src| {
+                    self.ops.mla_attention(
+                        &self.gpu,
+                        q,
+                        (src, cache.len()),
+                        past,
+                        (w, stride),
+                        dims,
+                        scale,
+                        visible == Visible::Causal,
+                        out,
+                    )
+                };
+                if !cache.worth_mirroring() {
+                    return run(Src::F32(cache));
+                }
+                if LatentMirror::with(&self.gpu, cache, |buf| run(Src::Buf(buf))).is_none() {
+                    self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out)
+                }
+            }
             None => self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out),
         }
     }

@@ -360,7 +360,7 @@ impl Ops {
         &self,
         gpu: &Gpu,
         q: &[f32],
-        (cache, cache_floats): (&wgpu::Buffer, usize),
+        (cache, cache_floats): (Src, usize),
         past: usize,
         (kv_b, stride): (&wgpu::Buffer, usize),
         d: crate::cpu::mla::MlaDims,
@@ -393,7 +393,7 @@ impl Ops {
         let [o, _] = self.run(
             gpu,
             &self.mla,
-            [Src::F32(q), Src::Buf(cache), Src::Buf(kv_b)],
+            [Src::F32(q), cache, Src::Buf(kv_b)],
             [Dst::Read(out.len()), Dst::Scratch(n * d.heads * all)],
             p,
             grid(n * d.heads),

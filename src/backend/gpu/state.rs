@@ -12,6 +12,31 @@ use crate::backend::state_buf::DeviceCopy;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
+/// A storage buffer of `size` bytes, or None when the device is out of memory (the caller keeps
+/// the state on the host and runs the CPU kernel).
+fn try_buffer(gpu: &Gpu, label: &str, size: u64, usage: wgpu::BufferUsages) -> Option<wgpu::Buffer> {
+    let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+    let buf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size,
+        usage,
+        mapped_at_creation: false,
+    });
+    match pollster::block_on(scope.pop()) {
+        None => {
+            gpu.traffic.resident_state_bytes.fetch_add(size, Relaxed);
+            Some(buf)
+        }
+        Some(e) => {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!("GPU out of memory for sequence state ({e}); such state stays on the CPU")
+            });
+            None
+        }
+    }
+}
+
 pub(super) struct DeviceState {
     pub buf: wgpu::Buffer,
     floats: usize,
@@ -22,24 +47,20 @@ pub(super) struct DeviceState {
 }
 
 impl DeviceState {
-    /// Uninitialised storage for `floats` values (the kernel that writes it writes every one).
-    pub fn new(gpu: &Gpu, floats: usize) -> Self {
+    /// Uninitialised storage for `floats` values (the kernel that writes it writes every one);
+    /// None when the device is out of memory.
+    pub fn new(gpu: &Gpu, floats: usize) -> Option<Self> {
         let size = (floats.max(1) * 4).div_ceil(16) as u64 * 16;
-        let buf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("resident state"),
-            size,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
-        gpu.traffic.resident_state_bytes.fetch_add(size, Relaxed);
-        DeviceState {
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
+        let buf = try_buffer(gpu, "resident state", size, usage)?;
+        Some(DeviceState {
             buf,
             floats,
             gpu_id: gpu.id,
             device: gpu.device.clone(),
             queue: gpu.queue.clone(),
             traffic: gpu.traffic.clone(),
-        }
+        })
     }
 
     /// `copy`'s buffer if it is a state of `gpu` with room for `floats` values.
@@ -122,16 +143,11 @@ impl Drop for LatentMirror {
 }
 
 impl LatentMirror {
-    fn new(gpu: &Gpu, capacity: usize) -> Self {
+    fn new(gpu: &Gpu, capacity: usize) -> Option<Self> {
         let size = (capacity.max(4) * 4).div_ceil(16) as u64 * 16;
-        let buf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("latent cache"),
-            size,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
-        gpu.traffic.resident_state_bytes.fetch_add(size, Relaxed);
-        LatentMirror { buf, capacity, gpu_id: gpu.id, traffic: gpu.traffic.clone() }
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC;
+        let buf = try_buffer(gpu, "latent cache", size, usage)?;
+        Some(LatentMirror { buf, capacity, gpu_id: gpu.id, traffic: gpu.traffic.clone() })
     }
 
     fn ours<'a>(gpu: &Gpu, m: &'a crate::backend::append_buf::Mirror) -> Option<&'a LatentMirror> {
@@ -139,8 +155,9 @@ impl LatentMirror {
     }
 
     /// Brings `cache`'s mirror up to date (made or grown as needed, then only the floats past its
-    /// valid prefix uploaded) and runs `f` with its buffer while the mirror is locked.
-    pub fn with<R>(gpu: &Gpu, cache: &crate::backend::AppendBuf, f: impl FnOnce(&wgpu::Buffer) -> R) -> R {
+    /// valid prefix uploaded) and runs `f` with its buffer while the mirror is locked; None (and
+    /// `f` not run) when the device has no memory for it.
+    pub fn with<R>(gpu: &Gpu, cache: &crate::backend::AppendBuf, f: impl FnOnce(&wgpu::Buffer) -> R) -> Option<R> {
         let len = cache.len();
         let mut guard = cache.mirror();
         let fits = guard.as_ref().and_then(|m| Self::ours(gpu, m)).is_some_and(|l| l.capacity >= len);
@@ -148,7 +165,7 @@ impl LatentMirror {
             // Double past what is needed, within one binding; the old valid prefix moves on the device.
             let max = (gpu.summary.max_binding / 4) as usize;
             let capacity = (len.max(1024) * 2).min(max).max(len);
-            let grown = LatentMirror::new(gpu, capacity);
+            let grown = LatentMirror::new(gpu, capacity)?;
             let mut valid = 0;
             if let Some((old, v)) = guard.as_ref().and_then(|m| Self::ours(gpu, m).map(|l| (l, m.valid)))
                 && v > 0
@@ -171,6 +188,6 @@ impl LatentMirror {
         }
         let r = f(&l.buf);
         m.valid = len;
-        r
+        Some(r)
     }
 }

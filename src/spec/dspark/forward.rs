@@ -3,6 +3,7 @@
 //! depend on threading.
 
 use super::DSparkModel;
+use crate::backend::AppendBuf;
 use crate::backend::cpu::mla::{MlaDims, Visible};
 use crate::cpu::decode_bf16_row;
 use crate::cpu::ops::sigmoid;
@@ -90,7 +91,7 @@ impl DSparkModel {
             kv.extend_from_slice(&caches[l]);
             kv.extend_from_slice(&self.latents(l, &x, pos));
             let mut att = vec![0f32; n * nh * c.v_head];
-            be.mla_attention_with(&q, &kv.into(), past, &w.kv_b, dims, scale, Visible::All, &mut att);
+            be.mla_attention_with(&q, &AppendBuf::transient(kv), past, &w.kv_b, dims, scale, Visible::All, &mut att);
             let mut o = vec![0f32; n * h];
             be.matmul_bf16(&w.o_proj, &att, &mut o);
             add(&mut hs, &o);
