@@ -328,6 +328,11 @@ impl Backend for CpuBackend {
     ) {
         let n = heads.first().map_or(0, |h| h.beta.len());
         let s_in = s_in.host_values();
+        if n == 0 {
+            // No rows: the state after them is the state before.
+            s_out.overwrite().copy_from_slice(&s_in);
+            return;
+        }
         s_out
             .overwrite()
             .par_chunks_mut(dk * dv)

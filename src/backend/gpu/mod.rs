@@ -130,9 +130,10 @@ impl GpuBackend {
         work >= self.ops_min.max(1)
     }
 
-    /// Whether buffers of `floats` f32 fit one binding (larger calls stay on the CPU).
+    /// Whether buffers of `floats` f32 fit one binding once padded to whole 16-byte words, as
+    /// staged buffers and state copies are (larger calls stay on the CPU).
     fn fits(&self, floats: usize) -> bool {
-        (floats as u64).saturating_mul(4) <= self.gpu.summary.max_binding
+        (floats as u64).saturating_mul(4).div_ceil(16).saturating_mul(16) <= self.gpu.summary.max_binding
     }
 
     pub fn adapter(&self) -> &AdapterSummary {

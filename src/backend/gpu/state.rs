@@ -163,7 +163,8 @@ impl LatentMirror {
         let fits = guard.as_ref().and_then(|m| Self::ours(gpu, m)).is_some_and(|l| l.capacity >= len);
         if !fits {
             // Double past what is needed, within one binding; the old valid prefix moves on the device.
-            let max = (gpu.summary.max_binding / 4) as usize;
+            // Whole 16-byte words: the buffer's padded size must stay within one binding.
+            let max = (gpu.summary.max_binding / 16 * 4) as usize;
             let capacity = (len.max(1024) * 2).min(max).max(len);
             let grown = LatentMirror::new(gpu, capacity)?;
             let mut valid = 0;
