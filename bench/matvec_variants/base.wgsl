@@ -1,5 +1,6 @@
 // The one-row kernel shipped until 2026-12-01: 4 threads per row each loading its own u32 words
 // straight from memory, E2M1 through a 16-entry table in workgroup memory.
+@group(0) @binding(0) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 
 var<workgroup> part: array<vec4<f32>, 64>;

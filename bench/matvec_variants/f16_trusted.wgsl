@@ -2,6 +2,7 @@
 // trusted
 // Base layout (4 threads per row, 16 rows per workgroup), E2M1 decoded through f16 bits
 // (unpack2x16float) instead of the workgroup table; scales carry the 2^14.
+@group(0) @binding(0) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 
 var<workgroup> part: array<vec4<f32>, 64>;

@@ -1,5 +1,6 @@
 // trusted
 // Ablation: the base kernel's loads, none of its decode (bits differ by design).
+@group(0) @binding(0) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 
 var<workgroup> part: array<vec4<f32>, 64>;

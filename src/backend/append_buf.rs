@@ -1,4 +1,4 @@
-//! An append-only cache of rows (the MLA latent cache of one layer) whose prefix a backend may
+//! An append-only cache of rows (the MLA latent cache of one layer, K3's or the drafter's) whose prefix a backend may
 //! mirror in device memory, so that attention uploads only the rows added since its last call.
 //!
 //! Contract: the host vector always holds the current values; a [`Mirror`] holds a device copy
@@ -19,32 +19,15 @@ pub struct Mirror {
     pub valid: usize,
 }
 
+#[derive(Default)]
 pub struct AppendBuf {
     host: Vec<f32>,
     mirror: Mutex<Option<Mirror>>,
-    /// False for a cache built for one call (not worth a device copy of its own).
-    keep: bool,
-}
-
-impl Default for AppendBuf {
-    fn default() -> Self {
-        AppendBuf { host: Vec::new(), mirror: Mutex::new(None), keep: true }
-    }
 }
 
 impl AppendBuf {
     pub fn new() -> Self {
         Self::default()
-    }
-
-    /// Rows for one call only: a backend uploads them with the call instead of mirroring them.
-    pub fn transient(host: Vec<f32>) -> Self {
-        AppendBuf { host, mirror: Mutex::new(None), keep: false }
-    }
-
-    /// Whether a backend may keep a device mirror of it.
-    pub fn worth_mirroring(&self) -> bool {
-        self.keep
     }
 
     pub fn extend_from_slice(&mut self, rows: &[f32]) {
@@ -57,10 +40,6 @@ impl AppendBuf {
         if let Some(m) = self.mirror.get_mut().unwrap_or_else(|p| p.into_inner()) {
             m.valid = m.valid.min(len);
         }
-    }
-
-    pub fn as_slice(&self) -> &[f32] {
-        &self.host
     }
 
     /// The device mirror, for the backend that keeps it (locked while it is brought up to date
@@ -79,13 +58,13 @@ impl std::ops::Deref for AppendBuf {
 
 impl From<Vec<f32>> for AppendBuf {
     fn from(host: Vec<f32>) -> Self {
-        AppendBuf { host, mirror: Mutex::new(None), keep: true }
+        AppendBuf { host, mirror: Mutex::new(None) }
     }
 }
 
 impl Clone for AppendBuf {
     fn clone(&self) -> Self {
-        AppendBuf { host: self.host.clone(), mirror: Mutex::new(None), keep: self.keep }
+        AppendBuf::from(self.host.clone())
     }
 }
 

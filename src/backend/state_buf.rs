@@ -6,16 +6,14 @@
 //! ([`StateBuf::host_values`], [`StateBuf::host`]) reads a device-only copy back first; writing on
 //! the host ([`StateBuf::host_mut`], [`StateBuf::overwrite`]) makes the host copy the only current
 //! one. A backend that writes the state on its device marks that ([`StateBuf::set_device`],
-//! [`StateBuf::mark_device_written`]). A device copy names the device that made it
-//! ([`DeviceCopy::device_id`]): any other backend sees only the host values. Cloning gives a
+//! [`StateBuf::mark_device_written`]). A backend uses only the device copies it made (it knows
+//! its own by [`DeviceCopy::as_any`]); any other backend sees only the host values. Cloning gives a
 //! host-only copy of the current values.
 
 use std::borrow::Cow;
 
 /// A backend's copy of a state in its device memory.
 pub trait DeviceCopy: Send + Sync {
-    /// The device that holds it; a backend uses only its own copies.
-    fn device_id(&self) -> u64;
     /// Reads the values (the state's length) back into `out`.
     fn read(&self, out: &mut [f32]);
     /// For the owning backend to reach its buffer.
@@ -148,9 +146,6 @@ mod tests {
     }
 
     impl DeviceCopy for Fake {
-        fn device_id(&self) -> u64 {
-            7
-        }
         fn read(&self, out: &mut [f32]) {
             self.reads.fetch_add(1, Ordering::Relaxed);
             out.copy_from_slice(&self.values);

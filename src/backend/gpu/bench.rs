@@ -28,16 +28,24 @@ pub struct VariantTiming {
     pub error: Option<String>,
 }
 
-/// The weights as 32-bit words at binding 0, for variants that take `products.wgsl`.
-const WORDS: &str = "@group(0) @binding(0) var<storage, read> w: array<u32>;";
+impl VariantTiming {
+    fn failed(name: String, error: String) -> Self {
+        VariantTiming { name, secs: None, read_secs: 0.0, bits_equal: false, error: Some(error) }
+    }
+}
+
+/// The bench matrices' pseudo-random bytes (a fixed LCG, so every run times the same matrix).
+fn bench_bytes() -> impl FnMut() -> u8 {
+    let mut seed = 7u64;
+    move || {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        (seed >> 33) as u8
+    }
+}
 
 /// The packed bytes and scales of a random MXFP4 matrix with normal scales.
 fn bench_mxfp4(rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>) {
-    let mut seed = 7u64;
-    let mut byte = || {
-        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-        (seed >> 33) as u8
-    };
+    let mut byte = bench_bytes();
     let packed: Vec<u8> = (0..rows * cols / 2).map(|_| byte()).collect();
     let scales: Vec<u8> = (0..rows * cols / 32).map(|i| 115 + (i % 13) as u8).collect();
     (packed, scales)
@@ -47,9 +55,10 @@ impl Gpu {
     /// Times the shipped one-row MXFP4 kernel (as `shipped`) and each `*.wgsl` file of `dir` in
     /// its place on a `rows` x `cols` matrix, each between two plain reads of the same bytes, and
     /// says whether each one's outputs have the shipped kernel's bits. A variant's entry point is
-    /// `matvec`; `products.wgsl` and a u32 view `w` of the weights are prepended unless it has a
-    /// line `// standalone`; `// rows_per_group: N` sets its dispatch (default 16); `// trusted`
-    /// compiles it without wgpu's injected bounds clamps and loop counters. A development tool
+    /// `matvec`; `products.wgsl` is prepended (the variant declares its weights at binding 0 and
+    /// its input at binding 2, as the shipped kernels do) unless it has a line `// standalone`;
+    /// `// rows_per_group: N` sets its dispatch (default 16); `// trusted` compiles it without
+    /// wgpu's injected bounds clamps and loop counters. A development tool
     /// (`bench kernels --matvec-variants DIR`; `bench/matvec_variants/`).
     pub fn time_matvec_variants(
         &self,
@@ -63,15 +72,7 @@ impl Gpu {
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| p.extension().is_some_and(|e| e == "wgsl"))
                 .collect(),
-            Err(e) => {
-                return vec![VariantTiming {
-                    name: dir.display().to_string(),
-                    secs: None,
-                    read_secs: 0.0,
-                    bits_equal: false,
-                    error: Some(e.to_string()),
-                }];
-            }
+            Err(e) => return vec![VariantTiming::failed(dir.display().to_string(), e.to_string())],
         };
         files.sort();
         let (packed, scales) = bench_mxfp4(rows, cols);
@@ -126,13 +127,7 @@ impl Gpu {
         let shipped = time("shipped".into(), &self.matvec, MATVEC_ROWS);
         let variants = files.iter().map(|f| {
             let name = f.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-            let fail = |e: String| VariantTiming {
-                name: name.clone(),
-                secs: None,
-                read_secs: 0.0,
-                bits_equal: false,
-                error: Some(e),
-            };
+            let fail = |e: String| VariantTiming::failed(name.clone(), e);
             let src = match std::fs::read_to_string(f) {
                 Ok(s) => s,
                 Err(e) => return fail(e.to_string()),
@@ -144,7 +139,7 @@ impl Gpu {
             let trusted = src.lines().any(|l| l.trim() == "// trusted");
             let standalone = src.lines().any(|l| l.trim() == "// standalone");
             let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-            let source = if standalone { src.clone() } else { [PRODUCTS, WORDS, &src].join("\n") };
+            let source = if standalone { src.clone() } else { [PRODUCTS, &src].join("\n") };
             let desc =
                 wgpu::ShaderModuleDescriptor { label: Some(&name), source: wgpu::ShaderSource::Wgsl(source.into()) };
             let module = if trusted {
@@ -167,11 +162,7 @@ impl Gpu {
     /// Seconds per product dispatch (weights resident, `n` input rows) and per
     /// plain read of the same weight bytes, each averaged over `reps` dispatches.
     pub fn time_product(&self, kind: BenchKind, rows: usize, cols: usize, n: usize, reps: usize) -> (f64, f64) {
-        let mut seed = 7u64;
-        let mut byte = || {
-            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-            (seed >> 33) as u8
-        };
+        let mut byte = bench_bytes();
         let (r, k) = match kind {
             BenchKind::Bf16 => {
                 // Normal values of moderate size (random bits would include NaNs and denormals).

@@ -179,7 +179,8 @@ pub(super) struct Traffic {
     pub submissions: std::sync::atomic::AtomicU64,
     pub upload_bytes: std::sync::atomic::AtomicU64,
     pub readback_bytes: std::sync::atomic::AtomicU64,
-    /// Device memory of the recurrent states kept resident (`state.rs`), now.
+    /// Device memory of the sequence state kept resident (`state.rs`: KDA states, MLA cache
+    /// mirrors), now.
     pub resident_state_bytes: std::sync::atomic::AtomicU64,
 }
 
@@ -278,6 +279,33 @@ fn rank(t: wgpu::DeviceType) -> u8 {
 fn padded(b: &[u8]) -> Vec<u8> {
     let mut v = b.to_vec();
     v.resize(b.len().div_ceil(16).max(1) * 16, 0);
+    v
+}
+
+/// The first `floats` words of the mappable buffer `read` once `submission` (None: the latest)
+/// has run on `device` (NaN on a failed readback); `read` is unmapped again.
+pub(super) fn map_words(
+    device: &wgpu::Device,
+    read: &wgpu::Buffer,
+    floats: usize,
+    submission: Option<wgpu::SubmissionIndex>,
+) -> Vec<u32> {
+    read.map_async(wgpu::MapMode::Read, .., |r| {
+        if let Err(e) = r {
+            tracing::error!("GPU readback failed: {e}");
+        }
+    });
+    if let Err(e) = device.poll(wgpu::PollType::Wait { submission_index: submission, timeout: None }) {
+        tracing::error!("GPU wait failed: {e}");
+    }
+    let v = match read.get_mapped_range(..) {
+        Ok(view) => view.chunks_exact(4).take(floats).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Err(e) => {
+            tracing::error!("GPU readback failed: {e}");
+            vec![f32::NAN.to_bits(); floats]
+        }
+    };
+    read.unmap();
     v
 }
 
@@ -557,24 +585,7 @@ impl Gpu {
         floats: usize,
         submission: Option<wgpu::SubmissionIndex>,
     ) -> Vec<u32> {
-        read.map_async(wgpu::MapMode::Read, .., |r| {
-            if let Err(e) = r {
-                tracing::error!("GPU readback failed: {e}");
-            }
-        });
-        if let Err(e) = self.device.poll(wgpu::PollType::Wait { submission_index: submission, timeout: None }) {
-            tracing::error!("GPU wait failed: {e}");
-        }
-        let v = match read.get_mapped_range(..) {
-            Ok(view) => {
-                view.chunks_exact(4).take(floats).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-            }
-            Err(e) => {
-                tracing::error!("GPU readback failed: {e}");
-                vec![f32::NAN.to_bits(); floats]
-            }
-        };
-        read.unmap();
+        let v = map_words(&self.device, &read, floats, submission);
         self.give(READBACK, read);
         v
     }

@@ -136,6 +136,25 @@ impl GpuBackend {
         (floats as u64).saturating_mul(4).div_ceil(16).saturating_mul(16) <= self.gpu.summary.max_binding
     }
 
+    /// Whether a KDA update or replay of `heads` over a state of `state` floats runs here: within
+    /// the kernel's key width, above the size threshold, and within one binding.
+    fn kda_on_gpu(&self, heads: &[HeadIn], dk: usize, state: usize) -> bool {
+        let n = heads.first().map_or(0, |h| h.beta.len());
+        !heads.is_empty()
+            && dk <= Limits::KDA_DK
+            && self.on_gpu(state)
+            && self.fits((3 * heads.len() * n * dk).max(state))
+    }
+
+    /// The binding of state `s`: its device copy when this GPU holds the current values, else
+    /// its host values (kept in `host` and uploaded with the call).
+    fn state_input<'a>(&self, s: &'a StateBuf, host: &'a mut Option<std::borrow::Cow<'a, [f32]>>) -> Src<'a> {
+        match s.current_device().and_then(|d| DeviceState::of(&self.gpu, d, s.len())) {
+            Some(b) => Src::Buf(b),
+            None => Src::F32(host.insert(s.host_values())),
+        }
+    }
+
     pub fn adapter(&self) -> &AdapterSummary {
         &self.gpu.summary
     }
@@ -333,65 +352,40 @@ impl Backend for GpuBackend {
         chunked: bool,
     ) {
         // The chunked form stays on the CPU (its order is not the recurrence's).
-        let n = heads.first().map_or(0, |h| h.beta.len());
-        let inputs = 3 * heads.len() * n * dk;
-        if chunked
-            || heads.is_empty()
-            || dk > Limits::KDA_DK
-            || !self.on_gpu(s_in.len())
-            || !self.fits(inputs.max(s_in.len()))
-        {
+        if chunked || !self.kda_on_gpu(heads, dk, s_in.len()) {
             return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
         }
         let floats = s_in.len();
         // The state stays in device memory: read from the input's copy when this device holds
         // it (else uploaded once), written into the output's own copy (made on first use).
-        let host;
-        let src = match s_in.current_device().and_then(|d| DeviceState::of(&self.gpu, d, floats)) {
-            Some(b) => Src::Buf(b),
-            None => {
-                host = s_in.host_values();
-                Src::F32(&host)
-            }
-        };
         if s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)).is_none() {
-            match DeviceState::new(&self.gpu, floats) {
-                Some(fresh) => s_out.set_device(Box::new(fresh)),
-                None => return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked),
-            }
+            let Some(fresh) = DeviceState::new(&self.gpu, floats) else {
+                return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
+            };
+            s_out.set_device(Box::new(fresh));
         }
         let Some(dst) = s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)) else {
             unreachable!("the output's device copy was made just above")
         };
+        let mut host = None;
+        let src = self.state_input(s_in, &mut host);
         let (_, out) = self.ops.kda_recurrent(&self.gpu, src, Dst::Into(dst), heads, dk, dv, true);
         copy_bits(&out, o);
         s_out.mark_device_written();
     }
 
     fn kda_replay(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize) {
-        let n = heads.first().map_or(0, |h| h.beta.len());
-        if heads.is_empty()
-            || dk > Limits::KDA_DK
-            || !self.on_gpu(s.len())
-            || !self.fits((3 * heads.len() * n * dk).max(s.len()))
-        {
+        if !self.kda_on_gpu(heads, dk, s.len()) {
             return self.cpu.kda_replay(s, heads, dk, dv);
         }
-        let floats = s.len();
         // Read and written buffers must differ: the result goes to a new copy that replaces it.
-        let Some(fresh) = DeviceState::new(&self.gpu, floats) else {
+        let Some(fresh) = DeviceState::new(&self.gpu, s.len()) else {
             return self.cpu.kda_replay(s, heads, dk, dv);
         };
         {
-            let host;
-            let src = match s.current_device().and_then(|d| DeviceState::of(&self.gpu, d, floats)) {
-                Some(b) => Src::Buf(b),
-                None => {
-                    host = s.host_values();
-                    Src::F32(&host)
-                }
-            };
-            self.ops.kda_recurrent(&self.gpu, src, Dst::Into(&fresh.buf), heads, dk, dv, false);
+            let mut host = None;
+            let src = self.state_input(s, &mut host);
+            self.ops.kda_recurrent(&self.gpu, src, Dst::Into(&fresh.mem.buf), heads, dk, dv, false);
         }
         s.set_device(Box::new(fresh));
     }
@@ -432,9 +426,6 @@ impl Backend for GpuBackend {
                         out,
                     )
                 };
-                if !cache.worth_mirroring() {
-                    return run(Src::F32(cache));
-                }
                 if LatentMirror::with(&self.gpu, cache, |buf| run(Src::Buf(buf))).is_none() {
                     self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out)
                 }

@@ -7,82 +7,79 @@
 //! [`LatentMirror`] holds a valid prefix of its cache and uploads only the floats past it. Both
 //! count in `Traffic::resident_state_bytes` while they live.
 
-use super::device::{Gpu, READBACK, Traffic};
+use super::device::{Gpu, READBACK, Traffic, map_words};
 use crate::backend::state_buf::DeviceCopy;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
-/// A storage buffer of `size` bytes, or None when the device is out of memory (the caller keeps
-/// the state on the host and runs the CPU kernel).
-fn try_buffer(gpu: &Gpu, label: &str, size: u64, usage: wgpu::BufferUsages) -> Option<wgpu::Buffer> {
-    let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-    let buf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some(label),
-        size,
-        usage,
-        mapped_at_creation: false,
-    });
-    match pollster::block_on(scope.pop()) {
-        None => {
-            gpu.traffic.resident_state_bytes.fetch_add(size, Relaxed);
-            Some(buf)
-        }
-        Some(e) => {
+/// A storage buffer of sequence state on one device, counted in
+/// `Traffic::resident_state_bytes` from its allocation until it is dropped.
+pub(super) struct SeqBuffer {
+    pub buf: wgpu::Buffer,
+    gpu_id: u64,
+    traffic: Arc<Traffic>,
+}
+
+impl SeqBuffer {
+    /// Room for `floats` values (whole 16-byte words), or None when the device is out of memory
+    /// (the caller keeps the state on the host and runs the CPU kernel).
+    fn new(gpu: &Gpu, label: &str, floats: usize, usage: wgpu::BufferUsages) -> Option<Self> {
+        let size = (floats.max(4) * 4).div_ceil(16) as u64 * 16;
+        let scope = gpu.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buf = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size,
+            usage,
+            mapped_at_creation: false,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| {
                 tracing::warn!("GPU out of memory for sequence state ({e}); such state stays on the CPU")
             });
-            None
+            return None;
         }
+        gpu.traffic.resident_state_bytes.fetch_add(size, Relaxed);
+        Some(SeqBuffer { buf, gpu_id: gpu.id, traffic: gpu.traffic.clone() })
+    }
+
+    fn of(&self, gpu: &Gpu) -> bool {
+        self.gpu_id == gpu.id
+    }
+}
+
+impl Drop for SeqBuffer {
+    fn drop(&mut self) {
+        self.traffic.resident_state_bytes.fetch_sub(self.buf.size(), Relaxed);
     }
 }
 
 pub(super) struct DeviceState {
-    pub buf: wgpu::Buffer,
+    pub mem: SeqBuffer,
     floats: usize,
-    gpu_id: u64,
     device: wgpu::Device,
     queue: wgpu::Queue,
-    traffic: Arc<Traffic>,
 }
 
 impl DeviceState {
     /// Uninitialised storage for `floats` values (the kernel that writes it writes every one);
     /// None when the device is out of memory.
     pub fn new(gpu: &Gpu, floats: usize) -> Option<Self> {
-        let size = (floats.max(1) * 4).div_ceil(16) as u64 * 16;
         let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
-        let buf = try_buffer(gpu, "resident state", size, usage)?;
-        Some(DeviceState {
-            buf,
-            floats,
-            gpu_id: gpu.id,
-            device: gpu.device.clone(),
-            queue: gpu.queue.clone(),
-            traffic: gpu.traffic.clone(),
-        })
+        let mem = SeqBuffer::new(gpu, "resident state", floats, usage)?;
+        Some(DeviceState { mem, floats, device: gpu.device.clone(), queue: gpu.queue.clone() })
     }
 
     /// `copy`'s buffer if it is a state of `gpu` with room for `floats` values.
     pub fn of<'a>(gpu: &Gpu, copy: &'a dyn DeviceCopy, floats: usize) -> Option<&'a wgpu::Buffer> {
         let s = copy.as_any().downcast_ref::<DeviceState>()?;
-        (s.gpu_id == gpu.id && s.floats == floats).then_some(&s.buf)
-    }
-}
-
-impl Drop for DeviceState {
-    fn drop(&mut self) {
-        self.traffic.resident_state_bytes.fetch_sub(self.buf.size(), Relaxed);
+        (s.mem.of(gpu) && s.floats == floats).then_some(&s.mem.buf)
     }
 }
 
 impl DeviceCopy for DeviceState {
-    fn device_id(&self) -> u64 {
-        self.gpu_id
-    }
-
     fn read(&self, out: &mut [f32]) {
-        let size = self.buf.size();
+        let size = self.mem.buf.size();
         let read = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("state readback"),
             size,
@@ -90,29 +87,12 @@ impl DeviceCopy for DeviceState {
             mapped_at_creation: false,
         });
         let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-        enc.copy_buffer_to_buffer(&self.buf, 0, &read, 0, size);
-        self.traffic.submitted(size);
+        enc.copy_buffer_to_buffer(&self.mem.buf, 0, &read, 0, size);
+        self.mem.traffic.submitted(size);
         let idx = self.queue.submit([enc.finish()]);
-        read.map_async(wgpu::MapMode::Read, .., |r| {
-            if let Err(e) = r {
-                tracing::error!("GPU state readback failed: {e}");
-            }
-        });
-        if let Err(e) = self.device.poll(wgpu::PollType::Wait { submission_index: Some(idx), timeout: None }) {
-            tracing::error!("GPU wait failed: {e}");
+        for (o, w) in out.iter_mut().zip(map_words(&self.device, &read, self.floats, Some(idx))) {
+            *o = f32::from_bits(w);
         }
-        match read.get_mapped_range(..) {
-            Ok(view) => {
-                for (o, c) in out.iter_mut().zip(view.chunks_exact(4)).take(self.floats) {
-                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
-            }
-            Err(e) => {
-                tracing::error!("GPU state readback failed: {e}");
-                out.fill(f32::NAN);
-            }
-        }
-        read.unmap();
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -120,14 +100,11 @@ impl DeviceCopy for DeviceState {
     }
 }
 
-/// The device copy of an MLA latent cache's prefix ([`crate::backend::AppendBuf`]): a storage
-/// buffer with room for `capacity` floats, grown by doubling (the valid prefix copied on the
-/// device), counted in `Traffic::resident_state_bytes` while it lives.
+/// The device copy of an MLA latent cache's prefix ([`crate::backend::AppendBuf`]): room for
+/// `capacity` floats, grown by doubling (the valid prefix copied on the device).
 pub(super) struct LatentMirror {
-    pub buf: wgpu::Buffer,
+    mem: SeqBuffer,
     capacity: usize,
-    gpu_id: u64,
-    traffic: Arc<Traffic>,
 }
 
 impl crate::backend::append_buf::DeviceMirror for LatentMirror {
@@ -136,22 +113,14 @@ impl crate::backend::append_buf::DeviceMirror for LatentMirror {
     }
 }
 
-impl Drop for LatentMirror {
-    fn drop(&mut self) {
-        self.traffic.resident_state_bytes.fetch_sub(self.buf.size(), Relaxed);
-    }
-}
-
 impl LatentMirror {
     fn new(gpu: &Gpu, capacity: usize) -> Option<Self> {
-        let size = (capacity.max(4) * 4).div_ceil(16) as u64 * 16;
         let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC;
-        let buf = try_buffer(gpu, "latent cache", size, usage)?;
-        Some(LatentMirror { buf, capacity, gpu_id: gpu.id, traffic: gpu.traffic.clone() })
+        Some(LatentMirror { mem: SeqBuffer::new(gpu, "latent cache", capacity, usage)?, capacity })
     }
 
     fn ours<'a>(gpu: &Gpu, m: &'a crate::backend::append_buf::Mirror) -> Option<&'a LatentMirror> {
-        m.copy.as_any().downcast_ref::<LatentMirror>().filter(|l| l.gpu_id == gpu.id)
+        m.copy.as_any().downcast_ref::<LatentMirror>().filter(|l| l.mem.of(gpu))
     }
 
     /// Brings `cache`'s mirror up to date (made or grown as needed, then only the floats past its
@@ -172,7 +141,7 @@ impl LatentMirror {
                 && v > 0
             {
                 let mut enc = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-                enc.copy_buffer_to_buffer(&old.buf, 0, &grown.buf, 0, (v * 4) as u64);
+                enc.copy_buffer_to_buffer(&old.mem.buf, 0, &grown.mem.buf, 0, (v * 4) as u64);
                 gpu.traffic.submitted(0);
                 gpu.queue.submit([enc.finish()]);
                 valid = v;
@@ -183,11 +152,11 @@ impl LatentMirror {
         let Some(l) = Self::ours(gpu, m) else { unreachable!("the mirror is this device's") };
         let valid = m.valid.min(len);
         if valid < len {
-            let bytes = super::device::f32_bytes(&cache.as_slice()[valid..len]);
+            let bytes = super::device::f32_bytes(&cache[valid..len]);
             gpu.traffic.uploaded(bytes.len() as u64);
-            gpu.queue.write_buffer(&l.buf, (valid * 4) as u64, &bytes);
+            gpu.queue.write_buffer(&l.mem.buf, (valid * 4) as u64, &bytes);
         }
-        let r = f(&l.buf);
+        let r = f(&l.mem.buf);
         m.valid = len;
         Some(r)
     }

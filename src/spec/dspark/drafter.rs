@@ -7,14 +7,15 @@
 //! Past [`MAX_DRAFT_CONTEXT`] tokens it neither caches nor drafts.
 
 use super::{DSparkModel, MAX_DRAFT_CONTEXT};
+use crate::backend::AppendBuf;
 use crate::sched::RowsOut;
 use crate::spec::Drafter;
 use std::sync::Arc;
 
 pub struct DSparkDrafter {
     model: Arc<DSparkModel>,
-    /// Per draft layer: [rows, kv_lora + rope].
-    caches: Vec<Vec<f32>>,
+    /// Per draft layer: [rows, kv_lora + rope] (a GPU backend mirrors them in device memory).
+    caches: Vec<AppendBuf>,
     rows: usize,
     /// The block's logits of the last proposal (tests compare them with the reference).
     pub last_logits: Vec<f32>,
@@ -22,7 +23,7 @@ pub struct DSparkDrafter {
 
 impl DSparkDrafter {
     pub fn new(model: Arc<DSparkModel>) -> Self {
-        let caches = vec![Vec::new(); model.cfg.layers];
+        let caches = (0..model.cfg.layers).map(|_| AppendBuf::new()).collect();
         DSparkDrafter { model, caches, rows: 0, last_logits: Vec::new() }
     }
 
@@ -62,7 +63,7 @@ impl DSparkDrafter {
     /// The block's drafts after the cached context for `anchor` at position `pos`.
     pub fn draft(&mut self, anchor: u32, pos: usize) -> Vec<u32> {
         self.truncate(pos);
-        let (logits, drafts) = self.model.block(&self.caches, anchor, pos);
+        let (logits, drafts) = self.model.block(&mut self.caches, anchor, pos);
         self.last_logits = logits;
         drafts
     }

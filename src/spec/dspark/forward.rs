@@ -55,10 +55,11 @@ impl DSparkModel {
         (0..c.layers).map(|l| self.latents(l, &ctx, start)).collect()
     }
 
-    /// One draft block after the context in `caches` (per layer [rows, kv_lora + rope]):
+    /// One draft block after the context in `caches` (per layer [rows, kv_lora + rope]; the
+    /// block's rows are appended for its attention and taken off again):
     /// `[anchor, mask x (block - 1)]` at positions `pos..`. Returns the logits of every row
     /// [block, vocab] (Markov term included) and the block's greedy drafts, one per row.
-    pub fn block(&self, caches: &[Vec<f32>], anchor: u32, pos: usize) -> (Vec<f32>, Vec<u32>) {
+    pub fn block(&self, caches: &mut [AppendBuf], anchor: u32, pos: usize) -> (Vec<f32>, Vec<u32>) {
         let c = &self.cfg;
         let (h, n, nh) = (c.hidden, c.block, c.heads);
         let be = &*self.be;
@@ -85,13 +86,13 @@ impl DSparkModel {
                     self.rope(&mut head[c.nope..], pos + r);
                 }
             }
-            // Keys and values: the context cache, then the block's own rows (never cached).
-            let past = caches[l].len() / lat;
-            let mut kv = Vec::with_capacity((past + n) * lat);
-            kv.extend_from_slice(&caches[l]);
+            // Keys and values: the context cache, then the block's own rows (not kept).
+            let kv = &mut caches[l];
+            let context = kv.len();
             kv.extend_from_slice(&self.latents(l, &x, pos));
             let mut att = vec![0f32; n * nh * c.v_head];
-            be.mla_attention_with(&q, &AppendBuf::transient(kv), past, &w.kv_b, dims, scale, Visible::All, &mut att);
+            be.mla_attention_with(&q, kv, context / lat, &w.kv_b, dims, scale, Visible::All, &mut att);
+            kv.truncate(context);
             let mut o = vec![0f32; n * h];
             be.matmul_bf16(&w.o_proj, &att, &mut o);
             add(&mut hs, &o);
