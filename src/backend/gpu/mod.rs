@@ -45,9 +45,13 @@ pub fn set_ops_min(elems: usize) {
 
 fn ops_min() -> usize {
     match OPS_MIN.load(Ordering::Relaxed) {
-        usize::MAX => {
-            std::env::var("DELTAFIN_GPU_OPS_MIN").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_OPS_MIN)
-        }
+        usize::MAX => match std::env::var("DELTAFIN_GPU_OPS_MIN") {
+            Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+                tracing::warn!("DELTAFIN_GPU_OPS_MIN={v:?} is not a number of elements; using {DEFAULT_OPS_MIN}");
+                DEFAULT_OPS_MIN
+            }),
+            Err(_) => DEFAULT_OPS_MIN,
+        },
         v => v,
     }
 }
