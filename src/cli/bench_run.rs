@@ -387,6 +387,19 @@ fn one_run(
         (Some(ours), Some(opt)) if opt > 0 => Some(ours as f64 / opt as f64),
         _ => None,
     };
+    // Where a decode token's time goes (the phase timers' growth over decode).
+    let decode_phases = (steps > 0).then(|| {
+        let n = steps as f64;
+        json!({
+            "read_wait_s": (stats.read_wait_s - pre.read_wait_s) / n,
+            "attention_s": (stats.attention_s - pre.attention_s) / n,
+            "router_s": (stats.router_s - pre.router_s) / n,
+            "moe_experts_s": (stats.moe_experts_s - pre.moe_experts_s) / n,
+            "moe_combine_s": (stats.moe_combine_s - pre.moe_combine_s) / n,
+            "dense_mlp_s": (stats.dense_mlp_s - pre.dense_mlp_s) / n,
+            "other_s": (stats.other_s - pre.other_s) / n,
+        })
+    });
     let layers_moe = opened.cfg.moe_layers() as u64;
     let chunks = prompt.len().div_ceil(engine_args.prefill_rows.max(1)) as u64;
     Ok(crate::util::bench_record(
@@ -445,6 +458,7 @@ fn one_run(
                 "verify_calls": stats.verify_calls,
                 "cost_model_pauses": spec.as_ref().and_then(|s| s.cost.as_ref()).map(|c| c.pauses),
                 "expert_bytes_requested_per_token": stats.decode_expert_bytes_per_token(),
+                "phase_s_per_token": decode_phases,
             },
             "decode_bound_s_per_token": decode_bound,
             "decode_sustained_gbps": if decode_s > 0.0 && steps > 0 { Some(decode_read as f64 / decode_s / 1e9) } else { None },
