@@ -108,6 +108,8 @@ pub struct DeviceTraffic {
     /// latent caches mirrored from [`AppendBuf`]s) at the time of the reading (a level, not a
     /// count: [`DeviceTraffic::since`] keeps the later one).
     pub resident_state_bytes: u64,
+    /// Seconds the host spent blocked until the device had finished a submission.
+    pub wait_s: f64,
 }
 
 impl DeviceTraffic {
@@ -118,8 +120,31 @@ impl DeviceTraffic {
             upload_bytes: self.upload_bytes.saturating_sub(earlier.upload_bytes),
             readback_bytes: self.readback_bytes.saturating_sub(earlier.readback_bytes),
             resident_state_bytes: self.resident_state_bytes,
+            wait_s: (self.wait_s - earlier.wait_s).max(0.0),
         }
     }
+}
+
+/// Calls of one backend operation and the wall time spent in them since the backend opened
+/// ([`Backend::op_times`]).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct OpTime {
+    pub op: &'static str,
+    pub calls: u64,
+    pub seconds: f64,
+}
+
+/// Per operation, the calls and seconds of `later` since `earlier` (operations with no new calls
+/// left out).
+pub fn op_times_since(later: &[OpTime], earlier: &[OpTime]) -> Vec<OpTime> {
+    later
+        .iter()
+        .filter_map(|l| {
+            let e = earlier.iter().find(|e| e.op == l.op);
+            let calls = l.calls - e.map_or(0, |e| e.calls);
+            (calls > 0).then(|| OpTime { op: l.op, calls, seconds: l.seconds - e.map_or(0.0, |e| e.seconds) })
+        })
+        .collect()
 }
 
 pub trait Backend: Send + Sync {
@@ -182,6 +207,12 @@ pub trait Backend: Send + Sync {
     fn plan_sequence_state(&self, _state: SequenceState) {}
 
     /// The device traffic so far (submissions, bytes uploaded, bytes read back); zero for the CPU.
+    /// Calls and wall time per operation since the backend opened (a device backend's profile;
+    /// the CPU backend keeps none).
+    fn op_times(&self) -> Vec<OpTime> {
+        Vec::new()
+    }
+
     fn device_traffic(&self) -> DeviceTraffic {
         DeviceTraffic::default()
     }

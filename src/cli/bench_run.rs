@@ -332,6 +332,7 @@ fn one_run(
     session.stats.prefill_s = ttft;
     let pre = session.stats.clone();
     let traffic_prefill = engine.model.be.device_traffic();
+    let ops_prefill = engine.model.be.op_times();
     let pre_src = engine.source_report();
     let prefill_read = pre_src.expert_bytes_read.unwrap_or(0);
     let unique = pre.expert_bytes_unique();
@@ -347,6 +348,7 @@ fn one_run(
     let out_ids = generation.tokens;
     let decode_s = t1.elapsed().as_secs_f64();
     let traffic_decode = engine.model.be.device_traffic().since(traffic_prefill);
+    let ops_decode = crate::backend::op_times_since(&engine.model.be.op_times(), &ops_prefill);
     let decode_end = unix();
     let ceiling_after = probe.measure()?;
     let prefill_ceiling = mean_gbps(&ceiling_before, &ceiling_mid);
@@ -399,6 +401,14 @@ fn one_run(
             "dense_mlp_s": (stats.dense_mlp_s - pre.dense_mlp_s) / n,
             "other_s": (stats.other_s - pre.other_s) / n,
         })
+    });
+    // A device backend's operations per decode token: calls and wall seconds of each.
+    let decode_ops = (steps > 0 && !ops_decode.is_empty()).then(|| {
+        let n = steps as f64;
+        ops_decode
+            .iter()
+            .map(|o| (o.op.to_string(), json!({"calls": o.calls as f64 / n, "s": o.seconds / n})))
+            .collect::<serde_json::Map<_, _>>()
     });
     let layers_moe = opened.cfg.moe_layers() as u64;
     let chunks = prompt.len().div_ceil(engine_args.prefill_rows.max(1)) as u64;
@@ -459,6 +469,7 @@ fn one_run(
                 "cost_model_pauses": spec.as_ref().and_then(|s| s.cost.as_ref()).map(|c| c.pauses),
                 "expert_bytes_requested_per_token": stats.decode_expert_bytes_per_token(),
                 "phase_s_per_token": decode_phases,
+                "backend_ops_per_token": decode_ops,
             },
             "decode_bound_s_per_token": decode_bound,
             "decode_sustained_gbps": if decode_s > 0.0 && steps > 0 { Some(decode_read as f64 / decode_s / 1e9) } else { None },
@@ -475,6 +486,7 @@ fn one_run(
                         "submissions": traffic_decode.submissions as f64 / n,
                         "upload_bytes": traffic_decode.upload_bytes as f64 / n,
                         "readback_bytes": traffic_decode.readback_bytes as f64 / n,
+                        "wait_s": traffic_decode.wait_s / n,
                     })
                 }),
             },

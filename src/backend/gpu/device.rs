@@ -182,6 +182,8 @@ pub(super) struct Traffic {
     /// Device memory of the sequence state kept resident (`state.rs`: KDA states, MLA cache
     /// mirrors), now.
     pub resident_state_bytes: std::sync::atomic::AtomicU64,
+    /// Nanoseconds blocked in [`map_words`] until the device had finished.
+    pub wait_ns: std::sync::atomic::AtomicU64,
 }
 
 impl Traffic {
@@ -202,6 +204,7 @@ impl Traffic {
             upload_bytes: self.upload_bytes.load(Relaxed),
             readback_bytes: self.readback_bytes.load(Relaxed),
             resident_state_bytes: self.resident_state_bytes.load(Relaxed),
+            wait_s: self.wait_ns.load(Relaxed) as f64 * 1e-9,
         }
     }
 }
@@ -286,10 +289,12 @@ fn padded(b: &[u8]) -> Vec<u8> {
 /// has run on `device` (NaN on a failed readback); `read` is unmapped again.
 pub(super) fn map_words(
     device: &wgpu::Device,
+    traffic: &Traffic,
     read: &wgpu::Buffer,
     floats: usize,
     submission: Option<wgpu::SubmissionIndex>,
 ) -> Vec<u32> {
+    let waited = std::time::Instant::now();
     read.map_async(wgpu::MapMode::Read, .., |r| {
         if let Err(e) = r {
             tracing::error!("GPU readback failed: {e}");
@@ -298,6 +303,8 @@ pub(super) fn map_words(
     if let Err(e) = device.poll(wgpu::PollType::Wait { submission_index: submission, timeout: None }) {
         tracing::error!("GPU wait failed: {e}");
     }
+    let ns = waited.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+    traffic.wait_ns.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
     let v = match read.get_mapped_range(..) {
         Ok(view) => view.chunks_exact(4).take(floats).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
         Err(e) => {
@@ -585,7 +592,7 @@ impl Gpu {
         floats: usize,
         submission: Option<wgpu::SubmissionIndex>,
     ) -> Vec<u32> {
-        let v = map_words(&self.device, &read, floats, submission);
+        let v = map_words(&self.device, &self.traffic, &read, floats, submission);
         self.give(READBACK, read);
         v
     }

@@ -219,6 +219,30 @@ impl ExpertBatch for GpuExperts<'_> {
     }
 
     fn add_held(&mut self, expert: u32, zd: &[f32]) {
+        let t = std::time::Instant::now();
+        self.add_held_untimed(expert, zd);
+        self.be.profile.add("experts_add_held", t.elapsed().as_secs_f64());
+    }
+
+    fn add(&mut self, expert: u32, bytes: &[u8], zd: &[f32]) {
+        let t = std::time::Instant::now();
+        self.add_untimed(expert, bytes, zd);
+        self.be.profile.add("experts_add", t.elapsed().as_secs_f64());
+    }
+
+    fn finish(mut self: Box<Self>) -> Vec<Vec<f32>> {
+        let t = std::time::Instant::now();
+        self.flush();
+        while !self.flying.is_empty() {
+            self.land_oldest();
+        }
+        self.be.profile.add("experts_finish", t.elapsed().as_secs_f64());
+        std::mem::take(&mut self.outs)
+    }
+}
+
+impl GpuExperts<'_> {
+    fn add_held_untimed(&mut self, expert: u32, zd: &[f32]) {
         let layer = self.layer;
         let Some((slot, buf)) = self.be.with_cache(|c| c.slot_of(layer, expert)) else {
             unreachable!("expert {expert} of layer {layer} was claimed as held but is not in the device cache")
@@ -231,7 +255,7 @@ impl ExpertBatch for GpuExperts<'_> {
         self.queue(Image::Cached(slot, buf), zd);
     }
 
-    fn add(&mut self, expert: u32, bytes: &[u8], zd: &[f32]) {
+    fn add_untimed(&mut self, expert: u32, bytes: &[u8], zd: &[f32]) {
         if zd.is_empty() {
             self.outs.push(Vec::new());
             return;
@@ -263,14 +287,6 @@ impl ExpertBatch for GpuExperts<'_> {
             tracing::error!("GPU poll failed: {e}");
         }
         self.queue(image, zd);
-    }
-
-    fn finish(mut self: Box<Self>) -> Vec<Vec<f32>> {
-        self.flush();
-        while !self.flying.is_empty() {
-            self.land_oldest();
-        }
-        std::mem::take(&mut self.outs)
     }
 }
 

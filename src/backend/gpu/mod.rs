@@ -23,6 +23,7 @@ mod device;
 mod expert_cache;
 mod experts;
 mod ops;
+mod profile;
 mod state;
 
 pub use bench::VariantTiming;
@@ -84,6 +85,7 @@ pub struct GpuBackend {
     ops_min: usize,
     /// The model's per-sequence state, for the description of device memory.
     sequence: Mutex<SequenceState>,
+    profile: profile::Profile,
 }
 
 impl GpuBackend {
@@ -103,6 +105,7 @@ impl GpuBackend {
             fused,
             ops_min: ops_min(),
             sequence: Mutex::new(SequenceState::default()),
+            profile: profile::Profile::default(),
         })
     }
 
@@ -267,27 +270,15 @@ impl Backend for GpuBackend {
     }
 
     fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) {
-        let r = self.resident(w);
-        self.gpu.matmul(&r, Kind::Bf16, xs, out);
+        self.profile.time("matmul_bf16", || self.matmul_bf16_untimed(w, xs, out))
     }
 
     fn matmul_bf16_many(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) {
-        // One input binding serves all only when the widths agree.
-        if ws.iter().any(|w| w.cols != ws[0].cols) {
-            for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                self.matmul_bf16(w, xs, out);
-            }
-            return;
-        }
-        let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
-        let refs: Vec<&Resident> = rs.iter().map(|r| &**r).collect();
-        self.gpu.matmul_many(&refs, Kind::Bf16, xs, outs);
+        self.profile.time("matmul_bf16_many", || self.matmul_bf16_many_untimed(ws, xs, outs))
     }
 
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
-        let r = self.gpu.upload_mxfp4(w, false);
-        self.gpu.matmul(&r, Kind::Mxfp4, xds, out);
-        self.gpu.release(r);
+        self.profile.time("matmul_mxfp4", || self.matmul_mxfp4_untimed(w, xds, out))
     }
 
     fn expert_batch<'a>(&'a self, layer: usize, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
@@ -327,25 +318,113 @@ impl Backend for GpuBackend {
         self.with_cache(|c| c.bytes()) + self.staging.load(Ordering::Relaxed) as u64
     }
 
+    fn op_times(&self) -> Vec<crate::backend::OpTime> {
+        self.profile.snapshot()
+    }
+
     fn device_traffic(&self) -> crate::backend::DeviceTraffic {
         self.gpu.traffic.snapshot()
     }
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {
+        self.profile.time("rms_norm_rows", || self.rms_norm_rows_untimed(x, w, eps))
+    }
+
+    fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        self.profile.time("situ", || self.situ_untimed(situ, gate, up, out))
+    }
+
+    fn kda_update(
+        &self,
+        s_in: &StateBuf,
+        s_out: &mut StateBuf,
+        heads: &[HeadIn],
+        dk: usize,
+        dv: usize,
+        o: &mut [f32],
+        chunked: bool,
+    ) {
+        self.profile.time("kda_update", || self.kda_update_untimed(s_in, s_out, heads, dk, dv, o, chunked))
+    }
+
+    fn kda_replay(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize) {
+        self.profile.time("kda_replay", || self.kda_replay_untimed(s, heads, dk, dv))
+    }
+
+    fn mla_attention_with(
+        &self,
+        q: &[f32],
+        cache: &AppendBuf,
+        past: usize,
+        kv_b: &Bf16Mat,
+        dims: MlaDims,
+        scale: f32,
+        visible: Visible,
+        out: &mut [f32],
+    ) {
+        self.profile.time("mla_attention_with", || self.mla_attention_with_untimed(q, cache, past, kv_b, dims, scale, visible, out))
+    }
+
+    fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
+        self.profile.time("attn_res_mix", || self.attn_res_mix_untimed(sources, score_w, eps, out))
+    }
+
+    fn route_top_k(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
+        self.profile.time("route_top_k", || self.route_top_k_untimed(logits, bias, rule, experts, weights))
+    }
+
+    fn argmax(&self, logits: &[f32]) -> u32 {
+        self.profile.time("argmax", || self.argmax_untimed(logits))
+    }
+}
+
+fn copy_bits(words: &[u32], out: &mut [f32]) {
+    for (o, w) in out.iter_mut().zip(words) {
+        *o = f32::from_bits(*w);
+    }
+}
+
+/// The operations behind [`Backend`]'s timed entry points ([`profile::Profile`]).
+impl GpuBackend {
+    fn matmul_bf16_untimed(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) {
+        let r = self.resident(w);
+        self.gpu.matmul(&r, Kind::Bf16, xs, out);
+    }
+
+    fn matmul_bf16_many_untimed(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) {
+        // One input binding serves all only when the widths agree.
+        if ws.iter().any(|w| w.cols != ws[0].cols) {
+            for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul_bf16(w, xs, out);
+            }
+            return;
+        }
+        let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
+        let refs: Vec<&Resident> = rs.iter().map(|r| &**r).collect();
+        self.gpu.matmul_many(&refs, Kind::Bf16, xs, outs);
+    }
+
+    fn matmul_mxfp4_untimed(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
+        let r = self.gpu.upload_mxfp4(w, false);
+        self.gpu.matmul(&r, Kind::Mxfp4, xds, out);
+        self.gpu.release(r);
+    }
+
+    fn rms_norm_rows_untimed(&self, x: &mut [f32], w: &[f32], eps: f32) {
         if !self.on_gpu(x.len()) || w.is_empty() || !self.fits(x.len()) {
             return self.cpu.rms_norm_rows(x, w, eps);
         }
         self.ops.rms_norm_rows(&self.gpu, x, w, eps)
     }
 
-    fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    fn situ_untimed(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
         if !self.on_gpu(out.len()) || !self.fits(out.len()) {
             return self.cpu.situ(situ, gate, up, out);
         }
         self.ops.situ(&self.gpu, situ.beta, situ.linear_beta, gate, up, out)
     }
 
-    fn kda_update(
+    fn kda_update_untimed(
         &self,
         s_in: &StateBuf,
         s_out: &mut StateBuf,
@@ -378,7 +457,7 @@ impl Backend for GpuBackend {
         s_out.mark_device_written();
     }
 
-    fn kda_replay(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize) {
+    fn kda_replay_untimed(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize) {
         if !self.kda_on_gpu(heads, dk, s.len()) {
             return self.cpu.kda_replay(s, heads, dk, dv);
         }
@@ -394,7 +473,7 @@ impl Backend for GpuBackend {
         s.set_device(Box::new(fresh));
     }
 
-    fn mla_attention_with(
+    fn mla_attention_with_untimed(
         &self,
         q: &[f32],
         cache: &AppendBuf,
@@ -438,7 +517,7 @@ impl Backend for GpuBackend {
         }
     }
 
-    fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
+    fn attn_res_mix_untimed(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
         let work = sources.len() * score_w.len();
         if sources.is_empty() || sources.len() > Limits::ATTN_RES_SOURCES || !self.on_gpu(work) || !self.fits(work) {
             return self.cpu.attn_res_mix(sources, score_w, eps, out);
@@ -446,7 +525,7 @@ impl Backend for GpuBackend {
         self.ops.attn_res_mix(&self.gpu, sources, score_w, eps, out)
     }
 
-    fn route_top_k(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
+    fn route_top_k_untimed(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
         let fits = !bias.is_empty() && bias.len() <= Limits::EXPERTS && rule.k <= Limits::TOP_K && rule.k <= bias.len();
         if !fits || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
             return self.cpu.route_top_k(logits, bias, rule, experts, weights);
@@ -454,16 +533,10 @@ impl Backend for GpuBackend {
         self.ops.route_top_k(&self.gpu, logits, bias, rule, experts, weights)
     }
 
-    fn argmax(&self, logits: &[f32]) -> u32 {
+    fn argmax_untimed(&self, logits: &[f32]) -> u32 {
         if logits.is_empty() || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
             return self.cpu.argmax(logits);
         }
         self.ops.argmax(&self.gpu, logits)
-    }
-}
-
-fn copy_bits(words: &[u32], out: &mut [f32]) {
-    for (o, w) in out.iter_mut().zip(words) {
-        *o = f32::from_bits(*w);
     }
 }

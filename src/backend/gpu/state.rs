@@ -90,7 +90,7 @@ impl DeviceCopy for DeviceState {
         enc.copy_buffer_to_buffer(&self.mem.buf, 0, &read, 0, size);
         self.mem.traffic.submitted(size);
         let idx = self.queue.submit([enc.finish()]);
-        for (o, w) in out.iter_mut().zip(map_words(&self.device, &read, self.floats, Some(idx))) {
+        for (o, w) in out.iter_mut().zip(map_words(&self.device, &self.mem.traffic, &read, self.floats, Some(idx))) {
             *o = f32::from_bits(w);
         }
     }
