@@ -424,6 +424,7 @@ impl GpuBackend {
         self.ops.situ(&self.gpu, situ.beta, situ.linear_beta, gate, up, out)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn kda_update_untimed(
         &self,
         s_in: &StateBuf,
@@ -473,6 +474,7 @@ impl GpuBackend {
         s.set_device(Box::new(fresh));
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn mla_attention_with_untimed(
         &self,
         q: &[f32],
