@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements on the lent NVIDIA H200 (through the device tool, from the repo root there,
-# with the Vulkan loader debs in .gl/ and stripped builds in .dev/: deltafin and the gpu test
-# binary). Writes every record under $OUT:
+# with the Vulkan loader debs in .gl/ (libvulkan1, and libglvnd0: the NVIDIA ICD needs
+# libGLdispatch) and stripped builds in .dev/: deltafin and the gpu test binary). Writes every record under $OUT:
 #   - bench kernels --backend gpu (MXFP4 and bf16 matvec vs a plain read of the same bytes with
 #     the same u32 access width; one expert alone; 512-row MXFP4 and bf16 matmul; the round trip
 #     of one tiny product), and the CPU kernels on the same machine;
@@ -25,7 +25,7 @@ $B bench kernels --backend gpu --reps 20 2>&1 | grep -v XDG_RUNTIME | tee "$out/
 $B bench kernels --rows 512 2>&1 | tee -a "$out/kernels.jsonl"
 .dev/gpu-test --test-threads 1 --nocapture gpu_products batched gpu_ops fixtures_on device_expert_cache several sequence_state 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
 model=/tmp/k3x
-$B synth --preset k3-experts --layers 4 --experts 180 --out "$model" 2>&1 | tail -1
+[ -e "$model/config.json" ] || $B synth --preset k3-experts --layers 4 --experts 180 --out "$model" 2>&1 | tail -1
 echo +memory > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true
 # The GPU alone, the GPU with every expert fitting its device cache (prefill admits them, decode
 # then runs from device memory), and the CPU's 16 cores.

@@ -14,7 +14,7 @@ B=${DELTAFIN_BIN:-$PWD/.dev/deltafin}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 model=/tmp/k3kda
-$B synth --preset k3-experts --layers 4 --experts 32 --kda-heads 96 --out "$model" --force 2>&1 | tail -1
+[ -e "$model/config.json" ] || $B synth --preset k3-experts --layers 4 --experts 32 --kda-heads 96 --out "$model" 2>&1 | tail -1
 run() {
   local bin=$1; shift
   "$bin" bench run --model "$model" --prompt-tokens 64 --decode 16 "$@" --out "$out/kda.jsonl" 2>&1 \
