@@ -676,3 +676,36 @@ fn several_products_of_one_input_in_one_submission_give_each_products_bits() {
         }
     }
 }
+
+#[test]
+fn products_of_their_own_inputs_in_one_submission_give_each_products_bits() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(23);
+    let mut mat = |rows: usize, cols: usize| {
+        let bytes: Vec<u8> =
+            (0..rows * cols).flat_map(|_| half::bf16::from_f32(rng.f32() * 2.0 - 1.0).to_le_bytes()).collect();
+        Bf16Mat::from_vec(bytes, rows, cols)
+    };
+    // Different widths (one padded), one row (matvec) and several (matmul) in the same call,
+    // and an empty input.
+    let ws = [mat(37, 333), mat(64, 512), mat(130, 96), mat(9, 48)];
+    let rows = [1usize, 4, 1, 0];
+    let xs: Vec<Vec<f32>> = ws.iter().zip(rows).map(|(w, n)| Rng(w.cols as u64 + n as u64).vec(n * w.cols)).collect();
+    let mut outs: Vec<Vec<f32>> = ws.iter().zip(rows).map(|(w, n)| vec![0f32; n * w.rows]).collect();
+    {
+        let refs: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
+        let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        g.matmul_bf16_each(&ws.iter().collect::<Vec<_>>(), &refs, &mut slices);
+    }
+    for ((w, x), got) in ws.iter().zip(&xs).zip(&outs) {
+        let mut one = vec![0f32; got.len()];
+        g.matmul_bf16(w, x, &mut one);
+        assert!(
+            got.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{}x{} on {} rows: one submission differs from the single product",
+            w.rows,
+            w.cols,
+            x.len() / w.cols
+        );
+    }
+}

@@ -166,6 +166,14 @@ pub trait Backend: Send + Sync {
         }
     }
 
+    /// Several products, each of its own input rows (`outs[j] = ws[j] . xs[j]`): one submission on
+    /// the GPU instead of one each. Each product gives exactly `matmul_bf16`'s bits.
+    fn matmul_bf16_each(&self, ws: &[&Bf16Mat], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+        for ((w, x), out) in ws.iter().zip(xs).zip(outs.iter_mut()) {
+            self.matmul_bf16(w, x, out);
+        }
+    }
+
     /// The same for an expert matrix; `xds` holds deinterleaved inputs (`cpu::deinterleave_mxfp4_input`).
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]);
 

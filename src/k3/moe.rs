@@ -137,24 +137,51 @@ pub fn run_expert<B: Backend + ?Sized>(
     out
 }
 
-/// The routed input: z = down_proj(x), deinterleaved for the MXFP4 kernels: [n, latent].
-pub fn expert_input(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) -> Vec<f32> {
+/// What the MoE layer computes from its input before the experts: the routed input z =
+/// down_proj(x), deinterleaved for the MXFP4 kernels ([n, latent]), and the shared experts'
+/// gate and up projections (one backend call for the three: one submission on the GPU).
+pub struct ExpertInput {
+    pub zd: Vec<f32>,
+    shared_gate_up: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+/// [`ExpertInput`] of rows `xn`.
+pub fn expert_input(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) -> ExpertInput {
     let lat = c.expert_latent;
     let n = xn.len() / c.hidden;
     let mut z = vec![0f32; n * lat];
-    be.matmul_bf16(&w.down_proj, xn, &mut z);
+    let shared_gate_up = match &w.shared {
+        Some(sh) => {
+            let mut g = vec![0f32; n * sh.gate.rows];
+            let mut u = vec![0f32; n * sh.up.rows];
+            be.matmul_bf16_many(&[&w.down_proj, &sh.gate, &sh.up], xn, &mut [&mut z, &mut g, &mut u]);
+            Some((g, u))
+        }
+        None => {
+            be.matmul_bf16(&w.down_proj, xn, &mut z);
+            None
+        }
+    };
     let mut zd = vec![0f32; n * lat];
     for (src_row, dst) in z.chunks_exact(lat).zip(zd.chunks_exact_mut(lat)) {
         deinterleave_mxfp4_input(src_row, dst);
     }
-    zd
+    ExpertInput { zd, shared_gate_up }
 }
 
 /// The layer's output from the expert slots [n][k][latent]: per row the weighted sum in router
-/// order, the latent norm, the up-projection, plus the shared experts on `xn`.
-pub fn combine(be: &dyn Backend, c: &K3Config, w: &MoeWeights, routes: &Routes, slots: &[f32], xn: &[f32]) -> Vec<f32> {
-    let n = xn.len() / c.hidden;
+/// order, the latent norm, the up-projection, plus the shared experts (from `input`'s gate and
+/// up projections; their down projection goes with the up-projection: one call).
+pub fn combine(
+    be: &dyn Backend,
+    c: &K3Config,
+    w: &MoeWeights,
+    routes: &Routes,
+    slots: &[f32],
+    input: ExpertInput,
+) -> Vec<f32> {
     let (k, lat) = (routes.k, c.expert_latent);
+    let n = input.zd.len() / lat.max(1);
     let situ = Situ { beta: c.situ_beta, linear_beta: c.situ_linear_beta };
     let mut routed = vec![0f32; n * lat];
     for r in 0..n {
@@ -167,12 +194,17 @@ pub fn combine(be: &dyn Backend, c: &K3Config, w: &MoeWeights, routes: &Routes, 
         }
     }
     let mut out = vec![0f32; n * c.hidden];
-    be.matmul_bf16(&w.up_proj, &routed, &mut out);
-    if let Some(sh) = &w.shared {
-        let s = mlp(be, sh, situ, xn);
-        for (o, v) in out.iter_mut().zip(&s) {
-            *o += v;
+    match (&w.shared, input.shared_gate_up) {
+        (Some(sh), Some((g, u))) => {
+            let mut a = vec![0f32; g.len()];
+            be.situ(situ, &g, &u, &mut a);
+            let mut s = vec![0f32; n * sh.down.rows];
+            be.matmul_bf16_each(&[&w.up_proj, &sh.down], &[&routed, &a], &mut [&mut out, &mut s]);
+            for (o, v) in out.iter_mut().zip(&s) {
+                *o += v;
+            }
         }
+        _ => be.matmul_bf16(&w.up_proj, &routed, &mut out),
     }
     out
 }

@@ -76,7 +76,8 @@ pub fn layer(
     let t_routed = Instant::now();
     stats.router_s += (t_routed - t_start).as_secs_f64();
 
-    let zd = moe::expert_input(be, c, w, xn);
+    let input = moe::expert_input(be, c, w, xn);
+    let zd = &input.zd;
     // Expert outputs land in slots [row][k] so the sum can follow router order.
     let mut slots = vec![0f32; n * k * lat];
     let layout = src.layout().clone();
@@ -157,7 +158,7 @@ pub fn layer(
     stats.read_wait_s += (fetch_s - kernel_s).max(0.0);
     *stats.layer_read_wait_s.entry(layer as u32).or_insert(0.0) += (fetch_s - kernel_s).max(0.0);
     let t_tail = Instant::now();
-    let out = moe::combine(be, c, w, &routes, &slots, xn);
+    let out = moe::combine(be, c, w, &routes, &slots, input);
     let combine_s = t_tail.elapsed().as_secs_f64();
     // z, the weighted sum, the latent norm/up-projection and shared experts count as expert work.
     stats.expert_kernel_s += kernel_s + combine_s + (t_fetch - t_routed).as_secs_f64();

@@ -692,6 +692,54 @@ impl Gpu {
         }
     }
 
+    /// Products of several matrices, each on its own input rows (`outs[j] = rs[j] . xs[j]`): each
+    /// input uploaded, every product in one submission with one readback. Inputs of more rows
+    /// than one dispatch takes go product by product ([`Gpu::matmul`]).
+    pub fn matmul_each(&self, rs: &[&Resident], kind: Kind, xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+        const BATCH: usize = 65_535 * XR;
+        let rows = |r: &Resident, x: &[f32]| x.len() / r.cols.max(1);
+        if rs.iter().zip(xs).any(|(r, x)| x.is_empty() || rows(r, x) > BATCH) {
+            for ((r, x), out) in rs.iter().zip(xs).zip(outs.iter_mut()) {
+                self.matmul(r, kind, x, out);
+            }
+            return;
+        }
+        let inputs: Vec<wgpu::Buffer> =
+            rs.iter().zip(xs).map(|(r, x)| self.staged(&Self::input_bytes(x, r.cols, r.stride))).collect();
+        let bufs: Vec<(wgpu::Buffer, u64)> = rs
+            .iter()
+            .zip(xs)
+            .map(|(r, x)| {
+                let n = rows(r, x) * r.rows;
+                (self.output(n), (n * 4) as u64)
+            })
+            .collect();
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("matmul each"),
+                timestamp_writes: None,
+            });
+            for ((r, x), (xb, (o, _))) in rs.iter().zip(xs).zip(inputs.iter().zip(&bufs)) {
+                self.encode_products(&mut pass, r, kind, xb, 0, o, 0, rows(r, x));
+            }
+        }
+        let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();
+        let all = self.finish_many(enc, &list);
+        let mut at = 0;
+        for ((out, r), x) in outs.iter_mut().zip(rs).zip(xs) {
+            let k = rows(r, x) * r.rows;
+            out[..k].copy_from_slice(&all[at..at + k]);
+            at += k;
+        }
+        for x in inputs {
+            self.give(STAGED, x);
+        }
+        for (b, _) in bufs {
+            self.give(OUTPUT, b);
+        }
+    }
+
     /// Whether the adapter's `fma` rounds once: a case where fused and unfused differ, plus
     /// random triples, against the CPU's `mul_add`.
     pub fn fma_is_fused(&self) -> Result<bool, GpuError> {

@@ -277,6 +277,14 @@ impl Backend for GpuBackend {
         self.profile.time("matmul_bf16_many", || self.matmul_bf16_many_untimed(ws, xs, outs))
     }
 
+    fn matmul_bf16_each(&self, ws: &[&Bf16Mat], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+        self.profile.time("matmul_bf16_each", || {
+            let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
+            let refs: Vec<&Resident> = rs.iter().map(|r| &**r).collect();
+            self.gpu.matmul_each(&refs, Kind::Bf16, xs, outs)
+        })
+    }
+
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
         self.profile.time("matmul_mxfp4", || self.matmul_mxfp4_untimed(w, xds, out))
     }
@@ -362,7 +370,9 @@ impl Backend for GpuBackend {
         visible: Visible,
         out: &mut [f32],
     ) {
-        self.profile.time("mla_attention_with", || self.mla_attention_with_untimed(q, cache, past, kv_b, dims, scale, visible, out))
+        self.profile.time("mla_attention_with", || {
+            self.mla_attention_with_untimed(q, cache, past, kv_b, dims, scale, visible, out)
+        })
     }
 
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
@@ -527,7 +537,14 @@ impl GpuBackend {
         self.ops.attn_res_mix(&self.gpu, sources, score_w, eps, out)
     }
 
-    fn route_top_k_untimed(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
+    fn route_top_k_untimed(
+        &self,
+        logits: &[f32],
+        bias: &[f32],
+        rule: RouteRule,
+        experts: &mut [u32],
+        weights: &mut [f32],
+    ) {
         let fits = !bias.is_empty() && bias.len() <= Limits::EXPERTS && rule.k <= Limits::TOP_K && rule.k <= bias.len();
         if !fits || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
             return self.cpu.route_top_k(logits, bias, rule, experts, weights);
