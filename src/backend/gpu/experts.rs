@@ -120,7 +120,7 @@ impl<'a> GpuExperts<'a> {
     }
 
     /// Submits the queued group as one chain: w1 and w3 of every expert (each into its own
-    /// buffer, no barrier between them), SiTU into w2's input order, w2, one readback.
+    /// buffer, so no product waits for another by data), SiTU into w2's input order, w2, one readback.
     fn flush(&mut self) {
         let group = std::mem::take(&mut self.group);
         if group.is_empty() {
