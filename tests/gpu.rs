@@ -709,3 +709,29 @@ fn products_of_their_own_inputs_in_one_submission_give_each_products_bits() {
         );
     }
 }
+
+#[test]
+fn timed_passes_count_device_time_and_change_no_bit() {
+    let Some(plain) = gpu() else { return };
+    deltafin::backend::gpu::set_timestamps(true);
+    let timed = GpuBackend::new(true);
+    deltafin::backend::gpu::set_timestamps(false);
+    let Ok(timed) = timed else { return };
+    let mut rng = Rng(31);
+    let bytes: Vec<u8> = (0..64 * 512).flat_map(|_| half::bf16::from_f32(rng.f32() - 0.5).to_le_bytes()).collect();
+    let w = Bf16Mat::from_vec(bytes, 64, 512);
+    let xs = Rng(5).vec(512);
+    let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
+    plain.matmul_bf16(&w, &xs, &mut a);
+    timed.matmul_bf16(&w, &xs, &mut b);
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "timed passes changed a product");
+    assert_eq!(plain.device_traffic().device_s, 0.0, "untimed passes report device time");
+    let ops = timed.op_times();
+    let op = ops.iter().find(|o| o.op == "matmul_bf16").expect("the product is in the profile");
+    assert_eq!(op.calls, 1);
+    assert!(op.seconds > 0.0);
+    if timed.describe().contains("timed") {
+        assert!(timed.device_traffic().device_s > 0.0, "a timed pass counted no device time");
+        assert!(op.device_seconds > 0.0 && op.device_seconds <= op.seconds);
+    }
+}

@@ -110,6 +110,9 @@ pub struct DeviceTraffic {
     pub resident_state_bytes: u64,
     /// Seconds the host spent blocked until the device had finished a submission.
     pub wait_s: f64,
+    /// Seconds the device spent in compute passes, from its timestamps (only with
+    /// `DELTAFIN_GPU_TIMESTAMPS=1` on an adapter that has them; else 0).
+    pub device_s: f64,
 }
 
 impl DeviceTraffic {
@@ -121,6 +124,7 @@ impl DeviceTraffic {
             readback_bytes: self.readback_bytes.saturating_sub(earlier.readback_bytes),
             resident_state_bytes: self.resident_state_bytes,
             wait_s: (self.wait_s - earlier.wait_s).max(0.0),
+            device_s: (self.device_s - earlier.device_s).max(0.0),
         }
     }
 }
@@ -132,6 +136,8 @@ pub struct OpTime {
     pub op: &'static str,
     pub calls: u64,
     pub seconds: f64,
+    /// Of which the device ran compute passes (timestamps; 0 unless they are taken).
+    pub device_seconds: f64,
 }
 
 /// Per operation, the calls and seconds of `later` since `earlier` (operations with no new calls
@@ -142,7 +148,12 @@ pub fn op_times_since(later: &[OpTime], earlier: &[OpTime]) -> Vec<OpTime> {
         .filter_map(|l| {
             let e = earlier.iter().find(|e| e.op == l.op);
             let calls = l.calls - e.map_or(0, |e| e.calls);
-            (calls > 0).then(|| OpTime { op: l.op, calls, seconds: l.seconds - e.map_or(0.0, |e| e.seconds) })
+            (calls > 0).then(|| OpTime {
+                op: l.op,
+                calls,
+                seconds: l.seconds - e.map_or(0.0, |e| e.seconds),
+                device_seconds: l.device_seconds - e.map_or(0.0, |e| e.device_seconds),
+            })
         })
         .collect()
 }

@@ -407,7 +407,10 @@ fn one_run(
         let n = steps as f64;
         ops_decode
             .iter()
-            .map(|o| (o.op.to_string(), json!({"calls": o.calls as f64 / n, "s": o.seconds / n})))
+            .map(|o| {
+                let per = json!({"calls": o.calls as f64 / n, "s": o.seconds / n, "device_s": o.device_seconds / n});
+                (o.op.to_string(), per)
+            })
             .collect::<serde_json::Map<_, _>>()
     });
     let layers_moe = opened.cfg.moe_layers() as u64;
@@ -487,6 +490,7 @@ fn one_run(
                         "upload_bytes": traffic_decode.upload_bytes as f64 / n,
                         "readback_bytes": traffic_decode.readback_bytes as f64 / n,
                         "wait_s": traffic_decode.wait_s / n,
+                        "device_s": traffic_decode.device_s / n,
                     })
                 }),
             },

@@ -184,6 +184,9 @@ pub(super) struct Traffic {
     pub resident_state_bytes: std::sync::atomic::AtomicU64,
     /// Nanoseconds blocked in [`map_words`] until the device had finished.
     pub wait_ns: std::sync::atomic::AtomicU64,
+    /// Nanoseconds the device spent in timed compute passes ([`Stamp`], with
+    /// `DELTAFIN_GPU_TIMESTAMPS`), from its own timestamps.
+    pub device_ns: std::sync::atomic::AtomicU64,
 }
 
 impl Traffic {
@@ -205,6 +208,7 @@ impl Traffic {
             readback_bytes: self.readback_bytes.load(Relaxed),
             resident_state_bytes: self.resident_state_bytes.load(Relaxed),
             wait_s: self.wait_ns.load(Relaxed) as f64 * 1e-9,
+            device_s: self.device_ns.load(Relaxed) as f64 * 1e-9,
         }
     }
 }
@@ -212,6 +216,8 @@ impl Traffic {
 static NEXT_GPU_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 pub struct Gpu {
+    /// Nanoseconds per timestamp tick when passes are timed ([`Stamp`]).
+    timestamp_period: Option<f32>,
     pool: Pool,
     pub(super) traffic: std::sync::Arc<Traffic>,
     /// Tells this device's buffers from another's (each `Gpu` gets its own).
@@ -321,7 +327,96 @@ pub(super) fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|f| f.to_le_bytes()).collect()
 }
 
+/// Timestamps around one compute pass (profiling: `DELTAFIN_GPU_TIMESTAMPS=1` on an adapter
+/// with timestamp queries): written at the pass's start and end, resolved and copied to `read`
+/// in the same submission, read once it has run.
+pub(super) struct Stamp {
+    set: wgpu::QuerySet,
+    resolve: wgpu::Buffer,
+    read: wgpu::Buffer,
+}
+
+impl Stamp {
+    /// The pass descriptor's timestamp writes for this stamp (None: not timing).
+    pub fn writes(s: &Option<Stamp>) -> Option<wgpu::ComputePassTimestampWrites<'_>> {
+        s.as_ref().map(|s| wgpu::ComputePassTimestampWrites {
+            query_set: &s.set,
+            beginning_of_pass_write_index: Some(0),
+            end_of_pass_write_index: Some(1),
+        })
+    }
+}
+
+static TIMESTAMPS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Times the passes of GPU backends opened after the call, as `DELTAFIN_GPU_TIMESTAMPS=1` does.
+pub fn set_timestamps(on: bool) {
+    TIMESTAMPS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether passes should be timed on the device: `DELTAFIN_GPU_TIMESTAMPS` set, not empty, not 0,
+/// or [`set_timestamps`] (possible when the adapter has timestamp queries).
+fn timestamps_wanted() -> bool {
+    TIMESTAMPS.load(std::sync::atomic::Ordering::Relaxed)
+        || std::env::var("DELTAFIN_GPU_TIMESTAMPS").is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
 impl Gpu {
+    /// Whether compute passes are timed on the device ([`Stamp`]).
+    pub(super) fn timed(&self) -> bool {
+        self.timestamp_period.is_some()
+    }
+
+    /// A stamp for the next pass, or None when passes are not timed.
+    pub(super) fn stamp(&self) -> Option<Stamp> {
+        self.timestamp_period?;
+        let set = self.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("pass time"),
+            ty: wgpu::QueryType::Timestamp,
+            count: 2,
+        });
+        let resolve = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("pass time resolve"),
+            size: 16,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let read = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("pass time read"),
+            size: 16,
+            usage: READBACK,
+            mapped_at_creation: false,
+        });
+        Some(Stamp { set, resolve, read })
+    }
+
+    /// Encodes the copy of `s`'s timestamps after its pass (before the submission).
+    pub(super) fn stamp_resolve(&self, enc: &mut wgpu::CommandEncoder, s: &Option<Stamp>) {
+        if let Some(s) = s {
+            enc.resolve_query_set(&s.set, 0..2, &s.resolve, 0);
+            enc.copy_buffer_to_buffer(&s.resolve, 0, &s.read, 0, 16);
+        }
+    }
+
+    /// Adds the time between `s`'s timestamps to the device time, once its submission has run.
+    pub(super) fn stamp_read(&self, s: Option<Stamp>) {
+        let (Some(s), Some(period)) = (s, self.timestamp_period) else { return };
+        s.read.map_async(wgpu::MapMode::Read, .., |_| {});
+        if self.device.poll(wgpu::PollType::Wait { submission_index: None, timeout: None }).is_err() {
+            return;
+        }
+        if let Ok(view) = s.read.get_mapped_range(..) {
+            let tick = |i: usize| {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(&view[i * 8..i * 8 + 8]);
+                u64::from_le_bytes(b)
+            };
+            let ns = (tick(1).saturating_sub(tick(0)) as f64 * period as f64) as u64;
+            self.traffic.device_ns.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+        }
+        s.read.unmap();
+    }
+
     pub fn new(allow_cpu: bool) -> Result<Self, GpuError> {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
         desc.backends = wgpu::Backends::VULKAN | wgpu::Backends::METAL;
@@ -343,9 +438,13 @@ impl Gpu {
         };
         let info = adapter.get_info();
         let limits = adapter.limits();
+        let timed = timestamps_wanted() && adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
+        if timestamps_wanted() && !timed {
+            tracing::warn!("DELTAFIN_GPU_TIMESTAMPS: {} has no timestamp queries; passes are not timed", info.name);
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("deltafin"),
-            required_features: wgpu::Features::empty(),
+            required_features: if timed { wgpu::Features::TIMESTAMP_QUERY } else { wgpu::Features::empty() },
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -370,7 +469,9 @@ impl Gpu {
             driver: format!("{} {}", info.driver, info.driver_info).trim().to_string(),
             max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
         };
+        let timestamp_period = timed.then(|| queue.get_timestamp_period());
         Ok(Gpu {
+            timestamp_period,
             pool: Pool::default(),
             traffic: Default::default(),
             id: NEXT_GPU_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -670,15 +771,20 @@ impl Gpu {
             let bufs: Vec<(wgpu::Buffer, u64)> =
                 rs.iter().map(|r| (self.output(nb * r.rows), (nb * r.rows * 4) as u64)).collect();
             let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            let stamp = self.stamp();
             {
-                let mut pass = enc
-                    .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("matmul"), timestamp_writes: None });
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("matmul"),
+                    timestamp_writes: Stamp::writes(&stamp),
+                });
                 for (r, (o, _)) in rs.iter().zip(&bufs) {
                     self.encode_products(&mut pass, r, kind, &x, 0, o, 0, nb);
                 }
             }
+            self.stamp_resolve(&mut enc, &stamp);
             let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();
             let all = self.finish_many(enc, &list);
+            self.stamp_read(stamp);
             let mut at = 0;
             for (out, r) in outs.iter_mut().zip(rs) {
                 let k = nb * r.rows;
@@ -715,17 +821,20 @@ impl Gpu {
             })
             .collect();
         let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        let stamp = self.stamp();
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some("matmul each"),
-                timestamp_writes: None,
+                timestamp_writes: Stamp::writes(&stamp),
             });
             for ((r, x), (xb, (o, _))) in rs.iter().zip(xs).zip(inputs.iter().zip(&bufs)) {
                 self.encode_products(&mut pass, r, kind, xb, 0, o, 0, rows(r, x));
             }
         }
+        self.stamp_resolve(&mut enc, &stamp);
         let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();
         let all = self.finish_many(enc, &list);
+        self.stamp_read(stamp);
         let mut at = 0;
         for ((out, r), x) in outs.iter_mut().zip(rs).zip(xs) {
             let k = rows(r, x) * r.rows;

@@ -13,7 +13,7 @@
 //! Device memory besides the cache: at most two groups' staging images ([`staging_bytes`]).
 
 use super::GpuBackend;
-use super::device::{Chunk, Gpu, Kind, OUTPUT, READBACK, Resident, STAGED, f32_bytes};
+use super::device::{Chunk, Gpu, Kind, OUTPUT, READBACK, Resident, STAGED, Stamp, f32_bytes};
 use crate::backend::ExpertBatch;
 use crate::cpu::ops::Situ;
 use crate::model::roster::ExpertLayout;
@@ -69,6 +69,7 @@ struct InFlight {
     parts: Vec<(usize, usize)>,
     images: Vec<Image>,
     temps: Vec<(wgpu::BufferUsages, wgpu::Buffer)>,
+    stamp: Option<Stamp>,
 }
 
 pub(super) struct GpuExperts<'a> {
@@ -141,9 +142,12 @@ impl<'a> GpuExperts<'a> {
             .map(|&m| [g.output(m * inter), g.output(m * inter), g.output(m * inter), g.output(m * lat)])
             .collect();
         let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("experts") });
+        let stamp = g.stamp();
         {
-            let mut pass =
-                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("experts"), timestamp_writes: None });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("experts"),
+                timestamp_writes: Stamp::writes(&stamp),
+            });
             for ((q, &off), (&m, [gate, up, _, _])) in group.iter().zip(&x_off).zip(rows.iter().zip(&bufs)) {
                 g.encode_products(&mut pass, &self.mat(q.image.buf(), 0), Kind::Mxfp4, &x, off, gate, 0, m);
                 g.encode_products(&mut pass, &self.mat(q.image.buf(), 1), Kind::Mxfp4, &x, off, up, 0, m);
@@ -166,13 +170,14 @@ impl<'a> GpuExperts<'a> {
             }
             at += n;
         }
+        g.stamp_resolve(&mut enc, &stamp);
         g.traffic.submitted((total * 4) as u64);
         let submission = g.queue.submit([enc.finish()]);
         let parts = group.iter().zip(&rows).map(|(q, &m)| (q.index, m * lat)).collect();
         let mut temps: Vec<(wgpu::BufferUsages, wgpu::Buffer)> = vec![(STAGED, x)];
         temps.extend(bufs.into_iter().flatten().map(|b| (OUTPUT, b)));
         let images = group.into_iter().map(|q| q.image).collect();
-        self.flying.push_back(InFlight { submission, read, parts, images, temps });
+        self.flying.push_back(InFlight { submission, read, parts, images, temps, stamp });
         // Keep one group running while the next is filled; older ones are read back now.
         while self.flying.len() > 1 {
             self.land_oldest();
@@ -185,6 +190,7 @@ impl<'a> GpuExperts<'a> {
         let g = &self.be.gpu;
         let total = f.parts.iter().map(|&(_, n)| n).sum();
         let words = g.read_back(f.read, total, Some(f.submission));
+        g.stamp_read(f.stamp);
         let mut at = 0;
         for &(index, n) in &f.parts {
             self.outs[index] = words[at..at + n].iter().map(|&w| f32::from_bits(w)).collect();
@@ -219,24 +225,23 @@ impl ExpertBatch for GpuExperts<'_> {
     }
 
     fn add_held(&mut self, expert: u32, zd: &[f32]) {
-        let t = std::time::Instant::now();
-        self.add_held_untimed(expert, zd);
-        self.be.profile.add("experts_add_held", t.elapsed().as_secs_f64());
+        let be = self.be;
+        be.profile.time("experts_add_held", &be.gpu.traffic, || self.add_held_untimed(expert, zd));
     }
 
     fn add(&mut self, expert: u32, bytes: &[u8], zd: &[f32]) {
-        let t = std::time::Instant::now();
-        self.add_untimed(expert, bytes, zd);
-        self.be.profile.add("experts_add", t.elapsed().as_secs_f64());
+        let be = self.be;
+        be.profile.time("experts_add", &be.gpu.traffic, || self.add_untimed(expert, bytes, zd));
     }
 
     fn finish(mut self: Box<Self>) -> Vec<Vec<f32>> {
-        let t = std::time::Instant::now();
-        self.flush();
-        while !self.flying.is_empty() {
-            self.land_oldest();
-        }
-        self.be.profile.add("experts_finish", t.elapsed().as_secs_f64());
+        let be = self.be;
+        be.profile.time("experts_finish", &be.gpu.traffic, || {
+            self.flush();
+            while !self.flying.is_empty() {
+                self.land_oldest();
+            }
+        });
         std::mem::take(&mut self.outs)
     }
 }

@@ -28,7 +28,7 @@ mod state;
 
 pub use bench::VariantTiming;
 
-pub use device::{AdapterSummary, GpuError};
+pub use device::{AdapterSummary, GpuError, set_timestamps};
 use ops::{Dst, Limits, Ops, Src};
 use state::{DeviceState, LatentMirror};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -234,11 +234,12 @@ impl Backend for GpuBackend {
         let seq_part =
             if per_seq.is_empty() { String::new() } else { format!("; per sequence {}", per_seq.join(" + ")) };
         format!(
-            "gpu {} ({:?}, {}, fma {}, device memory: trunk {}{cache_part}{staging_part} = {}{seq_part}) + {}",
+            "gpu {} ({:?}, {}, fma {}{}, device memory: trunk {}{cache_part}{staging_part} = {}{seq_part}) + {}",
             a.name,
             a.device_type,
             a.backend,
             if self.fused { "fused" } else { "not fused" },
+            if self.gpu.timed() { ", passes timed" } else { "" },
             hb(trunk),
             hb(trunk + cache + staging),
             self.cpu.describe()
@@ -270,15 +271,15 @@ impl Backend for GpuBackend {
     }
 
     fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) {
-        self.profile.time("matmul_bf16", || self.matmul_bf16_untimed(w, xs, out))
+        self.profile.time("matmul_bf16", &self.gpu.traffic, || self.matmul_bf16_untimed(w, xs, out))
     }
 
     fn matmul_bf16_many(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) {
-        self.profile.time("matmul_bf16_many", || self.matmul_bf16_many_untimed(ws, xs, outs))
+        self.profile.time("matmul_bf16_many", &self.gpu.traffic, || self.matmul_bf16_many_untimed(ws, xs, outs))
     }
 
     fn matmul_bf16_each(&self, ws: &[&Bf16Mat], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
-        self.profile.time("matmul_bf16_each", || {
+        self.profile.time("matmul_bf16_each", &self.gpu.traffic, || {
             let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
             let refs: Vec<&Resident> = rs.iter().map(|r| &**r).collect();
             self.gpu.matmul_each(&refs, Kind::Bf16, xs, outs)
@@ -286,7 +287,7 @@ impl Backend for GpuBackend {
     }
 
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
-        self.profile.time("matmul_mxfp4", || self.matmul_mxfp4_untimed(w, xds, out))
+        self.profile.time("matmul_mxfp4", &self.gpu.traffic, || self.matmul_mxfp4_untimed(w, xds, out))
     }
 
     fn expert_batch<'a>(&'a self, layer: usize, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
@@ -335,11 +336,11 @@ impl Backend for GpuBackend {
     }
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {
-        self.profile.time("rms_norm_rows", || self.rms_norm_rows_untimed(x, w, eps))
+        self.profile.time("rms_norm_rows", &self.gpu.traffic, || self.rms_norm_rows_untimed(x, w, eps))
     }
 
     fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        self.profile.time("situ", || self.situ_untimed(situ, gate, up, out))
+        self.profile.time("situ", &self.gpu.traffic, || self.situ_untimed(situ, gate, up, out))
     }
 
     fn kda_update(
@@ -352,11 +353,12 @@ impl Backend for GpuBackend {
         o: &mut [f32],
         chunked: bool,
     ) {
-        self.profile.time("kda_update", || self.kda_update_untimed(s_in, s_out, heads, dk, dv, o, chunked))
+        self.profile
+            .time("kda_update", &self.gpu.traffic, || self.kda_update_untimed(s_in, s_out, heads, dk, dv, o, chunked))
     }
 
     fn kda_replay(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize) {
-        self.profile.time("kda_replay", || self.kda_replay_untimed(s, heads, dk, dv))
+        self.profile.time("kda_replay", &self.gpu.traffic, || self.kda_replay_untimed(s, heads, dk, dv))
     }
 
     fn mla_attention_with(
@@ -370,21 +372,22 @@ impl Backend for GpuBackend {
         visible: Visible,
         out: &mut [f32],
     ) {
-        self.profile.time("mla_attention_with", || {
+        self.profile.time("mla_attention_with", &self.gpu.traffic, || {
             self.mla_attention_with_untimed(q, cache, past, kv_b, dims, scale, visible, out)
         })
     }
 
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
-        self.profile.time("attn_res_mix", || self.attn_res_mix_untimed(sources, score_w, eps, out))
+        self.profile.time("attn_res_mix", &self.gpu.traffic, || self.attn_res_mix_untimed(sources, score_w, eps, out))
     }
 
     fn route_top_k(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
-        self.profile.time("route_top_k", || self.route_top_k_untimed(logits, bias, rule, experts, weights))
+        self.profile
+            .time("route_top_k", &self.gpu.traffic, || self.route_top_k_untimed(logits, bias, rule, experts, weights))
     }
 
     fn argmax(&self, logits: &[f32]) -> u32 {
-        self.profile.time("argmax", || self.argmax_untimed(logits))
+        self.profile.time("argmax", &self.gpu.traffic, || self.argmax_untimed(logits))
     }
 }
 

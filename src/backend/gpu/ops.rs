@@ -12,7 +12,7 @@
 //! The callers in `gpu/mod.rs` decide by size which calls come here and check the kernels' limits
 //! (see [`Limits`]).
 
-use super::device::{ComputeLayout, Gpu, shader};
+use super::device::{ComputeLayout, Gpu, Stamp, shader};
 
 const DETMATH: &str = include_str!("../../../kernels/detmath.wgsl");
 const OPS_COMMON: &str = include_str!("../../../kernels/ops_common.wgsl");
@@ -146,13 +146,17 @@ impl Ops {
             .collect();
         let bg = self.bind_all(gpu, [bufs[0], bufs[1], bufs[2], o[0], o[1]], params);
         let mut enc = gpu.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        let stamp = gpu.stamp();
         {
-            let mut pass =
-                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("op"), timestamp_writes: None });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("op"),
+                timestamp_writes: Stamp::writes(&stamp),
+            });
             pass.set_pipeline(pipe);
             pass.set_bind_group(0, &bg, &[]);
             pass.dispatch_workgroups(groups.0, groups.1, 1);
         }
+        gpu.stamp_resolve(&mut enc, &stamp);
         let want: Vec<(&wgpu::Buffer, usize)> = o
             .iter()
             .zip(&outs)
@@ -162,6 +166,7 @@ impl Ops {
             })
             .collect();
         let mut got = gpu.finish_words(enc, &want).into_iter();
+        gpu.stamp_read(stamp);
         let res = outs.map(|d| match d {
             Dst::Read(w) if w > 0 => got.next().unwrap_or_default(),
             _ => Vec::new(),

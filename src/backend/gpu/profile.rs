@@ -1,30 +1,36 @@
-//! Wall time of each backend operation on the GPU backend, and time blocked waiting for the
-//! device: what `bench run` reports per decode token, so that time spent outside the kernels
-//! (uploads, submissions, readbacks, the CPU's share) shows per operation.
+//! Wall time of each backend operation on the GPU backend, and the device's own time in it when
+//! passes are timed (`DELTAFIN_GPU_TIMESTAMPS`): what `bench run` reports per decode token, so
+//! that time spent outside the kernels (uploads, submissions, readbacks, idle gaps, the CPU's
+//! share) shows per operation.
 //!
-//! Contract: every timed call adds one call and its elapsed seconds under its operation's name,
-//! whatever path it took (GPU kernel or CPU fallback); the numbers only grow.
+//! Contract: every timed call adds one call, its elapsed seconds and the device seconds counted
+//! meanwhile under its operation's name, whatever path it took (GPU kernel or CPU fallback); the
+//! numbers only grow. Device time goes to the operation during which its submission was read
+//! (a group of experts lands in a later call of the batch).
 
+use super::device::Traffic;
 use crate::backend::OpTime;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 #[derive(Default)]
 pub(super) struct Profile {
-    ops: Mutex<BTreeMap<&'static str, (u64, f64)>>,
+    ops: Mutex<BTreeMap<&'static str, (u64, f64, f64)>>,
 }
 
 impl Profile {
-    /// Runs `f`, counted under `op`.
-    pub fn time<T>(&self, op: &'static str, f: impl FnOnce() -> T) -> T {
-        let t = Instant::now();
+    /// Runs `f`, counted under `op` (with the device time `traffic` gains meanwhile).
+    pub fn time<T>(&self, op: &'static str, traffic: &Traffic, f: impl FnOnce() -> T) -> T {
+        let (t, dev) = (Instant::now(), traffic.device_ns.load(Relaxed));
         let v = f();
-        self.add(op, t.elapsed().as_secs_f64());
+        let dev_s = traffic.device_ns.load(Relaxed).saturating_sub(dev) as f64 * 1e-9;
+        self.add(op, t.elapsed().as_secs_f64(), dev_s);
         v
     }
 
-    pub fn add(&self, op: &'static str, seconds: f64) {
+    pub fn add(&self, op: &'static str, seconds: f64, device_seconds: f64) {
         let mut m = match self.ops.lock() {
             Ok(m) => m,
             Err(p) => p.into_inner(),
@@ -32,6 +38,7 @@ impl Profile {
         let e = m.entry(op).or_default();
         e.0 += 1;
         e.1 += seconds;
+        e.2 += device_seconds;
     }
 
     pub fn snapshot(&self) -> Vec<OpTime> {
@@ -39,6 +46,6 @@ impl Profile {
             Ok(m) => m,
             Err(p) => p.into_inner(),
         };
-        m.iter().map(|(&op, &(calls, seconds))| OpTime { op, calls, seconds }).collect()
+        m.iter().map(|(&op, &(calls, seconds, device_seconds))| OpTime { op, calls, seconds, device_seconds }).collect()
     }
 }
