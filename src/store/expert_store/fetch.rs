@@ -175,7 +175,7 @@ impl ExpertSource for ExpertStore {
                     // many as slots allow now and more as this layer's experts are released.
                     ahead_armed = ahead_armed || !wants.iter().any(|(_, w)| matches!(w, Want::Deferred));
                     if let Some((nl, next)) = then.filter(|_| ahead_armed) {
-                        ahead_at = read_ahead(sh, st_ref, nl, next, ahead_at);
+                        ahead_at = read_ahead(sh, st_ref, layer, nl, next, ahead_at);
                     }
                     if !ready.is_empty() || remaining == 0 {
                         break;
@@ -209,7 +209,7 @@ impl ExpertSource for ExpertStore {
         }
         // Every expert of this layer has been released by now: read ahead into what it frees.
         if let Some((nl, next)) = then.filter(|_| error.is_none() && !stopped) {
-            read_ahead(sh, &mut lock(sh), nl, next, ahead_at);
+            read_ahead(sh, &mut lock(sh), layer, nl, next, ahead_at);
         }
         match error {
             Some(e) => Err(e),

@@ -212,8 +212,9 @@ struct State {
     prefetch_used: u64,
     /// Prefetch reads queued or in flight (capped).
     prefetch_outstanding: usize,
-    /// Slots read ahead and not yet demanded (see `read_ahead`).
-    sure_slots: Vec<usize>,
+    /// Slots read ahead and not yet demanded, each with the layer whose fetch read it ahead (see
+    /// `read_ahead`).
+    sure_slots: Vec<(usize, u32)>,
     shutdown: bool,
     /// (file, offset, length) of reads issued, when recording.
     read_log: Option<Vec<(u32, u64, u64)>>,
@@ -578,13 +579,13 @@ impl Drop for ExpertStore {
 /// one), at most half of the cache, and ranks above every demanded expert until `layer` is
 /// fetched ([`demote_read_ahead`]). Counted as prefetches (`prefetch_issued` / `prefetch_used`).
 /// Returns where to resume when slots free up (the experts before it are started or skipped).
-fn read_ahead(sh: &Shared, st: &mut State, layer: usize, experts: &[u32], from: usize) -> usize {
+fn read_ahead(sh: &Shared, st: &mut State, from_layer: usize, layer: usize, experts: &[u32], from: usize) -> usize {
     if from >= experts.len() {
         return from;
     }
     // Only reads still ahead count against the cap (a demanded one is no longer ahead).
     let slots = std::mem::take(&mut st.sure_slots);
-    st.sure_slots = slots.into_iter().filter(|&s| still_ahead(&st.slots[s])).collect();
+    st.sure_slots = slots.into_iter().filter(|&(s, _)| still_ahead(&st.slots[s])).collect();
     let cap = (sh.cache_slots / 2).saturating_sub(st.sure_slots.len());
     let mut started = 0;
     for (i, &e) in experts.iter().enumerate().skip(from) {
@@ -614,7 +615,7 @@ fn read_ahead(sh: &Shared, st: &mut State, layer: usize, experts: &[u32], from: 
         {
             q.sure = true;
         }
-        st.sure_slots.push(slot);
+        st.sure_slots.push((slot, from_layer as u32));
         st.prefetch_issued += 1;
         started += 1;
     }
@@ -626,13 +627,15 @@ fn still_ahead(slot: &Slot) -> bool {
     matches!(slot, Slot::Ready { sure: true, .. } | Slot::Loading)
 }
 
-/// Slots read ahead for other layers than `layer` lose their place above demanded experts (the
-/// batch they were read for has moved past them); called when `layer` is fetched.
+/// Slots read ahead lose their place above demanded experts once a fetch of a layer other than
+/// the one they were read for, or the one whose fetch read them ahead, comes (the batch has moved
+/// past them; fetching the reading layer again, more of its experts, leaves them ahead, whether
+/// or not their reads have landed yet); called when `layer` is fetched.
 fn demote_read_ahead(st: &mut State, layer: usize) {
     let slots = std::mem::take(&mut st.sure_slots);
-    for slot in slots {
+    for (slot, from_layer) in slots {
         match st.slots[slot] {
-            Slot::Ready { sure: true, key, pins, .. } if key.0 != layer as u32 => {
+            Slot::Ready { sure: true, key, pins, .. } if key.0 != layer as u32 && from_layer != layer as u32 => {
                 if let Slot::Ready { sure, .. } = &mut st.slots[slot] {
                     *sure = false;
                 }
@@ -641,7 +644,7 @@ fn demote_read_ahead(st: &mut State, layer: usize) {
                     st.lru.rerank(slot, r);
                 }
             }
-            s if still_ahead(&s) => st.sure_slots.push(slot),
+            s if still_ahead(&s) => st.sure_slots.push((slot, from_layer)),
             _ => {}
         }
     }
