@@ -14,21 +14,29 @@
 // dk is at most `Limits::KDA_DK` = 128 (larger calls stay on the CPU).
 const KDA_DK: u32 = 128u;
 var<workgroup> col: array<f32, 8192>;
+// Token t's row, shared by the workgroup's 64 columns: exp(g_ti) (each element computed once, by
+// one thread, instead of by every column), k_ti and q_ti.
+var<workgroup> decay: array<f32, 128>;
+var<workgroup> krow: array<f32, 128>;
+var<workgroup> qrow: array<f32, 128>;
 
 // params (heads, n, dk, dv, with_output). out = the state after the last row [heads, dk, dv];
-// out2 = o [heads, n, dv] when with_output.
+// out2 = o [heads, n, dv] when with_output. One workgroup: 64 columns of one head (y).
 @compute @workgroup_size(64)
-fn kda_recurrent(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+fn kda_recurrent(
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(workgroup_id) wg: vec3<u32>,
+) {
     let heads = pu(0u);
     let n = pu(1u);
     let dk = min(pu(2u), KDA_DK);
     let dv = pu(3u);
     let with_o = pu(4u) != 0u;
-    let j = gid.x;
-    let h = gid.y;
-    if (j >= dv || h >= heads) {
-        return;
-    }
+    let c = lid.x;
+    let j = wg.x * 64u + c;
+    let h = wg.y;
+    // The dispatch covers heads exactly; columns past dv idle but join the barriers.
+    let live = j < dv && h < heads;
     // a holds [q (only with outputs), k, g] planes of [heads, n, dk].
     let plane = heads * n * dk;
     let planes_before_k = select(0u, 1u, with_o);
@@ -38,31 +46,49 @@ fn kda_recurrent(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_i
     let vb = h * n * dv;
     let betab = heads * n * dv + h * n;
     let sb = h * dk * dv;
-    let c = lid.x;
-    for (var i = 0u; i < dk; i = i + 1u) {
-        col[i * 64u + c] = b[sb + i * dv + j];
+    if (live) {
+        for (var i = 0u; i < dk; i = i + 1u) {
+            col[i * 64u + c] = b[sb + i * dv + j];
+        }
     }
     for (var t = 0u; t < n; t = t + 1u) {
-        var u = 0.0;
-        for (var i = 0u; i < dk; i = i + 1u) {
-            let e = dm_exp(a[gb + t * dk + i]);
-            let s = col[i * 64u + c] * e;
-            col[i * 64u + c] = s;
-            u = fma(a[kb + t * dk + i], s, u);
+        // The previous token's readers are done with the row before it is replaced.
+        workgroupBarrier();
+        if (h < heads) {
+            for (var i = c; i < dk; i = i + 64u) {
+                decay[i] = dm_exp(a[gb + t * dk + i]);
+                krow[i] = a[kb + t * dk + i];
+                if (with_o) {
+                    qrow[i] = a[qb + t * dk + i];
+                }
+            }
         }
-        let beta = bitcast<f32>(wq[betab + t]);
-        u = beta * (bitcast<f32>(wq[vb + t * dv + j]) - u);
-        var o = 0.0;
-        for (var i = 0u; i < dk; i = i + 1u) {
-            let s = fma(a[kb + t * dk + i], u, col[i * 64u + c]);
-            col[i * 64u + c] = s;
-            o = fma(a[qb + t * dk + i], s, o);
-        }
-        if (with_o) {
-            out2[(h * n + t) * dv + j] = o;
+        workgroupBarrier();
+        if (live) {
+            var u = 0.0;
+            for (var i = 0u; i < dk; i = i + 1u) {
+                let s = col[i * 64u + c] * decay[i];
+                col[i * 64u + c] = s;
+                u = fma(krow[i], s, u);
+            }
+            let beta = bitcast<f32>(wq[betab + t]);
+            u = beta * (bitcast<f32>(wq[vb + t * dv + j]) - u);
+            var o = 0.0;
+            for (var i = 0u; i < dk; i = i + 1u) {
+                let s = fma(krow[i], u, col[i * 64u + c]);
+                col[i * 64u + c] = s;
+                if (with_o) {
+                    o = fma(qrow[i], s, o);
+                }
+            }
+            if (with_o) {
+                out2[(h * n + t) * dv + j] = o;
+            }
         }
     }
-    for (var i = 0u; i < dk; i = i + 1u) {
-        out[sb + i * dv + j] = col[i * 64u + c];
+    if (live) {
+        for (var i = 0u; i < dk; i = i + 1u) {
+            out[sb + i * dv + j] = col[i * 64u + c];
+        }
     }
 }
