@@ -398,11 +398,12 @@ impl Gpu {
         }
     }
 
-    /// Adds the time between `s`'s timestamps to the device time, once its submission has run.
-    pub(super) fn stamp_read(&self, s: Option<Stamp>) {
+    /// Adds the time between `s`'s timestamps to the device time, once `submission` (None: the
+    /// latest), which carried them, has run.
+    pub(super) fn stamp_read(&self, s: Option<Stamp>, submission: Option<wgpu::SubmissionIndex>) {
         let (Some(s), Some(period)) = (s, self.timestamp_period) else { return };
         s.read.map_async(wgpu::MapMode::Read, .., |_| {});
-        if self.device.poll(wgpu::PollType::Wait { submission_index: None, timeout: None }).is_err() {
+        if self.device.poll(wgpu::PollType::Wait { submission_index: submission, timeout: None }).is_err() {
             return;
         }
         if let Ok(view) = s.read.get_mapped_range(..) {
@@ -784,7 +785,7 @@ impl Gpu {
             self.stamp_resolve(&mut enc, &stamp);
             let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();
             let all = self.finish_many(enc, &list);
-            self.stamp_read(stamp);
+            self.stamp_read(stamp, None);
             let mut at = 0;
             for (out, r) in outs.iter_mut().zip(rs) {
                 let k = nb * r.rows;
@@ -834,7 +835,7 @@ impl Gpu {
         self.stamp_resolve(&mut enc, &stamp);
         let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();
         let all = self.finish_many(enc, &list);
-        self.stamp_read(stamp);
+        self.stamp_read(stamp, None);
         let mut at = 0;
         for ((out, r), x) in outs.iter_mut().zip(rs).zip(xs) {
             let k = rows(r, x) * r.rows;

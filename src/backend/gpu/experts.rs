@@ -189,8 +189,9 @@ impl<'a> GpuExperts<'a> {
         let Some(f) = self.flying.pop_front() else { return };
         let g = &self.be.gpu;
         let total = f.parts.iter().map(|&(_, n)| n).sum();
-        let words = g.read_back(f.read, total, Some(f.submission));
-        g.stamp_read(f.stamp);
+        let words = g.read_back(f.read, total, Some(f.submission.clone()));
+        // Only this group's submission: the next group may still be running.
+        g.stamp_read(f.stamp, Some(f.submission));
         let mut at = 0;
         for &(index, n) in &f.parts {
             self.outs[index] = words[at..at + n].iter().map(|&w| f32::from_bits(w)).collect();

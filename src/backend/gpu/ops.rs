@@ -166,7 +166,7 @@ impl Ops {
             })
             .collect();
         let mut got = gpu.finish_words(enc, &want).into_iter();
-        gpu.stamp_read(stamp);
+        gpu.stamp_read(stamp, None);
         let res = outs.map(|d| match d {
             Dst::Read(w) if w > 0 => got.next().unwrap_or_default(),
             _ => Vec::new(),
