@@ -147,7 +147,7 @@ pub fn op_times_since(later: &[OpTime], earlier: &[OpTime]) -> Vec<OpTime> {
         .iter()
         .filter_map(|l| {
             let e = earlier.iter().find(|e| e.op == l.op);
-            let calls = l.calls - e.map_or(0, |e| e.calls);
+            let calls = l.calls.saturating_sub(e.map_or(0, |e| e.calls));
             (calls > 0).then(|| OpTime {
                 op: l.op,
                 calls,
@@ -225,13 +225,13 @@ pub trait Backend: Send + Sync {
     /// may keep in its memory (shown in its description); the CPU ignores it.
     fn plan_sequence_state(&self, _state: SequenceState) {}
 
-    /// The device traffic so far (submissions, bytes uploaded, bytes read back); zero for the CPU.
     /// Calls and wall time per operation since the backend opened (a device backend's profile;
     /// the CPU backend keeps none).
     fn op_times(&self) -> Vec<OpTime> {
         Vec::new()
     }
 
+    /// The device traffic so far (submissions, bytes uploaded, bytes read back); zero for the CPU.
     fn device_traffic(&self) -> DeviceTraffic {
         DeviceTraffic::default()
     }

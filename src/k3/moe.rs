@@ -204,7 +204,8 @@ pub fn combine(
                 *o += v;
             }
         }
-        _ => be.matmul_bf16(&w.up_proj, &routed, &mut out),
+        (None, _) => be.matmul_bf16(&w.up_proj, &routed, &mut out),
+        (Some(_), None) => unreachable!("the shared experts' gate and up come with the expert input"),
     }
     out
 }

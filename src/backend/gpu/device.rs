@@ -312,10 +312,13 @@ pub(super) fn map_words(
     let ns = waited.elapsed().as_nanos().min(u64::MAX as u128) as u64;
     traffic.wait_ns.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
     let v = match read.get_mapped_range(..) {
-        Ok(view) => view.chunks_exact(4).take(floats).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        Ok(view) => {
+            view.chunks_exact(4).take(floats).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<_>>()
+        }
         Err(e) => {
+            // Not mapped: nothing to unmap either (unmapping would be one more error).
             tracing::error!("GPU readback failed: {e}");
-            vec![f32::NAN.to_bits(); floats]
+            return vec![f32::NAN.to_bits(); floats];
         }
     };
     read.unmap();
@@ -406,16 +409,21 @@ impl Gpu {
         if self.device.poll(wgpu::PollType::Wait { submission_index: submission, timeout: None }).is_err() {
             return;
         }
-        if let Ok(view) = s.read.get_mapped_range(..) {
-            let tick = |i: usize| {
-                let mut b = [0u8; 8];
-                b.copy_from_slice(&view[i * 8..i * 8 + 8]);
-                u64::from_le_bytes(b)
-            };
-            let ns = (tick(1).saturating_sub(tick(0)) as f64 * period as f64) as u64;
-            self.traffic.device_ns.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
-        }
+        let ticks = match s.read.get_mapped_range(..) {
+            Ok(view) => {
+                let tick = |i: usize| {
+                    let mut b = [0u8; 8];
+                    b.copy_from_slice(&view[i * 8..i * 8 + 8]);
+                    u64::from_le_bytes(b)
+                };
+                tick(1).saturating_sub(tick(0))
+            }
+            // Not mapped (the map failed): no time, and nothing to unmap.
+            Err(_) => return,
+        };
         s.read.unmap();
+        let ns = (ticks as f64 * period as f64) as u64;
+        self.traffic.device_ns.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn new(allow_cpu: bool) -> Result<Self, GpuError> {
@@ -803,19 +811,36 @@ impl Gpu {
     /// input uploaded, every product in one submission with one readback. Inputs of more rows
     /// than one dispatch takes go product by product ([`Gpu::matmul`]).
     pub fn matmul_each(&self, rs: &[&Resident], kind: Kind, xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+        debug_assert!(rs.len() == xs.len() && rs.len() == outs.len(), "one input and one output per matrix");
         const BATCH: usize = 65_535 * XR;
         let rows = |r: &Resident, x: &[f32]| x.len() / r.cols.max(1);
-        if rs.iter().zip(xs).any(|(r, x)| x.is_empty() || rows(r, x) > BATCH) {
-            for ((r, x), out) in rs.iter().zip(xs).zip(outs.iter_mut()) {
+        // Products of no rows have nothing to do.
+        let (rs, xs, mut outs): (Vec<&Resident>, Vec<&[f32]>, Vec<&mut [f32]>) = rs
+            .iter()
+            .zip(xs)
+            .zip(outs.iter_mut())
+            .filter(|((r, x), _)| rows(r, x) > 0)
+            .map(|((r, x), o)| (*r, *x, &mut **o))
+            .fold((Vec::new(), Vec::new(), Vec::new()), |(mut a, mut b, mut c), (r, x, o)| {
+                a.push(r);
+                b.push(x);
+                c.push(o);
+                (a, b, c)
+            });
+        if rs.is_empty() {
+            return;
+        }
+        if rs.iter().zip(&xs).any(|(r, x)| rows(r, x) > BATCH) {
+            for ((r, x), out) in rs.iter().zip(&xs).zip(outs.iter_mut()) {
                 self.matmul(r, kind, x, out);
             }
             return;
         }
         let inputs: Vec<wgpu::Buffer> =
-            rs.iter().zip(xs).map(|(r, x)| self.staged(&Self::input_bytes(x, r.cols, r.stride))).collect();
+            rs.iter().zip(&xs).map(|(r, x)| self.staged(&Self::input_bytes(x, r.cols, r.stride))).collect();
         let bufs: Vec<(wgpu::Buffer, u64)> = rs
             .iter()
-            .zip(xs)
+            .zip(&xs)
             .map(|(r, x)| {
                 let n = rows(r, x) * r.rows;
                 (self.output(n), (n * 4) as u64)
@@ -828,7 +853,7 @@ impl Gpu {
                 label: Some("matmul each"),
                 timestamp_writes: Stamp::writes(&stamp),
             });
-            for ((r, x), (xb, (o, _))) in rs.iter().zip(xs).zip(inputs.iter().zip(&bufs)) {
+            for ((r, x), (xb, (o, _))) in rs.iter().zip(&xs).zip(inputs.iter().zip(&bufs)) {
                 self.encode_products(&mut pass, r, kind, xb, 0, o, 0, rows(r, x));
             }
         }
@@ -837,7 +862,7 @@ impl Gpu {
         let all = self.finish_many(enc, &list);
         self.stamp_read(stamp, None);
         let mut at = 0;
-        for ((out, r), x) in outs.iter_mut().zip(rs).zip(xs) {
+        for ((out, r), x) in outs.iter_mut().zip(&rs).zip(&xs) {
             let k = rows(r, x) * r.rows;
             out[..k].copy_from_slice(&all[at..at + k]);
             at += k;

@@ -353,7 +353,8 @@ impl Ops {
             [Src::F32(&a), s_in, Src::F32(&vb)],
             [s_out, if with_o { Dst::Read(nh * n * dv) } else { Dst::Scratch(0) }],
             p,
-            (dv.div_ceil(64) as u32, nh as u32),
+            // 32 columns per workgroup (`kda.wgsl`).
+            (dv.div_ceil(32) as u32, nh as u32),
         );
         (s, o)
     }

@@ -212,9 +212,8 @@ struct State {
     prefetch_used: u64,
     /// Prefetch reads queued or in flight (capped).
     prefetch_outstanding: usize,
-    /// Slots read ahead and not yet demanded, each with the layer whose fetch read it ahead (see
-    /// `read_ahead`).
-    sure_slots: Vec<(usize, u32)>,
+    /// Slots read ahead and not yet demanded (see `read_ahead`).
+    sure_slots: Vec<SureSlot>,
     shutdown: bool,
     /// (file, offset, length) of reads issued, when recording.
     read_log: Option<Vec<(u32, u64, u64)>>,
@@ -585,7 +584,7 @@ fn read_ahead(sh: &Shared, st: &mut State, from_layer: usize, layer: usize, expe
     }
     // Only reads still ahead count against the cap (a demanded one is no longer ahead).
     let slots = std::mem::take(&mut st.sure_slots);
-    st.sure_slots = slots.into_iter().filter(|&(s, _)| still_ahead(&st.slots[s])).collect();
+    st.sure_slots = slots.into_iter().filter(|s| still_ahead(&st.slots[s.slot])).collect();
     let cap = (sh.cache_slots / 2).saturating_sub(st.sure_slots.len());
     let mut started = 0;
     for (i, &e) in experts.iter().enumerate().skip(from) {
@@ -615,11 +614,20 @@ fn read_ahead(sh: &Shared, st: &mut State, from_layer: usize, layer: usize, expe
         {
             q.sure = true;
         }
-        st.sure_slots.push((slot, from_layer as u32));
+        st.sure_slots.push(SureSlot { slot, target: layer as u32, reader: Some(from_layer as u32) });
         st.prefetch_issued += 1;
         started += 1;
     }
     experts.len()
+}
+
+/// A slot read ahead: for layer `target`, by a fetch of layer `reader` (None once `target` has
+/// been fetched).
+#[derive(Clone, Copy)]
+struct SureSlot {
+    slot: usize,
+    target: u32,
+    reader: Option<u32>,
 }
 
 /// Whether a slot listed in `sure_slots` may still hold (or be reading) an expert read ahead.
@@ -628,14 +636,24 @@ fn still_ahead(slot: &Slot) -> bool {
 }
 
 /// Slots read ahead lose their place above demanded experts once a fetch of a layer other than
-/// the one they were read for, or the one whose fetch read them ahead, comes (the batch has moved
-/// past them; fetching the reading layer again, more of its experts, leaves them ahead, whether
-/// or not their reads have landed yet); called when `layer` is fetched.
+/// the one they were read for comes (the batch has moved past them), except a fetch of the layer
+/// that read them ahead before their own layer's (more of the reading layer's experts: they stay
+/// ahead, whether or not their reads have landed yet); called when `layer` is fetched.
 fn demote_read_ahead(st: &mut State, layer: usize) {
+    let layer = layer as u32;
     let slots = std::mem::take(&mut st.sure_slots);
-    for (slot, from_layer) in slots {
+    for mut sure_slot in slots {
+        let slot = sure_slot.slot;
+        if sure_slot.target == layer {
+            // Their layer's fetch: what it does not demand goes at the next other fetch.
+            sure_slot.reader = None;
+            if still_ahead(&st.slots[slot]) {
+                st.sure_slots.push(sure_slot);
+            }
+            continue;
+        }
         match st.slots[slot] {
-            Slot::Ready { sure: true, key, pins, .. } if key.0 != layer as u32 && from_layer != layer as u32 => {
+            Slot::Ready { sure: true, pins, .. } if sure_slot.reader != Some(layer) => {
                 if let Slot::Ready { sure, .. } = &mut st.slots[slot] {
                     *sure = false;
                 }
@@ -644,7 +662,7 @@ fn demote_read_ahead(st: &mut State, layer: usize) {
                     st.lru.rerank(slot, r);
                 }
             }
-            s if still_ahead(&s) => st.sure_slots.push((slot, from_layer)),
+            s if still_ahead(&s) => st.sure_slots.push(sure_slot),
             _ => {}
         }
     }
