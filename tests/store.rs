@@ -521,3 +521,29 @@ fn read_ahead_continues_layer_after_layer() {
     assert_eq!((r.prefetch_issued, r.prefetch_used), (8, 8));
     assert_eq!(r.drives[0].reads, 2 + 4 + 4, "every expert read once");
 }
+
+#[test]
+fn experts_read_ahead_but_not_demanded_lose_their_place_when_the_next_pass_begins() {
+    let tmp = copy_fixture("k3-tiny-a");
+    let m = open(tmp.path());
+    let slot = deltafin::store::expert_store::slot_size(m.cfg.expert_bytes()) as u64;
+    let store = shard_store(&m, 8 * slot, 2, 0);
+    let land = |_e: u32, _b: deltafin::store::Landed<'_>| Ok(deltafin::store::Flow::Continue);
+    let landed = |n: u64| {
+        for _ in 0..1000 {
+            if store.report().drives[0].reads >= n {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(store.report().drives[0].reads, n);
+    };
+    // Layer 1 reads 5..8 ahead for layer 2, which then asks for 5 alone: 6, 7, 8 were not needed.
+    store.fetch_then(1, &[0, 1], Some((2, &[5, 6, 7, 8][..])), &mut land.clone()).unwrap();
+    landed(6);
+    fetch_each(&*store, 2, &[5], |_, _| {});
+    // The next pass (layer 1 again, as in a model of two MoE layers) reads ahead for layer 2
+    // anew: the stale 6, 7, 8 no longer hold half of the cache against it.
+    store.fetch_then(1, &[0, 1], Some((2, &[9, 10, 11, 12][..])), &mut land.clone()).unwrap();
+    assert!(store.report().prefetch_issued > 5, "read-ahead still blocked by experts nobody asked for");
+}
