@@ -651,11 +651,7 @@ fn the_device_expert_cache_changes_no_bit_and_serves_repeated_experts() {
 fn several_products_of_one_input_in_one_submission_give_each_products_bits() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(17);
-    let mut mat = |rows: usize, cols: usize| {
-        let bytes: Vec<u8> =
-            (0..rows * cols).flat_map(|_| half::bf16::from_f32(rng.f32() * 2.0 - 1.0).to_le_bytes()).collect();
-        Bf16Mat::from_vec(bytes, rows, cols)
-    };
+    let mut mat = |rows: usize, cols: usize| random_bf16(&mut rng, rows, cols);
     // Widths not a multiple of 16 (padded rows), one input row (matvec) and several (matmul).
     for (cols, n) in [(333usize, 1usize), (333, 4), (512, 1)] {
         let ws = [mat(37, cols), mat(5, cols), mat(130, cols)];
@@ -681,11 +677,7 @@ fn several_products_of_one_input_in_one_submission_give_each_products_bits() {
 fn products_of_their_own_inputs_in_one_submission_give_each_products_bits() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(23);
-    let mut mat = |rows: usize, cols: usize| {
-        let bytes: Vec<u8> =
-            (0..rows * cols).flat_map(|_| half::bf16::from_f32(rng.f32() * 2.0 - 1.0).to_le_bytes()).collect();
-        Bf16Mat::from_vec(bytes, rows, cols)
-    };
+    let mut mat = |rows: usize, cols: usize| random_bf16(&mut rng, rows, cols);
     // Different widths (one padded), one row (matvec) and several (matmul) in the same call,
     // and an empty input.
     let ws = [mat(37, 333), mat(64, 512), mat(130, 96), mat(9, 48)];
@@ -722,8 +714,7 @@ fn timed_passes_count_device_time_and_change_no_bit() {
     deltafin::backend::gpu::set_timestamps(false);
     let Ok(timed) = timed else { return };
     let mut rng = Rng(31);
-    let bytes: Vec<u8> = (0..64 * 512).flat_map(|_| half::bf16::from_f32(rng.f32() - 0.5).to_le_bytes()).collect();
-    let w = Bf16Mat::from_vec(bytes, 64, 512);
+    let w = random_bf16(&mut rng, 64, 512);
     let xs = Rng(5).vec(512);
     let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
     plain.matmul_bf16(&w, &xs, &mut a);

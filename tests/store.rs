@@ -467,13 +467,32 @@ fn prefetched_experts_are_used_and_cancelled_ones_are_not_read() {
     assert!(r2.drives[0].reads - 4 < 1 + 16, "cancelled prefetches were not all read");
 }
 
-#[test]
-fn experts_read_ahead_for_a_large_batch_are_kept_until_their_layer_and_read_once() {
+/// A shard store over a copy of the tiny fixture with eight cache slots and no guessing prefetch
+/// (the temp dir must outlive it).
+fn eight_slot_store() -> (tempfile::TempDir, Arc<ExpertStore>) {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
     let slot = deltafin::store::expert_store::slot_size(m.cfg.expert_bytes()) as u64;
-    // Eight cache slots and no guessing prefetch: read-ahead works without `--prefetch`.
     let store = shard_store(&m, 8 * slot, 2, 0);
+    (tmp, store)
+}
+
+/// Waits until drive 0 has completed `n` reads (reads ahead land in the background), then checks
+/// that it did.
+fn wait_for_reads(store: &ExpertStore, n: u64) {
+    for _ in 0..1000 {
+        if store.report().drives[0].reads >= n {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(store.report().drives[0].reads, n, "{n} reads landed");
+}
+
+#[test]
+fn experts_read_ahead_for_a_large_batch_are_kept_until_their_layer_and_read_once() {
+    // Eight cache slots and no guessing prefetch: read-ahead works without `--prefetch`.
+    let (_tmp, store) = eight_slot_store();
     let next: Vec<u32> = (5..11).collect();
     store
         .fetch_then(1, &[0, 1, 2, 3], Some((2, &next)), &mut |_e: u32, _b: deltafin::store::Landed<'_>| {
@@ -483,13 +502,7 @@ fn experts_read_ahead_for_a_large_batch_are_kept_until_their_layer_and_read_once
     // Half the cache at most: 5, 6, 7, 8 (in the order given).
     assert_eq!(store.report().prefetch_issued, 4);
     // Let the reads ahead land first (on a loaded machine they may or may not have by now).
-    for _ in 0..1000 {
-        if store.report().drives[0].reads >= 8 {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    assert_eq!(store.report().drives[0].reads, 8, "the four reads ahead landed");
+    wait_for_reads(&store, 8);
     // More of layer 1 before layer 2 comes: the experts read ahead are not what gets evicted.
     fetch_each(&*store, 1, &[11, 12, 13, 14, 15], |_, _| {});
     let before = store.report();
@@ -508,10 +521,7 @@ fn experts_read_ahead_for_a_large_batch_are_kept_until_their_layer_and_read_once
 
 #[test]
 fn read_ahead_continues_layer_after_layer() {
-    let tmp = copy_fixture("k3-tiny-a");
-    let m = open(tmp.path());
-    let slot = deltafin::store::expert_store::slot_size(m.cfg.expert_bytes()) as u64;
-    let store = shard_store(&m, 8 * slot, 2, 0);
+    let (_tmp, store) = eight_slot_store();
     let land = |_e: u32, _b: deltafin::store::Landed<'_>| Ok(deltafin::store::Flow::Continue);
     store.fetch_then(1, &[0, 1], Some((2, &[5, 6, 7, 8][..])), &mut land.clone()).unwrap();
     // Layer 2 uses what was read ahead for it, and reads ahead for layer 3 as much again.
@@ -524,23 +534,11 @@ fn read_ahead_continues_layer_after_layer() {
 
 #[test]
 fn experts_read_ahead_but_not_demanded_lose_their_place_when_the_next_pass_begins() {
-    let tmp = copy_fixture("k3-tiny-a");
-    let m = open(tmp.path());
-    let slot = deltafin::store::expert_store::slot_size(m.cfg.expert_bytes()) as u64;
-    let store = shard_store(&m, 8 * slot, 2, 0);
+    let (_tmp, store) = eight_slot_store();
     let land = |_e: u32, _b: deltafin::store::Landed<'_>| Ok(deltafin::store::Flow::Continue);
-    let landed = |n: u64| {
-        for _ in 0..1000 {
-            if store.report().drives[0].reads >= n {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        assert_eq!(store.report().drives[0].reads, n);
-    };
     // Layer 1 reads 5..8 ahead for layer 2, which then asks for 5 alone: 6, 7, 8 were not needed.
     store.fetch_then(1, &[0, 1], Some((2, &[5, 6, 7, 8][..])), &mut land.clone()).unwrap();
-    landed(6);
+    wait_for_reads(&store, 6);
     fetch_each(&*store, 2, &[5], |_, _| {});
     // The next pass (layer 1 again, as in a model of two MoE layers) reads ahead for layer 2
     // anew: the stale 6, 7, 8 no longer hold half of the cache against it.

@@ -104,6 +104,8 @@ const XR: usize = 8;
 pub(super) const MATVEC_ROWS: usize = 16;
 /// Workgroups per dispatch dimension (WebGPU's guaranteed limit).
 pub(super) const MAX_GROUPS: usize = 65_535;
+/// Input rows one product dispatch takes (65535 workgroups of `XR` rows).
+const PRODUCT_ROWS: usize = 65_535 * XR;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
@@ -773,27 +775,11 @@ impl Gpu {
         let Some(first) = rs.first() else { return };
         let (cols, stride) = (first.cols, first.stride);
         let n = xs.len() / cols.max(1);
-        const BATCH: usize = 65_535 * XR;
-        for b0 in (0..n).step_by(BATCH) {
-            let nb = BATCH.min(n - b0);
+        for b0 in (0..n).step_by(PRODUCT_ROWS) {
+            let nb = PRODUCT_ROWS.min(n - b0);
             let x = self.staged(&Self::input_bytes(&xs[b0 * cols..(b0 + nb) * cols], cols, stride));
-            let bufs: Vec<(wgpu::Buffer, u64)> =
-                rs.iter().map(|r| (self.output(nb * r.rows), (nb * r.rows * 4) as u64)).collect();
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            let stamp = self.stamp();
-            {
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("matmul"),
-                    timestamp_writes: Stamp::writes(&stamp),
-                });
-                for (r, (o, _)) in rs.iter().zip(&bufs) {
-                    self.encode_products(&mut pass, r, kind, &x, 0, o, 0, nb);
-                }
-            }
-            self.stamp_resolve(&mut enc, &stamp);
-            let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();
-            let all = self.finish_many(enc, &list);
-            self.stamp_read(stamp, None);
+            let jobs: Vec<(&Resident, &wgpu::Buffer, usize)> = rs.iter().map(|r| (*r, &x, nb)).collect();
+            let all = self.submit_products(&jobs, kind, "matmul");
             let mut at = 0;
             for (out, r) in outs.iter_mut().zip(rs) {
                 let k = nb * r.rows;
@@ -801,9 +787,6 @@ impl Gpu {
                 at += k;
             }
             self.give(STAGED, x);
-            for (b, _) in bufs {
-                self.give(OUTPUT, b);
-            }
         }
     }
 
@@ -812,67 +795,63 @@ impl Gpu {
     /// than one dispatch takes go product by product ([`Gpu::matmul`]).
     pub fn matmul_each(&self, rs: &[&Resident], kind: Kind, xs: &[&[f32]], outs: &mut [&mut [f32]]) {
         debug_assert!(rs.len() == xs.len() && rs.len() == outs.len(), "one input and one output per matrix");
-        const BATCH: usize = 65_535 * XR;
-        let rows = |r: &Resident, x: &[f32]| x.len() / r.cols.max(1);
+        let rows = |i: usize| xs[i].len() / rs[i].cols.max(1);
         // Products of no rows have nothing to do.
-        let (rs, xs, mut outs): (Vec<&Resident>, Vec<&[f32]>, Vec<&mut [f32]>) = rs
-            .iter()
-            .zip(xs)
-            .zip(outs.iter_mut())
-            .filter(|((r, x), _)| rows(r, x) > 0)
-            .map(|((r, x), o)| (*r, *x, &mut **o))
-            .fold((Vec::new(), Vec::new(), Vec::new()), |(mut a, mut b, mut c), (r, x, o)| {
-                a.push(r);
-                b.push(x);
-                c.push(o);
-                (a, b, c)
-            });
-        if rs.is_empty() {
-            return;
-        }
-        if rs.iter().zip(&xs).any(|(r, x)| rows(r, x) > BATCH) {
-            for ((r, x), out) in rs.iter().zip(&xs).zip(outs.iter_mut()) {
-                self.matmul(r, kind, x, out);
+        let live: Vec<usize> = (0..rs.len()).filter(|&i| rows(i) > 0).collect();
+        if live.iter().any(|&i| rows(i) > PRODUCT_ROWS) {
+            for &i in &live {
+                self.matmul(rs[i], kind, xs[i], outs[i]);
             }
             return;
         }
+        if live.is_empty() {
+            return;
+        }
         let inputs: Vec<wgpu::Buffer> =
-            rs.iter().zip(&xs).map(|(r, x)| self.staged(&Self::input_bytes(x, r.cols, r.stride))).collect();
-        let bufs: Vec<(wgpu::Buffer, u64)> = rs
+            live.iter().map(|&i| self.staged(&Self::input_bytes(xs[i], rs[i].cols, rs[i].stride))).collect();
+        let jobs: Vec<(&Resident, &wgpu::Buffer, usize)> =
+            live.iter().zip(&inputs).map(|(&i, x)| (rs[i], x, rows(i))).collect();
+        let all = self.submit_products(&jobs, kind, "matmul each");
+        let mut at = 0;
+        for &i in &live {
+            let k = rows(i) * rs[i].rows;
+            outs[i][..k].copy_from_slice(&all[at..at + k]);
+            at += k;
+        }
+        for x in inputs {
+            self.give(STAGED, x);
+        }
+    }
+
+    /// One submission of `jobs` (matrix, input buffer, input rows), each product into its own
+    /// output; returns the floats of all of them, in order (one readback).
+    fn submit_products(&self, jobs: &[(&Resident, &wgpu::Buffer, usize)], kind: Kind, label: &str) -> Vec<f32> {
+        let bufs: Vec<(wgpu::Buffer, u64)> = jobs
             .iter()
-            .zip(&xs)
-            .map(|(r, x)| {
-                let n = rows(r, x) * r.rows;
-                (self.output(n), (n * 4) as u64)
+            .map(|(r, _, n)| {
+                let k = n * r.rows;
+                (self.output(k), (k * 4) as u64)
             })
             .collect();
         let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
         let stamp = self.stamp();
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("matmul each"),
+                label: Some(label),
                 timestamp_writes: Stamp::writes(&stamp),
             });
-            for ((r, x), (xb, (o, _))) in rs.iter().zip(&xs).zip(inputs.iter().zip(&bufs)) {
-                self.encode_products(&mut pass, r, kind, xb, 0, o, 0, rows(r, x));
+            for ((r, x, n), (o, _)) in jobs.iter().zip(&bufs) {
+                self.encode_products(&mut pass, r, kind, x, 0, o, 0, *n);
             }
         }
         self.stamp_resolve(&mut enc, &stamp);
         let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();
         let all = self.finish_many(enc, &list);
         self.stamp_read(stamp, None);
-        let mut at = 0;
-        for ((out, r), x) in outs.iter_mut().zip(&rs).zip(&xs) {
-            let k = rows(r, x) * r.rows;
-            out[..k].copy_from_slice(&all[at..at + k]);
-            at += k;
-        }
-        for x in inputs {
-            self.give(STAGED, x);
-        }
         for (b, _) in bufs {
             self.give(OUTPUT, b);
         }
+        all
     }
 
     /// Whether the adapter's `fma` rounds once: a case where fused and unfused differ, plus

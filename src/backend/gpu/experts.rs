@@ -227,12 +227,55 @@ impl ExpertBatch for GpuExperts<'_> {
 
     fn add_held(&mut self, expert: u32, zd: &[f32]) {
         let be = self.be;
-        be.profile.time("experts_add_held", &be.gpu.traffic, || self.add_held_untimed(expert, zd));
+        be.profile.time("experts_add_held", &be.gpu.traffic, || {
+            let layer = self.layer;
+            let Some((slot, buf)) = self.be.with_cache(|c| c.slot_of(layer, expert)) else {
+                unreachable!("expert {expert} of layer {layer} was claimed as held but is not in the device cache")
+            };
+            if zd.is_empty() {
+                self.be.with_cache(|c| c.unpin(slot));
+                self.outs.push(Vec::new());
+                return;
+            }
+            self.queue(Image::Cached(slot, buf), zd);
+        })
     }
 
     fn add(&mut self, expert: u32, bytes: &[u8], zd: &[f32]) {
         let be = self.be;
-        be.profile.time("experts_add", &be.gpu.traffic, || self.add_untimed(expert, bytes, zd));
+        be.profile.time("experts_add", &be.gpu.traffic, || {
+            if zd.is_empty() {
+                self.outs.push(Vec::new());
+                return;
+            }
+            let g = &self.be.gpu;
+            let image = match self.be.with_cache(|c| c.admit(self.layer, expert)) {
+                Some((slot, buf)) => Image::Cached(slot, buf),
+                None => Image::Staged(g.take(STAGED, self.slot_bytes as u64)),
+            };
+            for (&(o, len), &at) in self.layout.parts.iter().zip(&self.offs) {
+                let part = &bytes[o..o + len];
+                // Queue writes must be whole words: the last partial word goes padded.
+                let whole = len / 4 * 4;
+                if whole > 0 {
+                    g.queue.write_buffer(image.buf(), at as u64, &part[..whole]);
+                }
+                if whole < len {
+                    let mut tail = [0u8; 4];
+                    tail[..len - whole].copy_from_slice(&part[whole..]);
+                    g.queue.write_buffer(image.buf(), (at + whole) as u64, &tail);
+                }
+            }
+            // Hand the writes to the GPU now: queued writes sit in host staging memory until a submit,
+            // and a group's worth (16 x 17.55 MB for K3) would be host memory outside the budget.
+            g.traffic.uploaded(self.layout.parts.iter().map(|&(_, len)| len as u64).sum());
+            g.traffic.submitted(0);
+            g.queue.submit([]);
+            if let Err(e) = g.device.poll(wgpu::PollType::Poll) {
+                tracing::error!("GPU poll failed: {e}");
+            }
+            self.queue(image, zd);
+        })
     }
 
     fn finish(mut self: Box<Self>) -> Vec<Vec<f32>> {
@@ -244,55 +287,6 @@ impl ExpertBatch for GpuExperts<'_> {
             }
         });
         std::mem::take(&mut self.outs)
-    }
-}
-
-impl GpuExperts<'_> {
-    fn add_held_untimed(&mut self, expert: u32, zd: &[f32]) {
-        let layer = self.layer;
-        let Some((slot, buf)) = self.be.with_cache(|c| c.slot_of(layer, expert)) else {
-            unreachable!("expert {expert} of layer {layer} was claimed as held but is not in the device cache")
-        };
-        if zd.is_empty() {
-            self.be.with_cache(|c| c.unpin(slot));
-            self.outs.push(Vec::new());
-            return;
-        }
-        self.queue(Image::Cached(slot, buf), zd);
-    }
-
-    fn add_untimed(&mut self, expert: u32, bytes: &[u8], zd: &[f32]) {
-        if zd.is_empty() {
-            self.outs.push(Vec::new());
-            return;
-        }
-        let g = &self.be.gpu;
-        let image = match self.be.with_cache(|c| c.admit(self.layer, expert)) {
-            Some((slot, buf)) => Image::Cached(slot, buf),
-            None => Image::Staged(g.take(STAGED, self.slot_bytes as u64)),
-        };
-        for (&(o, len), &at) in self.layout.parts.iter().zip(&self.offs) {
-            let part = &bytes[o..o + len];
-            // Queue writes must be whole words: the last partial word goes padded.
-            let whole = len / 4 * 4;
-            if whole > 0 {
-                g.queue.write_buffer(image.buf(), at as u64, &part[..whole]);
-            }
-            if whole < len {
-                let mut tail = [0u8; 4];
-                tail[..len - whole].copy_from_slice(&part[whole..]);
-                g.queue.write_buffer(image.buf(), (at + whole) as u64, &tail);
-            }
-        }
-        // Hand the writes to the GPU now: queued writes sit in host staging memory until a submit,
-        // and a group's worth (16 x 17.55 MB for K3) would be host memory outside the budget.
-        g.traffic.uploaded(self.layout.parts.iter().map(|&(_, len)| len as u64).sum());
-        g.traffic.submitted(0);
-        g.queue.submit([]);
-        if let Err(e) = g.device.poll(wgpu::PollType::Poll) {
-            tracing::error!("GPU poll failed: {e}");
-        }
-        self.queue(image, zd);
     }
 }
 

@@ -271,11 +271,25 @@ impl Backend for GpuBackend {
     }
 
     fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) {
-        self.profile.time("matmul_bf16", &self.gpu.traffic, || self.matmul_bf16_untimed(w, xs, out))
+        self.profile.time("matmul_bf16", &self.gpu.traffic, || {
+            let r = self.resident(w);
+            self.gpu.matmul(&r, Kind::Bf16, xs, out);
+        })
     }
 
     fn matmul_bf16_many(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) {
-        self.profile.time("matmul_bf16_many", &self.gpu.traffic, || self.matmul_bf16_many_untimed(ws, xs, outs))
+        self.profile.time("matmul_bf16_many", &self.gpu.traffic, || {
+            // One input binding serves all only when the widths agree.
+            if ws.iter().any(|w| w.cols != ws[0].cols) {
+                for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                    self.gpu.matmul(&self.resident(w), Kind::Bf16, xs, out);
+                }
+                return;
+            }
+            let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
+            let refs: Vec<&Resident> = rs.iter().map(|r| &**r).collect();
+            self.gpu.matmul_many(&refs, Kind::Bf16, xs, outs);
+        })
     }
 
     fn matmul_bf16_each(&self, ws: &[&Bf16Mat], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
@@ -287,7 +301,11 @@ impl Backend for GpuBackend {
     }
 
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
-        self.profile.time("matmul_mxfp4", &self.gpu.traffic, || self.matmul_mxfp4_untimed(w, xds, out))
+        self.profile.time("matmul_mxfp4", &self.gpu.traffic, || {
+            let r = self.gpu.upload_mxfp4(w, false);
+            self.gpu.matmul(&r, Kind::Mxfp4, xds, out);
+            self.gpu.release(r);
+        })
     }
 
     fn expert_batch<'a>(&'a self, layer: usize, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
@@ -336,11 +354,21 @@ impl Backend for GpuBackend {
     }
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {
-        self.profile.time("rms_norm_rows", &self.gpu.traffic, || self.rms_norm_rows_untimed(x, w, eps))
+        self.profile.time("rms_norm_rows", &self.gpu.traffic, || {
+            if !self.on_gpu(x.len()) || w.is_empty() || !self.fits(x.len()) {
+                return self.cpu.rms_norm_rows(x, w, eps);
+            }
+            self.ops.rms_norm_rows(&self.gpu, x, w, eps)
+        })
     }
 
     fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        self.profile.time("situ", &self.gpu.traffic, || self.situ_untimed(situ, gate, up, out))
+        self.profile.time("situ", &self.gpu.traffic, || {
+            if !self.on_gpu(out.len()) || !self.fits(out.len()) {
+                return self.cpu.situ(situ, gate, up, out);
+            }
+            self.ops.situ(&self.gpu, situ.beta, situ.linear_beta, gate, up, out)
+        })
     }
 
     fn kda_update(
@@ -353,12 +381,47 @@ impl Backend for GpuBackend {
         o: &mut [f32],
         chunked: bool,
     ) {
-        self.profile
-            .time("kda_update", &self.gpu.traffic, || self.kda_update_untimed(s_in, s_out, heads, dk, dv, o, chunked))
+        self.profile.time("kda_update", &self.gpu.traffic, || {
+            // The chunked form stays on the CPU (its order is not the recurrence's).
+            if chunked || !self.kda_on_gpu(heads, dk, s_in.len()) {
+                return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
+            }
+            let floats = s_in.len();
+            // The state stays in device memory: read from the input's copy when this device holds
+            // it (else uploaded once), written into the output's own copy (made on first use).
+            if s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)).is_none() {
+                let Some(fresh) = DeviceState::new(&self.gpu, floats) else {
+                    return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
+                };
+                s_out.set_device(Box::new(fresh));
+            }
+            let Some(dst) = s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)) else {
+                unreachable!("the output's device copy was made just above")
+            };
+            let mut host = None;
+            let src = self.state_input(s_in, &mut host);
+            let (_, out) = self.ops.kda_recurrent(&self.gpu, src, Dst::Into(dst), heads, dk, dv, true);
+            copy_bits(&out, o);
+            s_out.mark_device_written();
+        })
     }
 
     fn kda_replay(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize) {
-        self.profile.time("kda_replay", &self.gpu.traffic, || self.kda_replay_untimed(s, heads, dk, dv))
+        self.profile.time("kda_replay", &self.gpu.traffic, || {
+            if !self.kda_on_gpu(heads, dk, s.len()) {
+                return self.cpu.kda_replay(s, heads, dk, dv);
+            }
+            // Read and written buffers must differ: the result goes to a new copy that replaces it.
+            let Some(fresh) = DeviceState::new(&self.gpu, s.len()) else {
+                return self.cpu.kda_replay(s, heads, dk, dv);
+            };
+            {
+                let mut host = None;
+                let src = self.state_input(s, &mut host);
+                self.ops.kda_recurrent(&self.gpu, src, Dst::Into(&fresh.mem.buf), heads, dk, dv, false);
+            }
+            s.set_device(Box::new(fresh));
+        })
     }
 
     fn mla_attention_with(
@@ -373,192 +436,74 @@ impl Backend for GpuBackend {
         out: &mut [f32],
     ) {
         self.profile.time("mla_attention_with", &self.gpu.traffic, || {
-            self.mla_attention_with_untimed(q, cache, past, kv_b, dims, scale, visible, out)
+            let lat = dims.lora + dims.rope;
+            let work = out.len() / dims.v_head.max(1) * (cache.len() / lat.max(1)) * lat;
+            let scores = out.len() / dims.v_head.max(1) * (cache.len() / lat.max(1));
+            let fits = dims.lora <= Limits::LORA
+                && dims.rope <= Limits::ROPE
+                && dims.v_head > 0
+                && lat > 0
+                && self.fits(scores.max(cache.len()).max(q.len()));
+            let r = if fits && self.on_gpu(work) { Some(self.resident(kv_b)) } else { None };
+            match r.as_deref().and_then(|r| r.whole().map(|w| (w, r.stride))) {
+                // The cache's rows stay mirrored in device memory: only those added since go up.
+                Some((w, stride)) => {
+                    let mut run = |src: Src| {
+                        self.ops.mla_attention(
+                            &self.gpu,
+                            q,
+                            (src, cache.len()),
+                            past,
+                            (w, stride),
+                            dims,
+                            scale,
+                            visible == Visible::Causal,
+                            out,
+                        )
+                    };
+                    if LatentMirror::with(&self.gpu, cache, |buf| run(Src::Buf(buf))).is_none() {
+                        self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out)
+                    }
+                }
+                None => self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out),
+            }
         })
     }
 
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
-        self.profile.time("attn_res_mix", &self.gpu.traffic, || self.attn_res_mix_untimed(sources, score_w, eps, out))
+        self.profile.time("attn_res_mix", &self.gpu.traffic, || {
+            let work = sources.len() * score_w.len();
+            if sources.is_empty() || sources.len() > Limits::ATTN_RES_SOURCES || !self.on_gpu(work) || !self.fits(work)
+            {
+                return self.cpu.attn_res_mix(sources, score_w, eps, out);
+            }
+            self.ops.attn_res_mix(&self.gpu, sources, score_w, eps, out)
+        })
     }
 
     fn route_top_k(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
-        self.profile
-            .time("route_top_k", &self.gpu.traffic, || self.route_top_k_untimed(logits, bias, rule, experts, weights))
+        self.profile.time("route_top_k", &self.gpu.traffic, || {
+            let fits =
+                !bias.is_empty() && bias.len() <= Limits::EXPERTS && rule.k <= Limits::TOP_K && rule.k <= bias.len();
+            if !fits || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
+                return self.cpu.route_top_k(logits, bias, rule, experts, weights);
+            }
+            self.ops.route_top_k(&self.gpu, logits, bias, rule, experts, weights)
+        })
     }
 
     fn argmax(&self, logits: &[f32]) -> u32 {
-        self.profile.time("argmax", &self.gpu.traffic, || self.argmax_untimed(logits))
+        self.profile.time("argmax", &self.gpu.traffic, || {
+            if logits.is_empty() || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
+                return self.cpu.argmax(logits);
+            }
+            self.ops.argmax(&self.gpu, logits)
+        })
     }
 }
 
 fn copy_bits(words: &[u32], out: &mut [f32]) {
     for (o, w) in out.iter_mut().zip(words) {
         *o = f32::from_bits(*w);
-    }
-}
-
-/// The operations behind [`Backend`]'s timed entry points ([`profile::Profile`]).
-impl GpuBackend {
-    fn matmul_bf16_untimed(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) {
-        let r = self.resident(w);
-        self.gpu.matmul(&r, Kind::Bf16, xs, out);
-    }
-
-    fn matmul_bf16_many_untimed(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) {
-        // One input binding serves all only when the widths agree.
-        if ws.iter().any(|w| w.cols != ws[0].cols) {
-            for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                self.matmul_bf16_untimed(w, xs, out);
-            }
-            return;
-        }
-        let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
-        let refs: Vec<&Resident> = rs.iter().map(|r| &**r).collect();
-        self.gpu.matmul_many(&refs, Kind::Bf16, xs, outs);
-    }
-
-    fn matmul_mxfp4_untimed(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
-        let r = self.gpu.upload_mxfp4(w, false);
-        self.gpu.matmul(&r, Kind::Mxfp4, xds, out);
-        self.gpu.release(r);
-    }
-
-    fn rms_norm_rows_untimed(&self, x: &mut [f32], w: &[f32], eps: f32) {
-        if !self.on_gpu(x.len()) || w.is_empty() || !self.fits(x.len()) {
-            return self.cpu.rms_norm_rows(x, w, eps);
-        }
-        self.ops.rms_norm_rows(&self.gpu, x, w, eps)
-    }
-
-    fn situ_untimed(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        if !self.on_gpu(out.len()) || !self.fits(out.len()) {
-            return self.cpu.situ(situ, gate, up, out);
-        }
-        self.ops.situ(&self.gpu, situ.beta, situ.linear_beta, gate, up, out)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn kda_update_untimed(
-        &self,
-        s_in: &StateBuf,
-        s_out: &mut StateBuf,
-        heads: &[HeadIn],
-        dk: usize,
-        dv: usize,
-        o: &mut [f32],
-        chunked: bool,
-    ) {
-        // The chunked form stays on the CPU (its order is not the recurrence's).
-        if chunked || !self.kda_on_gpu(heads, dk, s_in.len()) {
-            return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
-        }
-        let floats = s_in.len();
-        // The state stays in device memory: read from the input's copy when this device holds
-        // it (else uploaded once), written into the output's own copy (made on first use).
-        if s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)).is_none() {
-            let Some(fresh) = DeviceState::new(&self.gpu, floats) else {
-                return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
-            };
-            s_out.set_device(Box::new(fresh));
-        }
-        let Some(dst) = s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)) else {
-            unreachable!("the output's device copy was made just above")
-        };
-        let mut host = None;
-        let src = self.state_input(s_in, &mut host);
-        let (_, out) = self.ops.kda_recurrent(&self.gpu, src, Dst::Into(dst), heads, dk, dv, true);
-        copy_bits(&out, o);
-        s_out.mark_device_written();
-    }
-
-    fn kda_replay_untimed(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize) {
-        if !self.kda_on_gpu(heads, dk, s.len()) {
-            return self.cpu.kda_replay(s, heads, dk, dv);
-        }
-        // Read and written buffers must differ: the result goes to a new copy that replaces it.
-        let Some(fresh) = DeviceState::new(&self.gpu, s.len()) else {
-            return self.cpu.kda_replay(s, heads, dk, dv);
-        };
-        {
-            let mut host = None;
-            let src = self.state_input(s, &mut host);
-            self.ops.kda_recurrent(&self.gpu, src, Dst::Into(&fresh.mem.buf), heads, dk, dv, false);
-        }
-        s.set_device(Box::new(fresh));
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn mla_attention_with_untimed(
-        &self,
-        q: &[f32],
-        cache: &AppendBuf,
-        past: usize,
-        kv_b: &Bf16Mat,
-        dims: MlaDims,
-        scale: f32,
-        visible: Visible,
-        out: &mut [f32],
-    ) {
-        let lat = dims.lora + dims.rope;
-        let work = out.len() / dims.v_head.max(1) * (cache.len() / lat.max(1)) * lat;
-        let scores = out.len() / dims.v_head.max(1) * (cache.len() / lat.max(1));
-        let fits = dims.lora <= Limits::LORA
-            && dims.rope <= Limits::ROPE
-            && dims.v_head > 0
-            && lat > 0
-            && self.fits(scores.max(cache.len()).max(q.len()));
-        let r = if fits && self.on_gpu(work) { Some(self.resident(kv_b)) } else { None };
-        match r.as_deref().and_then(|r| r.whole().map(|w| (w, r.stride))) {
-            // The cache's rows stay mirrored in device memory: only those added since go up.
-            Some((w, stride)) => {
-                let mut run = |src: Src| {
-                    self.ops.mla_attention(
-                        &self.gpu,
-                        q,
-                        (src, cache.len()),
-                        past,
-                        (w, stride),
-                        dims,
-                        scale,
-                        visible == Visible::Causal,
-                        out,
-                    )
-                };
-                if LatentMirror::with(&self.gpu, cache, |buf| run(Src::Buf(buf))).is_none() {
-                    self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out)
-                }
-            }
-            None => self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out),
-        }
-    }
-
-    fn attn_res_mix_untimed(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
-        let work = sources.len() * score_w.len();
-        if sources.is_empty() || sources.len() > Limits::ATTN_RES_SOURCES || !self.on_gpu(work) || !self.fits(work) {
-            return self.cpu.attn_res_mix(sources, score_w, eps, out);
-        }
-        self.ops.attn_res_mix(&self.gpu, sources, score_w, eps, out)
-    }
-
-    fn route_top_k_untimed(
-        &self,
-        logits: &[f32],
-        bias: &[f32],
-        rule: RouteRule,
-        experts: &mut [u32],
-        weights: &mut [f32],
-    ) {
-        let fits = !bias.is_empty() && bias.len() <= Limits::EXPERTS && rule.k <= Limits::TOP_K && rule.k <= bias.len();
-        if !fits || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
-            return self.cpu.route_top_k(logits, bias, rule, experts, weights);
-        }
-        self.ops.route_top_k(&self.gpu, logits, bias, rule, experts, weights)
-    }
-
-    fn argmax_untimed(&self, logits: &[f32]) -> u32 {
-        if logits.is_empty() || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
-            return self.cpu.argmax(logits);
-        }
-        self.ops.argmax(&self.gpu, logits)
     }
 }

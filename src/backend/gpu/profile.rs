@@ -26,26 +26,16 @@ impl Profile {
         let (t, dev) = (Instant::now(), traffic.device_ns.load(Relaxed));
         let v = f();
         let dev_s = traffic.device_ns.load(Relaxed).saturating_sub(dev) as f64 * 1e-9;
-        self.add(op, t.elapsed().as_secs_f64(), dev_s);
+        let mut m = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let e = m.entry(op).or_default();
+        e.0 += 1;
+        e.1 += t.elapsed().as_secs_f64();
+        e.2 += dev_s;
         v
     }
 
-    pub fn add(&self, op: &'static str, seconds: f64, device_seconds: f64) {
-        let mut m = match self.ops.lock() {
-            Ok(m) => m,
-            Err(p) => p.into_inner(),
-        };
-        let e = m.entry(op).or_default();
-        e.0 += 1;
-        e.1 += seconds;
-        e.2 += device_seconds;
-    }
-
     pub fn snapshot(&self) -> Vec<OpTime> {
-        let m = match self.ops.lock() {
-            Ok(m) => m,
-            Err(p) => p.into_inner(),
-        };
+        let m = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         m.iter().map(|(&op, &(calls, seconds, device_seconds))| OpTime { op, calls, seconds, device_seconds }).collect()
     }
 }
