@@ -359,11 +359,22 @@ pub fn set_timestamps(on: bool) {
     TIMESTAMPS.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether passes should be timed on the device: `DELTAFIN_GPU_TIMESTAMPS` set, not empty, not 0,
-/// or [`set_timestamps`] (possible when the adapter has timestamp queries).
+/// Whether passes should be timed on the device: `DELTAFIN_GPU_TIMESTAMPS` 1 / true / yes / on,
+/// or [`set_timestamps`] (possible when the adapter has timestamp queries). Another value says so
+/// in a warning and times nothing.
 fn timestamps_wanted() -> bool {
-    TIMESTAMPS.load(std::sync::atomic::Ordering::Relaxed)
-        || std::env::var("DELTAFIN_GPU_TIMESTAMPS").is_ok_and(|v| !v.is_empty() && v != "0")
+    if TIMESTAMPS.load(std::sync::atomic::Ordering::Relaxed) {
+        return true;
+    }
+    let Ok(v) = std::env::var("DELTAFIN_GPU_TIMESTAMPS") else { return false };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => true,
+        "" | "0" | "false" | "no" | "off" => false,
+        _ => {
+            tracing::warn!("DELTAFIN_GPU_TIMESTAMPS={v:?} is not 1 or 0; passes are not timed");
+            false
+        }
+    }
 }
 
 impl Gpu {
@@ -449,8 +460,9 @@ impl Gpu {
         };
         let info = adapter.get_info();
         let limits = adapter.limits();
-        let timed = timestamps_wanted() && adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
-        if timestamps_wanted() && !timed {
+        let wanted = timestamps_wanted();
+        let timed = wanted && adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
+        if wanted && !timed {
             tracing::warn!("DELTAFIN_GPU_TIMESTAMPS: {} has no timestamp queries; passes are not timed", info.name);
         }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
