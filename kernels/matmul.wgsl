@@ -14,9 +14,17 @@
 // Entry points: `matmul` (u32 loads, each decoded weight and each staged input used by several
 // outputs; see there) and `fma_probe`. One input row goes to matvec.wgsl.
 
-// Params, scales, out, p, lut, e2m1, e8m0, scale_at and bf16x4: products.wgsl (prepended).
+// Params, scales, out, lut, e2m1, e8m0 and bf16x4: products.wgsl (prepended).
 @group(0) @binding(0) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(4) var<uniform> p: Params;
+
+// The E8M0 scale of block `idx` of the matrix (scales packed four to a word from word `s_off`).
+fn scale_at(idx: u32) -> f32 {
+    let i = p.s_off * 4u + idx;
+    return e8m0((scales[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu);
+}
+
 
 // Several input rows (`n > 1`), register-tiled so that each load serves several multiply-adds. A
 // workgroup of 256 threads is 64 slots x 4; thread g of a slot owns lanes 4g..4g+3 (as in matvec.wgsl) of MM_ROWS weight rows

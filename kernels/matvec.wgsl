@@ -25,15 +25,24 @@
 // 2^(E - 113) would overflow, take the two-step product (E2M1 value, then times 2^(E - 127)).
 // On the H200 this ran 1.26x the shared-memory E2M1 table, which costs a shared load per element.
 //
+// Jobs: one dispatch runs up to MAX_JOBS products of the same row count (`jobs[j]`, each with its
+// own weight, scale, input and output offsets in the bindings), `per_job` workgroups each, job after
+// job: a group of routed experts' w1 and w3 (or their w2) from one image buffer is one dispatch, so
+// their workgroups share the GPU instead of running one small product after another behind a
+// barrier. A job's rows are computed exactly as in a dispatch of its own.
+//
 // Entry points: `matvec` (with the 2-D dispatch fold past 65535 workgroups) and `read_all`, the
 // bench's plain-read reference.
 //
 // bf16 rows are padded to a multiple of 16 elements with zeros at upload (`stride`), and x past
 // `cols` is zero in its buffer, so the tail is fma(0, 0, acc) exactly as on the CPU.
 
-// Params, scales, out, p, lut, e2m1, e8m0, scale_at and bf16x4: products.wgsl (prepended).
+// Params, scales, out, lut, e2m1, e8m0 and bf16x4: products.wgsl (prepended).
 @group(0) @binding(0) var<storage, read> wv: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
+// Job 0's `count` says how many there are; every job has job 0's `rows`.
+const MAX_JOBS: u32 = 64u;
+@group(0) @binding(4) var<uniform> jobs: array<Params, MAX_JOBS>;
 
 // Rows per workgroup and blocks per tile. A tile row is 9 vec4 apart: 8 of data and one of
 // padding, which puts the 32 words a warp writes or reads at once in 32 different banks.
@@ -112,9 +121,17 @@ fn matvec(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(num_workgroups) nw: vec3<u32>,
 ) {
+    let flat = wg.y * nw.x + wg.x;
+    let per_job = (jobs[0].rows + ROWS - 1u) / ROWS;
+    let job = flat / per_job;
+    // Workgroups past the last job (the 2-D fold rounds up): uniform per workgroup.
+    if (job >= jobs[0].count) {
+        return;
+    }
+    let p = jobs[job];
     let g = lid.x & 3u;
     let slot = lid.x >> 2u;
-    let base = (wg.y * nw.x + wg.x) * ROWS;
+    let base = (flat - job * per_job) * ROWS;
     let r = base + slot;
     // Rows past the end read row 0 (uniform control flow for the barriers; nothing is written).
     let er = select(0u, r, r < p.rows);

@@ -60,7 +60,8 @@ fn situ_of(i: u32) -> f32 {
     let beta = pf(1u);
     let lb = pf(2u);
     let g = a[i];
-    let u = b[i];
+    // Word 3: where the up values start in `b` (the batched experts keep gate and up in one buffer).
+    let u = b[i + pu(3u)];
     let x = beta * dm_tanh(dm_div(g, beta)) * dm_sigmoid(g);
     var y = u;
     if (lb > 0.0) {

@@ -1,7 +1,8 @@
 // Shared by matmul.wgsl and matvec.wgsl (prepended to each): the product kernels' parameters, the
-// bindings both use (each file declares its own weights at binding 0, u32 words or vec4<u32>, and
-// its own input `x` at binding 2, f32 or vec4<f32>), the
-// E2M1 table in workgroup memory, and the MXFP4 element and scale and the bf16 decoders.
+// bindings both use (each file declares its own weights at binding 0, u32 words or vec4<u32>, its
+// own input `x` at binding 2, f32 or vec4<f32>, and its parameters at binding 4: one `Params` in
+// matmul.wgsl, a list of jobs in matvec.wgsl), the E2M1 table in workgroup memory, and the MXFP4
+// element and scale and the bf16 decoders.
 
 struct Params {
     rows: u32,
@@ -20,12 +21,12 @@ struct Params {
     // Float offsets of the input in `x` and of the output in `out`.
     x_off: u32,
     out_off: u32,
-    _pad: u32,
+    // matvec.wgsl: the jobs of the dispatch (read from job 0).
+    count: u32,
 }
 
 @group(0) @binding(1) var<storage, read> scales: array<u32>;
 @group(0) @binding(3) var<storage, read_write> out: array<f32>;
-@group(0) @binding(4) var<uniform> p: Params;
 
 // E2M1 code -> value in workgroup memory: a lookup costs one shared load where the bit-built
 // decode costs about ten integer operations per element; 16 words in 16 banks, so any pattern of
@@ -55,12 +56,6 @@ fn e8m0(s: u32) -> f32 {
         return bitcast<f32>(0x7fc00000u);
     }
     return bitcast<f32>(s << 23u);
-}
-
-// The E8M0 scale of block `idx` of the matrix (scales packed four to a word from word `s_off`).
-fn scale_at(idx: u32) -> f32 {
-    let i = p.s_off * 4u + idx;
-    return e8m0((scales[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu);
 }
 
 // bf16 elements 2i, 2i+1 of word a and of word b as f32 (little-endian: the low half first).

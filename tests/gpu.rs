@@ -250,13 +250,15 @@ fn the_batched_expert_path_equals_the_per_expert_path() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(11);
     let situ = Situ { beta: 4.0, linear_beta: 0.0 };
-    for (inter, latent) in [(96usize, 64usize), (64, 3584)] {
-        // 21 experts (more than one group of 16), with 1, 0, 2 and 5 rows.
+    // 21 experts (more than one group of 16), with 1, 0, 2 and 5 rows (a product per dispatch),
+    // or one row each as in decode (all w1 and w3 of a group in one dispatch, all w2 in another).
+    for ((inter, latent), rows) in [((96usize, 64usize), [1, 0, 2, 5]), ((64, 3584), [1, 0, 2, 5]), ((96, 64), [1; 4])]
+    {
         let experts: Vec<(ExpertLayout, Vec<u8>)> = (0..21).map(|_| random_expert(&mut rng, inter, latent)).collect();
         let layout = experts[0].0.clone();
         let inputs: Vec<Vec<f32>> = (0..21)
             .map(|i| {
-                let x = rng.vec([1, 0, 2, 5][i % 4] * latent);
+                let x = rng.vec(rows[i % 4] * latent);
                 let mut xd = vec![0f32; x.len()];
                 for (s, d) in x.chunks(latent).zip(xd.chunks_mut(latent)) {
                     deinterleave_mxfp4_input(s, d);
@@ -283,7 +285,7 @@ fn the_batched_expert_path_equals_the_per_expert_path() {
             assert_eq!(got[i].len(), zd.len(), "expert {i}: output rows");
             assert!(
                 got[i].iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "expert {i} ({inter}x{latent}): the batch differs from the per-expert GPU path"
+                "expert {i} ({inter}x{latent}, rows {rows:?}): the batch differs from the per-expert GPU path"
             );
             let c = run_expert(&cpu, &layout, b, situ, zd);
             // Two products and SiTU between unfused and fused fma: relative L2 distance.
@@ -295,7 +297,7 @@ fn the_batched_expert_path_equals_the_per_expert_path() {
             total += c.len();
         }
         eprintln!(
-            "batched experts {inter}x{latent}: equal to per-expert; {same_cpu} of {total} bit-identical to the CPU"
+            "batched experts {inter}x{latent}, rows {rows:?}: equal to per-expert; {same_cpu} of {total} bit-identical to the CPU"
         );
         if g.fma_is_fused() {
             assert_eq!(same_cpu, total, "fused fma: the CPU's bits");

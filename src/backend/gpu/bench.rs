@@ -12,6 +12,9 @@ use super::device::{Gpu, Kind, MATVEC_ROWS, MAX_GROUPS, PRODUCTS, Params};
 use crate::cpu::{Bf16Mat, Mxfp4Mat};
 use std::time::Instant;
 
+/// The parameter binding of a variant kernel that is not standalone.
+const VARIANT_PARAMS: &str = "@group(0) @binding(4) var<uniform> p: Params;";
+
 /// 32-bit words each thread of the plain read covers (the grid is sized from it).
 const WORDS_PER_THREAD: u64 = 64;
 
@@ -139,7 +142,8 @@ impl Gpu {
             let trusted = src.lines().any(|l| l.trim() == "// trusted");
             let standalone = src.lines().any(|l| l.trim() == "// standalone");
             let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-            let source = if standalone { src.clone() } else { [PRODUCTS, &src].join("\n") };
+            // Variants read one `Params` as `p` (the shipped kernel's list of jobs holds it as job 0).
+            let source = if standalone { src.clone() } else { [PRODUCTS, VARIANT_PARAMS, &src].join("\n") };
             let desc =
                 wgpu::ShaderModuleDescriptor { label: Some(&name), source: wgpu::ShaderSource::Wgsl(source.into()) };
             let module = if trusted {

@@ -102,6 +102,11 @@ const ROWS_PER_GROUP: usize = 64;
 const XR: usize = 8;
 /// Weight rows per workgroup of `matvec.wgsl`.
 pub(super) const MATVEC_ROWS: usize = 16;
+/// Products one matvec dispatch may run (`MAX_JOBS` in `matvec.wgsl`): its uniform block holds
+/// that many `Params`.
+pub(super) const MATVEC_JOBS: usize = 64;
+/// Bytes of one `Params` in a uniform block.
+const PARAMS_BYTES: usize = 48;
 /// Workgroups per dispatch dimension (WebGPU's guaranteed limit).
 pub(super) const MAX_GROUPS: usize = 65_535;
 /// Input rows one product dispatch takes (65535 workgroups of `XR` rows).
@@ -135,6 +140,15 @@ pub struct AdapterSummary {
 pub enum Kind {
     Bf16 = 0,
     Mxfp4 = 1,
+}
+
+/// One product of [`Gpu::encode_image_matvecs`]: its weights and scales at these words of the
+/// image, its input at float `x_off`, its output at float `out_off`.
+pub(super) struct MatvecJob {
+    pub w_off: u32,
+    pub s_off: u32,
+    pub x_off: usize,
+    pub out_off: usize,
 }
 
 /// A matrix in device memory, split by rows into bindings the adapter allows.
@@ -248,6 +262,8 @@ pub(super) struct Params {
     pub stride: u32,
     pub x_off: u32,
     pub out_off: u32,
+    /// The jobs of a matvec dispatch (job 0's; see [`MATVEC_JOBS`]).
+    pub count: u32,
 }
 
 impl Params {
@@ -264,7 +280,7 @@ impl Params {
             self.stride,
             self.x_off,
             self.out_off,
-            0,
+            self.count,
         ]
         .iter()
         .flat_map(|v| v.to_le_bytes())
@@ -641,10 +657,23 @@ impl Gpu {
         bind_group(&self.device, &self.products_layout.bind, &[w, s, x, out, p])
     }
 
+    /// The uniform block of one product (a matvec dispatch of one job).
     pub(super) fn uniform(&self, p: Params) -> wgpu::Buffer {
+        self.uniform_jobs(&[p])
+    }
+
+    /// The uniform block of a matvec dispatch of `jobs` (at most [`MATVEC_JOBS`]), sized for all
+    /// [`MATVEC_JOBS`] that the kernel declares; job 0 carries the count.
+    pub(super) fn uniform_jobs(&self, jobs: &[Params]) -> wgpu::Buffer {
+        debug_assert!(!jobs.is_empty() && jobs.len() <= MATVEC_JOBS, "1 to {MATVEC_JOBS} jobs");
+        let mut contents = vec![0u8; MATVEC_JOBS * PARAMS_BYTES];
+        for (i, p) in jobs.iter().take(MATVEC_JOBS).enumerate() {
+            let p = Params { count: if i == 0 { jobs.len() as u32 } else { p.count }, ..*p };
+            contents[i * PARAMS_BYTES..(i + 1) * PARAMS_BYTES].copy_from_slice(&p.bytes());
+        }
         self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("params"),
-            contents: &p.bytes(),
+            contents: &contents,
             usage: wgpu::BufferUsages::UNIFORM,
         })
     }
@@ -751,6 +780,7 @@ impl Gpu {
                 stride: r.stride as u32,
                 x_off: x_off as u32,
                 out_off: out_off as u32,
+                count: 1,
             });
             let bg = self.bind(&c.w, &c.scales, x, out, &p);
             pass.set_bind_group(0, &bg, &[]);
@@ -762,6 +792,51 @@ impl Gpu {
             } else {
                 pass.dispatch_workgroups(groups as u32, n.div_ceil(inputs_per_group) as u32, 1);
             }
+        }
+    }
+
+    /// Encodes one-row MXFP4 products of equal shape (`rows` x `cols`) whose weights and scales
+    /// are all in `image` (expert images): `out[job.out_off + r] = W_job[r] . x[job.x_off ..]`,
+    /// up to [`MATVEC_JOBS`] products per dispatch. Each product's bits are those of
+    /// [`Gpu::encode_products`] on the same matrix (the same kernel, job by job).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn encode_image_matvecs(
+        &self,
+        pass: &mut wgpu::ComputePass<'_>,
+        image: &wgpu::Buffer,
+        rows: usize,
+        cols: usize,
+        jobs: &[MatvecJob],
+        x: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+    ) {
+        if rows == 0 {
+            return;
+        }
+        pass.set_pipeline(&self.matvec);
+        for batch in jobs.chunks(MATVEC_JOBS) {
+            let params: Vec<Params> = batch
+                .iter()
+                .map(|j| Params {
+                    rows: rows as u32,
+                    cols: cols as u32,
+                    n: 1,
+                    kind: Kind::Mxfp4 as u32,
+                    out_rows: rows as u32,
+                    w_off: j.w_off,
+                    s_off: j.s_off,
+                    stride: cols as u32,
+                    x_off: j.x_off as u32,
+                    out_off: j.out_off as u32,
+                    ..Default::default()
+                })
+                .collect();
+            let u = self.uniform_jobs(&params);
+            let bg = self.bind(image, image, x, out, &u);
+            pass.set_bind_group(0, &bg, &[]);
+            let groups = rows.div_ceil(MATVEC_ROWS) * batch.len();
+            let gx = groups.clamp(1, MAX_GROUPS);
+            pass.dispatch_workgroups(gx as u32, groups.div_ceil(gx) as u32, 1);
         }
     }
 

@@ -4,7 +4,9 @@
 //!
 //! Contract: a slot holds one expert's staging image (`experts::slot_layout`) with exactly the
 //! shipped bytes, so running an expert from its slot gives the bits of running it from a fresh
-//! upload. Every slot the budget allows (at most one per routed expert) is allocated when the
+//! upload. Slots live side by side in a few large buffers (arenas of at most [`ARENA_BYTES`], each
+//! one binding), so the experts a layer runs from the cache are one binding for the batch path's
+//! dispatches. Every slot the budget allows (at most one per routed expert) is allocated when the
 //! engine opens ([`DeviceCache::reserve`]): device memory the adapter cannot give is an error
 //! before any work, never a failure halfway through a prompt. A slot
 //! claimed or filled by a batch is pinned until that batch finishes, so a layer never overwrites
@@ -19,8 +21,20 @@ use std::collections::HashMap;
 
 type Key = (u32, u32);
 
+/// Bytes of one arena at most (also bounded by the adapter's largest binding): small enough that
+/// running out of device memory is found within about a gigabyte of the budget.
+const ARENA_BYTES: u64 = 1 << 30;
+
+/// Where a slot's image is: its arena and the byte offset in it (a multiple of 16).
+#[derive(Clone)]
+pub(super) struct Place {
+    pub buf: wgpu::Buffer,
+    pub at: u64,
+}
+
 struct Slot {
-    buf: wgpu::Buffer,
+    arena: usize,
+    at: u64,
     key: Option<Key>,
     pins: u32,
 }
@@ -28,6 +42,7 @@ struct Slot {
 pub(super) struct DeviceCache {
     budget: u64,
     slot_bytes: u64,
+    arenas: Vec<wgpu::Buffer>,
     slots: Vec<Slot>,
     /// Slots holding no expert.
     free: Vec<usize>,
@@ -48,6 +63,7 @@ impl DeviceCache {
         DeviceCache {
             budget,
             slot_bytes: 0,
+            arenas: Vec::new(),
             slots: Vec::new(),
             free: Vec::new(),
             order: EvictionOrder::new(0),
@@ -84,6 +100,7 @@ impl DeviceCache {
     pub fn fit(&mut self, slot_bytes: u64) {
         if self.slot_bytes != slot_bytes {
             self.slots.clear();
+            self.arenas.clear();
             self.free.clear();
             self.order = EvictionOrder::new(0);
             self.map.clear();
@@ -106,33 +123,46 @@ impl DeviceCache {
         *u
     }
 
+    fn place(&self, i: usize) -> Place {
+        let s = &self.slots[i];
+        Place { buf: self.arenas[s.arena].clone(), at: s.at }
+    }
+
     /// The held expert's slot as it is (no pin, no use counted).
-    pub fn slot_of(&self, layer: usize, expert: u32) -> Option<(usize, wgpu::Buffer)> {
+    pub fn slot_of(&self, layer: usize, expert: u32) -> Option<(usize, Place)> {
         let &i = self.map.get(&(layer as u32, expert))?;
-        Some((i, self.slots[i].buf.clone()))
+        Some((i, self.place(i)))
     }
 
     /// The held expert's slot, pinned, or None.
-    pub fn claim(&mut self, layer: usize, expert: u32) -> Option<(usize, wgpu::Buffer)> {
+    pub fn claim(&mut self, layer: usize, expert: u32) -> Option<(usize, Place)> {
         let key = (layer as u32, expert);
         let &i = self.map.get(&key)?;
         self.count_use(key);
         self.order.remove(i);
-        let s = &mut self.slots[i];
-        s.pins += 1;
-        Some((i, s.buf.clone()))
+        self.slots[i].pins += 1;
+        Some((i, self.place(i)))
     }
 
-    /// Allocates every slot the budget allows (see the module contract).
-    pub fn reserve(&mut self, device: &wgpu::Device) -> Result<(), super::GpuError> {
+    /// Allocates every slot the budget allows (see the module contract), in arenas of as many
+    /// slots as fit in [`ARENA_BYTES`] and in `max_binding` (at least one each).
+    pub fn reserve(&mut self, device: &wgpu::Device, max_binding: u64) -> Result<(), super::GpuError> {
         let wanted = self.capacity();
+        let per_arena = (ARENA_BYTES.min(max_binding) / self.slot_bytes.max(1)).max(1) as usize;
         while self.slots.len() < wanted {
-            match self.allocate(device) {
-                Ok(buf) => self.slots.push(Slot { buf, key: None, pins: 0 }),
+            let n = per_arena.min(wanted - self.slots.len());
+            match self.allocate(device, n as u64 * self.slot_bytes) {
+                Ok(buf) => {
+                    let arena = self.arenas.len();
+                    self.arenas.push(buf);
+                    let slot_bytes = self.slot_bytes;
+                    self.slots.extend((0..n as u64).map(|k| Slot { arena, at: k * slot_bytes, key: None, pins: 0 }));
+                }
                 Err(msg) => {
                     let got = self.slots.len();
                     // Free them again: the engine does not open.
                     self.slots.clear();
+                    self.arenas.clear();
                     let fits_gb = got as f64 * self.slot_bytes as f64 / 1e9;
                     return Err(super::GpuError::DeviceCache { wanted, got, fits_gb, msg });
                 }
@@ -145,7 +175,7 @@ impl DeviceCache {
 
     /// A pinned slot for an expert about to be uploaded (a free one, or the victim's), or None
     /// when it is not worth a place.
-    pub fn admit(&mut self, layer: usize, expert: u32) -> Option<(usize, wgpu::Buffer)> {
+    pub fn admit(&mut self, layer: usize, expert: u32) -> Option<(usize, Place)> {
         if self.slots.is_empty() {
             return None;
         }
@@ -185,14 +215,14 @@ impl DeviceCache {
         s.key = Some(key);
         s.pins += 1;
         self.map.insert(key, i);
-        Some((i, s.buf.clone()))
+        Some((i, self.place(i)))
     }
 
-    fn allocate(&mut self, device: &wgpu::Device) -> Result<wgpu::Buffer, String> {
+    fn allocate(&mut self, device: &wgpu::Device, size: u64) -> Result<wgpu::Buffer, String> {
         let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let buf = device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("expert cache slot"),
-            size: self.slot_bytes,
+            label: Some("expert cache arena"),
+            size,
             usage: super::device::STAGED,
             mapped_at_creation: false,
         });

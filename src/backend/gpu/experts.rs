@@ -2,18 +2,24 @@
 //! one submission each — w1 and w3 of every expert, SiTU written in the MXFP4 input order, then w2
 //! — with one readback. A submitted group runs while the next group's experts are still read and
 //! uploaded; a group is read back only when the one after it is submitted (or at `finish`).
+//! Experts of one input row each (decode) run as three dispatches per image buffer: every w1 and
+//! w3 in one, SiTU over the whole group in one, every w2 in one (`Gpu::encode_image_matvecs`);
+//! images come from the device cache's arenas or the group's staging arena, so a decode step's
+//! experts are one or two buffers. Otherwise (several rows) each product is its own dispatch.
 //!
 //! Contract: every product is the same kernel on the same bytes and inputs as
 //! `GpuBackend::matmul_mxfp4`, and SiTU is the `ops` kernel, so the outputs equal the per-expert
 //! path on the GPU bit for bit (the CPU's bits where fma is fused); outputs come back in the order
 //! the experts were queued. An expert's bytes are copied before `add` returns (the store may
 //! reuse its buffer at once): its six records at 16-byte-aligned offsets of one image, in a slot
-//! of the device expert cache when it is admitted there (`expert_cache.rs`), else in a pooled
-//! staging buffer; the copy is submitted at once, so host staging memory stays about one expert.
-//! Device memory besides the cache: at most two groups' staging images ([`staging_bytes`]).
+//! of the device expert cache when it is admitted there (`expert_cache.rs`), else in a slot of
+//! the group's pooled staging arena; the copy is submitted at once, so host staging memory stays
+//! about one expert. Device memory besides the cache: at most two groups' staging arenas
+//! ([`staging_bytes`]).
 
 use super::GpuBackend;
-use super::device::{Chunk, Gpu, Kind, OUTPUT, READBACK, Resident, STAGED, Stamp, f32_bytes};
+use super::device::{Chunk, Gpu, Kind, MatvecJob, OUTPUT, READBACK, Resident, STAGED, Stamp, f32_bytes};
+use super::expert_cache::Place;
 use crate::backend::ExpertBatch;
 use crate::cpu::ops::Situ;
 use crate::model::roster::ExpertLayout;
@@ -39,19 +45,10 @@ pub(super) fn staging_bytes(l: &ExpertLayout) -> u64 {
     2 * GROUP as u64 * slot_layout(l).1 as u64
 }
 
-/// Where a queued expert's image is.
-enum Image {
-    Staged(wgpu::Buffer),
-    /// A pinned slot of the device expert cache.
-    Cached(usize, wgpu::Buffer),
-}
-
-impl Image {
-    fn buf(&self) -> &wgpu::Buffer {
-        match self {
-            Image::Staged(b) | Image::Cached(_, b) => b,
-        }
-    }
+/// Where a queued expert's image is, and the device cache slot it pins (None: staged).
+struct Image {
+    place: Place,
+    slot: Option<usize>,
 }
 
 struct Queued {
@@ -80,6 +77,11 @@ pub(super) struct GpuExperts<'a> {
     offs: [usize; 6],
     slot_bytes: usize,
     group: Vec<Queued>,
+    /// The group's staging arenas (the last one is being filled) and the slots used in the last.
+    staging: Vec<wgpu::Buffer>,
+    staged_in_last: usize,
+    /// Images per staging arena: a group's worth, or fewer where a binding holds fewer.
+    per_arena: usize,
     flying: VecDeque<InFlight>,
     outs: Vec<Vec<f32>>,
 }
@@ -88,6 +90,8 @@ impl<'a> GpuExperts<'a> {
     pub(super) fn new(be: &'a GpuBackend, layer: usize, layout: &'a ExpertLayout, situ: Situ) -> Self {
         let (offs, slot_bytes) = slot_layout(layout);
         be.with_cache(|c| c.fit(slot_bytes as u64));
+        // `expert_batch` sends images larger than a binding elsewhere: at least one fits.
+        let per_arena = ((be.gpu.summary.max_binding / slot_bytes.max(1) as u64) as usize).clamp(1, GROUP);
         GpuExperts {
             be,
             layer,
@@ -96,28 +100,94 @@ impl<'a> GpuExperts<'a> {
             offs,
             slot_bytes,
             group: Vec::new(),
+            staging: Vec::new(),
+            staged_in_last: 0,
+            per_arena,
             flying: VecDeque::new(),
             outs: Vec::new(),
         }
+    }
+
+    /// A free slot of the group's staging arena (a new arena when the last is full).
+    fn staging_slot(&mut self) -> Place {
+        if self.staging.is_empty() || self.staged_in_last == self.per_arena {
+            let size = (self.per_arena * self.slot_bytes) as u64;
+            self.staging.push(self.be.gpu.take(STAGED, size));
+            self.staged_in_last = 0;
+        }
+        let at = (self.staged_in_last * self.slot_bytes) as u64;
+        self.staged_in_last += 1;
+        let buf = self.staging.last().cloned().unwrap_or_else(|| unreachable!("an arena was just pushed"));
+        Place { buf, at }
     }
 
     fn gpu(&self) -> &Gpu {
         &self.be.gpu
     }
 
+    /// Words of matrix `i`'s (0: w1, 1: w3, 2: w2) weights and scales in the image's buffer.
+    fn words(&self, image: &Image, i: usize) -> (u32, u32) {
+        let at = image.place.at as usize;
+        (((at + self.offs[2 * i]) / 4) as u32, ((at + self.offs[2 * i + 1]) / 4) as u32)
+    }
+
     /// Matrix `i` (0: w1, 1: w3, 2: w2) of an expert's image.
-    fn mat(&self, image: &wgpu::Buffer, i: usize) -> Resident {
+    fn mat(&self, image: &Image, i: usize) -> Resident {
         let l = self.layout;
         let (rows, cols) = if i == 2 { (l.latent, l.inter) } else { (l.inter, l.latent) };
-        let chunk = Chunk {
-            row0: 0,
-            rows,
-            w: image.clone(),
-            scales: image.clone(),
-            w_off: (self.offs[2 * i] / 4) as u32,
-            s_off: (self.offs[2 * i + 1] / 4) as u32,
-        };
+        let (w_off, s_off) = self.words(image, i);
+        let buf = &image.place.buf;
+        let chunk = Chunk { row0: 0, rows, w: buf.clone(), scales: buf.clone(), w_off, s_off };
         Resident { rows, cols, stride: cols, bytes: (rows * cols / 2 + rows * cols / 32) as u64, chunks: vec![chunk] }
+    }
+
+    /// Encodes a group of one input row per expert: per image buffer (in order of first use) one
+    /// dispatch of every w1 and w3 into `gu` (gate k at `k * inter`, up k at `(e + k) * inter`),
+    /// one SiTU over the whole group into `act`, per buffer one dispatch of every w2 into `y`.
+    fn encode_one_row_group(
+        &self,
+        pass: &mut wgpu::ComputePass<'_>,
+        group: &[Queued],
+        x: &wgpu::Buffer,
+        [gu, act, y]: [&wgpu::Buffer; 3],
+    ) {
+        let (inter, lat) = (self.layout.inter, self.layout.latent);
+        let e = group.len();
+        let mut buffers: Vec<&wgpu::Buffer> = Vec::new();
+        for q in group {
+            if !buffers.contains(&&q.image.place.buf) {
+                buffers.push(&q.image.place.buf);
+            }
+        }
+        let g = self.gpu();
+        let on = |buf: &wgpu::Buffer| -> Vec<(usize, &Queued)> {
+            group.iter().enumerate().filter(|(_, q)| q.image.place.buf == *buf).collect()
+        };
+        for &buf in &buffers {
+            let jobs: Vec<MatvecJob> = on(buf)
+                .into_iter()
+                .flat_map(|(k, q)| {
+                    let ((w1, s1), (w3, s3)) = (self.words(&q.image, 0), self.words(&q.image, 1));
+                    [
+                        MatvecJob { w_off: w1, s_off: s1, x_off: k * lat, out_off: k * inter },
+                        MatvecJob { w_off: w3, s_off: s3, x_off: k * lat, out_off: (e + k) * inter },
+                    ]
+                })
+                .collect();
+            g.encode_image_matvecs(pass, buf, inter, lat, &jobs, x, gu);
+        }
+        let (beta, lb) = (self.situ.beta, self.situ.linear_beta);
+        self.be.ops.encode_situ_deinterleave(g, pass, gu, gu, act, e * inter, e * inter, beta, lb);
+        for &buf in &buffers {
+            let jobs: Vec<MatvecJob> = on(buf)
+                .into_iter()
+                .map(|(k, q)| {
+                    let (w2, s2) = self.words(&q.image, 2);
+                    MatvecJob { w_off: w2, s_off: s2, x_off: k * inter, out_off: k * lat }
+                })
+                .collect();
+            g.encode_image_matvecs(pass, buf, lat, inter, &jobs, act, y);
+        }
     }
 
     /// Submits the queued group as one chain: w1 and w3 of every expert (each into its own
@@ -137,10 +207,14 @@ impl<'a> GpuExperts<'a> {
         }
         let x = g.staged(&f32_bytes(&xs));
         let rows: Vec<usize> = group.iter().map(|q| q.zd.len() / lat).collect();
-        let bufs: Vec<[wgpu::Buffer; 4]> = rows
-            .iter()
-            .map(|&m| [g.output(m * inter), g.output(m * inter), g.output(m * inter), g.output(m * lat)])
-            .collect();
+        let one_row = rows.iter().all(|&m| m == 1);
+        let e = group.len();
+        // One row each: [gate and up, SiTU, w2 out] for the whole group; else those four per expert.
+        let bufs: Vec<wgpu::Buffer> = if one_row {
+            vec![g.output(2 * e * inter), g.output(e * inter), g.output(e * lat)]
+        } else {
+            rows.iter().flat_map(|&m| [m * inter, m * inter, m * inter, m * lat]).map(|n| g.output(n)).collect()
+        };
         let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("experts") });
         let stamp = g.stamp();
         {
@@ -148,34 +222,48 @@ impl<'a> GpuExperts<'a> {
                 label: Some("experts"),
                 timestamp_writes: Stamp::writes(&stamp),
             });
-            for ((q, &off), (&m, [gate, up, _, _])) in group.iter().zip(&x_off).zip(rows.iter().zip(&bufs)) {
-                g.encode_products(&mut pass, &self.mat(q.image.buf(), 0), Kind::Mxfp4, &x, off, gate, 0, m);
-                g.encode_products(&mut pass, &self.mat(q.image.buf(), 1), Kind::Mxfp4, &x, off, up, 0, m);
-            }
-            for (&m, [gate, up, act, _]) in rows.iter().zip(&bufs) {
+            if one_row {
+                self.encode_one_row_group(&mut pass, &group, &x, [&bufs[0], &bufs[1], &bufs[2]]);
+            } else {
+                let per = |k: usize| &bufs[4 * k..4 * k + 4];
+                for (k, (q, &off)) in group.iter().zip(&x_off).enumerate() {
+                    let m = rows[k];
+                    g.encode_products(&mut pass, &self.mat(&q.image, 0), Kind::Mxfp4, &x, off, &per(k)[0], 0, m);
+                    g.encode_products(&mut pass, &self.mat(&q.image, 1), Kind::Mxfp4, &x, off, &per(k)[1], 0, m);
+                }
                 let (beta, lb) = (self.situ.beta, self.situ.linear_beta);
-                self.be.ops.encode_situ_deinterleave(g, &mut pass, gate, up, act, m * inter, beta, lb);
-            }
-            for ((q, &m), [_, _, act, y]) in group.iter().zip(&rows).zip(&bufs) {
-                g.encode_products(&mut pass, &self.mat(q.image.buf(), 2), Kind::Mxfp4, act, 0, y, 0, m);
+                for (k, &m) in rows.iter().enumerate() {
+                    let [gate, up, act, _] = [&per(k)[0], &per(k)[1], &per(k)[2], &per(k)[3]];
+                    self.be.ops.encode_situ_deinterleave(g, &mut pass, gate, up, act, 0, m * inter, beta, lb);
+                }
+                for (k, q) in group.iter().enumerate() {
+                    let (act, y) = (&per(k)[2], &per(k)[3]);
+                    g.encode_products(&mut pass, &self.mat(&q.image, 2), Kind::Mxfp4, act, 0, y, 0, rows[k]);
+                }
             }
         }
         let total: usize = rows.iter().map(|m| m * lat).sum();
         let read = g.take(READBACK, (total.max(1) * 4) as u64);
-        let mut at = 0u64;
-        for (&m, [_, _, _, y]) in rows.iter().zip(&bufs) {
-            let n = (m * lat * 4) as u64;
-            if n > 0 {
-                enc.copy_buffer_to_buffer(y, 0, &read, at, n);
+        if one_row {
+            enc.copy_buffer_to_buffer(&bufs[2], 0, &read, 0, (total * 4) as u64);
+        } else {
+            let mut at = 0u64;
+            for (k, &m) in rows.iter().enumerate() {
+                let n = (m * lat * 4) as u64;
+                if n > 0 {
+                    enc.copy_buffer_to_buffer(&bufs[4 * k + 3], 0, &read, at, n);
+                }
+                at += n;
             }
-            at += n;
         }
         g.stamp_resolve(&mut enc, &stamp);
         g.traffic.submitted((total * 4) as u64);
         let submission = g.queue.submit([enc.finish()]);
         let parts = group.iter().zip(&rows).map(|(q, &m)| (q.index, m * lat)).collect();
         let mut temps: Vec<(wgpu::BufferUsages, wgpu::Buffer)> = vec![(STAGED, x)];
-        temps.extend(bufs.into_iter().flatten().map(|b| (OUTPUT, b)));
+        temps.extend(bufs.into_iter().map(|b| (OUTPUT, b)));
+        // The staging arenas go back to the pool when the group has run.
+        temps.extend(std::mem::take(&mut self.staging).into_iter().map(|b| (STAGED, b)));
         let images = group.into_iter().map(|q| q.image).collect();
         self.flying.push_back(InFlight { submission, read, parts, images, temps, stamp });
         // Keep one group running while the next is filled; older ones are read back now.
@@ -200,11 +288,8 @@ impl<'a> GpuExperts<'a> {
         for (usage, b) in f.temps {
             g.give(usage, b);
         }
-        for image in f.images {
-            match image {
-                Image::Staged(b) => g.give(STAGED, b),
-                Image::Cached(slot, _) => self.be.with_cache(|c| c.unpin(slot)),
-            }
+        for slot in f.images.iter().filter_map(|i| i.slot) {
+            self.be.with_cache(|c| c.unpin(slot));
         }
     }
 
@@ -229,7 +314,7 @@ impl ExpertBatch for GpuExperts<'_> {
         let be = self.be;
         be.profile.time("experts_add_held", &be.gpu.traffic, || {
             let layer = self.layer;
-            let Some((slot, buf)) = self.be.with_cache(|c| c.slot_of(layer, expert)) else {
+            let Some((slot, place)) = self.be.with_cache(|c| c.slot_of(layer, expert)) else {
                 unreachable!("expert {expert} of layer {layer} was claimed as held but is not in the device cache")
             };
             if zd.is_empty() {
@@ -237,7 +322,7 @@ impl ExpertBatch for GpuExperts<'_> {
                 self.outs.push(Vec::new());
                 return;
             }
-            self.queue(Image::Cached(slot, buf), zd);
+            self.queue(Image { place, slot: Some(slot) }, zd);
         })
     }
 
@@ -248,22 +333,23 @@ impl ExpertBatch for GpuExperts<'_> {
                 self.outs.push(Vec::new());
                 return;
             }
-            let g = &self.be.gpu;
             let image = match self.be.with_cache(|c| c.admit(self.layer, expert)) {
-                Some((slot, buf)) => Image::Cached(slot, buf),
-                None => Image::Staged(g.take(STAGED, self.slot_bytes as u64)),
+                Some((slot, place)) => Image { place, slot: Some(slot) },
+                None => Image { place: self.staging_slot(), slot: None },
             };
+            let g = &self.be.gpu;
+            let (buf, base) = (&image.place.buf, image.place.at);
             for (&(o, len), &at) in self.layout.parts.iter().zip(&self.offs) {
                 let part = &bytes[o..o + len];
                 // Queue writes must be whole words: the last partial word goes padded.
                 let whole = len / 4 * 4;
                 if whole > 0 {
-                    g.queue.write_buffer(image.buf(), at as u64, &part[..whole]);
+                    g.queue.write_buffer(buf, base + at as u64, &part[..whole]);
                 }
                 if whole < len {
                     let mut tail = [0u8; 4];
                     tail[..len - whole].copy_from_slice(&part[whole..]);
-                    g.queue.write_buffer(image.buf(), (at + whole) as u64, &tail);
+                    g.queue.write_buffer(buf, base + (at + whole) as u64, &tail);
                 }
             }
             // Hand the writes to the GPU now: queued writes sit in host staging memory until a submit,
@@ -296,11 +382,11 @@ impl Drop for GpuExperts<'_> {
         while !self.flying.is_empty() {
             self.land_oldest();
         }
-        for q in std::mem::take(&mut self.group) {
-            match q.image {
-                Image::Staged(b) => self.be.gpu.give(STAGED, b),
-                Image::Cached(slot, _) => self.be.with_cache(|c| c.unpin(slot)),
-            }
+        for slot in std::mem::take(&mut self.group).iter().filter_map(|q| q.image.slot) {
+            self.be.with_cache(|c| c.unpin(slot));
+        }
+        for b in std::mem::take(&mut self.staging) {
+            self.be.gpu.give(STAGED, b);
         }
     }
 }

@@ -328,7 +328,7 @@ impl Backend for GpuBackend {
         self.with_cache(|c| {
             c.fit(image as u64);
             c.limit_slots(experts);
-            c.reserve(&self.gpu.device)
+            c.reserve(&self.gpu.device, self.gpu.summary.max_binding)
         })?;
         Ok(())
     }

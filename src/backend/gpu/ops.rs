@@ -226,9 +226,9 @@ impl Ops {
         super::device::bind_group(&gpu.device, &self.layout, &[a, b, wq, out, out2, &p])
     }
 
-    /// Encodes SiTU of `n` elements of device buffers `gate` and `up` into `out` in the MXFP4
-    /// input order (`situ_deinterleave`; `n` a multiple of 32), for a chain of dispatches in one
-    /// submission (the batched experts' w1/w3 -> SiTU -> w2).
+    /// Encodes SiTU of `n` elements of device buffers `gate` and `up` (from float `up_off` of
+    /// `up`) into `out` in the MXFP4 input order (`situ_deinterleave`; `n` a multiple of 32), for
+    /// a chain of dispatches in one submission (the batched experts' w1/w3 -> SiTU -> w2).
     #[allow(clippy::too_many_arguments)]
     pub fn encode_situ_deinterleave(
         &self,
@@ -237,12 +237,13 @@ impl Ops {
         gate: &wgpu::Buffer,
         up: &wgpu::Buffer,
         out: &wgpu::Buffer,
+        up_off: usize,
         n: usize,
         beta: f32,
         linear_beta: f32,
     ) {
         let mut params = [0u32; 16];
-        params[..3].copy_from_slice(&[n as u32, beta.to_bits(), linear_beta.to_bits()]);
+        params[..4].copy_from_slice(&[n as u32, beta.to_bits(), linear_beta.to_bits(), up_off as u32]);
         // Bindings 2 (wq) and 4 (out2) are not read by this entry point; any buffers of their
         // kinds do (`out` itself cannot be bound twice as writable; `spare` is never written).
         let bg = self.bind_all(gpu, [gate, up, &gpu.empty, out, &self.spare], params);
