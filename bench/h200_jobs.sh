@@ -1,4 +1,13 @@
+#!/usr/bin/env bash
+# The batched experts' three-dispatch path on the lent H200 (device tool, repo root, .gl/ and .dev/
+# as for bench/h200.sh, plus .dev/deltafin-base: the build to compare with): the gpu tests that
+# check its bits, bench kernels, then decode from the device cache on the 96-KDA-head synth of
+# bench/h200_kda.sh, alternating the two builds, one timed run (GPU timestamps) and the CPU's ids.
+# Writes $OUT/gpu-test.log, kernels.jsonl, run.jsonl, run-ts.jsonl, run-cpu.jsonl.
+# Record: results-2026-12-02-h200-jobs*.
 set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
 for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 mkdir -p /work && { [ -e /work/main ] || ln -s "$PWD" /work/main; }

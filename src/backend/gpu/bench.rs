@@ -12,8 +12,13 @@ use super::device::{Gpu, Kind, MATVEC_ROWS, MAX_GROUPS, PRODUCTS, Params};
 use crate::cpu::{Bf16Mat, Mxfp4Mat};
 use std::time::Instant;
 
-/// The parameter binding of a variant kernel that is not standalone.
-const VARIANT_PARAMS: &str = "@group(0) @binding(4) var<uniform> p: Params;";
+/// The parameter binding of a variant kernel that is not standalone, and matmul.wgsl's scale
+/// lookup on it (the variants were written when both were in products.wgsl).
+const VARIANT_PARAMS: &str = "@group(0) @binding(4) var<uniform> p: Params;
+fn scale_at(idx: u32) -> f32 {
+    let i = p.s_off * 4u + idx;
+    return e8m0((scales[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu);
+}";
 
 /// 32-bit words each thread of the plain read covers (the grid is sized from it).
 const WORDS_PER_THREAD: u64 = 64;
