@@ -249,11 +249,17 @@ fn random_expert(rng: &mut Rng, inter: usize, latent: usize) -> (ExpertLayout, V
 fn the_batched_expert_path_equals_the_per_expert_path() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(11);
-    let situ = Situ { beta: 4.0, linear_beta: 0.0 };
     // 21 experts (more than one group of 16), with 1, 0, 2 and 5 rows (a product per dispatch),
-    // or one row each as in decode (all w1 and w3 of a group in one dispatch, all w2 in another).
-    for ((inter, latent), rows) in [((96usize, 64usize), [1, 0, 2, 5]), ((64, 3584), [1, 0, 2, 5]), ((96, 64), [1; 4])]
-    {
+    // or one row each as in decode (all w1 and w3 of a group in one dispatch, all w2 in another;
+    // 3584 columns take the matvec's tiled path), SiTU with and without its linear clamp.
+    let cases = [
+        ((96usize, 64usize), [1, 0, 2, 5], 0.0),
+        ((64, 3584), [1, 0, 2, 5], 0.0),
+        ((96, 64), [1; 4], 0.0),
+        ((64, 3584), [1; 4], 25.0),
+    ];
+    for ((inter, latent), rows, linear_beta) in cases {
+        let situ = Situ { beta: 4.0, linear_beta };
         let experts: Vec<(ExpertLayout, Vec<u8>)> = (0..21).map(|_| random_expert(&mut rng, inter, latent)).collect();
         let layout = experts[0].0.clone();
         let inputs: Vec<Vec<f32>> = (0..21)
@@ -303,6 +309,58 @@ fn the_batched_expert_path_equals_the_per_expert_path() {
             assert_eq!(same_cpu, total, "fused fma: the CPU's bits");
         }
     }
+}
+
+#[test]
+fn batched_experts_from_the_device_cache_and_staging_in_one_group_equal_the_per_expert_path() {
+    let Some(g) = gpu() else { return };
+    let (inter, latent) = (64usize, 512usize);
+    let mut rng = Rng(23);
+    let experts: Vec<(ExpertLayout, Vec<u8>)> = (0..16).map(|_| random_expert(&mut rng, inter, latent)).collect();
+    let layout = experts[0].0.clone();
+    // Seven slots: each round's group of 16 runs some experts from the cache's arena and the
+    // others from the group's staging arena (two image buffers, so five dispatches).
+    let slot: u64 = layout.parts.iter().map(|&(_, len)| len.div_ceil(16) as u64 * 16).sum();
+    let g = g.with_device_cache(slot * 7 + slot / 2);
+    g.plan_experts(&layout, 100).unwrap();
+    assert_eq!(g.device_expert_slots(), 7);
+    let Some(per_expert) = gpu() else { return };
+    let per_expert = per_expert.with_ops_min(0);
+    let situ = Situ { beta: 4.0, linear_beta: 25.0 };
+    let ids: Vec<u32> = (0..16).collect();
+    let mut held_total = 0;
+    for round in 0..3 {
+        let inputs: Vec<Vec<f32>> = (0..16)
+            .map(|_| {
+                let x = rng.vec(latent);
+                let mut xd = vec![0f32; latent];
+                deinterleave_mxfp4_input(&x, &mut xd);
+                xd
+            })
+            .collect();
+        let mut batch = g.expert_batch(1, &layout, situ);
+        let held = batch.claim_held(&ids);
+        // Held experts first, then the rest as they would land: outputs come in queue order.
+        let order: Vec<usize> = (0..16).filter(|&i| held[i]).chain((0..16).filter(|&i| !held[i])).collect();
+        for &i in &order {
+            if held[i] {
+                batch.add_held(i as u32, &inputs[i]);
+            } else {
+                batch.add(i as u32, &experts[i].1, &inputs[i]);
+            }
+        }
+        let got = batch.finish();
+        for (q, &i) in order.iter().enumerate() {
+            let one = run_expert(&per_expert, &layout, &experts[i].1, situ, &inputs[i]);
+            assert!(
+                got[q].len() == one.len() && got[q].iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "round {round}, expert {i} (held: {}): the batch differs from the per-expert GPU path",
+                held[i]
+            );
+        }
+        held_total += held.iter().filter(|&&h| h).count();
+    }
+    assert!(held_total > 0, "no expert ran from the device cache");
 }
 
 /// Worst |a - b| / max |b| over a vector (0 for equal vectors), and how many elements are

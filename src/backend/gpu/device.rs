@@ -665,7 +665,8 @@ impl Gpu {
     /// The uniform block of a matvec dispatch of `jobs` (at most [`MATVEC_JOBS`]), sized for all
     /// [`MATVEC_JOBS`] that the kernel declares; job 0 carries the count.
     pub(super) fn uniform_jobs(&self, jobs: &[Params]) -> wgpu::Buffer {
-        debug_assert!(!jobs.is_empty() && jobs.len() <= MATVEC_JOBS, "1 to {MATVEC_JOBS} jobs");
+        // More would be dropped from the block (and none leave its output unwritten).
+        assert!(!jobs.is_empty() && jobs.len() <= MATVEC_JOBS, "1 to {MATVEC_JOBS} matvec jobs, not {}", jobs.len());
         let mut contents = vec![0u8; MATVEC_JOBS * PARAMS_BYTES];
         for (i, p) in jobs.iter().take(MATVEC_JOBS).enumerate() {
             let p = Params { count: if i == 0 { jobs.len() as u32 } else { p.count }, ..*p };
@@ -972,5 +973,17 @@ impl Gpu {
             return Err(GpuError::Probe("the fma probe returned NaN".into()));
         }
         Ok(triples.chunks_exact(3).zip(&got).all(|(t, g)| t[0].mul_add(t[1], t[2]).to_bits() == g.to_bits()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_matvec_kernel_declares_as_many_jobs_as_its_uniform_block_holds() {
+        let decl = format!("const MAX_JOBS: u32 = {MATVEC_JOBS}u;");
+        assert!(MATVEC_SHADER.contains(&decl), "kernels/matvec.wgsl must declare `{decl}`");
+        assert_eq!(Params::default().bytes().len(), PARAMS_BYTES);
     }
 }

@@ -5,8 +5,8 @@
 //! Contract: a slot holds one expert's staging image (`experts::slot_layout`) with exactly the
 //! shipped bytes, so running an expert from its slot gives the bits of running it from a fresh
 //! upload. Slots live side by side in a few large buffers (arenas of at most [`ARENA_BYTES`], each
-//! one binding), so the experts a layer runs from the cache are one binding for the batch path's
-//! dispatches. Every slot the budget allows (at most one per routed expert) is allocated when the
+//! one binding), so the experts a layer runs from the cache are in few bindings for the batch
+//! path's dispatches (which do not steer where an expert goes: any free slot, any victim). Every slot the budget allows (at most one per routed expert) is allocated when the
 //! engine opens ([`DeviceCache::reserve`]): device memory the adapter cannot give is an error
 //! before any work, never a failure halfway through a prompt. A slot
 //! claimed or filled by a batch is pinned until that batch finishes, so a layer never overwrites
@@ -21,9 +21,10 @@ use std::collections::HashMap;
 
 type Key = (u32, u32);
 
-/// Bytes of one arena at most (also bounded by the adapter's largest binding): small enough that
-/// running out of device memory is found within about a gigabyte of the budget.
-const ARENA_BYTES: u64 = 1 << 30;
+/// Bytes of one arena at most (also bounded by the adapter's largest binding). Large, so that a
+/// layer's experts are in few buffers (each buffer a group's images are in costs it two
+/// dispatches); the word offsets the kernels take reach 16 GiB.
+const ARENA_BYTES: u64 = 4 << 30;
 
 /// Where a slot's image is: its arena and the byte offset in it (a multiple of 16).
 #[derive(Clone)]

@@ -2,10 +2,11 @@
 //! one submission each — w1 and w3 of every expert, SiTU written in the MXFP4 input order, then w2
 //! — with one readback. A submitted group runs while the next group's experts are still read and
 //! uploaded; a group is read back only when the one after it is submitted (or at `finish`).
-//! Experts of one input row each (decode) run as three dispatches per image buffer: every w1 and
-//! w3 in one, SiTU over the whole group in one, every w2 in one (`Gpu::encode_image_matvecs`);
-//! images come from the device cache's arenas or the group's staging arena, so a decode step's
-//! experts are one or two buffers. Otherwise (several rows) each product is its own dispatch.
+//! Experts of one input row each (decode) run as two dispatches per image buffer and one between
+//! them: every w1 and w3 of the buffer's experts in one, SiTU over the whole group, every w2 in
+//! one (`Gpu::encode_image_matvecs`); images come from the device cache's arenas (a few large
+//! buffers) or the group's staging arena, so a group's images are in a few buffers. Otherwise
+//! (several rows) each product is its own dispatch.
 //!
 //! Contract: every product is the same kernel on the same bytes and inputs as
 //! `GpuBackend::matmul_mxfp4`, and SiTU is the `ops` kernel, so the outputs equal the per-expert
@@ -39,10 +40,17 @@ pub(super) fn slot_layout(l: &ExpertLayout) -> ([usize; 6], usize) {
     (offs, at)
 }
 
-/// Device memory of the staging images the batch path may hold at once (the group being filled
-/// and the one running).
-pub(super) fn staging_bytes(l: &ExpertLayout) -> u64 {
-    2 * GROUP as u64 * slot_layout(l).1 as u64
+/// Images per staging arena: a group's worth, or as many as one binding holds (at least one).
+fn arena_images(slot_bytes: usize, max_binding: u64) -> usize {
+    ((max_binding / slot_bytes.max(1) as u64) as usize).clamp(1, GROUP)
+}
+
+/// Device memory of the staging arenas the batch path may hold at once (the group being filled
+/// and the one running: each as many whole arenas as a group of [`GROUP`] needs).
+pub(super) fn staging_bytes(l: &ExpertLayout, max_binding: u64) -> u64 {
+    let slot = slot_layout(l).1;
+    let per = arena_images(slot, max_binding);
+    2 * (GROUP.div_ceil(per) * per * slot) as u64
 }
 
 /// Where a queued expert's image is, and the device cache slot it pins (None: staged).
@@ -91,7 +99,7 @@ impl<'a> GpuExperts<'a> {
         let (offs, slot_bytes) = slot_layout(layout);
         be.with_cache(|c| c.fit(slot_bytes as u64));
         // `expert_batch` sends images larger than a binding elsewhere: at least one fits.
-        let per_arena = ((be.gpu.summary.max_binding / slot_bytes.max(1) as u64) as usize).clamp(1, GROUP);
+        let per_arena = arena_images(slot_bytes, be.gpu.summary.max_binding);
         GpuExperts {
             be,
             layer,

@@ -324,7 +324,8 @@ impl Backend for GpuBackend {
 
     fn plan_experts(&self, layout: &ExpertLayout, experts: usize) -> Result<(), super::BackendError> {
         let (_, image) = experts::slot_layout(layout);
-        self.staging.store(experts::staging_bytes(layout) as usize, Ordering::Relaxed);
+        let staging = experts::staging_bytes(layout, self.gpu.summary.max_binding);
+        self.staging.store(staging as usize, Ordering::Relaxed);
         self.with_cache(|c| {
             c.fit(image as u64);
             c.limit_slots(experts);
