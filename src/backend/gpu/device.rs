@@ -203,6 +203,9 @@ pub(super) struct Traffic {
     /// Nanoseconds the device spent in timed compute passes ([`Stamp`], with
     /// `DELTAFIN_GPU_TIMESTAMPS`), from its own timestamps.
     pub device_ns: std::sync::atomic::AtomicU64,
+    /// Nanoseconds [`map_words`] checks for a result before it blocks: [`SPIN_WAIT`] on a GPU,
+    /// 0 on a CPU adapter (lavapipe), whose own threads need the cores.
+    pub spin_ns: std::sync::atomic::AtomicU64,
 }
 
 impl Traffic {
@@ -309,8 +312,12 @@ fn padded(b: &[u8]) -> Vec<u8> {
     v
 }
 
+/// How long a readback checks for its result before it blocks until the device is done.
+const SPIN_WAIT: std::time::Duration = std::time::Duration::from_micros(500);
+
 /// The first `floats` words of the mappable buffer `read` once `submission` (None: the latest)
-/// has run on `device` (NaN on a failed readback); `read` is unmapped again.
+/// has run on `device` (NaN on a failed readback); `read` is unmapped again. Checks the device
+/// for up to `traffic.spin_ns` before it blocks.
 pub(super) fn map_words(
     device: &wgpu::Device,
     traffic: &Traffic,
@@ -319,12 +326,26 @@ pub(super) fn map_words(
     submission: Option<wgpu::SubmissionIndex>,
 ) -> Vec<u32> {
     let waited = std::time::Instant::now();
-    read.map_async(wgpu::MapMode::Read, .., |r| {
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = std::sync::Arc::clone(&done);
+    read.map_async(wgpu::MapMode::Read, .., move |r| {
         if let Err(e) = r {
             tracing::error!("GPU readback failed: {e}");
         }
+        flag.store(true, std::sync::atomic::Ordering::Release);
     });
-    if let Err(e) = device.poll(wgpu::PollType::Wait { submission_index: submission, timeout: None }) {
+    // Decode waits on a round trip about thirty times a token, most of them shorter than a
+    // blocking wait's wake-up: check for a while before blocking.
+    let spin = std::time::Duration::from_nanos(traffic.spin_ns.load(std::sync::atomic::Ordering::Relaxed));
+    while !done.load(std::sync::atomic::Ordering::Acquire) && waited.elapsed() < spin {
+        if let Err(e) = device.poll(wgpu::PollType::Poll) {
+            tracing::error!("GPU poll failed: {e}");
+            break;
+        }
+    }
+    if !done.load(std::sync::atomic::Ordering::Acquire)
+        && let Err(e) = device.poll(wgpu::PollType::Wait { submission_index: submission, timeout: None })
+    {
         tracing::error!("GPU wait failed: {e}");
     }
     let ns = waited.elapsed().as_nanos().min(u64::MAX as u128) as u64;
@@ -509,10 +530,14 @@ impl Gpu {
             max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
         };
         let timestamp_period = timed.then(|| queue.get_timestamp_period());
+        let traffic = std::sync::Arc::new(Traffic::default());
+        if info.device_type != wgpu::DeviceType::Cpu {
+            traffic.spin_ns.store(SPIN_WAIT.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+        }
         Ok(Gpu {
             timestamp_period,
             pool: Pool::default(),
-            traffic: Default::default(),
+            traffic,
             id: NEXT_GPU_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             device,
             queue,
