@@ -1,5 +1,7 @@
-# Writes the r4_* / r5_* one-row MXFP4 kernel variants (see README.md) into DIR (default: here):
-#   python3 bench/matvec_variants/variants_r4.py bench/matvec_variants
+# Writes the r4_* / r5_* one-row MXFP4 kernel variants (see README.md) into DIR (default: here),
+# each the shipped kernel's MXFP4 path (its decode read from kernels/matvec.wgsl) with one change:
+#   python3 bench/matvec_variants/variants_r4.py /tmp/r4
+#   deltafin bench kernels --backend gpu --reps 200 --matvec-variants /tmp/r4
 # They cover the bench matrix's case only (blocks a multiple of 8, no scale byte above 240); the
 # ablations (nox, noscale, nocvt) change the output bits by design.
 import os
@@ -8,26 +10,18 @@ HDR = """// trusted
 @group(0) @binding(0) var<storage, read> wv: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 """
-COMMON = """
-fn f16_pair(t: u32) -> vec2<f32> {
-    return unpack2x16float((t & 0x0e000e00u) | ((t & 0x10001000u) << 3u));
-}
-fn mx_step(acc: vec4<f32>, word: u32, s14: f32, xlo: vec4<f32>, xhi: vec4<f32>) -> vec4<f32> {
-    let l02 = f16_pair(word << 9u);
-    let l13 = f16_pair(word << 1u);
-    let h02 = f16_pair(word << 5u);
-    let h13 = f16_pair(word >> 3u);
-    let lo = vec4<f32>(l02.x, l13.x, l02.y, l13.y) * s14;
-    let hi = vec4<f32>(h02.x, h13.x, h02.y, h13.y) * s14;
-    return fma(hi, xhi, fma(lo, xlo, acc));
-}
-fn s14_at(pk: u32, k: u32) -> f32 {
-    if (k == 3u) {
-        return bitcast<f32>((pk >> 1u) & 0x7f800000u);
-    }
-    return bitcast<f32>((pk << (23u - 8u * k)) & 0x7f800000u);
-}
-"""
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def shipped_fn(src, name):
+    """The text of WGSL function `name` in `src` (up to its closing brace at column 0)."""
+    start = src.index("fn " + name + "(")
+    return src[start:src.index("\n}\n", start) + 3]
+
+
+# The shipped kernel's decode, exactly as in kernels/matvec.wgsl.
+SHIPPED = open(os.path.join(HERE, "..", "..", "kernels", "matvec.wgsl")).read()
+COMMON = "\n" + "".join(shipped_fn(SHIPPED, f) for f in ("f16_pair", "mx_step", "s14_at"))
 # alt decode: signs and magnitudes split once per word; each pair one shift each and a combine
 LOP = """
 fn pair_at(w: u32, a: u32, b: u32) -> vec2<f32> {
@@ -81,14 +75,7 @@ const ROWS: u32 = {R}u;
 const TILE_HALF: u32 = {half}u;
 var<workgroup> tile: array<vec4<u32>, {half * bufs}>;
 var<workgroup> part: array<vec4<f32>, {64 * rows_per_thread}>;
-fn store_tile(at: u32, j: u32, v: vec4<u32>) {{
-    let c = j & 3u;
-    tile[at][c] = v.x;
-    tile[at + 2u][c] = v.y;
-    tile[at + 4u][c] = v.z;
-    tile[at + 6u][c] = v.w;
-}}
-@compute @workgroup_size(64)
+{shipped_fn(SHIPPED, "store_tile")}@compute @workgroup_size(64)
 fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {{
     let g = lid.x & 3u;
     let slot = lid.x >> 2u;
