@@ -8,7 +8,8 @@
 //! per thread, and writes one partial per thread (under 2% of the bytes read).
 
 use super::BenchKind;
-use super::device::{Gpu, Kind, MATVEC_ROWS, MAX_GROUPS, PRODUCTS, Params};
+use super::device::{Gpu, Kind, MATVEC_ROWS, MAX_GROUPS, Params};
+use super::kernels::PRODUCTS;
 use crate::cpu::{Bf16Mat, Mxfp4Mat};
 use std::time::Instant;
 

@@ -10,25 +10,22 @@
 use crate::cpu::{Bf16Mat, Mxfp4Mat};
 use wgpu::util::DeviceExt;
 
-const SHADER: &str = include_str!("../../../kernels/matmul.wgsl");
-const MATVEC_SHADER: &str = include_str!("../../../kernels/matvec.wgsl");
-/// Prepended to both product shaders: their parameters, shared bindings and MXFP4 decoders.
-pub(super) const PRODUCTS: &str = include_str!("../../../kernels/products.wgsl");
+use super::kernels::Kernel;
 
-/// A shader module from WGSL sources joined in order (WGSL has no includes).
-pub(super) fn shader(device: &wgpu::Device, label: &str, sources: &[&str]) -> wgpu::ShaderModule {
+/// A kernel's shader module.
+pub(super) fn shader(device: &wgpu::Device, kernel: Kernel) -> wgpu::ShaderModule {
     device.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some(label),
-        source: wgpu::ShaderSource::Wgsl(sources.join("\n").into()),
+        label: Some(kernel.label()),
+        source: wgpu::ShaderSource::Wgsl(kernel.source().into()),
     })
 }
 
 /// A product kernel's module, without the bounds clamps and loop counters wgpu would inject
 /// (measured on the H200: the MXFP4 matvec ran 5-7% faster without them).
-fn product_shader(device: &wgpu::Device, label: &str, sources: &[&str]) -> wgpu::ShaderModule {
+fn product_shader(device: &wgpu::Device, kernel: Kernel) -> wgpu::ShaderModule {
     let desc = wgpu::ShaderModuleDescriptor {
-        label: Some(label),
-        source: wgpu::ShaderSource::Wgsl(sources.join("\n").into()),
+        label: Some(kernel.label()),
+        source: wgpu::ShaderSource::Wgsl(kernel.source().into()),
     };
     // SAFETY: the product kernels index only within their bindings and workgroup arrays: every
     // buffer index is bounded by the shapes and offsets the host sets from the matrices it bound
@@ -509,8 +506,8 @@ impl Gpu {
             ..Default::default()
         }))
         .map_err(|e| GpuError::Device { adapter: info.name.clone(), msg: e.to_string() })?;
-        let module = product_shader(&device, "matmul.wgsl", &[PRODUCTS, SHADER]);
-        let mv_module = product_shader(&device, "matvec.wgsl", &[PRODUCTS, MATVEC_SHADER]);
+        let module = product_shader(&device, Kernel::Matmul);
+        let mv_module = product_shader(&device, Kernel::Matvec);
         // w, scales, x (read), out (written), then the uniform parameters.
         let layout = ComputeLayout::new(&device, "matmul", &[true, true, true, false]);
         let pipeline = |module: &wgpu::ShaderModule, entry: &str| layout.pipeline(&device, module, entry);
@@ -1008,7 +1005,7 @@ mod tests {
     #[test]
     fn the_matvec_kernel_declares_as_many_jobs_as_its_uniform_block_holds() {
         let decl = format!("const MAX_JOBS: u32 = {MATVEC_JOBS}u;");
-        assert!(MATVEC_SHADER.contains(&decl), "kernels/matvec.wgsl must declare `{decl}`");
+        assert!(super::super::kernels::MATVEC.contains(&decl), "kernels/matvec.wgsl must declare `{decl}`");
         assert_eq!(Params::default().bytes().len(), PARAMS_BYTES);
     }
 }

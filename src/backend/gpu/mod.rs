@@ -22,6 +22,7 @@ mod bench;
 mod device;
 mod expert_cache;
 mod experts;
+mod kernels;
 mod ops;
 mod profile;
 mod state;

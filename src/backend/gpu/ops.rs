@@ -13,13 +13,7 @@
 //! (see [`Limits`]).
 
 use super::device::{ComputeLayout, Gpu, Stamp, shader};
-
-const DETMATH: &str = include_str!("../../../kernels/detmath.wgsl");
-const OPS_COMMON: &str = include_str!("../../../kernels/ops_common.wgsl");
-const NORM: &str = include_str!("../../../kernels/norm.wgsl");
-const ROUTE: &str = include_str!("../../../kernels/route.wgsl");
-const KDA: &str = include_str!("../../../kernels/kda.wgsl");
-const MLA: &str = include_str!("../../../kernels/mla.wgsl");
+use super::kernels::Kernel;
 
 /// The kernels' fixed sizes; larger calls stay on the CPU.
 pub struct Limits;
@@ -81,9 +75,9 @@ impl Ops {
         let device = &gpu.device;
         // a, b, wq (read), out, out2 (written), then the parameters.
         let layout = ComputeLayout::new(device, "ops", &[true, true, true, false, false]);
-        let module = |label: &str, src: &str| shader(device, label, &[DETMATH, OPS_COMMON, src]);
+        let module = |k| shader(device, k);
         let (norm, route, kda, mla) =
-            (module("norm.wgsl", NORM), module("route.wgsl", ROUTE), module("kda.wgsl", KDA), module("mla.wgsl", MLA));
+            (module(Kernel::Norm), module(Kernel::Route), module(Kernel::Kda), module(Kernel::Mla));
         let pipeline = |m: &wgpu::ShaderModule, entry: &str| layout.pipeline(device, m, entry);
         Ops {
             rms: pipeline(&norm, "rms_norm_rows"),
