@@ -57,6 +57,12 @@ fn mx_step(acc: vec4<f32>, word: u32, s14: f32, xlo: vec4<f32>, xhi: vec4<f32>) 
 }
 """
 
+def guarded(cond, n, stmt, indent):
+    """`if (cond) { stmt for k in 0..n }` at `indent` (stmt formats `{k}`)."""
+    body = "".join(f"{indent}    {stmt.format(k=k)}\n" for k in range(n))
+    return f"{indent}if ({cond}) {{\n{body}{indent}}}\n"
+
+
 def kernel(rows_per_thread=1, depth=1, xmode="load", scale=True, decode="ship"):
     R = 16 * rows_per_thread
     bufs = 2
@@ -98,27 +104,18 @@ fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
         src += f"    let sw{q} = p.s_off + ((er{q} * blocks) >> 2u);\n"
         src += f"    var acc{q} = vec4<f32>(0.0);\n"
     # prologue: tile 0 into buffer 0; with register distance 2, tile 1 into registers
-    src += "    if (0u < tiles) {\n"
-    for k in range(ncopy):
-        src += f"        store_tile(dst{k}, j, wv[src{k}]);\n"
-    src += "    }\n"
+    src += guarded("0u < tiles", ncopy, "store_tile(dst{k}, j, wv[src{k}]);", "    ")
     if depth == 2:
         for k in range(ncopy):
             src += f"    var a{k} = vec4<u32>(0u);\n"
-        src += "    if (1u < tiles) {\n"
-        for k in range(ncopy):
-            src += f"        a{k} = wv[src{k} + 8u];\n"
-        src += "    }\n"
+        src += guarded("1u < tiles", ncopy, "a{k} = wv[src{k} + 8u];", "    ")
     src += "    workgroupBarrier();\n"
     src += "    for (var t = 0u; t < tiles; t = t + 1u) {\n"
     src += "        let cur = (t & 1u) * TILE_HALF;\n"
     src += "        let nxt = TILE_HALF - cur;\n"
     for k in range(ncopy):
         src += f"        var v{k} = vec4<u32>(0u);\n"
-    src += f"        if (t + {depth}u < tiles) {{\n"
-    for k in range(ncopy):
-        src += f"            v{k} = wv[src{k} + (t + {depth}u) * 8u];\n"
-    src += "        }\n"
+    src += guarded(f"t + {depth}u < tiles", ncopy, f"v{{k}} = wv[src{{k}} + (t + {depth}u) * 8u];", "        ")
     src += "        let xi = x0 + t * 64u + g;\n"
     if xmode == "load":
         for i in range(16):
@@ -139,10 +136,7 @@ fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
             pk = "pa" if i < 4 else "pb"
             src += f"        acc{q} = mx_step(acc{q}, {w}, s14_at({pk}, {i % 4}u), {xs[2*i]}, {xs[2*i+1]});\n"
         src += "        }\n"
-    src += "        if (t + 1u < tiles) {\n"
-    for k in range(ncopy):
-        src += f"            store_tile(nxt + dst{k}, j, {'a' if depth == 2 else 'v'}{k});\n"
-    src += "        }\n"
+    src += guarded("t + 1u < tiles", ncopy, "store_tile(nxt + dst{k}, j, " + ("a" if depth == 2 else "v") + "{k});", "        ")
     if depth == 2:
         for k in range(ncopy):
             src += f"        a{k} = v{k};\n"

@@ -90,7 +90,7 @@ impl Gpu {
         let x = self.storage("x", &Gpu::input_bytes(&xs, cols, r.stride));
         let o = self.output(rows);
         let c = &r.chunks[0];
-        let p = self.uniform(Params {
+        let p = self.uniform_jobs(&[Params {
             rows: c.rows as u32,
             cols: cols as u32,
             n: 1,
@@ -99,7 +99,7 @@ impl Gpu {
             out_rows: rows as u32,
             stride: r.stride as u32,
             ..Default::default()
-        });
+        }]);
         let bg = self.bind(&c.w, &c.scales, &x, &o, &p);
         let run = |pipe: &wgpu::ComputePipeline, per_group: usize, reps: usize| {
             let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
@@ -228,7 +228,8 @@ impl PlainRead {
                 let words = b.size() / 4;
                 let wgs = words.div_ceil(256 * WORDS_PER_THREAD).clamp(1, 65_535) as u32;
                 let partial = gpu.output(wgs as usize * 256);
-                let p = gpu.uniform(Default::default());
+                // `read_all` is in the matvec module, whose parameter binding is its job list.
+                let p = gpu.uniform_jobs(&[Params::default()]);
                 (gpu.bind(b, b, x, &partial, &p), wgs)
             })
             .collect();

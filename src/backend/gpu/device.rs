@@ -679,26 +679,53 @@ impl Gpu {
         bind_group(&self.device, &self.products_layout.bind, &[w, s, x, out, p])
     }
 
-    /// The uniform block of one product (a matvec dispatch of one job).
+    /// The uniform block of one `matmul.wgsl` product (one `Params`).
     pub(super) fn uniform(&self, p: Params) -> wgpu::Buffer {
-        self.uniform_jobs(&[p])
+        self.uniform_bytes(&p.bytes())
     }
 
-    /// The uniform block of a matvec dispatch of `jobs` (at most [`MATVEC_JOBS`]), sized for all
-    /// [`MATVEC_JOBS`] that the kernel declares; job 0 carries the count.
+    /// The uniform block of a `matvec.wgsl` dispatch of `jobs` (at most [`MATVEC_JOBS`]), sized
+    /// for all [`MATVEC_JOBS`] that the kernel declares; job 0 carries the count.
     pub(super) fn uniform_jobs(&self, jobs: &[Params]) -> wgpu::Buffer {
         // More would be dropped from the block (and none leave its output unwritten).
         assert!(!jobs.is_empty() && jobs.len() <= MATVEC_JOBS, "1 to {MATVEC_JOBS} matvec jobs, not {}", jobs.len());
         let mut contents = vec![0u8; MATVEC_JOBS * PARAMS_BYTES];
-        for (i, p) in jobs.iter().take(MATVEC_JOBS).enumerate() {
-            let p = Params { count: if i == 0 { jobs.len() as u32 } else { p.count }, ..*p };
-            contents[i * PARAMS_BYTES..(i + 1) * PARAMS_BYTES].copy_from_slice(&p.bytes());
+        for (slot, p) in contents.chunks_exact_mut(PARAMS_BYTES).zip(jobs) {
+            slot.copy_from_slice(&p.bytes());
         }
+        contents[PARAMS_BYTES - 4..PARAMS_BYTES].copy_from_slice(&(jobs.len() as u32).to_le_bytes());
+        self.uniform_bytes(&contents)
+    }
+
+    fn uniform_bytes(&self, contents: &[u8]) -> wgpu::Buffer {
         self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some("params"),
-            contents: &contents,
+            contents,
             usage: wgpu::BufferUsages::UNIFORM,
         })
+    }
+
+    /// Encodes `jobs` (one-row products, each `Params` with its own offsets) as matvec dispatches
+    /// of at most [`MATVEC_JOBS`] over the same bindings; every job has `jobs[0]`'s row count.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch_matvecs(
+        &self,
+        pass: &mut wgpu::ComputePass<'_>,
+        w: &wgpu::Buffer,
+        s: &wgpu::Buffer,
+        x: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+        jobs: &[Params],
+    ) {
+        pass.set_pipeline(&self.matvec);
+        for batch in jobs.chunks(MATVEC_JOBS) {
+            let u = self.uniform_jobs(batch);
+            pass.set_bind_group(0, &self.bind(w, s, x, out, &u), &[]);
+            let groups = (batch[0].rows as usize).div_ceil(MATVEC_ROWS) * batch.len();
+            // Workgroups past 65535 go to a second dimension (the kernel folds it back).
+            let gx = groups.clamp(1, MAX_GROUPS);
+            pass.dispatch_workgroups(gx as u32, groups.div_ceil(gx) as u32, 1);
+        }
     }
 
     pub(super) fn output(&self, floats: usize) -> wgpu::Buffer {
@@ -787,11 +814,11 @@ impl Gpu {
         out_off: usize,
         n: usize,
     ) {
-        let (pipeline, per_group, inputs_per_group) =
-            if n == 1 { (&self.matvec, MATVEC_ROWS, 1) } else { (&self.matmul, ROWS_PER_GROUP, XR) };
-        pass.set_pipeline(pipeline);
+        if n != 1 {
+            pass.set_pipeline(&self.matmul);
+        }
         for c in &r.chunks {
-            let p = self.uniform(Params {
+            let p = Params {
                 rows: c.rows as u32,
                 cols: r.cols as u32,
                 n: n as u32,
@@ -804,16 +831,13 @@ impl Gpu {
                 x_off: x_off as u32,
                 out_off: out_off as u32,
                 count: 1,
-            });
-            let bg = self.bind(&c.w, &c.scales, x, out, &p);
-            pass.set_bind_group(0, &bg, &[]);
-            let groups = c.rows.div_ceil(per_group);
+            };
             if n == 1 {
-                // Rows past 65535 workgroups go to a second dimension (the kernels fold it back).
-                let gx = groups.clamp(1, MAX_GROUPS);
-                pass.dispatch_workgroups(gx as u32, groups.div_ceil(gx) as u32, 1);
+                self.dispatch_matvecs(pass, &c.w, &c.scales, x, out, &[p]);
             } else {
-                pass.dispatch_workgroups(groups as u32, n.div_ceil(inputs_per_group) as u32, 1);
+                let u = self.uniform(p);
+                pass.set_bind_group(0, &self.bind(&c.w, &c.scales, x, out, &u), &[]);
+                pass.dispatch_workgroups(c.rows.div_ceil(ROWS_PER_GROUP) as u32, n.div_ceil(XR) as u32, 1);
             }
         }
     }
@@ -836,31 +860,23 @@ impl Gpu {
         if rows == 0 {
             return;
         }
-        pass.set_pipeline(&self.matvec);
-        for batch in jobs.chunks(MATVEC_JOBS) {
-            let params: Vec<Params> = batch
-                .iter()
-                .map(|j| Params {
-                    rows: rows as u32,
-                    cols: cols as u32,
-                    n: 1,
-                    kind: Kind::Mxfp4 as u32,
-                    out_rows: rows as u32,
-                    w_off: j.w_off,
-                    s_off: j.s_off,
-                    stride: cols as u32,
-                    x_off: j.x_off as u32,
-                    out_off: j.out_off as u32,
-                    ..Default::default()
-                })
-                .collect();
-            let u = self.uniform_jobs(&params);
-            let bg = self.bind(image, image, x, out, &u);
-            pass.set_bind_group(0, &bg, &[]);
-            let groups = rows.div_ceil(MATVEC_ROWS) * batch.len();
-            let gx = groups.clamp(1, MAX_GROUPS);
-            pass.dispatch_workgroups(gx as u32, groups.div_ceil(gx) as u32, 1);
-        }
+        let params: Vec<Params> = jobs
+            .iter()
+            .map(|j| Params {
+                rows: rows as u32,
+                cols: cols as u32,
+                n: 1,
+                kind: Kind::Mxfp4 as u32,
+                out_rows: rows as u32,
+                w_off: j.w_off,
+                s_off: j.s_off,
+                stride: cols as u32,
+                x_off: j.x_off as u32,
+                out_off: j.out_off as u32,
+                ..Default::default()
+            })
+            .collect();
+        self.dispatch_matvecs(pass, image, image, x, out, &params);
     }
 
     /// The input rows `xs` (`cols` each) as the product kernels read them: for `n == 1` padded

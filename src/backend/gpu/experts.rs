@@ -149,57 +149,79 @@ impl<'a> GpuExperts<'a> {
         Resident { rows, cols, stride: cols, bytes: (rows * cols / 2 + rows * cols / 32) as u64, chunks: vec![chunk] }
     }
 
-    /// Encodes a group of one input row per expert: per image buffer (in order of first use) one
-    /// dispatch of every w1 and w3 into `gu` (gate k at `k * inter`, up k at `(e + k) * inter`),
-    /// one SiTU over the whole group into `act`, per buffer one dispatch of every w2 into `y`.
-    fn encode_one_row_group(
+    /// Encodes the group into `gu`, `act` and `y`, expert k's rows after the `before[k]` rows of
+    /// the experts queued ahead of it (`total` rows in all): w1 into `gu` at `before[k] * inter`
+    /// and w3 at `(total + before[k]) * inter`, one SiTU over the whole group into `act`, w2 into
+    /// `y` at `before[k] * lat`. With one row per expert the products of each image buffer are two
+    /// dispatches (every w1 and w3, then every w2); otherwise each product is its own.
+    fn encode_group(
         &self,
         pass: &mut wgpu::ComputePass<'_>,
         group: &[Queued],
+        before: &[usize],
         x: &wgpu::Buffer,
         [gu, act, y]: [&wgpu::Buffer; 3],
     ) {
         let (inter, lat) = (self.layout.inter, self.layout.latent);
-        let e = group.len();
+        let g = self.gpu();
+        let rows = |k: usize| group[k].zd.len() / lat;
+        let total = before.last().map_or(0, |&b| b + rows(group.len() - 1));
+        let one_row = (0..group.len()).all(|k| rows(k) == 1);
         let mut buffers: Vec<&wgpu::Buffer> = Vec::new();
         for q in group {
             if !buffers.contains(&&q.image.place.buf) {
                 buffers.push(&q.image.place.buf);
             }
         }
-        let g = self.gpu();
-        let on = |buf: &wgpu::Buffer| -> Vec<(usize, &Queued)> {
-            group.iter().enumerate().filter(|(_, q)| q.image.place.buf == *buf).collect()
+        let on = |buf: &wgpu::Buffer| -> Vec<usize> {
+            (0..group.len()).filter(|&k| group[k].image.place.buf == *buf).collect()
         };
-        for &buf in &buffers {
-            let jobs: Vec<MatvecJob> = on(buf)
-                .into_iter()
-                .flat_map(|(k, q)| {
-                    let ((w1, s1), (w3, s3)) = (self.words(&q.image, 0), self.words(&q.image, 1));
-                    [
-                        MatvecJob { w_off: w1, s_off: s1, x_off: k * lat, out_off: k * inter },
-                        MatvecJob { w_off: w3, s_off: s3, x_off: k * lat, out_off: (e + k) * inter },
-                    ]
-                })
-                .collect();
-            g.encode_image_matvecs(pass, buf, inter, lat, &jobs, x, gu);
+        // (matrix, output offset in `gu`) of expert k's w1 and w3.
+        let gate_up = |k: usize| [(0, before[k] * inter), (1, (total + before[k]) * inter)];
+        if one_row {
+            for &buf in &buffers {
+                let jobs: Vec<MatvecJob> = on(buf)
+                    .into_iter()
+                    .flat_map(|k| {
+                        gate_up(k).map(|(i, out_off)| {
+                            let (w_off, s_off) = self.words(&group[k].image, i);
+                            MatvecJob { w_off, s_off, x_off: before[k] * lat, out_off }
+                        })
+                    })
+                    .collect();
+                g.encode_image_matvecs(pass, buf, inter, lat, &jobs, x, gu);
+            }
+        } else {
+            for k in 0..group.len() {
+                for (i, out_off) in gate_up(k) {
+                    let m = self.mat(&group[k].image, i);
+                    g.encode_products(pass, &m, Kind::Mxfp4, x, before[k] * lat, gu, out_off, rows(k));
+                }
+            }
         }
         let (beta, lb) = (self.situ.beta, self.situ.linear_beta);
-        self.be.ops.encode_situ_deinterleave(g, pass, gu, gu, act, e * inter, e * inter, beta, lb);
-        for &buf in &buffers {
-            let jobs: Vec<MatvecJob> = on(buf)
-                .into_iter()
-                .map(|(k, q)| {
-                    let (w2, s2) = self.words(&q.image, 2);
-                    MatvecJob { w_off: w2, s_off: s2, x_off: k * inter, out_off: k * lat }
-                })
-                .collect();
-            g.encode_image_matvecs(pass, buf, lat, inter, &jobs, act, y);
+        self.be.ops.encode_situ_deinterleave(g, pass, gu, gu, act, total * inter, total * inter, beta, lb);
+        if one_row {
+            for &buf in &buffers {
+                let jobs: Vec<MatvecJob> = on(buf)
+                    .into_iter()
+                    .map(|k| {
+                        let (w_off, s_off) = self.words(&group[k].image, 2);
+                        MatvecJob { w_off, s_off, x_off: before[k] * inter, out_off: before[k] * lat }
+                    })
+                    .collect();
+                g.encode_image_matvecs(pass, buf, lat, inter, &jobs, act, y);
+            }
+        } else {
+            for k in 0..group.len() {
+                let m = self.mat(&group[k].image, 2);
+                g.encode_products(pass, &m, Kind::Mxfp4, act, before[k] * inter, y, before[k] * lat, rows(k));
+            }
         }
     }
 
-    /// Submits the queued group as one chain: w1 and w3 of every expert (each into its own
-    /// buffer, so no product waits for another by data), SiTU into w2's input order, w2, one readback.
+    /// Submits the queued group as one chain: w1 and w3 of every expert, SiTU into w2's input
+    /// order, w2, one readback.
     fn flush(&mut self) {
         let group = std::mem::take(&mut self.group);
         if group.is_empty() {
@@ -207,22 +229,15 @@ impl<'a> GpuExperts<'a> {
         }
         let (inter, lat) = (self.layout.inter, self.layout.latent);
         let g = self.gpu();
-        let mut xs = Vec::new();
-        let mut x_off = Vec::new();
+        let mut before = Vec::with_capacity(group.len());
+        let mut total = 0;
         for q in &group {
-            x_off.push(xs.len());
-            xs.extend_from_slice(&q.zd);
+            before.push(total);
+            total += q.zd.len() / lat;
         }
+        let xs: Vec<f32> = group.iter().flat_map(|q| q.zd.iter().copied()).collect();
         let x = g.staged(&f32_bytes(&xs));
-        let rows: Vec<usize> = group.iter().map(|q| q.zd.len() / lat).collect();
-        let one_row = rows.iter().all(|&m| m == 1);
-        let e = group.len();
-        // One row each: [gate and up, SiTU, w2 out] for the whole group; else those four per expert.
-        let bufs: Vec<wgpu::Buffer> = if one_row {
-            vec![g.output(2 * e * inter), g.output(e * inter), g.output(e * lat)]
-        } else {
-            rows.iter().flat_map(|&m| [m * inter, m * inter, m * inter, m * lat]).map(|n| g.output(n)).collect()
-        };
+        let bufs = [g.output(2 * total * inter), g.output(total * inter), g.output(total * lat)];
         let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("experts") });
         let stamp = g.stamp();
         {
@@ -230,44 +245,14 @@ impl<'a> GpuExperts<'a> {
                 label: Some("experts"),
                 timestamp_writes: Stamp::writes(&stamp),
             });
-            if one_row {
-                self.encode_one_row_group(&mut pass, &group, &x, [&bufs[0], &bufs[1], &bufs[2]]);
-            } else {
-                let per = |k: usize| &bufs[4 * k..4 * k + 4];
-                for (k, (q, &off)) in group.iter().zip(&x_off).enumerate() {
-                    let m = rows[k];
-                    g.encode_products(&mut pass, &self.mat(&q.image, 0), Kind::Mxfp4, &x, off, &per(k)[0], 0, m);
-                    g.encode_products(&mut pass, &self.mat(&q.image, 1), Kind::Mxfp4, &x, off, &per(k)[1], 0, m);
-                }
-                let (beta, lb) = (self.situ.beta, self.situ.linear_beta);
-                for (k, &m) in rows.iter().enumerate() {
-                    let [gate, up, act, _] = [&per(k)[0], &per(k)[1], &per(k)[2], &per(k)[3]];
-                    self.be.ops.encode_situ_deinterleave(g, &mut pass, gate, up, act, 0, m * inter, beta, lb);
-                }
-                for (k, q) in group.iter().enumerate() {
-                    let (act, y) = (&per(k)[2], &per(k)[3]);
-                    g.encode_products(&mut pass, &self.mat(&q.image, 2), Kind::Mxfp4, act, 0, y, 0, rows[k]);
-                }
-            }
+            self.encode_group(&mut pass, &group, &before, &x, [&bufs[0], &bufs[1], &bufs[2]]);
         }
-        let total: usize = rows.iter().map(|m| m * lat).sum();
-        let read = g.take(READBACK, (total.max(1) * 4) as u64);
-        if one_row {
-            enc.copy_buffer_to_buffer(&bufs[2], 0, &read, 0, (total * 4) as u64);
-        } else {
-            let mut at = 0u64;
-            for (k, &m) in rows.iter().enumerate() {
-                let n = (m * lat * 4) as u64;
-                if n > 0 {
-                    enc.copy_buffer_to_buffer(&bufs[4 * k + 3], 0, &read, at, n);
-                }
-                at += n;
-            }
-        }
+        let read = g.take(READBACK, (total.max(1) * lat * 4) as u64);
+        enc.copy_buffer_to_buffer(&bufs[2], 0, &read, 0, (total * lat * 4) as u64);
         g.stamp_resolve(&mut enc, &stamp);
-        g.traffic.submitted((total * 4) as u64);
+        g.traffic.submitted((total * lat * 4) as u64);
         let submission = g.queue.submit([enc.finish()]);
-        let parts = group.iter().zip(&rows).map(|(q, &m)| (q.index, m * lat)).collect();
+        let parts = group.iter().map(|q| (q.index, q.zd.len())).collect();
         let mut temps: Vec<(wgpu::BufferUsages, wgpu::Buffer)> = vec![(STAGED, x)];
         temps.extend(bufs.into_iter().map(|b| (OUTPUT, b)));
         // The staging arenas go back to the pool when the group has run.
