@@ -42,6 +42,10 @@ pub struct KernelArgs {
     /// on the 49152 x 3584 matrix, with whether its output bits equal the shipped kernel's.
     #[arg(long, value_name = "DIR", hide = true)]
     matvec_variants: Option<PathBuf>,
+    /// Development: rows of the GPU's MXFP4 matvec matrix and of the variants' (a multiple of 16;
+    /// 49152 is one layer's 16 routed w1, 98304 their w1 and w3 as one decode dispatch).
+    #[arg(long, value_name = "N", default_value_t = 16 * 3072, hide = true)]
+    matvec_rows: usize,
 }
 
 #[derive(Args)]
@@ -309,7 +313,7 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
 }
 
 /// The GPU kernels at K3's shapes: the MXFP4 matvec over one MoE layer's 16 routed w1 matrices
-/// (49152 x 3584, larger than any GPU's L2) and the bf16 trunk matvec (12288 x 7168), each against
+/// (49152 x 3584, larger than any GPU's L2; `--matvec-rows` for other heights) and the bf16 trunk matvec (12288 x 7168), each against
 /// a plain read of the same bytes; one expert's w1 alone (3072 x 3584); the `rows`-row MXFP4
 /// matmul on one expert's w1 and bf16 matmul on `routed_expert_down_proj` (3584 x 7168).
 /// `round_trip_us`: one tiny product's upload, submission and readback.
@@ -319,7 +323,10 @@ fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     use crate::backend::gpu::{BenchKind, GpuBackend};
     let g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
     let reps = a.reps.max(1);
-    let (mr, mc) = (16 * 3072usize, 3584usize);
+    if a.matvec_rows == 0 || a.matvec_rows % 16 != 0 {
+        bail!("--matvec-rows must be a positive multiple of 16, got {}", a.matvec_rows);
+    }
+    let (mr, mc) = (a.matvec_rows, 3584usize);
     let mx_bytes = (mr * mc / 2 + mr * mc / 32) as f64;
     let (er, ec) = (3072usize, 3584usize);
     let (br, bc) = (12288usize, 7168usize);
