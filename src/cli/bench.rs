@@ -323,7 +323,7 @@ fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     use crate::backend::gpu::{BenchKind, GpuBackend};
     let g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
     let reps = a.reps.max(1);
-    if a.matvec_rows == 0 || a.matvec_rows % 16 != 0 {
+    if a.matvec_rows == 0 || !a.matvec_rows.is_multiple_of(16) {
         bail!("--matvec-rows must be a positive multiple of 16, got {}", a.matvec_rows);
     }
     let (mr, mc) = (a.matvec_rows, 3584usize);

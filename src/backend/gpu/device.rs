@@ -113,6 +113,8 @@ const PRODUCT_ROWS: usize = 65_535 * XR;
 pub enum GpuError {
     #[error("no GPU adapter found (wgpu saw: {seen}); use --backend cpu")]
     NoAdapter { seen: String },
+    #[error("the GPU adapter {adapter} cannot run deltafin's kernels: {why}; use --backend cpu")]
+    Limits { adapter: String, why: String },
     #[error("cannot open the GPU device {adapter}: {msg}")]
     Device { adapter: String, msg: String },
     #[error("the GPU probe failed: {0}")]
@@ -494,6 +496,9 @@ impl Gpu {
         };
         let info = adapter.get_info();
         let limits = adapter.limits();
+        if let Some(why) = super::kernels::limit_shortfall(&limits) {
+            return Err(GpuError::Limits { adapter: info.name.clone(), why });
+        }
         let wanted = timestamps_wanted();
         let timed = wanted && adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
         if wanted && !timed {

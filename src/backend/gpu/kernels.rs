@@ -17,6 +17,30 @@ const ROUTE: &str = include_str!("../../../kernels/route.wgsl");
 const KDA: &str = include_str!("../../../kernels/kda.wgsl");
 const MLA: &str = include_str!("../../../kernels/mla.wgsl");
 
+/// The most workgroup memory any module declares, in bytes (`kda.wgsl`: its column of the state
+/// and three rows), and the most threads in any workgroup: what an adapter must allow. A unit test
+/// keeps both equal to what the modules declare.
+pub(super) const WORKGROUP_STORAGE_BYTES: u32 = 17_920;
+pub(super) const WORKGROUP_INVOCATIONS: u32 = 256;
+/// The most storage buffers any module binds (the ops layout in ops.rs: three read, two written).
+pub(super) const STORAGE_BUFFERS: u32 = 5;
+
+/// Which of the adapter's limits is below what the kernels need (None: all of them suffice).
+/// Checked before any module is compiled, so that an adapter that cannot run them is an error
+/// that names the limit (and `--backend auto` takes the CPU) rather than a failed pipeline.
+pub(super) fn limit_shortfall(limits: &wgpu::Limits) -> Option<String> {
+    let checks = [
+        ("bytes of workgroup memory", limits.max_compute_workgroup_storage_size, WORKGROUP_STORAGE_BYTES),
+        ("threads per workgroup", limits.max_compute_invocations_per_workgroup, WORKGROUP_INVOCATIONS),
+        ("threads in a workgroup's x dimension", limits.max_compute_workgroup_size_x, WORKGROUP_INVOCATIONS),
+        ("storage buffers per shader stage", limits.max_storage_buffers_per_shader_stage, STORAGE_BUFFERS),
+    ];
+    checks
+        .iter()
+        .find(|(_, have, need)| have < need)
+        .map(|(what, have, need)| format!("it allows {have} {what}, the kernels need {need}"))
+}
+
 /// One compiled module.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) enum Kernel {
@@ -61,6 +85,53 @@ impl Kernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The module's workgroup variables (all of them, whichever entry point uses them: an upper
+    /// bound) in bytes, its largest workgroup, and its storage buffers.
+    fn workgroup_needs(k: Kernel) -> (u32, u32, u32) {
+        let module = naga::front::wgsl::parse_str(&k.source()).expect("kernel parses");
+        let mut layouter = naga::proc::Layouter::default();
+        layouter.update(module.to_ctx()).expect("kernel types lay out");
+        let bytes = module
+            .global_variables
+            .iter()
+            .filter(|(_, v)| v.space == naga::AddressSpace::WorkGroup)
+            .map(|(_, v)| layouter[v.ty].size)
+            .sum();
+        let threads = module.entry_points.iter().map(|e| e.workgroup_size.iter().product::<u32>()).max().unwrap_or(1);
+        let storage = module
+            .global_variables
+            .iter()
+            .filter(|(_, v)| matches!(v.space, naga::AddressSpace::Storage { .. }))
+            .count();
+        (bytes, threads, storage as u32)
+    }
+
+    #[test]
+    fn the_stated_workgroup_needs_are_the_modules_own() {
+        let needs: Vec<(u32, u32, u32)> = Kernel::ALL.iter().map(|&k| workgroup_needs(k)).collect();
+        for (k, (bytes, threads, storage)) in Kernel::ALL.iter().zip(&needs) {
+            eprintln!("{}: {bytes} bytes of workgroup memory, {threads} threads, {storage} storage buffers", k.label());
+        }
+        assert_eq!(needs.iter().map(|n| n.0).max(), Some(WORKGROUP_STORAGE_BYTES));
+        assert_eq!(needs.iter().map(|n| n.1).max(), Some(WORKGROUP_INVOCATIONS));
+        assert_eq!(needs.iter().map(|n| n.2).max(), Some(STORAGE_BUFFERS));
+        // Apple GPUs give a compute pass 32 KiB of threadgroup memory.
+        let apple = 32 * 1024;
+        assert!(needs.iter().all(|n| n.0 <= apple), "a module needs more than an Apple GPU's 32 KiB");
+    }
+
+    #[test]
+    fn an_adapter_below_the_kernels_needs_is_named_and_one_at_them_is_not() {
+        let at = wgpu::Limits { max_compute_workgroup_storage_size: WORKGROUP_STORAGE_BYTES, ..Default::default() };
+        assert_eq!(limit_shortfall(&at), None);
+        // WebGPU's default limits allow 16 KiB of workgroup memory: less than kda.wgsl's.
+        let small = wgpu::Limits::default();
+        let why = limit_shortfall(&small).expect("16 KiB of workgroup memory is short");
+        assert!(why.contains("workgroup memory") && why.contains("17920"), "{why}");
+        let narrow = wgpu::Limits { max_compute_invocations_per_workgroup: 128, ..at.clone() };
+        assert!(limit_shortfall(&narrow).is_some_and(|w| w.contains("threads per workgroup")));
+    }
 
     /// No Apple hardware runs here, so this is the Metal path's check: each module goes through
     /// the WGSL front end, naga's validator and its Metal Shading Language writer, as wgpu does on
