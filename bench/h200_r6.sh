@@ -7,7 +7,7 @@ for f in .gl/*.deb; do dpkg -x "$f" /; done; ldconfig
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 python3 bench/matvec_variants/variants_r6.py /tmp/r6
 for rows in 49152 196608 49152 98304; do
-  .dev/deltafin bench kernels --backend gpu --reps 200 --matvec-rows $rows --matvec-variants /tmp/r6 2>/dev/null >> $OUT/r6.jsonl
+  timeout 120 .dev/deltafin bench kernels --backend gpu --reps 200 --matvec-rows $rows --matvec-variants /tmp/r6 2>/dev/null >> $OUT/r6.jsonl
   tail -1 $OUT/r6.jsonl | python3 -c "
 import json,sys
 d=json.loads(sys.stdin.read()); print('rows', d['mxfp4_matvec_shape'], 'read', round(d['mxfp4_plain_read_gb_s']), 'matvec', round(d['mxfp4_matvec_weight_gb_s']), round(d['mxfp4_matvec_vs_read'],3))
