@@ -42,6 +42,10 @@ def kernel(tile=8, part_vec4=None, decode="ship", copy="late", sc="load", l2=0, 
     copied with the tile into workgroup memory ("smem", tiles of 8 blocks only)."""
     if copy == "producer":
         return producer(decode, sc)
+    # The input copy and the L2 touch are written for tiles of 8 blocks (64 input vec4 and four
+    # 32-byte sectors per row per tile); the input copy needs 64 threads.
+    assert xsrc == "load" or (tile == 8 and rows >= 16), "xsrc='smem' needs tiles of 8 and 16+ rows"
+    assert not l2 or tile == 8, "the L2 touch covers tiles of 8 blocks"
     T = tile
     per = T // 4  # vec4 of one word's blocks per tile row, and copies per thread
     R = rows
@@ -251,6 +255,7 @@ def lanes2(rows=8):
     shipped, and the tile's inputs copied into workgroup memory in the order each thread reads
     them (one vec4 per word: its two lanes' low then high elements), so that a thread holds 5
     registers per word in flight instead of 9. Needs 64 threads or more (the input copy)."""
+    assert 8 <= rows <= 32, "8 to 32 rows: the input copy needs 64 threads, wgpu allows 256"
     R = rows
     W = 8 * R
     s = f"""// trusted
@@ -393,7 +398,6 @@ V = {
     "r8_l2_3": kernel(l2=3),
     "r8_l2_4": kernel(l2=4),
     "r8_l2_6": kernel(l2=6),
-    "r8_l2_4_t16": kernel(tile=16, l2=4),
     "r7_sreg": kernel(sc="reg"),
     "r7_stile": kernel(sc="tile"),
     "r7_stile_t16": kernel(tile=16, sc="tile"),

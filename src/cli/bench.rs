@@ -39,11 +39,12 @@ pub struct KernelArgs {
     #[arg(long, default_value_t = 20)]
     reps: usize,
     /// Development: also time every `*.wgsl` in DIR as the one-row MXFP4 kernel (entry `matvec`)
-    /// on the 49152 x 3584 matrix, with whether its output bits equal the shipped kernel's.
+    /// on the `--matvec-rows` x 3584 matrix, with whether its output bits equal the shipped
+    /// kernel's (GPU only).
     #[arg(long, value_name = "DIR", hide = true)]
     matvec_variants: Option<PathBuf>,
     /// Development: rows of the GPU's MXFP4 matvec matrix and of the variants' (a multiple of 16;
-    /// 49152 is one layer's 16 routed w1, 98304 their w1 and w3 as one decode dispatch).
+    /// 49152 is one layer's 16 routed w1, 98304 their w1 and w3 as one decode dispatch; GPU only).
     #[arg(long, value_name = "N", default_value_t = 16 * 3072, hide = true)]
     matvec_rows: usize,
 }
@@ -235,6 +236,9 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     if a.backend != crate::backend::BackendKind::Cpu {
         return bench_kernels_gpu(&a);
     }
+    if a.matvec_variants.is_some() || a.matvec_rows != 16 * 3072 {
+        bail!("--matvec-variants and --matvec-rows are for the GPU's kernels: add --backend gpu");
+    }
     use crate::cpu::{Bf16Mat, Mxfp4Mat, matmul_bf16, matmul_mxfp4, matvec_bf16, matvec_mxfp4};
     let mut rng = crate::util::XorShift(0x9E37_79B9_7F4A_7C15);
     let mut bytes = |n: usize| -> Vec<u8> { (0..n).map(|_| rng.next_u64() as u8).collect() };
@@ -321,11 +325,11 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
 fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     use crate::backend::Backend;
     use crate::backend::gpu::{BenchKind, GpuBackend};
-    let g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
-    let reps = a.reps.max(1);
     if a.matvec_rows == 0 || !a.matvec_rows.is_multiple_of(16) {
         bail!("--matvec-rows must be a positive multiple of 16, got {}", a.matvec_rows);
     }
+    let g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
+    let reps = a.reps.max(1);
     let (mr, mc) = (a.matvec_rows, 3584usize);
     let mx_bytes = (mr * mc / 2 + mr * mc / 32) as f64;
     let (er, ec) = (3072usize, 3584usize);

@@ -491,14 +491,18 @@ impl Gpu {
             .join(", ");
         adapters.retain(|a| allow_cpu || a.get_info().device_type != wgpu::DeviceType::Cpu);
         adapters.sort_by_key(|a| rank(a.get_info().device_type));
-        let Some(adapter) = adapters.into_iter().next() else {
+        if adapters.is_empty() {
             return Err(GpuError::NoAdapter { seen: if seen.is_empty() { "none".into() } else { seen } });
+        }
+        // The best-ranked adapter whose limits fit the kernels; if none does, the best one's reason.
+        let fit = adapters.iter().position(|a| super::kernels::limit_shortfall(&a.limits()).is_none());
+        let Some(adapter) = fit.map(|i| adapters.swap_remove(i)) else {
+            let best = &adapters[0];
+            let why = super::kernels::limit_shortfall(&best.limits()).unwrap_or_default();
+            return Err(GpuError::Limits { adapter: best.get_info().name, why });
         };
         let info = adapter.get_info();
         let limits = adapter.limits();
-        if let Some(why) = super::kernels::limit_shortfall(&limits) {
-            return Err(GpuError::Limits { adapter: info.name.clone(), why });
-        }
         let wanted = timestamps_wanted();
         let timed = wanted && adapter.features().contains(wgpu::Features::TIMESTAMP_QUERY);
         if wanted && !timed {

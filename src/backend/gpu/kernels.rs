@@ -96,8 +96,13 @@ mod tests {
             .global_variables
             .iter()
             .filter(|(_, v)| v.space == naga::AddressSpace::WorkGroup)
-            .map(|(_, v)| layouter[v.ty].size)
+            // WebGPU counts each variable rounded up to 16 bytes.
+            .map(|(_, v)| layouter[v.ty].size.next_multiple_of(16))
             .sum();
+        // The limit checks treat every workgroup as one-dimensional.
+        for e in &module.entry_points {
+            assert_eq!(e.workgroup_size[1..], [1, 1], "{}: {} is not one-dimensional", k.label(), e.name);
+        }
         let threads = module.entry_points.iter().map(|e| e.workgroup_size.iter().product::<u32>()).max().unwrap_or(1);
         let storage = module
             .global_variables
