@@ -18,6 +18,20 @@ def shipped_fn(src, name):
     return src[start:src.index("\n}\n", start) + 3]
 
 
+# The shipped kernel's end: the 16 lanes through workgroup memory and the fixed tree (its text
+# from `part[lid.x] = acc;` to the close of `matvec`).
+_at = SHIPPED.index("    part[lid.x] = acc;")
+TREE = SHIPPED[_at:SHIPPED.index("\n}\n", _at) + 3]
+
+
+def tree(guard=None):
+    """TREE, with both the store and the write of the result under `guard` if given."""
+    if guard is None:
+        return TREE
+    t = TREE.replace("    part[lid.x] = acc;\n", f"    if ({guard}) {{\n        part[lid.x] = acc;\n    }}\n")
+    return t.replace("if (g == 0u && r < p.rows)", f"if ({guard} && g == 0u && r < p.rows)")
+
+
 DECODE = "\n" + "".join(shipped_fn(SHIPPED, f) for f in ("f16_pair", "mx_step", "s14_at"))
 # Ablation: one logic operation per word stands in for the decode (eight values, no scale).
 NODEC = """
@@ -158,18 +172,7 @@ fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     s += "        workgroupBarrier();\n    }\n"
     if l2:
         s += "    if (sink == 0x5a5a5a5au && r == 0xffffffffu) {\n        acc.x = 1.0;\n    }\n"
-    s += """    part[lid.x] = acc;
-    workgroupBarrier();
-    if (g == 0u && r < p.rows) {
-        let b = slot * 4u;
-        let v8a = part[b] + part[b + 2u];
-        let v8b = part[b + 1u] + part[b + 3u];
-        let v4 = v8a + v8b;
-        out[p.out_off + p.row0 + r] = (v4.x + v4.z) + (v4.y + v4.w);
-    }
-}
-"""
-    return s
+    return s + tree()
 
 
 def producer(decode, sc):
@@ -233,20 +236,7 @@ fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
             b = 4 * i + c
             s += f"            acc = mx_step(acc, q{i}.{comp}, s14_at(s{i}, {c}u), x[xi + {8 * b}u], x[xi + {8 * b + 4}u]);\n"
     s += "        }\n        workgroupBarrier();\n    }\n"
-    s += """    if (!loader) {
-        part[lid.x] = acc;
-    }
-    workgroupBarrier();
-    if (!loader && g == 0u && r < p.rows) {
-        let b = slot * 4u;
-        let v8a = part[b] + part[b + 2u];
-        let v8b = part[b + 1u] + part[b + 3u];
-        let v4 = v8a + v8b;
-        out[p.out_off + p.row0 + r] = (v4.x + v4.z) + (v4.y + v4.w);
-    }
-}
-"""
-    return s
+    return s + tree("!loader")
 
 
 def lanes2(rows=8):
