@@ -140,3 +140,25 @@ fn engine_options_that_cannot_apply_are_errors_not_silent() {
         "{err}"
     );
 }
+
+#[test]
+fn bench_kernels_options_out_of_range_are_errors_before_any_work() {
+    let bench = |args: &[&str]| {
+        let o = Command::new(bin()).args(["bench", "kernels"]).args(args).output().unwrap();
+        (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    for (args, says) in [
+        (&["--rows", "0"][..], "--rows, --heads and --reps must be at least 1"),
+        (&["--reps", "0"][..], "--reps must be at least 1"),
+        (
+            &["--backend", "gpu", "--matvec-variants", "/nonexistent/variants"][..],
+            "/nonexistent/variants: not a directory",
+        ),
+        (&["--matvec-rows", "49152"][..], "add --backend gpu"),
+        (&["--backend", "gpu", "--matvec-rows", "17"][..], "--matvec-rows must be a positive multiple of 16, got 17"),
+    ] {
+        let (code, err) = bench(args);
+        assert_eq!(code, Some(1), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}

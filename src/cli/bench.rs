@@ -44,9 +44,10 @@ pub struct KernelArgs {
     #[arg(long, value_name = "DIR", hide = true)]
     matvec_variants: Option<PathBuf>,
     /// Development: rows of the GPU's MXFP4 matvec matrix and of the variants' (a multiple of 16;
-    /// 49152 is one layer's 16 routed w1, 98304 their w1 and w3 as one decode dispatch; GPU only).
-    #[arg(long, value_name = "N", default_value_t = 16 * 3072, hide = true)]
-    matvec_rows: usize,
+    /// default 49152, one layer's 16 routed w1; 98304 is their w1 and w3 as one decode dispatch;
+    /// GPU only).
+    #[arg(long, value_name = "N", hide = true)]
+    matvec_rows: Option<usize>,
 }
 
 #[derive(Args)]
@@ -233,10 +234,24 @@ fn fio_run(fio: &str, reads: &[(PathBuf, u64, u64)], iodepth: usize, dir: &Path)
 }
 
 fn bench_kernels(a: KernelArgs) -> Result<()> {
-    if a.backend != crate::backend::BackendKind::Cpu {
+    if a.rows == 0 || a.heads == 0 || a.reps == 0 {
+        bail!("--rows, --heads and --reps must be at least 1 (got {}, {} and {})", a.rows, a.heads, a.reps);
+    }
+    if let Some(dir) = &a.matvec_variants
+        && !dir.is_dir()
+    {
+        bail!("--matvec-variants {}: not a directory of .wgsl files", dir.display());
+    }
+    let gpu = match a.backend {
+        crate::backend::BackendKind::Gpu => true,
+        crate::backend::BackendKind::Cpu => false,
+        // A GPU adapter if there is a real one, else the CPU's kernels (as for the engine).
+        crate::backend::BackendKind::Auto => gpu_available(),
+    };
+    if gpu {
         return bench_kernels_gpu(&a);
     }
-    if a.matvec_variants.is_some() || a.matvec_rows != 16 * 3072 {
+    if a.matvec_variants.is_some() || a.matvec_rows.is_some() {
         bail!("--matvec-variants and --matvec-rows are for the GPU's kernels: add --backend gpu");
     }
     use crate::cpu::{Bf16Mat, Mxfp4Mat, matmul_bf16, matmul_mxfp4, matvec_bf16, matvec_mxfp4};
@@ -325,12 +340,13 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
 fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     use crate::backend::Backend;
     use crate::backend::gpu::{BenchKind, GpuBackend};
-    if a.matvec_rows == 0 || !a.matvec_rows.is_multiple_of(16) {
-        bail!("--matvec-rows must be a positive multiple of 16, got {}", a.matvec_rows);
+    let mr = a.matvec_rows.unwrap_or(16 * 3072);
+    if mr == 0 || !mr.is_multiple_of(16) {
+        bail!("--matvec-rows must be a positive multiple of 16, got {mr}");
     }
     let g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
-    let reps = a.reps.max(1);
-    let (mr, mc) = (a.matvec_rows, 3584usize);
+    let reps = a.reps;
+    let mc = 3584usize;
     let mx_bytes = (mr * mc / 2 + mr * mc / 32) as f64;
     let (er, ec) = (3072usize, 3584usize);
     let (br, bc) = (12288usize, 7168usize);
@@ -381,8 +397,20 @@ fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     }
     put("round_trip_us", (t.elapsed().as_secs_f64() / calls as f64 * 1e6).into());
     if let Some(dir) = &a.matvec_variants {
-        for v in g.time_matvec_variants(dir, mr, mc, reps) {
+        let variants = g.time_matvec_variants(dir, mr, mc, reps);
+        if variants.len() == 1 {
+            eprintln!("deltafin: warning: --matvec-variants {}: no .wgsl file there", dir.display());
+        }
+        for v in variants {
             let n = &v.name;
+            if let Some(e) = &v.error {
+                // Line numbers in parse errors count what the harness puts in front of the file.
+                eprintln!(
+                    "deltafin: warning: variant {} failed (without `// standalone`, products.wgsl and the \
+                     harness's parameters come first, and error line numbers count them): {e}",
+                    dir.join(format!("{n}.wgsl")).display()
+                );
+            }
             match v.secs {
                 Some(s) => {
                     put(&format!("variant_{n}_gb_s"), (mx_bytes / s / 1e9).into());
@@ -396,6 +424,23 @@ fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     let record = crate::util::bench_record("kernels", serde_json::Value::Object(rec));
     println!("{record}");
     Ok(())
+}
+
+/// Whether `--backend auto` finds a GPU adapter that is not a CPU driver.
+#[cfg(feature = "gpu")]
+fn gpu_available() -> bool {
+    match crate::backend::gpu::GpuBackend::new(false) {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::info!("--backend auto: {e}; timing the CPU's kernels");
+            false
+        }
+    }
+}
+
+#[cfg(not(feature = "gpu"))]
+fn gpu_available() -> bool {
+    false
 }
 
 #[cfg(not(feature = "gpu"))]

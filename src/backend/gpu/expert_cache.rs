@@ -149,6 +149,13 @@ impl DeviceCache {
     /// slots as fit in [`ARENA_BYTES`] and in `max_binding` (at least one each).
     pub fn reserve(&mut self, device: &wgpu::Device, max_binding: u64) -> Result<(), super::GpuError> {
         let wanted = self.capacity();
+        if wanted == 0 && self.budget > 0 {
+            tracing::warn!(
+                "--gpu-cache-gb: {} is less than one expert ({}); no device expert cache",
+                crate::util::human_bytes(self.budget),
+                crate::util::human_bytes(self.slot_bytes)
+            );
+        }
         let per_arena = (ARENA_BYTES.min(max_binding) / self.slot_bytes.max(1)).max(1) as usize;
         while self.slots.len() < wanted {
             let n = per_arena.min(wanted - self.slots.len());
