@@ -5,22 +5,15 @@
 # They cover the bench matrix's case only (blocks a multiple of 8, no scale byte above 240); the
 # ablations (nox, noscale, nocvt) change the output bits by design.
 import os
+
+from wgsl_gen import SHIPPED, guarded, shipped_fn
+
 HDR = """// trusted
 // rows_per_group: {rows}
 @group(0) @binding(0) var<storage, read> wv: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 """
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def shipped_fn(src, name):
-    """The text of WGSL function `name` in `src` (up to its closing brace at column 0)."""
-    start = src.index("fn " + name + "(")
-    return src[start:src.index("\n}\n", start) + 3]
-
-
 # The shipped kernel's decode, exactly as in kernels/matvec.wgsl.
-SHIPPED = open(os.path.join(HERE, "..", "..", "kernels", "matvec.wgsl")).read()
 COMMON = "\n" + "".join(shipped_fn(SHIPPED, f) for f in ("f16_pair", "mx_step", "s14_at"))
 # alt decode: signs and magnitudes split once per word; each pair one shift each and a combine
 LOP = """
@@ -56,12 +49,6 @@ fn mx_step(acc: vec4<f32>, word: u32, s14: f32, xlo: vec4<f32>, xhi: vec4<f32>) 
     return fma(hi, xhi, fma(lo, xlo, acc));
 }
 """
-
-def guarded(cond, n, stmt, indent):
-    """`if (cond) { stmt for k in 0..n }` at `indent` (stmt formats `{k}`)."""
-    body = "".join(f"{indent}    {stmt.format(k=k)}\n" for k in range(n))
-    return f"{indent}if ({cond}) {{\n{body}{indent}}}\n"
-
 
 def kernel(rows_per_thread=1, depth=1, xmode="load", scale=True, decode="ship"):
     R = 16 * rows_per_thread

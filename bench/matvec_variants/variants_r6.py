@@ -8,15 +8,7 @@
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SHIPPED = open(os.path.join(HERE, "..", "..", "kernels", "matvec.wgsl")).read()
-
-
-def shipped_fn(src, name):
-    """The text of WGSL function `name` in `src` (up to its closing brace at column 0)."""
-    start = src.index("fn " + name + "(")
-    return src[start:src.index("\n}\n", start) + 3]
-
+from wgsl_gen import SHIPPED, guarded, shipped_fn
 
 # The shipped kernel's end: the 16 lanes through workgroup memory and the fixed tree (its text
 # from `part[lid.x] = acc;` to the close of `matvec`).
@@ -118,10 +110,8 @@ fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
         s += f"    let ga{k} = base + lr + {step * k}u;\n"
         s += f"    let src{k} = (p.w_off >> 2u) + select(0u, ga{k}, ga{k} < p.rows) * blocks + j;\n"
         s += f"    let dst{k} = (lr + {step * k}u) * {row_v}u + (j >> 2u);\n"
-    s += "    if (0u < tiles) {\n"
-    for k in range(per):
-        s += f"        store_tile(dst{k}, j, wv[src{k}]);\n"
-    s += "    }\n    workgroupBarrier();\n"
+    s += guarded("0u < tiles", per, "store_tile(dst{k}, j, wv[src{k}]);", "    ")
+    s += "    workgroupBarrier();\n"
     s += f"    for (var t = 0u; t < tiles; t = t + 1u) {{\n        let cur = (t & 1u) * {half}u;\n        let nxt = {half}u - cur;\n"
     for k in range(per):
         s += f"        var v{k} = vec4<u32>(0u);\n"
@@ -159,10 +149,7 @@ fn matvec(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
             else:
                 s += f"        acc = mx_step(acc, q{i}.{comp}, s14_at(s{i}, {c}u), x[xi + {8 * b}u], x[xi + {8 * b + 4}u]);\n"
     if copy == "late":
-        s += "        if (t + 1u < tiles) {\n"
-        for k in range(per):
-            s += f"            store_tile(nxt + dst{k}, j, v{k});\n"
-        s += "        }\n"
+        s += guarded("t + 1u < tiles", per, "store_tile(nxt + dst{k}, j, v{k});", "        ")
     if sc == "tile":
         s += f"        if (sl && t + 1u < tiles) {{\n            stile[{R * per}u - scur + lid.x] = sv;\n        }}\n"
     if xsrc == "smem":

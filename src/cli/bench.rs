@@ -242,14 +242,12 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     {
         bail!("--matvec-variants {}: not a directory of .wgsl files", dir.display());
     }
-    let gpu = match a.backend {
-        crate::backend::BackendKind::Gpu => true,
-        crate::backend::BackendKind::Cpu => false,
-        // A GPU adapter if there is a real one, else the CPU's kernels (as for the engine).
-        crate::backend::BackendKind::Auto => gpu_available(),
-    };
-    if gpu {
-        return bench_kernels_gpu(&a);
+    let mr = a.matvec_rows.unwrap_or(16 * 3072);
+    if mr == 0 || !mr.is_multiple_of(16) {
+        bail!("--matvec-rows must be a positive multiple of 16, got {mr}");
+    }
+    if let Some(g) = open_gpu(a.backend)? {
+        return bench_kernels_gpu(&a, &g, mr);
     }
     if a.matvec_variants.is_some() || a.matvec_rows.is_some() {
         bail!("--matvec-variants and --matvec-rows are for the GPU's kernels: add --backend gpu");
@@ -332,19 +330,14 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
 }
 
 /// The GPU kernels at K3's shapes: the MXFP4 matvec over one MoE layer's 16 routed w1 matrices
-/// (49152 x 3584, larger than any GPU's L2; `--matvec-rows` for other heights) and the bf16 trunk matvec (12288 x 7168), each against
-/// a plain read of the same bytes; one expert's w1 alone (3072 x 3584); the `rows`-row MXFP4
+/// (49152 x 3584, larger than any GPU's L2; `--matvec-rows` for other heights) and the bf16
+/// trunk matvec (12288 x 7168), each against a plain read of the same bytes; one expert's w1 alone (3072 x 3584); the `rows`-row MXFP4
 /// matmul on one expert's w1 and bf16 matmul on `routed_expert_down_proj` (3584 x 7168).
 /// `round_trip_us`: one tiny product's upload, submission and readback.
 #[cfg(feature = "gpu")]
-fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
+fn bench_kernels_gpu(a: &KernelArgs, g: &crate::backend::gpu::GpuBackend, mr: usize) -> Result<()> {
     use crate::backend::Backend;
-    use crate::backend::gpu::{BenchKind, GpuBackend};
-    let mr = a.matvec_rows.unwrap_or(16 * 3072);
-    if mr == 0 || !mr.is_multiple_of(16) {
-        bail!("--matvec-rows must be a positive multiple of 16, got {mr}");
-    }
-    let g = GpuBackend::new(a.backend == crate::backend::BackendKind::Gpu)?;
+    use crate::backend::gpu::BenchKind;
     let reps = a.reps;
     let mc = 3584usize;
     let mx_bytes = (mr * mc / 2 + mr * mc / 32) as f64;
@@ -426,26 +419,36 @@ fn bench_kernels_gpu(a: &KernelArgs) -> Result<()> {
     Ok(())
 }
 
-/// Whether `--backend auto` finds a GPU adapter that is not a CPU driver.
+/// The GPU whose kernels `bench kernels` times: with `--backend gpu` any adapter (lavapipe
+/// included), with `auto` a real GPU if there is one (else None: the CPU's kernels, as for the
+/// engine), with `cpu` None.
 #[cfg(feature = "gpu")]
-fn gpu_available() -> bool {
-    match crate::backend::gpu::GpuBackend::new(false) {
-        Ok(_) => true,
-        Err(e) => {
-            tracing::info!("--backend auto: {e}; timing the CPU's kernels");
-            false
-        }
+fn open_gpu(kind: crate::backend::BackendKind) -> Result<Option<crate::backend::gpu::GpuBackend>> {
+    use crate::backend::{BackendKind, gpu::GpuBackend};
+    match kind {
+        BackendKind::Cpu => Ok(None),
+        BackendKind::Gpu => Ok(Some(GpuBackend::new(true)?)),
+        BackendKind::Auto => match GpuBackend::new(false) {
+            Ok(g) => Ok(Some(g)),
+            Err(e) => {
+                tracing::info!("--backend auto: {e}; timing the CPU's kernels");
+                Ok(None)
+            }
+        },
     }
 }
 
 #[cfg(not(feature = "gpu"))]
-fn gpu_available() -> bool {
-    false
+fn bench_kernels_gpu(_: &KernelArgs, g: &std::convert::Infallible, _: usize) -> Result<()> {
+    match *g {}
 }
 
 #[cfg(not(feature = "gpu"))]
-fn bench_kernels_gpu(_: &KernelArgs) -> Result<()> {
-    Err(crate::backend::BackendError::NotBuilt.into())
+fn open_gpu(kind: crate::backend::BackendKind) -> Result<Option<std::convert::Infallible>> {
+    match kind {
+        crate::backend::BackendKind::Gpu => Err(crate::backend::BackendError::NotBuilt.into()),
+        _ => Ok(None),
+    }
 }
 
 fn median(v: &[f64]) -> Option<f64> {
