@@ -1,20 +1,20 @@
 # Writes the r4_* / r5_* one-row MXFP4 kernel variants (see README.md) into DIR (default: here),
-# each the shipped kernel's MXFP4 path (its decode read from kernels/matvec.wgsl) with one change:
+# each the shipped kernel's MXFP4 path (with the decode it had then, wgsl_gen.PAIR16) with one change:
 #   python3 bench/matvec_variants/variants_r4.py /tmp/r4
 #   deltafin bench kernels --backend gpu --reps 200 --matvec-variants /tmp/r4
 # They cover the bench matrix's case only (blocks a multiple of 8, no scale byte above 240); the
 # ablations (nox, noscale, nocvt) change the output bits by design.
 import os
 
-from wgsl_gen import SHIPPED, guarded, shipped_fn
+from wgsl_gen import PAIR16, SHIPPED, guarded, shipped_fn
 
 HDR = """// trusted
 // rows_per_group: {rows}
 @group(0) @binding(0) var<storage, read> wv: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 """
-# The shipped kernel's decode, exactly as in kernels/matvec.wgsl.
-COMMON = "\n" + "".join(shipped_fn(SHIPPED, f) for f in ("f16_pair", "mx_step", "s14_at"))
+# The decode these rounds ran with (wgsl_gen.PAIR16) and the shipped scale.
+COMMON = "\n" + PAIR16 + shipped_fn(SHIPPED, "s14_at")
 # alt decode: signs and magnitudes split once per word; each pair one shift each and a combine
 LOP = """
 fn pair_at(w: u32, a: u32, b: u32) -> vec2<f32> {

@@ -1,5 +1,5 @@
 # Writes the r6_* one-row MXFP4 kernel variants (see README.md, "Round 6") into DIR: the shipped
-# kernel's MXFP4 path (decode read from kernels/matvec.wgsl) with its tile width, its workgroup
+# kernel's MXFP4 path (with the decode of those rounds, wgsl_gen.PAIR16) with its tile width, its workgroup
 # memory (to cap how many workgroups an SM holds) or its decode changed:
 #   python3 bench/matvec_variants/variants_r6.py /tmp/r6
 #   deltafin bench kernels --backend gpu --reps 200 --matvec-variants /tmp/r6 [--matvec-rows N]
@@ -8,7 +8,7 @@
 import os
 import sys
 
-from wgsl_gen import SHIPPED, guarded, shipped_fn
+from wgsl_gen import PAIR16, SHIPPED, guarded, shipped_fn
 
 # The shipped kernel's end: the 16 lanes through workgroup memory and the fixed tree (its text
 # from `part[lid.x] = acc;` to the close of `matvec`).
@@ -24,7 +24,9 @@ def tree(guard=None):
     return t.replace("if (g == 0u && r < p.rows)", f"if ({guard} && g == 0u && r < p.rows)")
 
 
-DECODE = "\n" + "".join(shipped_fn(SHIPPED, f) for f in ("f16_pair", "mx_step", "s14_at"))
+# The decode of rounds 6 to 11 (wgsl_gen.PAIR16), its f16 pairs alone, and the shipped scale.
+DECODE = "\n" + PAIR16 + shipped_fn(SHIPPED, "s14_at")
+F16_PAIR = PAIR16[PAIR16.index("fn f16_pair"):PAIR16.index("fn mx_step")]
 # Ablation: one logic operation per word stands in for the decode (eight values, no scale).
 NODEC = """
 fn mx_step(acc: vec4<f32>, word: u32, s14: f32, xlo: vec4<f32>, xhi: vec4<f32>) -> vec4<f32> {
@@ -32,6 +34,9 @@ fn mx_step(acc: vec4<f32>, word: u32, s14: f32, xlo: vec4<f32>, xhi: vec4<f32>) 
     return fma(v, xhi, fma(v, xlo, acc));
 }
 """ + shipped_fn(SHIPPED, "s14_at")
+# The shipped decode since round 12: the same f16 bits in 11 integer operations per word.
+SPREAD = "\n" + "".join(shipped_fn(SHIPPED, f) for f in ("f16_at", "nibbles_f16", "mx_step", "s14_at"))
+DECODES = {"ship": DECODE, "nodec": NODEC, "spread": SPREAD}
 
 
 def kernel(tile=8, part_vec4=None, decode="ship", copy="late", sc="load", l2=0, rows=16, xsrc="load"):
@@ -65,7 +70,7 @@ def kernel(tile=8, part_vec4=None, decode="ship", copy="late", sc="load", l2=0, 
 // rows_per_group: {R}
 @group(0) @binding(0) var<storage, read> wv: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
-{DECODE if decode == "ship" else NODEC}
+{DECODES[decode]}
 var<workgroup> tile: array<vec4<u32>, {2 * half}>;
 var<workgroup> part: array<vec4<f32>, {part_vec4}>;
 var<workgroup> stile: array<u32, {2 * R * per}>;
@@ -169,7 +174,7 @@ def producer(decode, sc):
 // rows_per_group: 16
 @group(0) @binding(0) var<storage, read> wv: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
-{DECODE if decode == "ship" else NODEC}
+{DECODES[decode]}
 var<workgroup> tile: array<vec4<u32>, 288>;
 var<workgroup> part: array<vec4<f32>, 64>;
 var<workgroup> stile: array<u32, 64>;
@@ -239,7 +244,7 @@ def lanes2(rows=8):
 // rows_per_group: {R}
 @group(0) @binding(0) var<storage, read> wv: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
-{shipped_fn(SHIPPED, "f16_pair")}{shipped_fn(SHIPPED, "s14_at")}{shipped_fn(SHIPPED, "store_tile")}
+{F16_PAIR}{shipped_fn(SHIPPED, "s14_at")}{shipped_fn(SHIPPED, "store_tile")}
 var<workgroup> tile: array<vec4<u32>, {2 * R * 9}>;
 var<workgroup> xs: array<vec4<f32>, 128>;
 var<workgroup> part: array<vec2<f32>, {W}>;
@@ -363,6 +368,8 @@ V = {
     "r6_producer": kernel(copy="producer"),
     "r6_producer_nodec": kernel(copy="producer", decode="nodec"),
     "r11_xs": kernel(xsrc="smem"),
+    "r12_spread": kernel(decode="spread"),
+    "r12_spread_xs": kernel(decode="spread", xsrc="smem"),
     "r11_lanes2": lanes2(),
     "r11_lanes2_r16": lanes2(rows=16),
     "r11_lanes2_r32": lanes2(rows=32),
