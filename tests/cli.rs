@@ -130,6 +130,16 @@ fn engine_options_that_cannot_apply_are_errors_not_silent() {
     assert!(err.contains("--experts-from mmap"), "{err}");
     let o = run(&["--memory-gb", "nan"], None);
     assert!(String::from_utf8_lossy(&o.stderr).contains("--memory-gb"), "{}", String::from_utf8_lossy(&o.stderr));
+    // Options in conflict are the options' fault, not the model's: no "cannot open the model".
+    let o = run(&["--gpu-cache-gb", "2"], None);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("--gpu-cache-gb 2") && !err.contains("cannot open the model"), "{err}");
+    // Backend names are taken in any case; the JSON says which backend ran.
+    let o = run(&["--backend", "CPU", "--format", "json"], None);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["backend_used"].as_str().is_some_and(|b| b.starts_with("cpu")), "{v}");
     // Library diagnostics go through DELTAFIN_LOG: the resolved engine config is an info event.
     let quiet = run(&[], None);
     assert!(!String::from_utf8_lossy(&quiet.stderr).contains("engine config"));

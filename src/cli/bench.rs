@@ -33,7 +33,7 @@ pub struct KernelArgs {
     #[arg(long, default_value_t = 96)]
     heads: usize,
     /// Which kernels: the CPU's, or the GPU's (wgpu; any adapter, lavapipe included).
-    #[arg(long, value_enum, default_value_t = crate::backend::BackendKind::Cpu)]
+    #[arg(long, value_enum, ignore_case = true, default_value_t = crate::backend::BackendKind::Cpu)]
     backend: crate::backend::BackendKind,
     /// Dispatches averaged per GPU measurement.
     #[arg(long, default_value_t = 20)]

@@ -420,6 +420,7 @@ fn one_run(
         json!({
             "model": a.model.display().to_string(),
             "engine_config": engine.config,
+            "backend_used": engine.backend_used(),
             "expert_bytes_total": opened.expert_bytes_total(),
             "moe_layers": layers_moe,
             "drives_used": engine_args.use_drives,

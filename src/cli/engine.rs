@@ -41,7 +41,7 @@ pub struct EngineArgs {
     #[arg(long, value_name = "DIR")]
     pub draft_model: Option<PathBuf>,
     /// Backend: cpu, gpu (any Vulkan/Metal adapter, lavapipe included), or auto (a real GPU if present).
-    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
+    #[arg(long, value_enum, ignore_case = true, default_value_t = BackendKind::Cpu)]
     pub backend: BackendKind,
     /// Device memory in GB for routed experts kept on the GPU across layers and tokens, in front
     /// of the RAM expert cache (0: none). Experts it holds are neither read nor uploaded again.

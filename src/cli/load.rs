@@ -35,10 +35,15 @@ impl Opened {
     }
 }
 
-/// Opens an engine; the error names the model directory.
+/// Opens an engine; the error names the model directory, except for options that conflict with
+/// each other (those say which options, and the model is not at fault).
 pub fn open_engine(cfg: EngineConfig) -> Result<Arc<Engine>> {
     let dir = cfg.model.clone();
-    Engine::open(cfg).with_context(|| format!("cannot open the model in {}", dir.display()))
+    match Engine::open(cfg) {
+        Ok(e) => Ok(e),
+        Err(e @ crate::engine::EngineError::Options(_)) => Err(e.into()),
+        Err(e) => Err(anyhow::Error::new(e).context(format!("cannot open the model in {}", dir.display()))),
+    }
 }
 
 /// Version of the built-in demo checkpoint; bump when `SynthSpec::demo` changes.

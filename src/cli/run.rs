@@ -254,7 +254,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             writeln!(out)?;
         }
         Format::Json => {
-            let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config, "sampling": sampling});
+            let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config, "backend_used": engine.backend_used(), "sampling": sampling});
             if tok.is_some() {
                 obj["text"] = serde_json::Value::String(text);
             }

@@ -150,6 +150,9 @@ pub enum EngineError {
     Isa(#[from] crate::cpu::IsaError),
     #[error("{0}")]
     Config(String),
+    /// Options that contain a bad value or conflict with each other (the message names them).
+    #[error("{0}")]
+    Options(String),
     #[error("{}: {msg}", dir.display())]
     Tokenizer { dir: PathBuf, msg: String },
     #[error("{} has no tiktoken.model: text prompts need the model's tokenizer (use --prompt-ids for token ids)", .0.display())]
@@ -195,7 +198,7 @@ fn restrict_drives(spec: &mut StoreSpec, keep: &[usize], placement_drives: usize
         }
     }
     if none > 0 {
-        return Err(EngineError::Config(format!(
+        return Err(EngineError::Options(format!(
             "--use-drives {list}: {none} experts have no holder on those drives (and the placement does not fall back to the shards); use a mirror placement for drive subsets"
         )));
     }
@@ -223,7 +226,7 @@ fn store_spec(
         _ => None,
     };
     if config.use_drives.is_some() && manifest.is_none() {
-        return Err(EngineError::Config(
+        return Err(EngineError::Options(
             "--use-drives selects drives of a placement, but there is none (run `deltafin place`, or drop --use-drives)"
                 .into(),
         ));
@@ -235,7 +238,7 @@ fn store_spec(
                 .map_err(|source| EngineError::Placement { path: mp.clone(), source })?;
             if let Some(keep) = &config.use_drives {
                 if let Some(&bad) = keep.iter().find(|&&d| d >= m.drives.len()) {
-                    return Err(EngineError::Config(format!(
+                    return Err(EngineError::Options(format!(
                         "--use-drives {bad}: the placement has {} drives (0..{})",
                         m.drives.len(),
                         m.drives.len()
@@ -272,25 +275,25 @@ impl Engine {
         if let Some(g) = config.memory_gb
             && !(g.is_finite() && g > 0.0)
         {
-            return Err(EngineError::Config(format!("--memory-gb {g}: give a positive number of GB")));
+            return Err(EngineError::Options(format!("--memory-gb {g}: give a positive number of GB")));
         }
         if let Some(g) = config.expert_cache_gb
             && !(g.is_finite() && g >= 0.0)
         {
-            return Err(EngineError::Config(format!("--expert-cache-gb {g}: give a number of GB >= 0")));
+            return Err(EngineError::Options(format!("--expert-cache-gb {g}: give a number of GB >= 0")));
         }
         if let Some(g) = config.gpu_cache_gb {
             if !(g.is_finite() && g >= 0.0) {
-                return Err(EngineError::Config(format!("--gpu-cache-gb {g}: give a number of GB >= 0")));
+                return Err(EngineError::Options(format!("--gpu-cache-gb {g}: give a number of GB >= 0")));
             }
             if g > 0.0 && config.backend == BackendKind::Cpu {
-                return Err(EngineError::Config(format!(
+                return Err(EngineError::Options(format!(
                     "--gpu-cache-gb {g} keeps experts in GPU memory: it needs --backend gpu or auto"
                 )));
             }
         }
         if config.experts_from == ExpertsFrom::Mmap && (config.placement.is_some() || config.use_drives.is_some()) {
-            return Err(EngineError::Config(
+            return Err(EngineError::Options(
                 "--placement and --use-drives choose drives of the expert store; they cannot be used with --experts-from mmap".into(),
             ));
         }
@@ -521,6 +524,12 @@ impl Engine {
             self.model.be.describe(),
             if self.config.prefetch { " | prefetch on" } else { "" },
         )
+    }
+
+    /// The backend that runs the forward pass as it describes itself ("cpu avx512 x2", "gpu NVIDIA
+    /// H200 ..."): what `--backend auto` resolved to.
+    pub fn backend_used(&self) -> String {
+        self.model.be.describe()
     }
 
     /// The model directory.
