@@ -12,7 +12,8 @@
 // The bytes are decoded here, never re-encoded.
 //
 // Entry points: `matmul` (u32 loads, each decoded weight and each staged input used by several
-// outputs; see there) and `fma_probe`. One input row goes to matvec.wgsl.
+// outputs; see there), `fma_probe` and `fma_peak` (the bench's f32 peak). One input row goes to
+// matvec.wgsl.
 
 // Params, scales, out, lut, e2m1, e8m0 and bf16x4: products.wgsl (prepended).
 @group(0) @binding(0) var<storage, read> w: array<u32>;
@@ -168,4 +169,33 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
 fn fma_probe(@builtin(global_invocation_id) gid: vec3<u32>) {
     let i = gid.x * 3u;
     out[gid.x] = fma(x[i], x[i + 1u], x[i + 2u]);
+}
+
+// The adapter's f32 fused-multiply-add rate, what `bench kernels` divides the matmul's by: each
+// thread runs 8 independent vec4 chains a = fma(a, m, c) (32 FMAs per step, no loads), with m and
+// c from x[0..8] so that nothing folds, and writes one sum.
+const PEAK_STEPS: u32 = 1024u;
+@compute @workgroup_size(256)
+fn fma_peak(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let m = vec4<f32>(x[0], x[1], x[2], x[3]);
+    let c = vec4<f32>(x[4], x[5], x[6], x[7]);
+    var a0 = vec4<f32>(f32(gid.x & 1023u) * 0.0009765625);
+    var a1 = a0 + c;
+    var a2 = a1 + c;
+    var a3 = a2 + c;
+    var a4 = a3 + c;
+    var a5 = a4 + c;
+    var a6 = a5 + c;
+    var a7 = a6 + c;
+    for (var i = 0u; i < PEAK_STEPS; i = i + 1u) {
+        a0 = fma(a0, m, c);
+        a1 = fma(a1, m, c);
+        a2 = fma(a2, m, c);
+        a3 = fma(a3, m, c);
+        a4 = fma(a4, m, c);
+        a5 = fma(a5, m, c);
+        a6 = fma(a6, m, c);
+        a7 = fma(a7, m, c);
+    }
+    out[gid.x] = dot((a0 + a1) + (a2 + a3) + ((a4 + a5) + (a6 + a7)), vec4<f32>(1.0));
 }

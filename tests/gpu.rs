@@ -790,3 +790,25 @@ fn timed_passes_count_device_time_and_change_no_bit() {
         assert!(op.device_seconds > 0.0 && op.device_seconds <= op.seconds);
     }
 }
+
+#[test]
+fn bench_kernels_on_the_gpu_gives_each_kernel_against_its_reference() {
+    if gpu().is_none() {
+        return;
+    }
+    let mut c = std::process::Command::new(bin());
+    // Small shapes and one repetition: the record's fields, not the speeds (lavapipe is a CPU).
+    c.args(["bench", "kernels", "--backend", "gpu", "--reps", "1", "--matvec-rows", "256", "--rows", "4"]);
+    let (out, _) = run_ok(&mut c);
+    let j: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let num = |k: &str| j[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {j}"));
+    for k in
+        ["mxfp4_matvec_vs_read", "bf16_matvec_vs_read", "mxfp4_matmul_fraction_of_peak", "bf16_matmul_fraction_of_peak"]
+    {
+        // A product reads its bytes or does its FMAs no faster than the reference kernels.
+        let r = num(k);
+        assert!(r > 0.0 && r < 1.5, "{k} = {r}: {j}");
+    }
+    assert!(num("fma_peak_gfma_s") > num("mxfp4_matmul_gmac_s"), "{j}");
+    assert_eq!(j["mxfp4_matvec_shape"], serde_json::json!([256, 3584]));
+}

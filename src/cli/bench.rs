@@ -332,8 +332,8 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
 /// The GPU kernels at K3's shapes: the MXFP4 matvec over one MoE layer's 16 routed w1 matrices
 /// (49152 x 3584, larger than any GPU's L2; `--matvec-rows` for other heights) and the bf16
 /// trunk matvec (12288 x 7168), each against a plain read of the same bytes; one expert's w1 alone (3072 x 3584); the `rows`-row MXFP4
-/// matmul on one expert's w1 and bf16 matmul on `routed_expert_down_proj` (3584 x 7168).
-/// `round_trip_us`: one tiny product's upload, submission and readback.
+/// matmul on one expert's w1 and bf16 matmul on `routed_expert_down_proj` (3584 x 7168), each
+/// also as a fraction of the adapter's measured f32 FMA peak. `round_trip_us`: one tiny product's upload, submission and readback.
 #[cfg(feature = "gpu")]
 fn bench_kernels_gpu(a: &KernelArgs, g: &crate::backend::gpu::GpuBackend, mr: usize) -> Result<()> {
     use crate::backend::Backend;
@@ -372,10 +372,17 @@ fn bench_kernels_gpu(a: &KernelArgs, g: &crate::backend::gpu::GpuBackend, mr: us
     put("bf16_matvec_vs_read", (bread / bv).into());
     let (mm, _) = g.time_product(BenchKind::Mxfp4, er, ec, a.rows, reps.div_ceil(4));
     let (bm, _) = g.time_product(BenchKind::Bf16, dr, dc, a.rows, reps.div_ceil(4));
+    let mx_gmac = (er * ec * a.rows) as f64 / mm / 1e9;
+    let bf_gmac = (dr * dc * a.rows) as f64 / bm / 1e9;
+    let peak_g = g.fma_peak(reps) / 1e9;
     put("mxfp4_matmul_rows", a.rows.into());
-    put("mxfp4_matmul_gmac_s", ((er * ec * a.rows) as f64 / mm / 1e9).into());
+    put("mxfp4_matmul_gmac_s", mx_gmac.into());
     put("bf16_matmul_shape", serde_json::json!([dr, dc]));
-    put("bf16_matmul_gmac_s", ((dr * dc * a.rows) as f64 / bm / 1e9).into());
+    put("bf16_matmul_gmac_s", bf_gmac.into());
+    put("fma_peak", "32 independent f32 fma chains per thread, no loads (fma_peak in kernels/matmul.wgsl)".into());
+    put("fma_peak_gfma_s", peak_g.into());
+    put("mxfp4_matmul_fraction_of_peak", (mx_gmac / peak_g).into());
+    put("bf16_matmul_fraction_of_peak", (bf_gmac / peak_g).into());
     // One tiny product with its upload, submission and readback: what every GPU call costs beyond
     // its work (a decode step makes about ten per layer).
     let w = crate::cpu::Bf16Mat::from_vec(vec![0x3c; 16 * 64 * 2], 16, 64);

@@ -1,5 +1,5 @@
 //! Timing of the product kernels for `bench kernels --backend gpu`: a product with its weights
-//! resident, and a plain read of the same bytes for comparison.
+//! resident, and a plain read of the same bytes for comparison; the adapter's f32 FMA peak.
 //!
 //! Contract: both are timed as `reps` dispatches in one submission, ended by a one-float readback,
 //! after one untimed warm-up submission. The plain read (`read_all` in `kernels/matvec.wgsl`) loads
@@ -8,7 +8,8 @@
 //! per thread, and writes one partial per thread (under 2% of the bytes read).
 
 use super::BenchKind;
-use super::device::{Gpu, Kind, MATVEC_ROWS, MAX_GROUPS, Params};
+use super::device::{Gpu, Kind, MATVEC_ROWS, MAX_GROUPS, Params, product_shader};
+use super::kernels::Kernel;
 use super::kernels::PRODUCTS;
 use crate::cpu::{Bf16Mat, Mxfp4Mat};
 use std::time::Instant;
@@ -174,6 +175,48 @@ impl Gpu {
             time(name, &pipe, per_group)
         });
         std::iter::once(shipped).chain(variants).collect()
+    }
+
+    /// The adapter's f32 fused-multiply-adds per second (`fma_peak` in `kernels/matmul.wgsl`: 32
+    /// independent chains per thread, no memory traffic to speak of). The grid grows fourfold
+    /// from 64 workgroups until one dispatch takes 5 ms (or reaches the dispatch limit), so that
+    /// a GPU is full and a CPU adapter is not kept for seconds; then `reps` dispatches (at most
+    /// 10) are timed in one submission.
+    pub fn fma_peak(&self, reps: usize) -> f64 {
+        const STEPS: f64 = 1024.0;
+        const PER_THREAD_STEP: f64 = 32.0;
+        let module = product_shader(&self.device, Kernel::Matmul);
+        let pipe = self.pipeline_of(&module, "fma_peak");
+        // m just under 1 and a small c: every chain converges to c / (1 - m), no denormals.
+        let mut consts = vec![0.999f32, 0.998, 0.997, 0.996, 0.001, 0.002, 0.003, 0.004];
+        consts.resize(16, 0.0);
+        let x = self.storage("peak consts", &consts.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
+        let p = self.uniform(Params::default());
+        let time = |groups: usize, reps: usize| {
+            let o = self.output(groups * 256);
+            let bg = self.bind(&self.empty, &self.empty, &x, &o, &p);
+            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            {
+                let mut pass = enc
+                    .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("peak"), timestamp_writes: None });
+                pass.set_pipeline(&pipe);
+                pass.set_bind_group(0, &bg, &[]);
+                for _ in 0..reps {
+                    pass.dispatch_workgroups(groups as u32, 1, 1);
+                }
+            }
+            let t = Instant::now();
+            self.finish(enc, &o, 1);
+            t.elapsed().as_secs_f64()
+        };
+        time(64, 1);
+        let mut groups = 64;
+        while groups < MAX_GROUPS && time(groups, 1) < 0.005 {
+            groups = (groups * 4).min(MAX_GROUPS);
+        }
+        let reps = reps.clamp(1, 10);
+        let secs = time(groups, reps);
+        (groups * 256) as f64 * STEPS * PER_THREAD_STEP * reps as f64 / secs
     }
 
     /// Seconds per product dispatch (weights resident, `n` input rows) and per

@@ -22,7 +22,7 @@ pub(super) fn shader(device: &wgpu::Device, kernel: Kernel) -> wgpu::ShaderModul
 
 /// A product kernel's module, without the bounds clamps and loop counters wgpu would inject
 /// (measured on the H200: the MXFP4 matvec ran 5-7% faster without them).
-fn product_shader(device: &wgpu::Device, kernel: Kernel) -> wgpu::ShaderModule {
+pub(super) fn product_shader(device: &wgpu::Device, kernel: Kernel) -> wgpu::ShaderModule {
     let desc = wgpu::ShaderModuleDescriptor {
         label: Some(kernel.label()),
         source: wgpu::ShaderSource::Wgsl(kernel.source().into()),

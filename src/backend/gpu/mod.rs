@@ -193,6 +193,12 @@ impl GpuBackend {
         self.gpu.time_product(kind, rows, cols, n, reps)
     }
 
+    /// The adapter's measured f32 fused-multiply-adds per second ([`Gpu::fma_peak`], for `bench
+    /// kernels`).
+    pub fn fma_peak(&self, reps: usize) -> f64 {
+        self.gpu.fma_peak(reps)
+    }
+
     /// [`Gpu::time_matvec_variants`] (for `bench kernels --matvec-variants`).
     pub fn time_matvec_variants(
         &self,
