@@ -5,7 +5,7 @@
 #   - bench kernels --backend gpu (MXFP4 and bf16 matvec vs a plain read of the same bytes with
 #     the same u32 access width; one expert alone; 512-row MXFP4 and bf16 matmul; the round trip
 #     of one tiny product), and the CPU kernels on the same machine;
-#   - the gpu tests (products and the other ops bit-identical to the CPU when the adapter's fma is
+#   - every gpu test (products and the other ops bit-identical to the CPU when the adapter's fma is
 #     fused, tail shapes, the batched expert path equal to the per-expert one; fixtures vs fp64);
 #   - bench run --backend gpu (with and without a device expert cache that holds every expert)
 #     and --backend cpu on a synthetic model with real expert size, 3.7x the memory cgroup's
@@ -23,7 +23,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out
 nproc >> "$out/gpu.txt"
 $B bench kernels --backend gpu --reps 20 2>&1 | grep -v XDG_RUNTIME | tee "$out/kernels.jsonl"
 $B bench kernels --rows 512 2>&1 | tee -a "$out/kernels.jsonl"
-.dev/gpu-test --test-threads 1 --nocapture gpu_products batched gpu_ops fixtures_on device_expert_cache several sequence_state 2>&1 | grep -v XDG_RUNTIME | tee "$out/gpu-test.log"
+# Every gpu test; the CLI ones run the binary where cargo put it.
+mkdir -p target/release && cp "$B" target/release/deltafin
+.dev/gpu-test --test-threads 1 --nocapture 2>&1 | grep -v XDG_RUNTIME > "$out/gpu-test.log"; grep -E "^test |test result" "$out/gpu-test.log"
 model=/tmp/k3x
 [ -e "$model/config.json" ] || $B synth --preset k3-experts --layers 4 --experts 180 --out "$model" 2>&1 | tail -1
 echo +memory > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || true
