@@ -165,6 +165,11 @@ fn bench_kernels_options_out_of_range_are_errors_before_any_work() {
             "/nonexistent/variants: not a directory",
         ),
         (&["--matvec-rows", "49152"][..], "add --backend gpu"),
+        (&["--matmul-variants", "/tmp"][..], "add --backend gpu"),
+        (
+            &["--backend", "gpu", "--matmul-variants", "/nonexistent/variants"][..],
+            "--matmul-variants /nonexistent/variants: not a directory",
+        ),
         (&["--backend", "gpu", "--matvec-rows", "17"][..], "--matvec-rows must be a positive multiple of 16, got 17"),
     ] {
         let (code, err) = bench(args);

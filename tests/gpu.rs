@@ -796,9 +796,14 @@ fn bench_kernels_on_the_gpu_gives_each_kernel_against_its_reference() {
     if gpu().is_none() {
         return;
     }
+    // The shipped matmul as a variant of itself: the harness must find its bits equal.
+    let variants = std::env::temp_dir().join(format!("deltafin-mm-variants-{}", std::process::id()));
+    std::fs::create_dir_all(&variants).unwrap();
+    std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/matmul.wgsl"), variants.join("same.wgsl")).unwrap();
     let mut c = std::process::Command::new(bin());
     // Small shapes and one repetition: the record's fields, not the speeds (lavapipe is a CPU).
     c.args(["bench", "kernels", "--backend", "gpu", "--reps", "1", "--matvec-rows", "256", "--rows", "4"]);
+    c.arg("--matmul-variants").arg(&variants);
     let (out, _) = run_ok(&mut c);
     let j: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     let num = |k: &str| j[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {j}"));
@@ -811,4 +816,7 @@ fn bench_kernels_on_the_gpu_gives_each_kernel_against_its_reference() {
     }
     assert!(num("fma_peak_gfma_s") > num("mxfp4_matmul_gmac_s"), "{j}");
     assert_eq!(j["mxfp4_matvec_shape"], serde_json::json!([256, 3584]));
+    assert_eq!(j["matmul_variant_same_bits_equal"], true, "{j}");
+    assert_eq!(j["matmul_variant_shipped_bits_equal"], true, "{j}");
+    std::fs::remove_dir_all(&variants).ok();
 }

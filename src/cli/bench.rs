@@ -48,6 +48,11 @@ pub struct KernelArgs {
     /// GPU only).
     #[arg(long, value_name = "N", hide = true)]
     matvec_rows: Option<usize>,
+    /// Development: also time every `*.wgsl` in DIR as the MXFP4 matmul (entry `matmul`) on one
+    /// expert's w1 times `--rows` input rows, with whether its output bits equal the shipped
+    /// kernel's (GPU only).
+    #[arg(long, value_name = "DIR", hide = true)]
+    matmul_variants: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -237,10 +242,12 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     if a.rows == 0 || a.heads == 0 || a.reps == 0 {
         bail!("--rows, --heads and --reps must be at least 1 (got {}, {} and {})", a.rows, a.heads, a.reps);
     }
-    if let Some(dir) = &a.matvec_variants
-        && !dir.is_dir()
-    {
-        bail!("--matvec-variants {}: not a directory of .wgsl files", dir.display());
+    for (flag, dir) in [("--matvec-variants", &a.matvec_variants), ("--matmul-variants", &a.matmul_variants)] {
+        if let Some(dir) = dir
+            && !dir.is_dir()
+        {
+            bail!("{flag} {}: not a directory of .wgsl files", dir.display());
+        }
     }
     let mr = a.matvec_rows.unwrap_or(16 * 3072);
     if mr == 0 || !mr.is_multiple_of(16) {
@@ -249,8 +256,8 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     if let Some(g) = open_gpu(a.backend)? {
         return bench_kernels_gpu(&a, &g, mr);
     }
-    if a.matvec_variants.is_some() || a.matvec_rows.is_some() {
-        bail!("--matvec-variants and --matvec-rows are for the GPU's kernels: add --backend gpu");
+    if a.matvec_variants.is_some() || a.matvec_rows.is_some() || a.matmul_variants.is_some() {
+        bail!("--matvec-variants, --matvec-rows and --matmul-variants are for the GPU's kernels: add --backend gpu");
     }
     use crate::cpu::{Bf16Mat, Mxfp4Mat, matmul_bf16, matmul_mxfp4, matvec_bf16, matvec_mxfp4};
     let mut rng = crate::util::XorShift(0x9E37_79B9_7F4A_7C15);
@@ -397,20 +404,8 @@ fn bench_kernels_gpu(a: &KernelArgs, g: &crate::backend::gpu::GpuBackend, mr: us
     }
     put("round_trip_us", (t.elapsed().as_secs_f64() / calls as f64 * 1e6).into());
     if let Some(dir) = &a.matvec_variants {
-        let variants = g.time_matvec_variants(dir, mr, mc, reps);
-        if variants.len() == 1 {
-            eprintln!("deltafin: warning: --matvec-variants {}: no .wgsl file there", dir.display());
-        }
-        for v in variants {
+        for v in variant_timings(dir, g.time_matvec_variants(dir, mr, mc, reps)) {
             let n = &v.name;
-            if let Some(e) = &v.error {
-                // Line numbers in parse errors count what the harness puts in front of the file.
-                eprintln!(
-                    "deltafin: warning: variant {} failed (without `// standalone`, products.wgsl and the \
-                     harness's parameters come first, and error line numbers count them): {e}",
-                    dir.join(format!("{n}.wgsl")).display()
-                );
-            }
             match v.secs {
                 Some(s) => {
                     put(&format!("variant_{n}_gb_s"), (mx_bytes / s / 1e9).into());
@@ -421,9 +416,46 @@ fn bench_kernels_gpu(a: &KernelArgs, g: &crate::backend::gpu::GpuBackend, mr: us
             }
         }
     }
+    if let Some(dir) = &a.matmul_variants {
+        for v in variant_timings(dir, g.time_matmul_variants(dir, er, ec, a.rows, reps.div_ceil(4))) {
+            let n = &v.name;
+            match v.secs {
+                Some(s) => {
+                    let gmac = (er * ec * a.rows) as f64 / s / 1e9;
+                    put(&format!("matmul_variant_{n}_gmac_s"), gmac.into());
+                    put(&format!("matmul_variant_{n}_fraction_of_peak"), (gmac / peak_g).into());
+                    put(&format!("matmul_variant_{n}_bits_equal"), v.bits_equal.into());
+                }
+                None => put(&format!("matmul_variant_{n}_error"), v.error.unwrap_or_default().into()),
+            }
+        }
+    }
     let record = crate::util::bench_record("kernels", serde_json::Value::Object(rec));
     println!("{record}");
     Ok(())
+}
+
+/// The timings of `dir`'s variants, with a warning for each that failed and for a directory
+/// without any.
+#[cfg(feature = "gpu")]
+fn variant_timings(
+    dir: &std::path::Path,
+    variants: Vec<crate::backend::gpu::VariantTiming>,
+) -> Vec<crate::backend::gpu::VariantTiming> {
+    if variants.len() == 1 {
+        eprintln!("deltafin: warning: {}: no .wgsl file there", dir.display());
+    }
+    for v in &variants {
+        if let Some(e) = &v.error {
+            // Line numbers in parse errors count what the harness puts in front of the file.
+            eprintln!(
+                "deltafin: warning: variant {} failed (without `// standalone`, products.wgsl and the \
+                 harness's parameters come first, and error line numbers count them): {e}",
+                dir.join(format!("{}.wgsl", v.name)).display()
+            );
+        }
+    }
+    variants
 }
 
 /// The GPU whose kernels `bench kernels` times: with `--backend gpu` any adapter (lavapipe

@@ -44,6 +44,32 @@ impl VariantTiming {
     }
 }
 
+/// A compiled variant kernel.
+struct Variant {
+    name: String,
+    src: String,
+    pipe: wgpu::ComputePipeline,
+}
+
+impl Variant {
+    /// The number in the variant's header line `// KEY: N`.
+    fn header(&self, key: &str) -> Option<usize> {
+        let prefix = format!("// {key}:");
+        self.src.lines().find_map(|l| l.trim().strip_prefix(prefix.as_str()).and_then(|v| v.trim().parse().ok()))
+    }
+}
+
+/// The `*.wgsl` files of `dir`, sorted (an unreadable directory: one failed timing naming it).
+fn variant_files(dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>, VariantTiming> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| VariantTiming::failed(dir.display().to_string(), e.to_string()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "wgsl"))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
 /// The bench matrices' pseudo-random bytes (a fixed LCG, so every run times the same matrix).
 fn bench_bytes() -> impl FnMut() -> u8 {
     let mut seed = 7u64;
@@ -77,14 +103,10 @@ impl Gpu {
         cols: usize,
         reps: usize,
     ) -> Vec<VariantTiming> {
-        let mut files: Vec<_> = match std::fs::read_dir(dir) {
-            Ok(d) => d
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|e| e == "wgsl"))
-                .collect(),
-            Err(e) => return vec![VariantTiming::failed(dir.display().to_string(), e.to_string())],
+        let files = match variant_files(dir) {
+            Ok(f) => f,
+            Err(e) => return vec![e],
         };
-        files.sort();
         let (packed, scales) = bench_mxfp4(rows, cols);
         let r = self.upload_mxfp4(&Mxfp4Mat::new(&packed, &scales, rows, cols), true);
         // A variant is one dispatch over one binding: a matrix the adapter splits over several
@@ -142,39 +164,125 @@ impl Gpu {
             VariantTiming { name, secs: Some(secs / reps as f64), read_secs, bits_equal, error: None }
         };
         let shipped = time("shipped".into(), &self.matvec, MATVEC_ROWS);
-        let variants = files.iter().map(|f| {
-            let name = f.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-            let fail = |e: String| VariantTiming::failed(name.clone(), e);
-            let src = match std::fs::read_to_string(f) {
-                Ok(s) => s,
-                Err(e) => return fail(e.to_string()),
-            };
-            let per_group = src
-                .lines()
-                .find_map(|l| l.trim().strip_prefix("// rows_per_group:").and_then(|v| v.trim().parse::<usize>().ok()))
-                .unwrap_or(MATVEC_ROWS);
-            let trusted = src.lines().any(|l| l.trim() == "// trusted");
-            let standalone = src.lines().any(|l| l.trim() == "// standalone");
-            let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-            // Variants read one `Params` as `p` (the shipped kernel's list of jobs holds it as job 0).
-            let source = if standalone { src.clone() } else { [PRODUCTS, VARIANT_PARAMS, &src].join("\n") };
-            let desc =
-                wgpu::ShaderModuleDescriptor { label: Some(&name), source: wgpu::ShaderSource::Wgsl(source.into()) };
-            let module = if trusted {
-                // SAFETY: a development kernel run on the bench's own matrix; on Vulkan the
-                // driver's robust buffer access still bounds its buffer accesses, and its output
-                // is checked against the shipped kernel's bits.
-                unsafe { self.device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
-            } else {
-                self.device.create_shader_module(desc)
-            };
-            let pipe = self.pipeline_of(&module, "matvec");
-            if let Some(e) = pollster::block_on(scope.pop()) {
-                return fail(e.to_string());
+        // Variants read one `Params` as `p` (the shipped kernel's list of jobs holds it as job 0).
+        let prelude = |src: &str| [PRODUCTS, VARIANT_PARAMS, src].join("\n");
+        let variants = files.iter().map(|f| match self.variant(f, "matvec", &prelude) {
+            Ok(v) => {
+                let per_group = v.header("rows_per_group").unwrap_or(MATVEC_ROWS);
+                time(v.name, &v.pipe, per_group)
             }
-            time(name, &pipe, per_group)
+            Err(e) => e,
         });
         std::iter::once(shipped).chain(variants).collect()
+    }
+
+    /// Times the shipped MXFP4 matmul (as `shipped`) and each `*.wgsl` file of `dir` in its place
+    /// on a `rows` x `cols` matrix times `n` input rows, and says whether each one's outputs have
+    /// the shipped kernel's bits. A variant replaces `kernels/matmul.wgsl` (entry `matmul`, the
+    /// same bindings and `Params`; `products.wgsl` is prepended unless `// standalone`);
+    /// `// rows_per_group: N` and `// inputs_per_group: M` set its dispatch (default 64 and 8),
+    /// `// trusted` as for the matvec variants (`bench kernels --matmul-variants DIR`).
+    pub fn time_matmul_variants(
+        &self,
+        dir: &std::path::Path,
+        rows: usize,
+        cols: usize,
+        n: usize,
+        reps: usize,
+    ) -> Vec<VariantTiming> {
+        let files = match variant_files(dir) {
+            Ok(f) => f,
+            Err(e) => return vec![e],
+        };
+        let (packed, scales) = bench_mxfp4(rows, cols);
+        let r = self.upload_mxfp4(&Mxfp4Mat::new(&packed, &scales, rows, cols), true);
+        if r.chunks.len() > 1 {
+            let why =
+                format!("{rows} x {cols} is split over {} bindings on this adapter; take fewer rows", r.chunks.len());
+            return vec![VariantTiming::failed("shipped".into(), why)];
+        }
+        let xs: Vec<f32> = (0..n * cols).map(|i| ((i * 7 % 23) as f32 - 11.0) / 16.0).collect();
+        let x = self.storage("x", &Gpu::input_bytes(&xs, cols, r.stride));
+        let o = self.output(n * rows);
+        let c = &r.chunks[0];
+        let p = self.uniform(Params {
+            rows: c.rows as u32,
+            cols: cols as u32,
+            n: n as u32,
+            kind: Kind::Mxfp4 as u32,
+            out_rows: rows as u32,
+            stride: r.stride as u32,
+            count: 1,
+            ..Default::default()
+        });
+        let bg = self.bind(&c.w, &c.scales, &x, &o, &p);
+        let run = |pipe: &wgpu::ComputePipeline, (per_group, inputs): (usize, usize), reps: usize| {
+            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+            {
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("matmul variant"),
+                    timestamp_writes: None,
+                });
+                pass.set_pipeline(pipe);
+                pass.set_bind_group(0, &bg, &[]);
+                for _ in 0..reps {
+                    pass.dispatch_workgroups(rows.div_ceil(per_group) as u32, n.div_ceil(inputs) as u32, 1);
+                }
+            }
+            let t = Instant::now();
+            let v = self.finish(enc, &o, n * rows);
+            (t.elapsed().as_secs_f64(), v)
+        };
+        let shipped_shape = (64, 8);
+        let (_, reference) = run(&self.matmul, shipped_shape, 1);
+        let time = |name: String, pipe: &wgpu::ComputePipeline, shape: (usize, usize)| {
+            run(pipe, shape, 1);
+            let (secs, got) = run(pipe, shape, reps);
+            let bits_equal =
+                got.len() == reference.len() && got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
+            VariantTiming { name, secs: Some(secs / reps as f64), read_secs: 0.0, bits_equal, error: None }
+        };
+        let shipped = time("shipped".into(), &self.matmul, shipped_shape);
+        let prelude = |src: &str| [PRODUCTS, src].join("\n");
+        let variants = files.iter().map(|f| match self.variant(f, "matmul", &prelude) {
+            Ok(v) => {
+                let shape = (v.header("rows_per_group").unwrap_or(64), v.header("inputs_per_group").unwrap_or(8));
+                time(v.name, &v.pipe, shape)
+            }
+            Err(e) => e,
+        });
+        std::iter::once(shipped).chain(variants).collect()
+    }
+
+    /// Compiles the variant kernel in `path` at `entry`, with `prelude` around its text unless it
+    /// says `// standalone`, and without wgpu's injected checks if it says `// trusted`.
+    fn variant(
+        &self,
+        path: &std::path::Path,
+        entry: &str,
+        prelude: &dyn Fn(&str) -> String,
+    ) -> Result<Variant, VariantTiming> {
+        let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let fail = |e: String| VariantTiming::failed(name.clone(), e);
+        let src = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
+        let trusted = src.lines().any(|l| l.trim() == "// trusted");
+        let standalone = src.lines().any(|l| l.trim() == "// standalone");
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let source = if standalone { src.clone() } else { prelude(&src) };
+        let desc = wgpu::ShaderModuleDescriptor { label: Some(&name), source: wgpu::ShaderSource::Wgsl(source.into()) };
+        let module = if trusted {
+            // SAFETY: a development kernel run on the bench's own matrix; on Vulkan the driver's
+            // robust buffer access still bounds its buffer accesses, and its output is checked
+            // against the shipped kernel's bits.
+            unsafe { self.device.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked()) }
+        } else {
+            self.device.create_shader_module(desc)
+        };
+        let pipe = self.pipeline_of(&module, entry);
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(fail(e.to_string()));
+        }
+        Ok(Variant { name, src, pipe })
     }
 
     /// The adapter's f32 fused-multiply-adds per second (`fma_peak` in `kernels/matmul.wgsl`: 32

@@ -243,7 +243,7 @@ pub struct Gpu {
     pub(super) device: wgpu::Device,
     pub(super) queue: wgpu::Queue,
     products_layout: ComputeLayout,
-    matmul: wgpu::ComputePipeline,
+    pub(super) matmul: wgpu::ComputePipeline,
     pub(super) matvec: wgpu::ComputePipeline,
     pub(super) read_all: wgpu::ComputePipeline,
     fma_probe: wgpu::ComputePipeline,

@@ -193,6 +193,18 @@ impl GpuBackend {
         self.gpu.time_product(kind, rows, cols, n, reps)
     }
 
+    /// [`Gpu::time_matmul_variants`] (for `bench kernels --matmul-variants`).
+    pub fn time_matmul_variants(
+        &self,
+        dir: &std::path::Path,
+        rows: usize,
+        cols: usize,
+        n: usize,
+        reps: usize,
+    ) -> Vec<VariantTiming> {
+        self.gpu.time_matmul_variants(dir, rows, cols, n, reps)
+    }
+
     /// The adapter's measured f32 fused-multiply-adds per second ([`Gpu::fma_peak`], for `bench
     /// kernels`).
     pub fn fma_peak(&self, reps: usize) -> f64 {

@@ -1,0 +1,111 @@
+"""Writes variants of the shipped MXFP4 matmul (kernels/matmul.wgsl) for `deltafin bench kernels
+--backend gpu --matmul-variants DIR`: the shipped text with its register tile (weight rows x input
+rows per thread) and, in the `f16` ones, the matvec's f16-bit decode in place of the E2M1 table.
+Every variant keeps the CPU's order per output, so its bits must equal the shipped kernel's.
+
+    python3 bench/matmul_variants/gen.py /tmp/mm
+"""
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SHIPPED = (ROOT / "kernels/matmul.wgsl").read_text()
+MATVEC = (ROOT / "kernels/matvec.wgsl").read_text()
+
+
+def fn_text(src, name):
+    """The whole `fn name(...)` of `src`, with its comment lines."""
+    start = src.rindex("\n\n", 0, src.index(f"fn {name}(")) + 2
+    end = src.index("\n}\n", start) + 3
+    return src[start:end]
+
+
+def must_replace(text, old, new):
+    assert old in text, old
+    return text.replace(old, new)
+
+
+LUT_DECODE = """                    let word = w[wb[j] + b * 4u];
+                    let s = scale_at(sb[j] + b);
+                    lo[j] = vec4<f32>(
+                        lut[word & 15u] * s,
+                        lut[(word >> 8u) & 15u] * s,
+                        lut[(word >> 16u) & 15u] * s,
+                        lut[(word >> 24u) & 15u] * s,
+                    );
+                    hi[j] = vec4<f32>(
+                        lut[(word >> 4u) & 15u] * s,
+                        lut[(word >> 12u) & 15u] * s,
+                        lut[(word >> 20u) & 15u] * s,
+                        lut[word >> 28u] * s,
+                    );"""
+
+# E2M1 times 2^-14 as f16 bits, times 2^(E - 113): exactly the table's value times 2^(E - 127);
+# a scale byte above 240 takes the values times 2^14 first, then the scale (as matvec.wgsl).
+F16_DECODE = """                    let word = w[wb[j] + b * 4u];
+                    let e = scale_byte(sb[j] + b);
+                    let nb = nibbles_f16(word);
+                    var l02 = f16_at(nb.x << 8u);
+                    var l13 = f16_at(nb.x);
+                    var h02 = f16_at(nb.y << 8u);
+                    var h13 = f16_at(nb.y);
+                    var s = bitcast<f32>((e + 14u) << 23u);
+                    if (e > 240u) {
+                        l02 = l02 * 16384.0;
+                        l13 = l13 * 16384.0;
+                        h02 = h02 * 16384.0;
+                        h13 = h13 * 16384.0;
+                        s = e8m0(e);
+                    }
+                    lo[j] = vec4<f32>(l02.x, l13.x, l02.y, l13.y) * s;
+                    hi[j] = vec4<f32>(h02.x, h13.x, h02.y, h13.y) * s;"""
+
+SCALE_BYTE = """
+// Scale byte `idx` of the matrix (packed four to a word from word `s_off`).
+fn scale_byte(idx: u32) -> u32 {
+    let i = p.s_off * 4u + idx;
+    return (scales[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu;
+}
+"""
+
+
+def variant(rows, xr, f16):
+    t = SHIPPED
+    t = must_replace(t, "const MM_ROWS: u32 = 1u;", f"const MM_ROWS: u32 = {rows}u;")
+    t = must_replace(t, "const MM_XR: u32 = 8u;", f"const MM_XR: u32 = {xr}u;")
+    t = must_replace(t, "var wb: array<u32, 2>;", f"var wb: array<u32, {rows}>;")
+    t = must_replace(t, "var sb: array<u32, 2>;", f"var sb: array<u32, {rows}>;")
+    t = must_replace(t, "var lo: array<vec4<f32>, 2>;", f"var lo: array<vec4<f32>, {rows}>;")
+    t = must_replace(t, "var hi: array<vec4<f32>, 2>;", f"var hi: array<vec4<f32>, {rows}>;")
+    t = must_replace(t, "var wv: array<vec4<f32>, 2>;", f"var wv: array<vec4<f32>, {rows}>;")
+    t = must_replace(t, "var acc: array<vec4<f32>, 16>;", f"var acc: array<vec4<f32>, {rows * xr}>;")
+    # Workgroup memory: the input tile, and one vec4 per thread and weight row for the lanes.
+    size = max(xr * 64, rows * 256)
+    t = must_replace(t, "var<workgroup> xt4: array<vec4<f32>, 512>;", f"var<workgroup> xt4: array<vec4<f32>, {size}>;")
+    if f16:
+        t = must_replace(t, LUT_DECODE, F16_DECODE)
+        t = t + SCALE_BYTE + "\n" + fn_text(MATVEC, "f16_at") + "\n" + fn_text(MATVEC, "nibbles_f16")
+    header = f"// rows_per_group: {64 * rows}\n// inputs_per_group: {xr}\n// trusted\n"
+    return header + t
+
+
+VARIANTS = {
+    "mm_lut_1x8": (1, 8, False),  # the shipped kernel through the harness (control)
+    "mm_f16_1x8": (1, 8, True),
+    "mm_f16_2x8": (2, 8, True),
+    "mm_f16_2x4": (2, 4, True),
+    "mm_f16_4x4": (4, 4, True),
+    "mm_lut_4x4": (4, 4, False),
+    "mm_f16_4x2": (4, 2, True),
+    "mm_f16_4x8": (4, 8, True),
+    "mm_f16_8x2": (8, 2, True),
+    "mm_f16_8x4": (8, 4, True),
+}
+
+if __name__ == "__main__":
+    out = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/mm")
+    out.mkdir(parents=True, exist_ok=True)
+    names = sys.argv[2:] or list(VARIANTS)
+    for name in names:
+        (out / f"{name}.wgsl").write_text(variant(*VARIANTS[name]))
+    print(" ".join(names))
