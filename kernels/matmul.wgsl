@@ -15,38 +15,38 @@
 // outputs; see there), `fma_probe` and `fma_peak` (the bench's f32 peak). One input row goes to
 // matvec.wgsl.
 
-// Params, scales, out, lut, e2m1, e8m0 and bf16x4: products.wgsl (prepended).
+// Params, scales, out, mx_values, e8m0 and bf16x4: products.wgsl (prepended).
 @group(0) @binding(0) var<storage, read> w: array<u32>;
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 @group(0) @binding(4) var<uniform> p: Params;
 
-// The E8M0 scale of block `idx` of the matrix (scales packed four to a word from word `s_off`).
-fn scale_at(idx: u32) -> f32 {
+// The E8M0 scale byte of block `idx` of the matrix (packed four to a word from word `s_off`).
+fn scale_byte(idx: u32) -> u32 {
     let i = p.s_off * 4u + idx;
-    return e8m0((scales[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu);
+    return (scales[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu;
 }
 
 
 // Several input rows (`n > 1`), register-tiled so that each load serves several multiply-adds. A
-// workgroup of 256 threads is 64 slots x 4; thread g of a slot owns lanes 4g..4g+3 (as in matvec.wgsl) of MM_ROWS weight rows
-// (base + 64j + slot) for MM_XR input rows. Per 32-element MXFP4 block it loads one u32 word per
-// weight row (bytes 4g..4g+3: its lanes' low and high nibbles) and one scale, decodes 8 values
-// once and uses them for all MM_XR input rows, whose vec4 inputs (staged in workgroup memory, 256
-// columns per tile) serve all MM_ROWS weight rows. bf16: words 2g, 2g+1 of each 16-element chunk.
-// The 16 lanes of each output meet in workgroup memory (one input row per round) for the tree.
-// Measured on the H200 (2026-12-01, 512 input rows): 1 x 8 ran MXFP4 at 1,997 GMAC/s, 2 x 8 at 1,563,
-// 2 x 4 at 1,838, the earlier byte-loading kernel at 151.
-const MM_ROWS: u32 = 1u;
-const MM_XR: u32 = 8u;
+// workgroup of 256 threads is 64 slots x 4; thread g of a slot owns lanes 4g..4g+3 (as in
+// matvec.wgsl) of MM_ROWS weight rows (base + 64j + slot) for MM_XR input rows. Per 32-element
+// MXFP4 block it loads one u32 word per weight row (bytes 4g..4g+3: its lanes' low and high
+// nibbles) and one scale, decodes 8 values once (`mx_values`, f16 bits) and uses them for all
+// MM_XR input rows, whose vec4 inputs (staged in workgroup memory, 256 columns per tile) serve all
+// MM_ROWS weight rows. bf16: words 2g, 2g+1 of each 16-element chunk. The 16 lanes of each output
+// meet in workgroup memory (one input row per round) for the tree; every accumulator index is a
+// constant once the short loops are unrolled, so they stay in registers (an index by the round,
+// as before, put the whole array in local memory). Measured on the H200 (2026-12-02, 512 and 64
+// input rows; bench/matmul_variants/README.md): 2 x 4 ran 5,174-5,276 and 4,654 GMAC/s, 1 x 8
+// 4,740 and 4,242, 2 x 8 5,621-5,768 and 4,305, the accumulators in local memory 1,950 and 1,700.
+const MM_ROWS: u32 = 2u;
+const MM_XR: u32 = 4u;
 const RTILE: u32 = 256u;
-// MM_XR x RTILE floats at most (8 input rows); reused for the lanes at the end.
+// MM_XR x RTILE floats of inputs; reused for the lanes at the end (MM_ROWS x 256 vec4).
 var<workgroup> xt4: array<vec4<f32>, 512>;
 
 @compute @workgroup_size(256)
 fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wg: vec3<u32>) {
-    if (lid.x < 16u) {
-        lut[lid.x] = e2m1(lid.x);
-    }
     let g = lid.x & 3u;
     let slot = lid.x >> 2u;
     let base = wg.x * 64u * MM_ROWS;
@@ -63,7 +63,7 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
             wb[j] = p.w_off + r * (p.stride >> 1u) + 2u * g;
         }
     }
-    var acc: array<vec4<f32>, 16>;
+    var acc: array<vec4<f32>, 8>;
     for (var a = 0u; a < MM_ROWS * MM_XR; a = a + 1u) {
         acc[a] = vec4<f32>(0.0);
     }
@@ -99,20 +99,9 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
                 var lo: array<vec4<f32>, 2>;
                 var hi: array<vec4<f32>, 2>;
                 for (var j = 0u; j < MM_ROWS; j = j + 1u) {
-                    let word = w[wb[j] + b * 4u];
-                    let s = scale_at(sb[j] + b);
-                    lo[j] = vec4<f32>(
-                        lut[word & 15u] * s,
-                        lut[(word >> 8u) & 15u] * s,
-                        lut[(word >> 16u) & 15u] * s,
-                        lut[(word >> 24u) & 15u] * s,
-                    );
-                    hi[j] = vec4<f32>(
-                        lut[(word >> 4u) & 15u] * s,
-                        lut[(word >> 12u) & 15u] * s,
-                        lut[(word >> 20u) & 15u] * s,
-                        lut[word >> 28u] * s,
-                    );
+                    let v = mx_values(w[wb[j] + b * 4u], scale_byte(sb[j] + b));
+                    lo[j] = v.lo;
+                    hi[j] = v.hi;
                 }
                 for (var q = 0u; q < MM_XR; q = q + 1u) {
                     let xlo = xt4[q * (RTILE / 4u) + jb * 8u + g];
@@ -144,7 +133,12 @@ fn matmul(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) w
     }
     for (var q = 0u; q < MM_XR; q = q + 1u) {
         for (var j = 0u; j < MM_ROWS; j = j + 1u) {
-            xt4[j * 256u + lid.x] = acc[j * MM_XR + q];
+            // Accumulator 0 of each weight row goes out and the others move down: an index by
+            // `q` (a loop that holds barriers, not unrolled) would put `acc` in local memory.
+            xt4[j * 256u + lid.x] = acc[j * MM_XR];
+            for (var i = 0u; i + 1u < MM_XR; i = i + 1u) {
+                acc[j * MM_XR + i] = acc[j * MM_XR + i + 1u];
+            }
         }
         workgroupBarrier();
         if (g == 0u && i0 + q < p.n) {

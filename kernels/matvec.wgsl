@@ -59,22 +59,6 @@ fn word_at(i: u32) -> u32 {
     return wv[i >> 2u][i & 3u];
 }
 
-// Two E2M1 codes as f32 times 2^-14, from bytes 1 and 3 of `t` already in f16 place (sign at
-// bit 7 of the byte, magnitude at bits 3..1); the mask clears every other bit.
-fn f16_at(t: u32) -> vec2<f32> {
-    return unpack2x16float(t & 0x8e008e00u);
-}
-
-// The word's low nibbles (`lows`) and high nibbles (`highs`), each moved into f16 place in its own
-// byte by one shift and a bitwise select: bytes 1 and 3 are then an f16 pair under the mask, and
-// bytes 0 and 2 one byte-shift away. 11 integer operations per word (the per-pair shifts and masks
-// took 16; 3% faster on the H200, bench/matvec_variants/README.md, round 12).
-fn nibbles_f16(word: u32) -> vec2<u32> {
-    let lows = ((word << 4u) & 0x80808080u) | ((word << 1u) & 0x7f7f7f7fu);
-    let highs = (word & 0x80808080u) | ((word >> 3u) & 0x7f7f7f7fu);
-    return vec2<u32>(lows, highs);
-}
-
 // Lanes 4g..4g+3 of one block: `word`'s low nibbles are their first elements, the high nibbles
 // their second (element 16 + 4g + i). `s14` = 2^(E - 113).
 fn mx_step(acc: vec4<f32>, word: u32, s14: f32, xlo: vec4<f32>, xhi: vec4<f32>) -> vec4<f32> {
@@ -88,21 +72,11 @@ fn mx_step(acc: vec4<f32>, word: u32, s14: f32, xlo: vec4<f32>, xhi: vec4<f32>) 
     return fma(hi, xhi, fma(lo, xlo, acc));
 }
 
-// The same products for any scale byte `e`: times 2^(E - 113) as in `mx_step`, or for a byte
-// above 240 (whose 2^(E - 113) would overflow) the E2M1 values first (times 2^14, exact), then
-// the scale. Used block by block where the fast path does not apply (two multiplies each).
+// The same products for any scale byte `e` (`mx_values`: a byte above 240 takes two multiplies).
+// Used block by block where the fast path does not apply.
 fn mx_step_any(acc: vec4<f32>, word: u32, e: u32, xlo: vec4<f32>, xhi: vec4<f32>) -> vec4<f32> {
-    let wide = e > 240u;
-    let a = select(bitcast<f32>((e + 14u) << 23u), 16384.0, wide);
-    let b = select(1.0, e8m0(e), wide);
-    let n = nibbles_f16(word);
-    let l02 = f16_at(n.x << 8u) * a;
-    let l13 = f16_at(n.x) * a;
-    let h02 = f16_at(n.y << 8u) * a;
-    let h13 = f16_at(n.y) * a;
-    let lo = vec4<f32>(l02.x, l13.x, l02.y, l13.y) * b;
-    let hi = vec4<f32>(h02.x, h13.x, h02.y, h13.y) * b;
-    return fma(hi, xhi, fma(lo, xlo, acc));
+    let v = mx_values(word, e);
+    return fma(v.hi, xhi, fma(v.lo, xlo, acc));
 }
 
 // 2^(E - 113) for byte k of `pk` = four scale bytes plus 14 each.

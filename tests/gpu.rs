@@ -127,30 +127,34 @@ fn mxfp4_scale_bytes_above_240_give_the_cpus_products() {
     // products need the two-step form on the GPU) and inputs near 2^-100, so that every product
     // and sum stays a normal float; the rest have ordinary scales and inputs. 384 columns: one
     // tile of 8 blocks (taken by the two-step path as a whole) and a tail of 4 (block by block).
+    // One input row runs the matvec kernel, several the matmul (5: a partial group of its 4).
     let Some(g) = gpu() else { return };
     let cpu = CpuBackend;
     let mut rng = Rng(41);
-    for (rows, cols) in [(37usize, 384usize), (20, 7168), (9, 96)] {
+    for (rows, cols, n) in [(37usize, 384usize, 1usize), (20, 7168, 1), (9, 96, 1), (37, 384, 5), (130, 96, 3)] {
         let blocks = cols / 32;
         let packed = rng.bytes(rows * cols / 2);
         let wide = |b: usize| b % 3 == 1;
         let scales: Vec<u8> = (0..rows * blocks)
             .map(|i| if wide(i % blocks) { 241 + (i % 10) as u8 } else { 114 + (i % 13) as u8 })
             .collect();
-        let x: Vec<f32> = (0..cols)
-            .map(|c| {
+        let x: Vec<f32> = (0..n * cols)
+            .map(|i| {
+                let c = i % cols;
                 let v = (0.5 + rng.f32() / 2.0) * if c % 2 == 0 { 1.0 } else { -1.0 };
                 if wide(c / 32) { v * 2f32.powi(-100) } else { v }
             })
             .collect();
-        let mut xd = vec![0f32; cols];
-        deinterleave_mxfp4_input(&x, &mut xd);
+        let mut xd = vec![0f32; n * cols];
+        for (row, out) in x.chunks(cols).zip(xd.chunks_mut(cols)) {
+            deinterleave_mxfp4_input(row, out);
+        }
         let w = Mxfp4Mat::new(&packed, &scales, rows, cols);
-        let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+        let (mut a, mut b) = (vec![0f32; n * rows], vec![0f32; n * rows]);
         g.matmul_mxfp4(&w, &xd, &mut a);
         cpu.matmul_mxfp4(&w, &xd, &mut b);
         assert!(b.iter().all(|v| v.is_finite()), "the CPU's products stay finite");
-        check(&g, &format!("mxfp4 wide scales {rows}x{cols}"), &a, &b, 1e-5);
+        check(&g, &format!("mxfp4 wide scales {rows}x{cols} x{n}"), &a, &b, 1e-5);
     }
 }
 

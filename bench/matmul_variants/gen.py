@@ -9,15 +9,8 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SHIPPED = (ROOT / "kernels/matmul.wgsl").read_text()
-MATVEC = (ROOT / "kernels/matvec.wgsl").read_text()
-
-
-def fn_text(src, name):
-    """The whole `fn name(...)` of `src`, with its comment lines."""
-    start = src.rindex("\n\n", 0, src.index(f"fn {name}(")) + 2
-    end = src.index("\n}\n", start) + 3
-    return src[start:end]
+# The matmul as shipped until the first round (2026-12-02): the variants are edits of it.
+SHIPPED = (ROOT / "bench/matmul_variants/base_r1.wgsl").read_text()
 
 
 def must_replace(text, old, new):
@@ -69,7 +62,20 @@ fn scale_byte(idx: u32) -> u32 {
 """
 
 
-def variant(rows, xr, f16):
+# The lanes' write-out indexed the accumulators by the round `q`, a loop the compiler does not
+# unroll (it holds barriers), which put the whole array in local memory (LDL/STL in the SASS).
+# `shift` writes accumulator 0 of each weight row and moves the others down instead, so every
+# index is a constant once the short loops are unrolled.
+WRITE_OUT = """            xt4[j * 256u + lid.x] = acc[j * MM_XR + q];
+        }"""
+WRITE_OUT_SHIFT = """            xt4[j * 256u + lid.x] = acc[j * MM_XR];
+            for (var i = 0u; i + 1u < MM_XR; i = i + 1u) {
+                acc[j * MM_XR + i] = acc[j * MM_XR + i + 1u];
+            }
+        }"""
+
+
+def variant(rows, xr, f16, shift=False):
     t = SHIPPED
     t = must_replace(t, "const MM_ROWS: u32 = 1u;", f"const MM_ROWS: u32 = {rows}u;")
     t = must_replace(t, "const MM_XR: u32 = 8u;", f"const MM_XR: u32 = {xr}u;")
@@ -82,9 +88,12 @@ def variant(rows, xr, f16):
     # Workgroup memory: the input tile, and one vec4 per thread and weight row for the lanes.
     size = max(xr * 64, rows * 256)
     t = must_replace(t, "var<workgroup> xt4: array<vec4<f32>, 512>;", f"var<workgroup> xt4: array<vec4<f32>, {size}>;")
+    if shift:
+        t = must_replace(t, WRITE_OUT, WRITE_OUT_SHIFT)
     if f16:
         t = must_replace(t, LUT_DECODE, F16_DECODE)
-        t = t + SCALE_BYTE + "\n" + fn_text(MATVEC, "f16_at") + "\n" + fn_text(MATVEC, "nibbles_f16")
+        # f16_at and nibbles_f16 come with products.wgsl, which the harness prepends.
+        t = t + SCALE_BYTE
     header = f"// rows_per_group: {64 * rows}\n// inputs_per_group: {xr}\n// trusted\n"
     return header + t
 
@@ -100,6 +109,13 @@ VARIANTS = {
     "mm_f16_4x8": (4, 8, True),
     "mm_f16_8x2": (8, 2, True),
     "mm_f16_8x4": (8, 4, True),
+    "mm_lut_1x8_shift": (1, 8, False, True),
+    "mm_f16_1x8_shift": (1, 8, True, True),
+    "mm_f16_2x8_shift": (2, 8, True, True),
+    "mm_f16_2x4_shift": (2, 4, True, True),
+    "mm_f16_4x4_shift": (4, 4, True, True),
+    "mm_f16_4x8_shift": (4, 8, True, True),
+    "mm_lut_4x4_shift": (4, 4, False, True),
 }
 
 if __name__ == "__main__":

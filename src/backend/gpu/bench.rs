@@ -8,7 +8,7 @@
 //! per thread, and writes one partial per thread (under 2% of the bytes read).
 
 use super::BenchKind;
-use super::device::{Gpu, Kind, MATVEC_ROWS, MAX_GROUPS, Params, product_shader};
+use super::device::{Gpu, Kind, MATVEC_ROWS, MAX_GROUPS, Params, ROWS_PER_GROUP, XR, product_shader};
 use super::kernels::Kernel;
 use super::kernels::PRODUCTS;
 use crate::cpu::{Bf16Mat, Mxfp4Mat};
@@ -180,7 +180,8 @@ impl Gpu {
     /// on a `rows` x `cols` matrix times `n` input rows, and says whether each one's outputs have
     /// the shipped kernel's bits. A variant replaces `kernels/matmul.wgsl` (entry `matmul`, the
     /// same bindings and `Params`; `products.wgsl` is prepended unless `// standalone`);
-    /// `// rows_per_group: N` and `// inputs_per_group: M` set its dispatch (default 64 and 8),
+    /// `// rows_per_group: N` and `// inputs_per_group: M` set its dispatch (default: the shipped
+    /// kernel's),
     /// `// trusted` as for the matvec variants (`bench kernels --matmul-variants DIR`).
     pub fn time_matmul_variants(
         &self,
@@ -233,7 +234,7 @@ impl Gpu {
             let v = self.finish(enc, &o, n * rows);
             (t.elapsed().as_secs_f64(), v)
         };
-        let shipped_shape = (64, 8);
+        let shipped_shape = (ROWS_PER_GROUP, XR);
         let (_, reference) = run(&self.matmul, shipped_shape, 1);
         let time = |name: String, pipe: &wgpu::ComputePipeline, shape: (usize, usize)| {
             run(pipe, shape, 1);
@@ -246,7 +247,8 @@ impl Gpu {
         let prelude = |src: &str| [PRODUCTS, src].join("\n");
         let variants = files.iter().map(|f| match self.variant(f, "matmul", &prelude) {
             Ok(v) => {
-                let shape = (v.header("rows_per_group").unwrap_or(64), v.header("inputs_per_group").unwrap_or(8));
+                let shape =
+                    (v.header("rows_per_group").unwrap_or(ROWS_PER_GROUP), v.header("inputs_per_group").unwrap_or(XR));
                 time(v.name, &v.pipe, shape)
             }
             Err(e) => e,

@@ -95,8 +95,8 @@ impl ComputeLayout {
 }
 
 /// Weight rows and input rows per workgroup of `matmul` (64 `MM_ROWS` and `MM_XR` in the kernel).
-const ROWS_PER_GROUP: usize = 64;
-const XR: usize = 8;
+pub(super) const ROWS_PER_GROUP: usize = 128;
+pub(super) const XR: usize = 4;
 /// Weight rows per workgroup of `matvec.wgsl`.
 pub(super) const MATVEC_ROWS: usize = 16;
 /// Products one matvec dispatch may run (`MAX_JOBS` in `matvec.wgsl`): its uniform block holds
