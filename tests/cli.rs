@@ -160,6 +160,7 @@ fn bench_kernels_options_out_of_range_are_errors_before_any_work() {
     for (args, says) in [
         (&["--rows", "0"][..], "--rows, --heads and --reps must be at least 1"),
         (&["--reps", "0"][..], "--reps must be at least 1"),
+        (&["--rows", "300000"][..], "--rows 300000: at most 16384"),
         (
             &["--backend", "gpu", "--matvec-variants", "/nonexistent/variants"][..],
             "/nonexistent/variants: not a directory",

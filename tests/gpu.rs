@@ -77,7 +77,7 @@ fn gpu_products_at_tail_shapes_match_the_cpu() {
     // One input row (matvec): rows not a multiple of the 16 per workgroup; MXFP4 rows of 1 and 3
     // blocks (below the 4-block unroll), 5 (a remainder), 112 and 224 (K3's), 225 (7168 + 32:
     // rows whose scales do not start on a word). Several rows (matmul): input rows not a
-    // multiple of its 8, weight rows not a multiple of its 64, columns past one 256-column tile.
+    // multiple of its 4, weight rows not a multiple of its 128, columns past one 256-column tile.
     // The matvec's tiles of 8 blocks: exactly one (256), one and a tail of 4 (384), none (128).
     let mx = [
         (37usize, 32usize, 1usize),
@@ -803,7 +803,11 @@ fn bench_kernels_on_the_gpu_gives_each_kernel_against_its_reference() {
     // The shipped matmul as a variant of itself: the harness must find its bits equal.
     let variants = std::env::temp_dir().join(format!("deltafin-mm-variants-{}", std::process::id()));
     std::fs::create_dir_all(&variants).unwrap();
-    std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/matmul.wgsl"), variants.join("same.wgsl")).unwrap();
+    let shipped = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/matmul.wgsl")).unwrap();
+    std::fs::write(variants.join("same.wgsl"), &shipped).unwrap();
+    // Dispatched for twice the rows per workgroup it covers: half the outputs stay unwritten,
+    // which the harness must not take for the shipped kernel's bits.
+    std::fs::write(variants.join("half.wgsl"), format!("// rows_per_group: 256\n{shipped}")).unwrap();
     let mut c = std::process::Command::new(bin());
     // Small shapes and one repetition: the record's fields, not the speeds (lavapipe is a CPU).
     c.args(["bench", "kernels", "--backend", "gpu", "--reps", "1", "--matvec-rows", "256", "--rows", "4"]);
@@ -821,6 +825,7 @@ fn bench_kernels_on_the_gpu_gives_each_kernel_against_its_reference() {
     assert!(num("fma_peak_gfma_s") > num("mxfp4_matmul_gmac_s"), "{j}");
     assert_eq!(j["mxfp4_matvec_shape"], serde_json::json!([256, 3584]));
     assert_eq!(j["matmul_variant_same_bits_equal"], true, "{j}");
+    assert_eq!(j["matmul_variant_half_bits_equal"], false, "{j}");
     assert_eq!(j["matmul_variant_shipped_bits_equal"], true, "{j}");
     std::fs::remove_dir_all(&variants).ok();
 }

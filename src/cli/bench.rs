@@ -238,9 +238,16 @@ fn fio_run(fio: &str, reads: &[(PathBuf, u64, u64)], iodepth: usize, dir: &Path)
     Ok(bw / 1e9)
 }
 
+/// The most prompt rows `bench kernels` takes.
+const MAX_KERNEL_ROWS: usize = 16_384;
+
 fn bench_kernels(a: KernelArgs) -> Result<()> {
     if a.rows == 0 || a.heads == 0 || a.reps == 0 {
         bail!("--rows, --heads and --reps must be at least 1 (got {}, {} and {})", a.rows, a.heads, a.reps);
+    }
+    // The prompt-sized products hold `rows` x 7168 f32 inputs: 470 MB at the limit.
+    if a.rows > MAX_KERNEL_ROWS {
+        bail!("--rows {}: at most {MAX_KERNEL_ROWS} (a prompt of that many tokens)", a.rows);
     }
     for (flag, dir) in [("--matvec-variants", &a.matvec_variants), ("--matmul-variants", &a.matmul_variants)] {
         if let Some(dir) = dir
@@ -449,9 +456,10 @@ fn variant_timings(
         if let Some(e) = &v.error {
             // Line numbers in parse errors count what the harness puts in front of the file.
             eprintln!(
-                "deltafin: warning: variant {} failed (without `// standalone`, products.wgsl and the \
-                 harness's parameters come first, and error line numbers count them): {e}",
-                dir.join(format!("{}.wgsl", v.name)).display()
+                "deltafin: warning: variant {} in {} failed: {e} (line numbers in shader errors count \
+                 products.wgsl and the harness's text before the file, unless it says `// standalone`)",
+                v.name,
+                dir.display()
             );
         }
     }

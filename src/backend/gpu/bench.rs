@@ -52,11 +52,23 @@ struct Variant {
 }
 
 impl Variant {
-    /// The number in the variant's header line `// KEY: N`.
-    fn header(&self, key: &str) -> Option<usize> {
+    /// The number in the variant's header line `// KEY: N` (None: no such line; an error: not a
+    /// positive number).
+    fn header(&self, key: &str) -> Result<Option<usize>, String> {
         let prefix = format!("// {key}:");
-        self.src.lines().find_map(|l| l.trim().strip_prefix(prefix.as_str()).and_then(|v| v.trim().parse().ok()))
+        let Some(v) = self.src.lines().find_map(|l| l.trim().strip_prefix(prefix.as_str())) else {
+            return Ok(None);
+        };
+        match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(format!("`// {key}:{v}` is not a positive number")),
+        }
     }
+}
+
+/// Whether two outputs have the same length and the same bits everywhere.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// The `*.wgsl` files of `dir`, sorted (an unreadable directory: one failed timing naming it).
@@ -118,7 +130,7 @@ impl Gpu {
         }
         let xs: Vec<f32> = (0..cols).map(|i| ((i * 7 % 23) as f32 - 11.0) / 16.0).collect();
         let x = self.storage("x", &Gpu::input_bytes(&xs, cols, r.stride));
-        let o = self.output(rows);
+        let o = self.checked_output(rows);
         let c = &r.chunks[0];
         let p = self.uniform_jobs(&[Params {
             rows: c.rows as u32,
@@ -131,46 +143,38 @@ impl Gpu {
             ..Default::default()
         }]);
         let bg = self.bind(&c.w, &c.scales, &x, &o, &p);
-        let run = |pipe: &wgpu::ComputePipeline, per_group: usize, reps: usize| {
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            {
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("variant"),
-                    timestamp_writes: None,
-                });
-                pass.set_pipeline(pipe);
-                pass.set_bind_group(0, &bg, &[]);
-                let groups = rows.div_ceil(per_group);
-                let gx = groups.clamp(1, MAX_GROUPS);
-                for _ in 0..reps {
-                    pass.dispatch_workgroups(gx as u32, groups.div_ceil(gx) as u32, 1);
-                }
-            }
-            let t = Instant::now();
-            let v = self.finish(enc, &o, rows);
-            (t.elapsed().as_secs_f64(), v)
+        // The 2-D fold past 65535 workgroups, as the shipped kernel is dispatched.
+        let grid = |per_group: usize| {
+            let groups = rows.div_ceil(per_group);
+            let gx = groups.clamp(1, MAX_GROUPS);
+            (gx as u32, groups.div_ceil(gx) as u32)
         };
-        let (_, reference) = run(&self.matvec, MATVEC_ROWS, 1);
+        let reference = self.dispatch_variant(&self.matvec, &bg, &o, rows, grid(MATVEC_ROWS), None);
         let read = PlainRead::new(self, &r, Kind::Mxfp4, &x);
         read.secs(self, 1);
-        // A warm-up, then the kernel between two timed plain reads.
+        // A checked run, then the kernel timed between two timed plain reads.
         let time = |name: String, pipe: &wgpu::ComputePipeline, per_group: usize| {
-            run(pipe, per_group, 1);
+            let got = self.dispatch_variant(pipe, &bg, &o, rows, grid(per_group), None);
             let before = read.secs(self, reps);
-            let (secs, got) = run(pipe, per_group, reps);
+            let mut secs = 0.0;
+            self.dispatch_variant(pipe, &bg, &o, rows, grid(per_group), Some((reps, &mut secs)));
             let read_secs = (before + read.secs(self, reps)) / 2.0 / reps as f64;
-            let bits_equal =
-                got.len() == reference.len() && got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
-            VariantTiming { name, secs: Some(secs / reps as f64), read_secs, bits_equal, error: None }
+            VariantTiming {
+                name,
+                secs: Some(secs / reps as f64),
+                read_secs,
+                bits_equal: same_bits(&got, &reference),
+                error: None,
+            }
         };
         let shipped = time("shipped".into(), &self.matvec, MATVEC_ROWS);
         // Variants read one `Params` as `p` (the shipped kernel's list of jobs holds it as job 0).
         let prelude = |src: &str| [PRODUCTS, VARIANT_PARAMS, src].join("\n");
         let variants = files.iter().map(|f| match self.variant(f, "matvec", &prelude) {
-            Ok(v) => {
-                let per_group = v.header("rows_per_group").unwrap_or(MATVEC_ROWS);
-                time(v.name, &v.pipe, per_group)
-            }
+            Ok(v) => match v.header("rows_per_group") {
+                Ok(per_group) => time(v.name, &v.pipe, per_group.unwrap_or(MATVEC_ROWS)),
+                Err(e) => VariantTiming::failed(v.name, e),
+            },
             Err(e) => e,
         });
         std::iter::once(shipped).chain(variants).collect()
@@ -204,7 +208,7 @@ impl Gpu {
         }
         let xs: Vec<f32> = (0..n * cols).map(|i| ((i * 7 % 23) as f32 - 11.0) / 16.0).collect();
         let x = self.storage("x", &Gpu::input_bytes(&xs, cols, r.stride));
-        let o = self.output(n * rows);
+        let o = self.checked_output(n * rows);
         let c = &r.chunks[0];
         let p = self.uniform(Params {
             rows: c.rows as u32,
@@ -217,43 +221,89 @@ impl Gpu {
             ..Default::default()
         });
         let bg = self.bind(&c.w, &c.scales, &x, &o, &p);
-        let run = |pipe: &wgpu::ComputePipeline, (per_group, inputs): (usize, usize), reps: usize| {
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            {
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("matmul variant"),
-                    timestamp_writes: None,
-                });
-                pass.set_pipeline(pipe);
-                pass.set_bind_group(0, &bg, &[]);
-                for _ in 0..reps {
-                    pass.dispatch_workgroups(rows.div_ceil(per_group) as u32, n.div_ceil(inputs) as u32, 1);
-                }
-            }
-            let t = Instant::now();
-            let v = self.finish(enc, &o, n * rows);
-            (t.elapsed().as_secs_f64(), v)
-        };
+        let outputs = n * rows;
+        let grid = |(per_group, inputs): (usize, usize)| (rows.div_ceil(per_group) as u32, n.div_ceil(inputs) as u32);
         let shipped_shape = (ROWS_PER_GROUP, XR);
-        let (_, reference) = run(&self.matmul, shipped_shape, 1);
+        let reference = self.dispatch_variant(&self.matmul, &bg, &o, outputs, grid(shipped_shape), None);
+        // A checked run (which also warms up), then the timed one.
         let time = |name: String, pipe: &wgpu::ComputePipeline, shape: (usize, usize)| {
-            run(pipe, shape, 1);
-            let (secs, got) = run(pipe, shape, reps);
-            let bits_equal =
-                got.len() == reference.len() && got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
-            VariantTiming { name, secs: Some(secs / reps as f64), read_secs: 0.0, bits_equal, error: None }
+            let got = self.dispatch_variant(pipe, &bg, &o, outputs, grid(shape), None);
+            let mut secs = 0.0;
+            self.dispatch_variant(pipe, &bg, &o, outputs, grid(shape), Some((reps, &mut secs)));
+            VariantTiming {
+                name,
+                secs: Some(secs / reps as f64),
+                read_secs: 0.0,
+                bits_equal: same_bits(&got, &reference),
+                error: None,
+            }
         };
         let shipped = time("shipped".into(), &self.matmul, shipped_shape);
         let prelude = |src: &str| [PRODUCTS, src].join("\n");
         let variants = files.iter().map(|f| match self.variant(f, "matmul", &prelude) {
-            Ok(v) => {
-                let shape =
-                    (v.header("rows_per_group").unwrap_or(ROWS_PER_GROUP), v.header("inputs_per_group").unwrap_or(XR));
-                time(v.name, &v.pipe, shape)
-            }
+            Ok(v) => match (v.header("rows_per_group"), v.header("inputs_per_group")) {
+                (Ok(per_group), Ok(inputs)) => {
+                    let shape = (per_group.unwrap_or(ROWS_PER_GROUP), inputs.unwrap_or(XR));
+                    let (gx, gy) = grid(shape);
+                    if gx as usize > MAX_GROUPS || gy as usize > MAX_GROUPS {
+                        let why = format!("its dispatch of {gx} x {gy} workgroups passes the limit of {MAX_GROUPS}");
+                        return VariantTiming::failed(v.name, why);
+                    }
+                    time(v.name, &v.pipe, shape)
+                }
+                (Err(e), _) | (_, Err(e)) => VariantTiming::failed(v.name, e),
+            },
             Err(e) => e,
         });
         std::iter::once(shipped).chain(variants).collect()
+    }
+
+    /// An output buffer the variant harness can fill with NaN before a checked run, so that a
+    /// variant that leaves outputs unwritten cannot pass for the shipped kernel.
+    fn checked_output(&self, floats: usize) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("variant out"),
+            size: (floats.max(1) * 4) as u64,
+            usage: super::device::OUTPUT | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// One dispatch of `pipe` over `grid` workgroups into `out` (first filled with NaN), whose
+    /// `outputs` floats it returns; or, with `timed` = (reps, seconds), `reps` dispatches in one
+    /// submission ended by a one-float readback, whose wall time it adds to the seconds.
+    fn dispatch_variant(
+        &self,
+        pipe: &wgpu::ComputePipeline,
+        bg: &wgpu::BindGroup,
+        out: &wgpu::Buffer,
+        outputs: usize,
+        grid: (u32, u32),
+        timed: Option<(usize, &mut f64)>,
+    ) -> Vec<f32> {
+        if timed.is_none() {
+            let nan = f32::NAN.to_le_bytes().repeat(outputs.max(1));
+            self.queue.write_buffer(out, 0, &nan);
+        }
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        {
+            let mut pass =
+                enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("variant"), timestamp_writes: None });
+            pass.set_pipeline(pipe);
+            pass.set_bind_group(0, bg, &[]);
+            for _ in 0..timed.as_ref().map_or(1, |t| t.0) {
+                pass.dispatch_workgroups(grid.0, grid.1, 1);
+            }
+        }
+        match timed {
+            None => self.finish(enc, out, outputs),
+            Some((_, secs)) => {
+                let t = Instant::now();
+                self.finish(enc, out, 1);
+                *secs += t.elapsed().as_secs_f64();
+                Vec::new()
+            }
+        }
     }
 
     /// Compiles the variant kernel in `path` at `entry`, with `prelude` around its text unless it
@@ -266,6 +316,10 @@ impl Gpu {
     ) -> Result<Variant, VariantTiming> {
         let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
         let fail = |e: String| VariantTiming::failed(name.clone(), e);
+        if name == "shipped" {
+            let why = "the name `shipped` is the reference's; rename the file".to_string();
+            return Err(VariantTiming::failed("shipped_file".into(), why));
+        }
         let src = std::fs::read_to_string(path).map_err(|e| fail(e.to_string()))?;
         let trusted = src.lines().any(|l| l.trim() == "// trusted");
         let standalone = src.lines().any(|l| l.trim() == "// standalone");
