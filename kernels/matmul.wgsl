@@ -36,9 +36,10 @@ fn scale_byte(idx: u32) -> u32 {
 // MM_ROWS weight rows. bf16: words 2g, 2g+1 of each 16-element chunk. The 16 lanes of each output
 // meet in workgroup memory (one input row per round) for the tree; every accumulator index is a
 // constant once the short loops are unrolled, so they stay in registers (an index by the round,
-// as before, put the whole array in local memory). Measured on the H200 (2026-12-02, 512 and 64
-// input rows; bench/matmul_variants/README.md): 2 x 4 ran 5,174-5,276 and 4,654 GMAC/s, 1 x 8
-// 4,740 and 4,242, 2 x 8 5,621-5,768 and 4,305, the accumulators in local memory 1,950 and 1,700.
+// as before, put the whole array in local memory). Measured on the H200 (2026-12-02, 512 / 64 /
+// 16 input rows, GMAC/s; bench/matmul_variants/README.md): 2 x 4 6,914-6,972 / 5,709-5,733 /
+// 2,252-2,320; 1 x 8 5,916-6,037 / 5,028 / 2,440; 2 x 8 7,793-7,845 / 5,110 / 1,746; with the
+// accumulators in local memory 2,007-2,134 / 1,842-1,886 / 1,189-1,198.
 const MM_ROWS: u32 = 2u;
 const MM_XR: u32 = 4u;
 const RTILE: u32 = 256u;
