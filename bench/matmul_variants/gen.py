@@ -18,40 +18,16 @@ def must_replace(text, old, new):
     return text.replace(old, new)
 
 
-LUT_DECODE = """                    let word = w[wb[j] + b * 4u];
-                    let s = scale_at(sb[j] + b);
-                    lo[j] = vec4<f32>(
-                        lut[word & 15u] * s,
-                        lut[(word >> 8u) & 15u] * s,
-                        lut[(word >> 16u) & 15u] * s,
-                        lut[(word >> 24u) & 15u] * s,
-                    );
-                    hi[j] = vec4<f32>(
-                        lut[(word >> 4u) & 15u] * s,
-                        lut[(word >> 12u) & 15u] * s,
-                        lut[(word >> 20u) & 15u] * s,
-                        lut[word >> 28u] * s,
-                    );"""
+# The first statement of the table decode in each weight row's step, and the end of its last.
+LUT_DECODE_START = "                    let word = w[wb[j] + b * 4u];\n"
+LUT_DECODE_END = "lut[word >> 28u] * s,\n                    );\n"
 
-# E2M1 times 2^-14 as f16 bits, times 2^(E - 113): exactly the table's value times 2^(E - 127);
-# a scale byte above 240 takes the values times 2^14 first, then the scale (as matvec.wgsl).
-F16_DECODE = """                    let word = w[wb[j] + b * 4u];
-                    let e = scale_byte(sb[j] + b);
-                    let nb = nibbles_f16(word);
-                    var l02 = f16_at(nb.x << 8u);
-                    var l13 = f16_at(nb.x);
-                    var h02 = f16_at(nb.y << 8u);
-                    var h13 = f16_at(nb.y);
-                    var s = bitcast<f32>((e + 14u) << 23u);
-                    if (e > 240u) {
-                        l02 = l02 * 16384.0;
-                        l13 = l13 * 16384.0;
-                        h02 = h02 * 16384.0;
-                        h13 = h13 * 16384.0;
-                        s = e8m0(e);
-                    }
-                    lo[j] = vec4<f32>(l02.x, l13.x, l02.y, l13.y) * s;
-                    hi[j] = vec4<f32>(h02.x, h13.x, h02.y, h13.y) * s;"""
+# The shipped decode (`mx_values` in products.wgsl, which the harness prepends): E2M1 as f16 bits
+# times 2^(E - 113), exactly the table's value times 2^(E - 127).
+F16_DECODE = """                    let v = mx_values(w[wb[j] + b * 4u], scale_byte(sb[j] + b));
+                    lo[j] = v.lo;
+                    hi[j] = v.hi;
+"""
 
 SCALE_BYTE = """
 // Scale byte `idx` of the matrix (packed four to a word from word `s_off`).
@@ -60,7 +36,6 @@ fn scale_byte(idx: u32) -> u32 {
     return (scales[i >> 2u] >> ((i & 3u) * 8u)) & 0xffu;
 }
 """
-
 
 # The lanes' write-out indexed the accumulators by the round `q`, a loop the compiler does not
 # unroll (it holds barriers), which put the whole array in local memory (LDL/STL in the SASS).
@@ -91,9 +66,9 @@ def variant(rows, xr, f16, shift=False):
     if shift:
         t = must_replace(t, WRITE_OUT, WRITE_OUT_SHIFT)
     if f16:
-        t = must_replace(t, LUT_DECODE, F16_DECODE)
-        # f16_at and nibbles_f16 come with products.wgsl, which the harness prepends.
-        t = t + SCALE_BYTE
+        start = t.index(LUT_DECODE_START)
+        end = t.index(LUT_DECODE_END, start) + len(LUT_DECODE_END)
+        t = t[:start] + F16_DECODE + t[end:] + SCALE_BYTE
     header = f"// rows_per_group: {64 * rows}\n// inputs_per_group: {xr}\n// trusted\n"
     return header + t
 

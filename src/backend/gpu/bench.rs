@@ -115,19 +115,10 @@ impl Gpu {
         cols: usize,
         reps: usize,
     ) -> Vec<VariantTiming> {
-        let files = match variant_files(dir) {
-            Ok(f) => f,
+        let (files, r) = match self.variant_setup(dir, rows, cols) {
+            Ok(v) => v,
             Err(e) => return vec![e],
         };
-        let (packed, scales) = bench_mxfp4(rows, cols);
-        let r = self.upload_mxfp4(&Mxfp4Mat::new(&packed, &scales, rows, cols), true);
-        // A variant is one dispatch over one binding: a matrix the adapter splits over several
-        // would leave the other chunks' rows unwritten on both sides and compare nothing there.
-        if r.chunks.len() > 1 {
-            let why =
-                format!("{rows} x {cols} is split over {} bindings on this adapter; take fewer rows", r.chunks.len());
-            return vec![VariantTiming::failed("shipped".into(), why)];
-        }
         let xs: Vec<f32> = (0..cols).map(|i| ((i * 7 % 23) as f32 - 11.0) / 16.0).collect();
         let x = self.storage("x", &Gpu::input_bytes(&xs, cols, r.stride));
         let o = self.checked_output(rows);
@@ -195,17 +186,10 @@ impl Gpu {
         n: usize,
         reps: usize,
     ) -> Vec<VariantTiming> {
-        let files = match variant_files(dir) {
-            Ok(f) => f,
+        let (files, r) = match self.variant_setup(dir, rows, cols) {
+            Ok(v) => v,
             Err(e) => return vec![e],
         };
-        let (packed, scales) = bench_mxfp4(rows, cols);
-        let r = self.upload_mxfp4(&Mxfp4Mat::new(&packed, &scales, rows, cols), true);
-        if r.chunks.len() > 1 {
-            let why =
-                format!("{rows} x {cols} is split over {} bindings on this adapter; take fewer rows", r.chunks.len());
-            return vec![VariantTiming::failed("shipped".into(), why)];
-        }
         let xs: Vec<f32> = (0..n * cols).map(|i| ((i * 7 % 23) as f32 - 11.0) / 16.0).collect();
         let x = self.storage("x", &Gpu::input_bytes(&xs, cols, r.stride));
         let o = self.checked_output(n * rows);
@@ -256,6 +240,26 @@ impl Gpu {
             Err(e) => e,
         });
         std::iter::once(shipped).chain(variants).collect()
+    }
+
+    /// The variant files of `dir` and the bench's `rows` x `cols` MXFP4 matrix, resident. A
+    /// variant is one dispatch over one binding: a matrix the adapter splits over several would
+    /// leave the other chunks' rows unwritten on both sides and compare nothing there.
+    fn variant_setup(
+        &self,
+        dir: &std::path::Path,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(Vec<std::path::PathBuf>, super::device::Resident), VariantTiming> {
+        let files = variant_files(dir)?;
+        let (packed, scales) = bench_mxfp4(rows, cols);
+        let r = self.upload_mxfp4(&Mxfp4Mat::new(&packed, &scales, rows, cols), true);
+        if r.chunks.len() > 1 {
+            let why =
+                format!("{rows} x {cols} is split over {} bindings on this adapter; take fewer rows", r.chunks.len());
+            return Err(VariantTiming::failed("shipped".into(), why));
+        }
+        Ok((files, r))
     }
 
     /// An output buffer the variant harness can fill with NaN before a checked run, so that a
