@@ -8,8 +8,7 @@
 //! per thread, and writes one partial per thread (under 2% of the bytes read).
 
 use super::BenchKind;
-use super::device::{Gpu, Kind, MATVEC_ROWS, MAX_GROUPS, Params, ROWS_PER_GROUP, XR, product_shader};
-use super::kernels::Kernel;
+use super::device::{Gpu, Kind, MATVEC_ROWS, MAX_GROUPS, Params, ROWS_PER_GROUP, XR};
 use super::kernels::PRODUCTS;
 use crate::cpu::{Bf16Mat, Mxfp4Mat};
 use std::time::Instant;
@@ -66,6 +65,14 @@ impl Variant {
     }
 }
 
+/// What a variant harness times its kernels on.
+struct VariantBench {
+    files: Vec<std::path::PathBuf>,
+    r: super::device::Resident,
+    x: wgpu::Buffer,
+    o: wgpu::Buffer,
+}
+
 /// Whether two outputs have the same length and the same bits everywhere.
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
@@ -115,13 +122,10 @@ impl Gpu {
         cols: usize,
         reps: usize,
     ) -> Vec<VariantTiming> {
-        let (files, r) = match self.variant_setup(dir, rows, cols) {
+        let VariantBench { files, r, x, o } = match self.variant_setup(dir, rows, cols, 1) {
             Ok(v) => v,
             Err(e) => return vec![e],
         };
-        let xs: Vec<f32> = (0..cols).map(|i| ((i * 7 % 23) as f32 - 11.0) / 16.0).collect();
-        let x = self.storage("x", &Gpu::input_bytes(&xs, cols, r.stride));
-        let o = self.checked_output(rows);
         let c = &r.chunks[0];
         let p = self.uniform_jobs(&[Params {
             rows: c.rows as u32,
@@ -140,15 +144,15 @@ impl Gpu {
             let gx = groups.clamp(1, MAX_GROUPS);
             (gx as u32, groups.div_ceil(gx) as u32)
         };
-        let reference = self.dispatch_variant(&self.matvec, &bg, &o, rows, grid(MATVEC_ROWS), None);
+        let reference = self.dispatch_grid(&self.matvec, &bg, &o, rows, grid(MATVEC_ROWS), None);
         let read = PlainRead::new(self, &r, Kind::Mxfp4, &x);
         read.secs(self, 1);
         // A checked run, then the kernel timed between two timed plain reads.
         let time = |name: String, pipe: &wgpu::ComputePipeline, per_group: usize| {
-            let got = self.dispatch_variant(pipe, &bg, &o, rows, grid(per_group), None);
+            let got = self.dispatch_grid(pipe, &bg, &o, rows, grid(per_group), None);
             let before = read.secs(self, reps);
             let mut secs = 0.0;
-            self.dispatch_variant(pipe, &bg, &o, rows, grid(per_group), Some((reps, &mut secs)));
+            self.dispatch_grid(pipe, &bg, &o, rows, grid(per_group), Some((reps, &mut secs)));
             let read_secs = (before + read.secs(self, reps)) / 2.0 / reps as f64;
             VariantTiming {
                 name,
@@ -186,13 +190,10 @@ impl Gpu {
         n: usize,
         reps: usize,
     ) -> Vec<VariantTiming> {
-        let (files, r) = match self.variant_setup(dir, rows, cols) {
+        let VariantBench { files, r, x, o } = match self.variant_setup(dir, rows, cols, n) {
             Ok(v) => v,
             Err(e) => return vec![e],
         };
-        let xs: Vec<f32> = (0..n * cols).map(|i| ((i * 7 % 23) as f32 - 11.0) / 16.0).collect();
-        let x = self.storage("x", &Gpu::input_bytes(&xs, cols, r.stride));
-        let o = self.checked_output(n * rows);
         let c = &r.chunks[0];
         let p = self.uniform(Params {
             rows: c.rows as u32,
@@ -208,12 +209,12 @@ impl Gpu {
         let outputs = n * rows;
         let grid = |(per_group, inputs): (usize, usize)| (rows.div_ceil(per_group) as u32, n.div_ceil(inputs) as u32);
         let shipped_shape = (ROWS_PER_GROUP, XR);
-        let reference = self.dispatch_variant(&self.matmul, &bg, &o, outputs, grid(shipped_shape), None);
+        let reference = self.dispatch_grid(&self.matmul, &bg, &o, outputs, grid(shipped_shape), None);
         // A checked run (which also warms up), then the timed one.
         let time = |name: String, pipe: &wgpu::ComputePipeline, shape: (usize, usize)| {
-            let got = self.dispatch_variant(pipe, &bg, &o, outputs, grid(shape), None);
+            let got = self.dispatch_grid(pipe, &bg, &o, outputs, grid(shape), None);
             let mut secs = 0.0;
-            self.dispatch_variant(pipe, &bg, &o, outputs, grid(shape), Some((reps, &mut secs)));
+            self.dispatch_grid(pipe, &bg, &o, outputs, grid(shape), Some((reps, &mut secs)));
             VariantTiming {
                 name,
                 secs: Some(secs / reps as f64),
@@ -242,15 +243,17 @@ impl Gpu {
         std::iter::once(shipped).chain(variants).collect()
     }
 
-    /// The variant files of `dir` and the bench's `rows` x `cols` MXFP4 matrix, resident. A
-    /// variant is one dispatch over one binding: a matrix the adapter splits over several would
-    /// leave the other chunks' rows unwritten on both sides and compare nothing there.
+    /// The variant files of `dir`, the bench's `rows` x `cols` MXFP4 matrix (resident), `n` input
+    /// rows and an output for the products. A variant is one dispatch over one binding: a matrix
+    /// the adapter splits over several would leave the other chunks' rows unwritten on both sides
+    /// and compare nothing there.
     fn variant_setup(
         &self,
         dir: &std::path::Path,
         rows: usize,
         cols: usize,
-    ) -> Result<(Vec<std::path::PathBuf>, super::device::Resident), VariantTiming> {
+        n: usize,
+    ) -> Result<VariantBench, VariantTiming> {
         let files = variant_files(dir)?;
         let (packed, scales) = bench_mxfp4(rows, cols);
         let r = self.upload_mxfp4(&Mxfp4Mat::new(&packed, &scales, rows, cols), true);
@@ -259,7 +262,10 @@ impl Gpu {
                 format!("{rows} x {cols} is split over {} bindings on this adapter; take fewer rows", r.chunks.len());
             return Err(VariantTiming::failed("shipped".into(), why));
         }
-        Ok((files, r))
+        let xs: Vec<f32> = (0..n * cols).map(|i| ((i * 7 % 23) as f32 - 11.0) / 16.0).collect();
+        let x = self.storage("x", &Gpu::input_bytes(&xs, cols, r.stride));
+        let o = self.checked_output(n * rows);
+        Ok(VariantBench { files, r, x, o })
     }
 
     /// An output buffer the variant harness can fill with NaN before a checked run, so that a
@@ -273,10 +279,11 @@ impl Gpu {
         })
     }
 
-    /// One dispatch of `pipe` over `grid` workgroups into `out` (first filled with NaN), whose
-    /// `outputs` floats it returns; or, with `timed` = (reps, seconds), `reps` dispatches in one
-    /// submission ended by a one-float readback, whose wall time it adds to the seconds.
-    fn dispatch_variant(
+    /// One dispatch of `pipe` over `grid` workgroups into `out` (first filled with NaN: `out` needs
+    /// COPY_DST, see `checked_output`), whose `outputs` floats it returns; or, with `timed` =
+    /// (reps, seconds), `reps` dispatches in one submission ended by a one-float readback, whose
+    /// wall time it adds to the seconds.
+    fn dispatch_grid(
         &self,
         pipe: &wgpu::ComputePipeline,
         bg: &wgpu::BindGroup,
@@ -353,8 +360,7 @@ impl Gpu {
     pub fn fma_peak(&self, reps: usize) -> f64 {
         const STEPS: f64 = 1024.0;
         const PER_THREAD_STEP: f64 = 32.0;
-        let module = product_shader(&self.device, Kernel::Matmul);
-        let pipe = self.pipeline_of(&module, "fma_peak");
+        let pipe = self.pipeline_of(&self.matmul_module, "fma_peak");
         // m just under 1 and a small c: every chain converges to c / (1 - m), no denormals.
         let mut consts = vec![0.999f32, 0.998, 0.997, 0.996, 0.001, 0.002, 0.003, 0.004];
         consts.resize(16, 0.0);
@@ -363,19 +369,9 @@ impl Gpu {
         let time = |groups: usize, reps: usize| {
             let o = self.output(groups * 256);
             let bg = self.bind(&self.empty, &self.empty, &x, &o, &p);
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            {
-                let mut pass = enc
-                    .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("peak"), timestamp_writes: None });
-                pass.set_pipeline(&pipe);
-                pass.set_bind_group(0, &bg, &[]);
-                for _ in 0..reps {
-                    pass.dispatch_workgroups(groups as u32, 1, 1);
-                }
-            }
-            let t = Instant::now();
-            self.finish(enc, &o, 1);
-            t.elapsed().as_secs_f64()
+            let mut secs = 0.0;
+            self.dispatch_grid(&pipe, &bg, &o, 1, (groups as u32, 1), Some((reps, &mut secs)));
+            secs
         };
         time(64, 1);
         let mut groups = 64;

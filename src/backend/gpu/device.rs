@@ -22,7 +22,7 @@ pub(super) fn shader(device: &wgpu::Device, kernel: Kernel) -> wgpu::ShaderModul
 
 /// A product kernel's module, without the bounds clamps and loop counters wgpu would inject
 /// (measured on the H200: the MXFP4 matvec ran 5-7% faster without them).
-pub(super) fn product_shader(device: &wgpu::Device, kernel: Kernel) -> wgpu::ShaderModule {
+fn product_shader(device: &wgpu::Device, kernel: Kernel) -> wgpu::ShaderModule {
     let desc = wgpu::ShaderModuleDescriptor {
         label: Some(kernel.label()),
         source: wgpu::ShaderSource::Wgsl(kernel.source().into()),
@@ -247,6 +247,8 @@ pub struct Gpu {
     pub(super) matvec: wgpu::ComputePipeline,
     pub(super) read_all: wgpu::ComputePipeline,
     fma_probe: wgpu::ComputePipeline,
+    /// The compiled `matmul.wgsl`, for the bench's pipelines of its other entry points.
+    pub(super) matmul_module: wgpu::ShaderModule,
     pub(super) empty: wgpu::Buffer,
     pub summary: AdapterSummary,
 }
@@ -552,6 +554,7 @@ impl Gpu {
             matvec,
             read_all,
             fma_probe,
+            matmul_module: module,
             empty,
             summary,
         })
