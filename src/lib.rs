@@ -5,10 +5,11 @@
 //! (config, checkpoint, roster, tokenizer, chat template, synth), `store` (where experts are read),
 //! `spec` (speculative decoding: drafters, width policy, cost model, verified generation), `hub`
 //! (Hugging Face-compatible downloads and stream mode),
-//! `cli` (subcommands).
+//! `demo` (the built-in demo model the binary carries), `cli` (subcommands).
 
 pub mod backend;
 pub mod cli;
+pub mod demo;
 pub mod engine;
 pub mod hub;
 pub mod k3;

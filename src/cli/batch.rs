@@ -26,7 +26,8 @@ pub struct BatchArgs {
     /// Model directory (config.json, safetensors shards, tokenizer files).
     #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
     pub model: Option<PathBuf>,
-    /// Use the built-in demo model (random weights, K3 layout).
+    /// Use the built-in demo model (K3 layout, laid out on first use; its generation_config.json
+    /// gives the sampling defaults).
     #[arg(long)]
     pub demo: bool,
     /// Input JSONL ("-" for standard input).
@@ -41,6 +42,13 @@ pub struct BatchArgs {
     /// Draft tokens for K3 to verify in batches (output is identical; only speed changes).
     #[arg(long, value_enum, default_value_t = DraftKind::Off)]
     pub draft: DraftKind,
+    /// Temperature of lines that set none (default 0: greedy; with --demo, the demo's
+    /// generation_config.json).
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// top_p of lines that set none (default 1; with --demo, the demo's generation_config.json).
+    #[arg(long)]
+    pub top_p: Option<f64>,
     /// Do not reuse the previous request's session when a prompt extends it.
     #[arg(long)]
     pub no_reuse: bool,
@@ -117,8 +125,10 @@ fn result_record(id: &Value, line: u64, out: &Output, logprobs: bool, text: &dyn
     r
 }
 
-pub fn run(a: BatchArgs) -> Result<()> {
+pub fn run(mut a: BatchArgs) -> Result<()> {
     let dir = load::model_dir(&a.model, a.demo)?;
+    load::demo_draft(a.demo, a.draft, &mut a.engine)?;
+    let sampling = load::sampling(&dir, a.demo, a.temperature, a.top_p)?;
     let input = if is_std(&a.input) {
         let mut s = String::new();
         std::io::stdin().read_to_string(&mut s).context("cannot read the batch from standard input")?;
@@ -145,9 +155,12 @@ pub fn run(a: BatchArgs) -> Result<()> {
     if !a.quiet {
         eprintln!("{}", engine.startup_line());
     }
+    if let Some(note) = load::random_weights_note(&dir) {
+        eprintln!("{note}");
+    }
     let model_id = dir.file_name().map_or("deltafin".into(), |n| n.to_string_lossy().into_owned());
     let mut generator = Generator::new(engine, GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: 64 })?;
-    let ctx = ParseContext { model_id: &model_id, template_takes_tools: generator.template_takes_tools() };
+    let ctx = ParseContext { model_id: &model_id, template_takes_tools: generator.template_takes_tools(), sampling };
     let todo: Vec<(u64, &str)> =
         input.lines().enumerate().map(|(i, l)| (i as u64 + 1, l)).filter(|(_, l)| !l.trim().is_empty()).collect();
     let bar = if a.quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(todo.len() as u64) };

@@ -1,9 +1,12 @@
 //! Opening a model for subcommands (an engine, or just its files), with the CLI's error context,
-//! and the built-in demo model.
+//! the built-in demo model and what `--demo` changes (its drafter, its sampling defaults).
 
+use super::engine::EngineArgs;
 use crate::engine::{Engine, EngineConfig};
-use crate::model::synth::{self, SynthSpec};
+use crate::model::generation::GenerationDefaults;
 use crate::model::{Checkpoint, K3Config, Roster};
+use crate::serve::api::SamplingDefaults;
+use crate::spec::DraftKind;
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -46,11 +49,7 @@ pub fn open_engine(cfg: EngineConfig) -> Result<Arc<Engine>> {
     }
 }
 
-/// Version of the built-in demo checkpoint; bump when `SynthSpec::demo` changes.
-const DEMO_NAME: &str = "demo-v1";
-
-/// The built-in demo model, created on first use in the cache directory.
-/// The model directory of `--model DIR` or `--demo` (created on first use), checked to exist.
+/// The model directory of `--model DIR` or `--demo` (laid out on first use), checked to exist.
 pub fn model_dir(model: &Option<PathBuf>, demo: bool) -> Result<PathBuf> {
     let dir = match (model, demo) {
         (Some(m), _) => m.clone(),
@@ -63,12 +62,47 @@ pub fn model_dir(model: &Option<PathBuf>, demo: bool) -> Result<PathBuf> {
     Ok(dir)
 }
 
+fn say(m: &str) {
+    eprintln!("deltafin: {m}");
+}
+
+/// The built-in demo model under deltafin's cache directory (see `crate::demo`).
 pub fn demo_dir() -> Result<PathBuf> {
-    let dir = crate::util::cache_dir().join(DEMO_NAME);
-    if !dir.join("config.json").exists() {
-        eprintln!("deltafin: creating the demo checkpoint (random weights, K3 layout) in {} ...", dir.display());
-        synth::write(&SynthSpec::demo(), &dir, true, &|_, _| {})
-            .with_context(|| format!("cannot create the demo model in {}", dir.display()))?;
+    let cache = crate::util::cache_dir();
+    crate::demo::model_dir(&cache, &say)
+        .with_context(|| format!("cannot lay out the demo model in {}", cache.display()))
+}
+
+/// With `--demo`, `--draft dspark` and `--draft auto` use the demo's DSpark drafter (beside the
+/// demo model) unless `--draft-model` names one.
+pub fn demo_draft(demo: bool, draft: DraftKind, engine: &mut EngineArgs) -> Result<()> {
+    if demo && engine.draft_model.is_none() && matches!(draft, DraftKind::Dspark | DraftKind::Auto) {
+        let cache = crate::util::cache_dir();
+        engine.draft_model = crate::demo::dspark_dir(&cache, &say)
+            .with_context(|| format!("cannot lay out the demo's drafter in {}", cache.display()))?;
     }
-    Ok(dir)
+    Ok(())
+}
+
+/// Sampling defaults: `--temperature` / `--top-p` when given; else, with `--demo`, the demo's
+/// `generation_config.json`; else greedy (temperature 0, top-p 1). Checked like a request's.
+pub fn sampling(dir: &Path, demo: bool, temperature: Option<f64>, top_p: Option<f64>) -> Result<SamplingDefaults> {
+    let g = if demo { GenerationDefaults::load(dir)?.unwrap_or_default() } else { GenerationDefaults::default() };
+    let s = SamplingDefaults {
+        temperature: temperature.or(g.temperature).unwrap_or(0.0),
+        top_p: top_p.or(g.top_p).unwrap_or(1.0),
+    };
+    crate::sample::SamplingParams::new(s.temperature, s.top_p, 0).map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(s)
+}
+
+/// The "RANDOM weights" note for a model `synth` wrote (its config.json says so), whatever the
+/// model directory; None for any other model.
+pub fn random_weights_note(dir: &Path) -> Option<String> {
+    crate::model::synth::is_synthetic(dir).then(|| {
+        format!(
+            "deltafin: note: {} has RANDOM weights, so its text is meaningless; it runs the real K3 code path.",
+            dir.display()
+        )
+    })
 }

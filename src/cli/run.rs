@@ -29,7 +29,8 @@ pub struct RunArgs {
     /// Model directory (config.json, safetensors shards, tokenizer files).
     #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
     pub model: Option<PathBuf>,
-    /// Use the built-in demo model: random weights in the K3 layout, created on first use, no download.
+    /// Use the built-in demo model (K3's architecture and layout, laid out under deltafin's cache
+    /// directory on first use, no download; its generation_config.json gives the sampling defaults).
     #[arg(long)]
     pub demo: bool,
     /// Prompt text ("-" reads standard input).
@@ -70,12 +71,14 @@ pub struct RunArgs {
     pub trace_routes: Option<PathBuf>,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
-    /// Sampling temperature (0, the default, is greedy: K3's argmax).
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f64,
-    /// Nucleus sampling: keep the most likely tokens up to this probability mass.
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f64,
+    /// Sampling temperature (0 is greedy: K3's argmax). Default 0, or with --demo the demo's
+    /// generation_config.json.
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass. Default 1, or
+    /// with --demo the demo's generation_config.json.
+    #[arg(long)]
+    pub top_p: Option<f64>,
     /// Seed of the sampler (default: a fresh one, printed; the same seed gives the same output).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -134,9 +137,10 @@ fn prompt_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>) -> Result<Vec<u3
     Ok(ids)
 }
 
-pub fn run(a: RunArgs) -> Result<()> {
+pub fn run(mut a: RunArgs) -> Result<()> {
     super::check_outputs([("--stats-json", a.stats_json.as_deref()), ("--trace-routes", a.trace_routes.as_deref())])?;
     let dir = load::model_dir(&a.model, a.demo)?;
+    load::demo_draft(a.demo, a.draft, &mut a.engine)?;
     let needs_tok = a.prompt_ids.is_none() || a.chat;
     let tok = if needs_tok || dir.join("tiktoken.model").exists() {
         Some(crate::engine::load_tokenizer(&dir)?)
@@ -144,7 +148,9 @@ pub fn run(a: RunArgs) -> Result<()> {
         None
     };
     let seed = a.seed.unwrap_or_else(crate::util::fresh_seed);
-    let sampling = SamplingParams::new(a.temperature, a.top_p, seed).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let defaults = load::sampling(&dir, a.demo, a.temperature, a.top_p)?;
+    let sampling =
+        SamplingParams::new(defaults.temperature, defaults.top_p, seed).map_err(|e| anyhow::anyhow!("{e}"))?;
     let prompt = prompt_ids(&a, &dir, tok.as_ref())?;
     if a.draft == DraftKind::Dspark && a.engine.draft_model.is_none() {
         bail!(
@@ -183,10 +189,8 @@ pub fn run(a: RunArgs) -> Result<()> {
             );
         }
     }
-    if a.demo {
-        eprintln!(
-            "deltafin: note: the demo model has RANDOM weights, so its text is meaningless; it runs the real K3 code path."
-        );
+    if let Some(note) = load::random_weights_note(&dir) {
+        eprintln!("{note}");
     }
 
     // Stop at the chat format's end-of-message token or the config's eos, whichever comes.
@@ -243,16 +247,13 @@ pub fn run(a: RunArgs) -> Result<()> {
     if let Some(e) = write_error {
         return Err(e);
     }
-    let tail = decoder.finish();
-    text.push_str(&tail);
+    // An unfinished UTF-8 character at the end is dropped (it would print as U+FFFD).
+    decoder.finish();
     let mut stats = session.stats.clone();
     stats.source = Some(engine.source_report());
 
     match a.format {
-        Format::Text => {
-            out.write_all(tail.as_bytes())?;
-            writeln!(out)?;
-        }
+        Format::Text => writeln!(out)?,
         Format::Json => {
             let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config, "backend_used": engine.backend_used(), "sampling": sampling});
             if tok.is_some() {

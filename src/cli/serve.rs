@@ -4,6 +4,7 @@
 
 use super::load;
 use crate::serve::ServeOptions;
+use crate::serve::api::SamplingDefaults;
 use crate::serve::generator::GenConfig;
 use crate::spec::DraftKind;
 use anyhow::Result;
@@ -15,7 +16,8 @@ pub struct ServeArgs {
     /// Model directory (config.json, safetensors shards, tokenizer files).
     #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
     pub model: Option<PathBuf>,
-    /// Use the built-in demo model (random weights, K3 layout).
+    /// Use the built-in demo model (K3 layout, laid out on first use; its generation_config.json
+    /// gives the sampling defaults).
     #[arg(long)]
     pub demo: bool,
     /// Address to listen on (loopback by default: nothing leaves the machine).
@@ -45,6 +47,13 @@ pub struct ServeArgs {
     /// Entries of the exact-response memo for repeated greedy requests (0: off).
     #[arg(long, default_value_t = 64)]
     pub memo: usize,
+    /// Temperature of requests that set none (default 0: greedy; with --demo, the demo's
+    /// generation_config.json).
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// top_p of requests that set none (default 1; with --demo, the demo's generation_config.json).
+    #[arg(long)]
+    pub top_p: Option<f64>,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
     /// No startup line.
@@ -52,8 +61,10 @@ pub struct ServeArgs {
     pub quiet: bool,
 }
 
-pub fn run(a: ServeArgs) -> Result<()> {
+pub fn run(mut a: ServeArgs) -> Result<()> {
     let dir = load::model_dir(&a.model, a.demo)?;
+    load::demo_draft(a.demo, a.draft, &mut a.engine)?;
+    let sampling = load::sampling(&dir, a.demo, a.temperature, a.top_p)?;
     // Verify batches need k + 1 rows; prompts are chunked at --prefill-rows.
     let rows = a.engine.prefill_rows.max(8);
     let engine = load::open_engine(a.engine.config(dir.clone(), crate::k3::KdaMode::Recurrent, rows, 0))?;
@@ -68,8 +79,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if !a.quiet {
         eprintln!("{}", engine.startup_line());
     }
-    if a.demo {
-        eprintln!("deltafin: note: the demo model has RANDOM weights, so its text is meaningless.");
+    if let Some(note) = load::random_weights_note(&dir) {
+        eprintln!("{note}");
+    }
+    if sampling != SamplingDefaults::default() {
+        eprintln!(
+            "deltafin: requests that set no temperature / top_p use temperature {} top-p {} (a request's own seed, else a fresh one per request)",
+            sampling.temperature, sampling.top_p
+        );
     }
     let opts = ServeOptions {
         host: a.host.clone(),
@@ -79,6 +96,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_request_bytes: a.max_request_bytes,
         model_id: model_id.clone(),
         generation: GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: a.memo },
+        sampling,
     };
     let auth = if opts.api_key.is_some() { "API key required" } else { "no API key" };
     crate::serve::serve(engine, opts, |addr| {

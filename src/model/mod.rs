@@ -11,6 +11,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod fingerprint;
+pub mod generation;
 pub mod roster;
 pub mod synth;
 pub mod tokenizer;

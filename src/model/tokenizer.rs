@@ -458,7 +458,9 @@ fn build_bpe(token_bytes: &[Vec<u8>]) -> Result<tokenizers::Tokenizer, Tokenizer
     Ok(tok)
 }
 
-/// Incremental decoder for streaming: emits text only up to the last complete UTF-8 character.
+/// Incremental decoder for streaming: emits text only up to the last complete UTF-8 character, so
+/// no piece it returns ends inside a character; bytes that can never form one (an invalid byte, or
+/// a character cut short by the next token) become U+FFFD, as in [`Tokenizer::decode`].
 #[derive(Default)]
 pub struct StreamDecoder {
     pending: Vec<u8>,
@@ -499,11 +501,12 @@ impl StreamDecoder {
         out
     }
 
-    /// Whatever is left at the end of generation.
-    pub fn finish(&mut self) -> String {
-        let out = String::from_utf8_lossy(&self.pending).into_owned();
+    /// Ends the stream: an unfinished character left at the end can never complete, so its bytes
+    /// are dropped rather than shown as U+FFFD. Returns how many bytes were dropped.
+    pub fn finish(&mut self) -> usize {
+        let n = self.pending.len();
         self.pending.clear();
-        out
+        n
     }
 }
 
@@ -559,14 +562,24 @@ mod tests {
         assert_eq!(d.push(&euro[1..2]), "");
         assert_eq!(d.push(&euro[2..]), "€");
         assert_eq!(d.push(b"a\xff"), "a\u{fffd}");
+        // Ending mid-character: the unfinished bytes are dropped, not shown as U+FFFD.
         assert_eq!(d.push(&euro[..2]), "");
-        assert_eq!(d.finish(), "\u{fffd}");
+        assert_eq!(d.finish(), 2);
+        assert_eq!(d.push(b"x"), "x", "nothing of the dropped bytes is left");
+        assert_eq!(d.finish(), 0);
         // An invalid byte does not swallow a valid character that follows it across tokens.
         let mut d = StreamDecoder::default();
         let mut got = d.push(&[0xE2]);
         got += &d.push(&[0xE2, 0x82]);
         got += &d.push(&[0xAC]);
-        got += &d.finish();
+        assert_eq!(d.finish(), 0);
         assert_eq!(got, String::from_utf8_lossy(&[0xE2, 0xE2, 0x82, 0xAC]));
+        // A four-byte character split over three tokens, then one cut off at the end.
+        let mut d = StreamDecoder::default();
+        let smile = "😀".as_bytes();
+        let pieces: Vec<String> =
+            [&smile[..1], &smile[1..3], &smile[3..], b"ok", &smile[..3]].iter().map(|b| d.push(b)).collect();
+        assert_eq!(pieces, ["", "", "😀", "ok", ""]);
+        assert_eq!(d.finish(), 3);
     }
 }

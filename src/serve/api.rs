@@ -100,6 +100,22 @@ pub struct ParseContext<'a> {
     pub model_id: &'a str,
     /// The chat template mentions `tools`.
     pub template_takes_tools: bool,
+    /// The sampling of a request that sets no `temperature` / `top_p`.
+    pub sampling: SamplingDefaults,
+}
+
+/// `temperature` and `top_p` for requests that give none: greedy (0 and 1) unless the server was
+/// started with others (`--temperature`, `--top-p`, or the demo's generation_config.json).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: f64,
+    pub top_p: f64,
+}
+
+impl Default for SamplingDefaults {
+    fn default() -> Self {
+        SamplingDefaults { temperature: 0.0, top_p: 1.0 }
+    }
 }
 
 /// A JSON object whose fields are taken one by one; whatever is left is an unknown field.
@@ -213,8 +229,8 @@ fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError
     if r.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
         return Err(ApiError::invalid(f.name("stop"), format!("'stop' sequences are at most {MAX_STOP_BYTES} bytes")));
     }
-    r.temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(0.0);
-    r.top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(1.0);
+    r.temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(r.temperature);
+    r.top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(r.top_p);
     // OpenAI seeds are signed 64-bit; the bits seed the sampler.
     r.seed = f.integer("seed", i64::MIN, i64::MAX)?.map(|s| s as u64);
     if let Some(n) = f.integer("n", i64::MIN, i64::MAX)?
@@ -267,14 +283,15 @@ fn model(f: &mut Fields, ctx: &ParseContext, required: bool) -> Result<(), ApiEr
     }
 }
 
-fn empty_request(kind: Kind, prompt: Prompt) -> GenRequest {
+/// A request with every option at its default (the context's sampling defaults).
+fn empty_request(kind: Kind, prompt: Prompt, ctx: &ParseContext) -> GenRequest {
     GenRequest {
         kind,
         prompt,
         max_tokens: None,
         stop: Vec::new(),
-        temperature: 0.0,
-        top_p: 1.0,
+        temperature: ctx.sampling.temperature,
+        top_p: ctx.sampling.top_p,
         seed: None,
         logprobs: None,
         stream: false,
@@ -415,7 +432,7 @@ pub fn parse_chat(body: &Value, ctx: &ParseContext) -> Result<GenRequest, ApiErr
     let msgs = f.take("messages").ok_or_else(|| {
         ApiError::invalid("messages", "you must provide 'messages'").with_code("missing_required_parameter")
     })?;
-    let mut r = empty_request(Kind::Chat, Prompt::Messages(messages(msgs, "")?));
+    let mut r = empty_request(Kind::Chat, Prompt::Messages(messages(msgs, "")?), ctx);
     common(&mut f, Kind::Chat, &mut r)?;
     chat_fields(&mut f, ctx, &mut r)?;
     f.finish()?;
@@ -449,7 +466,7 @@ pub fn parse_completion(body: &Value, ctx: &ParseContext) -> Result<GenRequest, 
     let p = f.take("prompt").ok_or_else(|| {
         ApiError::invalid("prompt", "you must provide 'prompt'").with_code("missing_required_parameter")
     })?;
-    let mut r = empty_request(Kind::Completion, completion_prompt(p, "prompt")?);
+    let mut r = empty_request(Kind::Completion, completion_prompt(p, "prompt")?, ctx);
     common(&mut f, Kind::Completion, &mut r)?;
     // OpenAI's completions default.
     r.max_tokens = r.max_tokens.or(Some(16));
@@ -486,12 +503,12 @@ pub fn parse_batch_line(line: &Value, ctx: &ParseContext) -> (Option<String>, Re
         model(&mut f, ctx, false)?;
         let mut r = match (f.take("prompt"), f.take("messages")) {
             (Some(p), None) => {
-                let mut r = empty_request(Kind::Completion, completion_prompt(p, "prompt")?);
+                let mut r = empty_request(Kind::Completion, completion_prompt(p, "prompt")?, ctx);
                 r.logprobs = f.integer("logprobs", 0, 20)?.map(|n| n as usize);
                 r
             }
             (None, Some(m)) => {
-                let mut r = empty_request(Kind::Chat, Prompt::Messages(messages(m, "")?));
+                let mut r = empty_request(Kind::Chat, Prompt::Messages(messages(m, "")?), ctx);
                 chat_fields(&mut f, ctx, &mut r)?;
                 r
             }
@@ -514,7 +531,11 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    const CTX: ParseContext = ParseContext { model_id: "m", template_takes_tools: false };
+    const CTX: ParseContext = ParseContext {
+        model_id: "m",
+        template_takes_tools: false,
+        sampling: SamplingDefaults { temperature: 0.0, top_p: 1.0 },
+    };
 
     fn chat(v: Value) -> Result<GenRequest, ApiError> {
         parse_chat(&v, &CTX)

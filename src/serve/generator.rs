@@ -431,7 +431,8 @@ impl Generator {
                 let special = tok.is_some_and(|t| t.is_special(id));
                 let piece = match tok {
                     Some(t) if special && (is_chat || t.is_reserved(id)) => String::new(),
-                    Some(t) if special => String::from_utf8_lossy(t.token_bytes(id).unwrap_or_default()).into_owned(),
+                    // A named special's text goes through the decoder too: its name cuts short an
+                    // unfinished character before it, as in `Tokenizer::decode` and `run`.
                     Some(t) => decoder.push(t.token_bytes(id).unwrap_or_default()),
                     None => format!("{}{id}", if n > 1 { "," } else { "" }),
                 };
@@ -452,18 +453,13 @@ impl Generator {
             Some(s) => session.generate_speculative_sampled(&opts, s, &mut sampler, &mut on_token),
             None => session.generate_sampled(&opts, &mut sampler, &mut on_token),
         }?;
-        // Bytes of an unfinished UTF-8 character, then text held back for a stop that never came.
-        let rest = decoder.finish();
-        let (rest_content, rest_reasoning) =
-            if is_chat { channels.route(u32::MAX, rest, false) } else { (rest, String::new()) };
-        let mut tail = stop_text.push(&rest_content);
-        if !stop_text.hit {
-            tail.push_str(&stop_text.finish());
-        }
-        if !tail.is_empty() || !rest_reasoning.is_empty() {
+        // An unfinished UTF-8 character at the end is dropped (it would show as U+FFFD); text held
+        // back for a stop string that never came is shown.
+        decoder.finish();
+        let tail = if stop_text.hit { String::new() } else { stop_text.finish() };
+        if !tail.is_empty() {
             content.push_str(&tail);
-            reasoning.push_str(&rest_reasoning);
-            sink(&Delta { content: tail, reasoning: rest_reasoning, logprobs: None });
+            sink(&Delta { content: tail, reasoning: String::new(), logprobs: None });
         }
         let finish_reason = match g.reason {
             _ if cancelled => "cancelled",

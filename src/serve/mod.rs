@@ -45,6 +45,8 @@ pub struct ServeOptions {
     /// The id clients name in `model` (default: the model directory's name).
     pub model_id: String,
     pub generation: GenConfig,
+    /// Sampling of requests that set no `temperature` / `top_p`.
+    pub sampling: api::SamplingDefaults,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -335,7 +337,11 @@ fn parse(st: &AppState, kind: Kind, body: Result<Bytes, BytesRejection>) -> Resu
             format!("We could not parse the JSON body of your request: {e}"),
         )
     })?;
-    let ctx = ParseContext { model_id: &st.opts.model_id, template_takes_tools: st.template_takes_tools };
+    let ctx = ParseContext {
+        model_id: &st.opts.model_id,
+        template_takes_tools: st.template_takes_tools,
+        sampling: st.opts.sampling,
+    };
     match kind {
         Kind::Chat => api::parse_chat(&v, &ctx),
         Kind::Completion => api::parse_completion(&v, &ctx),
