@@ -24,7 +24,8 @@ import sys
 import time
 
 BIN, MODEL, TOKENS, ROUNDS = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-MODEL_ARGS = ["--demo"] if MODEL == "--demo" else ["--model", MODEL]
+# Greedy, as the comparisons of texts below need (the demo's own defaults may sample).
+MODEL_ARGS = (["--demo"] if MODEL == "--demo" else ["--model", MODEL]) + ["--temperature", "0"]
 PROMPT = ("The drives hum while the experts stream in, layer after layer, and the model answers. " * 6).strip()
 
 

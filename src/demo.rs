@@ -27,7 +27,9 @@ mod files {
 pub const MODEL_NAME: &str = "demo-v2";
 /// The embedded DSpark drafter's directory name, beside the model.
 pub const DSPARK_NAME: &str = "demo-v2-dspark";
-/// The random-weight demo's directory name (a binary built without `demo/`).
+/// The random-weight demo's directory name (a binary built without `demo/`); bump it (and the
+/// drafter's) when `SynthSpec::demo` or `DSparkSynthSpec::for_target` changes, since a random copy
+/// is checked only against its own manifest.
 pub const RANDOM_MODEL_NAME: &str = "demo-v1";
 /// Its random DSpark drafter's directory name.
 pub const RANDOM_DSPARK_NAME: &str = "demo-v1-dspark";

@@ -89,7 +89,7 @@ struct AppState {
     template_takes_tools: bool,
     encoder: Arc<Encoder>,
     engine: Arc<Engine>,
-    token_text: Arc<dyn Fn(u32) -> String + Send + Sync>,
+    token_text: Arc<dyn Fn(u32) -> Vec<u8> + Send + Sync>,
     next_id: AtomicU64,
     /// Seconds the last generation took (for Retry-After).
     last_gen_s: Arc<std::sync::Mutex<f64>>,
@@ -120,9 +120,9 @@ pub fn serve(engine: Arc<Engine>, opts: ServeOptions, ready: impl FnOnce(SocketA
     let template_takes_tools = gen_.template_takes_tools();
     let encoder = gen_.encoder();
     let tok = engine.tokenizer().ok();
-    let token_text: Arc<dyn Fn(u32) -> String + Send + Sync> = Arc::new(move |id| match &tok {
-        Some(t) => t.token_bytes(id).map(|b| String::from_utf8_lossy(b).into_owned()).unwrap_or_default(),
-        None => id.to_string(),
+    let token_text: Arc<dyn Fn(u32) -> Vec<u8> + Send + Sync> = Arc::new(move |id| match &tok {
+        Some(t) => t.token_bytes(id).map(<[u8]>::to_vec).unwrap_or_default(),
+        None => id.to_string().into_bytes(),
     });
     let metrics = Arc::new(Metrics::default());
     let shutting_down = Arc::new(AtomicBool::new(false));

@@ -20,8 +20,13 @@ pub struct Meta {
     pub kind: Kind,
 }
 
-/// How token ids print in log-probabilities.
-pub type TokenText<'a> = &'a dyn Fn(u32) -> String;
+/// A token id's bytes, for log-probabilities (shown as text, U+FFFD where a token holds part of a
+/// character, and as `bytes`, exact, so a client can join partial characters).
+pub type TokenText<'a> = &'a dyn Fn(u32) -> Vec<u8>;
+
+fn lossy(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
 
 fn object(kind: Kind, chunk: bool) -> &'static str {
     match (kind, chunk) {
@@ -43,8 +48,8 @@ pub fn usage(out: &Output) -> Value {
 
 fn chat_logprob(l: &TokenLogprob, text: TokenText) -> Value {
     let entry = |t: u32, lp: f64| {
-        let s = text(t);
-        json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
+        let b = text(t);
+        json!({"token": lossy(&b), "logprob": lp, "bytes": b})
     };
     let mut e = entry(l.token, l.logprob);
     e["top_logprobs"] = Value::Array(l.top.iter().map(|&(t, lp)| entry(t, lp)).collect());
@@ -56,12 +61,12 @@ fn completion_logprobs(ls: &[TokenLogprob], text: TokenText) -> Value {
     let mut offsets = Vec::new();
     for l in ls {
         offsets.push(offset);
-        offset += text(l.token).len();
+        offset += lossy(&text(l.token)).len();
     }
     json!({
-        "tokens": ls.iter().map(|l| text(l.token)).collect::<Vec<_>>(),
+        "tokens": ls.iter().map(|l| lossy(&text(l.token))).collect::<Vec<_>>(),
         "token_logprobs": ls.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-        "top_logprobs": ls.iter().map(|l| l.top.iter().map(|&(t, lp)| (text(t), json!(lp))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+        "top_logprobs": ls.iter().map(|l| l.top.iter().map(|&(t, lp)| (lossy(&text(t)), json!(lp))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
         "text_offset": offsets,
     })
 }
