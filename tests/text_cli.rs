@@ -206,7 +206,7 @@ fn stats_are_printed_and_written() {
     let sj = cache.path().join("stats.json");
     let (_, err) = run_ok(
         deltafin(cache.path())
-            .args(["run", "--demo", "--prompt", "Hello", "--max-new", "5", "--stats", "--stats-json"])
+            .args(["run", "--demo", "--prompt", "Hello", "--max-new", "5", "--ignore-eos", "--stats", "--stats-json"])
             .arg(&sj),
     );
     for name in [
@@ -253,7 +253,8 @@ fn exit_codes_and_messages() {
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("has no tiktoken.model"));
     // Runtime: context too small for the request.
-    let o = deltafin(cache.path()).args(["run", "--demo", "--prompt", "hi", "--max-new", "100000"]).output().unwrap();
+    let o =
+        deltafin(cache.path()).args(["run", "--demo", "--prompt", "hi", "--max-new", "1000000000"]).output().unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("exceeds the usable context"));
     // Runtime: drive subsets need a placement.
