@@ -12,8 +12,8 @@ cached in train/data/downloads/ and their sha256 is verified on every run. Outpu
     heldout.txt                  the held-out texts joined by "\\n\\n" (perplexity is reported on it)
     manifest.json                documents and bytes per source and split, sha256 of every output
 
-Held-out documents: per source, the ceil-free round(5%) (at least 1) documents with the smallest
-sha256(salt, source, id), so every source is represented and the split never depends on order.
+Held-out documents: per source, the round(5% of its documents), at least 1, with the smallest
+sha256(salt, source, id): every source is represented, and the split does not depend on order.
 """
 
 import argparse
