@@ -1,0 +1,93 @@
+//! The trained demo model (demo/kimi-k3-demo, made by train/): deltafin's logits at every position
+//! of held-out text against the training code's own fp32 forward pass and against the independent
+//! fp64 reference (tests/fixtures/trained, written by train/make_fixture.py), identical greedy
+//! tokens, and its DSpark drafter: drafts accepted and output ids identical to drafting off.
+
+mod common;
+use common::*;
+use deltafin::engine::{Engine, EngineConfig, GenerateOptions};
+use deltafin::k3::KdaMode;
+use deltafin::spec::Speculator;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Tolerance of the f32 engine: relative L2 error per position (as for the fp64 fixtures).
+const REL_TOL: f64 = 1e-4;
+
+fn demo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("demo/kimi-k3-demo")
+}
+
+fn demo_dspark() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("demo/kimi-k3-demo-dspark")
+}
+
+fn trained_fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trained")
+}
+
+fn fixture_json() -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(trained_fixture().join("fixture.json")).unwrap()).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+#[test]
+fn trained_logits_match_the_training_forward_and_the_fp64_reference() {
+    let j = fixture_json();
+    let prompt = ids(&j["prompt_ids"]);
+    let file = trained_fixture().join("logits.safetensors");
+    let (torch, shape) = read_f32_tensor(&file, "torch_logits");
+    let (reference, _) = read_f32_tensor(&file, "reference_logits");
+    let vocab = shape[1];
+    assert_eq!(shape[0], prompt.len());
+    for mode in [KdaMode::Recurrent, KdaMode::Chunked] {
+        let got = score(&Engine::open(test_config(&demo(), mode)).unwrap(), &prompt);
+        for (name, want) in [("training forward (fp32)", &torch), ("fp64 reference", &reference)] {
+            let (err, row) = max_rel_l2(&got, want, vocab);
+            println!("trained model ({mode:?}) vs {name}: max relative L2 {err:.3e} at position {row}");
+            assert!(err <= REL_TOL, "{mode:?} vs {name}: relative error {err:.3e} at position {row}");
+        }
+    }
+    let e = engine(&demo());
+    let g = greedy(&e, &prompt, ids(&j["torch_greedy"]).len());
+    assert_eq!(g, ids(&j["torch_greedy"]), "greedy tokens differ from the training forward's");
+    assert_eq!(g, ids(&j["reference_greedy"]), "greedy tokens differ from the fp64 reference's");
+}
+
+fn plain(e: &Arc<Engine>, prompt: &[u32], max_new: usize) -> Vec<u32> {
+    let mut s = e.new_session();
+    s.prefill(prompt).unwrap();
+    s.generate(&GenerateOptions { max_new, stop: Vec::new() }, &mut |_| true).unwrap().tokens
+}
+
+#[test]
+fn trained_drafter_gets_drafts_accepted_and_changes_no_id() {
+    let j = fixture_json();
+    let prompt = ids(&j["prompt_ids"]);
+    let e = Engine::open(EngineConfig {
+        draft_model: Some(demo_dspark()),
+        ..test_config(&demo(), KdaMode::Recurrent)
+    })
+    .unwrap();
+    let (mut proposed, mut accepted) = (0, 0);
+    for p in [&prompt[..40], &prompt[..], &prompt[70..]] {
+        let want = plain(&e, p, 48);
+        let d = Box::new(e.draft.as_ref().unwrap().drafter());
+        let mut spec = Speculator::without_cost_model(d);
+        let mut s = e.new_session();
+        spec.prefill(&mut s, p).unwrap();
+        let g =
+            s.generate_speculative(&GenerateOptions { max_new: 48, stop: Vec::new() }, &mut spec, &mut |_| true).unwrap();
+        assert_eq!(g.tokens, want, "drafting changed the output");
+        proposed += s.stats.drafts_proposed;
+        accepted += s.stats.drafts_accepted;
+    }
+    let rate = accepted as f64 / proposed as f64;
+    println!("trained drafter: {accepted} of {proposed} drafts accepted ({rate:.3})");
+    // Behaviour, not speed: a trained drafter gets a good share of its drafts accepted (a random one
+    // gets almost none). The figure on held-out prompts is bench/trained.py's.
+    assert!(rate >= 0.3, "acceptance {rate:.3}");
+}
