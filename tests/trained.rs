@@ -67,11 +67,8 @@ fn plain(e: &Arc<Engine>, prompt: &[u32], max_new: usize) -> Vec<u32> {
 fn trained_drafter_gets_drafts_accepted_and_changes_no_id() {
     let j = fixture_json();
     let prompt = ids(&j["prompt_ids"]);
-    let e = Engine::open(EngineConfig {
-        draft_model: Some(demo_dspark()),
-        ..test_config(&demo(), KdaMode::Recurrent)
-    })
-    .unwrap();
+    let e = Engine::open(EngineConfig { draft_model: Some(demo_dspark()), ..test_config(&demo(), KdaMode::Recurrent) })
+        .unwrap();
     let (mut proposed, mut accepted) = (0, 0);
     for p in [&prompt[..40], &prompt[..], &prompt[70..]] {
         let want = plain(&e, p, 48);
@@ -79,8 +76,9 @@ fn trained_drafter_gets_drafts_accepted_and_changes_no_id() {
         let mut spec = Speculator::without_cost_model(d);
         let mut s = e.new_session();
         spec.prefill(&mut s, p).unwrap();
-        let g =
-            s.generate_speculative(&GenerateOptions { max_new: 48, stop: Vec::new() }, &mut spec, &mut |_| true).unwrap();
+        let g = s
+            .generate_speculative(&GenerateOptions { max_new: 48, stop: Vec::new() }, &mut spec, &mut |_| true)
+            .unwrap();
         assert_eq!(g.tokens, want, "drafting changed the output");
         proposed += s.stats.drafts_proposed;
         accepted += s.stats.drafts_accepted;
