@@ -89,3 +89,27 @@ fn trained_drafter_gets_drafts_accepted_and_changes_no_id() {
     // gets almost none). The figure on held-out prompts is bench/trained.py's.
     assert!(rate >= 0.3, "acceptance {rate:.3}");
 }
+
+#[test]
+fn score_text_equals_the_training_scripts_perplexity() {
+    let j = fixture_json();
+    let want = &j["score"];
+    let window = want["window"].as_u64().unwrap().to_string();
+    let text = trained_fixture().join(want["file"].as_str().unwrap());
+    let (out, _) = run_ok(
+        std::process::Command::new(bin())
+            .args(["score", "--model"])
+            .arg(demo())
+            .arg("--text")
+            .arg(&text)
+            .args(["--window", &window, "--format", "json"]),
+    );
+    let got: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(got["tokens"], want["tokens"], "predicted tokens");
+    for key in ["ppl", "bits_per_byte"] {
+        let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+        let rel = (g - w).abs() / w;
+        println!("score --text {key}: deltafin {g:.6}, training script {w:.6} (relative difference {rel:.1e})");
+        assert!(rel <= 1e-3, "{key}: deltafin {g}, training script {w}");
+    }
+}
