@@ -331,7 +331,7 @@ pub fn dspark_dir(cache: &Path, note: &dyn Fn(&str)) -> Result<Option<PathBuf>, 
         None,
         "the demo's DSpark drafter (random weights)",
         &|d| {
-            use crate::spec::dspark::synth::{self as ds, DSparkSynthSpec};
+            use crate::k3::dspark::synth::{self as ds, DSparkSynthSpec};
             ds::write(&DSparkSynthSpec::for_target(&target), &target, d, false, &|_, _| {})
                 .map_err(|source| DemoError::Synth { path: d.to_path_buf(), source })
         },

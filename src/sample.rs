@@ -1,7 +1,7 @@
 //! Choosing the next token from K3's logits: greedy argmax, or sampling with temperature and
 //! nucleus (top-p) filtering from a seeded generator, with optional log-probabilities.
 //!
-//! Contract: temperature 0 picks exactly [`crate::k3::argmax`] and draws no randomness. Otherwise
+//! Contract: temperature 0 picks exactly [`crate::backend::cpu::ops::argmax`] and draws no randomness. Otherwise
 //! the token is drawn from softmax(logits / T) restricted to the smallest set of most likely
 //! tokens whose mass reaches `top_p` (ties broken by lower id), renormalised. The math is
 //! single-threaded f64 in a fixed order and the generator is a splitmix64 stream from `seed`, so
@@ -210,16 +210,25 @@ impl Sampler {
         self.picks
     }
 
-    /// The next token after `logits`.
+    /// The next token after `logits` (the greedy argmax on the CPU).
     pub fn pick(&mut self, logits: &[f32]) -> u32 {
-        self.pick_on(&crate::backend::CpuBackend, logits)
+        self.pick_with(logits, |l| Ok::<u32, std::convert::Infallible>(crate::backend::cpu::ops::argmax(l)))
+            .unwrap_or_else(|e| match e {})
     }
 
-    /// [`Sampler::pick`] with the greedy argmax run by `be` (the same index on every backend).
-    pub fn pick_on(&mut self, be: &dyn crate::backend::Backend, logits: &[f32]) -> u32 {
-        self.picks += 1;
+    /// [`Sampler::pick`] with the greedy argmax run by `be` (the same index on every backend); a
+    /// backend that fails is an error and no pick is made.
+    pub fn pick_on(
+        &mut self,
+        be: &dyn crate::backend::Backend,
+        logits: &[f32],
+    ) -> Result<u32, crate::backend::BackendError> {
+        self.pick_with(logits, |l| be.argmax(l))
+    }
+
+    fn pick_with<E>(&mut self, logits: &[f32], argmax: impl FnOnce(&[f32]) -> Result<u32, E>) -> Result<u32, E> {
         let t = if self.params.is_greedy() {
-            be.argmax(logits)
+            argmax(logits)?
         } else {
             let u = self.rng.uniform();
             inverse_cdf(&probabilities(logits, &self.params), u)
@@ -230,7 +239,8 @@ impl Sampler {
                 v.push(lp);
             }
         }
-        t
+        self.picks += 1;
+        Ok(t)
     }
 
     /// A uniform number from this sampler's stream (for accept/reject decisions).

@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use deltafin::engine::{Engine, EngineConfig, GenerateOptions};
 use deltafin::k3::KdaMode;
-use deltafin::spec::dspark::synth::{self as ds, DSparkSynthSpec};
+use deltafin::k3::dspark::synth::{self as ds, DSparkSynthSpec};
 use deltafin::spec::{DSparkDrafter, Drafter, Speculator};
 use std::path::Path;
 use std::sync::Arc;
@@ -28,10 +28,10 @@ fn draft_engine(target: &Path, draft: &Path) -> Arc<Engine> {
 /// A drafter whose context is the rows of `tokens`, taken from a prefill on `e`.
 fn drafter_after(e: &Arc<Engine>, tokens: &[u32]) -> DSparkDrafter {
     let model = e.draft.as_ref().expect("a draft model");
-    let mut d = model.drafter();
+    let mut d = DSparkDrafter::new(std::sync::Arc::clone(model));
     let taps = model.cfg.target_layers.clone();
     let mut s = e.new_session();
-    s.prefill_observed(tokens, &taps, &mut |start, rows, n| d.observe(start, rows, n)).unwrap();
+    s.prefill_observed(tokens, &taps, &mut |start, rows, n| d.observe(start, rows, n).unwrap()).unwrap();
     assert_eq!(d.context_rows(), tokens.len());
     d
 }
@@ -51,7 +51,7 @@ fn drafter_logits_and_proposals_match_the_fp64_reference() {
             for (ci, case) in j["cases"].as_array().unwrap().iter().enumerate() {
                 let l = case["context_len"].as_u64().unwrap() as usize;
                 let mut d = drafter_after(&e, &prompt[..l]);
-                let drafts = d.draft(prompt[l], l);
+                let drafts = d.draft(prompt[l], l).unwrap();
                 let want_rows = &want[ci * block * vocab..(ci + 1) * block * vocab];
                 let (err, row) = max_rel_l2(&d.last_logits, want_rows, vocab);
                 assert!(err <= 1e-4, "case {ci} (context {l}), {threads} threads: row {row} relative error {err:.2e}");
@@ -60,9 +60,9 @@ fn drafter_logits_and_proposals_match_the_fp64_reference() {
                 assert_eq!(drafts, want_drafts, "case {ci}: proposals");
                 // Through the Drafter trait: the first k of the block, for the pending token.
                 let mut ctx = prompt[..=l].to_vec();
-                assert_eq!(d.propose(&ctx, 3), want_drafts[..3].to_vec());
+                assert_eq!(d.propose(&ctx, 3).unwrap(), want_drafts[..3].to_vec());
                 ctx.push(1);
-                assert!(d.propose(&ctx, 3).is_empty(), "a context the drafter has not seen: no proposal");
+                assert!(d.propose(&ctx, 3).unwrap().is_empty(), "a context the drafter has not seen: no proposal");
                 eprintln!("case {ci}: context {l}, {threads} threads, relative error {err:.2e}");
             }
         });
@@ -77,7 +77,7 @@ fn plain(e: &Arc<Engine>, prompt: &[u32], max_new: usize) -> (Vec<u32>, Vec<u32>
 }
 
 fn with_dspark(e: &Arc<Engine>, prompt: &[u32], max_new: usize, cost: bool) -> (Vec<u32>, Vec<u32>, u64, u64) {
-    let d = Box::new(e.draft.as_ref().unwrap().drafter());
+    let d = Box::new(DSparkDrafter::new(std::sync::Arc::clone(e.draft.as_ref().unwrap())));
     let mut spec = if cost { Speculator::new(d) } else { Speculator::without_cost_model(d) };
     let mut s = e.new_session();
     spec.prefill(&mut s, prompt).unwrap();

@@ -11,13 +11,12 @@
 mod common;
 use common::*;
 use deltafin::backend::gpu::GpuBackend;
-use deltafin::backend::{AppendBuf, Backend, BackendKind, CpuBackend, StateBuf};
-use deltafin::cpu::ops::Situ;
-use deltafin::cpu::{Bf16Mat, Mxfp4Mat, decode_bf16_row, decode_mxfp4_row, deinterleave_mxfp4_input};
+use deltafin::backend::{
+    AppendBuf, Backend, BackendKind, Bf16Mat, CpuBackend, Device, ExpertLayout, Mxfp4Mat, Situ, StateBuf, run_expert,
+};
+use deltafin::cpu::{decode_bf16_row, decode_mxfp4_row, deinterleave_mxfp4_input};
 use deltafin::engine::{Engine, EngineConfig};
 use deltafin::k3::KdaMode;
-use deltafin::k3::moe::run_expert;
-use deltafin::model::roster::ExpertLayout;
 
 fn gpu() -> Option<GpuBackend> {
     match GpuBackend::new(true) {
@@ -95,8 +94,8 @@ fn gpu_products_at_tail_shapes_match_the_cpu() {
         let (packed, scales, xd) = random_mxfp4(&mut rng, rows, cols, n);
         let w = Mxfp4Mat::new(&packed, &scales, rows, cols);
         let (mut a, mut b) = (vec![0f32; n * rows], vec![0f32; n * rows]);
-        g.matmul_mxfp4(&w, &xd, &mut a);
-        cpu.matmul_mxfp4(&w, &xd, &mut b);
+        g.matmul_mxfp4(&w, &xd, &mut a).unwrap();
+        cpu.matmul_mxfp4(&w, &xd, &mut b).unwrap();
         check(&g, &format!("mxfp4 {rows}x{cols} x{n}"), &a, &b, 1e-5);
     }
     // bf16: columns not a multiple of 16 (7, 333), fewer chunks than a step (16, 48), K3's 7168
@@ -107,8 +106,8 @@ fn gpu_products_at_tail_shapes_match_the_cpu() {
         let w = random_bf16(&mut rng, rows, cols);
         let x = rng.vec(n * cols);
         let (mut a, mut b) = (vec![0f32; n * rows], vec![0f32; n * rows]);
-        g.matmul_bf16(&w, &x, &mut a);
-        cpu.matmul_bf16(&w, &x, &mut b);
+        g.matmul_bf16(&w, &x, &mut a).unwrap();
+        cpu.matmul_bf16(&w, &x, &mut b).unwrap();
         check(&g, &format!("bf16 {rows}x{cols} x{n}"), &a, &b, 1e-5);
     }
     // More rows than 65535 workgroups of 16: the matvec's second dispatch dimension.
@@ -116,8 +115,8 @@ fn gpu_products_at_tail_shapes_match_the_cpu() {
     let (packed, scales, xd) = random_mxfp4(&mut rng, rows, 32, 1);
     let w = Mxfp4Mat::new(&packed, &scales, rows, 32);
     let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
-    g.matmul_mxfp4(&w, &xd, &mut a);
-    cpu.matmul_mxfp4(&w, &xd, &mut b);
+    g.matmul_mxfp4(&w, &xd, &mut a).unwrap();
+    cpu.matmul_mxfp4(&w, &xd, &mut b).unwrap();
     check(&g, &format!("mxfp4 {rows}x32 x1"), &a, &b, 1e-5);
 }
 
@@ -151,8 +150,8 @@ fn mxfp4_scale_bytes_above_240_give_the_cpus_products() {
         }
         let w = Mxfp4Mat::new(&packed, &scales, rows, cols);
         let (mut a, mut b) = (vec![0f32; n * rows], vec![0f32; n * rows]);
-        g.matmul_mxfp4(&w, &xd, &mut a);
-        cpu.matmul_mxfp4(&w, &xd, &mut b);
+        g.matmul_mxfp4(&w, &xd, &mut a).unwrap();
+        cpu.matmul_mxfp4(&w, &xd, &mut b).unwrap();
         assert!(b.iter().all(|v| v.is_finite()), "the CPU's products stay finite");
         check(&g, &format!("mxfp4 wide scales {rows}x{cols} x{n}"), &a, &b, 1e-5);
     }
@@ -171,8 +170,8 @@ fn products_match(g: &GpuBackend) {
         let w = Bf16Mat::from_vec(bytes, rows, cols);
         let xs = rng.vec(n * cols);
         let (mut a, mut b) = (vec![0f32; n * rows], vec![0f32; n * rows]);
-        g.matmul_bf16(&w, &xs, &mut a);
-        cpu.matmul_bf16(&w, &xs, &mut b);
+        g.matmul_bf16(&w, &xs, &mut a).unwrap();
+        cpu.matmul_bf16(&w, &xs, &mut b).unwrap();
         let dec: Vec<Vec<f32>> = (0..rows)
             .map(|r| {
                 let mut o = vec![0f32; cols];
@@ -201,8 +200,8 @@ fn products_match(g: &GpuBackend) {
             deinterleave_mxfp4_input(s, d);
         }
         let (mut a, mut b) = (vec![0f32; n * rows], vec![0f32; n * rows]);
-        g.matmul_mxfp4(&w, &xd, &mut a);
-        cpu.matmul_mxfp4(&w, &xd, &mut b);
+        g.matmul_mxfp4(&w, &xd, &mut a).unwrap();
+        cpu.matmul_mxfp4(&w, &xd, &mut b).unwrap();
         let dec: Vec<Vec<f32>> = (0..rows)
             .map(|r| {
                 let mut o = vec![0f32; cols];
@@ -280,9 +279,9 @@ fn the_batched_expert_path_equals_the_per_expert_path() {
         for (i, ((l, b), zd)) in experts.iter().zip(&inputs).enumerate() {
             assert_eq!(l.parts.map(|p| p.1), layout.parts.map(|p| p.1));
             // Same sizes and offsets: the layout of the first describes every one.
-            batch.add(i as u32, b, zd);
+            batch.add(i as u32, b, zd).unwrap();
         }
-        let got = batch.finish();
+        let got = batch.finish().unwrap();
         assert_eq!(got.len(), 21);
         let cpu = CpuBackend;
         // The per-expert path with every op on the GPU (the batch runs SiTU there at any size).
@@ -291,13 +290,13 @@ fn the_batched_expert_path_equals_the_per_expert_path() {
         let mut same_cpu = 0usize;
         let mut total = 0usize;
         for (i, ((_, b), zd)) in experts.iter().zip(&inputs).enumerate() {
-            let one = run_expert(&g0, &layout, b, situ, zd);
+            let one = run_expert(&g0, &layout, b, situ, zd).unwrap();
             assert_eq!(got[i].len(), zd.len(), "expert {i}: output rows");
             assert!(
                 got[i].iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "expert {i} ({inter}x{latent}, rows {rows:?}): the batch differs from the per-expert GPU path"
             );
-            let c = run_expert(&cpu, &layout, b, situ, zd);
+            let c = run_expert(&cpu, &layout, b, situ, zd).unwrap();
             // Two products and SiTU between unfused and fused fma: relative L2 distance.
             let d: f64 = got[i].iter().zip(&c).map(|(a, b)| f64::from(a - b).powi(2)).sum();
             let m: f64 = c.iter().map(|b| f64::from(*b).powi(2)).sum();
@@ -348,14 +347,14 @@ fn batched_experts_from_the_device_cache_and_staging_in_one_group_equal_the_per_
         let order: Vec<usize> = (0..16).filter(|&i| held[i]).chain((0..16).filter(|&i| !held[i])).collect();
         for &i in &order {
             if held[i] {
-                batch.add_held(i as u32, &inputs[i]);
+                batch.add_held(i as u32, &inputs[i]).unwrap();
             } else {
-                batch.add(i as u32, &experts[i].1, &inputs[i]);
+                batch.add(i as u32, &experts[i].1, &inputs[i]).unwrap();
             }
         }
-        let got = batch.finish();
+        let got = batch.finish().unwrap();
         for (q, &i) in order.iter().enumerate() {
-            let one = run_expert(&per_expert, &layout, &experts[i].1, situ, &inputs[i]);
+            let one = run_expert(&per_expert, &layout, &experts[i].1, situ, &inputs[i]).unwrap();
             assert!(
                 got[q].len() == one.len() && got[q].iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "round {round}, expert {i} (held: {}): the batch differs from the per-expert GPU path",
@@ -388,10 +387,7 @@ fn check(g: &GpuBackend, what: &str, a: &[f32], b: &[f32], tol: f64) {
 
 #[test]
 fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
-    use deltafin::cpu::kda::HeadIn;
-    use deltafin::cpu::mla::{MlaDims, Visible};
-    use deltafin::cpu::ops::Situ;
-    use deltafin::k3::moe::RouteRule;
+    use deltafin::backend::{HeadIn, MlaDims, RouteRule, Visible};
     let Some(g) = gpu() else { return };
     let g = g.with_ops_min(0);
     let cpu = CpuBackend;
@@ -403,8 +399,8 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
         let x: Vec<f32> = rng.vec(rows * cols).iter().map(|v| v * 3.0).collect();
         let w = rng.vec(cols);
         let (mut a, mut b) = (x.clone(), x);
-        g.rms_norm_rows(&mut a, &w, 1e-5);
-        cpu.rms_norm_rows(&mut b, &w, 1e-5);
+        g.rms_norm_rows(&mut a, &w, 1e-5).unwrap();
+        cpu.rms_norm_rows(&mut b, &w, 1e-5).unwrap();
         check(&g, &format!("rms_norm {rows}x{cols}"), &a, &b, TOL);
     }
     // SiTU over the activation range, with and without the up transform.
@@ -413,8 +409,8 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
     for linear_beta in [25.0f32, 0.0] {
         let s = Situ { beta: 4.0, linear_beta };
         let (mut a, mut b) = (vec![0f32; 3000], vec![0f32; 3000]);
-        g.situ(s, &gate, &up, &mut a);
-        cpu.situ(s, &gate, &up, &mut b);
+        g.situ(s, &gate, &up, &mut a).unwrap();
+        cpu.situ(s, &gate, &up, &mut b).unwrap();
         check(&g, &format!("situ linear_beta {linear_beta}"), &a, &b, TOL);
     }
     // AttnRes mix: 1 to 9 sources.
@@ -424,8 +420,8 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
         let refs: Vec<&[f32]> = src.iter().map(|v| v.as_slice()).collect();
         let w = rng.vec(h);
         let (mut a, mut b) = (vec![0f32; h], vec![0f32; h]);
-        g.attn_res_mix(&refs, &w, 1e-5, &mut a);
-        cpu.attn_res_mix(&refs, &w, 1e-5, &mut b);
+        g.attn_res_mix(&refs, &w, 1e-5, &mut a).unwrap();
+        cpu.attn_res_mix(&refs, &w, 1e-5, &mut b).unwrap();
         check(&g, &format!("attn_res_mix {ns} sources"), &a, &b, TOL);
     }
     // Routing: ties in the biased score (repeated logits, zero bias) and a NaN must pick the CPU's
@@ -443,8 +439,8 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
         let rule = RouteRule { k, renormalize, scaling: 2.5 };
         let (mut ea, mut eb) = (vec![0u32; n * k], vec![0u32; n * k]);
         let (mut wa, mut wb) = (vec![0f32; n * k], vec![0f32; n * k]);
-        g.route_top_k(&logits, &bias, rule, &mut ea, &mut wa);
-        cpu.route_top_k(&logits, &bias, rule, &mut eb, &mut wb);
+        g.route_top_k(&logits, &bias, rule, &mut ea, &mut wa).unwrap();
+        cpu.route_top_k(&logits, &bias, rule, &mut eb, &mut wb).unwrap();
         assert_eq!(ea, eb, "routing: the CPU's experts in router order");
         check(&g, &format!("route weights (renormalize {renormalize})"), &wa, &wb, TOL);
     }
@@ -453,10 +449,10 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
     logits[123] = 5.0;
     logits[40_000] = 5.0;
     logits[7] = f32::NAN;
-    assert_eq!(g.argmax(&logits), cpu.argmax(&logits));
-    assert_eq!(g.argmax(&logits), 123);
-    assert_eq!(g.argmax(&[f32::NAN, f32::NAN, 1.0, 1.0]), 2);
-    assert_eq!(g.argmax(&[f32::NAN; 3]), 0);
+    assert_eq!(g.argmax(&logits).unwrap(), cpu.argmax(&logits).unwrap());
+    assert_eq!(g.argmax(&logits).unwrap(), 123);
+    assert_eq!(g.argmax(&[f32::NAN, f32::NAN, 1.0, 1.0]).unwrap(), 2);
+    assert_eq!(g.argmax(&[f32::NAN; 3]).unwrap(), 0);
     // KDA recurrence: update from a start state, then replay; small and K3's head size.
     for (nh, n, dk, dv) in [(3usize, 5usize, 16usize, 12usize), (2, 3, 128, 128)] {
         let heads: Vec<HeadIn> = (0..nh)
@@ -481,20 +477,20 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
         let s0 = StateBuf::from(rng.vec(nh * dk * dv));
         let (mut sa, mut sb) = (StateBuf::zeros(s0.len()), StateBuf::zeros(s0.len()));
         let (mut oa, mut ob) = (vec![0f32; nh * n * dv], vec![0f32; nh * n * dv]);
-        g.kda_update(&s0, &mut sa, &heads, dk, dv, &mut oa, false);
-        cpu.kda_update(&s0, &mut sb, &heads, dk, dv, &mut ob, false);
+        g.kda_update(&s0, &mut sa, &heads, dk, dv, &mut oa, false).unwrap();
+        cpu.kda_update(&s0, &mut sb, &heads, dk, dv, &mut ob, false).unwrap();
         assert!(sa.on_device(), "the GPU's state stays in device memory");
-        check(&g, &format!("kda_update state dk {dk}"), &sa.host_values(), &sb.host_values(), TOL);
+        check(&g, &format!("kda_update state dk {dk}"), &sa.host_values().unwrap(), &sb.host_values().unwrap(), TOL);
         check(&g, &format!("kda_update outputs dk {dk}"), &oa, &ob, TOL);
         // A second step from the resident state into a buffer that was used before (as decode
         // does with its spare): the state neither goes up nor comes back, only the rows and o.
         let (mut sa2, mut sb2) = (StateBuf::zeros(s0.len()), StateBuf::zeros(s0.len()));
         let before = g.device_traffic();
-        g.kda_update(&s0, &mut sa2, &heads, dk, dv, &mut oa, false);
+        g.kda_update(&s0, &mut sa2, &heads, dk, dv, &mut oa, false).unwrap();
         let from_host = g.device_traffic().since(before);
-        g.kda_update(&sa, &mut sa2, &heads, dk, dv, &mut oa, false);
+        g.kda_update(&sa, &mut sa2, &heads, dk, dv, &mut oa, false).unwrap();
         let step = g.device_traffic().since(before).since(from_host);
-        cpu.kda_update(&sb, &mut sb2, &heads, dk, dv, &mut ob, false);
+        cpu.kda_update(&sb, &mut sb2, &heads, dk, dv, &mut ob, false).unwrap();
         let state_bytes = 4 * s0.len() as u64;
         assert_eq!(step.readback_bytes, 4 * oa.len() as u64, "only o comes back: {step:?}");
         assert_eq!(
@@ -503,27 +499,45 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
             "the resident state is not uploaded: {step:?} vs {from_host:?}"
         );
         assert!(step.resident_state_bytes >= 2 * state_bytes);
-        check(&g, &format!("kda_update from a resident state dk {dk}"), &sa2.host_values(), &sb2.host_values(), TOL);
+        check(
+            &g,
+            &format!("kda_update from a resident state dk {dk}"),
+            &sa2.host_values().unwrap(),
+            &sb2.host_values().unwrap(),
+            TOL,
+        );
         check(&g, &format!("kda_update outputs from a resident state dk {dk}"), &oa, &ob, TOL);
         // Replay from the host and from a resident state, with rows that carry no q (as a
         // commit's do); the CPU backend reads a resident state through the host.
         let no_q: Vec<HeadIn> = heads.iter().map(|x| HeadIn { q: Vec::new(), ..x.clone() }).collect();
-        let (mut ra, mut rb) = (s0.clone(), s0.clone());
-        g.kda_replay(&mut ra, &no_q, dk, dv);
-        cpu.kda_replay(&mut rb, &no_q, dk, dv);
-        check(&g, &format!("kda_replay state dk {dk}"), &ra.host_values(), &rb.host_values(), TOL);
-        assert_eq!(bits(&ra.host_values()), bits(&sa.host_values()));
-        let mut rc = sa.clone();
+        let (mut ra, mut rb) = (StateBuf::zeros(s0.len()), StateBuf::zeros(s0.len()));
+        g.kda_replay(&s0, &mut ra, &no_q, dk, dv).unwrap();
+        cpu.kda_replay(&s0, &mut rb, &no_q, dk, dv).unwrap();
+        assert!(ra.on_device(), "the replayed state stays in device memory");
+        check(&g, &format!("kda_replay state dk {dk}"), &ra.host_values().unwrap(), &rb.host_values().unwrap(), TOL);
+        assert_eq!(bits(&ra.host_values().unwrap()), bits(&sa.host_values().unwrap()));
         let mut rd = StateBuf::zeros(s0.len());
-        g.kda_update(&s0, &mut rd, &heads, dk, dv, &mut oa, false);
-        g.kda_replay(&mut rd, &no_q, dk, dv);
-        cpu.kda_replay(&mut rc, &no_q, dk, dv);
-        assert!(rd.on_device());
-        check(&g, &format!("kda_replay of a resident state dk {dk}"), &rd.host_values(), &rc.host_values(), TOL);
+        g.kda_update(&s0, &mut rd, &heads, dk, dv, &mut oa, false).unwrap();
+        let (mut re, mut rc) = (StateBuf::zeros(s0.len()), StateBuf::zeros(s0.len()));
+        g.kda_replay(&rd, &mut re, &no_q, dk, dv).unwrap();
+        cpu.kda_replay(&sa, &mut rc, &no_q, dk, dv).unwrap();
+        assert!(rd.on_device() && re.on_device());
+        check(
+            &g,
+            &format!("kda_replay of a resident state dk {dk}"),
+            &re.host_values().unwrap(),
+            &rc.host_values().unwrap(),
+            TOL,
+        );
         let (mut on_cpu, mut from_host) = (StateBuf::zeros(s0.len()), StateBuf::zeros(s0.len()));
-        cpu.kda_update(&sa, &mut on_cpu, &heads, dk, dv, &mut ob, false);
-        cpu.kda_update(&StateBuf::from(sa.host_values().into_owned()), &mut from_host, &heads, dk, dv, &mut oa, false);
-        assert_eq!(bits(&on_cpu.host_values()), bits(&from_host.host_values()), "the CPU reads a GPU state");
+        cpu.kda_update(&sa, &mut on_cpu, &heads, dk, dv, &mut ob, false).unwrap();
+        let sa_host = StateBuf::from(sa.host_values().unwrap().into_owned());
+        cpu.kda_update(&sa_host, &mut from_host, &heads, dk, dv, &mut oa, false).unwrap();
+        assert_eq!(
+            bits(&on_cpu.host_values().unwrap()),
+            bits(&from_host.host_values().unwrap()),
+            "the CPU reads a GPU state"
+        );
     }
     // MLA core: causal over a cache, and every row seeing every token; small and K3's widths.
     for d in [
@@ -539,8 +553,8 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
         let q = rng.vec(n * d.heads * (d.nope + d.rope));
         for visible in [Visible::Causal, Visible::All] {
             let (mut a, mut b) = (vec![0f32; n * d.heads * d.v_head], vec![0f32; n * d.heads * d.v_head]);
-            g.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut a);
-            cpu.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut b);
+            g.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut a).unwrap();
+            cpu.mla_attention_with(&q, &cache, past, &kv_b, d, 0.2, visible, &mut b).unwrap();
             check(&g, &format!("mla {visible:?} lora {}", d.lora), &a, &b, TOL);
         }
         // Decode steps on the mirrored cache: one row appended each, past the mirror's first
@@ -554,9 +568,9 @@ fn gpu_ops_match_the_cpu_within_tolerance_and_bit_for_bit_when_fma_is_fused() {
             let tokens = cache.len() / lat;
             cache.extend_from_slice(&rng.vec(lat));
             let before = g.device_traffic();
-            g.mla_attention_with(&q1, &cache, tokens, &kv_b, d, 0.2, Visible::Causal, &mut a);
+            g.mla_attention_with(&q1, &cache, tokens, &kv_b, d, 0.2, Visible::Causal, &mut a).unwrap();
             let t = g.device_traffic().since(before);
-            cpu.mla_attention_with(&q1, &cache, tokens, &kv_b, d, 0.2, Visible::Causal, &mut b);
+            cpu.mla_attention_with(&q1, &cache, tokens, &kv_b, d, 0.2, Visible::Causal, &mut b).unwrap();
             check(&g, &format!("mla step {step} lora {}", d.lora), &a, &b, TOL);
             assert_eq!(
                 t.upload_bytes,
@@ -607,7 +621,7 @@ fn sequence_state_kept_on_the_gpu_survives_partial_commits_and_forks_with_the_cp
         s.commit(2).unwrap();
         s.verify(&r.prompt[22..24], &[]).unwrap();
         s.commit(0).unwrap();
-        let mut f = s.fork();
+        let mut f = s.fork().unwrap();
         let mut logits = Vec::new();
         let mut forked = Vec::new();
         for &t in &r.prompt[22..26] {
@@ -617,7 +631,7 @@ fn sequence_state_kept_on_the_gpu_survives_partial_commits_and_forks_with_the_cp
         assert_eq!(bits(&logits), bits(&forked), "a fork continues with the same bits");
         let opts = deltafin::engine::GenerateOptions { max_new: 6, stop: Vec::new() };
         let tokens = s.generate(&opts, &mut |_| true).unwrap().tokens;
-        let resident = e.model.be.device_traffic().resident_state_bytes;
+        let resident = e.device_traffic().resident_state_bytes;
         (logits, tokens, resident)
     };
     let cpu = Engine::open(test_config(&dir, KdaMode::Recurrent)).unwrap();
@@ -627,7 +641,7 @@ fn sequence_state_kept_on_the_gpu_survives_partial_commits_and_forks_with_the_cp
     assert!(resident > 0, "the KDA states and MLA caches were kept in device memory");
     assert_eq!(gt, ct, "greedy tokens");
     check(&g, "logits after partial commits and a fork", &gl, &cl, 1e-4);
-    assert_eq!(on_gpu.model.be.device_traffic().resident_state_bytes, 0, "dropped sessions free their states");
+    assert_eq!(on_gpu.device_traffic().resident_state_bytes, 0, "dropped sessions free their states");
 }
 
 #[test]
@@ -704,7 +718,7 @@ fn the_device_expert_cache_changes_no_bit_and_serves_repeated_experts() {
     let config =
         EngineConfig { backend: BackendKind::Gpu, gpu_cache_gb: Some(1.0), ..test_config(&dir, KdaMode::Recurrent) };
     let opened = Engine::open(config).unwrap();
-    assert_eq!(opened.model.be.device_expert_slots(), opened.cfg.moe_layers() * opened.cfg.experts);
+    assert_eq!(opened.device_expert_slots(), opened.cfg.moe_layers() * opened.cfg.experts);
     // The CPU backend has no device memory to keep experts in.
     let config = EngineConfig { gpu_cache_gb: Some(1.0), ..test_config(&dir, KdaMode::Recurrent) };
     let err = Engine::open(config).err().map(|e| e.to_string()).unwrap_or_default();
@@ -723,11 +737,11 @@ fn several_products_of_one_input_in_one_submission_give_each_products_bits() {
         let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; n * w.rows]).collect();
         {
             let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-            g.matmul_bf16_many(&ws.iter().collect::<Vec<_>>(), &xs, &mut slices);
+            g.matmul_bf16_many(&ws.iter().collect::<Vec<_>>(), &xs, &mut slices).unwrap();
         }
         for (w, got) in ws.iter().zip(&outs) {
             let mut one = vec![0f32; n * w.rows];
-            g.matmul_bf16(w, &xs, &mut one);
+            g.matmul_bf16(w, &xs, &mut one).unwrap();
             assert!(
                 got.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{}x{cols} x{n}: one submission differs from the single product",
@@ -751,11 +765,11 @@ fn products_of_their_own_inputs_in_one_submission_give_each_products_bits() {
     {
         let refs: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
         let mut slices: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-        g.matmul_bf16_each(&ws.iter().collect::<Vec<_>>(), &refs, &mut slices);
+        g.matmul_bf16_each(&ws.iter().collect::<Vec<_>>(), &refs, &mut slices).unwrap();
     }
     for ((w, x), got) in ws.iter().zip(&xs).zip(&outs) {
         let mut one = vec![0f32; got.len()];
-        g.matmul_bf16(w, x, &mut one);
+        g.matmul_bf16(w, x, &mut one).unwrap();
         assert!(
             got.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
             "{}x{} on {} rows: one submission differs from the single product",
@@ -781,8 +795,8 @@ fn timed_passes_count_device_time_and_change_no_bit() {
     let w = random_bf16(&mut rng, 64, 512);
     let xs = Rng(5).vec(512);
     let (mut a, mut b) = (vec![0f32; 64], vec![0f32; 64]);
-    plain.matmul_bf16(&w, &xs, &mut a);
-    timed.matmul_bf16(&w, &xs, &mut b);
+    plain.matmul_bf16(&w, &xs, &mut a).unwrap();
+    timed.matmul_bf16(&w, &xs, &mut b).unwrap();
     assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "timed passes changed a product");
     assert_eq!(plain.device_traffic().device_s, 0.0, "untimed passes report device time");
     let ops = timed.op_times();

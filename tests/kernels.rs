@@ -5,6 +5,7 @@
 
 mod common;
 use common::Rng;
+use deltafin::backend::{Bf16Mat, Mxfp4Mat};
 use deltafin::cpu::*;
 
 fn bf16_bytes(rng: &mut Rng, n: usize) -> (Vec<u8>, Vec<f64>) {

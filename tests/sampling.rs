@@ -5,6 +5,7 @@
 
 mod common;
 use common::*;
+use deltafin::backend::BackendError;
 use deltafin::engine::{Engine, GenerateOptions, Session};
 use deltafin::sample::{Sampler, SamplingParams, probabilities};
 use deltafin::spec::{Drafter, NgramDrafter, Speculator};
@@ -17,8 +18,8 @@ impl Drafter for Fixed {
     fn name(&self) -> &str {
         "fixed"
     }
-    fn propose(&mut self, _context: &[u32], k: usize) -> Vec<u32> {
-        self.0.iter().copied().take(k).collect()
+    fn propose(&mut self, _context: &[u32], k: usize) -> Result<Vec<u32>, BackendError> {
+        Ok(self.0.iter().copied().take(k).collect())
     }
 }
 
@@ -27,7 +28,7 @@ fn opts(max_new: usize) -> GenerateOptions {
 }
 
 fn sampled(base: &Session, params: SamplingParams, max_new: usize, drafter: Option<Box<dyn Drafter>>) -> Vec<u32> {
-    let mut s = base.fork();
+    let mut s = base.fork().unwrap();
     let mut sampler = Sampler::new(params);
     let g = match drafter {
         Some(d) => {
@@ -99,7 +100,7 @@ fn with_drafts_sampled_tokens_follow_k3s_distribution() {
     firsts.truncate(3);
     let mut p2 = Vec::new();
     for &t1 in &firsts {
-        let mut s = base.fork();
+        let mut s = base.fork().unwrap();
         s.step(t1).unwrap();
         p2.push(probabilities(s.logits().unwrap(), &params));
     }
@@ -125,7 +126,7 @@ fn with_drafts_sampled_tokens_follow_k3s_distribution() {
     let mut counts = vec![0f64; cats.len()];
     let (mut accepted, mut proposed) = (0, 0);
     for seed in 0..n {
-        let mut s = base.fork();
+        let mut s = base.fork().unwrap();
         let mut sampler = Sampler::new(SamplingParams { seed, ..params });
         let mut spec = Speculator::without_cost_model(Box::new(Fixed(vec![d])));
         // max_new 3: after t1 one draft (for t2) fits.

@@ -8,6 +8,7 @@
 
 mod common;
 use common::*;
+use deltafin::backend::BackendError;
 use deltafin::engine::{Engine, GenerateOptions, Generation, Session};
 use deltafin::sched::RowsOut;
 use deltafin::spec::{Drafter, NgramDrafter, Speculator};
@@ -186,7 +187,7 @@ impl Drafter for Scripted {
     fn name(&self) -> &str {
         "scripted"
     }
-    fn propose(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, BackendError> {
         let from = context.len().min(self.truth.len());
         let mut d: Vec<u32> = self.truth[from..(from + k).min(self.truth.len())].to_vec();
         for t in d.iter_mut() {
@@ -194,15 +195,16 @@ impl Drafter for Scripted {
                 *t = (*t + 1) % self.vocab;
             }
         }
-        d
+        Ok(d)
     }
     fn taps(&self) -> &[usize] {
         &self.taps
     }
-    fn observe(&mut self, _start: usize, rows: &RowsOut, committed: usize) {
+    fn observe(&mut self, _start: usize, rows: &RowsOut, committed: usize) -> Result<(), BackendError> {
         assert!(committed >= 1);
         assert_eq!(rows.taps.len(), self.taps.len(), "asked taps arrive");
         self.observed += committed;
+        Ok(())
     }
 }
 

@@ -1,15 +1,21 @@
-//! Backends: the operations the forward pass calls, behind one trait.
+//! Backends: tensors and the operations the forward pass calls, behind one narrow trait. A
+//! backend knows nothing of K3: it sees matrices, rows and the shapes in [`types`].
 //!
-//! Contract: the forward pass (`k3/`, `sched/`) never calls a kernel directly; it calls these
-//! operations. Weights reach a backend as [`Bf16Mat`] (trunk) and [`Mxfp4Mat`] (an expert's shipped
-//! bytes, valid for the call); a backend may keep its own copy of the trunk, prepared once by
-//! [`Backend::prepare`] and found again by the matrix's identity (`Bf16Mat::id`). Activations cross
+//! Contract: the forward pass (`k3/`) never calls a kernel directly; it calls the operations of
+//! [`Backend`], each of which returns `Result`: a failed dispatch, mapping or readback is a
+//! [`BackendError`] that reaches the caller, never NaN or a stale output (a backend may instead
+//! run an operation on the CPU kernels where that keeps the bits, saying so in a warning).
+//! Weights reach a backend as [`Bf16Mat`] (trunk) and [`Mxfp4Mat`] (an expert's shipped bytes,
+//! valid for the call); a backend may keep its own copy of the trunk, prepared once by
+//! [`Device::prepare`] and found again by the matrix's identity (`Bf16Mat::id`). Activations cross
 //! the seam as f32 rows. Every implementation must give the fp64 reference's tolerance and the same
-//! greedy tokens; the CPU backend is the bit-exact definition (see `cpu/`).
+//! greedy tokens; the CPU backend is the bit-exact definition (see `cpu/`). What is not an
+//! operation — the description, planning before work, the device expert cache and the counters —
+//! is the [`Device`] trait, which the engine holds and the model never sees.
 //!
-//! `cpu/` holds the CPU kernels (scalar reference beside AVX2 / AVX-512 / NEON), `CpuBackend` below
-//! is their implementation of the trait; `gpu/` (feature `gpu`) runs WGSL kernels from `kernels/`
-//! through wgpu. [`open`] picks one for a [`BackendKind`].
+//! `types` holds the seam types; `cpu/` the CPU kernels (scalar reference beside AVX2 / AVX-512 /
+//! NEON), `CpuBackend` below is their implementation of the traits; `gpu/` (feature `gpu`) runs
+//! WGSL kernels from `kernels/` through wgpu. [`open`] picks one for a [`BackendKind`].
 
 pub mod append_buf;
 pub mod cpu;
@@ -17,18 +23,13 @@ pub mod detmath;
 #[cfg(feature = "gpu")]
 pub mod gpu;
 pub mod state_buf;
+pub mod types;
 
-use crate::k3::moe::RouteRule;
-use crate::k3::weights::Weights;
-use crate::model::roster::ExpertLayout;
 pub use append_buf::AppendBuf;
-use cpu::kda::HeadIn;
-use cpu::mla::{MlaDims, Visible};
-use cpu::ops::Situ;
-use cpu::{Bf16Mat, Mxfp4Mat};
 use rayon::prelude::*;
 pub use state_buf::StateBuf;
 use std::sync::Arc;
+pub use types::{Bf16Mat, ExpertLayout, HeadIn, MXFP4_BLOCK, MlaDims, Mxfp4Mat, RouteRule, SharedBytes, Situ, Visible};
 
 /// Which backend runs the forward pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
@@ -48,7 +49,7 @@ pub enum BackendError {
     #[cfg(feature = "gpu")]
     #[error(transparent)]
     Gpu(#[from] gpu::GpuError),
-    #[error("this build has no GPU backend (built without the `gpu` feature); use --backend cpu")]
+    #[error("this build has no GPU backend (built without the `gpu` feature); use the CPU backend")]
     NotBuilt,
 }
 
@@ -61,7 +62,7 @@ pub struct BackendOptions {
 }
 
 /// The backend for `kind`.
-pub fn open(kind: BackendKind, opts: BackendOptions) -> Result<Arc<dyn Backend>, BackendError> {
+pub fn open(kind: BackendKind, opts: BackendOptions) -> Result<Arc<dyn Device>, BackendError> {
     #[cfg(feature = "gpu")]
     let gpu = |allow_cpu| gpu::GpuBackend::new(allow_cpu).map(|g| g.with_device_cache(opts.device_cache_bytes));
     match kind {
@@ -130,7 +131,7 @@ impl DeviceTraffic {
 }
 
 /// Calls of one backend operation and the wall time spent in them since the backend opened
-/// ([`Backend::op_times`]).
+/// ([`Device::op_times`]).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct OpTime {
     pub op: &'static str,
@@ -158,41 +159,123 @@ pub fn op_times_since(later: &[OpTime], earlier: &[OpTime]) -> Vec<OpTime> {
         .collect()
 }
 
+/// The operations the forward pass calls. Every one returns `Err` when the backend could not
+/// compute it (a failed dispatch, mapping or readback on a device): the caller gets an error,
+/// never NaN or stale values in `out`. A backend may instead run an operation on the CPU kernels
+/// where that gives the same bits (a documented fallback, with a warning).
 pub trait Backend: Send + Sync {
-    /// For the startup line, e.g. "cpu avx512 x2".
-    fn describe(&self) -> String;
-
-    /// Called once with the trunk before the first forward (a device backend uploads it here).
-    fn prepare(&self, _weights: &Weights) {}
-
     /// out[i, r] = W[r] . xs[i] for `n = xs.len() / W.cols` rows.
-    fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]);
+    fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) -> Result<(), BackendError>;
 
     /// Several products of the same input rows (`outs[j] = ws[j] . xs`; every matrix `xs`'s width):
     /// one upload and one submission on the GPU instead of one each. Each product gives exactly
     /// `matmul_bf16`'s bits.
-    fn matmul_bf16_many(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) {
+    fn matmul_bf16_many(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) -> Result<(), BackendError> {
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
-            self.matmul_bf16(w, xs, out);
+            self.matmul_bf16(w, xs, out)?;
         }
+        Ok(())
     }
 
     /// Several products, each of its own input rows (`outs[j] = ws[j] . xs[j]`): one submission on
     /// the GPU instead of one each. Each product gives exactly `matmul_bf16`'s bits.
-    fn matmul_bf16_each(&self, ws: &[&Bf16Mat], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    fn matmul_bf16_each(&self, ws: &[&Bf16Mat], xs: &[&[f32]], outs: &mut [&mut [f32]]) -> Result<(), BackendError> {
         for ((w, x), out) in ws.iter().zip(xs).zip(outs.iter_mut()) {
-            self.matmul_bf16(w, x, out);
+            self.matmul_bf16(w, x, out)?;
         }
+        Ok(())
     }
 
     /// The same for an expert matrix; `xds` holds deinterleaved inputs (`cpu::deinterleave_mxfp4_input`).
-    fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]);
+    fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) -> Result<(), BackendError>;
 
-    /// A batch for MoE layer `layer`'s routed experts: each is queued with its rows and may run at
-    /// once or with others (one submission for many on the GPU). The default runs each expert as
-    /// it is queued, exactly `k3::moe::run_expert` (so the CPU path keeps its order and overlap).
+    /// A batch of gated MXFP4 experts of group `layer` (the key of a device expert cache): each is
+    /// queued with its rows and may run at once or with others (one submission for many on the
+    /// GPU). The default runs each expert as it is queued ([`run_expert`], so the CPU path keeps
+    /// its order and overlap).
     fn expert_batch<'a>(&'a self, _layer: usize, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
         Box::new(EachExpert { be: self, layout, situ, outs: Vec::new() })
+    }
+
+    /// RMSNorm of every row of `x` (rows of `w.len()`), in place.
+    fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), BackendError>;
+
+    /// out = situ(gate, up) element-wise.
+    fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<(), BackendError>;
+
+    /// KDA state update of every head over its rows: reads the start state from `s_in`, writes the
+    /// state after the last row to `s_out` (whole; a device backend may leave it in device memory)
+    /// and the outputs o [heads][n, dv]. On an error `s_out` holds no valid state.
+    #[allow(clippy::too_many_arguments)]
+    fn kda_update(
+        &self,
+        s_in: &StateBuf,
+        s_out: &mut StateBuf,
+        heads: &[HeadIn],
+        dk: usize,
+        dv: usize,
+        o: &mut [f32],
+        chunked: bool,
+    ) -> Result<(), BackendError>;
+
+    /// The state after rows' updates without outputs (committing verified rows): reads the start
+    /// state from `s_in` and writes the result to `s_out` (whole), exactly the state `kda_update`
+    /// over the same rows writes. On an error `s_out` holds no valid state.
+    fn kda_replay(
+        &self,
+        s_in: &StateBuf,
+        s_out: &mut StateBuf,
+        heads: &[HeadIn],
+        dk: usize,
+        dv: usize,
+    ) -> Result<(), BackendError>;
+
+    /// MLA attention core over the latent cache with a given softmax scale and visibility
+    /// (`cpu::mla::attention_with`). A device backend may mirror the cache in device memory (only
+    /// new rows go up).
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention_with(
+        &self,
+        q: &[f32],
+        cache: &AppendBuf,
+        past: usize,
+        kv_b: &Bf16Mat,
+        dims: MlaDims,
+        scale: f32,
+        visible: Visible,
+        out: &mut [f32],
+    ) -> Result<(), BackendError>;
+
+    /// Mix of one row: out = sum_s softmax_s(score(v_s)) v_s over `sources` in order
+    /// (`cpu::ops::attn_res_mix`).
+    fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), BackendError>;
+
+    /// The top-k choice for rows of router logits [n, e] by `rule` (`cpu::ops::route_rows`:
+    /// experts in selection order and their weights, [n, k] each).
+    fn route_top_k(
+        &self,
+        logits: &[f32],
+        bias: &[f32],
+        rule: RouteRule,
+        experts: &mut [u32],
+        weights: &mut [f32],
+    ) -> Result<(), BackendError>;
+
+    /// Index of the largest logit, lowest index on ties, NaN never wins (`cpu::ops::argmax`).
+    fn argmax(&self, logits: &[f32]) -> Result<u32, BackendError>;
+}
+
+/// A backend as the engine holds it: what it is, what it is told before work starts, its device
+/// expert cache and its counters. None of these is an operation of the forward pass; the model
+/// sees only [`Backend`].
+pub trait Device: Backend {
+    /// For the startup line, e.g. "cpu avx512 x2".
+    fn describe(&self) -> String;
+
+    /// Called once with the trunk's matrices before the first forward (a device backend uploads
+    /// them here).
+    fn prepare(&self, _mats: &[&Bf16Mat]) -> Result<(), BackendError> {
+        Ok(())
     }
 
     /// Called once with the routed experts' layout and count (every layer's) before the first
@@ -203,9 +286,12 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
-    /// Which of `experts` of MoE layer `layer` this backend keeps in its own memory (a device
-    /// expert cache), so that they need not be fetched (the lookahead skips them). The default:
-    /// none.
+    /// The shape of one sequence's recurrent state and attention cache, which a device backend
+    /// may keep in its memory (shown in its description); the CPU ignores it.
+    fn plan_sequence_state(&self, _state: SequenceState) {}
+
+    /// Which of `experts` of group `layer` this backend keeps in its own memory (a device expert
+    /// cache), so that they need not be fetched. The default: none.
     fn holds_experts(&self, _layer: usize, experts: &[u32]) -> Vec<bool> {
         vec![false; experts.len()]
     }
@@ -221,10 +307,6 @@ pub trait Backend: Send + Sync {
         0
     }
 
-    /// The shape of one sequence's recurrent state and attention cache, which a device backend
-    /// may keep in its memory (shown in its description); the CPU ignores it.
-    fn plan_sequence_state(&self, _state: SequenceState) {}
-
     /// Calls and wall time per operation since the backend opened (a device backend's profile;
     /// the CPU backend keeps none).
     fn op_times(&self) -> Vec<OpTime> {
@@ -235,82 +317,54 @@ pub trait Backend: Send + Sync {
     fn device_traffic(&self) -> DeviceTraffic {
         DeviceTraffic::default()
     }
-
-    /// RMSNorm of every row of `x` (rows of `w.len()`), in place.
-    fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32);
-
-    /// out = situ(gate, up) element-wise.
-    fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]);
-
-    /// KDA state update of every head over its rows: reads the start state from `s_in`, writes the
-    /// state after the last row to `s_out` (whole; a device backend may leave it in device memory)
-    /// and the outputs o [heads][n, dv].
-    #[allow(clippy::too_many_arguments)]
-    fn kda_update(
-        &self,
-        s_in: &StateBuf,
-        s_out: &mut StateBuf,
-        heads: &[HeadIn],
-        dk: usize,
-        dv: usize,
-        o: &mut [f32],
-        chunked: bool,
-    );
-
-    /// Applies rows' updates to `s` in place without outputs (committing verified rows).
-    fn kda_replay(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize);
-
-    /// MLA attention core over the latent cache with a given softmax scale and visibility
-    /// (`cpu::mla::attention_with`): K3's layers are causal, DSpark's draft block sees every row.
-    /// A device backend may mirror the cache in device memory (only new rows go up).
-    #[allow(clippy::too_many_arguments)]
-    fn mla_attention_with(
-        &self,
-        q: &[f32],
-        cache: &AppendBuf,
-        past: usize,
-        kv_b: &Bf16Mat,
-        dims: MlaDims,
-        scale: f32,
-        visible: Visible,
-        out: &mut [f32],
-    );
-
-    /// AttnRes mix of one row: out = sum_s softmax_s(score(v_s)) v_s over `sources` in order.
-    fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]);
-
-    /// The router's choice for rows of logits [n, e] (`k3::moe::route_rows`: experts in router
-    /// order and their weights, [n, k] each).
-    fn route_top_k(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
-        crate::k3::moe::route_rows(logits, bias, rule, experts, weights)
-    }
-
-    /// Index of the largest logit, lowest index on ties, NaN never wins ([`crate::k3::argmax`]).
-    fn argmax(&self, logits: &[f32]) -> u32 {
-        crate::k3::argmax(logits)
-    }
 }
 
-/// Routed experts queued for one layer ([`Backend::expert_batch`]).
+/// Gated experts queued for one group ([`Backend::expert_batch`]).
 pub trait ExpertBatch {
-    /// Claims those of `experts` that the backend holds for this layer (see
-    /// [`Backend::holds_experts`]): they stay held until [`ExpertBatch::finish`], and only those
+    /// Claims those of `experts` that the backend holds for this group (see
+    /// [`Device::holds_experts`]): they stay held until [`ExpertBatch::finish`], and only those
     /// may be queued with [`ExpertBatch::add_held`]. The default holds none.
     fn claim_held(&mut self, experts: &[u32]) -> Vec<bool> {
         vec![false; experts.len()]
     }
 
-    /// Queues expert `expert` (its shipped bytes in the layer's `ExpertLayout`) on deinterleaved
+    /// Queues expert `expert` (its shipped bytes in the group's `ExpertLayout`) on deinterleaved
     /// latent rows `zd` [m, latent]. `bytes` is not used after this returns.
-    fn add(&mut self, expert: u32, bytes: &[u8], zd: &[f32]);
+    fn add(&mut self, expert: u32, bytes: &[u8], zd: &[f32]) -> Result<(), BackendError>;
 
     /// Queues an expert that [`ExpertBatch::claim_held`] claimed, from the backend's own copy.
-    fn add_held(&mut self, expert: u32, _zd: &[f32]) {
+    fn add_held(&mut self, expert: u32, _zd: &[f32]) -> Result<(), BackendError> {
         unreachable!("expert {expert} was queued as held, but this batch holds no experts")
     }
 
     /// The outputs [m, latent] of every queued expert, in the order they were queued.
-    fn finish(self: Box<Self>) -> Vec<Vec<f32>>;
+    fn finish(self: Box<Self>) -> Result<Vec<Vec<f32>>, BackendError>;
+}
+
+/// One gated MXFP4 expert on `m` deinterleaved latent rows `zd` [m, latent], composed of the
+/// backend's operations: w2(situ(w1 z, w3 z)); returns [m, latent].
+pub fn run_expert<B: Backend + ?Sized>(
+    be: &B,
+    layout: &ExpertLayout,
+    bytes: &[u8],
+    situ: Situ,
+    zd: &[f32],
+) -> Result<Vec<f32>, BackendError> {
+    let [w1, w3, w2] = layout.mats(bytes);
+    let m = zd.len() / layout.latent;
+    let mut g = vec![0f32; m * layout.inter];
+    let mut u = vec![0f32; m * layout.inter];
+    be.matmul_mxfp4(&w1, zd, &mut g)?;
+    be.matmul_mxfp4(&w3, zd, &mut u)?;
+    let mut a = vec![0f32; m * layout.inter];
+    be.situ(situ, &g, &u, &mut a)?;
+    let mut ad = vec![0f32; m * layout.inter];
+    for (src, dst) in a.chunks_exact(layout.inter).zip(ad.chunks_exact_mut(layout.inter)) {
+        cpu::deinterleave_mxfp4_input(src, dst);
+    }
+    let mut out = vec![0f32; m * layout.latent];
+    be.matmul_mxfp4(&w2, &ad, &mut out)?;
+    Ok(out)
 }
 
 /// The default batch: each expert runs when it is queued.
@@ -322,48 +376,56 @@ pub struct EachExpert<'a, B: Backend + ?Sized> {
 }
 
 impl<B: Backend + ?Sized> ExpertBatch for EachExpert<'_, B> {
-    fn add(&mut self, _expert: u32, bytes: &[u8], zd: &[f32]) {
-        self.outs.push(crate::k3::moe::run_expert(self.be, self.layout, bytes, self.situ, zd));
+    fn add(&mut self, _expert: u32, bytes: &[u8], zd: &[f32]) -> Result<(), BackendError> {
+        self.outs.push(run_expert(self.be, self.layout, bytes, self.situ, zd)?);
+        Ok(())
     }
 
-    fn finish(self: Box<Self>) -> Vec<Vec<f32>> {
-        self.outs
+    fn finish(self: Box<Self>) -> Result<Vec<Vec<f32>>, BackendError> {
+        Ok(self.outs)
     }
 }
 
-/// The CPU kernels as a backend.
+/// The CPU kernels as a backend (infallible: every operation returns `Ok`).
 #[derive(Default)]
 pub struct CpuBackend;
 
-impl Backend for CpuBackend {
+impl Device for CpuBackend {
     fn describe(&self) -> String {
         format!("cpu {} x{}", cpu::isa().name(), rayon::current_num_threads())
     }
+}
 
-    fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) {
-        cpu::matmul_bf16(w, xs, out)
+impl Backend for CpuBackend {
+    fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) -> Result<(), BackendError> {
+        cpu::matmul_bf16(w, xs, out);
+        Ok(())
     }
 
-    fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
-        cpu::matmul_mxfp4(w, xds, out)
+    fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) -> Result<(), BackendError> {
+        cpu::matmul_mxfp4(w, xds, out);
+        Ok(())
     }
 
-    fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {
+    fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), BackendError> {
         for r in x.chunks_exact_mut(w.len()) {
             cpu::ops::rms_norm_inplace(r, w, eps);
         }
+        Ok(())
     }
 
-    fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<(), BackendError> {
         // Element-wise, so splitting it across threads changes no bit; a prompt's experts apply it
         // to millions of elements (two tanh, two divisions and a sigmoid each).
         const CHUNK: usize = 16 << 10;
         if out.len() < 2 * CHUNK {
-            return situ.apply_rows(gate, up, out);
+            situ.apply_rows(gate, up, out);
+            return Ok(());
         }
         out.par_chunks_mut(CHUNK)
             .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
             .for_each(|(o, (g, u))| situ.apply_rows(g, u, o));
+        Ok(())
     }
 
     fn kda_update(
@@ -375,13 +437,13 @@ impl Backend for CpuBackend {
         dv: usize,
         o: &mut [f32],
         chunked: bool,
-    ) {
+    ) -> Result<(), BackendError> {
         let n = heads.first().map_or(0, |h| h.beta.len());
-        let s_in = s_in.host_values();
+        let s_in = s_in.host_values()?;
         if n == 0 {
             // No rows: the state after them is the state before.
             s_out.overwrite().copy_from_slice(&s_in);
-            return;
+            return Ok(());
         }
         s_out
             .overwrite()
@@ -397,13 +459,30 @@ impl Backend for CpuBackend {
                     cpu::kda::recurrent_head(Some(s0), s, dk, dv, x, Some(o))
                 }
             });
+        Ok(())
     }
 
-    fn kda_replay(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize) {
-        s.host_mut()
+    fn kda_replay(
+        &self,
+        s_in: &StateBuf,
+        s_out: &mut StateBuf,
+        heads: &[HeadIn],
+        dk: usize,
+        dv: usize,
+    ) -> Result<(), BackendError> {
+        let s_in = s_in.host_values()?;
+        let s_out = s_out.overwrite();
+        if heads.first().is_none_or(|h| h.beta.is_empty()) {
+            // No rows: the state after them is the state before.
+            s_out.copy_from_slice(&s_in);
+            return Ok(());
+        }
+        s_out
             .par_chunks_mut(dk * dv)
+            .zip(s_in.par_chunks(dk * dv))
             .zip(heads.par_iter())
-            .for_each(|(s, x)| cpu::kda::recurrent_head(None, s, dk, dv, x, None));
+            .for_each(|((s, s0), x)| cpu::kda::recurrent_head(Some(s0), s, dk, dv, x, None));
+        Ok(())
     }
 
     fn mla_attention_with(
@@ -416,11 +495,29 @@ impl Backend for CpuBackend {
         scale: f32,
         visible: Visible,
         out: &mut [f32],
-    ) {
-        cpu::mla::attention_with(q, cache, past, kv_b, dims, scale, visible, out)
+    ) -> Result<(), BackendError> {
+        cpu::mla::attention_with(q, cache, past, kv_b, dims, scale, visible, out);
+        Ok(())
     }
 
-    fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
-        crate::k3::attn_res::mix(sources, score_w, eps, out)
+    fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), BackendError> {
+        cpu::ops::attn_res_mix(sources, score_w, eps, out);
+        Ok(())
+    }
+
+    fn route_top_k(
+        &self,
+        logits: &[f32],
+        bias: &[f32],
+        rule: RouteRule,
+        experts: &mut [u32],
+        weights: &mut [f32],
+    ) -> Result<(), BackendError> {
+        cpu::ops::route_rows(logits, bias, rule, experts, weights);
+        Ok(())
+    }
+
+    fn argmax(&self, logits: &[f32]) -> Result<u32, BackendError> {
+        Ok(cpu::ops::argmax(logits))
     }
 }

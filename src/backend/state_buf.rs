@@ -7,15 +7,18 @@
 //! the host ([`StateBuf::host_mut`], [`StateBuf::overwrite`]) makes the host copy the only current
 //! one. A backend that writes the state on its device marks that ([`StateBuf::set_device`],
 //! [`StateBuf::mark_device_written`]). A backend uses only the device copies it made (it knows
-//! its own by [`DeviceCopy::as_any`]); any other backend sees only the host values. Cloning gives a
-//! host-only copy of the current values.
+//! its own by [`DeviceCopy::as_any`]); any other backend sees only the host values. A failed readback is an
+//! error ([`DeviceCopy::read`]) and leaves the device copy the current one. [`StateBuf::try_clone`]
+//! gives a host-only copy of the current values.
 
+use super::BackendError;
 use std::borrow::Cow;
 
 /// A backend's copy of a state in its device memory.
 pub trait DeviceCopy: Send + Sync {
-    /// Reads the values (the state's length) back into `out`.
-    fn read(&self, out: &mut [f32]);
+    /// Reads the values (the state's length) back into `out`; a failed readback is an error
+    /// (`out` then holds no valid values).
+    fn read(&self, out: &mut [f32]) -> Result<(), BackendError>;
     /// For the owning backend to reach its buffer.
     fn as_any(&self) -> &dyn std::any::Any;
 }
@@ -52,28 +55,35 @@ impl StateBuf {
     }
 
     /// The values: borrowed from the host copy, or read back from the device when only it holds them.
-    pub fn host_values(&self) -> Cow<'_, [f32]> {
+    pub fn host_values(&self) -> Result<Cow<'_, [f32]>, BackendError> {
         match (&self.device, self.current) {
             (Some(d), Current::Device) => {
                 let mut v = vec![0.0; self.host.len()];
-                d.read(&mut v);
-                Cow::Owned(v)
+                d.read(&mut v)?;
+                Ok(Cow::Owned(v))
             }
-            _ => Cow::Borrowed(&self.host),
+            _ => Ok(Cow::Borrowed(&self.host)),
         }
     }
 
     /// The values on the host, read back from the device first if only it holds them.
-    pub fn host(&mut self) -> &[f32] {
-        self.sync();
-        &self.host
+    pub fn host(&mut self) -> Result<&[f32], BackendError> {
+        self.sync()?;
+        Ok(&self.host)
     }
 
-    /// The values for writing on the host (the device copy, if any, no longer counts).
-    pub fn host_mut(&mut self) -> &mut [f32] {
-        self.sync();
+    /// The values for writing on the host (the device copy, if any, no longer counts). On an
+    /// error the buffer is as before.
+    pub fn host_mut(&mut self) -> Result<&mut [f32], BackendError> {
+        self.sync()?;
         self.current = Current::Host;
-        &mut self.host
+        Ok(&mut self.host)
+    }
+
+    /// A host-only copy of the current values (read back from the device when only it holds
+    /// them).
+    pub fn try_clone(&self) -> Result<Self, BackendError> {
+        Ok(StateBuf::from(self.host_values()?.into_owned()))
     }
 
     /// The host vector for a write of every value: nothing is read back.
@@ -108,23 +118,19 @@ impl StateBuf {
         }
     }
 
-    fn sync(&mut self) {
+    fn sync(&mut self) -> Result<(), BackendError> {
         if let (Some(d), Current::Device) = (&self.device, self.current) {
-            d.read(&mut self.host);
+            // A failed read leaves the host vector with no valid values: it stays not current.
+            d.read(&mut self.host)?;
             self.current = Current::Both;
         }
+        Ok(())
     }
 }
 
 impl From<Vec<f32>> for StateBuf {
     fn from(host: Vec<f32>) -> Self {
         StateBuf { host, device: None, current: Current::Host }
-    }
-}
-
-impl Clone for StateBuf {
-    fn clone(&self) -> Self {
-        StateBuf::from(self.host_values().into_owned())
     }
 }
 
@@ -146,9 +152,10 @@ mod tests {
     }
 
     impl DeviceCopy for Fake {
-        fn read(&self, out: &mut [f32]) {
+        fn read(&self, out: &mut [f32]) -> Result<(), BackendError> {
             self.reads.fetch_add(1, Ordering::Relaxed);
             out.copy_from_slice(&self.values);
+            Ok(())
         }
         fn as_any(&self) -> &dyn std::any::Any {
             self
@@ -160,25 +167,47 @@ mod tests {
     }
 
     #[test]
-    fn device_values_come_back_once_and_host_writes_win() {
+    fn device_values_come_back_once_and_host_writes_win() -> Result<(), BackendError> {
         let mut s = StateBuf::zeros(3);
         assert!(!s.on_device());
         s.set_device(Box::new(Fake { values: vec![1.0, 2.0, 3.0], reads: AtomicUsize::new(0) }));
         assert!(s.on_device());
-        assert_eq!(&*s.host_values(), &[1.0, 2.0, 3.0]);
-        assert_eq!(s.clone().host(), &[1.0, 2.0, 3.0]);
+        assert_eq!(&*s.host_values()?, &[1.0, 2.0, 3.0]);
+        assert_eq!(s.try_clone()?.host()?, &[1.0, 2.0, 3.0]);
         assert_eq!(reads(&s), 2, "an immutable read cannot keep what it read");
-        assert_eq!(s.host(), &[1.0, 2.0, 3.0]);
-        assert_eq!(s.host(), &[1.0, 2.0, 3.0]);
+        assert_eq!(s.host()?, &[1.0, 2.0, 3.0]);
+        assert_eq!(s.host()?, &[1.0, 2.0, 3.0]);
         assert_eq!(reads(&s), 3, "a synced host copy is not read again");
         assert!(s.current_device().is_some(), "both copies are equal");
-        s.host_mut()[0] = 9.0;
+        s.host_mut()?[0] = 9.0;
         assert!(!s.on_device() && s.current_device().is_none());
-        assert_eq!(&*s.host_values(), &[9.0, 2.0, 3.0]);
+        assert_eq!(&*s.host_values()?, &[9.0, 2.0, 3.0]);
         s.mark_device_written();
-        assert_eq!(&*s.host_values(), &[1.0, 2.0, 3.0], "the device copy was marked current again");
+        assert_eq!(&*s.host_values()?, &[1.0, 2.0, 3.0], "the device copy was marked current again");
         s.overwrite().copy_from_slice(&[4.0, 5.0, 6.0]);
         assert_eq!(reads(&s), 4);
-        assert_eq!(s.host(), &[4.0, 5.0, 6.0]);
+        assert_eq!(s.host()?, &[4.0, 5.0, 6.0]);
+        Ok(())
+    }
+
+    /// A device copy whose readback fails.
+    struct Broken;
+
+    impl DeviceCopy for Broken {
+        fn read(&self, _out: &mut [f32]) -> Result<(), BackendError> {
+            Err(BackendError::NotBuilt)
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    #[test]
+    fn a_failed_readback_is_an_error_and_leaves_the_device_copy_current() {
+        let mut s = StateBuf::from(vec![1.0, 2.0]);
+        s.set_device(Box::new(Broken));
+        assert!(s.host_values().is_err() && s.try_clone().is_err());
+        assert!(s.host().is_err() && s.host_mut().is_err());
+        assert!(s.current_device().is_some(), "the host vector did not become current");
     }
 }

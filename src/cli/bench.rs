@@ -266,7 +266,8 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     if a.matvec_variants.is_some() || a.matvec_rows.is_some() || a.matmul_variants.is_some() {
         bail!("--matvec-variants, --matvec-rows and --matmul-variants are for the GPU's kernels: add --backend gpu");
     }
-    use crate::cpu::{Bf16Mat, Mxfp4Mat, matmul_bf16, matmul_mxfp4, matvec_bf16, matvec_mxfp4};
+    use crate::backend::{Bf16Mat, Mxfp4Mat};
+    use crate::cpu::{matmul_bf16, matmul_mxfp4, matvec_bf16, matvec_mxfp4};
     let mut rng = crate::util::XorShift(0x9E37_79B9_7F4A_7C15);
     let mut bytes = |n: usize| -> Vec<u8> { (0..n).map(|_| rng.next_u64() as u8).collect() };
     let time = |f: &mut dyn FnMut()| {
@@ -350,8 +351,8 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
 /// also as a fraction of the adapter's measured f32 FMA peak. `round_trip_us`: one tiny product's upload, submission and readback.
 #[cfg(feature = "gpu")]
 fn bench_kernels_gpu(a: &KernelArgs, g: &crate::backend::gpu::GpuBackend, mr: usize) -> Result<()> {
-    use crate::backend::Backend;
     use crate::backend::gpu::BenchKind;
+    use crate::backend::{Backend, Device};
     let reps = a.reps;
     let mc = 3584usize;
     let mx_bytes = (mr * mc / 2 + mr * mc / 32) as f64;
@@ -399,15 +400,15 @@ fn bench_kernels_gpu(a: &KernelArgs, g: &crate::backend::gpu::GpuBackend, mr: us
     put("bf16_matmul_fraction_of_peak", (bf_gmac / peak_g).into());
     // One tiny product with its upload, submission and readback: what every GPU call costs beyond
     // its work (a decode step makes about ten per layer).
-    let w = crate::cpu::Bf16Mat::from_vec(vec![0x3c; 16 * 64 * 2], 16, 64);
+    let w = crate::backend::Bf16Mat::from_vec(vec![0x3c; 16 * 64 * 2], 16, 64);
     let (x, mut o) = (vec![0.5f32; 64], vec![0f32; 16]);
     for _ in 0..20 {
-        g.matmul_bf16(&w, &x, &mut o);
+        g.matmul_bf16(&w, &x, &mut o)?;
     }
     let calls = 500;
     let t = std::time::Instant::now();
     for _ in 0..calls {
-        g.matmul_bf16(&w, &x, &mut o);
+        g.matmul_bf16(&w, &x, &mut o)?;
     }
     put("round_trip_us", (t.elapsed().as_secs_f64() / calls as f64 * 1e6).into());
     if let Some(dir) = &a.matvec_variants {

@@ -318,7 +318,7 @@ fn one_run(
     let plan = engine.plan.clone();
     let mut session = engine.new_session();
     let ceiling_before = probe.measure()?;
-    let traffic_start = engine.model.be.device_traffic();
+    let traffic_start = engine.device_traffic();
     let unix = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     let prefill_start = unix();
     let t0 = Instant::now();
@@ -331,8 +331,8 @@ fn one_run(
     session.stats.ttft_s = ttft;
     session.stats.prefill_s = ttft;
     let pre = session.stats.clone();
-    let traffic_prefill = engine.model.be.device_traffic();
-    let ops_prefill = engine.model.be.op_times();
+    let traffic_prefill = engine.device_traffic();
+    let ops_prefill = engine.op_times();
     let pre_src = engine.source_report();
     let prefill_read = pre_src.expert_bytes_read.unwrap_or(0);
     let unique = pre.expert_bytes_unique();
@@ -347,8 +347,8 @@ fn one_run(
     .context("decode failed")?;
     let out_ids = generation.tokens;
     let decode_s = t1.elapsed().as_secs_f64();
-    let traffic_decode = engine.model.be.device_traffic().since(traffic_prefill);
-    let ops_decode = crate::backend::op_times_since(&engine.model.be.op_times(), &ops_prefill);
+    let traffic_decode = engine.device_traffic().since(traffic_prefill);
+    let ops_decode = crate::backend::op_times_since(&engine.op_times(), &ops_prefill);
     let decode_end = unix();
     let ceiling_after = probe.measure()?;
     let prefill_ceiling = mean_gbps(&ceiling_before, &ceiling_mid);
@@ -382,7 +382,7 @@ fn one_run(
     // Our cache against the optimal one of the same size on the same fetch trace (cold start);
     // with a device expert cache in front, the optimum has the slots of both.
     let report = engine.source_report();
-    let device_slots = engine.model.be.device_expert_slots();
+    let device_slots = engine.device_expert_slots();
     let cache_opt =
         report.cache_slots.map(|slots| crate::store::cache::belady_misses(&stats.fetch_trace, slots + device_slots));
     let cache_vs_opt = match (report.cache_misses, cache_opt) {
@@ -495,7 +495,7 @@ fn one_run(
                     })
                 }),
             },
-            "device_expert_bytes": engine.model.be.device_expert_bytes(),
+            "device_expert_bytes": engine.device_expert_bytes(),
             "expert_heat_runs_before": engine.store().and_then(|s| s.heat_runs()),
             "cache_misses": report.cache_misses,
             "cache_misses_opt": cache_opt,

@@ -83,7 +83,7 @@ pub struct SynthArgs {
 }
 
 fn run_dspark(a: &SynthArgs, target: &std::path::Path) -> Result<()> {
-    use crate::spec::dspark::synth::{self as ds, DSparkSynthSpec};
+    use crate::k3::dspark::synth::{self as ds, DSparkSynthSpec};
     let tc =
         crate::model::K3Config::load(target).with_context(|| format!("cannot read the target {}", target.display()))?;
     let mut s = DSparkSynthSpec::for_target(&tc);

@@ -13,14 +13,14 @@ pub(crate) mod session;
 
 pub use session::{GenerateOptions, Generation, Session, StopReason};
 
-use crate::backend::{Backend, BackendKind, SequenceState};
-use crate::k3::{ForwardError, K3, KdaMode};
+use crate::backend::{BackendKind, DeviceTraffic, OpTime, SequenceState};
+use crate::k3::dspark::DSparkModel;
+use crate::k3::{ForwardError, K3, KdaMode, LoadError};
 use crate::memory::{BudgetError, MemoryPlan, activation_bytes, machine_available};
 use crate::model::config::{AttnKind, FfnKind};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{Checkpoint, K3Config, ModelError, Roster};
 use crate::sched::{self, LogitRows, SeqRows};
-use crate::spec::DSparkModel;
 use crate::stats::Stats;
 use crate::store::expert_store::{self, ExpertStore, StoreOptions, StoreSpec};
 use crate::store::placement::{Manifest, PlacementError, manifest_path, manifest_spec, shard_spec};
@@ -168,6 +168,15 @@ pub enum EngineError {
     Hub(#[from] crate::hub::HubError),
 }
 
+impl From<LoadError> for EngineError {
+    fn from(e: LoadError) -> Self {
+        match e {
+            LoadError::Model(e) => EngineError::Model(e),
+            LoadError::Backend(e) => EngineError::Backend(e),
+        }
+    }
+}
+
 /// An opened model; see the module contract.
 pub struct Engine {
     pub config: EngineConfig,
@@ -176,6 +185,9 @@ pub struct Engine {
     pub ck: Arc<Checkpoint>,
     pub roster: Roster,
     pub model: K3,
+    /// The backend the model computes on, as the engine manages it (description, device expert
+    /// cache, counters); the model itself sees only its operations.
+    device: Arc<dyn crate::backend::Device>,
     /// The DSpark draft model (`EngineConfig::draft_model`), shared by every session's drafter.
     pub draft: Option<Arc<DSparkModel>>,
     source: Option<Arc<dyn ExpertSource>>,
@@ -308,9 +320,8 @@ impl Engine {
         let ck = Arc::new(Checkpoint::open(&dir)?);
         let roster = Roster::build(&cfg, &ck)?;
         let device_cache_bytes = config.gpu_cache_gb.map_or(0, |g| (g * 1e9) as u64);
-        let backend: Arc<dyn Backend> =
-            crate::backend::open(config.backend, crate::backend::BackendOptions { device_cache_bytes })?;
-        let model = K3::load(cfg.clone(), &ck, Arc::clone(&backend))?;
+        let backend = crate::backend::open(config.backend, crate::backend::BackendOptions { device_cache_bytes })?;
+        let model = K3::load(cfg.clone(), &ck, &backend)?;
         if let Some(l) = &roster.expert_layout {
             backend.plan_experts(l, cfg.moe_layers() * cfg.experts)?;
             if device_cache_bytes > 0 && backend.device_expert_bytes() == 0 {
@@ -330,7 +341,9 @@ impl Engine {
         }
         let trunk = model.w.resident_bytes() as u64;
         let draft = match &config.draft_model {
-            Some(d) => Some(Arc::new(DSparkModel::open(d, &cfg, &model.w, backend).map_err(EngineError::Draft)?)),
+            Some(d) => {
+                Some(Arc::new(DSparkModel::open(d, &cfg, &model.w, Arc::clone(&model.be)).map_err(EngineError::Draft)?))
+            }
             None => None,
         };
         let draft_bytes = draft.as_ref().map_or(0, |d| d.weight_bytes() + d.cache_bytes());
@@ -414,7 +427,7 @@ impl Engine {
                 (Some(source), Some(store))
             }
         };
-        Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, draft, source, store, plan }))
+        Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, device: backend, draft, source, store, plan }))
     }
 
     /// A new, empty sequence on this engine.
@@ -463,11 +476,12 @@ impl Engine {
                 .zip(tokens)
                 .map(|(s, t)| SeqRows { state: s.state_mut(), tokens: t, logits: LogitRows::Last, taps: &[] })
                 .collect();
-            sched::forward(&self.model, self.source(), self.sched_options(), &mut batch, &mut stats)?
+            sched::forward(&self.model, &*self.device, self.source(), self.sched_options(), &mut batch, &mut stats)?
         };
         let mut logits = Vec::with_capacity(outs.len());
         for ((s, t), o) in sessions.iter_mut().zip(tokens).zip(outs) {
-            logits.push(s.commit_fed(t, o.logits, &stats).to_vec());
+            // Every row is kept: no replay runs, so this commit cannot fail midway.
+            logits.push(s.commit_fed(t, o.logits, &stats)?.to_vec());
         }
         Ok(logits)
     }
@@ -522,7 +536,7 @@ impl Engine {
             self.plan.summary(),
             self.plan.context_bound,
             self.config.prefill_rows,
-            self.model.be.describe(),
+            self.device.describe(),
             if self.config.prefetch { " | prefetch on" } else { "" },
         )
     }
@@ -530,7 +544,28 @@ impl Engine {
     /// The backend that runs the forward pass as it describes itself ("cpu avx512 x2", "gpu NVIDIA
     /// H200 ..."): what `--backend auto` resolved to.
     pub fn backend_used(&self) -> String {
-        self.model.be.describe()
+        self.device.describe()
+    }
+
+    /// The backend's device traffic so far (zero for the CPU).
+    pub fn device_traffic(&self) -> DeviceTraffic {
+        self.device.device_traffic()
+    }
+
+    /// Calls and wall time per backend operation since the engine opened (a device backend's
+    /// profile; empty for the CPU).
+    pub fn op_times(&self) -> Vec<OpTime> {
+        self.device.op_times()
+    }
+
+    /// Experts the backend's device cache has room for (0 without one).
+    pub fn device_expert_slots(&self) -> usize {
+        self.device.device_expert_slots()
+    }
+
+    /// Bytes of device memory the backend uses for routed experts (0 for the CPU).
+    pub fn device_expert_bytes(&self) -> u64 {
+        self.device.device_expert_bytes()
     }
 
     /// The model directory.

@@ -82,12 +82,17 @@ impl Session {
         &mut self.state
     }
 
-    /// Records tokens whose rows the engine committed in a shared forward.
-    pub(super) fn commit_fed(&mut self, tokens: &[u32], logits: Vec<f32>, stats: &Stats) -> &[f32] {
-        self.state.commit(&*self.engine.model.be, &self.engine.cfg, tokens.len());
+    /// Commits the rows of `tokens` that a shared forward left pending and records them.
+    pub(super) fn commit_fed(
+        &mut self,
+        tokens: &[u32],
+        logits: Vec<f32>,
+        stats: &Stats,
+    ) -> Result<&[f32], ForwardError> {
+        self.state.commit(&*self.engine.model.be, &self.engine.cfg, tokens.len())?;
         self.tokens.extend_from_slice(tokens);
         self.stats.merge(stats);
-        self.last_logits.insert(logits)
+        Ok(self.last_logits.insert(logits))
     }
 
     /// One forward of `tokens` on this session alone, committed on success.
@@ -95,9 +100,9 @@ impl Session {
         let e = Arc::clone(&self.engine);
         self.verifying = None;
         let mut batch = [SeqRows { state: &mut self.state, tokens, logits, taps }];
-        let out = sched::forward(&e.model, e.source(), e.sched_options(), &mut batch, &mut self.stats)?;
+        let out = sched::forward(&e.model, &*e.device, e.source(), e.sched_options(), &mut batch, &mut self.stats)?;
         let out = out.into_iter().next().unwrap_or_default();
-        self.state.commit(&*e.model.be, &e.cfg, tokens.len());
+        self.state.commit(&*e.model.be, &e.cfg, tokens.len())?;
         self.tokens.extend_from_slice(tokens);
         Ok(out)
     }
@@ -118,7 +123,10 @@ impl Session {
         }
         let vocab = self.engine.cfg.vocab;
         // Several chunks commit one by one: keep the state to come back to on a late failure.
-        let before = (tokens.len() > rows).then(|| (self.state.clone(), self.tokens.len(), self.last_logits.clone()));
+        let before = match tokens.len() > rows {
+            true => Some((self.state.try_clone()?, self.tokens.len(), self.last_logits.clone())),
+            false => None,
+        };
         for chunk in tokens.chunks(rows) {
             let start = self.pos();
             match self.forward(chunk, logits, taps) {
@@ -188,20 +196,21 @@ impl Session {
         self.verifying = None;
         let t0 = Instant::now();
         let mut batch = [SeqRows { state: &mut self.state, tokens, logits: LogitRows::All, taps }];
-        let out = sched::forward(&e.model, e.source(), e.sched_options(), &mut batch, &mut self.stats)?;
+        let out = sched::forward(&e.model, &*e.device, e.source(), e.sched_options(), &mut batch, &mut self.stats)?;
         let out = out.into_iter().next().unwrap_or_default();
         self.verifying = Some((tokens.to_vec(), out.logits.clone()));
         self.stats.verify_s += t0.elapsed().as_secs_f64();
         Ok(out)
     }
 
-    /// Commits the first `j` rows of the pending verification.
+    /// Commits the first `j` rows of the pending verification. If it fails (a replay the backend
+    /// could not run), the verification is dropped and the session is as before it.
     pub fn commit(&mut self, j: usize) -> Result<(), ForwardError> {
         let have = self.state.pending_rows();
         let Some((tokens, logits)) = self.verifying.take().filter(|_| j <= have) else {
             return Err(ForwardError::NothingPending { want: j, have });
         };
-        self.state.commit(&*self.engine.model.be, &self.engine.cfg, j);
+        self.state.commit(&*self.engine.model.be, &self.engine.cfg, j)?;
         self.tokens.extend_from_slice(&tokens[..j]);
         let v = self.engine.cfg.vocab;
         if j > 0 {
@@ -211,16 +220,17 @@ impl Session {
     }
 
     /// An independent copy of this sequence (state, tokens, logits) with fresh counters: what a
-    /// server keeps to resume a conversation from, or a test branches from.
-    pub fn fork(&self) -> Session {
-        Session {
+    /// server keeps to resume a conversation from, or a test branches from. Fails only when a
+    /// state kept in device memory cannot be read back.
+    pub fn fork(&self) -> Result<Session, ForwardError> {
+        Ok(Session {
             engine: Arc::clone(&self.engine),
-            state: self.state.clone(),
+            state: self.state.try_clone()?,
             tokens: self.tokens.clone(),
             last_logits: self.last_logits.clone(),
             verifying: None,
             stats: Stats::default(),
-        }
+        })
     }
 
     /// Goes back to position `pos` (<= `pos()`): the state is recomputed from the first `pos`
@@ -270,7 +280,7 @@ impl Session {
             if out.len() >= opts.max_new {
                 break StopReason::Length;
             }
-            if let Some(r) = emit(&mut out, sampler.pick_on(&*self.engine.model.be, &logits), opts, on_token) {
+            if let Some(r) = emit(&mut out, sampler.pick_on(&*self.engine.model.be, &logits)?, opts, on_token) {
                 break r;
             }
             logits = self.step(out[out.len() - 1])?.to_vec();

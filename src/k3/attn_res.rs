@@ -1,25 +1,10 @@
 //! Attention residuals (AttnRes): instead of one residual stream, each token keeps block
 //! snapshots (pushed every `attn_res_block_size` layers) plus a running prefix sum, and every
-//! sublayer input is a softmax-weighted mix of them. Scores use the RMS-normalised sources, the
-//! sum uses the raw ones.
+//! sublayer input is a softmax-weighted mix of them (`Backend::attn_res_mix`: scores use the
+//! RMS-normalised sources, the sum uses the raw ones).
 
-use crate::cpu::dot_f32;
-
-/// out = sum_s p_s * v_s, p = softmax_s( (v_s . score_w) / sqrt(mean(v_s^2) + eps) ).
-/// Sources are summed in the order given (blocks oldest first, then the prefix).
-pub fn mix(sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
-    debug_assert!(sources.iter().all(|s| s.len() == score_w.len()));
-    // score_s = (v_s . w) * rms_factor(v_s); the product is formed inside the softmax's fma.
-    let mut scores: Vec<f32> = sources.iter().map(|v| dot_f32(v, score_w)).collect();
-    let factors: Vec<f32> = sources.iter().map(|v| crate::cpu::ops::rms_factor(v, eps)).collect();
-    crate::cpu::ops::softmax_of_products(&mut scores, &factors);
-    for (o, &v0) in out.iter_mut().zip(sources[0]) {
-        *o = scores[0] * v0;
-    }
-    for (v, &p) in sources.iter().zip(&scores).skip(1) {
-        crate::cpu::ops::axpy(out, p, v);
-    }
-}
+use crate::backend::{Backend, BackendError};
+use rayon::prelude::*;
 
 /// The residual state of a batch of rows through the layer stack (rows are [n, hidden]).
 pub struct Residual {
@@ -40,11 +25,12 @@ impl Residual {
         Residual { hidden, blocks: Vec::new(), prefix: Some(embeddings) }
     }
 
-    /// Mixes blocks + prefix for every row. With no blocks yet, the input is the prefix itself.
-    pub fn mixed(&self, be: &dyn crate::backend::Backend, score_w: &[f32], eps: f32) -> Vec<f32> {
+    /// Mixes blocks + prefix for every row (the backend's `attn_res_mix`, sources oldest block
+    /// first, then the prefix). With no blocks yet, the input is the prefix itself.
+    pub fn mixed(&self, be: &dyn Backend, score_w: &[f32], eps: f32) -> Result<Vec<f32>, BackendError> {
         let prefix = self.prefix.as_ref().expect("mix needs a prefix");
         if self.blocks.is_empty() {
-            return prefix.clone();
+            return Ok(prefix.clone());
         }
         let h = self.hidden;
         let n = prefix.len() / h;
@@ -52,15 +38,14 @@ impl Residual {
         let mix_row = |(r, o): (usize, &mut [f32])| {
             let mut src: Vec<&[f32]> = self.blocks.iter().map(|b| &b[r * h..(r + 1) * h]).collect();
             src.push(&prefix[r * h..(r + 1) * h]);
-            be.attn_res_mix(&src, score_w, eps, o);
+            be.attn_res_mix(&src, score_w, eps, o)
         };
-        use rayon::prelude::*;
         if n > 1 {
-            out.par_chunks_mut(h).enumerate().for_each(mix_row);
+            out.par_chunks_mut(h).enumerate().try_for_each(mix_row)?;
         } else {
-            out.chunks_mut(h).enumerate().for_each(mix_row);
+            out.chunks_mut(h).enumerate().try_for_each(mix_row)?;
         }
-        out
+        Ok(out)
     }
 
     /// Moves the prefix into the block list (at the first layer of each block).

@@ -8,17 +8,40 @@
 //! Contract: the layer is split into the projection (a pure function of the rows and the committed
 //! conv tail), the state update (a backend kernel) and the output. [`forward`] never writes the
 //! committed [`KdaState`]: it returns a [`KdaPending`] with the state after all rows and the rows'
-//! update inputs, and [`commit`] keeps the first j rows — all of them by a buffer swap, fewer by
-//! replaying them onto the committed state. Replaying j rows runs the very operations that feeding
-//! those j tokens one by one runs, so the bits are the same.
+//! update inputs. Keeping the first j rows is two steps: [`KdaPending::keep_first`] (the only one
+//! that can fail, a backend call that changes nothing committed) makes the pending state the
+//! state after j rows — as it is for all of them, else by replaying them onto the committed
+//! state — and [`commit`] (infallible) swaps it in and advances the conv tail. Replaying j rows
+//! runs the very operations that feeding those j tokens one by one runs, so the bits are the same.
 
-use super::state::KdaState;
 use super::weights::KdaWeights;
-use crate::backend::cpu::kda::HeadIn;
-use crate::backend::{Backend, StateBuf};
+use crate::backend::{Backend, BackendError, HeadIn, StateBuf};
 use crate::cpu::ops::{l2_norm_inplace, sigmoid, silu};
 use crate::model::K3Config;
 use crate::model::config::KDA_L2_EPS;
+
+/// One sequence's committed state of one KDA layer.
+pub struct KdaState {
+    /// [heads][dk][dv], row i of a head = key channel i; a GPU backend keeps it in device memory.
+    pub s: StateBuf,
+    /// Conv tails for q, k, v: each [width-1][P], oldest row first (zeros before the sequence).
+    pub tail: [Vec<f32>; 3],
+}
+
+impl KdaState {
+    /// A zero state for the layers of `c`.
+    pub fn new(c: &K3Config) -> Self {
+        KdaState {
+            s: StateBuf::zeros(c.kda_heads * c.kda_head_dim * c.kda_head_dim),
+            tail: std::array::from_fn(|_| vec![0.0; (c.conv_width - 1) * c.kda_dim()]),
+        }
+    }
+
+    /// A host copy (the state read back from a device that holds it).
+    pub fn try_clone(&self) -> Result<Self, BackendError> {
+        Ok(KdaState { s: self.s.try_clone()?, tail: self.tail.clone() })
+    }
+}
 
 /// How the KDA state update is evaluated for a batch of rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -32,19 +55,48 @@ pub enum KdaMode {
     Chunked,
 }
 
-/// A KDA layer's uncommitted result: the state after every row and what a replay needs.
+/// A KDA layer's uncommitted result: the state after its rows and what a replay needs.
 pub struct KdaPending {
+    /// The state after the first `after` rows.
     s_after: StateBuf,
     /// Pre-conv projections of q, k, v for each row: [n, P] each.
     conv_in: [Vec<f32>; 3],
     heads: Vec<HeadIn>,
     rows: usize,
+    after: usize,
 }
 
 impl KdaPending {
     /// The state buffer, for reuse by the next forward.
     pub fn into_spare(self) -> StateBuf {
         self.s_after
+    }
+
+    /// Makes the pending state the state after the first `j` rows (at most all of them) of the
+    /// committed state `st`, replaying them when fewer than all: the fallible half of keeping
+    /// them, which changes nothing committed. On an error the pending state is no longer valid
+    /// (the forward must be rolled back).
+    pub fn keep_first(&mut self, be: &dyn Backend, c: &K3Config, st: &KdaState, j: usize) -> Result<(), BackendError> {
+        let j = j.min(self.rows);
+        if j == self.after || j == 0 {
+            return Ok(());
+        }
+        let dk = c.kda_head_dim;
+        let first: Vec<HeadIn> = self
+            .heads
+            .iter()
+            .map(|x| HeadIn {
+                q: Vec::new(),
+                k: x.k[..j * dk].to_vec(),
+                v: x.v[..j * dk].to_vec(),
+                g: x.g[..j * dk].to_vec(),
+                beta: x.beta[..j].to_vec(),
+            })
+            .collect();
+        self.after = 0;
+        be.kda_replay(&st.s, &mut self.s_after, &first, dk, dk)?;
+        self.after = j;
+        Ok(())
     }
 }
 
@@ -94,7 +146,7 @@ pub fn forward(
     xn: &[f32],
     mode: KdaMode,
     spare: Option<StateBuf>,
-) -> (Vec<f32>, KdaPending) {
+) -> Result<(Vec<f32>, KdaPending), BackendError> {
     let h = c.hidden;
     let n = xn.len() / h;
     let p = c.kda_dim();
@@ -109,14 +161,14 @@ pub fn forward(
     {
         let [cq, ck, cv] = &mut conv_in;
         let ws = [&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a, &w.b_proj, &w.g_proj];
-        be.matmul_bf16_many(&ws, xn, &mut [cq, ck, cv, &mut fa, &mut beta, &mut gate]);
+        be.matmul_bf16_many(&ws, xn, &mut [cq, ck, cv, &mut fa, &mut beta, &mut gate])?;
     }
     let proj: [Vec<f32>; 3] = std::array::from_fn(|i| {
         let taps = [&w.q_conv, &w.k_conv, &w.v_conv][i];
         conv_silu(&conv_in[i], &st.tail[i], taps, p, c.conv_width)
     });
     let mut g = vec![0f32; n * p];
-    be.matmul_bf16(&w.f_b, &fa, &mut g);
+    be.matmul_bf16(&w.f_b, &fa, &mut g)?;
     let lb = c.kda_gate_lower_bound;
     for row in g.chunks_exact_mut(p) {
         for (ch, gv) in row.iter_mut().enumerate() {
@@ -149,7 +201,7 @@ pub fn forward(
 
     let mut s_after = spare.filter(|s| s.len() == st.s.len()).unwrap_or_else(|| StateBuf::zeros(st.s.len()));
     let mut o_heads = vec![0f32; nh * n * dv];
-    be.kda_update(&st.s, &mut s_after, &heads, dk, dv, &mut o_heads, mode == KdaMode::Chunked);
+    be.kda_update(&st.s, &mut s_after, &heads, dk, dv, &mut o_heads, mode == KdaMode::Chunked)?;
 
     // Per-head RMSNorm, output gate, o_proj.
     let mut o = vec![0f32; n * p];
@@ -157,43 +209,34 @@ pub fn forward(
         for hd in 0..nh {
             let dst = &mut o[t * p + hd * dv..t * p + (hd + 1) * dv];
             dst.copy_from_slice(&o_heads[hd * n * dv + t * dv..][..dv]);
-            be.rms_norm_rows(dst, &w.o_norm, c.rms_eps);
+            be.rms_norm_rows(dst, &w.o_norm, c.rms_eps)?;
             for (x, &gv) in dst.iter_mut().zip(&gate[t * p + hd * dv..t * p + (hd + 1) * dv]) {
                 *x *= sigmoid(gv);
             }
         }
     }
     let mut out = vec![0f32; n * h];
-    be.matmul_bf16(&w.o_proj, &o, &mut out);
+    be.matmul_bf16(&w.o_proj, &o, &mut out)?;
     // Only the update inputs a replay needs are kept (q is not).
     let heads = heads.into_iter().map(|x| HeadIn { q: Vec::new(), ..x }).collect();
-    (out, KdaPending { s_after, conv_in, heads, rows: n })
+    Ok((out, KdaPending { s_after, conv_in, heads, rows: n, after: n }))
 }
 
-/// Makes the first `j` rows of `pending` part of the committed state; returns the spare buffer.
-pub fn commit(be: &dyn Backend, c: &K3Config, st: &mut KdaState, pending: KdaPending, j: usize) -> StateBuf {
+/// Makes the first `j` rows of `pending` part of the committed state once
+/// [`KdaPending::keep_first`] made its state the state after them (`j` of 0 keeps none); returns
+/// the spare buffer.
+pub fn commit(c: &K3Config, st: &mut KdaState, pending: KdaPending, j: usize) -> StateBuf {
     let p = c.kda_dim();
     let j = j.min(pending.rows);
+    if j == 0 {
+        return pending.s_after;
+    }
+    debug_assert_eq!(j, pending.after, "keep_first({j}) comes before commit");
     for (tail, rows) in st.tail.iter_mut().zip(&pending.conv_in) {
         advance_tail(tail, &rows[..j * p], p);
     }
-    let KdaPending { mut s_after, heads, rows, .. } = pending;
-    if j == rows {
-        std::mem::swap(&mut st.s, &mut s_after);
-    } else if j > 0 {
-        let dk = c.kda_head_dim;
-        let first: Vec<HeadIn> = heads
-            .iter()
-            .map(|x| HeadIn {
-                q: Vec::new(),
-                k: x.k[..j * dk].to_vec(),
-                v: x.v[..j * dk].to_vec(),
-                g: x.g[..j * dk].to_vec(),
-                beta: x.beta[..j].to_vec(),
-            })
-            .collect();
-        be.kda_replay(&mut st.s, &first, dk, dk);
-    }
+    let mut s_after = pending.s_after;
+    std::mem::swap(&mut st.s, &mut s_after);
     s_after
 }
 

@@ -8,15 +8,28 @@
 //! Contract: [`forward`] appends the new rows' latents to the cache; a forward that is not
 //! committed is undone by truncating the cache back (`MlaState::truncate`).
 
-use super::state::MlaState;
 use super::weights::MlaWeights;
-use crate::backend::Backend;
-use crate::backend::cpu::mla::{MlaDims, Visible};
+use crate::backend::{AppendBuf, Backend, BackendError, MlaDims, Visible};
 use crate::cpu::ops::sigmoid;
 use crate::model::K3Config;
 
-/// Runs one MLA layer on `n` new rows `xn` [n, hidden] after `st.latent`'s cached tokens.
-pub fn forward(be: &dyn Backend, c: &K3Config, w: &MlaWeights, st: &mut MlaState, xn: &[f32]) -> Vec<f32> {
+/// One sequence's cache of one MLA layer.
+#[derive(Clone)]
+pub struct MlaState {
+    /// [tokens][kv_lora + rope]: the normalised latent then the shared key part; a GPU backend
+    /// mirrors it in device memory.
+    pub latent: AppendBuf,
+}
+
+/// Runs one MLA layer on `n` new rows `xn` [n, hidden] after `st.latent`'s cached tokens. On an
+/// error the new rows may have been appended (the caller truncates them: a rollback).
+pub fn forward(
+    be: &dyn Backend,
+    c: &K3Config,
+    w: &MlaWeights,
+    st: &mut MlaState,
+    xn: &[f32],
+) -> Result<Vec<f32>, BackendError> {
     let h = c.hidden;
     let n = xn.len() / h;
     let nh = c.mla_heads;
@@ -28,15 +41,15 @@ pub fn forward(be: &dyn Backend, c: &K3Config, w: &MlaWeights, st: &mut MlaState
     let mut qa = vec![0f32; n * c.q_lora];
     let mut ckv = vec![0f32; n * lat];
     let mut gate = vec![0f32; n * nh * vd];
-    be.matmul_bf16_many(&[&w.q_a, &w.kv_a, &w.g_proj], xn, &mut [&mut qa, &mut ckv, &mut gate]);
+    be.matmul_bf16_many(&[&w.q_a, &w.kv_a, &w.g_proj], xn, &mut [&mut qa, &mut ckv, &mut gate])?;
     for r in qa.chunks_exact_mut(c.q_lora) {
-        be.rms_norm_rows(r, &w.q_a_norm, c.mla_norm_eps);
+        be.rms_norm_rows(r, &w.q_a_norm, c.mla_norm_eps)?;
     }
     let mut q = vec![0f32; n * nh * qd];
-    be.matmul_bf16(&w.q_b, &qa, &mut q);
+    be.matmul_bf16(&w.q_b, &qa, &mut q)?;
 
     for r in ckv.chunks_exact_mut(lat) {
-        be.rms_norm_rows(&mut r[..lora], &w.kv_a_norm, c.mla_norm_eps);
+        be.rms_norm_rows(&mut r[..lora], &w.kv_a_norm, c.mla_norm_eps)?;
     }
     let past = st.latent.len() / lat;
     st.latent.extend_from_slice(&ckv);
@@ -44,12 +57,12 @@ pub fn forward(be: &dyn Backend, c: &K3Config, w: &MlaWeights, st: &mut MlaState
     let dims = MlaDims { heads: nh, nope, rope, lora, v_head: vd };
     let mut att = vec![0f32; n * nh * vd];
     let scale = 1.0 / (qd as f32).sqrt();
-    be.mla_attention_with(&q, &st.latent, past, &w.kv_b, dims, scale, Visible::Causal, &mut att);
+    be.mla_attention_with(&q, &st.latent, past, &w.kv_b, dims, scale, Visible::Causal, &mut att)?;
 
     for (a, &g) in att.iter_mut().zip(&gate) {
         *a *= sigmoid(g);
     }
     let mut out = vec![0f32; n * h];
-    be.matmul_bf16(&w.o_proj, &att, &mut out);
-    out
+    be.matmul_bf16(&w.o_proj, &att, &mut out)?;
+    Ok(out)
 }

@@ -1,18 +1,25 @@
-//! The K3 model's math, layer by layer: AttnRes mixing, KDA and MLA attention, the router and the
-//! per-expert math of the latent MoE, the dense SiTU MLP, and the per-sequence state.
+//! The model: K3's forward pass and its parts. `forward` reads as the model, top to bottom
+//! (embedding, the layer loop with AttnRes mixing, KDA / MLA / MoE, final mix, lm_head); beside
+//! it the per-layer math (`attn_res`, `kda`, `mla`, `moe`: the router, the routed experts as they
+//! run and the dense SiTU MLP), the per-sequence state (`state`), the resident trunk (`weights`)
+//! and the DSpark draft model (`dspark`).
 //!
-//! Contract: [`K3`] owns the resident trunk and the backend that computes with it; it holds no
-//! sequence state and no expert source. The schedules that drive it over rows of one or several
-//! sequences (layer loop, expert-union fetch, prefetch, timers) live in `sched`.
+//! Contract: [`K3`] owns the resident trunk and the backend operations that compute with it; it
+//! holds no sequence state, reads no bytes and keeps no clock. The schedules that drive it over
+//! rows of one or several sequences (which rows run together, which experts to fetch and when,
+//! prefetch, timers) live in `sched`, behind `forward::Schedule`.
 
 pub mod attn_res;
+pub mod dspark;
+pub mod forward;
 pub mod kda;
 pub mod mla;
 pub mod moe;
 pub mod state;
 pub mod weights;
 
-use crate::backend::Backend;
+pub use crate::backend::cpu::ops::argmax;
+use crate::backend::{Backend, BackendError, Device, Situ};
 use crate::model::{Checkpoint, K3Config, ModelError};
 use crate::store::StoreError;
 pub use kda::KdaMode;
@@ -38,23 +45,33 @@ pub enum ForwardError {
     NothingPending { want: usize, have: usize },
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
 }
 
-pub use crate::stats::Stats as ForwardStats;
-
-/// The model: config, resident trunk and the backend that computes with it.
+/// The model: config, resident trunk and the backend operations that compute with it.
 pub struct K3 {
     pub cfg: K3Config,
     pub w: Weights,
     pub be: Arc<dyn Backend>,
 }
 
+/// Why a model could not be loaded onto its backend.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("cannot prepare the trunk on the backend: {0}")]
+    Backend(#[from] BackendError),
+}
+
 impl K3 {
     /// Loads the trunk of a roster-checked checkpoint (zero-copy views that keep it mapped) and
-    /// hands it to the backend once.
-    pub fn load(cfg: K3Config, ck: &Checkpoint, be: Arc<dyn Backend>) -> Result<Self, ModelError> {
+    /// hands its matrices to the backend once.
+    pub fn load(cfg: K3Config, ck: &Checkpoint, device: &Arc<dyn Device>) -> Result<Self, LoadError> {
         let w = Weights::load(&cfg, ck)?;
-        be.prepare(&w);
+        device.prepare(&w.device_matrices())?;
+        let be: Arc<dyn Backend> = device.clone();
         Ok(K3 { cfg, w, be })
     }
 
@@ -71,13 +88,7 @@ impl K3 {
     }
 }
 
-/// Index of the largest logit (lowest index on ties; NaN never wins).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] || (logits[best].is_nan() && !v.is_nan()) {
-            best = i;
-        }
-    }
-    best as u32
+/// The SiTU-GLU constants of `c`'s MLPs and experts.
+pub fn situ(c: &K3Config) -> Situ {
+    Situ { beta: c.situ_beta, linear_beta: c.situ_linear_beta }
 }

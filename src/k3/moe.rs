@@ -6,28 +6,49 @@
 //! expert computes w2(situ(w1 z, w3 z)) from its raw MXFP4 bytes; outputs are summed per row in
 //! router order (never arrival order); then up_proj(RMSNorm(sum)). Shared experts see x itself.
 //!
-//! The schedule around this math (one fetch of the layer's expert union for every row in flight,
-//! experts run as they land) lives in `sched::moe`.
+//! Contract: [`forward`] is one MoE layer; its routed experts come from the [`Schedule`], which
+//! decides which bytes to read and when and feeds them to [`RoutedExperts`] in any order;
+//! [`RoutedExperts::finish`] puts every output in its (row, router slot), so the layer's result
+//! does not depend on the order the experts arrived in.
 
+use super::forward::{Phase, Schedule};
 use super::weights::{MlpWeights, MoeWeights};
-use crate::backend::Backend;
-use crate::cpu::ops::{Situ, sigmoid};
-use crate::cpu::{Mxfp4Mat, deinterleave_mxfp4_input};
+use super::{ForwardError, situ};
+use crate::backend::{Backend, BackendError, ExpertBatch, ExpertLayout, RouteRule, Situ};
+use crate::cpu::deinterleave_mxfp4_input;
 use crate::model::K3Config;
-use crate::model::roster::ExpertLayout;
 
 /// Dense SiTU-GLU MLP on rows `xn` [n, hidden].
-pub fn mlp(be: &dyn Backend, w: &MlpWeights, situ: Situ, xn: &[f32]) -> Vec<f32> {
+pub fn mlp(be: &dyn Backend, w: &MlpWeights, situ: Situ, xn: &[f32]) -> Result<Vec<f32>, BackendError> {
     let (inter, h) = (w.gate.rows, w.down.rows);
     let n = xn.len() / w.gate.cols;
     let mut g = vec![0f32; n * inter];
     let mut u = vec![0f32; n * inter];
-    be.matmul_bf16_many(&[&w.gate, &w.up], xn, &mut [&mut g, &mut u]);
+    be.matmul_bf16_many(&[&w.gate, &w.up], xn, &mut [&mut g, &mut u])?;
     let mut a = vec![0f32; n * inter];
-    be.situ(situ, &g, &u, &mut a);
+    be.situ(situ, &g, &u, &mut a)?;
     let mut out = vec![0f32; n * h];
-    be.matmul_bf16(&w.down, &a, &mut out);
-    out
+    be.matmul_bf16(&w.down, &a, &mut out)?;
+    Ok(out)
+}
+
+/// One MoE layer on rows `xn` [n, hidden]: the router, the routed input, the routed experts from
+/// `sched`, their weighted sum in router order and the shared experts; returns [n, hidden].
+pub fn forward(
+    be: &dyn Backend,
+    c: &K3Config,
+    w: &MoeWeights,
+    layer: usize,
+    xn: &[f32],
+    sched: &mut dyn Schedule,
+) -> Result<Vec<f32>, ForwardError> {
+    sched.phase(Phase::Router);
+    let routes = route(be, c, w, xn)?;
+    sched.phase(Phase::Experts);
+    let input = expert_input(be, c, w, xn)?;
+    let slots = sched.routed(layer, xn, &routes, &input.zd)?;
+    sched.phase(Phase::Combine);
+    Ok(combine(be, c, w, &routes, &slots, input)?)
 }
 
 /// Each row's selected experts and weights, in router order: [n, k].
@@ -48,93 +69,126 @@ impl Routes {
 }
 
 /// Routes every row of `xn`.
-pub fn route(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) -> Routes {
+pub fn route(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) -> Result<Routes, BackendError> {
     let n = xn.len() / c.hidden;
     let e = c.experts;
     let k = c.top_k;
     let mut logits = vec![0f32; n * e];
-    be.matmul_bf16(&w.router, xn, &mut logits);
+    be.matmul_bf16(&w.router, xn, &mut logits)?;
     let mut experts = vec![0u32; n * k];
     let mut weights = vec![0f32; n * k];
     let rule = RouteRule { k, renormalize: c.renormalize, scaling: c.routed_scaling };
-    be.route_top_k(&logits, &w.bias, rule, &mut experts, &mut weights);
-    Routes { k, experts, weights }
+    be.route_top_k(&logits, &w.bias, rule, &mut experts, &mut weights)?;
+    Ok(Routes { k, experts, weights })
 }
 
-/// How router logits become a row's experts and weights.
-#[derive(Clone, Copy, Debug)]
-pub struct RouteRule {
-    pub k: usize,
-    /// Divide the selected scores by their sum (+ 1e-20).
-    pub renormalize: bool,
-    pub scaling: f32,
+/// One MoE layer's routed experts as they run: a schedule feeds it the experts of the routes'
+/// union in any order (held by the backend, or their bytes as they land); each runs through the
+/// backend's [`ExpertBatch`] on the rows routed to it.
+pub struct RoutedExperts<'a> {
+    union: Vec<u32>,
+    /// (row, router slot) pairs of each expert of the union.
+    targets_of: Vec<Vec<(usize, usize)>>,
+    zd: &'a [f32],
+    latent: usize,
+    k: usize,
+    rows: usize,
+    batch: Box<dyn ExpertBatch + 'a>,
+    /// Union indices in the order they were queued (the batch's output order).
+    queued: Vec<usize>,
+    rows_run: usize,
 }
 
-/// The CPU's routing of rows of router logits [n, e] (e = `bias.len()`): s = sigmoid(logit); the
-/// k largest of s + bias, descending, lower id first on ties, NaN last (router order); weights
-/// s / (sum of the selected s in router order + 1e-20) * scaling. Writes [n, k] of each.
-pub fn route_rows(logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
-    let (e, k) = (bias.len(), rule.k);
-    let mut order: Vec<u32> = Vec::with_capacity(e);
-    for ((row, ex), wt) in logits.chunks_exact(e).zip(experts.chunks_exact_mut(k)).zip(weights.chunks_exact_mut(k)) {
-        let s: Vec<f32> = row.iter().map(|&x| sigmoid(x)).collect();
-        let choice: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
-        order.clear();
-        order.extend(0..e as u32);
-        // Descending biased score, lower id first on ties; NaN sorts last.
-        order.sort_by(|&a, &b| {
-            let (x, y) = (choice[a as usize], choice[b as usize]);
-            y.partial_cmp(&x).unwrap_or_else(|| x.is_nan().cmp(&y.is_nan())).then(a.cmp(&b))
-        });
-        let sel = &order[..k];
-        let mut sum = 0f32;
-        for &i in sel {
-            sum += s[i as usize];
+impl<'a> RoutedExperts<'a> {
+    /// The experts of `routes` for MoE layer `layer` on the deinterleaved latent rows `zd`
+    /// [n, latent], to run on `be` (their bytes laid out as `layout`).
+    pub fn new(
+        be: &'a dyn Backend,
+        c: &K3Config,
+        layer: usize,
+        layout: &'a ExpertLayout,
+        routes: &Routes,
+        zd: &'a [f32],
+    ) -> Self {
+        let (k, latent) = (routes.k, c.expert_latent);
+        let union = routes.union();
+        let mut targets_of: Vec<Vec<(usize, usize)>> = vec![Vec::new(); union.len()];
+        for (i, e) in routes.experts.iter().enumerate() {
+            if let Ok(u) = union.binary_search(e) {
+                targets_of[u].push((i / k, i % k));
+            }
         }
-        let denom = if rule.renormalize { sum + 1e-20 } else { 1.0 };
-        for ((&i, x), w) in sel.iter().zip(ex.iter_mut()).zip(wt.iter_mut()) {
-            *x = i;
-            *w = crate::backend::detmath::div(s[i as usize], denom) * rule.scaling;
+        let rows = zd.len() / latent.max(1);
+        let batch = be.expert_batch(layer, layout, situ(c));
+        RoutedExperts { union, targets_of, zd, latent, k, rows, batch, queued: Vec::new(), rows_run: 0 }
+    }
+
+    /// The distinct experts routed to, ascending.
+    pub fn union(&self) -> &[u32] {
+        &self.union
+    }
+
+    /// How many rows each expert of the union serves.
+    pub fn rows_of(&self) -> Vec<usize> {
+        self.targets_of.iter().map(Vec::len).collect()
+    }
+
+    /// Rows of expert work queued so far (an expert on m rows counts m).
+    pub fn rows_run(&self) -> usize {
+        self.rows_run
+    }
+
+    /// Which experts of the union the backend holds in its own memory (claimed until
+    /// [`RoutedExperts::finish`]; queue them with [`RoutedExperts::add_held`]).
+    pub fn claim_held(&mut self) -> Vec<bool> {
+        self.batch.claim_held(&self.union)
+    }
+
+    /// The rows of union expert `u`, gathered.
+    fn rows_in(&self, u: usize) -> Vec<f32> {
+        let lat = self.latent;
+        let mut v = Vec::with_capacity(self.targets_of[u].len() * lat);
+        for &(r, _) in &self.targets_of[u] {
+            v.extend_from_slice(&self.zd[r * lat..(r + 1) * lat]);
         }
+        v
     }
-}
 
-/// The three MXFP4 matrices of one expert, borrowed from its raw bytes.
-fn expert_mats<'b>(l: &ExpertLayout, bytes: &'b [u8]) -> [Mxfp4Mat<'b>; 3] {
-    let part = |i: usize| {
-        let (o, n) = l.parts[i];
-        &bytes[o..o + n]
-    };
-    [
-        Mxfp4Mat::new(part(0), part(1), l.inter, l.latent),
-        Mxfp4Mat::new(part(2), part(3), l.inter, l.latent),
-        Mxfp4Mat::new(part(4), part(5), l.latent, l.inter),
-    ]
-}
-
-/// One expert on `m` deinterleaved latent rows `zd` [m, latent]; returns [m, latent].
-pub fn run_expert<B: Backend + ?Sized>(
-    be: &B,
-    layout: &ExpertLayout,
-    bytes: &[u8],
-    situ: Situ,
-    zd: &[f32],
-) -> Vec<f32> {
-    let [w1, w3, w2] = expert_mats(layout, bytes);
-    let m = zd.len() / layout.latent;
-    let mut g = vec![0f32; m * layout.inter];
-    let mut u = vec![0f32; m * layout.inter];
-    be.matmul_mxfp4(&w1, zd, &mut g);
-    be.matmul_mxfp4(&w3, zd, &mut u);
-    let mut a = vec![0f32; m * layout.inter];
-    be.situ(situ, &g, &u, &mut a);
-    let mut ad = vec![0f32; m * layout.inter];
-    for (src, dst) in a.chunks_exact(layout.inter).zip(ad.chunks_exact_mut(layout.inter)) {
-        deinterleave_mxfp4_input(src, dst);
+    /// Queues union expert `u` (one [`RoutedExperts::claim_held`] said is held) from the
+    /// backend's copy.
+    pub fn add_held(&mut self, u: usize) -> Result<(), BackendError> {
+        let rows = self.rows_in(u);
+        self.batch.add_held(self.union[u], &rows)?;
+        self.queue(u);
+        Ok(())
     }
-    let mut out = vec![0f32; m * layout.latent];
-    be.matmul_mxfp4(&w2, &ad, &mut out);
-    out
+
+    /// Queues expert `e` from its shipped bytes; false (and nothing queued) when it is not in
+    /// the union.
+    pub fn add(&mut self, e: u32, bytes: &[u8]) -> Result<bool, BackendError> {
+        let Ok(u) = self.union.binary_search(&e) else { return Ok(false) };
+        let rows = self.rows_in(u);
+        self.batch.add(e, bytes, &rows)?;
+        self.queue(u);
+        Ok(true)
+    }
+
+    fn queue(&mut self, u: usize) {
+        self.queued.push(u);
+        self.rows_run += self.targets_of[u].len();
+    }
+
+    /// Every queued expert's outputs in their slots [n][k][latent] (router order).
+    pub fn finish(self) -> Result<Vec<f32>, BackendError> {
+        let lat = self.latent;
+        let mut slots = vec![0f32; self.rows * self.k * lat];
+        for (u, y) in self.queued.into_iter().zip(self.batch.finish()?) {
+            for (i, &(r, j)) in self.targets_of[u].iter().enumerate() {
+                slots[(r * self.k + j) * lat..][..lat].copy_from_slice(&y[i * lat..(i + 1) * lat]);
+            }
+        }
+        Ok(slots)
+    }
 }
 
 /// What the MoE layer computes from its input before the experts: the routed input z =
@@ -146,7 +200,7 @@ pub struct ExpertInput {
 }
 
 /// [`ExpertInput`] of rows `xn`.
-pub fn expert_input(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) -> ExpertInput {
+pub fn expert_input(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) -> Result<ExpertInput, BackendError> {
     let lat = c.expert_latent;
     let n = xn.len() / c.hidden;
     let mut z = vec![0f32; n * lat];
@@ -154,11 +208,11 @@ pub fn expert_input(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) 
         Some(sh) => {
             let mut g = vec![0f32; n * sh.gate.rows];
             let mut u = vec![0f32; n * sh.up.rows];
-            be.matmul_bf16_many(&[&w.down_proj, &sh.gate, &sh.up], xn, &mut [&mut z, &mut g, &mut u]);
+            be.matmul_bf16_many(&[&w.down_proj, &sh.gate, &sh.up], xn, &mut [&mut z, &mut g, &mut u])?;
             Some((g, u))
         }
         None => {
-            be.matmul_bf16(&w.down_proj, xn, &mut z);
+            be.matmul_bf16(&w.down_proj, xn, &mut z)?;
             None
         }
     };
@@ -166,7 +220,7 @@ pub fn expert_input(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) 
     for (src_row, dst) in z.chunks_exact(lat).zip(zd.chunks_exact_mut(lat)) {
         deinterleave_mxfp4_input(src_row, dst);
     }
-    ExpertInput { zd, shared_gate_up }
+    Ok(ExpertInput { zd, shared_gate_up })
 }
 
 /// The layer's output from the expert slots [n][k][latent]: per row the weighted sum in router
@@ -179,10 +233,9 @@ pub fn combine(
     routes: &Routes,
     slots: &[f32],
     input: ExpertInput,
-) -> Vec<f32> {
+) -> Result<Vec<f32>, BackendError> {
     let (k, lat) = (routes.k, c.expert_latent);
     let n = input.zd.len() / lat.max(1);
-    let situ = Situ { beta: c.situ_beta, linear_beta: c.situ_linear_beta };
     let mut routed = vec![0f32; n * lat];
     for r in 0..n {
         let acc = &mut routed[r * lat..(r + 1) * lat];
@@ -190,22 +243,22 @@ pub fn combine(
             crate::cpu::ops::axpy(acc, routes.weights[r * k + j], &slots[(r * k + j) * lat..][..lat]);
         }
         if let Some(norm) = &w.routed_norm {
-            be.rms_norm_rows(acc, norm, c.rms_eps);
+            be.rms_norm_rows(acc, norm, c.rms_eps)?;
         }
     }
     let mut out = vec![0f32; n * c.hidden];
     match (&w.shared, input.shared_gate_up) {
         (Some(sh), Some((g, u))) => {
             let mut a = vec![0f32; g.len()];
-            be.situ(situ, &g, &u, &mut a);
+            be.situ(situ(c), &g, &u, &mut a)?;
             let mut s = vec![0f32; n * sh.down.rows];
-            be.matmul_bf16_each(&[&w.up_proj, &sh.down], &[&routed, &a], &mut [&mut out, &mut s]);
+            be.matmul_bf16_each(&[&w.up_proj, &sh.down], &[&routed, &a], &mut [&mut out, &mut s])?;
             for (o, v) in out.iter_mut().zip(&s) {
                 *o += v;
             }
         }
-        (None, _) => be.matmul_bf16(&w.up_proj, &routed, &mut out),
+        (None, _) => be.matmul_bf16(&w.up_proj, &routed, &mut out)?,
         (Some(_), None) => unreachable!("the shared experts' gate and up come with the expert input"),
     }
-    out
+    Ok(out)
 }

@@ -8,30 +8,25 @@
 //! rows, [`SeqState::rollback`] drops them all; until one of them runs, the committed state is
 //! exactly what it was before the forward.
 
-use super::kda::{self, KdaPending};
-use crate::backend::{AppendBuf, Backend, StateBuf};
+use super::kda::{self, KdaPending, KdaState};
+use super::mla::MlaState;
+use crate::backend::{Backend, BackendError, StateBuf};
 use crate::model::K3Config;
 use crate::model::config::AttnKind;
 
-#[derive(Clone)]
-pub struct KdaState {
-    /// [heads][dk][dv], row i of a head = key channel i; a GPU backend keeps it in device memory.
-    pub s: StateBuf,
-    /// Conv tails for q, k, v: each [width-1][P], oldest row first (zeros before the sequence).
-    pub tail: [Vec<f32>; 3],
-}
-
-#[derive(Clone)]
-pub struct MlaState {
-    /// [tokens][kv_lora + rope]: the normalised latent then the shared key part; a GPU backend
-    /// mirrors it in device memory.
-    pub latent: AppendBuf,
-}
-
-#[derive(Clone)]
 pub enum LayerState {
     Kda(KdaState),
     Mla(MlaState),
+}
+
+impl LayerState {
+    /// A host copy (a KDA state read back from a device that holds it).
+    pub fn try_clone(&self) -> Result<Self, BackendError> {
+        Ok(match self {
+            LayerState::Kda(k) => LayerState::Kda(k.try_clone()?),
+            LayerState::Mla(m) => LayerState::Mla(m.clone()),
+        })
+    }
 }
 
 /// An uncommitted forward's result for one layer.
@@ -54,41 +49,42 @@ pub struct SeqState {
     spare: Vec<Option<StateBuf>>,
 }
 
-impl Clone for SeqState {
-    /// A copy of the committed state (pending rows are not copied).
-    fn clone(&self) -> Self {
-        let mut layers = self.layers.clone();
-        for (l, p) in layers.iter_mut().zip(&self.pending) {
-            if let (LayerState::Mla(m), Some(LayerPending::Mla { committed })) = (l, p) {
-                m.latent.truncate(*committed);
-            }
-        }
-        let n = layers.len();
-        SeqState {
-            pos: self.pos,
-            layers,
-            pending: (0..n).map(|_| None).collect(),
-            pending_rows: 0,
-            spare: vec![None; n],
-        }
-    }
-}
-
 impl SeqState {
     pub fn new(c: &K3Config) -> Self {
         let layers: Vec<LayerState> = c
             .attn
             .iter()
             .map(|a| match a {
-                AttnKind::Kda => LayerState::Kda(KdaState {
-                    s: StateBuf::zeros(c.kda_heads * c.kda_head_dim * c.kda_head_dim),
-                    tail: std::array::from_fn(|_| vec![0.0; (c.conv_width - 1) * c.kda_dim()]),
-                }),
-                AttnKind::Mla => LayerState::Mla(MlaState { latent: AppendBuf::new() }),
+                AttnKind::Kda => LayerState::Kda(KdaState::new(c)),
+                AttnKind::Mla => LayerState::Mla(MlaState { latent: Default::default() }),
             })
             .collect();
+        Self::of(0, layers)
+    }
+
+    fn of(pos: usize, layers: Vec<LayerState>) -> Self {
         let n = layers.len();
-        SeqState { pos: 0, layers, pending: (0..n).map(|_| None).collect(), pending_rows: 0, spare: vec![None; n] }
+        SeqState {
+            pos,
+            layers,
+            pending: (0..n).map(|_| None).collect(),
+            pending_rows: 0,
+            spare: (0..n).map(|_| None).collect(),
+        }
+    }
+
+    /// A copy of the committed state (pending rows are not copied; KDA states are read back
+    /// from a device that holds them, which can fail).
+    pub fn try_clone(&self) -> Result<Self, BackendError> {
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (l, p) in self.layers.iter().zip(&self.pending) {
+            let mut l = l.try_clone()?;
+            if let (LayerState::Mla(m), Some(LayerPending::Mla { committed })) = (&mut l, p) {
+                m.latent.truncate(*committed);
+            }
+            layers.push(l);
+        }
+        Ok(Self::of(self.pos, layers))
     }
 
     /// Bytes of fixed state (KDA, twice: committed and pending) plus bytes per cached token (MLA).
@@ -120,13 +116,24 @@ impl SeqState {
         self.pending[l] = Some(p);
     }
 
-    /// Keeps the first `j` pending rows (all of them when `j` >= the pending rows).
-    pub fn commit(&mut self, be: &dyn Backend, c: &K3Config, j: usize) {
+    /// Keeps the first `j` pending rows (all of them when `j` >= the pending rows). All or
+    /// nothing: on an error (a replay the backend could not run) every pending row is dropped and
+    /// the state is as before the forward.
+    pub fn commit(&mut self, be: &dyn Backend, c: &K3Config, j: usize) -> Result<(), BackendError> {
         let j = j.min(self.pending_rows);
+        // The part that can fail first, for every layer: nothing committed changes until it is done.
+        for (p, st) in self.pending.iter_mut().zip(&self.layers) {
+            if let (Some(LayerPending::Kda(p)), LayerState::Kda(s)) = (p, st)
+                && let Err(e) = p.keep_first(be, c, s, j)
+            {
+                self.rollback();
+                return Err(e);
+            }
+        }
         for l in 0..self.layers.len() {
             match (self.pending[l].take(), &mut self.layers[l]) {
                 (Some(LayerPending::Kda(p)), LayerState::Kda(s)) => {
-                    self.spare[l] = Some(kda::commit(be, c, s, p, j));
+                    self.spare[l] = Some(kda::commit(c, s, p, j));
                 }
                 (Some(LayerPending::Mla { committed }), LayerState::Mla(m)) => {
                     m.latent.truncate(committed + j * (c.kv_lora + c.qk_rope));
@@ -136,6 +143,7 @@ impl SeqState {
         }
         self.pos += j;
         self.pending_rows = 0;
+        Ok(())
     }
 
     /// Drops every pending row: the state is as before the forward.

@@ -1,7 +1,7 @@
 //! The resident trunk: bf16 matrices (zero-copy views that keep the mapped shards alive) and small
 //! vectors converted to f32 once at load. Built only after the roster check has passed.
 
-use crate::cpu::Bf16Mat;
+use crate::backend::Bf16Mat;
 use crate::model::config::{AttnKind, FfnKind};
 use crate::model::roster::{LM_HEAD, layer, top};
 use crate::model::{Checkpoint, K3Config, ModelError};
@@ -209,6 +209,30 @@ impl Weights {
             output_res_score: ld.score(&top("output_attn_res_norm.weight"), &top("output_attn_res_proj.weight"))?,
             layers,
         })
+    }
+
+    /// The trunk matrices a device backend keeps in its memory from the start (`Device::prepare`):
+    /// the embeddings, lm_head and every layer's projections (MLA's kv_b goes up on first use).
+    pub fn device_matrices(&self) -> Vec<&Bf16Mat> {
+        let mut mats: Vec<&Bf16Mat> = vec![&self.embed, &self.lm_head];
+        for l in &self.layers {
+            match &l.attn {
+                Attn::Kda(k) => {
+                    mats.extend([&k.q_proj, &k.k_proj, &k.v_proj, &k.f_a, &k.f_b, &k.b_proj, &k.g_proj, &k.o_proj])
+                }
+                Attn::Mla(m) => mats.extend([&m.q_a, &m.q_b, &m.kv_a, &m.g_proj, &m.o_proj]),
+            }
+            match &l.ffn {
+                Ffn::Dense(d) => mats.extend([&d.gate, &d.up, &d.down]),
+                Ffn::Moe(m) => {
+                    mats.extend([&m.router, &m.down_proj, &m.up_proj]);
+                    if let Some(s) = &m.shared {
+                        mats.extend([&s.gate, &s.up, &s.down]);
+                    }
+                }
+            }
+        }
+        mats
     }
 
     /// Bytes of the resident trunk (everything but routed experts).

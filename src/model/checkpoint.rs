@@ -121,9 +121,9 @@ impl Checkpoint {
     }
 
     /// The tensor's bytes as a shared handle that keeps the mapping alive.
-    pub fn shared_bytes(&self, e: &TensorEntry) -> crate::cpu::SharedBytes {
+    pub fn shared_bytes(&self, e: &TensorEntry) -> crate::backend::SharedBytes {
         let map: Arc<dyn AsRef<[u8]> + Send + Sync> = self.shards[e.shard].mmap.clone();
-        crate::cpu::SharedBytes::new(map, e.start as usize, (e.end - e.start) as usize)
+        crate::backend::SharedBytes::new(map, e.start as usize, (e.end - e.start) as usize)
     }
 
     /// Bytes of an absolute range in a shard.

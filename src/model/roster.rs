@@ -37,16 +37,9 @@ pub const EXPERT_PARTS: [(&str, &str); 6] = [
     ("w2", "weight_scale"),
 ];
 
-/// Offsets of an expert's records relative to the start of its byte range (same for all experts).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ExpertLayout {
-    /// (offset, length) of each record in `EXPERT_PARTS` order.
-    pub parts: [(usize, usize); 6],
-    pub len: usize,
-    /// Expert FFN width (rows of w1/w3) and latent width (rows of w2).
-    pub inter: usize,
-    pub latent: usize,
-}
+/// Offsets of an expert's records relative to the start of its byte range (same for all experts),
+/// in `EXPERT_PARTS` order: the backend's description of a gated MXFP4 expert.
+pub use crate::backend::ExpertLayout;
 
 /// One byte range of an expert in a shard, and where it goes in the expert's byte image.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

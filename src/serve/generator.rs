@@ -397,7 +397,8 @@ impl Generator {
             };
         }
         let prefilled_s = t0.elapsed().as_secs_f64();
-        let snapshot = (self.cfg.reuse && self.snapshot_fits(prompt.len(), max_new)).then(|| session.fork());
+        let snapshot =
+            (self.cfg.reuse && self.snapshot_fits(prompt.len(), max_new)).then(|| session.fork()).transpose()?;
         let mut sampler = Sampler::new(params);
         let lp_sink = req.logprobs.map(|n| sampler.record_logprobs(n));
         let is_chat = req.kind == Kind::Chat;

@@ -23,15 +23,18 @@ mod ngram;
 mod oracle;
 pub mod sampling;
 
-pub use dspark::{DSparkDrafter, DSparkModel};
+pub use crate::k3::dspark::DSparkModel;
+pub use dspark::DSparkDrafter;
 pub use ngram::NgramDrafter;
 pub use oracle::OracleDrafter;
 
+use crate::backend::BackendError;
 use crate::engine::session::emit;
 use crate::engine::{Engine, GenerateOptions, Generation, Session, StopReason};
 use crate::k3::ForwardError;
 use crate::sample::Sampler;
 use crate::sched::RowsOut;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Proposes draft tokens from the context; K3 verifies them.
@@ -39,16 +42,20 @@ pub trait Drafter: Send {
     /// Short name for startup lines and reports.
     fn name(&self) -> &str;
     /// Up to `k` tokens predicted to follow `context` (prompt + output, the pending token last).
-    /// Fewer (or none) is fine; more than `k` are ignored.
-    fn propose(&mut self, context: &[u32], k: usize) -> Vec<u32>;
+    /// Fewer (or none) is fine; more than `k` are ignored. A drafter that computes on the
+    /// backend fails with its error.
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, BackendError>;
     /// K3 layers whose hidden rows this drafter reads (none for n-gram). When non-empty every
     /// feed goes through `verify` so that each committed row's taps reach [`Drafter::observe`].
     fn taps(&self) -> &[usize] {
         &[]
     }
     /// Called after each feed with the forward's output, the position of its first row and how
-    /// many of its rows were committed.
-    fn observe(&mut self, _start: usize, _rows: &RowsOut, _committed: usize) {}
+    /// many of its rows were committed. On an error the drafter keeps a context it can draft
+    /// from (at worst none).
+    fn observe(&mut self, _start: usize, _rows: &RowsOut, _committed: usize) -> Result<(), BackendError> {
+        Ok(())
+    }
 }
 
 /// Which drafter to use.
@@ -74,7 +81,7 @@ pub enum SpecError {
 
 /// The drafter for `kind` on `engine` (None for `Off`); DSpark uses the engine's draft model.
 pub fn drafter_for(kind: DraftKind, engine: &Engine) -> Result<Option<Box<dyn Drafter>>, SpecError> {
-    let dspark = || engine.draft.as_ref().map(|m| Box::new(m.drafter()) as Box<dyn Drafter>);
+    let dspark = || engine.draft.as_ref().map(|m| Box::new(DSparkDrafter::new(Arc::clone(m))) as Box<dyn Drafter>);
     match kind {
         DraftKind::Off => Ok(None),
         DraftKind::Ngram => Ok(Some(Box::new(NgramDrafter::default()))),
@@ -259,7 +266,19 @@ impl Speculator {
             return session.prefill(tokens);
         }
         let drafter = &mut self.drafter;
-        session.prefill_observed(tokens, &taps, &mut |start, rows, n| drafter.observe(start, rows, n))
+        // The drafter's failure (its backend) ends the prefill as one of the model's would.
+        let mut failed = None;
+        let logits = session.prefill_observed(tokens, &taps, &mut |start, rows, n| {
+            if failed.is_none()
+                && let Err(e) = drafter.observe(start, rows, n)
+            {
+                failed = Some(e);
+            }
+        });
+        match failed {
+            Some(e) => Err(e.into()),
+            None => logits,
+        }
     }
 }
 
@@ -302,7 +321,7 @@ impl Session {
             }
             let next = match picked.take() {
                 Some(t) => t,
-                None => sampler.pick_on(&*self.engine().model.be, &logits),
+                None => sampler.pick_on(&*self.engine().model.be, &logits)?,
             };
             ctx.push(next);
             if let Some(r) = emit(&mut out, next, opts, on_token) {
@@ -314,7 +333,7 @@ impl Session {
             let mut draft_s = 0.0;
             if k > 0 {
                 let td = Instant::now();
-                drafts = spec.drafter.propose(&ctx, k);
+                drafts = spec.drafter.propose(&ctx, k)?;
                 drafts.truncate(k);
                 draft_s = td.elapsed().as_secs_f64();
                 self.stats.draft_s += draft_s;
@@ -327,7 +346,7 @@ impl Session {
                     let start = self.pos();
                     let rows = self.verify(&[next], &taps)?;
                     self.commit(1)?;
-                    spec.drafter.observe(start, &rows, 1);
+                    spec.drafter.observe(start, &rows, 1)?;
                     logits = rows.logits;
                 }
                 spec.width.tick();
@@ -345,7 +364,7 @@ impl Session {
             // K3's pick after row i is the check of draft i (row i + 1).
             let mut accepted = 0;
             for (i, &d) in drafts.iter().enumerate() {
-                let x = sampler.pick_on(&*self.engine().model.be, &got.logits[i * vocab..(i + 1) * vocab]);
+                let x = sampler.pick_on(&*self.engine().model.be, &got.logits[i * vocab..(i + 1) * vocab])?;
                 if x != d {
                     picked = Some(x);
                     break;
@@ -366,7 +385,7 @@ impl Session {
                 }
             }
             self.commit(keep)?;
-            spec.drafter.observe(start, &got, keep);
+            spec.drafter.observe(start, &got, keep)?;
             spec.width.record(drafts.len(), accepted);
             if let Some(c) = &mut spec.cost {
                 c.record_verify(accepted + 1, tv.elapsed().as_secs_f64() + draft_s);

@@ -8,6 +8,7 @@
 //! Deterministic: the same context always gives the same proposal.
 
 use super::Drafter;
+use crate::backend::BackendError;
 
 /// Prompt-lookup drafter over the session's own tokens.
 #[derive(Clone, Debug)]
@@ -51,8 +52,8 @@ impl Drafter for NgramDrafter {
         "ngram"
     }
 
-    fn propose(&mut self, context: &[u32], k: usize) -> Vec<u32> {
-        let Some((i, n)) = self.find(context) else { return Vec::new() };
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, BackendError> {
+        let Some((i, n)) = self.find(context) else { return Ok(Vec::new()) };
         let start = i + n;
         let mut out: Vec<u32> = Vec::with_capacity(k);
         for j in 0..k {
@@ -61,7 +62,7 @@ impl Drafter for NgramDrafter {
             let t = if p < context.len() { context[p] } else { out[p - context.len()] };
             out.push(t);
         }
-        out
+        Ok(out)
     }
 }
 
@@ -75,7 +76,7 @@ mod tests {
         // Suffix [1,2,3] occurs at 0 (followed by 9); [3] alone occurs more recently at 5 (followed by 7).
         let ctx = [1, 2, 3, 9, 8, 3, 7, 1, 2, 3];
         assert_eq!(d.find(&ctx), Some((0, 3)));
-        assert_eq!(NgramDrafter::new(4, 1).propose(&ctx, 2), vec![9, 8]);
+        assert_eq!(NgramDrafter::new(4, 1).propose(&ctx, 2).unwrap(), vec![9, 8]);
     }
 
     #[test]
@@ -84,17 +85,17 @@ mod tests {
         let ctx = [5, 6, 1, 5, 6, 2, 0, 5, 6];
         let mut d = NgramDrafter::new(2, 1);
         assert_eq!(d.find(&ctx), Some((3, 2)));
-        assert_eq!(d.propose(&ctx, 3), vec![2, 0, 5]);
+        assert_eq!(d.propose(&ctx, 3).unwrap(), vec![2, 0, 5]);
     }
 
     #[test]
     fn no_match_no_drafts_and_k_limits() {
         let mut d = NgramDrafter::default();
-        assert!(d.propose(&[1, 2, 3, 4], 5).is_empty());
-        assert!(d.propose(&[], 5).is_empty());
-        assert!(d.propose(&[7], 5).is_empty());
-        assert!(d.propose(&[7, 7], 0).is_empty());
-        assert_eq!(d.propose(&[1, 2, 3, 1, 2, 3, 4, 1], 1), vec![2]);
+        assert!(d.propose(&[1, 2, 3, 4], 5).unwrap().is_empty());
+        assert!(d.propose(&[], 5).unwrap().is_empty());
+        assert!(d.propose(&[7], 5).unwrap().is_empty());
+        assert!(d.propose(&[7, 7], 0).unwrap().is_empty());
+        assert_eq!(d.propose(&[1, 2, 3, 1, 2, 3, 4, 1], 1).unwrap(), vec![2]);
     }
 
     #[test]
@@ -109,8 +110,8 @@ mod tests {
         // Period 2: the most recent match of [a,b,a,b] is 2 back; the continuation repeats.
         let ctx = [3, 1, 2, 1, 2, 1, 2];
         let mut d = NgramDrafter::default();
-        assert_eq!(d.propose(&ctx, 7), vec![1, 2, 1, 2, 1, 2, 1]);
+        assert_eq!(d.propose(&ctx, 7).unwrap(), vec![1, 2, 1, 2, 1, 2, 1]);
         // A period-1 cycle.
-        assert_eq!(d.propose(&[8, 5, 5], 4), vec![5, 5, 5, 5]);
+        assert_eq!(d.propose(&[8, 5, 5], 4).unwrap(), vec![5, 5, 5, 5]);
     }
 }

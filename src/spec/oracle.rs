@@ -5,6 +5,7 @@
 //! is a prefix of the recording (checked on its length and last token), else nothing.
 
 use super::Drafter;
+use crate::backend::BackendError;
 
 #[derive(Clone, Debug)]
 pub struct OracleDrafter {
@@ -23,12 +24,12 @@ impl Drafter for OracleDrafter {
         "oracle"
     }
 
-    fn propose(&mut self, context: &[u32], k: usize) -> Vec<u32> {
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, BackendError> {
         let n = context.len();
         if n == 0 || n > self.truth.len() || context[n - 1] != self.truth[n - 1] {
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        self.truth[n..(n + k).min(self.truth.len())].to_vec()
+        Ok(self.truth[n..(n + k).min(self.truth.len())].to_vec())
     }
 }
 
@@ -39,10 +40,10 @@ mod tests {
     #[test]
     fn follows_the_recording_and_stops_off_it() {
         let mut d = OracleDrafter::new(vec![1, 2, 3, 4, 5]);
-        assert_eq!(d.propose(&[1, 2], 2), vec![3, 4]);
-        assert_eq!(d.propose(&[1, 2, 3, 4], 7), vec![5]);
-        assert!(d.propose(&[1, 2, 3, 4, 5], 2).is_empty());
-        assert!(d.propose(&[1, 9], 2).is_empty());
-        assert!(d.propose(&[], 2).is_empty());
+        assert_eq!(d.propose(&[1, 2], 2).unwrap(), vec![3, 4]);
+        assert_eq!(d.propose(&[1, 2, 3, 4], 7).unwrap(), vec![5]);
+        assert!(d.propose(&[1, 2, 3, 4, 5], 2).unwrap().is_empty());
+        assert!(d.propose(&[1, 9], 2).unwrap().is_empty());
+        assert!(d.propose(&[], 2).unwrap().is_empty());
     }
 }

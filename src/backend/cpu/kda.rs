@@ -8,18 +8,14 @@
 use super::dot_f32;
 use super::ops::{l2_norm_inplace, sigmoid};
 use crate::backend::detmath;
-use crate::model::config::{KDA_CHUNK, KDA_L2_EPS};
+use crate::backend::types::HeadIn;
 use rayon::prelude::*;
 
-/// Per-head inputs, each [n, d] for one head.
-#[derive(Clone, Debug, Default)]
-pub struct HeadIn {
-    pub q: Vec<f32>,
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
-    pub g: Vec<f32>,
-    pub beta: Vec<f32>,
-}
+/// Rows per chunk of the chunked form.
+pub const KDA_CHUNK: usize = 64;
+
+/// eps of the l2 normalisation of the benchmark's and tests' random q and k (K3's).
+const INPUT_L2_EPS: f32 = 1e-6;
 
 detmath::fma_fn! {
     /// Token recurrence for one head. `s` is [dk][dv]; with `s_in` the first token reads the start
@@ -207,8 +203,8 @@ pub fn time_state_update(n: usize, heads: usize, dk: usize, chunked: bool) -> f6
             let mut q = rnd(n * dk);
             let mut k = rnd(n * dk);
             for (qt, kt) in q.chunks_exact_mut(dk).zip(k.chunks_exact_mut(dk)) {
-                l2_norm_inplace(qt, KDA_L2_EPS);
-                l2_norm_inplace(kt, KDA_L2_EPS);
+                l2_norm_inplace(qt, INPUT_L2_EPS);
+                l2_norm_inplace(kt, INPUT_L2_EPS);
             }
             let g = rnd(n * dk).iter().map(|x| -2.5 * (x + 1.0)).collect();
             HeadIn { q, k, v: rnd(n * dk), g, beta: rnd(n).iter().map(|x| sigmoid(*x)).collect() }
@@ -234,8 +230,8 @@ mod tests {
         let mut q = rand_vec(seed, n * dk);
         let mut k = rand_vec(seed, n * dk);
         for (qt, kt) in q.chunks_exact_mut(dk).zip(k.chunks_exact_mut(dk)) {
-            l2_norm_inplace(qt, KDA_L2_EPS);
-            l2_norm_inplace(kt, KDA_L2_EPS);
+            l2_norm_inplace(qt, INPUT_L2_EPS);
+            l2_norm_inplace(kt, INPUT_L2_EPS);
         }
         // g in (gate_floor, 0): the shipped gate lies in (-5, 0).
         let g = rand_vec(seed, n * dk).iter().map(|x| gate_floor * 0.5 * (x + 1.0)).collect();

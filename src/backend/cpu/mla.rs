@@ -6,27 +6,9 @@
 //! values expanded through kv_b) in f64.
 
 use super::ops::{axpy, softmax_of_products};
-use super::{Bf16Mat, decode_bf16_row, dot_f32};
+use super::{decode_bf16_row, dot_f32};
+use crate::backend::types::{Bf16Mat, MlaDims, Visible};
 use rayon::prelude::*;
-
-/// Head dimensions of an MLA layer.
-#[derive(Clone, Copy, Debug)]
-pub struct MlaDims {
-    pub heads: usize,
-    pub nope: usize,
-    pub rope: usize,
-    pub lora: usize,
-    pub v_head: usize,
-}
-
-/// Which cached tokens a row sees.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Visible {
-    /// Row t sees the `past` cached tokens and the new rows up to itself (K3's layers).
-    Causal,
-    /// Every row sees every cached token (DSpark's draft block: no mask).
-    All,
-}
 
 /// `q` [n, heads, nope + rope] for the `n` rows that follow `past` cached tokens; `cache` holds
 /// [past + n, lora + rope] latents (the new rows included). Writes `out` [n, heads, v_head].

@@ -19,14 +19,12 @@ mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+use crate::backend::types::{Bf16Mat, MXFP4_BLOCK, Mxfp4Mat};
 use rayon::prelude::*;
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 /// Number of accumulation lanes every dot product uses, whatever the instruction set.
 pub const LANES: usize = 16;
-/// MXFP4 block: 32 inputs share one E8M0 scale byte.
-pub const MXFP4_BLOCK: usize = 32;
-
 /// E2M1 code -> value (codes 8..15 are the negated 0..7; code 8 is -0.0).
 pub const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
@@ -124,114 +122,6 @@ pub fn reduce16(acc: &[f32; LANES]) -> f32 {
     }
     let v2 = [v4[0] + v4[2], v4[1] + v4[3]];
     v2[0] + v2[1]
-}
-
-/// Bytes kept alive by a shared owner (a mapped shard, or an owned buffer), sliced without a copy.
-#[derive(Clone)]
-pub struct SharedBytes {
-    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
-    start: usize,
-    len: usize,
-}
-
-impl SharedBytes {
-    /// `owner[start..start+len]`; panics when the range is outside the owner.
-    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, start: usize, len: usize) -> Self {
-        assert!(start + len <= (*owner).as_ref().len(), "byte range outside its owner");
-        SharedBytes { owner, start, len }
-    }
-
-    pub fn from_vec(v: Vec<u8>) -> Self {
-        let len = v.len();
-        SharedBytes { owner: Arc::new(v), start: 0, len }
-    }
-
-    /// A sub-range `[a, b)` of these bytes.
-    pub fn slice(&self, a: usize, b: usize) -> Self {
-        assert!(a <= b && b <= self.len);
-        SharedBytes { owner: Arc::clone(&self.owner), start: self.start + a, len: b - a }
-    }
-}
-
-impl std::ops::Deref for SharedBytes {
-    type Target = [u8];
-    #[inline]
-    fn deref(&self) -> &[u8] {
-        &(*self.owner).as_ref()[self.start..self.start + self.len]
-    }
-}
-
-impl std::fmt::Debug for SharedBytes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SharedBytes({} bytes)", self.len)
-    }
-}
-
-/// A row-major bf16 matrix (little-endian, any alignment), usually a zero-copy view into a mapped
-/// shard that keeps the mapping alive.
-#[derive(Clone, Debug)]
-pub struct Bf16Mat {
-    pub data: SharedBytes,
-    pub rows: usize,
-    pub cols: usize,
-}
-
-impl Bf16Mat {
-    /// Panics if `data` does not hold exactly `rows * cols` bf16 values (checked by the roster).
-    pub fn new(data: SharedBytes, rows: usize, cols: usize) -> Self {
-        assert_eq!(data.len(), rows * cols * 2, "bf16 matrix size");
-        Bf16Mat { data, rows, cols }
-    }
-
-    /// A matrix over an owned buffer (tests, benchmarks, converted tensors).
-    pub fn from_vec(data: Vec<u8>, rows: usize, cols: usize) -> Self {
-        Bf16Mat::new(SharedBytes::from_vec(data), rows, cols)
-    }
-
-    #[inline]
-    pub fn row(&self, r: usize) -> &[u8] {
-        &self.data[r * self.cols * 2..(r + 1) * self.cols * 2]
-    }
-
-    /// Rows `start..start+n` as a matrix of their own.
-    pub fn rows_slice(&self, start: usize, n: usize) -> Bf16Mat {
-        Bf16Mat::new(self.data.slice(start * self.cols * 2, (start + n) * self.cols * 2), n, self.cols)
-    }
-
-    /// A stable identity of the matrix's bytes (their address), for backends that keep copies.
-    pub fn id(&self) -> usize {
-        self.data.as_ptr() as usize
-    }
-
-    /// Bytes of the matrix.
-    pub fn byte_len(&self) -> usize {
-        self.data.len()
-    }
-}
-
-/// One MXFP4 matrix as shipped: packed nibbles [rows, cols/2] and E8M0 scales [rows, cols/32].
-#[derive(Clone, Copy, Debug)]
-pub struct Mxfp4Mat<'a> {
-    pub packed: &'a [u8],
-    pub scales: &'a [u8],
-    pub rows: usize,
-    pub cols: usize,
-}
-
-impl<'a> Mxfp4Mat<'a> {
-    /// Panics on inconsistent sizes (checked before compute by the roster).
-    pub fn new(packed: &'a [u8], scales: &'a [u8], rows: usize, cols: usize) -> Self {
-        assert_eq!(cols % MXFP4_BLOCK, 0, "mxfp4 cols must be a multiple of 32");
-        assert_eq!(packed.len(), rows * cols / 2, "mxfp4 packed size");
-        assert_eq!(scales.len(), rows * cols / MXFP4_BLOCK, "mxfp4 scale size");
-        Mxfp4Mat { packed, scales, rows, cols }
-    }
-    #[inline]
-    fn row(&self, r: usize) -> (&'a [u8], &'a [u8]) {
-        let pb = self.cols / 2;
-        let sb = self.cols / MXFP4_BLOCK;
-        (&self.packed[r * pb..(r + 1) * pb], &self.scales[r * sb..(r + 1) * sb])
-    }
 }
 
 /// Reorders an MXFP4 input vector into the kernels' element order: for each block of 32, the 16

@@ -6,6 +6,7 @@
 
 use super::dot_f32;
 use crate::backend::detmath;
+use crate::backend::types::{RouteRule, Situ};
 
 /// 1 / sqrt(mean(x^2) + eps), the RMSNorm factor.
 #[inline]
@@ -79,15 +80,6 @@ detmath::fma_fn! {
     }
 }
 
-/// SiTU-GLU constants: gate `beta * tanh(g / beta) * sigmoid(g)`, up `linear_beta * tanh(u / linear_beta)`
-/// (the up transform is off when `linear_beta <= 0`). Both betas must be normal and positive (the
-/// config check makes them so; K3 ships 4 and 25).
-#[derive(Clone, Copy, Debug)]
-pub struct Situ {
-    pub beta: f32,
-    pub linear_beta: f32,
-}
-
 impl Situ {
     #[inline(always)]
     pub fn apply(self, g: f32, u: f32) -> f32 {
@@ -119,6 +111,62 @@ detmath::fma_fn! {
     pub fn axpy(acc: &mut [f32], a: f32, x: &[f32]) {
         for (y, &xi) in acc.iter_mut().zip(x) {
             *y = a.mul_add(xi, *y);
+        }
+    }
+}
+
+/// out = sum_s p_s * v_s, p = softmax_s( (v_s . score_w) / sqrt(mean(v_s^2) + eps) ): a mix of
+/// `sources` weighted by the softmax of their RMS-normalised scores, summed in the order given.
+pub fn attn_res_mix(sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
+    debug_assert!(sources.iter().all(|s| s.len() == score_w.len()));
+    // score_s = (v_s . w) * rms_factor(v_s); the product is formed inside the softmax's fma.
+    let mut scores: Vec<f32> = sources.iter().map(|v| dot_f32(v, score_w)).collect();
+    let factors: Vec<f32> = sources.iter().map(|v| rms_factor(v, eps)).collect();
+    softmax_of_products(&mut scores, &factors);
+    for (o, &v0) in out.iter_mut().zip(sources[0]) {
+        *o = scores[0] * v0;
+    }
+    for (v, &p) in sources.iter().zip(&scores).skip(1) {
+        axpy(out, p, v);
+    }
+}
+
+/// Index of the largest value (lowest index on ties; NaN never wins).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] || (logits[best].is_nan() && !v.is_nan()) {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Routing of rows of router logits [n, e] (e = `bias.len()`) by `rule` (see [`RouteRule`]):
+/// s = sigmoid(logit); the k largest of s + bias, descending, lower id first on ties, NaN last;
+/// weights s / (sum of the selected s in that order + 1e-20) * scaling. Writes [n, k] of each.
+pub fn route_rows(logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
+    let (e, k) = (bias.len(), rule.k);
+    let mut order: Vec<u32> = Vec::with_capacity(e);
+    for ((row, ex), wt) in logits.chunks_exact(e).zip(experts.chunks_exact_mut(k)).zip(weights.chunks_exact_mut(k)) {
+        let s: Vec<f32> = row.iter().map(|&x| sigmoid(x)).collect();
+        let choice: Vec<f32> = s.iter().zip(bias).map(|(a, b)| a + b).collect();
+        order.clear();
+        order.extend(0..e as u32);
+        // Descending biased score, lower id first on ties; NaN sorts last.
+        order.sort_by(|&a, &b| {
+            let (x, y) = (choice[a as usize], choice[b as usize]);
+            y.partial_cmp(&x).unwrap_or_else(|| x.is_nan().cmp(&y.is_nan())).then(a.cmp(&b))
+        });
+        let sel = &order[..k];
+        let mut sum = 0f32;
+        for &i in sel {
+            sum += s[i as usize];
+        }
+        let denom = if rule.renormalize { sum + 1e-20 } else { 1.0 };
+        for ((&i, x), w) in sel.iter().zip(ex.iter_mut()).zip(wt.iter_mut()) {
+            *x = i;
+            *w = detmath::div(s[i as usize], denom) * rule.scaling;
         }
     }
 }

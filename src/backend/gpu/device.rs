@@ -7,7 +7,7 @@
 //! (`Chunk::w_off`, `s_off`); the one-input-row kernel (`matvec.wgsl`) reads its input as
 //! `vec4<f32>` from a float offset that is a multiple of 4, zero past `cols` up to the stride.
 
-use crate::cpu::{Bf16Mat, Mxfp4Mat};
+use crate::backend::{Bf16Mat, Mxfp4Mat};
 use wgpu::util::DeviceExt;
 
 use super::kernels::Kernel;
@@ -119,6 +119,10 @@ pub enum GpuError {
     Device { adapter: String, msg: String },
     #[error("the GPU probe failed: {0}")]
     Probe(String),
+    #[error("GPU readback failed: {msg}")]
+    Readback { msg: String },
+    #[error("GPU error during a dispatch: {msg}")]
+    Dispatch { msg: String },
     #[error(
         "--gpu-cache-gb: the adapter ran out of device memory after {got} of {wanted} expert slots ({msg}); give at most {fits_gb:.1} GB"
     )]
@@ -205,6 +209,9 @@ pub(super) struct Traffic {
     /// Nanoseconds [`map_words`] checks for a result before it blocks: [`SPIN_WAIT`] on a GPU,
     /// 0 on a CPU adapter (lavapipe), whose own threads need the cores.
     pub spin_ns: std::sync::atomic::AtomicU64,
+    /// The first device error wgpu reported outside an error scope (a failed dispatch, upload or
+    /// allocation) since the last readback took it: the next readback fails with it.
+    pub uncaptured: std::sync::Mutex<Option<String>>,
 }
 
 impl Traffic {
@@ -216,6 +223,20 @@ impl Traffic {
 
     pub fn uploaded(&self, bytes: u64) {
         self.upload_bytes.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Records a device error reported outside an error scope (the first until one is taken).
+    pub fn record_error(&self, e: wgpu::Error) {
+        tracing::error!("GPU error: {e}");
+        self.uncaptured.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(|| e.to_string());
+    }
+
+    /// The device error recorded since the last check, as an error (taken: reported once).
+    pub fn check(&self) -> Result<(), GpuError> {
+        match self.uncaptured.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(msg) => Err(GpuError::Dispatch { msg }),
+            None => Ok(()),
+        }
     }
 
     pub fn snapshot(&self) -> crate::backend::DeviceTraffic {
@@ -316,53 +337,93 @@ fn padded(b: &[u8]) -> Vec<u8> {
 /// How long a readback checks for its result before it blocks until the device is done.
 const SPIN_WAIT: std::time::Duration = std::time::Duration::from_micros(500);
 
+/// How long a readback waits for its mapping's callback once the device has finished the
+/// submission (far longer than it ever takes; past it the readback fails).
+const MAP_CALLBACK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Readbacks left before an injected failure (0: none armed); see [`fail_readback_in`].
+static FAIL_COUNTDOWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Test hook: the `n`th readback from now (of any GPU backend in the process; `n` >= 1) fails as
+/// a failed mapping would, after its buffer was read and unmapped (so the device stays usable);
+/// 0 disarms. `DELTAFIN_GPU_FAIL_READBACK=n` arms it when a backend opens (counting from then).
+pub fn fail_readback_in(n: u64) {
+    FAIL_COUNTDOWN.store(n, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Whether this readback is the one [`fail_readback_in`] armed (counting it down).
+fn injected_failure() -> bool {
+    use std::sync::atomic::Ordering::SeqCst;
+    FAIL_COUNTDOWN.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok_and(|n| n == 1)
+}
+
 /// The first `floats` words of the mappable buffer `read` once `submission` (None: the latest)
-/// has run on `device` (NaN on a failed readback); `read` is unmapped again. Checks the device
-/// for up to `traffic.spin_ns` before it blocks.
+/// has run on `device`; `read` is unmapped again. Checks the device for up to `traffic.spin_ns`
+/// before it blocks. A failed wait or mapping, or a device error recorded since the last readback
+/// (a failed dispatch: [`Traffic::uncaptured`]), is an error; then `read` may still be mapped or
+/// pending and must not be reused.
 pub(super) fn map_words(
     device: &wgpu::Device,
     traffic: &Traffic,
     read: &wgpu::Buffer,
     floats: usize,
     submission: Option<wgpu::SubmissionIndex>,
-) -> Vec<u32> {
+) -> Result<Vec<u32>, GpuError> {
+    use std::sync::atomic::Ordering;
     let waited = std::time::Instant::now();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = std::sync::Arc::clone(&done);
+    let failed = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
+    let (flag, fail) = (std::sync::Arc::clone(&done), std::sync::Arc::clone(&failed));
     read.map_async(wgpu::MapMode::Read, .., move |r| {
         if let Err(e) = r {
-            tracing::error!("GPU readback failed: {e}");
+            *fail.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
         }
-        flag.store(true, std::sync::atomic::Ordering::Release);
+        flag.store(true, Ordering::Release);
     });
     // Decode waits on a round trip about thirty times a token, most of them shorter than a
     // blocking wait's wake-up: check for a while before blocking.
-    let spin = std::time::Duration::from_nanos(traffic.spin_ns.load(std::sync::atomic::Ordering::Relaxed));
-    while !done.load(std::sync::atomic::Ordering::Acquire) && waited.elapsed() < spin {
-        if let Err(e) = device.poll(wgpu::PollType::Poll) {
-            tracing::error!("GPU poll failed: {e}");
+    let spin = std::time::Duration::from_nanos(traffic.spin_ns.load(Ordering::Relaxed));
+    while !done.load(Ordering::Acquire) && waited.elapsed() < spin {
+        if device.poll(wgpu::PollType::Poll).is_err() {
+            // The blocking wait below reports it.
             break;
         }
     }
-    if !done.load(std::sync::atomic::Ordering::Acquire)
-        && let Err(e) = device.poll(wgpu::PollType::Wait { submission_index: submission, timeout: None })
-    {
-        tracing::error!("GPU wait failed: {e}");
+    let wait = if done.load(Ordering::Acquire) {
+        Ok(())
+    } else {
+        device.poll(wgpu::PollType::Wait { submission_index: submission, timeout: None }).map(|_| ())
+    };
+    let readback = |msg: String| GpuError::Readback { msg };
+    wait.map_err(|e| readback(format!("waiting for the device: {e}")))?;
+    // The submission has run; the mapping's callback may still be on its way from another
+    // thread's poll (the operations of parallel rows poll the same device).
+    let mapped = std::time::Instant::now();
+    while !done.load(Ordering::Acquire) {
+        if mapped.elapsed() > MAP_CALLBACK_WAIT {
+            return Err(readback(format!("the buffer was not mapped {MAP_CALLBACK_WAIT:?} after the device finished")));
+        }
+        device.poll(wgpu::PollType::Poll).map_err(|e| readback(format!("polling the device: {e}")))?;
+        std::thread::yield_now();
     }
     let ns = waited.elapsed().as_nanos().min(u64::MAX as u128) as u64;
-    traffic.wait_ns.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+    traffic.wait_ns.fetch_add(ns, Ordering::Relaxed);
+    if let Some(msg) = failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(readback(msg));
+    }
     let v = match read.get_mapped_range(..) {
         Ok(view) => {
             view.chunks_exact(4).take(floats).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<_>>()
         }
-        Err(e) => {
-            // Not mapped: nothing to unmap either (unmapping would be one more error).
-            tracing::error!("GPU readback failed: {e}");
-            return vec![f32::NAN.to_bits(); floats];
-        }
+        // Not mapped: nothing to unmap either (unmapping would be one more error).
+        Err(e) => return Err(readback(e.to_string())),
     };
     read.unmap();
-    v
+    traffic.check()?;
+    if injected_failure() {
+        return Err(readback("injected failure (DELTAFIN_GPU_FAIL_READBACK or gpu::fail_readback_in)".into()));
+    }
+    Ok(v)
 }
 
 /// Little-endian bytes of floats.
@@ -387,6 +448,21 @@ impl Stamp {
             beginning_of_pass_write_index: Some(0),
             end_of_pass_write_index: Some(1),
         })
+    }
+}
+
+/// `DELTAFIN_GPU_FAIL_READBACK=n` (n >= 1): the readback to fail, counted from a backend's open
+/// ([`fail_readback_in`]); another value says so in a warning and arms nothing.
+pub(super) fn fail_readback_wanted() -> Option<u64> {
+    let v = std::env::var("DELTAFIN_GPU_FAIL_READBACK").ok()?;
+    match v.trim().parse::<u64>() {
+        Ok(n) if n > 0 => Some(n),
+        _ => {
+            tracing::warn!(
+                "DELTAFIN_GPU_FAIL_READBACK={v:?} is not a readback number (1, 2, ...); nothing is injected"
+            );
+            None
+        }
     }
 }
 
@@ -542,6 +618,10 @@ impl Gpu {
         if info.device_type != wgpu::DeviceType::Cpu {
             traffic.spin_ns.store(SPIN_WAIT.as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
         }
+        // Errors outside an error scope (a failed dispatch or upload) fail the next readback
+        // instead of wgpu's default, a panic.
+        let sink = std::sync::Arc::clone(&traffic);
+        device.on_uncaptured_error(std::sync::Arc::new(move |e| sink.record_error(e)));
         Ok(Gpu {
             timestamp_period,
             pool: Pool::default(),
@@ -753,14 +833,23 @@ impl Gpu {
     }
 
     /// Submits `encoder` after copying `out` to a mapped buffer; returns its floats.
-    pub(super) fn finish(&self, encoder: wgpu::CommandEncoder, out: &wgpu::Buffer, floats: usize) -> Vec<f32> {
+    pub(super) fn finish(
+        &self,
+        encoder: wgpu::CommandEncoder,
+        out: &wgpu::Buffer,
+        floats: usize,
+    ) -> Result<Vec<f32>, GpuError> {
         let size = (floats.max(1) * 4) as u64;
-        self.finish_many(encoder, &[(out, size)]).into_iter().take(floats).collect()
+        Ok(self.finish_many(encoder, &[(out, size)])?.into_iter().take(floats).collect())
     }
 
     /// Submits `encoder` after copying each (buffer, bytes) in turn into one mapped buffer (one
     /// readback for many products); returns the floats of all of them, in order.
-    pub(super) fn finish_many(&self, mut encoder: wgpu::CommandEncoder, outs: &[(&wgpu::Buffer, u64)]) -> Vec<f32> {
+    pub(super) fn finish_many(
+        &self,
+        mut encoder: wgpu::CommandEncoder,
+        outs: &[(&wgpu::Buffer, u64)],
+    ) -> Result<Vec<f32>, GpuError> {
         let total: u64 = outs.iter().map(|(_, n)| n).sum::<u64>().max(4);
         let floats = (total / 4) as usize;
         let read = self.take(READBACK, total);
@@ -771,16 +860,16 @@ impl Gpu {
         }
         self.traffic.submitted(total);
         self.queue.submit([encoder.finish()]);
-        self.read_mapped(read, floats).into_iter().map(f32::from_bits).collect()
+        Ok(self.read_back(read, floats, None)?.into_iter().map(f32::from_bits).collect())
     }
 
     /// Submits `encoder` after copying each (buffer, words) to a mapped buffer; returns their
-    /// 32-bit words (NaN on a failed readback).
+    /// 32-bit words.
     pub(super) fn finish_words(
         &self,
         mut encoder: wgpu::CommandEncoder,
         outs: &[(&wgpu::Buffer, usize)],
-    ) -> Vec<Vec<u32>> {
+    ) -> Result<Vec<Vec<u32>>, GpuError> {
         let reads: Vec<(wgpu::Buffer, usize)> = outs
             .iter()
             .map(|&(out, words)| {
@@ -792,24 +881,23 @@ impl Gpu {
             .collect();
         self.traffic.submitted(reads.iter().map(|(_, w)| (w.max(&1) * 4) as u64).sum());
         self.queue.submit([encoder.finish()]);
-        reads.into_iter().map(|(read, words)| self.read_mapped(read, words)).collect()
+        // Every buffer is read (and given back) even after one failed, then the first error wins.
+        let got: Vec<Result<Vec<u32>, GpuError>> =
+            reads.into_iter().map(|(read, words)| self.read_back(read, words, None)).collect();
+        got.into_iter().collect()
     }
 
-    fn read_mapped(&self, read: wgpu::Buffer, floats: usize) -> Vec<u32> {
-        self.read_back(read, floats, None)
-    }
-
-    /// The first `floats` words of `read` once `submission` (None: the latest) has run (NaN on a
-    /// failed readback); gives `read` back to the pool.
+    /// The first `floats` words of `read` once `submission` (None: the latest) has run; gives
+    /// `read` back to the pool (on an error it is dropped instead: it may still be mapped).
     pub(super) fn read_back(
         &self,
         read: wgpu::Buffer,
         floats: usize,
         submission: Option<wgpu::SubmissionIndex>,
-    ) -> Vec<u32> {
-        let v = map_words(&self.device, &self.traffic, &read, floats, submission);
+    ) -> Result<Vec<u32>, GpuError> {
+        let v = map_words(&self.device, &self.traffic, &read, floats, submission)?;
         self.give(READBACK, read);
-        v
+        Ok(v)
     }
 
     /// Encodes `out[out_off + i * rows + r] = W[r] . x[x_off + i * cols ..]` for the `n` input
@@ -903,14 +991,20 @@ impl Gpu {
     }
 
     /// out[i, r] = W[r] . xs[i] for every row i of `xs` (batches of at most 65535 rows).
-    pub fn matmul(&self, r: &Resident, kind: Kind, xs: &[f32], out: &mut [f32]) {
-        self.matmul_many(&[r], kind, xs, &mut [out]);
+    pub fn matmul(&self, r: &Resident, kind: Kind, xs: &[f32], out: &mut [f32]) -> Result<(), GpuError> {
+        self.matmul_many(&[r], kind, xs, &mut [out])
     }
 
     /// [`Gpu::matmul`] of several matrices on the same input rows (every one `rs[0]`'s width and
     /// stride): one upload of the inputs and one submission and readback per batch of rows.
-    pub fn matmul_many(&self, rs: &[&Resident], kind: Kind, xs: &[f32], outs: &mut [&mut [f32]]) {
-        let Some(first) = rs.first() else { return };
+    pub fn matmul_many(
+        &self,
+        rs: &[&Resident],
+        kind: Kind,
+        xs: &[f32],
+        outs: &mut [&mut [f32]],
+    ) -> Result<(), GpuError> {
+        let Some(first) = rs.first() else { return Ok(()) };
         let (cols, stride) = (first.cols, first.stride);
         let n = xs.len() / cols.max(1);
         for b0 in (0..n).step_by(PRODUCT_ROWS) {
@@ -918,52 +1012,67 @@ impl Gpu {
             let x = self.staged(&Self::input_bytes(&xs[b0 * cols..(b0 + nb) * cols], cols, stride));
             let jobs: Vec<(&Resident, &wgpu::Buffer, usize)> = rs.iter().map(|r| (*r, &x, nb)).collect();
             let all = self.submit_products(&jobs, kind, "matmul");
+            self.give(STAGED, x);
+            let all = all?;
             let mut at = 0;
             for (out, r) in outs.iter_mut().zip(rs) {
                 let k = nb * r.rows;
                 out[b0 * r.rows..(b0 + nb) * r.rows].copy_from_slice(&all[at..at + k]);
                 at += k;
             }
-            self.give(STAGED, x);
         }
+        Ok(())
     }
 
     /// Products of several matrices, each on its own input rows (`outs[j] = rs[j] . xs[j]`): each
     /// input uploaded, every product in one submission with one readback. Inputs of more rows
     /// than one dispatch takes go product by product ([`Gpu::matmul`]).
-    pub fn matmul_each(&self, rs: &[&Resident], kind: Kind, xs: &[&[f32]], outs: &mut [&mut [f32]]) {
+    pub fn matmul_each(
+        &self,
+        rs: &[&Resident],
+        kind: Kind,
+        xs: &[&[f32]],
+        outs: &mut [&mut [f32]],
+    ) -> Result<(), GpuError> {
         debug_assert!(rs.len() == xs.len() && rs.len() == outs.len(), "one input and one output per matrix");
         let rows = |i: usize| xs[i].len() / rs[i].cols.max(1);
         // Products of no rows have nothing to do.
         let live: Vec<usize> = (0..rs.len()).filter(|&i| rows(i) > 0).collect();
         if live.iter().any(|&i| rows(i) > PRODUCT_ROWS) {
             for &i in &live {
-                self.matmul(rs[i], kind, xs[i], outs[i]);
+                self.matmul(rs[i], kind, xs[i], outs[i])?;
             }
-            return;
+            return Ok(());
         }
         if live.is_empty() {
-            return;
+            return Ok(());
         }
         let inputs: Vec<wgpu::Buffer> =
             live.iter().map(|&i| self.staged(&Self::input_bytes(xs[i], rs[i].cols, rs[i].stride))).collect();
         let jobs: Vec<(&Resident, &wgpu::Buffer, usize)> =
             live.iter().zip(&inputs).map(|(&i, x)| (rs[i], x, rows(i))).collect();
         let all = self.submit_products(&jobs, kind, "matmul each");
+        for x in inputs {
+            self.give(STAGED, x);
+        }
+        let all = all?;
         let mut at = 0;
         for &i in &live {
             let k = rows(i) * rs[i].rows;
             outs[i][..k].copy_from_slice(&all[at..at + k]);
             at += k;
         }
-        for x in inputs {
-            self.give(STAGED, x);
-        }
+        Ok(())
     }
 
     /// One submission of `jobs` (matrix, input buffer, input rows), each product into its own
     /// output; returns the floats of all of them, in order (one readback).
-    fn submit_products(&self, jobs: &[(&Resident, &wgpu::Buffer, usize)], kind: Kind, label: &str) -> Vec<f32> {
+    fn submit_products(
+        &self,
+        jobs: &[(&Resident, &wgpu::Buffer, usize)],
+        kind: Kind,
+        label: &str,
+    ) -> Result<Vec<f32>, GpuError> {
         let bufs: Vec<(wgpu::Buffer, u64)> = jobs
             .iter()
             .map(|(r, _, n)| {
@@ -984,12 +1093,12 @@ impl Gpu {
         }
         self.stamp_resolve(&mut enc, &stamp);
         let list: Vec<(&wgpu::Buffer, u64)> = bufs.iter().map(|(b, len)| (b, *len)).collect();
-        let all = self.finish_many(enc, &list);
+        let all = self.finish_many(enc, &list)?;
         self.stamp_read(stamp, None);
         for (b, _) in bufs {
             self.give(OUTPUT, b);
         }
-        all
+        Ok(all)
     }
 
     /// Whether the adapter's `fma` rounds once: a case where fused and unfused differ, plus
@@ -1018,7 +1127,7 @@ impl Gpu {
             pass.set_bind_group(0, &bg, &[]);
             pass.dispatch_workgroups(n as u32, 1, 1);
         }
-        let got = self.finish(enc, &o, n);
+        let got = self.finish(enc, &o, n)?;
         if got.iter().any(|v| v.is_nan()) {
             return Err(GpuError::Probe("the fma probe returned NaN".into()));
         }

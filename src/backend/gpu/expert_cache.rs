@@ -240,13 +240,35 @@ impl DeviceCache {
         }
     }
 
-    /// Releases one pin; an unpinned slot joins the eviction order as its most recent entry.
+    /// Releases one pin; an unpinned slot joins the eviction order as its most recent entry (or
+    /// the free slots, when its expert was forgotten meanwhile).
     pub fn unpin(&mut self, slot: usize) {
         let Some(s) = self.slots.get_mut(slot) else { return };
-        s.pins = s.pins.saturating_sub(1);
-        if let Some(key) = s.key.filter(|_| s.pins == 0) {
-            let rank = self.uses_of(key);
-            self.order.push(slot, rank);
+        if s.pins == 0 {
+            return;
+        }
+        s.pins -= 1;
+        if s.pins > 0 {
+            return;
+        }
+        match s.key {
+            Some(key) => {
+                let rank = self.uses_of(key);
+                self.order.push(slot, rank);
+            }
+            None => self.free.push(slot),
+        }
+    }
+
+    /// Drops the expert in `slot`, whose upload may not have completed (a batch that failed):
+    /// no one finds it again; the slot is free at once, or when its last pin is released.
+    pub fn forget(&mut self, slot: usize) {
+        let Some(s) = self.slots.get_mut(slot) else { return };
+        let Some(key) = s.key.take() else { return };
+        self.map.remove(&key);
+        if s.pins == 0 {
+            self.order.remove(slot);
+            self.free.push(slot);
         }
     }
 

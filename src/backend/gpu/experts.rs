@@ -19,11 +19,9 @@
 //! ([`staging_bytes`]).
 
 use super::GpuBackend;
-use super::device::{Chunk, Gpu, Kind, MatvecJob, OUTPUT, READBACK, Resident, STAGED, Stamp, f32_bytes};
+use super::device::{Chunk, Gpu, GpuError, Kind, MatvecJob, OUTPUT, READBACK, Resident, STAGED, Stamp, f32_bytes};
 use super::expert_cache::Place;
-use crate::backend::ExpertBatch;
-use crate::cpu::ops::Situ;
-use crate::model::roster::ExpertLayout;
+use crate::backend::{BackendError, ExpertBatch, ExpertLayout, Situ};
 use std::collections::VecDeque;
 
 /// Experts per group (one submission): a decode step's 16 routed experts in one group.
@@ -92,6 +90,9 @@ pub(super) struct GpuExperts<'a> {
     per_arena: usize,
     flying: VecDeque<InFlight>,
     outs: Vec<Vec<f32>>,
+    /// Device cache slots this batch wrote an expert into: forgotten if the batch fails (an
+    /// upload that failed must not be found there again).
+    written: Vec<usize>,
 }
 
 impl<'a> GpuExperts<'a> {
@@ -113,6 +114,7 @@ impl<'a> GpuExperts<'a> {
             per_arena,
             flying: VecDeque::new(),
             outs: Vec::new(),
+            written: Vec::new(),
         }
     }
 
@@ -222,10 +224,10 @@ impl<'a> GpuExperts<'a> {
 
     /// Submits the queued group as one chain: w1 and w3 of every expert, SiTU into w2's input
     /// order, w2, one readback.
-    fn flush(&mut self) {
+    fn flush(&mut self) -> Result<(), GpuError> {
         let group = std::mem::take(&mut self.group);
         if group.is_empty() {
-            return;
+            return Ok(());
         }
         let (inter, lat) = (self.layout.inter, self.layout.latent);
         let g = self.gpu();
@@ -261,16 +263,22 @@ impl<'a> GpuExperts<'a> {
         self.flying.push_back(InFlight { submission, read, parts, images, temps, stamp });
         // Keep one group running while the next is filled; older ones are read back now.
         while self.flying.len() > 1 {
-            self.land_oldest();
+            self.land_oldest()?;
         }
+        Ok(())
     }
 
-    /// Waits for the oldest submitted group, takes its outputs and gives its buffers back.
-    fn land_oldest(&mut self) {
-        let Some(f) = self.flying.pop_front() else { return };
+    /// Waits for the oldest submitted group, takes its outputs and gives its buffers back (on
+    /// an error its buffers are dropped instead: the device may not be done with them).
+    fn land_oldest(&mut self) -> Result<(), GpuError> {
+        let Some(f) = self.flying.pop_front() else { return Ok(()) };
         let g = &self.be.gpu;
         let total = f.parts.iter().map(|&(_, n)| n).sum();
         let words = g.read_back(f.read, total, Some(f.submission.clone()));
+        for slot in f.images.iter().filter_map(|i| i.slot) {
+            self.be.with_cache(|c| c.unpin(slot));
+        }
+        let words = words?;
         // Only this group's submission: the next group may still be running.
         g.stamp_read(f.stamp, Some(f.submission));
         let mut at = 0;
@@ -281,18 +289,31 @@ impl<'a> GpuExperts<'a> {
         for (usage, b) in f.temps {
             g.give(usage, b);
         }
-        for slot in f.images.iter().filter_map(|i| i.slot) {
-            self.be.with_cache(|c| c.unpin(slot));
-        }
+        Ok(())
     }
 
-    fn queue(&mut self, image: Image, zd: &[f32]) {
+    fn queue(&mut self, image: Image, zd: &[f32]) -> Result<(), GpuError> {
         let index = self.outs.len();
         self.outs.push(Vec::new());
         self.group.push(Queued { image, zd: zd.to_vec(), index });
         if self.group.len() >= GROUP {
-            self.flush();
+            self.flush()?;
         }
+        Ok(())
+    }
+
+    /// Forgets every device cache slot this batch wrote (see `written`).
+    fn forget_written(&mut self) {
+        let written = std::mem::take(&mut self.written);
+        self.be.with_cache(|c| written.iter().for_each(|&slot| c.forget(slot)));
+    }
+
+    /// `r`, after forgetting what this batch wrote when it is a failure.
+    fn failed<T>(&mut self, r: Result<T, GpuError>) -> Result<T, BackendError> {
+        if r.is_err() {
+            self.forget_written();
+        }
+        Ok(r?)
     }
 }
 
@@ -303,7 +324,7 @@ impl ExpertBatch for GpuExperts<'_> {
         self.be.with_cache(|c| experts.iter().map(|&e| c.claim(layer, e).is_some()).collect())
     }
 
-    fn add_held(&mut self, expert: u32, zd: &[f32]) {
+    fn add_held(&mut self, expert: u32, zd: &[f32]) -> Result<(), BackendError> {
         let be = self.be;
         be.profile.time("experts_add_held", &be.gpu.traffic, || {
             let layer = self.layer;
@@ -313,21 +334,25 @@ impl ExpertBatch for GpuExperts<'_> {
             if zd.is_empty() {
                 self.be.with_cache(|c| c.unpin(slot));
                 self.outs.push(Vec::new());
-                return;
+                return Ok(());
             }
-            self.queue(Image { place, slot: Some(slot) }, zd);
+            let r = self.queue(Image { place, slot: Some(slot) }, zd);
+            self.failed(r)
         })
     }
 
-    fn add(&mut self, expert: u32, bytes: &[u8], zd: &[f32]) {
+    fn add(&mut self, expert: u32, bytes: &[u8], zd: &[f32]) -> Result<(), BackendError> {
         let be = self.be;
         be.profile.time("experts_add", &be.gpu.traffic, || {
             if zd.is_empty() {
                 self.outs.push(Vec::new());
-                return;
+                return Ok(());
             }
             let image = match self.be.with_cache(|c| c.admit(self.layer, expert)) {
-                Some((slot, place)) => Image { place, slot: Some(slot) },
+                Some((slot, place)) => {
+                    self.written.push(slot);
+                    Image { place, slot: Some(slot) }
+                }
                 None => Image { place: self.staging_slot(), slot: None },
             };
             let g = &self.be.gpu;
@@ -350,30 +375,35 @@ impl ExpertBatch for GpuExperts<'_> {
             g.traffic.uploaded(self.layout.parts.iter().map(|&(_, len)| len as u64).sum());
             g.traffic.submitted(0);
             g.queue.submit([]);
-            if let Err(e) = g.device.poll(wgpu::PollType::Poll) {
-                tracing::error!("GPU poll failed: {e}");
-            }
-            self.queue(image, zd);
+            // Only to let the device start; a failure of the device shows at the readback.
+            let _ = g.device.poll(wgpu::PollType::Poll);
+            let r = self.queue(image, zd);
+            self.failed(r)
         })
     }
 
-    fn finish(mut self: Box<Self>) -> Vec<Vec<f32>> {
+    fn finish(mut self: Box<Self>) -> Result<Vec<Vec<f32>>, BackendError> {
         let be = self.be;
         be.profile.time("experts_finish", &be.gpu.traffic, || {
-            self.flush();
-            while !self.flying.is_empty() {
-                self.land_oldest();
+            let mut r = self.flush();
+            while r.is_ok() && !self.flying.is_empty() {
+                r = self.land_oldest();
             }
-        });
-        std::mem::take(&mut self.outs)
+            self.failed(r)
+        })?;
+        Ok(std::mem::take(&mut self.outs))
     }
 }
 
 impl Drop for GpuExperts<'_> {
-    /// A batch dropped without `finish` (a failed fetch) still releases what it pinned.
+    /// A batch dropped without `finish` (a failed fetch, or a failure in one of its groups)
+    /// still waits for its groups and releases what it pinned; their outputs are not used.
     fn drop(&mut self) {
         while !self.flying.is_empty() {
-            self.land_oldest();
+            if self.land_oldest().is_err() {
+                // The slots it wrote may hold a failed upload.
+                self.forget_written();
+            }
         }
         for slot in std::mem::take(&mut self.group).iter().filter_map(|q| q.image.slot) {
             self.be.with_cache(|c| c.unpin(slot));

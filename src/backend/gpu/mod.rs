@@ -4,7 +4,7 @@
 //! Contract: the bf16 and MXFP4 matrix products run on the GPU in the CPU kernels' operation order
 //! (16 lanes, fused multiply-add, the fixed reduction tree), so on an adapter whose `fma` is fused
 //! ([`GpuBackend::fma_is_fused`]) they give the CPU's bits; on any adapter they stay within the
-//! fp64 reference's tolerance. Trunk matrices are uploaded once ([`Backend::prepare`], or on first
+//! fp64 reference's tolerance. Trunk matrices are uploaded once ([`super::Device::prepare`], or on first
 //! use) and kept resident, split into bindings no larger than the adapter allows; expert bytes are
 //! uploaded from the store's buffers (decoded in the kernel, never re-encoded): per call for
 //! `matmul_mxfp4`, or a layer's experts in groups of one submission per phase through
@@ -29,7 +29,7 @@ mod state;
 
 pub use bench::VariantTiming;
 
-pub use device::{AdapterSummary, GpuError, set_timestamps};
+pub use device::{AdapterSummary, GpuError, fail_readback_in, set_timestamps};
 use ops::{Dst, Limits, Ops, Src};
 use state::{DeviceState, LatentMirror};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -58,14 +58,10 @@ fn ops_min() -> usize {
     }
 }
 
-use super::cpu::kda::HeadIn;
-use super::cpu::mla::{MlaDims, Visible};
-use super::cpu::ops::Situ;
-use super::cpu::{Bf16Mat, Mxfp4Mat};
-use super::{AppendBuf, Backend, CpuBackend, EachExpert, ExpertBatch, SequenceState, StateBuf};
-use crate::k3::moe::RouteRule;
-use crate::k3::weights::{Attn, Ffn, Weights};
-use crate::model::roster::ExpertLayout;
+use super::{
+    AppendBuf, Backend, BackendError, Bf16Mat, CpuBackend, Device, EachExpert, ExpertBatch, ExpertLayout, HeadIn,
+    MlaDims, Mxfp4Mat, RouteRule, SequenceState, Situ, StateBuf, Visible,
+};
 use device::{Gpu, Kind, Resident};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -95,6 +91,9 @@ impl GpuBackend {
     pub fn new(allow_cpu: bool) -> Result<Self, GpuError> {
         let gpu = Gpu::new(allow_cpu)?;
         let fused = gpu.fma_is_fused()?;
+        if let Some(n) = device::fail_readback_wanted() {
+            fail_readback_in(n);
+        }
         let ops = Ops::new(&gpu);
         Ok(GpuBackend {
             gpu,
@@ -155,12 +154,27 @@ impl GpuBackend {
     }
 
     /// The binding of state `s`: its device copy when this GPU holds the current values, else
-    /// its host values (kept in `host` and uploaded with the call).
-    fn state_input<'a>(&self, s: &'a StateBuf, host: &'a mut Option<std::borrow::Cow<'a, [f32]>>) -> Src<'a> {
-        match s.current_device().and_then(|d| DeviceState::of(&self.gpu, d, s.len())) {
+    /// its host values (kept in `host` and uploaded with the call; read back first from another
+    /// device's copy).
+    fn state_input<'a>(
+        &self,
+        s: &'a StateBuf,
+        host: &'a mut Option<std::borrow::Cow<'a, [f32]>>,
+    ) -> Result<Src<'a>, BackendError> {
+        Ok(match s.current_device().and_then(|d| DeviceState::of(&self.gpu, d, s.len())) {
             Some(b) => Src::Buf(b),
-            None => Src::F32(host.insert(s.host_values())),
+            None => Src::F32(host.insert(s.host_values()?)),
+        })
+    }
+
+    /// The device buffer a kernel writes state `s` of `floats` values into: its copy on this
+    /// GPU, made on first use (it then holds the current values only once the kernel has run and
+    /// the caller marked it written); None when the device has no memory for it.
+    fn device_state<'a>(&self, s: &'a mut StateBuf, floats: usize) -> Option<&'a wgpu::Buffer> {
+        if s.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)).is_none() {
+            s.set_device(Box::new(DeviceState::new(&self.gpu, floats)?));
         }
+        s.device().and_then(|d| DeviceState::of(&self.gpu, d, floats))
     }
 
     pub fn adapter(&self) -> &AdapterSummary {
@@ -230,7 +244,7 @@ pub enum BenchKind {
     Mxfp4,
 }
 
-impl Backend for GpuBackend {
+impl Device for GpuBackend {
     fn describe(&self) -> String {
         let a = &self.gpu.summary;
         let hb = crate::util::human_bytes;
@@ -265,74 +279,12 @@ impl Backend for GpuBackend {
         )
     }
 
-    fn prepare(&self, weights: &Weights) {
-        let mut mats: Vec<&Bf16Mat> = vec![&weights.embed, &weights.lm_head];
-        for l in &weights.layers {
-            match &l.attn {
-                Attn::Kda(k) => {
-                    mats.extend([&k.q_proj, &k.k_proj, &k.v_proj, &k.f_a, &k.f_b, &k.b_proj, &k.g_proj, &k.o_proj])
-                }
-                Attn::Mla(m) => mats.extend([&m.q_a, &m.q_b, &m.kv_a, &m.g_proj, &m.o_proj]),
-            }
-            match &l.ffn {
-                Ffn::Dense(d) => mats.extend([&d.gate, &d.up, &d.down]),
-                Ffn::Moe(m) => {
-                    mats.extend([&m.router, &m.down_proj, &m.up_proj]);
-                    if let Some(s) = &m.shared {
-                        mats.extend([&s.gate, &s.up, &s.down]);
-                    }
-                }
-            }
-        }
+    fn prepare(&self, mats: &[&Bf16Mat]) -> Result<(), BackendError> {
         for m in mats {
             self.resident(m);
         }
-    }
-
-    fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) {
-        self.profile.time("matmul_bf16", &self.gpu.traffic, || {
-            let r = self.resident(w);
-            self.gpu.matmul(&r, Kind::Bf16, xs, out);
-        })
-    }
-
-    fn matmul_bf16_many(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) {
-        self.profile.time("matmul_bf16_many", &self.gpu.traffic, || {
-            // One input binding serves all only when the widths agree.
-            if ws.iter().any(|w| w.cols != ws[0].cols) {
-                for (w, out) in ws.iter().zip(outs.iter_mut()) {
-                    self.gpu.matmul(&self.resident(w), Kind::Bf16, xs, out);
-                }
-                return;
-            }
-            let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
-            let refs: Vec<&Resident> = rs.iter().map(|r| &**r).collect();
-            self.gpu.matmul_many(&refs, Kind::Bf16, xs, outs);
-        })
-    }
-
-    fn matmul_bf16_each(&self, ws: &[&Bf16Mat], xs: &[&[f32]], outs: &mut [&mut [f32]]) {
-        self.profile.time("matmul_bf16_each", &self.gpu.traffic, || {
-            let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
-            let refs: Vec<&Resident> = rs.iter().map(|r| &**r).collect();
-            self.gpu.matmul_each(&refs, Kind::Bf16, xs, outs)
-        })
-    }
-
-    fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
-        self.profile.time("matmul_mxfp4", &self.gpu.traffic, || {
-            let r = self.gpu.upload_mxfp4(w, false);
-            self.gpu.matmul(&r, Kind::Mxfp4, xds, out);
-            self.gpu.release(r);
-        })
-    }
-
-    fn expert_batch<'a>(&'a self, layer: usize, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
-        // One expert image per staging buffer: one that exceeds a binding goes matrix by matrix.
-        if (experts::slot_layout(layout).1 as u64) > self.gpu.summary.max_binding {
-            return Box::new(EachExpert { be: self, layout, situ, outs: Vec::new() });
-        }
-        Box::new(experts::GpuExperts::new(self, layer, layout, situ))
+        // An upload that failed shows as a recorded device error.
+        Ok(self.gpu.traffic.check()?)
     }
 
     fn plan_sequence_state(&self, state: SequenceState) {
@@ -341,7 +293,7 @@ impl Backend for GpuBackend {
         }
     }
 
-    fn plan_experts(&self, layout: &ExpertLayout, experts: usize) -> Result<(), super::BackendError> {
+    fn plan_experts(&self, layout: &ExpertLayout, experts: usize) -> Result<(), BackendError> {
         let (_, image) = experts::slot_layout(layout);
         let staging = experts::staging_bytes(layout, self.gpu.summary.max_binding);
         self.staging.store(staging as usize, Ordering::Relaxed);
@@ -372,22 +324,71 @@ impl Backend for GpuBackend {
     fn device_traffic(&self) -> crate::backend::DeviceTraffic {
         self.gpu.traffic.snapshot()
     }
+}
 
-    fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) {
+impl Backend for GpuBackend {
+    fn matmul_bf16(&self, w: &Bf16Mat, xs: &[f32], out: &mut [f32]) -> Result<(), BackendError> {
+        self.profile.time("matmul_bf16", &self.gpu.traffic, || {
+            let r = self.resident(w);
+            Ok(self.gpu.matmul(&r, Kind::Bf16, xs, out)?)
+        })
+    }
+
+    fn matmul_bf16_many(&self, ws: &[&Bf16Mat], xs: &[f32], outs: &mut [&mut [f32]]) -> Result<(), BackendError> {
+        self.profile.time("matmul_bf16_many", &self.gpu.traffic, || {
+            // One input binding serves all only when the widths agree.
+            if ws.iter().any(|w| w.cols != ws[0].cols) {
+                for (w, out) in ws.iter().zip(outs.iter_mut()) {
+                    self.gpu.matmul(&self.resident(w), Kind::Bf16, xs, out)?;
+                }
+                return Ok(());
+            }
+            let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
+            let refs: Vec<&Resident> = rs.iter().map(|r| &**r).collect();
+            Ok(self.gpu.matmul_many(&refs, Kind::Bf16, xs, outs)?)
+        })
+    }
+
+    fn matmul_bf16_each(&self, ws: &[&Bf16Mat], xs: &[&[f32]], outs: &mut [&mut [f32]]) -> Result<(), BackendError> {
+        self.profile.time("matmul_bf16_each", &self.gpu.traffic, || {
+            let rs: Vec<Arc<Resident>> = ws.iter().map(|w| self.resident(w)).collect();
+            let refs: Vec<&Resident> = rs.iter().map(|r| &**r).collect();
+            Ok(self.gpu.matmul_each(&refs, Kind::Bf16, xs, outs)?)
+        })
+    }
+
+    fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) -> Result<(), BackendError> {
+        self.profile.time("matmul_mxfp4", &self.gpu.traffic, || {
+            let r = self.gpu.upload_mxfp4(w, false);
+            let done = self.gpu.matmul(&r, Kind::Mxfp4, xds, out);
+            self.gpu.release(r);
+            Ok(done?)
+        })
+    }
+
+    fn expert_batch<'a>(&'a self, layer: usize, layout: &'a ExpertLayout, situ: Situ) -> Box<dyn ExpertBatch + 'a> {
+        // One expert image per staging buffer: one that exceeds a binding goes matrix by matrix.
+        if (experts::slot_layout(layout).1 as u64) > self.gpu.summary.max_binding {
+            return Box::new(EachExpert { be: self, layout, situ, outs: Vec::new() });
+        }
+        Box::new(experts::GpuExperts::new(self, layer, layout, situ))
+    }
+
+    fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), BackendError> {
         self.profile.time("rms_norm_rows", &self.gpu.traffic, || {
             if !self.on_gpu(x.len()) || w.is_empty() || !self.fits(x.len()) {
                 return self.cpu.rms_norm_rows(x, w, eps);
             }
-            self.ops.rms_norm_rows(&self.gpu, x, w, eps)
+            Ok(self.ops.rms_norm_rows(&self.gpu, x, w, eps)?)
         })
     }
 
-    fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<(), BackendError> {
         self.profile.time("situ", &self.gpu.traffic, || {
             if !self.on_gpu(out.len()) || !self.fits(out.len()) {
                 return self.cpu.situ(situ, gate, up, out);
             }
-            self.ops.situ(&self.gpu, situ.beta, situ.linear_beta, gate, up, out)
+            Ok(self.ops.situ(&self.gpu, situ.beta, situ.linear_beta, gate, up, out)?)
         })
     }
 
@@ -400,47 +401,44 @@ impl Backend for GpuBackend {
         dv: usize,
         o: &mut [f32],
         chunked: bool,
-    ) {
+    ) -> Result<(), BackendError> {
         self.profile.time("kda_update", &self.gpu.traffic, || {
             // The chunked form stays on the CPU (its order is not the recurrence's).
             if chunked || !self.kda_on_gpu(heads, dk, s_in.len()) {
                 return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
             }
-            let floats = s_in.len();
-            // The state stays in device memory: read from the input's copy when this device holds
-            // it (else uploaded once), written into the output's own copy (made on first use).
-            if s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)).is_none() {
-                let Some(fresh) = DeviceState::new(&self.gpu, floats) else {
-                    return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
-                };
-                s_out.set_device(Box::new(fresh));
-            }
-            let Some(dst) = s_out.device().and_then(|d| DeviceState::of(&self.gpu, d, floats)) else {
-                unreachable!("the output's device copy was made just above")
+            let Some(dst) = self.device_state(s_out, s_in.len()) else {
+                return self.cpu.kda_update(s_in, s_out, heads, dk, dv, o, chunked);
             };
             let mut host = None;
-            let src = self.state_input(s_in, &mut host);
-            let (_, out) = self.ops.kda_recurrent(&self.gpu, src, Dst::Into(dst), heads, dk, dv, true);
+            let src = self.state_input(s_in, &mut host)?;
+            let (_, out) = self.ops.kda_recurrent(&self.gpu, src, Dst::Into(dst), heads, dk, dv, true)?;
             copy_bits(&out, o);
             s_out.mark_device_written();
+            Ok(())
         })
     }
 
-    fn kda_replay(&self, s: &mut StateBuf, heads: &[HeadIn], dk: usize, dv: usize) {
+    fn kda_replay(
+        &self,
+        s_in: &StateBuf,
+        s_out: &mut StateBuf,
+        heads: &[HeadIn],
+        dk: usize,
+        dv: usize,
+    ) -> Result<(), BackendError> {
         self.profile.time("kda_replay", &self.gpu.traffic, || {
-            if !self.kda_on_gpu(heads, dk, s.len()) {
-                return self.cpu.kda_replay(s, heads, dk, dv);
+            if !self.kda_on_gpu(heads, dk, s_in.len()) {
+                return self.cpu.kda_replay(s_in, s_out, heads, dk, dv);
             }
-            // Read and written buffers must differ: the result goes to a new copy that replaces it.
-            let Some(fresh) = DeviceState::new(&self.gpu, s.len()) else {
-                return self.cpu.kda_replay(s, heads, dk, dv);
+            let Some(dst) = self.device_state(s_out, s_in.len()) else {
+                return self.cpu.kda_replay(s_in, s_out, heads, dk, dv);
             };
-            {
-                let mut host = None;
-                let src = self.state_input(s, &mut host);
-                self.ops.kda_recurrent(&self.gpu, src, Dst::Into(&fresh.mem.buf), heads, dk, dv, false);
-            }
-            s.set_device(Box::new(fresh));
+            let mut host = None;
+            let src = self.state_input(s_in, &mut host)?;
+            self.ops.kda_recurrent(&self.gpu, src, Dst::Into(dst), heads, dk, dv, false)?;
+            s_out.mark_device_written();
+            Ok(())
         })
     }
 
@@ -454,7 +452,7 @@ impl Backend for GpuBackend {
         scale: f32,
         visible: Visible,
         out: &mut [f32],
-    ) {
+    ) -> Result<(), BackendError> {
         self.profile.time("mla_attention_with", &self.gpu.traffic, || {
             let lat = dims.lora + dims.rope;
             let work = out.len() / dims.v_head.max(1) * (cache.len() / lat.max(1)) * lat;
@@ -481,8 +479,9 @@ impl Backend for GpuBackend {
                             out,
                         )
                     };
-                    if LatentMirror::with(&self.gpu, cache, |buf| run(Src::Buf(buf))).is_none() {
-                        self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out)
+                    match LatentMirror::with(&self.gpu, cache, |buf| run(Src::Buf(buf))) {
+                        Some(done) => Ok(done?),
+                        None => self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out),
                     }
                 }
                 None => self.cpu.mla_attention_with(q, cache, past, kv_b, dims, scale, visible, out),
@@ -490,34 +489,41 @@ impl Backend for GpuBackend {
         })
     }
 
-    fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
+    fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), BackendError> {
         self.profile.time("attn_res_mix", &self.gpu.traffic, || {
             let work = sources.len() * score_w.len();
             if sources.is_empty() || sources.len() > Limits::ATTN_RES_SOURCES || !self.on_gpu(work) || !self.fits(work)
             {
                 return self.cpu.attn_res_mix(sources, score_w, eps, out);
             }
-            self.ops.attn_res_mix(&self.gpu, sources, score_w, eps, out)
+            Ok(self.ops.attn_res_mix(&self.gpu, sources, score_w, eps, out)?)
         })
     }
 
-    fn route_top_k(&self, logits: &[f32], bias: &[f32], rule: RouteRule, experts: &mut [u32], weights: &mut [f32]) {
+    fn route_top_k(
+        &self,
+        logits: &[f32],
+        bias: &[f32],
+        rule: RouteRule,
+        experts: &mut [u32],
+        weights: &mut [f32],
+    ) -> Result<(), BackendError> {
         self.profile.time("route_top_k", &self.gpu.traffic, || {
             let fits =
                 !bias.is_empty() && bias.len() <= Limits::EXPERTS && rule.k <= Limits::TOP_K && rule.k <= bias.len();
             if !fits || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
                 return self.cpu.route_top_k(logits, bias, rule, experts, weights);
             }
-            self.ops.route_top_k(&self.gpu, logits, bias, rule, experts, weights)
+            Ok(self.ops.route_top_k(&self.gpu, logits, bias, rule, experts, weights)?)
         })
     }
 
-    fn argmax(&self, logits: &[f32]) -> u32 {
+    fn argmax(&self, logits: &[f32]) -> Result<u32, BackendError> {
         self.profile.time("argmax", &self.gpu.traffic, || {
             if logits.is_empty() || !self.on_gpu(logits.len()) || !self.fits(logits.len()) {
                 return self.cpu.argmax(logits);
             }
-            self.ops.argmax(&self.gpu, logits)
+            Ok(self.ops.argmax(&self.gpu, logits)?)
         })
     }
 }

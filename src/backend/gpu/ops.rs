@@ -12,8 +12,9 @@
 //! The callers in `gpu/mod.rs` decide by size which calls come here and check the kernels' limits
 //! (see [`Limits`]).
 
-use super::device::{ComputeLayout, Gpu, Stamp, shader};
+use super::device::{ComputeLayout, Gpu, GpuError, Stamp, shader};
 use super::kernels::Kernel;
+use crate::backend::{HeadIn, MlaDims, RouteRule};
 
 /// The kernels' fixed sizes; larger calls stay on the CPU.
 pub struct Limits;
@@ -103,7 +104,7 @@ impl Ops {
         outs: [Dst; 2],
         params: [u32; 16],
         groups: (u32, u32),
-    ) -> [Vec<u32>; 2] {
+    ) -> Result<[Vec<u32>; 2], GpuError> {
         let staged: Vec<Option<wgpu::Buffer>> = ins
             .iter()
             .map(|s| match s {
@@ -159,23 +160,24 @@ impl Ops {
                 _ => None,
             })
             .collect();
-        let mut got = gpu.finish_words(enc, &want).into_iter();
+        let got = gpu.finish_words(enc, &want);
+        for b in staged.into_iter().flatten() {
+            gpu.give(super::device::STAGED, b);
+        }
+        let mut got = got?.into_iter();
         gpu.stamp_read(stamp, None);
         let res = outs.map(|d| match d {
             Dst::Read(w) if w > 0 => got.next().unwrap_or_default(),
             _ => Vec::new(),
         });
-        for b in staged.into_iter().flatten() {
-            gpu.give(super::device::STAGED, b);
-        }
         for b in pooled.into_iter().flatten() {
             gpu.give(super::device::OUTPUT, b);
         }
-        res
+        Ok(res)
     }
 
     /// RMSNorm of every row of `x` (rows of `w.len()`), in place.
-    pub fn rms_norm_rows(&self, gpu: &Gpu, x: &mut [f32], w: &[f32], eps: f32) {
+    pub fn rms_norm_rows(&self, gpu: &Gpu, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), GpuError> {
         let cols = w.len();
         let rows = x.len() / cols.max(1);
         let mut p = [0u32; 16];
@@ -187,11 +189,20 @@ impl Ops {
             [Dst::Read(x.len()), Dst::Scratch(0)],
             p,
             grid(rows.div_ceil(16)),
-        );
+        )?;
         copy_f32(&o, x);
+        Ok(())
     }
 
-    pub fn situ(&self, gpu: &Gpu, beta: f32, linear_beta: f32, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    pub fn situ(
+        &self,
+        gpu: &Gpu,
+        beta: f32,
+        linear_beta: f32,
+        gate: &[f32],
+        up: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
         let n = out.len();
         let mut p = [0u32; 16];
         p[..3].copy_from_slice(&[n as u32, beta.to_bits(), linear_beta.to_bits()]);
@@ -203,8 +214,9 @@ impl Ops {
             [Dst::Read(n), Dst::Scratch(0)],
             p,
             (gx, gy),
-        );
+        )?;
         copy_f32(&o, out);
+        Ok(())
     }
 
     /// The bind group of a, b, wq, out, out2 and a uniform block holding `params`.
@@ -248,7 +260,14 @@ impl Ops {
     }
 
     /// At most [`Limits::ATTN_RES_SOURCES`] sources.
-    pub fn attn_res_mix(&self, gpu: &Gpu, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) {
+    pub fn attn_res_mix(
+        &self,
+        gpu: &Gpu,
+        sources: &[&[f32]],
+        score_w: &[f32],
+        eps: f32,
+        out: &mut [f32],
+    ) -> Result<(), GpuError> {
         let h = score_w.len();
         let packed: Vec<f32> = sources.iter().flat_map(|s| s.iter().copied()).collect();
         let mut p = [0u32; 16];
@@ -260,8 +279,9 @@ impl Ops {
             [Dst::Read(h), Dst::Scratch(0)],
             p,
             (1, 1),
-        );
+        )?;
         copy_f32(&o, out);
+        Ok(())
     }
 
     /// At most [`Limits::EXPERTS`] experts and [`Limits::TOP_K`] selected.
@@ -270,10 +290,10 @@ impl Ops {
         gpu: &Gpu,
         logits: &[f32],
         bias: &[f32],
-        rule: crate::k3::moe::RouteRule,
+        rule: RouteRule,
         experts: &mut [u32],
         weights: &mut [f32],
-    ) {
+    ) -> Result<(), GpuError> {
         let e = bias.len();
         let n = logits.len() / e.max(1);
         let mut p = [0u32; 16];
@@ -285,14 +305,15 @@ impl Ops {
             [Dst::Read(n * rule.k), Dst::Read(n * rule.k)],
             p,
             grid(n),
-        );
+        )?;
         copy_f32(&w, weights);
         for (e, v) in experts.iter_mut().zip(&x) {
             *e = *v;
         }
+        Ok(())
     }
 
-    pub fn argmax(&self, gpu: &Gpu, logits: &[f32]) -> u32 {
+    pub fn argmax(&self, gpu: &Gpu, logits: &[f32]) -> Result<u32, GpuError> {
         let mut p = [0u32; 16];
         p[0] = logits.len() as u32;
         let [_, i] = self.run(
@@ -302,8 +323,8 @@ impl Ops {
             [Dst::Scratch(0), Dst::Read(1)],
             p,
             (1, 1),
-        );
-        i.first().copied().unwrap_or(0)
+        )?;
+        i.first().copied().ok_or_else(|| GpuError::Readback { msg: "argmax returned no index".into() })
     }
 
     /// The recurrence of every head over `n` rows from the state `s_in` into `s_out` (the final
@@ -315,11 +336,11 @@ impl Ops {
         gpu: &Gpu,
         s_in: Src,
         s_out: Dst,
-        heads: &[crate::cpu::kda::HeadIn],
+        heads: &[HeadIn],
         dk: usize,
         dv: usize,
         with_o: bool,
-    ) -> (Vec<u32>, Vec<u32>) {
+    ) -> Result<(Vec<u32>, Vec<u32>), GpuError> {
         let nh = heads.len();
         let n = heads.first().map_or(0, |h| h.beta.len());
         // q only where outputs are wanted (a replay's rows carry no q).
@@ -350,8 +371,8 @@ impl Ops {
             p,
             // 32 columns per workgroup (`kda.wgsl`).
             (dv.div_ceil(32) as u32, nh as u32),
-        );
-        (s, o)
+        )?;
+        Ok((s, o))
     }
 
     /// The MLA core over the first `cache_floats` of the device cache `cache`, with kv_b resident
@@ -364,11 +385,11 @@ impl Ops {
         (cache, cache_floats): (Src, usize),
         past: usize,
         (kv_b, stride): (&wgpu::Buffer, usize),
-        d: crate::cpu::mla::MlaDims,
+        d: MlaDims,
         scale: f32,
         causal: bool,
         out: &mut [f32],
-    ) {
+    ) -> Result<(), GpuError> {
         let qd = d.nope + d.rope;
         let lat = d.lora + d.rope;
         let n = q.len() / (d.heads * qd).max(1);
@@ -398,8 +419,9 @@ impl Ops {
             [Dst::Read(out.len()), Dst::Scratch(n * d.heads * all)],
             p,
             grid(n * d.heads),
-        );
+        )?;
         copy_f32(&o, out);
+        Ok(())
     }
 }
 

@@ -78,7 +78,7 @@ impl DeviceState {
 }
 
 impl DeviceCopy for DeviceState {
-    fn read(&self, out: &mut [f32]) {
+    fn read(&self, out: &mut [f32]) -> Result<(), crate::backend::BackendError> {
         let size = self.mem.buf.size();
         let read = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("state readback"),
@@ -90,9 +90,11 @@ impl DeviceCopy for DeviceState {
         enc.copy_buffer_to_buffer(&self.mem.buf, 0, &read, 0, size);
         self.mem.traffic.submitted(size);
         let idx = self.queue.submit([enc.finish()]);
-        for (o, w) in out.iter_mut().zip(map_words(&self.device, &self.mem.traffic, &read, self.floats, Some(idx))) {
+        let words = map_words(&self.device, &self.mem.traffic, &read, self.floats, Some(idx))?;
+        for (o, w) in out.iter_mut().zip(words) {
             *o = f32::from_bits(w);
         }
+        Ok(())
     }
 
     fn as_any(&self) -> &dyn std::any::Any {

@@ -1,13 +1,13 @@
 //! One sequence's DSpark drafter: the latent cache of its context rows, fed by the taps of the
-//! rows K3 committed.
+//! rows K3 committed; the model it drafts with is `k3::dspark`.
 //!
 //! Contract: the cache holds one row per committed token, in position order; [`Drafter::observe`]
 //! with rows starting at position p first drops every cached row at p or later (a truncated
 //! session, a rejected verify), so the cache always describes a prefix of the committed tokens.
 //! Past [`MAX_DRAFT_CONTEXT`] tokens it neither caches nor drafts.
 
-use super::{DSparkModel, MAX_DRAFT_CONTEXT};
-use crate::backend::AppendBuf;
+use crate::backend::{AppendBuf, BackendError};
+use crate::k3::dspark::{DSparkModel, MAX_DRAFT_CONTEXT};
 use crate::sched::RowsOut;
 use crate::spec::Drafter;
 use std::sync::Arc;
@@ -41,31 +41,32 @@ impl DSparkDrafter {
     }
 
     /// Appends the context rows of `n` committed tokens at positions `start..start + n` from the
-    /// tapped rows (in `model.cfg.target_layers` order).
-    pub fn append(&mut self, start: usize, taps: &[&[f32]], n: usize) {
+    /// tapped rows (in `model.cfg.target_layers` order). On an error nothing is appended.
+    pub fn append(&mut self, start: usize, taps: &[&[f32]], n: usize) -> Result<(), BackendError> {
         self.truncate(start);
         // A gap (rows of earlier tokens never seen) cannot be filled later: keep what is contiguous.
         if start != self.rows {
-            return;
+            return Ok(());
         }
         let n = n.min(MAX_DRAFT_CONTEXT.saturating_sub(start));
         if n == 0 {
-            return;
+            return Ok(());
         }
         let th = self.model.cfg.target_hidden;
         let taps: Vec<&[f32]> = taps.iter().map(|t| &t[..n * th]).collect();
-        for (c, new) in self.caches.iter_mut().zip(self.model.context_latents(&taps, start)) {
+        for (c, new) in self.caches.iter_mut().zip(self.model.context_latents(&taps, start)?) {
             c.extend_from_slice(&new);
         }
         self.rows += n;
+        Ok(())
     }
 
     /// The block's drafts after the cached context for `anchor` at position `pos`.
-    pub fn draft(&mut self, anchor: u32, pos: usize) -> Vec<u32> {
+    pub fn draft(&mut self, anchor: u32, pos: usize) -> Result<Vec<u32>, BackendError> {
         self.truncate(pos);
-        let (logits, drafts) = self.model.block(&mut self.caches, anchor, pos);
+        let (logits, drafts) = self.model.block(&mut self.caches, anchor, pos)?;
         self.last_logits = logits;
-        drafts
+        Ok(drafts)
     }
 }
 
@@ -74,32 +75,35 @@ impl Drafter for DSparkDrafter {
         "dspark"
     }
 
-    fn propose(&mut self, context: &[u32], k: usize) -> Vec<u32> {
-        let Some(&anchor) = context.last() else { return Vec::new() };
+    fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, BackendError> {
+        let Some(&anchor) = context.last() else { return Ok(Vec::new()) };
         let pos = context.len() - 1;
         // Rows past the anchor belong to tokens no longer committed (a rolled-back prefill).
         self.truncate(pos);
         // Without the whole context cached (past the limit, or rows never observed) it stays quiet.
         if k == 0 || pos >= MAX_DRAFT_CONTEXT || self.rows != pos {
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        let mut d = self.draft(anchor, pos);
+        let mut d = self.draft(anchor, pos)?;
         d.truncate(k);
-        d
+        Ok(d)
     }
 
     fn taps(&self) -> &[usize] {
         &self.model.cfg.target_layers
     }
 
-    fn observe(&mut self, start: usize, rows: &RowsOut, committed: usize) {
+    fn observe(&mut self, start: usize, rows: &RowsOut, committed: usize) -> Result<(), BackendError> {
         let layers = &self.model.cfg.target_layers;
         let taps: Option<Vec<&[f32]>> =
             layers.iter().map(|l| rows.taps.iter().find(|(tl, _)| tl == l).map(|(_, r)| r.as_slice())).collect();
         match taps {
             Some(t) => self.append(start, &t, committed),
             // A forward without this drafter's taps: the context has a hole from here on.
-            None => self.truncate(start),
+            None => {
+                self.truncate(start);
+                Ok(())
+            }
         }
     }
 }

@@ -3,8 +3,7 @@
 //! depend on threading.
 
 use super::DSparkModel;
-use crate::backend::AppendBuf;
-use crate::backend::cpu::mla::{MlaDims, Visible};
+use crate::backend::{AppendBuf, BackendError, MlaDims, Visible};
 use crate::cpu::decode_bf16_row;
 use crate::cpu::ops::sigmoid;
 
@@ -22,24 +21,24 @@ impl DSparkModel {
 
     /// `[kv_a_layernorm(c) | RoPE(k_pe)]` rows of layer `l` for inputs `x` [n, hidden] at
     /// positions `start..`.
-    fn latents(&self, l: usize, x: &[f32], start: usize) -> Vec<f32> {
+    fn latents(&self, l: usize, x: &[f32], start: usize) -> Result<Vec<f32>, BackendError> {
         let c = &self.cfg;
         let lat = c.latent_width();
         let w = &self.layers[l];
         let mut out = vec![0f32; x.len() / c.hidden * lat];
-        self.be.matmul_bf16(&w.kv_a, x, &mut out);
+        self.be.matmul_bf16(&w.kv_a, x, &mut out)?;
         for (i, row) in out.chunks_exact_mut(lat).enumerate() {
             let (latent, pe) = row.split_at_mut(c.kv_lora);
-            self.be.rms_norm_rows(latent, &w.kv_a_norm, c.rms_eps);
+            self.be.rms_norm_rows(latent, &w.kv_a_norm, c.rms_eps)?;
             self.rope(pe, start + i);
         }
-        out
+        Ok(out)
     }
 
     /// Context rows from the taps: `taps[j]` holds the rows [n, target hidden] after
     /// `target_layers[j]` for the tokens at positions `start..start + n`. Returns each draft
     /// layer's latent rows [n, kv_lora + rope].
-    pub fn context_latents(&self, taps: &[&[f32]], start: usize) -> Vec<Vec<f32>> {
+    pub fn context_latents(&self, taps: &[&[f32]], start: usize) -> Result<Vec<Vec<f32>>, BackendError> {
         let c = &self.cfg;
         let th = c.target_hidden;
         let n = taps.first().map_or(0, |t| t.len() / th);
@@ -50,8 +49,8 @@ impl DSparkModel {
             }
         }
         let mut ctx = vec![0f32; n * c.hidden];
-        self.be.matmul_bf16(&self.context_proj, &x, &mut ctx);
-        self.be.rms_norm_rows(&mut ctx, &self.context_norm, c.rms_eps);
+        self.be.matmul_bf16(&self.context_proj, &x, &mut ctx)?;
+        self.be.rms_norm_rows(&mut ctx, &self.context_norm, c.rms_eps)?;
         (0..c.layers).map(|l| self.latents(l, &ctx, start)).collect()
     }
 
@@ -59,7 +58,13 @@ impl DSparkModel {
     /// block's rows are appended for its attention and taken off again):
     /// `[anchor, mask x (block - 1)]` at positions `pos..`. Returns the logits of every row
     /// [block, vocab] (Markov term included) and the block's greedy drafts, one per row.
-    pub fn block(&self, caches: &mut [AppendBuf], anchor: u32, pos: usize) -> (Vec<f32>, Vec<u32>) {
+    /// On an error the caches are as before the call.
+    pub fn block(
+        &self,
+        caches: &mut [AppendBuf],
+        anchor: u32,
+        pos: usize,
+    ) -> Result<(Vec<f32>, Vec<u32>), BackendError> {
         let c = &self.cfg;
         let (h, n, nh) = (c.hidden, c.block, c.heads);
         let be = &*self.be;
@@ -75,12 +80,12 @@ impl DSparkModel {
         for (l, w) in self.layers.iter().enumerate() {
             // Attention: h += o_proj(MLA(RMSNorm(h))).
             let mut x = hs.clone();
-            be.rms_norm_rows(&mut x, &w.input_norm, c.rms_eps);
+            be.rms_norm_rows(&mut x, &w.input_norm, c.rms_eps)?;
             let mut qa = vec![0f32; n * c.q_lora];
-            be.matmul_bf16(&w.q_a, &x, &mut qa);
-            be.rms_norm_rows(&mut qa, &w.q_a_norm, c.rms_eps);
+            be.matmul_bf16(&w.q_a, &x, &mut qa)?;
+            be.rms_norm_rows(&mut qa, &w.q_a_norm, c.rms_eps)?;
             let mut q = vec![0f32; n * nh * qd];
-            be.matmul_bf16(&w.q_b, &qa, &mut q);
+            be.matmul_bf16(&w.q_b, &qa, &mut q)?;
             for (r, row) in q.chunks_exact_mut(nh * qd).enumerate() {
                 for head in row.chunks_exact_mut(qd) {
                     self.rope(&mut head[c.nope..], pos + r);
@@ -89,31 +94,32 @@ impl DSparkModel {
             // Keys and values: the context cache, then the block's own rows (not kept).
             let kv = &mut caches[l];
             let context = kv.len();
-            kv.extend_from_slice(&self.latents(l, &x, pos));
+            kv.extend_from_slice(&self.latents(l, &x, pos)?);
             let mut att = vec![0f32; n * nh * c.v_head];
-            be.mla_attention_with(&q, kv, context / lat, &w.kv_b, dims, scale, Visible::All, &mut att);
+            let done = be.mla_attention_with(&q, kv, context / lat, &w.kv_b, dims, scale, Visible::All, &mut att);
             kv.truncate(context);
+            done?;
             let mut o = vec![0f32; n * h];
-            be.matmul_bf16(&w.o_proj, &att, &mut o);
+            be.matmul_bf16(&w.o_proj, &att, &mut o)?;
             add(&mut hs, &o);
 
             // MLP: h += down(silu(gate(x)) * up(x)), x = RMSNorm(h).
             let mut x = hs.clone();
-            be.rms_norm_rows(&mut x, &w.post_norm, c.rms_eps);
+            be.rms_norm_rows(&mut x, &w.post_norm, c.rms_eps)?;
             let (mut g, mut u) = (vec![0f32; n * c.intermediate], vec![0f32; n * c.intermediate]);
-            be.matmul_bf16(&w.mlp.gate, &x, &mut g);
-            be.matmul_bf16(&w.mlp.up, &x, &mut u);
+            be.matmul_bf16(&w.mlp.gate, &x, &mut g)?;
+            be.matmul_bf16(&w.mlp.up, &x, &mut u)?;
             for (gi, ui) in g.iter_mut().zip(&u) {
                 *gi = *gi * sigmoid(*gi) * ui;
             }
             let mut d = vec![0f32; n * h];
-            be.matmul_bf16(&w.mlp.down, &g, &mut d);
+            be.matmul_bf16(&w.mlp.down, &g, &mut d)?;
             add(&mut hs, &d);
         }
-        be.rms_norm_rows(&mut hs, &self.final_norm, c.rms_eps);
+        be.rms_norm_rows(&mut hs, &self.final_norm, c.rms_eps)?;
         let v = c.vocab;
         let mut logits = vec![0f32; n * v];
-        be.matmul_bf16(&self.lm_head, &hs, &mut logits);
+        be.matmul_bf16(&self.lm_head, &hs, &mut logits)?;
         if c.logit_scale != 1.0 {
             logits.iter_mut().for_each(|x| *x *= c.logit_scale);
         }
@@ -124,12 +130,12 @@ impl DSparkModel {
         let mut bias = vec![0f32; v];
         for row in logits.chunks_exact_mut(v) {
             decode_bf16_row(self.markov_w1.row(prev as usize), &mut emb);
-            be.matmul_bf16(&self.markov_w2, &emb, &mut bias);
+            be.matmul_bf16(&self.markov_w2, &emb, &mut bias)?;
             add(row, &bias);
-            prev = be.argmax(row);
+            prev = be.argmax(row)?;
             drafts.push(prev);
         }
-        (logits, drafts)
+        Ok((logits, drafts))
     }
 }
 

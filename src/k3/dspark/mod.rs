@@ -3,8 +3,8 @@
 //! Contract: [`DSparkModel::open`] loads `config.json` + `model.safetensors` as published (names
 //! and shapes in docs/dspark.md), checks every tensor's dtype and shape against the config and the
 //! target, and borrows K3's own embeddings and `lm_head` (the checkpoint's `embed_tokens` copy is
-//! never read). The model is shared by all sessions; each [`DSparkDrafter`] keeps its own latent
-//! cache of context rows. Drafts are proposals only: K3 verifies every one, so nothing here can
+//! never read). The model is shared by all sessions; each drafter (`spec::DSparkDrafter`, the
+//! draft-verify policy's side) keeps its own latent cache of context rows. Drafts are proposals only: K3 verifies every one, so nothing here can
 //! change the output — only how many drafts are accepted.
 //!
 //! Context: after each tapped K3 layer the completed row (the AttnRes `prefix` after the FFN) is
@@ -16,15 +16,12 @@
 //! (`logits[r] += markov_w2 . markov_w1[prev]`, prev = anchor, then the previous row's draft).
 
 pub mod config;
-mod drafter;
 mod forward;
 pub mod synth;
 
 pub use config::DSparkConfig;
-pub use drafter::DSparkDrafter;
 
-use crate::backend::Backend;
-use crate::cpu::Bf16Mat;
+use crate::backend::{Backend, Bf16Mat};
 use crate::k3::weights::{MlpWeights, Weights};
 use crate::model::{Checkpoint, K3Config, ModelError};
 use safetensors::tensor::Dtype;
@@ -245,10 +242,5 @@ impl DSparkModel {
             crate::util::human_bytes(self.weight_bytes()),
             crate::util::human_bytes(self.cache_bytes())
         )
-    }
-
-    /// A drafter with an empty context cache.
-    pub fn drafter(self: &Arc<Self>) -> DSparkDrafter {
-        DSparkDrafter::new(Arc::clone(self))
     }
 }
