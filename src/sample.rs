@@ -9,7 +9,7 @@
 //! Every pick draws exactly one uniform number, which is what lets speculative sampling
 //! ([`crate::spec`]) reproduce plain sampling token for token.
 
-use crate::k3::argmax;
+use crate::backend::cpu::ops::argmax;
 use std::sync::{Arc, Mutex};
 
 /// How tokens are chosen.

@@ -1,8 +1,10 @@
-//! Counters and phase timers with the stable names of DESIGN.md, and their JSON and text reports.
+//! Counters and phase timers with the stable names of DESIGN.md, their JSON and text reports, and
+//! the header every benchmark record starts with ([`bench_record`]: kind, date, machine, git
+//! revision, command).
 //!
 //! The forward pass adds to a [`Stats`]; the CLI fills the run-level fields (ttft, rates) and
-//! prints `--stats` (text, stderr) or writes `--stats-json FILE`. Counters that a component does
-//! not measure yet are reported as null, never as a made-up zero.
+//! prints its text report or writes its JSON. Counters that a component does not measure yet are
+//! reported as null, never as a made-up zero.
 
 use serde_json::{Value, json};
 use std::collections::HashSet;
@@ -326,6 +328,56 @@ fn add_at(a: &mut Vec<u64>, b: &[u64]) {
 
 fn fmt_ms(v: &Value) -> String {
     v.as_f64().map_or("n/a".into(), |x| format!("{x:.2}"))
+}
+
+/// Machine facts for benchmark records: CPU model, cores, kernel, memory.
+pub fn machine_info() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let kernel =
+        std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_string()).unwrap_or_default();
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024);
+    serde_json::json!({
+        "cpu": cpu,
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "kernel": kernel,
+        "mem_bytes": mem,
+        "isa": crate::backend::cpu::isa().name(),
+    })
+}
+
+/// The fields every benchmark record starts with: kind, date, machine, git revision, command.
+pub fn bench_header(kind: &str) -> serde_json::Map<String, serde_json::Value> {
+    let mut m = serde_json::Map::new();
+    m.insert("bench".into(), kind.into());
+    m.insert("date".into(), crate::util::today().into());
+    m.insert("machine".into(), machine_info());
+    m.insert("git".into(), crate::util::git_revision().into());
+    m.insert("command".into(), std::env::args().collect::<Vec<_>>().join(" ").into());
+    m
+}
+
+/// `header` followed by the fields of `body` (an object).
+pub fn bench_record(kind: &str, body: serde_json::Value) -> serde_json::Value {
+    let mut m = bench_header(kind);
+    if let serde_json::Value::Object(b) = body {
+        m.extend(b);
+    }
+    serde_json::Value::Object(m)
 }
 
 /// Peak resident set size of this process (VmHWM), where the OS reports it.

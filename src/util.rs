@@ -1,6 +1,9 @@
 //! Small shared helpers: atomic file writes (never through a non-regular file) and output-path
-//! checks, f32 safetensors output, stale temp cleanup, cache directory, byte formatting, bench
-//! record headers.
+//! checks, f32 safetensors output, stale temp cleanup, cache directory, byte formatting, dates,
+//! free space on a file system, and the eviction order of cache slots (the store's RAM cache and
+//! the GPU's device cache).
+//!
+//! Contract: the lowest floor of the crate — it imports nothing of it, so every module may use it.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -188,36 +191,6 @@ pub fn human_bytes(b: u64) -> String {
     if u == 0 { format!("{b} B") } else { format!("{v:.1} {}", UNITS[u]) }
 }
 
-/// Machine facts for benchmark records: CPU model, cores, kernel, memory.
-pub fn machine_info() -> serde_json::Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    let kernel =
-        std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_string()).unwrap_or_default();
-    let mem = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map(|kb| kb * 1024);
-    serde_json::json!({
-        "cpu": cpu,
-        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-        "kernel": kernel,
-        "mem_bytes": mem,
-        "isa": crate::cpu::isa().name(),
-    })
-}
-
 /// The git revision the binary was built from ("unknown" outside a checkout).
 pub fn git_revision() -> String {
     env!("DELTAFIN_GIT_REV").to_string()
@@ -260,28 +233,115 @@ impl XorShift {
     }
 }
 
-/// The fields every benchmark record starts with: kind, date, machine, git revision, command.
-pub fn bench_header(kind: &str) -> serde_json::Map<String, serde_json::Value> {
-    let mut m = serde_json::Map::new();
-    m.insert("bench".into(), kind.into());
-    m.insert("date".into(), today().into());
-    m.insert("machine".into(), machine_info());
-    m.insert("git".into(), git_revision().into());
-    m.insert("command".into(), std::env::args().collect::<Vec<_>>().join(" ").into());
-    m
-}
-
-/// `header` followed by the fields of `body` (an object).
-pub fn bench_record(kind: &str, body: serde_json::Value) -> serde_json::Value {
-    let mut m = bench_header(kind);
-    if let serde_json::Value::Object(b) = body {
-        m.extend(b);
-    }
-    serde_json::Value::Object(m)
-}
-
 /// A seed for a sampler nobody gave one: the clock's nanoseconds mixed with the process id.
 pub fn fresh_seed() -> u64 {
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     t ^ (u64::from(std::process::id()) << 32)
+}
+
+/// Cached slots in eviction order: lowest rank (how often the expert was requested) first, least
+/// recently cached first among equals. O(log n) per change, so finding the victim is not a scan of
+/// the cache on every landing expert.
+pub struct EvictionOrder {
+    /// (rank, recency) of each slot in the order.
+    keys: Vec<Option<(u32, u64)>>,
+    order: std::collections::BTreeSet<(u32, u64, usize)>,
+    seq: u64,
+}
+
+impl EvictionOrder {
+    pub fn new(n: usize) -> Self {
+        EvictionOrder { keys: vec![None; n], order: std::collections::BTreeSet::new(), seq: 0 }
+    }
+
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    pub fn contains(&self, i: usize) -> bool {
+        self.keys[i].is_some()
+    }
+
+    /// Adds `i` (or moves it) as the most recently cached slot of rank `rank`.
+    pub fn push(&mut self, i: usize, rank: u32) {
+        self.remove(i);
+        self.seq += 1;
+        self.keys[i] = Some((rank, self.seq));
+        self.order.insert((rank, self.seq, i));
+    }
+
+    /// Changes the rank of a cached slot, keeping its recency.
+    pub fn rerank(&mut self, i: usize, rank: u32) {
+        if let Some((r, seq)) = self.keys[i].filter(|&(r, _)| r != rank) {
+            self.order.remove(&(r, seq, i));
+            self.keys[i] = Some((rank, seq));
+            self.order.insert((rank, seq, i));
+        }
+    }
+
+    pub fn remove(&mut self, i: usize) {
+        if let Some((r, seq)) = self.keys[i].take() {
+            self.order.remove(&(r, seq, i));
+        }
+    }
+
+    /// The next victim and its rank.
+    pub fn first(&self) -> Option<(u32, usize)> {
+        self.order.iter().next().map(|&(r, _, i)| (r, i))
+    }
+}
+
+/// Free bytes of the file system holding `path` (or its nearest existing ancestor).
+pub fn free_bytes(path: &Path) -> std::io::Result<u64> {
+    let mut p = path.to_path_buf();
+    while !p.exists() {
+        if !p.pop() {
+            p = PathBuf::from(".");
+            break;
+        }
+    }
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: statvfs writes only into the zeroed struct we pass; the path is NUL-terminated.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(s.f_bavail as u64 * s.f_frsize as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_order() {
+        // Equal ranks: least recently cached first (the order the LRU list kept).
+        let mut l = EvictionOrder::new(5);
+        for i in [3, 1, 4] {
+            l.push(i, 0);
+        }
+        l.push(3, 0);
+        l.remove(4);
+        let mut pop = || l.first().map(|(_, i)| i).inspect(|&i| l.remove(i));
+        assert_eq!(pop(), Some(1));
+        assert_eq!(pop(), Some(3));
+        assert_eq!(pop(), None);
+        assert!(l.is_empty());
+        // Lower rank first whatever the recency; a rerank keeps recency.
+        let mut o = EvictionOrder::new(4);
+        o.push(0, 5);
+        o.push(1, 2);
+        o.push(2, 2);
+        assert_eq!(o.first(), Some((2, 1)));
+        o.rerank(1, 9);
+        assert_eq!(o.first(), Some((2, 2)));
+        o.rerank(2, 5);
+        assert_eq!(o.first(), Some((5, 0)), "equal rank: the earlier cached goes first");
+    }
 }

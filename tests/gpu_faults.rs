@@ -17,6 +17,9 @@ use deltafin::engine::{Engine, EngineConfig, GenerateOptions, Session};
 use deltafin::k3::KdaMode;
 use std::process::Command;
 
+/// Held by each test: the hook counts every readback of the process (a GPU's open included).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// What a caller can see of a session: position, tokens and the bits of its last logits.
 fn seen(s: &Session) -> (usize, Vec<u32>, Option<Vec<u32>>) {
     (s.pos(), s.tokens().to_vec(), s.logits().map(bits))
@@ -37,6 +40,7 @@ fn is_readback_failure(e: &impl std::fmt::Display) -> bool {
 
 #[test]
 fn a_failed_readback_is_an_error_that_leaves_the_session_as_it_was() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     if let Err(e) = GpuBackend::new(true) {
         eprintln!("skipping: {e}");
         return;
@@ -104,6 +108,7 @@ fn a_failed_readback_is_an_error_that_leaves_the_session_as_it_was() {
 
 #[test]
 fn the_cli_exits_with_the_failure_and_prints_only_correct_tokens() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     if GpuBackend::new(true).is_err() {
         return;
     }

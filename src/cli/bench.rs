@@ -164,7 +164,7 @@ fn bench_io(a: IoArgs) -> Result<()> {
     let best = |v: &[f64]| v.iter().copied().fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
     let ours_best = best(&ours).unwrap_or(0.0);
     let fio_gbps = best(&theirs);
-    let record = crate::util::bench_record(
+    let record = crate::stats::bench_record(
         "io",
         serde_json::json!({
             "label": a.label,
@@ -316,7 +316,7 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
     let peak_g = peak / 1e9;
     let prompt_gmac = macs * a.rows as f64 / mxm / 1e9;
     let expert_gmac = macs * m_rows as f64 / mm / 1e9;
-    let record = crate::util::bench_record(
+    let record = crate::stats::bench_record(
         "kernels",
         serde_json::json!({
             "threads": rayon::current_num_threads(),
@@ -438,7 +438,7 @@ fn bench_kernels_gpu(a: &KernelArgs, g: &crate::backend::gpu::GpuBackend, mr: us
             }
         }
     }
-    let record = crate::util::bench_record("kernels", serde_json::Value::Object(rec));
+    let record = crate::stats::bench_record("kernels", serde_json::Value::Object(rec));
     println!("{record}");
     Ok(())
 }

@@ -415,7 +415,7 @@ fn one_run(
     });
     let layers_moe = opened.cfg.moe_layers() as u64;
     let chunks = prompt.len().div_ceil(engine_args.prefill_rows.max(1)) as u64;
-    Ok(crate::util::bench_record(
+    Ok(crate::stats::bench_record(
         "run",
         json!({
             "model": a.model.display().to_string(),

@@ -120,25 +120,7 @@ pub fn verify_file(path: &Path, f: &RepoFile) -> Result<bool, HubError> {
     Ok(c.finish().is_ok())
 }
 
-/// Free bytes of the filesystem holding `path` (or its nearest existing ancestor).
-pub fn free_bytes(path: &Path) -> std::io::Result<u64> {
-    let mut p = path.to_path_buf();
-    while !p.exists() {
-        if !p.pop() {
-            p = PathBuf::from(".");
-            break;
-        }
-    }
-    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: statvfs writes only into the zeroed struct we pass; the path is NUL-terminated.
-    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(s.f_bavail as u64 * s.f_frsize as u64)
-}
+pub use crate::util::free_bytes;
 
 fn is_complete(j: &Job) -> bool {
     std::fs::metadata(&j.dest).is_ok_and(|m| m.is_file() && m.len() == j.file.size)

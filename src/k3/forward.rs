@@ -16,9 +16,10 @@
 use super::attn_res::Residual;
 use super::moe::{self, Routes};
 use super::state::{LayerPending, LayerState, SeqState};
-use super::weights::{Attn, Ffn, LayerWeights};
+use super::weights::{Attn, Ffn, LayerWeights, MoeWeights};
 use super::{ForwardError, K3, KdaMode, kda, mla, situ};
 use crate::backend::Backend;
+use crate::model::K3Config;
 use std::ops::Range;
 
 /// Which rows of a sequence get logits.
@@ -156,7 +157,7 @@ fn layers(
                 sched.phase(Phase::DenseMlp);
                 moe::mlp(be, mw, situ(c), &x)?
             }
-            Ffn::Moe(mw) => moe::forward(be, c, mw, l, &x, sched)?,
+            Ffn::Moe(mw) => moe_layer(be, c, mw, l, &x, sched)?,
         };
         res.add(f);
         for ((s, r), o) in batch.iter().zip(&ranges).zip(outs.iter_mut()) {
@@ -171,6 +172,25 @@ fn layers(
     let out = res.mixed(be, &w.output_res_score, c.rms_eps)?;
     logits(model, batch, &ranges, &out, &mut outs)?;
     Ok(outs)
+}
+
+/// A MoE layer on rows `xn` [n, hidden]: the router, the routed input, the routed experts from
+/// `sched`, their weighted sum in router order and the shared experts; returns [n, hidden].
+fn moe_layer(
+    be: &dyn Backend,
+    c: &K3Config,
+    w: &MoeWeights,
+    layer: usize,
+    xn: &[f32],
+    sched: &mut dyn Schedule,
+) -> Result<Vec<f32>, ForwardError> {
+    sched.phase(Phase::Router);
+    let routes = moe::route(be, c, w, xn)?;
+    sched.phase(Phase::Experts);
+    let input = moe::expert_input(be, c, w, xn)?;
+    let slots = sched.routed(layer, xn, &routes, &input.zd)?;
+    sched.phase(Phase::Combine);
+    Ok(moe::combine(be, c, w, &routes, &slots, input)?)
 }
 
 /// Layer `l`'s attention for every sequence's rows of `x` (normalised), each on its own state,

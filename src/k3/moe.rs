@@ -6,14 +6,14 @@
 //! expert computes w2(situ(w1 z, w3 z)) from its raw MXFP4 bytes; outputs are summed per row in
 //! router order (never arrival order); then up_proj(RMSNorm(sum)). Shared experts see x itself.
 //!
-//! Contract: [`forward`] is one MoE layer; its routed experts come from the [`Schedule`], which
-//! decides which bytes to read and when and feeds them to [`RoutedExperts`] in any order;
+//! Contract: the layer is [`route`], [`expert_input`], the routed experts and [`combine`] (put
+//! together in `forward`); the routed experts come from the forward's schedule, which decides which
+//! bytes to read and when and feeds them to [`RoutedExperts`] in any order;
 //! [`RoutedExperts::finish`] puts every output in its (row, router slot), so the layer's result
 //! does not depend on the order the experts arrived in.
 
-use super::forward::{Phase, Schedule};
+use super::situ;
 use super::weights::{MlpWeights, MoeWeights};
-use super::{ForwardError, situ};
 use crate::backend::{Backend, BackendError, ExpertBatch, ExpertLayout, RouteRule, Situ};
 use crate::cpu::deinterleave_mxfp4_input;
 use crate::model::K3Config;
@@ -30,25 +30,6 @@ pub fn mlp(be: &dyn Backend, w: &MlpWeights, situ: Situ, xn: &[f32]) -> Result<V
     let mut out = vec![0f32; n * h];
     be.matmul_bf16(&w.down, &a, &mut out)?;
     Ok(out)
-}
-
-/// One MoE layer on rows `xn` [n, hidden]: the router, the routed input, the routed experts from
-/// `sched`, their weighted sum in router order and the shared experts; returns [n, hidden].
-pub fn forward(
-    be: &dyn Backend,
-    c: &K3Config,
-    w: &MoeWeights,
-    layer: usize,
-    xn: &[f32],
-    sched: &mut dyn Schedule,
-) -> Result<Vec<f32>, ForwardError> {
-    sched.phase(Phase::Router);
-    let routes = route(be, c, w, xn)?;
-    sched.phase(Phase::Experts);
-    let input = expert_input(be, c, w, xn)?;
-    let slots = sched.routed(layer, xn, &routes, &input.zd)?;
-    sched.phase(Phase::Combine);
-    Ok(combine(be, c, w, &routes, &slots, input)?)
 }
 
 /// Each row's selected experts and weights, in router order: [n, k].

@@ -560,7 +560,7 @@ pub fn write(
     }
     // The whole model is written before the old one (if any) is removed, so it must fit beside it.
     let need = spec.total_bytes();
-    if let Ok(have) = crate::store::probe::free_bytes(parent)
+    if let Ok(have) = crate::util::free_bytes(parent)
         && need > have
     {
         return Err(SynthError::NoSpace { dir: parent.to_path_buf(), have, need });

@@ -1,10 +1,11 @@
 //! The expert cache's memory: one 4 KiB-aligned slab of fixed-size slots (each holds one expert
-//! read, widened for O_DIRECT), the eviction order of cached slots, and the optimal (Belady) cache
-//! the store is judged against.
+//! read, widened for O_DIRECT), and the optimal (Belady) cache the store is judged against. The
+//! eviction order of cached slots is [`EvictionOrder`] (shared with the GPU's device cache).
 //!
 //! Contract: slot memory is only written by the reader that owns the slot's in-flight read and only
 //! read while the slot is pinned Ready; the store's state machine enforces both.
 
+pub use crate::util::EvictionOrder;
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 
 pub struct Slab {
@@ -69,62 +70,6 @@ impl Drop for Slab {
             // SAFETY: allocated in `new` with this layout.
             unsafe { dealloc(self.ptr, l) };
         }
-    }
-}
-
-/// Cached slots in eviction order: lowest rank (how often the expert was requested) first, least
-/// recently cached first among equals. O(log n) per change, so finding the victim is not a scan of
-/// the cache on every landing expert.
-pub struct EvictionOrder {
-    /// (rank, recency) of each slot in the order.
-    keys: Vec<Option<(u32, u64)>>,
-    order: std::collections::BTreeSet<(u32, u64, usize)>,
-    seq: u64,
-}
-
-impl EvictionOrder {
-    pub fn new(n: usize) -> Self {
-        EvictionOrder { keys: vec![None; n], order: std::collections::BTreeSet::new(), seq: 0 }
-    }
-
-    pub fn len(&self) -> usize {
-        self.order.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.order.is_empty()
-    }
-
-    pub fn contains(&self, i: usize) -> bool {
-        self.keys[i].is_some()
-    }
-
-    /// Adds `i` (or moves it) as the most recently cached slot of rank `rank`.
-    pub fn push(&mut self, i: usize, rank: u32) {
-        self.remove(i);
-        self.seq += 1;
-        self.keys[i] = Some((rank, self.seq));
-        self.order.insert((rank, self.seq, i));
-    }
-
-    /// Changes the rank of a cached slot, keeping its recency.
-    pub fn rerank(&mut self, i: usize, rank: u32) {
-        if let Some((r, seq)) = self.keys[i].filter(|&(r, _)| r != rank) {
-            self.order.remove(&(r, seq, i));
-            self.keys[i] = Some((rank, seq));
-            self.order.insert((rank, seq, i));
-        }
-    }
-
-    pub fn remove(&mut self, i: usize) {
-        if let Some((r, seq)) = self.keys[i].take() {
-            self.order.remove(&(r, seq, i));
-        }
-    }
-
-    /// The next victim and its rank.
-    pub fn first(&self) -> Option<(u32, usize)> {
-        self.order.iter().next().map(|&(r, _, i)| (r, i))
     }
 }
 
@@ -201,32 +146,6 @@ mod tests {
         let cyc: Vec<(u32, Vec<u32>)> = (0..30).map(|i| (0, vec![i % 3])).collect();
         // Keeping 0 and 1 and never admitting 2 (needed last): 2 cold misses + every 2 (10).
         assert_eq!(belady_misses(&cyc, 2), 12);
-    }
-
-    #[test]
-    fn lru_order() {
-        // Equal ranks: least recently cached first (the order the LRU list kept).
-        let mut l = EvictionOrder::new(5);
-        for i in [3, 1, 4] {
-            l.push(i, 0);
-        }
-        l.push(3, 0);
-        l.remove(4);
-        let mut pop = || l.first().map(|(_, i)| i).inspect(|&i| l.remove(i));
-        assert_eq!(pop(), Some(1));
-        assert_eq!(pop(), Some(3));
-        assert_eq!(pop(), None);
-        assert!(l.is_empty());
-        // Lower rank first whatever the recency; a rerank keeps recency.
-        let mut o = EvictionOrder::new(4);
-        o.push(0, 5);
-        o.push(1, 2);
-        o.push(2, 2);
-        assert_eq!(o.first(), Some((2, 1)));
-        o.rerank(1, 9);
-        assert_eq!(o.first(), Some((2, 2)));
-        o.rerank(2, 5);
-        assert_eq!(o.first(), Some((5, 0)), "equal rank: the earlier cached goes first");
     }
 
     #[test]

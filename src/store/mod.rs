@@ -13,6 +13,7 @@
 
 pub mod cache;
 pub mod counters;
+pub mod drive_io;
 pub mod expert_store;
 pub mod heat;
 pub mod pack;

@@ -1,7 +1,7 @@
 //! pread thread-pool reader: `qd` threads per drive, each doing positional reads into the slab slot
 //! it was given. Used where io_uring is unavailable (and on macOS, with F_NOCACHE files).
 
-use super::reader::{Done, DriveIo, FileTable, ReadOp, ReaderKind, fd_of};
+use super::drive_io::{Done, DriveIo, FileTable, ReadOp, ReaderKind, fd_of};
 use std::io;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};

@@ -49,18 +49,7 @@ pub fn is_stable(windows: &[f64]) -> bool {
     mean > 0.0 && last.iter().all(|r| (r - mean).abs() <= STABLE_SPREAD * mean)
 }
 
-/// Free bytes on the file system holding `dir`.
-pub fn free_bytes(dir: &Path) -> std::io::Result<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
-    // SAFETY: statvfs writes into a zeroed struct we own; the path is a valid C string.
-    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(s.f_bavail as u64 * s.f_frsize as u64)
-}
+pub use crate::util::free_bytes;
 
 /// Writes a probe file of `size` bytes in `dir`, measures it, deletes it.
 pub fn measure_dir(

@@ -1,7 +1,7 @@
 //! io_uring reader (Linux): one ring per drive, reads straight into slab slots, using registered
 //! (fixed) buffers when the kernel accepts them. Short reads are resubmitted for the remainder.
 
-use super::reader::{Done, DriveIo, FileTable, ReadOp, ReaderKind, fd_of};
+use super::drive_io::{Done, DriveIo, FileTable, ReadOp, ReaderKind, fd_of};
 use io_uring::{IoUring, opcode, types};
 use std::collections::HashMap;
 use std::io;

@@ -16,7 +16,7 @@
 //! admitted (it runs from a staging buffer instead), so one pass over cold experts cannot flush the
 //! hot ones.
 
-use crate::store::cache::EvictionOrder;
+use crate::util::EvictionOrder;
 use std::collections::HashMap;
 
 type Key = (u32, u32);

@@ -1,0 +1,437 @@
+//! The crate's structure, from its own source: no import cycle among the top-level modules of
+//! `src/`, none among the direct submodules of any of them, and imports run downhill — `cli` ->
+//! `serve` / `bench` -> `spec` -> `engine` -> `sched` / `hub` / `memory` / `demo` -> `k3` /
+//! `stats` -> `model` / `store` / `sample` -> `backend` -> `util` — with at most two exceptions
+//! (the issue's bar). A module that is not on a floor yet fails the test until it is given one.
+//!
+//! Imports are the `crate::` and `super::` paths of each file (use declarations, grouped `{..}`
+//! imports and paths in code), comments and string literals left out; a file's test module
+//! (from its `#[cfg(test)]` on) does not count. `crate::cpu` is `backend::cpu` (lib.rs re-exports it).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Floors, lowest first: a module may import from its own floor (without a cycle) and below.
+const FLOORS: &[&[&str]] = &[
+    &["util"],
+    &["backend"],
+    &["model", "store", "sample"],
+    &["k3", "stats"],
+    &["sched", "hub", "memory", "demo"],
+    &["engine"],
+    &["spec"],
+    &["serve", "bench"],
+    &["cli"],
+];
+
+/// At most this many (importing module, imported module) pairs may run up the floors.
+const MAX_UPHILL: usize = 2;
+
+fn rs_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+    entries.sort();
+    for p in entries {
+        if p.is_dir() {
+            rs_files(&p, out);
+        } else if p.extension().is_some_and(|e| e == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+/// The module path of a file under `src/` (`store/pread.rs` -> [store, pread]; `mod.rs` is its
+/// directory's module; `lib.rs` is the root).
+fn module_of(rel: &Path) -> Vec<String> {
+    let mut parts: Vec<String> = rel.iter().map(|s| s.to_string_lossy().into_owned()).collect();
+    let last = parts.pop().unwrap_or_default();
+    let stem = last.trim_end_matches(".rs");
+    if stem != "mod" && stem != "lib" {
+        parts.push(stem.to_string());
+    }
+    parts
+}
+
+/// The code of a file without comments, string and char literals (each replaced by a space),
+/// cut at its test module.
+fn code_of(src: &str) -> String {
+    let src = match src.find("#[cfg(test)]\nmod ") {
+        Some(i) => &src[..i],
+        None => src,
+    };
+    let b: Vec<char> = src.chars().collect();
+    let mut out = String::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        let next = b.get(i + 1).copied();
+        if c == '/' && next == Some('/') {
+            while i < b.len() && b[i] != '\n' {
+                i += 1;
+            }
+        } else if c == '/' && next == Some('*') {
+            let mut depth = 0;
+            while i < b.len() {
+                if b[i] == '/' && b.get(i + 1) == Some(&'*') {
+                    depth += 1;
+                    i += 2;
+                } else if b[i] == '*' && b.get(i + 1) == Some(&'/') {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+            out.push(' ');
+        } else if c == 'r' && (next == Some('"') || next == Some('#')) && starts_word(&b, i) {
+            // A raw string: r"..." or r#"..."#.
+            let mut j = i + 1;
+            let mut hashes = 0;
+            while b.get(j) == Some(&'#') {
+                hashes += 1;
+                j += 1;
+            }
+            if b.get(j) != Some(&'"') {
+                out.push(c);
+                i += 1;
+                continue;
+            }
+            j += 1;
+            loop {
+                match b.get(j) {
+                    None => break,
+                    Some('"') if (0..hashes).all(|k| b.get(j + 1 + k) == Some(&'#')) => {
+                        j += 1 + hashes;
+                        break;
+                    }
+                    _ => j += 1,
+                }
+            }
+            i = j;
+            out.push(' ');
+        } else if c == '"' {
+            i += 1;
+            while i < b.len() && b[i] != '"' {
+                i += if b[i] == '\\' { 2 } else { 1 };
+            }
+            i += 1;
+            out.push(' ');
+        } else if c == '\'' {
+            // A char literal ('x', '\n', '\u{..}'), or a lifetime (left as it is).
+            if next == Some('\\') {
+                let mut j = i + 2;
+                while j < b.len() && b[j] != '\'' {
+                    j += 1;
+                }
+                i = j + 1;
+                out.push(' ');
+            } else if b.get(i + 2) == Some(&'\'') {
+                i += 3;
+                out.push(' ');
+            } else {
+                out.push(c);
+                i += 1;
+            }
+        } else {
+            out.push(c);
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Whether `b[i]` starts a token (a `b` prefix of a byte string counts as part of it).
+fn starts_word(b: &[char], i: usize) -> bool {
+    let ident = |k: usize| b.get(k).is_some_and(|p| p.is_alphanumeric() || *p == '_');
+    match i.checked_sub(1) {
+        None => true,
+        Some(k) if b[k] == 'b' => k == 0 || !ident(k - 1),
+        Some(k) => !ident(k),
+    }
+}
+
+/// Expands `a::{b, c::{d, e}}` into [a::b, a::c::d, a::c::e] (segments).
+fn expand(prefix: &[String], body: &str, out: &mut Vec<Vec<String>>) {
+    let mut depth = 0;
+    let mut cur = String::new();
+    let mut items = Vec::new();
+    for ch in body.chars() {
+        match ch {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            _ => {}
+        }
+        if ch == ',' && depth == 0 {
+            items.push(std::mem::take(&mut cur));
+        } else {
+            cur.push(ch);
+        }
+    }
+    items.push(cur);
+    for item in items {
+        let item = item.trim();
+        if item.is_empty() {
+            continue;
+        }
+        match item.find('{') {
+            Some(open) => {
+                let head: Vec<String> = segments(item[..open].trim_end_matches(':'));
+                let inner = &item[open + 1..item.rfind('}').unwrap_or(item.len())];
+                expand(&[prefix, &head[..]].concat(), inner, out);
+            }
+            None => {
+                let path = item.split(" as ").next().unwrap_or(item);
+                out.push([prefix, &segments(path)[..]].concat());
+            }
+        }
+    }
+}
+
+fn segments(path: &str) -> Vec<String> {
+    path.split("::").map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect()
+}
+
+/// Every `crate::` / `super::` path in `code`, made absolute for a file of module `module`.
+fn paths_in(code: &str, module: &[String]) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let bytes = code.as_bytes();
+    for start in ["crate::", "super::"] {
+        let mut from = 0;
+        while let Some(at) = code[from..].find(start).map(|k| k + from) {
+            from = at + start.len();
+            // A whole word: not `xcrate::` or `a::super::`.
+            if at > 0 && (bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_' || bytes[at - 1] == b':') {
+                continue;
+            }
+            // The longest run of path characters, then a `{..}` group if one follows.
+            let mut end = at;
+            while end < bytes.len() && (bytes[end].is_ascii_alphanumeric() || bytes[end] == b'_' || bytes[end] == b':')
+            {
+                end += 1;
+            }
+            let text = &code[at..end];
+            let mut base: Vec<String> = Vec::new();
+            let mut rest = text;
+            if let Some(r) = rest.strip_prefix("crate::") {
+                rest = r;
+            } else {
+                base = module[..module.len().saturating_sub(1)].to_vec();
+                rest = &rest["super::".len()..];
+                while let Some(r) = rest.strip_prefix("super::") {
+                    base.pop();
+                    rest = r;
+                }
+            }
+            let prefix = [&base[..], &segments(rest)[..]].concat();
+            if (rest.is_empty() || rest.ends_with("::")) && code[end..].starts_with('{') {
+                let mut depth = 0;
+                let mut close = end;
+                for (k, ch) in code[end..].char_indices() {
+                    match ch {
+                        '{' => depth += 1,
+                        '}' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                close = end + k;
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                expand(&prefix, &code[end + 1..close], &mut out);
+            } else {
+                out.push(prefix);
+            }
+        }
+    }
+    out
+}
+
+struct Graph {
+    /// Every module (of a file) and the modules each imports.
+    edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+}
+
+fn graph() -> Graph {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rs_files(&root, &mut files);
+    let mut modules = BTreeSet::new();
+    let mut parsed = Vec::new();
+    for f in &files {
+        let rel = f.strip_prefix(&root).unwrap().to_path_buf();
+        if rel == Path::new("main.rs") {
+            // The binary: a crate of its own.
+            continue;
+        }
+        let m = module_of(&rel);
+        modules.insert(m.clone());
+        parsed.push((m, code_of(&std::fs::read_to_string(f).unwrap())));
+    }
+    // `pub use x::y;` in lib.rs makes `crate::y` an alias of `crate::x::y`.
+    let lib = code_of(&std::fs::read_to_string(root.join("lib.rs")).unwrap());
+    let mut aliases: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for line in lib.lines() {
+        if let Some(p) = line.trim().strip_prefix("pub use ").and_then(|p| p.strip_suffix(';')) {
+            let segs = segments(p);
+            if let Some(last) = segs.last() {
+                aliases.insert(last.clone(), segs.clone());
+            }
+        }
+    }
+    let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+    for (m, code) in parsed {
+        let set = edges.entry(m.clone()).or_default();
+        for mut p in paths_in(&code, &m) {
+            if let Some(full) = p.first().and_then(|s| aliases.get(s)) {
+                p = [&full[..], &p[1..]].concat();
+            }
+            // The module a path names: its longest prefix that is a module.
+            let target = (1..=p.len()).rev().map(|k| p[..k].to_vec()).find(|k| modules.contains(k));
+            if let Some(t) = target
+                && t != m
+            {
+                set.insert(t);
+            }
+        }
+    }
+    Graph { edges }
+}
+
+/// Strongly connected components of more than one node (Tarjan).
+fn cycles(g: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
+    struct T<'a> {
+        g: &'a BTreeMap<String, BTreeSet<String>>,
+        index: BTreeMap<&'a str, usize>,
+        low: BTreeMap<&'a str, usize>,
+        stack: Vec<&'a str>,
+        on: BTreeSet<&'a str>,
+        out: Vec<Vec<String>>,
+    }
+    fn visit<'a>(t: &mut T<'a>, v: &'a str) {
+        let i = t.index.len();
+        t.index.insert(v, i);
+        t.low.insert(v, i);
+        t.stack.push(v);
+        t.on.insert(v);
+        if let Some(ws) = t.g.get(v) {
+            for w in ws {
+                if !t.index.contains_key(w.as_str()) {
+                    visit(t, w);
+                    let lw = t.low[w.as_str()];
+                    let lv = t.low.get_mut(v).unwrap();
+                    *lv = (*lv).min(lw);
+                } else if t.on.contains(w.as_str()) {
+                    let iw = t.index[w.as_str()];
+                    let lv = t.low.get_mut(v).unwrap();
+                    *lv = (*lv).min(iw);
+                }
+            }
+        }
+        if t.low[v] == t.index[v] {
+            let mut comp = Vec::new();
+            while let Some(w) = t.stack.pop() {
+                t.on.remove(w);
+                comp.push(w.to_string());
+                if w == v {
+                    break;
+                }
+            }
+            if comp.len() > 1 {
+                comp.sort();
+                t.out.push(comp);
+            }
+        }
+    }
+    let mut t =
+        T { g, index: BTreeMap::new(), low: BTreeMap::new(), stack: Vec::new(), on: BTreeSet::new(), out: Vec::new() };
+    for v in g.keys() {
+        if !t.index.contains_key(v.as_str()) {
+            visit(&mut t, v);
+        }
+    }
+    t.out
+}
+
+/// Top-level module -> the top-level modules it imports.
+fn top_level(g: &Graph) -> BTreeMap<String, BTreeSet<String>> {
+    let mut top: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (from, tos) in &g.edges {
+        let Some(a) = from.first() else { continue };
+        let set = top.entry(a.clone()).or_default();
+        for to in tos {
+            if let Some(b) = to.first().filter(|b| *b != a) {
+                set.insert(b.clone());
+            }
+        }
+    }
+    top
+}
+
+#[test]
+fn no_import_cycle_among_top_level_modules() {
+    let top = top_level(&graph());
+    let found = cycles(&top);
+    assert!(found.is_empty(), "import cycles among top-level modules: {found:?}\n(imports: {top:#?})");
+}
+
+#[test]
+fn no_import_cycle_among_the_submodules_of_a_module() {
+    let g = graph();
+    // For each top-level module, its direct submodules and the imports between them (an import
+    // of or from the module's own file is not one: a parent and its children are one room).
+    let mut within: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    for (from, tos) in &g.edges {
+        for to in tos {
+            if let ([a, x, ..], [b, y, ..]) = (from.as_slice(), to.as_slice())
+                && a == b
+                && x != y
+            {
+                within.entry(a.clone()).or_default().entry(x.clone()).or_default().insert(y.clone());
+            }
+        }
+    }
+    let found: Vec<(String, Vec<Vec<String>>)> =
+        within.iter().map(|(m, sub)| (m.clone(), cycles(sub))).filter(|(_, c)| !c.is_empty()).collect();
+    assert!(found.is_empty(), "import cycles among submodules: {found:?}");
+}
+
+#[test]
+fn imports_run_downhill_with_at_most_two_exceptions() {
+    let top = top_level(&graph());
+    let floor = |m: &str| FLOORS.iter().position(|f| f.contains(&m));
+    let unplaced: Vec<&String> = top.keys().filter(|m| floor(m).is_none()).collect();
+    assert!(unplaced.is_empty(), "modules on no floor: {unplaced:?} (give them one in tests/structure.rs)");
+    let uphill: Vec<(String, String)> = top
+        .iter()
+        .flat_map(|(a, bs)| bs.iter().map(move |b| (a.clone(), b.clone())))
+        .filter(|(a, b)| floor(a) < floor(b))
+        .collect();
+    eprintln!("imports running up the floors: {uphill:?}");
+    assert!(
+        uphill.len() <= MAX_UPHILL,
+        "{} imports run up the floors (at most {MAX_UPHILL}): {uphill:?}",
+        uphill.len()
+    );
+}
+
+#[test]
+fn the_parser_sees_grouped_relative_and_aliased_imports() {
+    let m: Vec<String> = ["store", "pread"].iter().map(|s| s.to_string()).collect();
+    let code = code_of(
+        "use super::reader::{Done, DriveIo};\nuse crate::{a::b, c::{d, e::f}};\n// crate::comment::x\nlet s = \"crate::string::y\";\nlet x = crate::k3::argmax(&v);\nlet c = '\"'; let d = crate::after_char::z;\n",
+    );
+    let got: BTreeSet<String> = paths_in(&code, &m).iter().map(|p| p.join("::")).collect();
+    let want: BTreeSet<String> =
+        ["store::reader::Done", "store::reader::DriveIo", "a::b", "c::d", "c::e::f", "k3::argmax", "after_char::z"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    assert_eq!(got, want);
+    let g = graph();
+    let backend: Vec<String> = vec!["backend".into()];
+    assert!(g.edges.keys().any(|k| k.starts_with(&backend)), "the graph has the backend's files");
+}
