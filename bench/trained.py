@@ -2,7 +2,7 @@
 """Measures what only a trained model can show, on the demo model and held-out prompts, and prints
 one JSON record (also appended to --out):
 
-- drafts: `bench run --draft off|dspark` on every prompt, experts streamed (no expert cache) and
+- drafts: `bench run --draft off|dspark|oracle` on every prompt, experts streamed (no expert cache) and
   with the cache: acceptance, accepted drafts per verify, forward passes and expert bytes read per
   committed token, decode tok/s on vs off, and whether every output id is the same;
 - routes (from the drafts-off fetch traces, one fetch per token and MoE layer): the share of routes
@@ -11,9 +11,10 @@ one JSON record (also appended to --out):
   each beside what uniformly random routes would give; the verify passes' own union sizes;
 - the expert cache against the optimal (Belady) cache on these routes (`cache_misses_vs_opt`),
   the cache sized to a quarter and to a half of each layer's experts;
-- placement: `place --policy hot` vs `spread` over a fast and a slow directory (declared speeds),
-  the route trace recorded on other prompts (training text): share of expert bytes served by the
-  fast one.
+- placement: `place --policy hot` vs `spread` over a fast and a slow directory (declared 1.0 and
+  0.5 GB/s, so the fast one holds two thirds of the experts either way), the route trace recorded on
+  training text (bench/train-sample.txt: the start of 4 training documents of each source): share
+  of expert bytes served by the fast one.
 
     python3 bench/trained.py [--bin target/release/deltafin] [--decode 64] [--out bench/results/...]
 
@@ -111,7 +112,7 @@ def main():
     p.add_argument("--model", default=os.path.join(ROOT, "demo/kimi-k3-demo"))
     p.add_argument("--draft-model", default=os.path.join(ROOT, "demo/kimi-k3-demo-dspark"))
     p.add_argument("--prompts", default=os.path.join(ROOT, "bench/heldout-prompts.jsonl"))
-    p.add_argument("--decode", type=int, default=64)
+    p.add_argument("--decode", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (smoke tests)")
     p.add_argument("--out")
@@ -132,7 +133,10 @@ def main():
 
     runs = {}
     traces = []
+    # `oracle` drafts K3's own greedy continuation (acceptance 1, no drafter cost): what verifying
+    # rows together gives at best, beside what the trained drafter gives.
     for name, draft, cache in [("off_streamed", "off", 0.0), ("dspark_streamed", "dspark", 0.0),
+                               ("oracle_streamed", "oracle", 0.0),
                                ("off_cached", "off", None), ("dspark_cached", "dspark", None)]:
         recs = []
         for i, x in enumerate(ids):
@@ -159,10 +163,13 @@ def main():
                 "forward_passes_per_token": fwd / steps, "expert_bytes_read_per_token": byt / steps}
 
     drafts = {k: agg(v) for k, v in runs.items()}
-    for mode in ("streamed", "cached"):
-        off, on = runs[f"off_{mode}"], runs[f"dspark_{mode}"]
-        drafts[f"dspark_{mode}"]["tok_s_ratio_to_off"] = drafts[f"dspark_{mode}"]["decode_tok_s"] / drafts[f"off_{mode}"]["decode_tok_s"]
-        drafts[f"dspark_{mode}"]["ids_identical_to_off"] = all(x["output_ids"] == y["output_ids"] for x, y in zip(off, on))
+    for name in drafts:
+        if name.startswith("off_"):
+            continue
+        mode = name.split("_", 1)[1]
+        off, on = runs[f"off_{mode}"], runs[name]
+        drafts[name]["tok_s_ratio_to_off"] = drafts[name]["decode_tok_s"] / drafts[f"off_{mode}"]["decode_tok_s"]
+        drafts[name]["ids_identical_to_off"] = all(x["output_ids"] == y["output_ids"] for x, y in zip(off, on))
     vu = [u for r in runs["dspark_streamed"] for u in r["_verify_unions"]]
     routes = route_stats(traces, experts, top_k)
     routes["verify_union_mean"] = sum(vu) / len(vu) if vu else None
@@ -190,13 +197,12 @@ def main():
     # Placement: hot vs spread on a fast and a slow directory; the trace from training-text prompts.
     place = {}
     routes_file = os.path.join(work, "routes.json")
-    train_prompt = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife."
-    sh([a.bin, "run", "--model", a.model, "--prompt", train_prompt, "--max-new", "256", "--temperature", "0",
-        "--trace-routes", routes_file])
+    sh([a.bin, "run", "--model", a.model, "--prompt-file", os.path.join(ROOT, "bench/train-sample.txt"),
+        "--max-new", "1", "--temperature", "0", "--trace-routes", routes_file])
     for policy in ("spread", "hot"):
         fast, slow = os.path.join(work, f"{policy}-fast"), os.path.join(work, f"{policy}-slow")
         # place writes MODEL/placement.json, which bench run then reads.
-        args = [a.bin, "place", "--model", a.model, "--drive", f"{fast}=2.0", "--drive", f"{slow}=0.5",
+        args = [a.bin, "place", "--model", a.model, "--drive", f"{fast}=1.0", "--drive", f"{slow}=0.5",
                 "--policy", policy]
         if policy == "hot":
             args += ["--trace", routes_file]

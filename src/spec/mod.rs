@@ -92,7 +92,11 @@ pub fn drafter_for(kind: DraftKind, engine: &Engine) -> Result<Option<Box<dyn Dr
 
 /// Draft width: probe with `probe` tokens; all accepted -> `max`; some -> max(probe, min(max,
 /// 2 x accepted)); none -> pause for `pause_steps` single steps (doubling while probes keep
-/// failing, up to `max_pause_steps`), then probe again.
+/// failing, up to `max_pause_steps`), then probe again — unless the drafter's recent record is good
+/// (a moving average of the accepted share of at least [`GOOD_RECORD`]): then one miss only sends
+/// it back to the probe width. A trained drafter's first draft is wrong now and then (on the demo
+/// model about one verify in four); pausing it for 8+ steps each time threw away a third of its
+/// tokens, while a drafter that keeps missing still pauses after its record falls.
 #[derive(Clone, Debug)]
 pub struct WidthPolicy {
     pub probe: usize,
@@ -102,7 +106,12 @@ pub struct WidthPolicy {
     width: usize,
     paused: usize,
     next_pause: usize,
+    /// Moving average of accepted / proposed per verify (0 before any).
+    record: f64,
 }
+
+/// A drafter whose moving average of accepted drafts is at least this is not paused by one miss.
+pub const GOOD_RECORD: f64 = 0.5;
 
 impl Default for WidthPolicy {
     fn default() -> Self {
@@ -114,7 +123,16 @@ impl WidthPolicy {
     pub fn new(probe: usize, max: usize, pause_steps: usize, max_pause_steps: usize) -> Self {
         let probe = probe.max(1);
         let max = max.max(probe);
-        WidthPolicy { probe, max, pause_steps, max_pause_steps, width: probe, paused: 0, next_pause: pause_steps }
+        WidthPolicy {
+            probe,
+            max,
+            pause_steps,
+            max_pause_steps,
+            width: probe,
+            paused: 0,
+            next_pause: pause_steps,
+            record: 0.0,
+        }
     }
 
     /// Drafts to ask for now (0 while paused).
@@ -130,6 +148,12 @@ impl WidthPolicy {
     /// The outcome of one verify: `accepted` of `proposed` drafts.
     pub fn record(&mut self, proposed: usize, accepted: usize) {
         if proposed == 0 {
+            return;
+        }
+        let good = self.record >= GOOD_RECORD;
+        self.record += EWMA * (accepted as f64 / proposed as f64 - self.record);
+        if accepted == 0 && good {
+            self.width = self.probe;
             return;
         }
         if accepted == 0 {
@@ -454,6 +478,20 @@ mod tests {
             w.tick();
         }
         assert_eq!(w.width(), 2, "an acceptance resets the backoff");
+    }
+
+    #[test]
+    fn a_drafter_with_a_good_record_is_not_paused_by_one_miss() {
+        let mut w = WidthPolicy::new(2, 7, 3, 8);
+        for _ in 0..6 {
+            w.record(7, 7);
+        }
+        w.record(7, 0);
+        assert_eq!(w.width(), 2, "one miss: back to the probe, no pause");
+        w.record(2, 0);
+        assert_eq!(w.width(), 2, "the record (0.62) is still good");
+        w.record(2, 0);
+        assert_eq!(w.width(), 0, "a third miss in a row: the record fell below the bar, so it pauses");
     }
 
     #[test]
