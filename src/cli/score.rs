@@ -1,11 +1,13 @@
 //! `deltafin score`: logits at every prompt position, written as the f32 tensor `logits` [T, vocab]
 //! (`--prompt-ids`), or the perplexity of a text (`--text`; the definition is in
 //! `crate::engine::perplexity`), as a short summary or one JSON object (`ppl`, `bits_per_byte`,
-//! `tokens`, ...) on stdout, with a progress bar on stderr while windows run.
+//! `tokens`, ...) on stdout, with a progress bar on stderr while windows run; with `--compare
+//! BASE`, how far its distributions are from BASE's on that text (`crate::engine::compare`).
 
 use super::KdaArg;
 use super::load;
 use crate::engine::perplexity;
+use crate::model::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, ValueEnum};
 use std::io::Read;
@@ -41,6 +43,12 @@ pub struct ScoreArgs {
     /// Tokens per window for --text.
     #[arg(long, default_value_t = 512, value_parser = parse_window)]
     window: usize,
+    /// With --text: compare this model's next-token distributions with BASE's (KL divergence,
+    /// top-1 agreement, both perplexities, llama.cpp's --kl-divergence definitions). BASE is
+    /// `bf16` (this model with its bf16 trunk) or another model directory (`./bf16` for a
+    /// directory of that name).
+    #[arg(long, value_name = "BASE", requires = "text")]
+    compare: Option<PathBuf>,
     /// Output of --text.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
@@ -62,6 +70,7 @@ pub fn run(a: ScoreArgs) -> Result<()> {
     let dir = load::model_dir(&a.model, a.demo)?;
     match (&a.prompt_ids, &a.logits_out, &a.text) {
         (Some(ids), Some(out), _) => logits(&a, dir, &ids.0, out),
+        (_, _, Some(text)) if a.compare.is_some() => compare(&a, dir, text),
         (_, _, Some(text)) => text_perplexity(&a, dir, text),
         _ => anyhow::bail!("give --prompt-ids with --logits-out, or --text FILE"),
     }
@@ -83,18 +92,90 @@ fn logits(a: &ScoreArgs, dir: PathBuf, ids: &[u32], out: &std::path::Path) -> Re
     Ok(())
 }
 
-fn text_perplexity(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
-    let text = if path.as_os_str() == "-" {
+fn read_text(path: &std::path::Path) -> Result<String> {
+    if path.as_os_str() == "-" {
         let mut s = String::new();
         std::io::stdin().read_to_string(&mut s).context("cannot read the text from standard input")?;
-        s
+        Ok(s)
     } else {
-        std::fs::read_to_string(path).with_context(|| format!("cannot read the text file {}", path.display()))?
-    };
-    let tok = crate::engine::load_tokenizer(&dir)?;
-    let cfg = crate::model::K3Config::load(&dir)
+        std::fs::read_to_string(path).with_context(|| format!("cannot read the text file {}", path.display()))
+    }
+}
+
+/// `[BOS] + encode(text)` with the tokenizer and config of the model in `dir`.
+fn ids_of(dir: &std::path::Path, text: &str) -> Result<(Vec<u32>, crate::model::K3Config, Tokenizer)> {
+    let tok = crate::engine::load_tokenizer(dir)?;
+    let cfg = crate::model::K3Config::load(dir)
         .with_context(|| format!("cannot load the model config in {}", dir.display()))?;
-    let ids = perplexity::text_ids(&tok, &cfg, &text)?;
+    let ids = perplexity::text_ids(&tok, &cfg, text)?;
+    Ok((ids, cfg, tok))
+}
+
+fn progress_bar(len: usize, visible: bool) -> indicatif::ProgressBar {
+    let bar = if visible { indicatif::ProgressBar::new(len as u64) } else { indicatif::ProgressBar::hidden() };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} {bar:40} {pos}/{len} tokens {per_sec} eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
+    use crate::engine::compare;
+    let base_arg = a.compare.clone().unwrap_or_default();
+    let (base_dir, base_label) = match base_arg.to_str() {
+        Some("bf16") => (dir.clone(), "bf16".to_string()),
+        _ => (base_arg.clone(), base_arg.display().to_string()),
+    };
+    let text = read_text(path)?;
+    let (ids, cfg, tok) = ids_of(&dir, &text)?;
+    let (base_ids, _, base_tok) = ids_of(&base_dir, &text)?;
+    if base_ids != ids {
+        anyhow::bail!(
+            "{} and {} tokenize the text differently: their scores cannot be compared",
+            dir.display(),
+            base_dir.display()
+        );
+    }
+    let predicted = ids.len().saturating_sub(1);
+    let window = a.window.min(predicted).max(1);
+    let logits_bytes = (window * cfg.vocab * 4) as u64;
+    let bar = progress_bar(2 * predicted, true);
+    let mut scratch = compare::scratch_file().context("cannot create a scratch file for the base's logits")?;
+    // One engine at a time: the base's, then the judged one's.
+    let base_vocab = {
+        let engine = load::open_engine(a.engine.config(base_dir.clone(), a.kda.into(), window, logits_bytes))?;
+        engine.check_tokenizer(&base_tok)?;
+        bar.set_message("base");
+        compare::base_pass(&engine, &ids, a.window, &mut scratch, &mut |d| bar.set_position(d as u64))
+            .context("scoring the base failed")?
+    };
+    let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), window, logits_bytes))?;
+    engine.check_tokenizer(&tok)?;
+    bar.set_message("judged");
+    let per_token = compare::judged_pass(&engine, &ids, a.window, &mut scratch, base_vocab, &mut |d| {
+        bar.set_position((predicted + d) as u64)
+    })
+    .context("scoring failed")?;
+    bar.finish_and_clear();
+    let s = compare::summarize(&per_token);
+    match a.format {
+        Format::Json => {
+            let mut v = serde_json::to_value(&s)?;
+            v["model"] = serde_json::json!(dir);
+            v["base"] = serde_json::json!(base_label);
+            v["window"] = serde_json::json!(a.window);
+            v["windows"] = serde_json::json!(perplexity::windows(ids.len(), a.window).len());
+            println!("{v}");
+        }
+        Format::Text => print!("{}", s.table(&dir.display().to_string(), &base_label)),
+    }
+    Ok(())
+}
+
+fn text_perplexity(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
+    let text = read_text(path)?;
+    let (ids, cfg, tok) = ids_of(&dir, &text)?;
     let predicted = ids.len().saturating_sub(1);
     let window = a.window.min(predicted).max(1);
     // One window's logits are held at a time.
@@ -102,15 +183,7 @@ fn text_perplexity(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Resul
     let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), window, logits_bytes))?;
     engine.check_tokenizer(&tok)?;
     // A bar only when there are several windows (it draws only on a terminal).
-    let bar = if predicted > a.window {
-        indicatif::ProgressBar::new(predicted as u64)
-    } else {
-        indicatif::ProgressBar::hidden()
-    };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} tokens {per_sec} eta {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let bar = progress_bar(predicted, predicted > a.window);
     let p = perplexity::score_ids(&engine, &ids, text.len(), a.window, &mut |done| bar.set_position(done as u64))
         .context("scoring failed")?;
     bar.finish_and_clear();

@@ -8,6 +8,7 @@
 //! per-sequence state lives in [`Session`]s. [`Engine::forward_sessions`] runs rows of several
 //! sessions through one layer loop (one expert-union read per layer for all of them).
 
+pub mod compare;
 pub mod perplexity;
 pub(crate) mod session;
 
