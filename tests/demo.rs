@@ -191,12 +191,23 @@ fn serve(cache: &Path, args: &[&str]) -> (Server, String, String) {
 }
 
 fn post(base: &str, body: &Value) -> Value {
-    let o = Command::new("curl")
-        .args(["-s", "-H", "Content-Type: application/json", "-d", &body.to_string()])
-        .arg(format!("{base}/v1/completions"))
-        .output()
-        .expect("curl is needed by this test");
-    serde_json::from_slice(&o.stdout).unwrap()
+    // A plain HTTP/1.1 request: this test is about the demo's defaults, not the client.
+    use std::io::{Read, Write};
+    let mut t = std::net::TcpStream::connect(base.trim_start_matches("http://")).unwrap();
+    t.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let body = body.to_string();
+    write!(
+        t,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    t.read_to_string(&mut out).unwrap();
+    let (head, json) = out.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP response: {out:?}"));
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}\n{json}");
+    serde_json::from_str(json).unwrap()
 }
 
 #[test]

@@ -22,7 +22,7 @@ fn gpu() -> Option<GpuBackend> {
     match GpuBackend::new(true) {
         Ok(g) => Some(g),
         Err(e) => {
-            eprintln!("skipping: {e}");
+            no_gpu("tests/gpu.rs", &e);
             None
         }
     }

@@ -98,7 +98,7 @@ fn a_full_disk_is_a_clear_error_and_leaves_no_manifest() {
         .map(|s| s.success())
         .unwrap_or(false);
     if !ok {
-        eprintln!("SKIPPED: cannot mount a tmpfs here (needs root)");
+        skipped("a_full_disk_is_a_clear_error_and_leaves_no_manifest", "cannot mount a tmpfs here (needs root)");
         return;
     }
     struct Unmount<'a>(&'a Path);

@@ -6,7 +6,9 @@ Contract: on first use creates a venv in TARGET_DIR/py-venv (default: the reposi
 and pip-installs tests/requirements.txt from the package registry; later calls only check a stamp
 (hash of the requirements and the base interpreter's version) and print the path. Where the base
 Python has no `venv`/`ensurepip`, packages go to TARGET_DIR/py-deps with `pip install --target`
-and the printed path is a small wrapper that sets PYTHONPATH. An exclusive lock
+and the printed path is a small wrapper that sets PYTHONPATH; where it has no pip either (Debian's
+python3 without python3-pip and python3-venv), pip's own wheel is fetched from PyPI (checked
+against the sha256 PyPI lists) and run as a program to do that install. An exclusive lock
 (TARGET_DIR/py-env.lock) serialises parallel callers, so test binaries started together do not
 race. Only the standard library is used here. DELTAFIN_TEST_PYTHON, when set, is printed as is
 (an environment the caller already prepared).
@@ -74,6 +76,38 @@ def with_venv(target, stamp):
     return python
 
 
+def pip_wheel(target):
+    """pip's wheel from PyPI, for a Python without pip: a pip wheel runs as a program
+    (`python pip-X.whl/pip install ...`), as pip's own documentation bootstraps it."""
+    import hashlib
+    import json
+    import urllib.parse
+    import urllib.request
+
+    index = "https://pypi.org/pypi/pip/json"
+    try:
+        with urllib.request.urlopen(index, timeout=60) as r:
+            meta = json.load(r)
+        wheel = next(f for f in meta["urls"] if f["packagetype"] == "bdist_wheel")
+        path = os.path.join(target, wheel["filename"])
+        if not os.path.exists(path):
+            # A mirror may list the file relative to the index page.
+            with urllib.request.urlopen(urllib.parse.urljoin(index, wheel["url"]), timeout=120) as r:
+                data = r.read()
+            got, want = hashlib.sha256(data).hexdigest(), wheel["digests"]["sha256"]
+            if got != want:
+                sys.exit(f"pyenv: {wheel['url']}: sha256 {got}, PyPI lists {want}")
+            tmp = f"{path}.tmp.{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+    except (OSError, ValueError, KeyError, StopIteration) as e:
+        sys.exit(f"pyenv: this Python ({sys.executable}) has no pip and pip could not be fetched from {index}: {e}\n"
+                 "  install pip (Debian/Ubuntu: apt-get install python3-pip python3-venv) or set\n"
+                 "  DELTAFIN_TEST_PYTHON to a python that has tests/requirements.txt")
+    return os.path.join(path, "pip")
+
+
 def with_target(target, stamp):
     deps = os.path.join(target, "py-deps")
     wrapper = os.path.join(deps, "python")
@@ -82,7 +116,13 @@ def with_target(target, stamp):
         return wrapper
     os.makedirs(deps, exist_ok=True)
     print(f"pyenv: no venv module; installing {REQUIREMENTS} into {deps} ...", file=sys.stderr)
-    pip_install(sys.executable, ["--upgrade", "--target", os.path.join(deps, "lib")])
+    extra = ["--upgrade", "--target", os.path.join(deps, "lib")]
+    if has_pip(sys.executable):
+        pip_install(sys.executable, extra)
+    else:
+        print("pyenv: no pip either; running pip from its wheel on PyPI ...", file=sys.stderr)
+        run([sys.executable, pip_wheel(target), "install", "--quiet", "--disable-pip-version-check", "--no-input"]
+            + extra + ["-r", REQUIREMENTS])
     write(wrapper, f'#!/bin/sh\nPYTHONPATH="{deps}/lib${{PYTHONPATH:+:$PYTHONPATH}}" exec "{sys.executable}" "$@"\n')
     os.chmod(wrapper, 0o755)
     write(ok, stamp)

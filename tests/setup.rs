@@ -7,7 +7,7 @@ mod common;
 #[path = "common/hub.rs"]
 mod hub;
 
-use common::{bin, ids_arg, run_ok, synth_small};
+use common::{bin, ids_arg, run_ok, skipped, synth_small};
 use hub::{FaultKind, HubServer};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -185,7 +185,7 @@ fn tmpfs(at: &Path, mb: u64) -> Option<Mount> {
         .output()
         .is_ok_and(|o| o.status.success());
     if !ok {
-        eprintln!("skipping: cannot mount a tmpfs at {} (needs root)", at.display());
+        skipped("a full-disk setup test", &format!("cannot mount a tmpfs at {} (needs root)", at.display()));
         return None;
     }
     Some(Mount(at.to_path_buf()))

@@ -72,6 +72,83 @@ impl Rng {
     }
 }
 
+/// A program some tests drive that a fresh machine may lack: where it is looked for and how to
+/// get it.
+pub struct Tool {
+    pub name: &'static str,
+    /// An environment variable that names the program's path (looked at first), if any.
+    pub path_var: Option<&'static str>,
+    /// Program names searched on PATH, in order.
+    pub names: &'static [&'static str],
+    /// How to get it, printed when it is missing.
+    pub how: &'static str,
+    /// `VAR=1` turns a missing tool into a failure instead of a skip (`.ci/run` sets it where it
+    /// installs the tool); `DELTAFIN_REQUIRE_TOOLS=1` does so for every tool.
+    pub require_var: &'static str,
+}
+
+/// Headless Chromium, for the chat page test (tests/serve.rs).
+pub const CHROMIUM: Tool = Tool {
+    name: "Chromium",
+    path_var: Some("DELTAFIN_CHROMIUM"),
+    names: &["chromium", "chromium-browser", "google-chrome", "google-chrome-stable"],
+    how: "Debian/Ubuntu: apt-get install chromium; or set DELTAFIN_CHROMIUM=/path/to/chrome",
+    require_var: "DELTAFIN_REQUIRE_CHROMIUM",
+};
+
+/// curl, the plain HTTP client of the server tests (SSE framing, metrics).
+pub const CURL: Tool = Tool {
+    name: "curl",
+    path_var: None,
+    names: &["curl"],
+    how: "Debian/Ubuntu: apt-get install curl",
+    require_var: "DELTAFIN_REQUIRE_CURL",
+};
+
+/// The path of `t`, or None after printing why `test` is skipped — unless the tool is required
+/// (its `require_var` or `DELTAFIN_REQUIRE_TOOLS` is 1), when the test fails with the same text.
+pub fn tool(t: &Tool, test: &str) -> Option<PathBuf> {
+    if let Some(p) = t.path_var.and_then(std::env::var_os) {
+        return Some(p.into());
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let found = t.names.iter().flat_map(|n| std::env::split_paths(&path).map(move |d| d.join(n))).find(|p| p.is_file());
+    if found.is_none() {
+        let required =
+            [t.require_var, "DELTAFIN_REQUIRE_TOOLS"].iter().any(|v| std::env::var(v).is_ok_and(|x| x == "1"));
+        let why = format!("{} not found on PATH ({})", t.name, t.how);
+        if required {
+            panic!(
+                "{test}: {why}; {}=1 or DELTAFIN_REQUIRE_TOOLS=1 is set, so it fails instead of skipping",
+                t.require_var
+            );
+        }
+        skipped(test, &format!("{why}; set {}=1 to make this a failure", t.require_var));
+    }
+    found
+}
+
+/// Prints "SKIPPED test: why" straight to the process's stderr, past the test harness's output
+/// capture, so a skip shows in `cargo test`'s output even when the test passes.
+pub fn skipped(test: &str, why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
+/// Says once per test binary that its GPU tests pass without running: no adapter (`err`) here.
+pub fn no_gpu(file: &str, err: &dyn std::fmt::Display) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        skipped(
+            &format!("the GPU tests of {file}"),
+            &format!(
+                "no usable GPU adapter ({err}); Mesa's lavapipe runs them on the CPU \
+                 (Debian/Ubuntu: apt-get install mesa-vulkan-drivers libvulkan1)"
+            ),
+        )
+    });
+}
+
 /// Copies a fixture's model files (not the reference outputs) into a fresh temp dir.
 pub fn copy_fixture(name: &str) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
