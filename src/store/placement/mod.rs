@@ -1,0 +1,289 @@
+//! Placement: which drives hold each expert. Decides a plan (spread / mirror / hot), writes the
+//! expert pack files, records everything in `placement.json`, verifies it, and turns it into the
+//! store's holder map.
+//!
+//! Contract: `placement.json` is written last and atomically, only after every pack file it names
+//! is complete (fsynced and renamed); an interrupted `place` leaves either the previous manifest
+//! or none, never one that points at incomplete data. A rerun resumes: the plan (with the measured
+//! drive rates) is kept in `.placement-plan.json`, and a pack file on a drive is reused only when
+//! its header names this model and every record's bytes hash to the shards' checksum (so a
+//! flipped byte is rewritten, and another model's pack is never trusted).
+//!
+//! Identity: a placement belongs to one model. Packs live in `DRIVE/<fingerprint prefix>/`, so
+//! models placed on one drive do not overwrite each other; packs, the manifest and route traces
+//! carry the model fingerprint (`model::fingerprint`), and `manifest_spec` refuses a manifest of
+//! another model. One `place` at a time per model directory and per drive directory (a lock file).
+//!
+//! Here: the manifest (its types, parsing and model check) and the errors. Beside it: `plan.rs`
+//! (route traces, which drives hold each expert), `place.rs` (a `place` run: packs, then the
+//! manifest), `verify.rs` (`place --verify`) and `holders.rs` (the store's holder map from the
+//! shards or a manifest).
+
+use super::pack;
+use crate::model::Checkpoint;
+use crate::model::fingerprint;
+use crate::model::roster::Roster;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+mod holders;
+mod place;
+mod plan;
+mod verify;
+
+pub use holders::{manifest_spec, shard_read_ranges, shard_spec};
+pub use place::{PlaceOptions, place};
+pub use plan::{RouteTrace, plan_assignment};
+pub use verify::{VerifyProblem, verify};
+
+pub const MANIFEST: &str = "placement.json";
+
+/// The placement manifest a run uses: the one given, else `MODEL/placement.json` when it exists.
+pub fn manifest_path(given: Option<&Path>, model_dir: &Path) -> Option<PathBuf> {
+    given.map(Path::to_path_buf).or_else(|| Some(model_dir.join(MANIFEST)).filter(|p| p.exists()))
+}
+pub const VERSION: u32 = 2;
+const PLAN: &str = ".placement-plan.json";
+/// Lock file, in the model directory and in each drive's model directory, held while placing.
+pub const LOCK: &str = ".place.lock";
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlacementError {
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{}: {msg}", path.display())]
+    Invalid { path: PathBuf, msg: String },
+    #[error(transparent)]
+    Pack(#[from] pack::PackError),
+    #[error("{0}")]
+    OtherModel(Box<OtherModel>),
+    #[error("{}: another `deltafin place` is running here (it holds this lock); wait for it to finish", path.display())]
+    Locked { path: PathBuf },
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A placement, pack or route trace of another model than the one at hand.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{} belongs to another model: {what} model {}, but {} is model {}; {fix}",
+    path.display(), fingerprint::short(theirs), dir.display(), fingerprint::short(ours)
+)]
+pub struct OtherModel {
+    pub path: PathBuf,
+    /// How the file names its model, e.g. "it was placed for".
+    pub what: String,
+    pub theirs: String,
+    pub ours: String,
+    pub dir: PathBuf,
+    /// What to do about it.
+    pub fix: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    /// Each expert on one drive; bytes per drive proportional to its speed.
+    Spread,
+    /// A full copy on every drive.
+    Mirror,
+    /// The most-routed experts (from a route trace) on the fastest drive, the rest spread.
+    Hot,
+}
+
+/// How the shipped shards serve as holders besides the pack files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ShardUse {
+    /// Only when every pack holder of an expert has failed.
+    Fallback,
+    /// As an equal holder (the model directory counts as one more drive).
+    Use,
+    /// Never.
+    Off,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ManifestDrive {
+    pub root: PathBuf,
+    /// Read ceiling in GB/s.
+    pub gbps: f64,
+    /// Queue depth the store uses on this drive.
+    pub qd: usize,
+    /// True when measured by `place`, false when given on the command line.
+    pub measured: bool,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ManifestExpert {
+    /// Indices into `drives`.
+    pub drives: Vec<u16>,
+    /// xxh3-64 of the expert's bytes, hex.
+    pub xxh3: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ManifestLayer {
+    pub layer: usize,
+    pub experts: Vec<ManifestExpert>,
+}
+
+/// The model a placement belongs to.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ManifestModel {
+    /// `model::fingerprint` of the checkpoint (64 hex digits).
+    pub fingerprint: String,
+    /// `fingerprint::experts_digest` of the experts' checksums listed in `layers`.
+    pub experts_sha256: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub version: u32,
+    pub model: ManifestModel,
+    /// Directory under each drive root holding this model's packs (the fingerprint's prefix).
+    pub namespace: String,
+    pub policy: Policy,
+    pub shards: ShardUse,
+    pub expert_bytes: u64,
+    pub drives: Vec<ManifestDrive>,
+    /// The model directory as a drive (its shards), with its measured ceiling.
+    pub shard_drive: ManifestDrive,
+    pub layers: Vec<ManifestLayer>,
+    /// Where it was loaded from (for messages); not stored.
+    #[serde(skip)]
+    pub path: PathBuf,
+}
+
+impl Manifest {
+    pub fn load(path: &Path) -> Result<Self, PlacementError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| PlacementError::Io { path: path.to_path_buf(), source })?;
+        Self::parse(path, &text)
+    }
+
+    /// Parses and checks manifest text; `path` is where it came from (for messages and `path`).
+    pub fn parse(path: &Path, text: &str) -> Result<Self, PlacementError> {
+        let invalid = |msg: String| PlacementError::Invalid { path: path.to_path_buf(), msg };
+        // The version first, so an old manifest gets "re-run place" rather than a missing field.
+        let raw: serde_json::Value = serde_json::from_str(text).map_err(|e| invalid(format!("malformed: {e}")))?;
+        match raw.get("version").and_then(serde_json::Value::as_u64) {
+            Some(v) if v == u64::from(VERSION) => {}
+            Some(1) => {
+                return Err(invalid(
+                    "written by an older deltafin (version 1, without the model fingerprint); re-run `deltafin place` for this model".into(),
+                ));
+            }
+            Some(v) => return Err(invalid(format!("unsupported version {v} (this deltafin reads version {VERSION})"))),
+            None => return Err(invalid("no version field".into())),
+        }
+        let mut m: Manifest = serde_json::from_value(raw).map_err(|e| invalid(format!("malformed: {e}")))?;
+        m.path = path.to_path_buf();
+        if !fingerprint::is_valid(&m.model.fingerprint) || !fingerprint::is_valid(&m.model.experts_sha256) {
+            return Err(invalid("model.fingerprint and model.experts_sha256 must be 64 hex digits".into()));
+        }
+        // The namespace names a directory under each drive: never a path that leaves it.
+        if m.namespace != fingerprint::short(&m.model.fingerprint) {
+            return Err(invalid(format!(
+                "namespace `{}` is not the fingerprint's prefix `{}`",
+                m.namespace,
+                fingerprint::short(&m.model.fingerprint)
+            )));
+        }
+        for (d, drive) in m.drives.iter().chain(std::iter::once(&m.shard_drive)).enumerate() {
+            if !(1..=super::reader::MAX_QD).contains(&drive.qd) {
+                return Err(invalid(format!("drive {d}: qd {} is outside 1..={}", drive.qd, super::reader::MAX_QD)));
+            }
+            if !(drive.gbps.is_finite() && drive.gbps >= 0.0) {
+                return Err(invalid(format!("drive {d}: gbps {} is not a speed", drive.gbps)));
+            }
+        }
+        for l in &m.layers {
+            for (e, x) in l.experts.iter().enumerate() {
+                if let Some(&d) = x.drives.iter().find(|&&d| d as usize >= m.drives.len()) {
+                    return Err(invalid(format!(
+                        "expert {e} of layer {} names drive {d}, but only {} drives are listed",
+                        l.layer,
+                        m.drives.len()
+                    )));
+                }
+                if u64::from_str_radix(&x.xxh3, 16).is_err() {
+                    return Err(invalid(format!("expert {e} of layer {}: bad checksum", l.layer)));
+                }
+            }
+        }
+        if m.experts_digest() != m.model.experts_sha256 {
+            return Err(invalid("the expert checksums do not match model.experts_sha256 (edited or damaged)".into()));
+        }
+        Ok(m)
+    }
+
+    /// `fingerprint::experts_digest` of the checksums this manifest lists.
+    pub fn experts_digest(&self) -> String {
+        fingerprint::experts_digest(self.layers.iter().flat_map(|l| {
+            l.experts
+                .iter()
+                .enumerate()
+                .map(|(e, x)| (l.layer, e as u32, u64::from_str_radix(&x.xxh3, 16).unwrap_or(0)))
+        }))
+    }
+
+    /// Where drive `d` keeps the pack of `layer`.
+    pub fn pack_path(&self, d: usize, layer: usize) -> PathBuf {
+        self.drives[d].root.join(&self.namespace).join(pack::pack_name(layer))
+    }
+
+    /// Refuses this manifest unless it belongs to the model in `ck`: the fingerprints must be equal,
+    /// and a few experts' checksums are re-computed from the shards (a cheap tie between the
+    /// manifest's checksums and this model's bytes; `place --verify` checks them all).
+    pub fn check_model(&self, ck: &Checkpoint, roster: &Roster) -> Result<(), PlacementError> {
+        let ours = fingerprint::fingerprint(ck);
+        let other = |what: &str| {
+            PlacementError::OtherModel(Box::new(OtherModel {
+                path: self.path.clone(),
+                what: what.into(),
+                theirs: self.model.fingerprint.clone(),
+                ours: ours.clone(),
+                dir: ck.dir.clone(),
+                fix: format!("re-run `deltafin place --model {}`, or pass this model's --placement", ck.dir.display()),
+            }))
+        };
+        if self.model.fingerprint != ours {
+            return Err(other("it was placed for"));
+        }
+        let model_len = roster.expert_layout.as_ref().map_or(0, |l| l.len as u64);
+        if self.expert_bytes != model_len {
+            return Err(PlacementError::Invalid {
+                path: self.path.clone(),
+                msg: format!(
+                    "its experts are {} bytes, this model's {model_len}; re-run `deltafin place --model {}`",
+                    self.expert_bytes,
+                    ck.dir.display()
+                ),
+            });
+        }
+        // First expert of the first MoE layer, last of the last: two reads, far apart.
+        let first = self.layers.first().map(|ml| (ml, 0));
+        let last = self.layers.last().map(|ml| (ml, ml.experts.len().saturating_sub(1)));
+        for (ml, e) in first.into_iter().chain(last) {
+            let Some(loc) = roster.experts.get(ml.layer).and_then(|x| x.as_ref()).and_then(|l| l.get(e)) else {
+                continue;
+            };
+            let Some(x) = ml.experts.get(e) else { continue };
+            let got = pack::checksum(&loc.bytes(ck));
+            if u64::from_str_radix(&x.xxh3, 16).ok() != Some(got) {
+                // Same fingerprint, other bytes: edited, or a model the fingerprint's samples missed.
+                return Err(PlacementError::Invalid {
+                    path: self.path.clone(),
+                    msg: format!(
+                        "its checksum of expert {e} of layer {} ({}) is not the shards' ({got:016x}), so it is not this model's placement; re-run `deltafin place --model {}`",
+                        ml.layer,
+                        x.xxh3,
+                        ck.dir.display()
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}

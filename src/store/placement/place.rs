@@ -1,0 +1,334 @@
+//! `place`: runs (or resumes) a placement — measures the drives, writes each drive's pack files,
+//! then `placement.json`.
+//!
+//! Contract: see the module above (`placement`): the manifest is written last and atomically,
+//! after every pack it names is complete; a rerun resumes from the saved plan and reuses a pack
+//! only when its header names this model and its records hash to the shards' checksums; one
+//! `place` at a time per model directory and per drive directory.
+
+use super::plan::{RouteTrace, plan_assignment};
+use super::{
+    LOCK, MANIFEST, Manifest, ManifestDrive, ManifestExpert, ManifestLayer, ManifestModel, PLAN, PlacementError,
+    Policy, ShardUse, VERSION,
+};
+use crate::model::fingerprint;
+use crate::model::roster::Roster;
+use crate::model::{Checkpoint, K3Config};
+use crate::store::pack;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The saved plan of an unfinished `place` run.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+struct Plan {
+    /// The model's fingerprint: a plan made for another model (the directory was rewritten) is
+    /// discarded.
+    model: String,
+    policy: Policy,
+    shards: ShardUse,
+    drives: Vec<ManifestDrive>,
+    shard_drive: ManifestDrive,
+    /// [moe layer index in `layers`] -> [expert] -> drives.
+    layers: Vec<usize>,
+    assign: Vec<Vec<Vec<u16>>>,
+}
+
+/// Options of a `place` run.
+pub struct PlaceOptions<'a> {
+    pub model_dir: &'a Path,
+    /// (root, given GB/s) per drive.
+    pub drives: Vec<(PathBuf, Option<f64>)>,
+    pub policy: Policy,
+    pub shards: ShardUse,
+    pub trace: Option<RouteTrace>,
+    pub qd: usize,
+    /// Measures a drive's ceiling (root, qd) -> GB/s.
+    pub measure: &'a dyn Fn(&Path, usize) -> Result<f64, PlacementError>,
+    /// Measures the shard drive from its own data.
+    pub measure_shards: &'a dyn Fn(usize) -> Result<f64, PlacementError>,
+    /// Progress: (bytes done, bytes total).
+    pub progress: &'a dyn Fn(u64, u64),
+}
+
+/// Runs (or resumes) a placement and writes `placement.json`.
+pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -> Result<Manifest, PlacementError> {
+    let layout = roster
+        .expert_layout
+        .clone()
+        .ok_or_else(|| PlacementError::Other("the model has no routed experts to place".into()))?;
+    let layers: Vec<usize> = (0..c.layers).filter(|&l| roster.experts[l].is_some()).collect();
+    for (root, _) in &o.drives {
+        std::fs::create_dir_all(root).map_err(|source| PlacementError::Io { path: root.clone(), source })?;
+    }
+    // The same directory twice would have two "drives" overwrite each other's pack files.
+    let canon: Vec<PathBuf> = o.drives.iter().map(|(r, _)| canonical(r)).collect();
+    for (i, a) in canon.iter().enumerate() {
+        if canon[..i].contains(a) {
+            return Err(PlacementError::Other(format!(
+                "drive {} is given twice (each --drive must be its own directory)",
+                a.display()
+            )));
+        }
+        if canonical(o.model_dir) == *a {
+            return Err(PlacementError::Other(format!(
+                "drive {} is the model directory itself; use a directory of its own",
+                a.display()
+            )));
+        }
+    }
+    let fp = fingerprint::fingerprint(ck);
+    let ns = fingerprint::short(&fp).to_string();
+    let raw_fp = fingerprint::raw(&fp);
+    if let Some(t) = &o.trace {
+        t.check_model(&fp, o.model_dir)?;
+    }
+    // One place per model directory, and per model directory on each drive (two copies of one
+    // model in different directories share the drive's namespace). Held until we return.
+    let mut _locks = vec![take_lock(&o.model_dir.join(LOCK))?];
+    for p in crate::util::remove_stale_temps(o.model_dir, &[".placement-plan.json.tmp.", ".placement.json.tmp."]) {
+        eprintln!("deltafin place: removed {} (left by an interrupted place)", p.display());
+    }
+    for (root, _) in &o.drives {
+        let dir = root.join(&ns);
+        std::fs::create_dir_all(&dir).map_err(|source| PlacementError::Io { path: dir.clone(), source })?;
+        _locks.push(take_lock(&dir.join(LOCK))?);
+        remove_partials(&dir);
+    }
+    let plan_path = o.model_dir.join(PLAN);
+    let saved: Option<Plan> = std::fs::read_to_string(&plan_path).ok().and_then(|t| serde_json::from_str(&t).ok());
+    let roots: Vec<PathBuf> = o.drives.iter().map(|(r, _)| canonical(r)).collect();
+    let plan = match saved {
+        Some(p)
+            if p.model == fp
+                && p.policy == o.policy
+                && p.shards == o.shards
+                && p.layers == layers
+                && p.drives.iter().map(|d| &d.root).eq(roots.iter())
+                && p.drives.iter().all(|d| d.qd == o.qd)
+                && p.drives
+                    .iter()
+                    .zip(&o.drives)
+                    .all(|(d, (_, given))| given.is_none_or(|g| g == d.gbps && !d.measured)) =>
+        {
+            p
+        }
+        _ => {
+            let mut drives = Vec::new();
+            for ((_, given), root) in o.drives.iter().zip(&roots) {
+                let (gbps, measured) = match given {
+                    Some(g) => (*g, false),
+                    None => ((o.measure)(root, o.qd)?, true),
+                };
+                drives.push(ManifestDrive { root: root.clone(), gbps, qd: o.qd, measured });
+            }
+            let shard_gbps = (o.measure_shards)(o.qd)?;
+            let shard_drive =
+                ManifestDrive { root: canonical(o.model_dir), gbps: shard_gbps, qd: o.qd, measured: true };
+            let rates: Vec<f64> = drives.iter().map(|d| d.gbps).collect();
+            let assign = plan_assignment(o.policy, &rates, &layers, c.experts, o.trace.as_ref());
+            let p = Plan {
+                model: fp.clone(),
+                policy: o.policy,
+                shards: o.shards,
+                drives,
+                shard_drive,
+                layers: layers.clone(),
+                assign,
+            };
+            let body = serde_json::to_vec_pretty(&p).map_err(|e| PlacementError::Other(e.to_string()))?;
+            crate::util::write_atomic(&plan_path, &body)
+                .map_err(|source| PlacementError::Io { path: plan_path.clone(), source })?;
+            p
+        }
+    };
+
+    // Room on every drive before writing anything.
+    let len = layout.len as u64;
+    let mut need = vec![0u64; plan.drives.len()];
+    for per_layer in &plan.assign {
+        let mut count = vec![0usize; plan.drives.len()];
+        for ds in per_layer {
+            for &d in ds {
+                need[d as usize] += pack::align_up(len);
+                count[d as usize] += 1;
+            }
+        }
+        // Each pack file also has its header and index.
+        for (d, &n) in count.iter().enumerate() {
+            if n > 0 {
+                need[d] += pack::align_up((64 + 32 * n) as u64);
+            }
+        }
+    }
+    // Drives on one file system share its free space.
+    let mut by_fs: Vec<(u64, Vec<usize>)> = Vec::new();
+    for (d, drive) in plan.drives.iter().enumerate() {
+        use std::os::unix::fs::MetadataExt;
+        let dev = std::fs::metadata(&drive.root)
+            .map_err(|source| PlacementError::Io { path: drive.root.clone(), source })?
+            .dev();
+        match by_fs.iter_mut().find(|(x, _)| *x == dev) {
+            Some((_, v)) => v.push(d),
+            None => by_fs.push((dev, vec![d])),
+        }
+    }
+    for (_, ds) in &by_fs {
+        let root = &plan.drives[ds[0]].root;
+        let have = crate::store::probe::free_bytes(root)
+            .map_err(|source| PlacementError::Io { path: root.clone(), source })?;
+        let drives = &plan.drives;
+        let existing: u64 = ds
+            .iter()
+            .flat_map(|&d| {
+                let dir = drives[d].root.join(&ns);
+                layers.iter().filter_map(move |&l| std::fs::metadata(dir.join(pack::pack_name(l))).ok())
+            })
+            .map(|m| m.len())
+            .sum();
+        let needed: u64 = ds.iter().map(|&d| need[d]).sum();
+        if needed > have + existing {
+            let names: Vec<String> =
+                ds.iter().map(|&d| format!("drive {d} ({})", plan.drives[d].root.display())).collect();
+            return Err(PlacementError::Other(format!(
+                "{} {} {} free but this placement needs {} there",
+                names.join(" and "),
+                if ds.len() > 1 { "share a file system with" } else { "has" },
+                crate::util::human_bytes(have + existing),
+                crate::util::human_bytes(needed)
+            )));
+        }
+    }
+
+    let total: u64 = need.iter().sum();
+    let mut done = 0u64;
+    let mut checksums: HashMap<(usize, u32), u64> = HashMap::new();
+    for (li, &l) in plan.layers.iter().enumerate() {
+        let locs =
+            roster.experts[l].as_ref().ok_or_else(|| PlacementError::Other(format!("layer {l} has no experts")))?;
+        for (d, drive) in plan.drives.iter().enumerate() {
+            let ids: Vec<u32> =
+                (0..c.experts as u32).filter(|&e| plan.assign[li][e as usize].contains(&(d as u16))).collect();
+            if ids.is_empty() {
+                continue;
+            }
+            let dir = drive.root.join(&ns);
+            let path = dir.join(pack::pack_name(l));
+            let mut shard_sum =
+                |e: u32| *checksums.entry((l, e)).or_insert_with(|| pack::checksum(&locs[e as usize].bytes(ck)));
+            // Reuse a complete pack only if it is this model's and every record's bytes (read back,
+            // not just the recorded checksums) hash to the shards' checksum: a resumed run must not
+            // trust a pack another run rewrote, and a flipped byte is repaired by rewriting.
+            let header = pack::read_header(&path);
+            if let Ok(h) = &header
+                && h.model != raw_fp
+            {
+                eprintln!(
+                    "deltafin place: {} belongs to model {}; rewriting it with this model's experts",
+                    path.display(),
+                    fingerprint::short(&fingerprint::hex(&h.model))
+                );
+            }
+            if let Ok(h) = header
+                && h.model == raw_fp
+                && h.layer as usize == l
+                && h.expert_len == len
+                && h.entries.iter().map(|e| e.expert).eq(ids.iter().copied())
+            {
+                let bad = pack::bad_records(&path, &h).unwrap_or_else(|_| ids.clone());
+                let stale: Vec<u32> = h
+                    .entries
+                    .iter()
+                    .filter(|e| bad.contains(&e.expert) || e.xxh3 != shard_sum(e.expert))
+                    .map(|e| e.expert)
+                    .collect();
+                if stale.is_empty() {
+                    done += ids.len() as u64 * pack::align_up(len);
+                    (o.progress)(done, total);
+                    continue;
+                }
+                eprintln!(
+                    "deltafin place: {}: {} record(s) differ from the shards (experts {}); rewriting it",
+                    path.display(),
+                    stale.len(),
+                    stale.iter().take(8).map(|e| e.to_string()).collect::<Vec<_>>().join(", ")
+                );
+            }
+            let bytes = ids.iter().map(|&e| (e, locs[e as usize].bytes(ck)));
+            let mut on_bytes = |n: u64| {
+                done += pack::align_up(n);
+                (o.progress)(done, total);
+            };
+            let h = pack::write_pack(&dir, &raw_fp, l, len, bytes, &mut on_bytes)?;
+            for e in &h.entries {
+                checksums.insert((l, e.expert), e.xxh3);
+            }
+        }
+    }
+    // Every expert's checksum, from the shards (all are on some drive, but do not rely on it).
+    for &l in &plan.layers {
+        if let Some(locs) = roster.experts[l].as_ref() {
+            for (e, loc) in locs.iter().enumerate() {
+                checksums.entry((l, e as u32)).or_insert_with(|| pack::checksum(&loc.bytes(ck)));
+            }
+        }
+    }
+    let mut manifest = Manifest {
+        version: VERSION,
+        model: ManifestModel { fingerprint: fp.clone(), experts_sha256: String::new() },
+        namespace: ns.clone(),
+        policy: plan.policy,
+        shards: plan.shards,
+        expert_bytes: len,
+        drives: plan.drives.clone(),
+        shard_drive: plan.shard_drive.clone(),
+        layers: plan
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(li, &l)| ManifestLayer {
+                layer: l,
+                experts: (0..c.experts)
+                    .map(|e| ManifestExpert {
+                        drives: plan.assign[li][e].clone(),
+                        xxh3: format!("{:016x}", checksums.get(&(l, e as u32)).copied().unwrap_or(0)),
+                    })
+                    .collect(),
+            })
+            .collect(),
+        path: o.model_dir.join(MANIFEST),
+    };
+    manifest.model.experts_sha256 = manifest.experts_digest();
+    let path = o.model_dir.join(MANIFEST);
+    let body = serde_json::to_vec_pretty(&manifest).map_err(|e| PlacementError::Other(e.to_string()))?;
+    crate::util::write_atomic(&path, &body).map_err(|source| PlacementError::Io { path: path.clone(), source })?;
+    let _ = std::fs::remove_file(&plan_path);
+    Ok(manifest)
+}
+
+/// Takes the exclusive lock on `path` (created if missing), or fails at once if someone holds it.
+fn take_lock(path: &Path) -> Result<std::fs::File, PlacementError> {
+    let io = |source| PlacementError::Io { path: path.to_path_buf(), source };
+    let f = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(path).map_err(io)?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => Err(PlacementError::Locked { path: path.to_path_buf() }),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
+    }
+}
+
+/// Removes `*.pack.partial` files an interrupted `place` left in a drive's model directory (the
+/// caller holds its lock, so no run is writing them). Only regular files: anything else is left
+/// for `write_pack` to report.
+fn remove_partials(dir: &Path) {
+    let Ok(rd) = std::fs::read_dir(dir) else { return };
+    for e in rd.flatten() {
+        if e.file_name().to_string_lossy().ends_with(".pack.partial") && e.file_type().is_ok_and(|t| t.is_file()) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+fn canonical(p: &Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
+}
