@@ -8,14 +8,18 @@
 //! renamed); content is a pure function of the spec (seeded per tensor and chunk, independent of
 //! thread count); writing streams in chunks, so memory use does not grow with the model.
 
+//!
+//! Here: the spec (presets, validation, config.json) and writing a model directory; the tensors
+//! and the safetensors writer are in `tensors.rs`.
+
 use super::bpe_train::{TRAINING_TEXT, rank_file, train_ranks};
-use super::roster::{LM_HEAD, expert, layer, top};
 use super::tokenizer::{NUM_SPECIALS, k3_tokenizer_config};
-use crate::sample::Rng;
-use rayon::prelude::*;
 use serde_json::{Value, json};
-use std::io::Write;
 use std::path::{Path, PathBuf};
+
+mod tensors;
+
+pub(crate) use tensors::{Fill, TensorPlan, write_safetensors};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SynthError {
@@ -291,105 +295,6 @@ impl SynthSpec {
         })
     }
 
-    /// Every tensor, grouped: [trunk of the model and each layer] then one group per expert.
-    fn plan(&self) -> Vec<Vec<TensorPlan>> {
-        let (h, v) = (self.hidden, self.vocab);
-        let mut groups = vec![vec![
-            TensorPlan::bf16(top("embed_tokens.weight"), vec![v, h], Fill::Uniform(self.embed_scale)),
-            TensorPlan::bf16(LM_HEAD.into(), vec![v, h], Fill::Uniform(3.0 / (h as f32).sqrt())),
-            TensorPlan::bf16(top("norm.weight"), vec![h], Fill::Norm),
-            TensorPlan::bf16(top("output_attn_res_norm.weight"), vec![h], Fill::Norm),
-            TensorPlan::bf16(top("output_attn_res_proj.weight"), vec![1, h], Fill::Uniform(1.0 / (h as f32).sqrt())),
-        ]];
-        let lin = |name: String, o: usize, i: usize| {
-            TensorPlan::bf16(name, vec![o, i], Fill::Uniform(1.0 / (i as f32).sqrt()))
-        };
-        for l in 0..self.layers {
-            let n = |s: &str| layer(l, s);
-            let mut g = vec![
-                TensorPlan::bf16(n("input_layernorm.weight"), vec![h], Fill::Norm),
-                TensorPlan::bf16(n("post_attention_layernorm.weight"), vec![h], Fill::Norm),
-                TensorPlan::bf16(n("self_attention_res_norm.weight"), vec![h], Fill::Norm),
-                TensorPlan::bf16(n("mlp_res_norm.weight"), vec![h], Fill::Norm),
-                TensorPlan::bf16(
-                    n("self_attention_res_proj.weight"),
-                    vec![1, h],
-                    Fill::Uniform(1.0 / (h as f32).sqrt()),
-                ),
-                TensorPlan::bf16(n("mlp_res_proj.weight"), vec![1, h], Fill::Uniform(1.0 / (h as f32).sqrt())),
-            ];
-            if self.is_mla(l) {
-                let nh = self.mla_heads;
-                g.push(lin(n("self_attn.q_a_proj.weight"), self.q_lora, h));
-                g.push(TensorPlan::bf16(n("self_attn.q_a_layernorm.weight"), vec![self.q_lora], Fill::Norm));
-                g.push(lin(n("self_attn.q_b_proj.weight"), nh * (self.qk_nope + self.qk_rope), self.q_lora));
-                g.push(lin(n("self_attn.kv_a_proj_with_mqa.weight"), self.kv_lora + self.qk_rope, h));
-                g.push(TensorPlan::bf16(n("self_attn.kv_a_layernorm.weight"), vec![self.kv_lora], Fill::Norm));
-                g.push(lin(n("self_attn.kv_b_proj.weight"), nh * (self.qk_nope + self.v_head), self.kv_lora));
-                g.push(lin(n("self_attn.g_proj.weight"), nh * self.v_head, h));
-                g.push(lin(n("self_attn.o_proj.weight"), h, nh * self.v_head));
-            } else {
-                let (dk, p) = (self.kda_head_dim, self.kda_heads * self.kda_head_dim);
-                for q in ["q", "k", "v"] {
-                    g.push(lin(n(&format!("self_attn.{q}_proj.weight")), p, h));
-                    g.push(TensorPlan::f32(
-                        n(&format!("self_attn.{q}_conv1d.weight")),
-                        vec![p, 1, self.conv_width],
-                        Fill::Uniform(0.8),
-                    ));
-                }
-                g.push(lin(n("self_attn.f_a_proj.weight"), dk, h));
-                g.push(lin(n("self_attn.f_b_proj.weight"), p, dk));
-                g.push(lin(n("self_attn.b_proj.weight"), self.kda_heads, h));
-                g.push(lin(n("self_attn.g_proj.weight"), p, h));
-                g.push(TensorPlan::f32(n("self_attn.A_log"), vec![self.kda_heads], Fill::Uniform(0.8)));
-                g.push(TensorPlan::f32(n("self_attn.dt_bias"), vec![p], Fill::Uniform(1.5)));
-                g.push(TensorPlan::bf16(n("self_attn.o_norm.weight"), vec![dk], Fill::Norm));
-                g.push(lin(n("self_attn.o_proj.weight"), h, p));
-            }
-            let moe = self.experts > 0 && l >= self.dense_layers;
-            if !moe {
-                g.push(lin(n("mlp.gate_proj.weight"), self.dense_inter, h));
-                g.push(lin(n("mlp.up_proj.weight"), self.dense_inter, h));
-                g.push(lin(n("mlp.down_proj.weight"), h, self.dense_inter));
-                groups.push(g);
-                continue;
-            }
-            let (e, lat, fi) = (self.experts, self.expert_latent, self.expert_inter);
-            g.push(TensorPlan::bf16(
-                n("block_sparse_moe.gate.weight"),
-                vec![e, h],
-                Fill::Uniform(2.0 / (h as f32).sqrt()),
-            ));
-            g.push(TensorPlan::f32(n("block_sparse_moe.gate.e_score_correction_bias"), vec![e], Fill::Uniform(0.05)));
-            g.push(lin(n("block_sparse_moe.routed_expert_down_proj.weight"), lat, h));
-            g.push(TensorPlan::bf16(n("block_sparse_moe.routed_expert_norm.weight"), vec![lat], Fill::Norm));
-            g.push(lin(n("block_sparse_moe.routed_expert_up_proj.weight"), h, lat));
-            if self.shared_experts > 0 {
-                let si = self.shared_experts * fi;
-                g.push(lin(n("block_sparse_moe.shared_experts.gate_proj.weight"), si, h));
-                g.push(lin(n("block_sparse_moe.shared_experts.up_proj.weight"), si, h));
-                g.push(lin(n("block_sparse_moe.shared_experts.down_proj.weight"), h, si));
-            }
-            groups.push(g);
-            for x in 0..e {
-                let mut eg = Vec::with_capacity(6);
-                for (proj, rows, cols) in [("w1", fi, lat), ("w3", fi, lat), ("w2", lat, fi)] {
-                    // rms(w) ~ 1/sqrt(cols): E2M1 codes have rms ~3.2.
-                    let centre = 127 - (3.2 * (cols as f32).sqrt()).log2().round() as i32;
-                    eg.push(TensorPlan::u8(expert(l, x, proj, "weight_packed"), vec![rows, cols / 2], Fill::Bytes));
-                    eg.push(TensorPlan::u8(
-                        expert(l, x, proj, "weight_scale"),
-                        vec![rows, cols / 32],
-                        Fill::Scale(centre as u8),
-                    ));
-                }
-                groups.push(eg);
-            }
-        }
-        groups
-    }
-
     /// Bytes of one routed expert (w1, w3, w2: packed nibbles + one scale per 32 inputs).
     pub fn expert_bytes(&self) -> u64 {
         (3 * self.expert_inter * self.expert_latent / 32 * 17) as u64
@@ -399,115 +304,6 @@ impl SynthSpec {
     pub fn total_bytes(&self) -> u64 {
         self.plan().iter().flatten().map(|t| t.bytes()).sum()
     }
-}
-
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum Fill {
-    /// Uniform in [-a, a].
-    Uniform(f32),
-    /// 1 + uniform in [-0.1, 0.1] (norm weights).
-    Norm,
-    /// Uniformly random bytes (MXFP4 codes).
-    Bytes,
-    /// E8M0 scale bytes in centre-1 ..= centre+1.
-    Scale(u8),
-}
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Dtype {
-    Bf16,
-    F32,
-    U8,
-}
-
-pub(crate) struct TensorPlan {
-    name: String,
-    dtype: Dtype,
-    shape: Vec<usize>,
-    fill: Fill,
-}
-
-impl TensorPlan {
-    pub(crate) fn bf16(name: String, shape: Vec<usize>, fill: Fill) -> Self {
-        TensorPlan { name, dtype: Dtype::Bf16, shape, fill }
-    }
-    pub(crate) fn f32(name: String, shape: Vec<usize>, fill: Fill) -> Self {
-        TensorPlan { name, dtype: Dtype::F32, shape, fill }
-    }
-    fn u8(name: String, shape: Vec<usize>, fill: Fill) -> Self {
-        TensorPlan { name, dtype: Dtype::U8, shape, fill }
-    }
-    fn elem(&self) -> usize {
-        match self.dtype {
-            Dtype::Bf16 => 2,
-            Dtype::F32 => 4,
-            Dtype::U8 => 1,
-        }
-    }
-    pub(crate) fn bytes(&self) -> u64 {
-        (self.shape.iter().product::<usize>() * self.elem()) as u64
-    }
-    fn dtype_name(&self) -> &'static str {
-        match self.dtype {
-            Dtype::Bf16 => "BF16",
-            Dtype::F32 => "F32",
-            Dtype::U8 => "U8",
-        }
-    }
-
-    /// Bytes `[chunk * CHUNK, ..)` of this tensor, a pure function of (seed, name, chunk).
-    fn chunk_bytes(&self, seed: u64, chunk: usize) -> Vec<u8> {
-        let total = self.bytes() as usize;
-        let start = chunk * CHUNK;
-        let len = CHUNK.min(total - start);
-        let mut rng = Rng::new(seed ^ fnv(self.name.as_bytes()) ^ (chunk as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let mut out = Vec::with_capacity(len);
-        match (self.dtype, self.fill) {
-            (_, Fill::Bytes) => {
-                while out.len() < len {
-                    out.extend_from_slice(&rng.next_u64().to_le_bytes());
-                }
-                out.truncate(len);
-            }
-            (_, Fill::Scale(c)) => {
-                out.extend((0..len).map(|_| c.wrapping_add((rng.next_u64() % 3) as u8).wrapping_sub(1)))
-            }
-            (Dtype::Bf16, f) => {
-                for _ in 0..len / 2 {
-                    let x = sample(&mut rng, f);
-                    out.extend_from_slice(&bf16_bits(x).to_le_bytes());
-                }
-            }
-            (Dtype::F32, f) => {
-                for _ in 0..len / 4 {
-                    out.extend_from_slice(&sample(&mut rng, f).to_le_bytes());
-                }
-            }
-            (Dtype::U8, _) => out.resize(len, 0),
-        }
-        out
-    }
-}
-
-/// Generation chunk (bytes); a multiple of 4 so element boundaries never straddle chunks.
-const CHUNK: usize = 1 << 20;
-
-fn sample(rng: &mut Rng, f: Fill) -> f32 {
-    let u = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
-    match f {
-        Fill::Uniform(a) => u * a,
-        Fill::Norm => 1.0 + 0.1 * u,
-        _ => 0.0,
-    }
-}
-
-fn bf16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16
-}
-
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
 /// A small chat template in K3's format (messages, thinking-effort system message, generation
@@ -644,58 +440,6 @@ fn write_into(spec: &SynthSpec, dir: &Path, progress: &(dyn Fn(u64, u64) + Sync)
         MARKER,
         &serde_json::to_string_pretty(&json!({"written_by": "deltafin synth", "files": files})).unwrap_or_default(),
     )?;
-    Ok(())
-}
-
-/// Writes `tensors` as one safetensors file at `path` (fsynced), adding the bytes written to
-/// `done` and reporting `progress(done, total)`; content is a pure function of (`seed`, names).
-pub(crate) fn write_safetensors(
-    path: &Path,
-    tensors: &mut [TensorPlan],
-    seed: u64,
-    done: &mut u64,
-    total: u64,
-    progress: &(dyn Fn(u64, u64) + Sync),
-) -> Result<(), SynthError> {
-    // Routed experts first (so with the header padded to 4 KiB, experts of real K3 size start
-    // 4 KiB-aligned and O_DIRECT reads need no widening); then the usual order: larger element
-    // alignment first, then by name. Safetensors does not prescribe an order.
-    let is_expert = |t: &TensorPlan| t.dtype == Dtype::U8;
-    tensors.sort_by(|a, b| {
-        is_expert(b).cmp(&is_expert(a)).then_with(|| b.elem().cmp(&a.elem())).then_with(|| a.name.cmp(&b.name))
-    });
-    let mut header = serde_json::Map::new();
-    let mut off = 0u64;
-    for t in tensors.iter() {
-        header.insert(
-            t.name.clone(),
-            json!({"dtype": t.dtype_name(), "shape": t.shape, "data_offsets": [off, off + t.bytes()]}),
-        );
-        off += t.bytes();
-    }
-    let mut h = serde_json::to_vec(&Value::Object(header)).unwrap_or_default();
-    // Pad so the data section starts 4 KiB-aligned (8-byte length prefix + header).
-    while !(h.len() + 8).is_multiple_of(4096) {
-        h.push(b' ');
-    }
-    let f = std::fs::File::create(path).map_err(io(path))?;
-    let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
-    w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io(path))?;
-    w.write_all(&h).map_err(io(path))?;
-    for t in tensors.iter() {
-        let chunks = (t.bytes() as usize).div_ceil(CHUNK);
-        // Generate a batch of chunks in parallel, write them in order.
-        for batch in (0..chunks).collect::<Vec<_>>().chunks(16) {
-            let data: Vec<Vec<u8>> = batch.par_iter().map(|&c| t.chunk_bytes(seed, c)).collect();
-            for d in data {
-                w.write_all(&d).map_err(io(path))?;
-                *done += d.len() as u64;
-            }
-            progress(*done, total);
-        }
-    }
-    let f = w.into_inner().map_err(|e| SynthError::Io { path: path.to_path_buf(), source: e.into_error() })?;
-    f.sync_all().map_err(io(path))?;
     Ok(())
 }
 
