@@ -264,6 +264,118 @@ fn limits_and_garbage_never_wedge_the_server() {
     assert!(out.contains("text_completion"), "{out}");
 }
 
+/// Reads from `t` until the server closes it; the bytes and whether it closed within `limit`.
+fn read_until_closed(t: &mut std::net::TcpStream, limit: Duration) -> (String, bool) {
+    t.set_read_timeout(Some(limit)).unwrap();
+    let mut out = Vec::new();
+    let closed = t.read_to_end(&mut out).is_ok();
+    (String::from_utf8_lossy(&out).into_owned(), closed)
+}
+
+/// Writes `head`, then `trickle` one byte every 200 ms (up to 60 s) from another thread.
+fn trickler(base: &str, head: &[u8], trickle: u8) -> std::net::TcpStream {
+    let t = std::net::TcpStream::connect(base.trim_start_matches("http://")).unwrap();
+    let mut w = t.try_clone().unwrap();
+    w.write_all(head).unwrap();
+    std::thread::spawn(move || {
+        for _ in 0..300 {
+            std::thread::sleep(Duration::from_millis(200));
+            if w.write_all(&[trickle]).is_err() {
+                return;
+            }
+        }
+    });
+    t
+}
+
+#[test]
+fn clients_that_stall_or_trickle_are_closed_after_the_read_timeout() {
+    if tool(&CURL, "clients_that_stall_or_trickle_are_closed_after_the_read_timeout").is_none() {
+        return;
+    }
+    let s = Server::start(&["--read-timeout", "1"]);
+    let addr = s.base.trim_start_matches("http://").to_string();
+    // Far above the 1 s timeout: a connection still open then was never timed out.
+    let limit = Duration::from_secs(20);
+    // Connects and sends nothing.
+    let mut silent = std::net::TcpStream::connect(&addr).unwrap();
+    // Trickles its request head a byte at a time, never finishing it.
+    let mut head = trickler(&s.base, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ", b'a');
+    // Sends its head, then trickles a body that never completes: a 408, then closed.
+    let body_head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{{\"model\":\"{MODEL}\",\"prompt\":\""
+    );
+    let mut body = trickler(&s.base, body_head.as_bytes(), b'b');
+    // Keeps a connection open after an answer and sends nothing more.
+    let mut idle = std::net::TcpStream::connect(&addr).unwrap();
+    idle.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    for (name, t) in [("silent", &mut silent), ("head", &mut head), ("idle", &mut idle)] {
+        let (out, closed) = read_until_closed(t, limit);
+        assert!(closed, "the {name} connection is still open after {limit:?}: {out}");
+        if name == "idle" {
+            assert!(out.starts_with("HTTP/1.1 200") && out.contains("\"ok\""), "{out}");
+        } else {
+            assert!(out.is_empty(), "{name}: {out}");
+        }
+    }
+    let (out, closed) = read_until_closed(&mut body, limit);
+    assert!(closed, "the body trickler is still open after {limit:?}: {out}");
+    assert!(out.starts_with("HTTP/1.1 408"), "{out}");
+    assert!(out.contains("request_timeout") && out.to_ascii_lowercase().contains("connection: close"), "{out}");
+    // Answers are not timed: a stream longer than the read timeout runs to its end.
+    // (5000 tokens take about 3 s here.)
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"Hi","max_tokens":5000,"stream":true}}"#);
+    let t0 = Instant::now();
+    let out = curl(&["-sN", "-d", &body, &format!("{}/v1/completions", s.base)]);
+    let tail = &out[out.len().saturating_sub(1000)..];
+    assert!(out.ends_with("data: [DONE]\n\n") && tail.contains("\"finish_reason\":\"length\""), "{tail}");
+    eprintln!("a 5000-token stream took {:.2} s beside a 1 s read timeout", t0.elapsed().as_secs_f64());
+    assert!(curl(&["-s", &format!("{}/health", s.base)]).contains("\"ok\""));
+}
+
+#[test]
+fn a_message_too_long_for_the_context_is_refused_by_its_size() {
+    if tool(&CURL, "a_message_too_long_for_the_context_is_refused_by_its_size").is_none() {
+        return;
+    }
+    let s = Server::start(&[]);
+    let tmp = tempfile::tempdir().unwrap();
+    // 16 MB of text: with any tokenizer here, far more tokens than the context holds.
+    let text = "lorem ipsum ".repeat((16 << 20) / 12);
+    for (endpoint, body) in [
+        ("completions", serde_json::json!({"model": MODEL, "prompt": text})),
+        ("chat/completions", serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": text}]})),
+    ] {
+        let f = tmp.path().join("body.json");
+        std::fs::write(&f, body.to_string()).unwrap();
+        let out = curl(&[
+            "-s",
+            "-w",
+            "\n%{http_code}",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            &format!("@{}", f.display()),
+            &format!("{}/v1/{endpoint}", s.base),
+        ]);
+        let (json, code) = out.rsplit_once('\n').unwrap();
+        assert_eq!(code, "400", "{endpoint}: {out}");
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+        // "at least": the count comes from the size, the text was never tokenised.
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains("(at least ") && msg.contains("exceeds the context of"), "{msg}");
+    }
+    // The server is still there for a request that fits.
+    let out = curl(&[
+        "-s",
+        "-d",
+        &format!(r#"{{"model":"{MODEL}","prompt":"Hi","max_tokens":2}}"#),
+        &format!("{}/v1/completions", s.base),
+    ]);
+    assert!(out.contains("text_completion"), "{out}");
+}
+
 fn conversation(s: &Server) -> serde_json::Value {
     serde_json::from_str(s.client("conversation", None).trim()).unwrap()
 }

@@ -208,6 +208,15 @@ pub(crate) fn parse_gb(s: &str) -> Result<f64, String> {
     Ok(g)
 }
 
+/// A duration in seconds: a finite number > 0 and at most a day (`serve --read-timeout`).
+pub(crate) fn parse_seconds(s: &str) -> Result<f64, String> {
+    let t: f64 = s.parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !t.is_finite() || t <= 0.0 || t > 86_400.0 {
+        return Err(format!("`{s}` is not a duration (expected seconds above 0, at most 86400)"));
+    }
+    Ok(t)
+}
+
 /// Refuses, before any compute, an output path that `util::write_atomic` would refuse at the end.
 pub(crate) fn check_outputs<'a>(
     paths: impl IntoIterator<Item = (&'a str, Option<&'a std::path::Path>)>,

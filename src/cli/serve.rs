@@ -35,6 +35,10 @@ pub struct ServeArgs {
     /// Largest request body in bytes (larger: 413).
     #[arg(long, default_value_t = 128 << 20)]
     pub max_request_bytes: usize,
+    /// Seconds a client may take to send a request's head (counted from its connection, or from
+    /// its previous answer) and then its body; a slower one is disconnected (the body: 408).
+    #[arg(long, default_value_t = 30.0, value_parser = super::parse_seconds)]
+    pub read_timeout: f64,
     /// The model id clients name (default: the model directory's name).
     #[arg(long)]
     pub model_name: Option<String>,
@@ -94,6 +98,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         api_key: a.api_key.clone().filter(|k| !k.is_empty()),
         queue: a.queue,
         max_request_bytes: a.max_request_bytes,
+        read_timeout: std::time::Duration::from_secs_f64(a.read_timeout),
         model_id: model_id.clone(),
         generation: GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: a.memo },
         sampling,

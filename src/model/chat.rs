@@ -33,6 +33,9 @@ pub enum ChatError {
     Compile { path: PathBuf, msg: String },
     #[error("rendering the chat template failed: {0}")]
     Render(String),
+    /// The rendered prompt is longer than allowed (found before tokenising it).
+    #[error("the rendered prompt is at least {at_least} tokens ({bytes} bytes)")]
+    TooLong { at_least: usize, bytes: usize },
 }
 
 /// How much the model should think before answering (the template's `thinking_effort`).
@@ -154,7 +157,25 @@ impl ChatTemplate {
         messages: &serde_json::Value,
         opts: &ChatOptions,
     ) -> Result<Vec<u32>, ChatError> {
+        self.encode_at_most(tok, messages, opts, usize::MAX)
+    }
+
+    /// [`Self::encode`], but a rendered prompt whose length in bytes already implies more than
+    /// `max_tokens` tokens is refused ([`ChatError::TooLong`]) before it is tokenised, so the
+    /// cost of an over-long message is bounded by the context, not by its size.
+    pub fn encode_at_most(
+        &self,
+        tok: &Tokenizer,
+        messages: &serde_json::Value,
+        opts: &ChatOptions,
+        max_tokens: usize,
+    ) -> Result<Vec<u32>, ChatError> {
         let text = self.render_escaped(messages, opts)?;
+        let bytes = unescaped_len(&text);
+        let at_least = tok.min_tokens(bytes);
+        if at_least > max_tokens {
+            return Err(ChatError::TooLong { at_least, bytes });
+        }
         Ok(tok.encode_with_specials_mapped(&text, unescape))
     }
 }
@@ -222,6 +243,23 @@ fn escape_json(v: &serde_json::Value, first: &[char]) -> serde_json::Value {
         J::Object(o) => J::Object(o.iter().map(|(k, x)| (escape_str(k, first), escape_json(x, first))).collect()),
         other => other.clone(),
     }
+}
+
+/// The length in bytes of `unescape(s)`, without building it.
+fn unescaped_len(s: &str) -> usize {
+    let mut n = 0;
+    let mut it = s.chars().peekable();
+    while let Some(c) = it.next() {
+        if c == MARK {
+            if it.peek() == Some(&MARK) {
+                it.next();
+                n += MARK.len_utf8();
+            }
+        } else {
+            n += c.len_utf8();
+        }
+    }
+    n
 }
 
 /// Removes the markers: a doubled MARK is a literal MARK, a single one is dropped.
@@ -457,12 +495,32 @@ mod tests {
     }
 
     #[test]
+    fn an_over_long_prompt_is_refused_by_its_size_before_tokenising() {
+        let tok = tiny_tokenizer();
+        let src = "{% for m in messages %}<|open|>{{ m.content | trim }}{% endfor %}".to_string();
+        let t = ChatTemplate::from_source(Path::new("t.jinja"), src, &tok).unwrap();
+        let msgs = serde_json::json!([{"role": "user", "content": format!("  {}  ", "x<|open|>y".repeat(100))}]);
+        let opts = ChatOptions::default();
+        let ids = t.encode(&tok, &msgs, &opts).unwrap();
+        // The bound from the size never exceeds the real count, so a prompt that fits passes.
+        let bytes = t.render(&msgs, &opts).unwrap().len();
+        assert!(tok.min_tokens(bytes) <= ids.len());
+        assert_eq!(t.encode_at_most(&tok, &msgs, &opts, ids.len()).unwrap(), ids);
+        let limit = tok.min_tokens(bytes) - 1;
+        match t.encode_at_most(&tok, &msgs, &opts, limit) {
+            Err(ChatError::TooLong { at_least, bytes: b }) => assert_eq!((at_least, b), (limit + 1, bytes)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
     fn escaping_round_trips_and_blocks_specials() {
         let first = ['<', '['];
         for s in ["plain", "<|open|>", "[BOS]", "a\u{F8F0}b", "\u{F8F0}\u{F8F0}<", ""] {
             let e = escape_str(s, &first);
             assert!(!e.contains("<|") && !e.contains("[B"), "{e:?}");
             assert_eq!(unescape(&e), s);
+            assert_eq!(unescaped_len(&e), s.len());
         }
         // Order is preserved, so dictsort sees the same order.
         let mut a = vec!["b", "<a", "a<", "a", "[x", "a[", "a\u{F8F0}"];

@@ -53,6 +53,8 @@ pub struct Tokenizer {
     special_order: Vec<(String, u32)>,
     /// Bytes that start some special name.
     special_first: [bool; 256],
+    /// The most bytes one token stands for (a special counts its name's bytes).
+    max_token_bytes: usize,
 }
 
 /// GPT-2 style byte -> printable char mapping used by byte-level BPE.
@@ -255,7 +257,16 @@ impl Tokenizer {
                 special_first[b as usize] = true;
             }
         }
-        Tokenizer { bpe, token_bytes, specials, special_ids, special_order, special_first }
+        let max_token_bytes =
+            token_bytes.iter().map(Vec::len).chain(specials.iter().map(String::len)).max().unwrap_or(1).max(1);
+        Tokenizer { bpe, token_bytes, specials, special_ids, special_order, special_first, max_token_bytes }
+    }
+
+    /// The fewest tokens a text of `bytes` bytes can encode to: no token stands for more than the
+    /// longest token's bytes. Lets a caller refuse a text too long for the context before paying
+    /// for its BPE.
+    pub fn min_tokens(&self, bytes: usize) -> usize {
+        bytes.div_ceil(self.max_token_bytes)
     }
 
     pub fn n_base(&self) -> u32 {

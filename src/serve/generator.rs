@@ -14,7 +14,7 @@
 use super::api::{ApiError, GenRequest, Kind, Prompt};
 use crate::engine::{Engine, GenerateOptions, Session, StopReason};
 use crate::k3::ForwardError;
-use crate::model::chat::{ChatOptions, ChatTemplate, Thinking};
+use crate::model::chat::{ChatError, ChatOptions, ChatTemplate, Thinking};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::sample::{Sampler, SamplingParams, TokenLogprob};
 use crate::spec::{DraftKind, Speculator};
@@ -246,39 +246,65 @@ impl Encoder {
 
     /// The prompt's token ids.
     pub fn encode(&self, req: &GenRequest) -> Result<Vec<u32>, ApiError> {
-        let need_tok = || {
-            self.tok.as_ref().ok_or_else(|| ApiError::invalid("prompt", "this model has no tokenizer: give token ids"))
+        self.encode_at_most(req, usize::MAX).map_err(|least| {
+            ApiError::invalid(self.prompt_param(req), format!("the prompt is at least {least} tokens"))
+        })?
+    }
+
+    /// The request field that holds the prompt.
+    fn prompt_param(&self, req: &GenRequest) -> &'static str {
+        if req.kind == Kind::Chat { "messages" } else { "prompt" }
+    }
+
+    /// The prompt's token ids, unless its size alone shows it is more than `most` tokens: then
+    /// the outer `Err` holds the fewest tokens it can be, found without tokenising it.
+    fn encode_at_most(&self, req: &GenRequest, most: usize) -> Result<Result<Vec<u32>, ApiError>, usize> {
+        let Some(tok) = self.tok.as_ref() else {
+            return match &req.prompt {
+                Prompt::Ids(ids) if ids.len() > most => Err(ids.len()),
+                Prompt::Ids(ids) => Ok(self.checked_ids(req, ids.clone())),
+                _ => Ok(Err(ApiError::invalid("prompt", "this model has no tokenizer: give token ids"))),
+            };
         };
         let ids = match &req.prompt {
-            Prompt::Ids(ids) => {
-                if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.engine.cfg.vocab) {
-                    return Err(ApiError::invalid(
-                        "prompt",
-                        format!("token id {bad} is outside the vocabulary ({})", self.engine.cfg.vocab),
-                    ));
+            Prompt::Ids(ids) if ids.len() > most => return Err(ids.len()),
+            Prompt::Ids(ids) => ids.clone(),
+            Prompt::Text(t) => {
+                let least = tok.min_tokens(t.len());
+                if least > most {
+                    return Err(least);
                 }
-                ids.clone()
+                tok.encode(t)
             }
-            Prompt::Text(t) => need_tok()?.encode(t),
             Prompt::Messages(m) => {
-                let tok = need_tok()?;
-                let chat = self
-                    .chat
-                    .as_ref()
-                    .ok_or_else(|| ApiError::invalid("messages", "this model has no chat template"))?;
+                let Some(chat) = self.chat.as_ref() else {
+                    return Ok(Err(ApiError::invalid("messages", "this model has no chat template")));
+                };
                 let opts = ChatOptions {
                     thinking: req.thinking.unwrap_or(Thinking::Max),
                     add_generation_prompt: true,
                     tools: req.tools.clone(),
                 };
-                chat.encode(tok, m, &opts).map_err(|e| ApiError::invalid("messages", e.to_string()))?
+                match chat.encode_at_most(tok, m, &opts, most) {
+                    Ok(ids) => ids,
+                    Err(ChatError::TooLong { at_least, .. }) => return Err(at_least),
+                    Err(e) => return Ok(Err(ApiError::invalid("messages", e.to_string()))),
+                }
             }
         };
-        if ids.is_empty() {
+        Ok(self.checked_ids(req, ids))
+    }
+
+    /// `ids` if they are a prompt: not empty, every id in the vocabulary.
+    fn checked_ids(&self, req: &GenRequest, ids: Vec<u32>) -> Result<Vec<u32>, ApiError> {
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.engine.cfg.vocab) {
             return Err(ApiError::invalid(
-                if req.kind == Kind::Chat { "messages" } else { "prompt" },
-                "the prompt is empty",
+                "prompt",
+                format!("token id {bad} is outside the vocabulary ({})", self.engine.cfg.vocab),
             ));
+        }
+        if ids.is_empty() {
+            return Err(ApiError::invalid(self.prompt_param(req), "the prompt is empty"));
         }
         Ok(ids)
     }
@@ -292,24 +318,34 @@ impl Encoder {
     }
 
     /// The prompt ids, checked against the context bound with the request's `max_tokens` (default:
-    /// the rest of the context).
+    /// the rest of the context). A prompt whose size in bytes already implies too many tokens is
+    /// refused with the same error before it is tokenised.
     pub fn prepare(&self, req: &GenRequest) -> Result<Prepared, ApiError> {
-        let prompt = self.encode(req)?;
         let bound = self.engine.plan.context_bound;
+        // The longest prompt that leaves room for max_tokens new tokens (and at least one).
+        let most = bound.saturating_sub(req.max_tokens.unwrap_or(0).max(1));
+        let prompt = match self.encode_at_most(req, most) {
+            Ok(ids) => ids?,
+            Err(least) => return Err(self.too_long(req, &format!("at least {least} tokens"), least, bound)),
+        };
         let room = bound.saturating_sub(prompt.len());
         let max_new = req.max_tokens.unwrap_or(room);
         if room == 0 || max_new > room {
-            let param = if req.max_tokens.is_some() { "max_tokens" } else { "messages" };
-            return Err(ApiError::invalid(
-                param,
-                format!(
-                    "the prompt ({} tokens) plus {max_new} new tokens exceeds the context of {bound} tokens",
-                    prompt.len()
-                ),
-            )
-            .with_code("context_length_exceeded"));
+            return Err(self.too_long(req, &format!("{} tokens", prompt.len()), prompt.len(), bound));
         }
         Ok(Prepared { prompt, max_new })
+    }
+
+    /// The context error: the prompt (`len` tokens, described as `what`) and the new tokens do
+    /// not fit in `bound`.
+    fn too_long(&self, req: &GenRequest, what: &str, len: usize, bound: usize) -> ApiError {
+        let max_new = req.max_tokens.unwrap_or(bound.saturating_sub(len));
+        let param = if req.max_tokens.is_some() { "max_tokens" } else { self.prompt_param(req) };
+        ApiError::invalid(
+            param,
+            format!("the prompt ({what}) plus {max_new} new tokens exceeds the context of {bound} tokens"),
+        )
+        .with_code("context_length_exceeded")
     }
 }
 

@@ -6,10 +6,13 @@
 //! it the answer is a 429 with `Retry-After`. Every request is validated before it is queued
 //! ([`api`]); the worker's sink fails once the client has gone, which cancels the generation at
 //! the next token. A panic in a generation is a 500 for that request, never a dead server.
+//! A client that stalls or trickles its request head or body is closed after the read timeout
+//! ([`conn`]); a prompt whose size alone exceeds the context is refused before it is tokenised.
 //! SIGINT/SIGTERM stop accepting connections, cancel the running generation at its next token,
 //! answer queued requests with 503, and return once connections are closed.
 
 pub mod api;
+pub mod conn;
 pub mod generator;
 pub mod metrics;
 pub mod sse;
@@ -18,8 +21,7 @@ use crate::engine::Engine;
 use api::{ApiError, GenRequest, Kind, ParseContext};
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -42,6 +44,9 @@ pub struct ServeOptions {
     /// Requests that may wait besides the running one.
     pub queue: usize,
     pub max_request_bytes: usize,
+    /// Longest wait for a request's head (from the connection's start or its previous answer)
+    /// and, after it, for its body; a slower client is disconnected.
+    pub read_timeout: Duration,
     /// The id clients name in `model` (default: the model directory's name).
     pub model_id: String,
     pub generation: GenConfig,
@@ -157,7 +162,7 @@ pub fn serve(engine: Arc<Engine>, opts: ServeOptions, ready: impl FnOnce(SocketA
         let app = router(Arc::clone(&state));
         let stop = Arc::clone(&state);
         let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
-        let server = axum::serve(listener, app.into_make_service()).with_graceful_shutdown(async move {
+        let signal = async move {
             shutdown_signal().await;
             tracing::info!("shutting down");
             stop.shutting_down.store(true, Ordering::SeqCst);
@@ -166,14 +171,15 @@ pub fn serve(engine: Arc<Engine>, opts: ServeOptions, ready: impl FnOnce(SocketA
                 j.take();
             }
             let _ = signalled_tx.send(true);
-        });
+        };
+        let server = conn::run(listener, app, opts.read_timeout, signal);
         // A client that never reads its stream must not keep the process alive after a signal.
         let deadline = async move {
             let _ = signalled.wait_for(|s| *s).await;
             tokio::time::sleep(SHUTDOWN_GRACE).await;
         };
         tokio::select! {
-            r = server => r.map_err(ServeError::Io),
+            () = server => Ok(()),
             _ = deadline => {
                 tracing::warn!("connections still open {} s after the signal: closing them", SHUTDOWN_GRACE.as_secs());
                 Ok(())
@@ -223,7 +229,6 @@ fn router(state: Arc<AppState>) -> Router {
         .merge(api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(state.opts.max_request_bytes))
         .with_state(state)
 }
 
@@ -308,27 +313,18 @@ async fn metrics_handler(State(st): State<Arc<AppState>>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 
-async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn chat(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let body = conn::body(req, st.opts.max_request_bytes, st.opts.read_timeout).await;
     generate(st, Kind::Chat, body).await
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let body = conn::body(req, st.opts.max_request_bytes, st.opts.read_timeout).await;
     generate(st, Kind::Completion, body).await
 }
 
-fn parse(st: &AppState, kind: Kind, body: Result<Bytes, BytesRejection>) -> Result<GenRequest, ApiError> {
-    let body = body.map_err(|r| {
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                413,
-                "invalid_request_error",
-                "request_too_large",
-                format!("The request body is over {} bytes.", st.opts.max_request_bytes),
-            )
-        } else {
-            ApiError::new(400, "invalid_request_error", "invalid_body", format!("Cannot read the request body: {r}"))
-        }
-    })?;
+fn parse(st: &AppState, kind: Kind, body: Result<Bytes, ApiError>) -> Result<GenRequest, ApiError> {
+    let body = body?;
     let v: Value = serde_json::from_slice(&body).map_err(|e| {
         ApiError::new(
             400,
@@ -375,14 +371,19 @@ fn enqueue(st: &AppState, job: Job) -> Result<(), ApiError> {
     Ok(())
 }
 
-async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, BytesRejection>) -> Response {
+async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, ApiError>) -> Response {
     let endpoint = if kind == Kind::Chat { "/v1/chat/completions" } else { "/v1/completions" };
     let arrived = Instant::now();
     let req = match parse(&st, kind, body) {
         Ok(r) => r,
         Err(e) => {
             st.metrics.request(endpoint, e.status);
-            return error_response(&e);
+            let mut r = error_response(&e);
+            if matches!(e.status, 408 | 413) {
+                // The rest of the body is not read: the connection cannot carry another request.
+                r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            return r;
         }
     };
     // Tokenising (the chat template may take a while) runs off the async threads, and every
