@@ -149,7 +149,7 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
         )
     };
     let rows = a.engine.prefill_rows.max(8);
-    let engine = load::open_engine(a.engine.config(dir.clone(), crate::k3::KdaMode::Recurrent, rows, 0))?;
+    let engine = load::open_engine(a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0))?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
     crate::spec::drafter_for(a.draft, &engine)?;
     if !a.quiet {

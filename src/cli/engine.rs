@@ -1,9 +1,7 @@
 //! Engine options shared by `run`, `score` and `bench`, mapped one to one onto
 //! [`EngineConfig`] (the library builds the memory plan and the expert source from it).
 
-use crate::backend::BackendKind;
-use crate::engine::{EngineConfig, ExpertHeat, ExpertsFrom};
-use crate::k3::KdaMode;
+use crate::engine::{BackendKind, EngineConfig, ExpertHeat, ExpertsFrom, KdaMode};
 use crate::store::reader::ReaderKind;
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;

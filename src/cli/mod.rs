@@ -60,11 +60,11 @@ pub enum KdaArg {
     Recurrent,
 }
 
-impl From<KdaArg> for crate::k3::KdaMode {
+impl From<KdaArg> for crate::engine::KdaMode {
     fn from(k: KdaArg) -> Self {
         match k {
-            KdaArg::Auto | KdaArg::Recurrent => crate::k3::KdaMode::Recurrent,
-            KdaArg::Chunked => crate::k3::KdaMode::Chunked,
+            KdaArg::Auto | KdaArg::Recurrent => crate::engine::KdaMode::Recurrent,
+            KdaArg::Chunked => crate::engine::KdaMode::Chunked,
         }
     }
 }

@@ -164,7 +164,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     if let Some(t) = &tok {
         engine.check_tokenizer(t)?;
     }
-    let bound = engine.plan.context_bound;
+    let bound = engine.context_bound();
     if prompt.len().checked_add(a.max_new).is_none_or(|n| n > bound) {
         bail!(
             "the prompt ({} tokens) plus --max-new {} exceeds the usable context of {} tokens",
@@ -176,8 +176,8 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     if !a.quiet {
         eprintln!("{}", engine.startup_line());
         if let Some(s) = &spec {
-            let memory = match (&engine.draft, s.drafter.name()) {
-                (Some(d), "dspark") => d.describe(),
+            let memory = match (engine.draft_model_description(), s.drafter.name()) {
+                (Some(d), "dspark") => d,
                 _ => "drafter memory: none".into(),
             };
             eprintln!("deltafin: drafting: {} | {memory}", s.describe());
@@ -194,11 +194,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     }
 
     // Stop at the chat format's end-of-message token or the config's eos, whichever comes.
-    let stops: Vec<u32> = if a.ignore_eos {
-        Vec::new()
-    } else {
-        tok.as_ref().and_then(|t| t.special_id("<|end_of_msg|>")).into_iter().chain(engine.cfg.eos_token).collect()
-    };
+    let stops: Vec<u32> = if a.ignore_eos { Vec::new() } else { engine.stop_tokens(tok.as_ref()) };
     let mut session = engine.new_session();
     let mut out = std::io::stdout().lock();
     let mut decoder = StreamDecoder::default();
@@ -266,7 +262,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         eprint!("{}", stats.to_text());
     }
     if let Some(p) = &a.trace_routes {
-        let body = serde_json::to_vec(&stats.route_trace().for_model(&engine.ck))?;
+        let body = serde_json::to_vec(&engine.route_trace(&stats))?;
         crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
     }
     if let Some(p) = &a.stats_json {

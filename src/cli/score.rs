@@ -85,7 +85,7 @@ fn logits(a: &ScoreArgs, dir: PathBuf, ids: &[u32], out: &std::path::Path) -> Re
     let engine = load::open_engine(a.engine.config(dir, a.kda.into(), n, logits_bytes))?;
     let mut session = engine.new_session();
     let logits = session.score(ids).context("forward pass failed")?;
-    let shape = vec![n, engine.cfg.vocab];
+    let shape = vec![n, engine.vocab()];
     crate::util::write_f32_safetensors(out, "logits", &shape, &logits)
         .with_context(|| format!("cannot write {}", out.display()))?;
     eprintln!("wrote logits [{} x {}] to {}", shape[0], shape[1], out.display());

@@ -71,7 +71,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let sampling = load::sampling(&dir, a.demo, a.temperature, a.top_p)?;
     // Verify batches need k + 1 rows; prompts are chunked at --prefill-rows.
     let rows = a.engine.prefill_rows.max(8);
-    let engine = load::open_engine(a.engine.config(dir.clone(), crate::k3::KdaMode::Recurrent, rows, 0))?;
+    let engine = load::open_engine(a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0))?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
     crate::spec::drafter_for(a.draft, &engine)?;
     let model_id = a.model_name.clone().unwrap_or_else(|| {

@@ -9,14 +9,18 @@
 //! sessions through one layer loop (one expert-union read per layer for all of them).
 
 pub mod compare;
+mod facts;
 pub mod perplexity;
 pub(crate) mod session;
 
 pub use session::{GenerateOptions, Generation, Session, StopReason};
+// The settings and errors of the engine's API that are defined further down.
+pub use crate::backend::BackendKind;
+pub use crate::k3::{ForwardError, KdaMode};
 
-use crate::backend::{BackendKind, DeviceTraffic, OpTime, SequenceState};
+use crate::backend::{DeviceTraffic, OpTime, SequenceState};
 use crate::k3::dspark::DSparkModel;
-use crate::k3::{ForwardError, K3, KdaMode, LoadError};
+use crate::k3::{K3, LoadError};
 use crate::memory::{BudgetError, MemoryPlan, activation_bytes, machine_available};
 use crate::model::config::{AttnKind, FfnKind};
 use crate::model::tokenizer::Tokenizer;

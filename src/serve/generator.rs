@@ -12,8 +12,8 @@
 //! token's visible text; returning false cancels the generation at that token.
 
 use super::api::{ApiError, GenRequest, Kind, Prompt};
+use crate::engine::ForwardError;
 use crate::engine::{Engine, GenerateOptions, Session, StopReason};
-use crate::k3::ForwardError;
 use crate::model::chat::{ChatError, ChatOptions, ChatTemplate, Thinking};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::sample::{Sampler, SamplingParams, TokenLogprob};
@@ -211,8 +211,7 @@ impl Generator {
     pub fn new(engine: Arc<Engine>, cfg: GenConfig) -> Result<Self, crate::engine::EngineError> {
         let tok = if engine.dir().join("tiktoken.model").exists() { Some(engine.tokenizer()?) } else { None };
         let chat = tok.as_ref().and_then(|t| ChatTemplate::load(engine.dir(), t).ok());
-        let stops =
-            tok.as_ref().and_then(|t| t.special_id("<|end_of_msg|>")).into_iter().chain(engine.cfg.eos_token).collect();
+        let stops = engine.stop_tokens(tok.as_ref());
         let enc = Arc::new(Encoder { engine: Arc::clone(&engine), tok, chat });
         Ok(Generator { engine, enc, stops, cfg, kept: Vec::new(), memo: VecDeque::new(), totals: Totals::default() })
     }
@@ -297,10 +296,10 @@ impl Encoder {
 
     /// `ids` if they are a prompt: not empty, every id in the vocabulary.
     fn checked_ids(&self, req: &GenRequest, ids: Vec<u32>) -> Result<Vec<u32>, ApiError> {
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.engine.cfg.vocab) {
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.engine.vocab()) {
             return Err(ApiError::invalid(
                 "prompt",
-                format!("token id {bad} is outside the vocabulary ({})", self.engine.cfg.vocab),
+                format!("token id {bad} is outside the vocabulary ({})", self.engine.vocab()),
             ));
         }
         if ids.is_empty() {
@@ -321,7 +320,7 @@ impl Encoder {
     /// the rest of the context). A prompt whose size in bytes already implies too many tokens is
     /// refused with the same error before it is tokenised.
     pub fn prepare(&self, req: &GenRequest) -> Result<Prepared, ApiError> {
-        let bound = self.engine.plan.context_bound;
+        let bound = self.engine.context_bound();
         // The longest prompt that leaves room for max_tokens new tokens (and at least one).
         let most = bound.saturating_sub(req.max_tokens.unwrap_or(0).max(1));
         let prompt = match self.encode_at_most(req, most) {
@@ -353,10 +352,7 @@ impl Generator {
     /// A second sequence state (the snapshot after the prompt) fits in the memory budget beside
     /// the running one, at their lengths: the plan only reserves one.
     fn snapshot_fits(&self, prompt_len: usize, max_new: usize) -> bool {
-        let p = &self.engine.plan;
-        let free = p.budget.saturating_sub(p.trunk + p.expert_cache + p.staging + p.activations);
-        let tokens = (2 * prompt_len + max_new) as u64;
-        2 * p.state_fixed + p.state_per_token.saturating_mul(tokens) <= free
+        self.engine.states_fit(2, (2 * prompt_len + max_new) as u64)
     }
 
     /// The kept session that `prompt` extends the most (dropping the others), or a new one.

@@ -1,0 +1,48 @@
+//! What a front end may ask an opened engine beyond running sessions: the usable context, the
+//! vocabulary, the tokens that end a message, the draft model's description, whether more sequence
+//! states fit the memory budget, and a route trace of a run.
+//!
+//! Contract: front ends (`cli`, `serve`) ask these methods, never the engine's parts (checkpoint,
+//! roster, trunk, backend, memory plan); each answer is a plain value computed from the opened
+//! engine, so a front end cannot depend on how the engine is built (tests/structure.rs checks it).
+
+use super::Engine;
+use crate::model::tokenizer::Tokenizer;
+use crate::stats::Stats;
+use crate::store::placement::RouteTrace;
+
+impl Engine {
+    /// Tokens of context that fit the memory budget (also capped by the model's maximum).
+    pub fn context_bound(&self) -> usize {
+        self.plan.context_bound
+    }
+
+    /// The model's vocabulary size: token ids are below it.
+    pub fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    /// The tokens that end generation: the chat format's end-of-message token (when `tok` has it),
+    /// then the config's `eos_token_id` (when there is one).
+    pub fn stop_tokens(&self, tok: Option<&Tokenizer>) -> Vec<u32> {
+        tok.and_then(|t| t.special_id("<|end_of_msg|>")).into_iter().chain(self.cfg.eos_token).collect()
+    }
+
+    /// The DSpark draft model's description (its layers, taps and memory), when one is loaded.
+    pub fn draft_model_description(&self) -> Option<String> {
+        self.draft.as_ref().map(|d| d.describe())
+    }
+
+    /// Whether `states` sequence states holding `tokens` tokens in all fit the memory budget beside
+    /// the trunk, the expert cache, the read slots and the activations (the plan reserves one).
+    pub fn states_fit(&self, states: u64, tokens: u64) -> bool {
+        let p = &self.plan;
+        let free = p.budget.saturating_sub(p.trunk + p.expert_cache + p.staging + p.activations);
+        states.saturating_mul(p.state_fixed).saturating_add(p.state_per_token.saturating_mul(tokens)) <= free
+    }
+
+    /// The routes counted in `stats`, marked as recorded on this model (for `place --policy hot`).
+    pub fn route_trace(&self, stats: &Stats) -> RouteTrace {
+        stats.route_trace().for_model(&self.ck)
+    }
+}
