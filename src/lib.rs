@@ -18,6 +18,7 @@ pub mod model;
 pub mod sample;
 pub mod sched;
 pub mod serve;
+pub mod setting;
 pub mod spec;
 pub mod stats;
 pub mod store;

@@ -27,8 +27,9 @@ pub struct MemoryPlan {
 
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "memory budget {} is too small: the resident trunk needs {}, the draft model {}, the expert cache {}, fixed sequence state {} and activations {} (raise --memory-gb or lower --expert-cache-gb)",
-    human_bytes(*budget), human_bytes(*trunk), human_bytes(*draft), human_bytes(*expert_cache), human_bytes(*state_fixed), human_bytes(*activations)
+    "memory budget {} is too small: the resident trunk needs {}, the draft model {}, the expert cache {}, fixed sequence state {} and activations {} (raise {} or lower {})",
+    human_bytes(*budget), human_bytes(*trunk), human_bytes(*draft), human_bytes(*expert_cache), human_bytes(*state_fixed), human_bytes(*activations),
+    crate::setting::Setting::MemoryGb, crate::setting::Setting::ExpertCacheGb
 )]
 pub struct BudgetError {
     pub budget: u64,

@@ -15,8 +15,9 @@ use deltafin::backend::{
     AppendBuf, Backend, BackendKind, Bf16Mat, CpuBackend, Device, ExpertLayout, Mxfp4Mat, Situ, StateBuf, run_expert,
 };
 use deltafin::cpu::{decode_bf16_row, decode_mxfp4_row, deinterleave_mxfp4_input};
-use deltafin::engine::{Engine, EngineConfig};
+use deltafin::engine::{Engine, EngineConfig, EngineError};
 use deltafin::k3::KdaMode;
+use deltafin::setting::Setting;
 
 fn gpu() -> Option<GpuBackend> {
     match GpuBackend::new(true) {
@@ -721,8 +722,11 @@ fn the_device_expert_cache_changes_no_bit_and_serves_repeated_experts() {
     assert_eq!(opened.device_expert_slots(), opened.cfg.moe_layers() * opened.cfg.experts);
     // The CPU backend has no device memory to keep experts in.
     let config = EngineConfig { gpu_cache_gb: Some(1.0), ..test_config(&dir, KdaMode::Recurrent) };
-    let err = Engine::open(config).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(err.contains("--backend gpu"), "{err}");
+    let err = Engine::open(config).err();
+    assert!(
+        matches!(&err, Some(EngineError::Setting { setting: Setting::GpuCacheGb, problem, .. }) if problem.contains("gpu or auto")),
+        "{err:?}"
+    );
 }
 
 #[test]

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 /// Floors, lowest first: a module may import from its own floor (without a cycle) and below.
 const FLOORS: &[&[&str]] = &[
-    &["util"],
+    &["util", "setting"],
     &["backend"],
     &["model", "store", "sample"],
     &["k3", "stats"],
@@ -82,6 +82,13 @@ fn module_of(rel: &Path) -> Vec<String> {
 /// The code of a file without comments, string and char literals (each replaced by a space),
 /// cut at its test module.
 fn code_of(src: &str) -> String {
+    lex(src).0
+}
+
+/// The code of `src` as [`code_of`] gives it, and the text of its string literals (escapes left
+/// as written).
+fn lex(src: &str) -> (String, Vec<String>) {
+    let mut literals = Vec::new();
     let src = match src.find("#[cfg(test)]\nmod ") {
         Some(i) => &src[..i],
         None => src,
@@ -127,23 +134,29 @@ fn code_of(src: &str) -> String {
                 continue;
             }
             j += 1;
+            let start = j;
+            let mut end = b.len();
             loop {
                 match b.get(j) {
                     None => break,
                     Some('"') if (0..hashes).all(|k| b.get(j + 1 + k) == Some(&'#')) => {
+                        end = j;
                         j += 1 + hashes;
                         break;
                     }
                     _ => j += 1,
                 }
             }
+            literals.push(b[start..end].iter().collect());
             i = j;
             out.push(' ');
         } else if c == '"' {
             i += 1;
+            let start = i;
             while i < b.len() && b[i] != '"' {
                 i += if b[i] == '\\' { 2 } else { 1 };
             }
+            literals.push(b[start.min(b.len())..i.min(b.len())].iter().collect());
             i += 1;
             out.push(' ');
         } else if c == '\'' {
@@ -167,7 +180,7 @@ fn code_of(src: &str) -> String {
             i += 1;
         }
     }
-    out
+    (out, literals)
 }
 
 /// Whether `b[i]` starts a token (a `b` prefix of a byte string counts as part of it).
@@ -545,4 +558,46 @@ fn the_engine_part_check_sees_fields_not_arguments() {
     assert!(touches_engine_part("self.engine.cfg.vocab", "cfg"));
     assert!(!touches_engine_part("engine.draft_model_description()", "draft"));
     assert!(!touches_engine_part("my_engine.cfg", "cfg"));
+}
+
+/// The CLI flags (`--name`) that `text` spells.
+fn flags_in(text: &str) -> Vec<String> {
+    let b = text.as_bytes();
+    let mut found = Vec::new();
+    for (at, _) in text.match_indices("--") {
+        let before_ok = at == 0 || !(b[at - 1].is_ascii_alphanumeric() || b[at - 1] == b'-');
+        let name: String =
+            text[at + 2..].chars().take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-').collect();
+        if before_ok && name.starts_with(|c: char| c.is_ascii_lowercase()) {
+            found.push(format!("--{name}"));
+        }
+    }
+    found
+}
+
+/// Library messages name settings through `crate::setting` (a front end shows its own names for
+/// them); a CLI flag spelled in a string literal outside `cli/` is a front end's syntax leaking
+/// into the library.
+#[test]
+fn no_cli_flag_names_in_library_strings() {
+    let mut found = Vec::new();
+    for (rel, text) in sources() {
+        if rel.starts_with("cli/") {
+            continue;
+        }
+        for lit in lex(&text).1 {
+            for flag in flags_in(&lit) {
+                found.push(format!("{rel}: {flag} in {lit:?} (use a crate::setting::Setting)"));
+            }
+        }
+    }
+    assert!(found.is_empty(), "CLI flags named in the library:\n{}", found.join("\n"));
+}
+
+#[test]
+fn the_flag_check_sees_flags_in_literals_only() {
+    let (_, lits) =
+        lex("// --not-this\nlet a = \"raise --memory-gb\"; let b = r#\"x --draft y\"#; let c = \"a--b -- c\";");
+    let flags: Vec<String> = lits.iter().flat_map(|l| flags_in(l)).collect();
+    assert_eq!(flags, ["--memory-gb", "--draft"]);
 }

@@ -260,7 +260,7 @@ fn exit_codes_and_messages() {
     // Runtime: drive subsets need a placement.
     let o = deltafin(cache.path()).args(["run", "--demo", "--prompt", "hi", "--use-drives", "0"]).output().unwrap();
     assert_eq!(o.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--use-drives selects drives of a placement"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--use-drives 0: selects drives of a placement"));
     // Runtime: a memory budget below the trunk.
     let o = deltafin(cache.path()).args(["run", "--demo", "--prompt", "hi", "--memory-gb", "0.001"]).output().unwrap();
     assert_eq!(o.status.code(), Some(1));

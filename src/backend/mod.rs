@@ -73,7 +73,7 @@ pub fn open(kind: BackendKind, opts: BackendOptions) -> Result<Arc<dyn Device>, 
         BackendKind::Auto => match gpu(false) {
             Ok(g) => Ok(Arc::new(g)),
             Err(e) => {
-                tracing::info!("--backend auto: {e}; using the CPU");
+                tracing::info!("{} auto: {e}; using the CPU", crate::setting::Setting::Backend);
                 Ok(Arc::new(CpuBackend))
             }
         },

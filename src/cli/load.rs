@@ -44,7 +44,7 @@ pub fn open_engine(cfg: EngineConfig) -> Result<Arc<Engine>> {
     let dir = cfg.model.clone();
     match Engine::open(cfg) {
         Ok(e) => Ok(e),
-        Err(e @ crate::engine::EngineError::Options(_)) => Err(e.into()),
+        Err(e @ crate::engine::EngineError::Setting { .. }) => Err(e.into()),
         Err(e) => Err(anyhow::Error::new(e).context(format!("cannot open the model in {}", dir.display()))),
     }
 }

@@ -6,6 +6,7 @@ mod bench;
 mod bench_run;
 mod engine;
 mod load;
+mod names;
 mod place;
 mod plot;
 mod run;
@@ -98,6 +99,8 @@ where
 
 /// Parses arguments, runs the subcommand and maps errors to exit codes.
 pub fn main() -> ExitCode {
+    // Library messages name settings by the flags that set them.
+    names::install();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -26,6 +26,7 @@ use crate::model::config::{AttnKind, FfnKind};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{Checkpoint, K3Config, ModelError, Roster};
 use crate::sched::{self, LogitRows, SeqRows};
+use crate::setting::{Action, Setting};
 use crate::stats::Stats;
 use crate::store::expert_store::{self, ExpertStore, StoreOptions, StoreSpec};
 use crate::store::placement::{Manifest, PlacementError, manifest_path, manifest_spec, shard_spec};
@@ -154,14 +155,19 @@ pub enum EngineError {
     Budget(#[from] BudgetError),
     #[error(transparent)]
     Isa(#[from] crate::cpu::IsaError),
-    #[error("{0}")]
-    Config(String),
-    /// Options that contain a bad value or conflict with each other (the message names them).
-    #[error("{0}")]
-    Options(String),
+    /// The model has no routed experts where the expert store needs some.
+    #[error("{}: the model has no routed experts", .0.display())]
+    NoRoutedExperts(PathBuf),
+    /// A stream install's experts come only from its stream source, and `setting` asked for another.
+    #[error("{} is a stream install (its shards hold no routed experts): experts come from its stream source, not {setting} {value}", dir.display())]
+    StreamInstall { dir: PathBuf, setting: Setting, value: String },
+    /// A setting with a value it cannot have, or one that conflicts with another setting (named in
+    /// `problem`).
+    #[error("{setting} {value}: {problem}")]
+    Setting { setting: Setting, value: String, problem: String },
     #[error("{}: {msg}", dir.display())]
     Tokenizer { dir: PathBuf, msg: String },
-    #[error("{} has no tiktoken.model: text prompts need the model's tokenizer (use --prompt-ids for token ids)", .0.display())]
+    #[error("{} has no tiktoken.model: text prompts need the model's tokenizer (use {} for token ids)", .0.display(), Setting::PromptIds)]
     NoTokenizer(PathBuf),
     #[error(transparent)]
     Forward(#[from] ForwardError),
@@ -216,13 +222,18 @@ fn restrict_drives(spec: &mut StoreSpec, keep: &[usize], placement_drives: usize
         }
     }
     if none > 0 {
-        return Err(EngineError::Options(format!(
-            "--use-drives {list}: {none} experts have no holder on those drives (and the placement does not fall back to the shards); use a mirror placement for drive subsets"
-        )));
+        return Err(EngineError::Setting {
+            setting: Setting::UseDrives,
+            value: list,
+            problem: format!(
+                "{none} experts have no holder on those drives (and the placement does not fall back to the shards); use a mirror placement for drive subsets"
+            ),
+        });
     }
     if shards_only > 0 {
         tracing::warn!(
-            "--use-drives {list}: {shards_only} experts are not on those drives and will be read from the shards"
+            "{} {list}: {shards_only} experts are not on those drives and will be read from the shards",
+            Setting::UseDrives
         );
     }
     Ok(())
@@ -244,10 +255,16 @@ fn store_spec(
         _ => None,
     };
     if config.use_drives.is_some() && manifest.is_none() {
-        return Err(EngineError::Options(
-            "--use-drives selects drives of a placement, but there is none (run `deltafin place`, or drop --use-drives)"
-                .into(),
-        ));
+        let list = config.use_drives.iter().flatten().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
+        return Err(EngineError::Setting {
+            setting: Setting::UseDrives,
+            value: list,
+            problem: format!(
+                "selects drives of a placement, but there is none (run {}, or drop {})",
+                Action::Place,
+                Setting::UseDrives
+            ),
+        });
     }
     let (Some(layout), ExpertsFrom::Store) = (&roster.expert_layout, config.experts_from) else { return Ok(None) };
     Ok(Some(match (&manifest, &manifest_path) {
@@ -256,18 +273,18 @@ fn store_spec(
                 .map_err(|source| EngineError::Placement { path: mp.clone(), source })?;
             if let Some(keep) = &config.use_drives {
                 if let Some(&bad) = keep.iter().find(|&&d| d >= m.drives.len()) {
-                    return Err(EngineError::Options(format!(
-                        "--use-drives {bad}: the placement has {} drives (0..{})",
-                        m.drives.len(),
-                        m.drives.len()
-                    )));
+                    return Err(EngineError::Setting {
+                        setting: Setting::UseDrives,
+                        value: bad.to_string(),
+                        problem: format!("the placement has {} drives (0..{})", m.drives.len(), m.drives.len()),
+                    });
                 }
                 restrict_drives(&mut spec, keep, m.drives.len())?;
             }
             spec
         }
         _ => shard_spec(ck, roster, dir, config.qd, 1.0)
-            .ok_or_else(|| EngineError::Config("the model has no routed experts".into()))?,
+            .ok_or_else(|| EngineError::NoRoutedExperts(dir.to_path_buf()))?,
     }))
 }
 
@@ -293,27 +310,47 @@ impl Engine {
         if let Some(g) = config.memory_gb
             && !(g.is_finite() && g > 0.0)
         {
-            return Err(EngineError::Options(format!("--memory-gb {g}: give a positive number of GB")));
+            return Err(EngineError::Setting {
+                setting: Setting::MemoryGb,
+                value: g.to_string(),
+                problem: "give a positive number of GB".into(),
+            });
         }
         if let Some(g) = config.expert_cache_gb
             && !(g.is_finite() && g >= 0.0)
         {
-            return Err(EngineError::Options(format!("--expert-cache-gb {g}: give a number of GB >= 0")));
+            return Err(EngineError::Setting {
+                setting: Setting::ExpertCacheGb,
+                value: g.to_string(),
+                problem: "give a number of GB >= 0".into(),
+            });
         }
         if let Some(g) = config.gpu_cache_gb {
             if !(g.is_finite() && g >= 0.0) {
-                return Err(EngineError::Options(format!("--gpu-cache-gb {g}: give a number of GB >= 0")));
+                return Err(EngineError::Setting {
+                    setting: Setting::GpuCacheGb,
+                    value: g.to_string(),
+                    problem: "give a number of GB >= 0".into(),
+                });
             }
             if g > 0.0 && config.backend == BackendKind::Cpu {
-                return Err(EngineError::Options(format!(
-                    "--gpu-cache-gb {g} keeps experts in GPU memory: it needs --backend gpu or auto"
-                )));
+                return Err(EngineError::Setting {
+                    setting: Setting::GpuCacheGb,
+                    value: g.to_string(),
+                    problem: format!("keeps experts in GPU memory: it needs {} gpu or auto", Setting::Backend),
+                });
             }
         }
         if config.experts_from == ExpertsFrom::Mmap && (config.placement.is_some() || config.use_drives.is_some()) {
-            return Err(EngineError::Options(
-                "--placement and --use-drives choose drives of the expert store; they cannot be used with --experts-from mmap".into(),
-            ));
+            return Err(EngineError::Setting {
+                setting: Setting::ExpertsFrom,
+                value: "mmap".into(),
+                problem: format!(
+                    "{} and {} choose drives of the expert store; they cannot be used with it",
+                    Setting::Placement,
+                    Setting::UseDrives
+                ),
+            });
         }
         // A stream install (`setup --stream`) has holes where the experts are: only its stream
         // source may deliver them. An unfinished one is refused before its files are read.
@@ -330,7 +367,11 @@ impl Engine {
         if let Some(l) = &roster.expert_layout {
             backend.plan_experts(l, cfg.moe_layers() * cfg.experts)?;
             if device_cache_bytes > 0 && backend.device_expert_bytes() == 0 {
-                tracing::warn!("--gpu-cache-gb: {} has no device memory for experts; ignored", backend.describe());
+                tracing::warn!(
+                    "{}: {} has no device memory for experts; ignored",
+                    Setting::GpuCacheGb,
+                    backend.describe()
+                );
             }
         }
         {
@@ -361,10 +402,11 @@ impl Engine {
         let spec = match (&stream, &layout) {
             _ if given.is_some() => None,
             (Some(_), _) if config.experts_from == ExpertsFrom::Mmap || config.placement.is_some() => {
-                return Err(EngineError::Config(format!(
-                    "{} is a stream install (its shards hold no routed experts): experts come from its stream source, not --experts-from mmap or --placement",
-                    dir.display()
-                )));
+                let (setting, value) = match &config.placement {
+                    Some(p) => (Setting::Placement, p.display().to_string()),
+                    None => (Setting::ExpertsFrom, "mmap".into()),
+                };
+                return Err(EngineError::StreamInstall { dir: dir.clone(), setting, value });
             }
             (Some(st), Some(l)) => {
                 let (spec, h) = crate::hub::stream::local_spec(st, &ck, &roster, l)?;

@@ -13,6 +13,7 @@
 //!   dropped connections are retried with exponential backoff; 401/403 give a token hint, 404 names
 //!   the repo, revision and file.
 
+use crate::setting::{Action, Setting};
 use serde::Deserialize;
 use std::io::Read;
 use std::time::Duration;
@@ -38,19 +39,48 @@ pub enum HubError {
     #[error("{}: {source}", path.display())]
     Io { path: std::path::PathBuf, source: std::io::Error },
     #[error(
-        "{}: the disk is full ({written} of {size} bytes of {file} written). Free some space and run the same `deltafin setup` again: it resumes from here",
-        path.display()
+        "{}: the disk is full ({written} of {size} bytes of {file} written). Free some space and run the same {} again: it resumes from here",
+        path.display(), Action::Setup
     )]
     DiskFull { path: std::path::PathBuf, file: String, written: u64, size: u64 },
     #[error(
-        "not enough free space in {}: {} needed, {} free. Free some space or choose another --dir (`deltafin setup --stream` needs room for the trunk only)",
-        dir.display(), crate::util::human_bytes(*.need), crate::util::human_bytes(*.free)
+        "not enough free space in {}: {} needed, {} free. Free some space or choose another {} ({} needs room for the trunk only)",
+        dir.display(), crate::util::human_bytes(*.need), crate::util::human_bytes(*.free), Setting::Dir, Action::SetupStream
     )]
     NoSpace { dir: std::path::PathBuf, need: u64, free: u64 },
     #[error(
         "{file}: downloaded bytes have {what} {got}, the hub says {want} (fetched {tries} times; the server or the network corrupts data)"
     )]
     Checksum { file: String, what: &'static str, got: String, want: String, tries: u32 },
+    #[error("{} {repo:?}: expected ORG/NAME", Setting::Repo)]
+    BadRepo { repo: String },
+    /// A stream install asked into a directory that holds a full checkpoint.
+    #[error("{} already holds a checkpoint; give {} an empty {}", dir.display(), Action::SetupStream, Setting::Dir)]
+    HoldsCheckpoint { dir: std::path::PathBuf },
+    /// A stream install of one commit asked to become another's.
+    #[error("{} is a stream install of commit {have}, not {want}; use another {}", dir.display(), Setting::Dir)]
+    OtherCommit { dir: std::path::PathBuf, have: String, want: String },
+    /// A stream install that did not finish.
+    #[error("{}: {} did not finish here; run it again to complete the install", dir.display(), Action::SetupStream)]
+    Unfinished { dir: std::path::PathBuf },
+    /// A stream install's drive is full.
+    #[error(
+        "{}: the drive is full; the streamed experts of layer {layer} cannot be kept (free space, or add a {} to the install)",
+        path.display(), Setting::Drive
+    )]
+    DriveFull { path: std::path::PathBuf, layer: usize },
+    /// A file deltafin wrote (an install record, a registry) that does not parse as one.
+    #[error("{}: not a valid {what}: {msg}", path.display())]
+    Malformed { path: std::path::PathBuf, what: &'static str, msg: String },
+    /// A record of a format version this deltafin does not read.
+    #[error("{}: unsupported version {got} (this deltafin reads version {expected})", path.display())]
+    Version { path: std::path::PathBuf, expected: u32, got: u32 },
+    /// A stream install's registry of streamed packs belongs to another model.
+    #[error("{}: registered for model {theirs}, but {} is model {ours}", path.display(), dir.display())]
+    OtherModel { path: std::path::PathBuf, dir: std::path::PathBuf, theirs: String, ours: String },
+    /// An expert the model does not have (`expert` None: the layer has no routed experts).
+    #[error("{}", match expert { Some(e) => format!("expert {e} of layer {layer} does not exist"), None => format!("layer {layer} has no routed experts") })]
+    NoExpert { layer: usize, expert: Option<u32> },
     #[error("{0}")]
     Other(String),
 }
@@ -504,7 +534,7 @@ pub fn check_repo(repo: &str) -> Result<(), HubError> {
                 && p != ".."
                 && p.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b))
         });
-    if ok { Ok(()) } else { Err(HubError::Other(format!("--repo {repo:?}: expected ORG/NAME"))) }
+    if ok { Ok(()) } else { Err(HubError::BadRepo { repo: repo.to_string() }) }
 }
 
 /// A repo file path must stay inside the directory it is written to.

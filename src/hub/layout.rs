@@ -152,10 +152,7 @@ pub fn install_stream(
         && (dir.join(INDEX).exists() || dir.join("model.safetensors").exists())
         && !dir.join(download::PARTIAL_DIR).exists()
     {
-        return Err(HubError::Other(format!(
-            "{} already holds a checkpoint; give `setup --stream` an empty --dir",
-            dir.display()
-        )));
+        return Err(HubError::HoldsCheckpoint { dir: dir.to_path_buf() });
     }
     let is_shard_name = |p: &str| p == "model.safetensors" || p.ends_with(".safetensors") && !p.contains('/');
     // The small files first (the index names the shards).
@@ -193,12 +190,7 @@ pub fn install_stream(
     if let Some(old) = StreamInstall::load(dir)?
         && old.commit != info.commit
     {
-        return Err(HubError::Other(format!(
-            "{} is a stream install of commit {}, not {}; use another --dir",
-            dir.display(),
-            old.commit,
-            info.commit
-        )));
+        return Err(HubError::OtherCommit { dir: dir.to_path_buf(), have: old.commit, want: info.commit.clone() });
     }
     record.save()?;
     report.shards = shards.len();

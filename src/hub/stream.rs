@@ -91,13 +91,17 @@ impl StreamInstall {
             return Ok(None);
         }
         let text = std::fs::read_to_string(&p).map_err(io(&p))?;
-        let mut s: StreamInstall = serde_json::from_str(&text)
-            .map_err(|e| HubError::Other(format!("{}: not a stream install record: {e}", p.display())))?;
+        let mut s: StreamInstall = serde_json::from_str(&text).map_err(|e| HubError::Malformed {
+            path: p.clone(),
+            what: "stream install record",
+            msg: e.to_string(),
+        })?;
         if s.version != 1 {
-            return Err(HubError::Other(format!("{}: unsupported version {}", p.display(), s.version)));
+            return Err(HubError::Version { path: p, expected: 1, got: s.version });
         }
         if s.drives.is_empty() {
-            return Err(HubError::Other(format!("{}: no drives", p.display())));
+            let msg = "it lists no drives".into();
+            return Err(HubError::Malformed { path: p, what: "stream install record", msg });
         }
         s.dir = dir.to_path_buf();
         Ok(Some(s))
@@ -111,14 +115,7 @@ impl StreamInstall {
 
     /// Refuses an interrupted install.
     pub fn check_complete(&self) -> Result<(), HubError> {
-        if self.complete {
-            Ok(())
-        } else {
-            Err(HubError::Other(format!(
-                "{}: `deltafin setup --stream` did not finish here; run it again to complete the install",
-                self.dir.display()
-            )))
-        }
+        if self.complete { Ok(()) } else { Err(HubError::Unfinished { dir: self.dir.clone() }) }
     }
 
     /// Where drive `d` keeps this model's streamed packs.
@@ -138,7 +135,11 @@ impl StreamPlacement {
             return Ok(StreamPlacement { version: 1, ..Default::default() });
         }
         let text = std::fs::read_to_string(&p).map_err(io(&p))?;
-        serde_json::from_str(&text).map_err(|e| HubError::Other(format!("{}: malformed: {e}", p.display())))
+        serde_json::from_str(&text).map_err(|e| HubError::Malformed {
+            path: p.clone(),
+            what: "stream registry",
+            msg: e.to_string(),
+        })
     }
 }
 
@@ -155,13 +156,12 @@ pub fn local_spec(
     let fp = fingerprint::fingerprint(ck);
     let reg = StreamPlacement::load(&install.dir)?;
     if !reg.model.is_empty() && reg.model != fp {
-        return Err(HubError::Other(format!(
-            "{}: registered for model {}, but {} is model {}",
-            install.dir.join(REGISTRY).display(),
-            fingerprint::short(&reg.model),
-            install.dir.display(),
-            fingerprint::short(&fp)
-        )));
+        return Err(HubError::OtherModel {
+            path: install.dir.join(REGISTRY),
+            dir: install.dir.clone(),
+            theirs: fingerprint::short(&reg.model).to_string(),
+            ours: fingerprint::short(&fp).to_string(),
+        });
     }
     let raw = fingerprint::raw(&fp);
     let drives: Vec<DriveSpec> =
@@ -287,17 +287,11 @@ impl StreamSource {
     /// Fetches `missing` experts of `layer` from the hub, writes them into a new pack and registers
     /// it; returns their bytes.
     fn stream_in(&self, layer: usize, missing: &[u32]) -> Result<Vec<(u32, Vec<u8>)>, HubError> {
-        let locs = self
-            .locs
-            .get(layer)
-            .and_then(|l| l.as_ref())
-            .ok_or_else(|| HubError::Other(format!("layer {layer} has no routed experts")))?;
+        let locs = self.locs.get(layer).and_then(|l| l.as_ref()).ok_or(HubError::NoExpert { layer, expert: None })?;
         // Pieces (shard, start, len, expert index in `missing`, dest), merged into requests.
         let mut pieces = Vec::new();
         for (i, &e) in missing.iter().enumerate() {
-            let loc = locs
-                .get(e as usize)
-                .ok_or_else(|| HubError::Other(format!("expert {e} of layer {layer} does not exist")))?;
+            let loc = locs.get(e as usize).ok_or(HubError::NoExpert { layer, expert: Some(e) })?;
             for x in &loc.extents {
                 pieces.push((x.shard, x.start, x.len, i, x.dest));
             }
@@ -377,10 +371,9 @@ impl StreamSource {
             &mut |_| {},
         )
         .map_err(|e| match e {
-            pack::PackError::Io { path, source } if source.raw_os_error() == Some(libc::ENOSPC) => HubError::Other(format!(
-                "{}: the drive is full; the streamed experts of layer {layer} cannot be kept (free space, or add a --drive to the install)",
-                path.display()
-            )),
+            pack::PackError::Io { path, source } if source.raw_os_error() == Some(libc::ENOSPC) => {
+                HubError::DriveFull { path, layer }
+            }
             e => HubError::Other(e.to_string()),
         })?;
         let lock_path = self.install.dir.join(LOCK);

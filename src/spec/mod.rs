@@ -34,6 +34,7 @@ use crate::engine::{Engine, GenerateOptions, Generation, Session, StopReason};
 use crate::k3::ForwardError;
 use crate::sample::Sampler;
 use crate::sched::RowsOut;
+use crate::setting::Setting;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -75,7 +76,12 @@ pub enum DraftKind {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SpecError {
-    #[error("--draft dspark needs a DSpark checkpoint: give --draft-model DIR (or use --draft ngram / auto)")]
+    #[error(
+        "{} dspark needs a DSpark checkpoint: give {} DIR (or use {} ngram / auto)",
+        Setting::Draft,
+        Setting::DraftModel,
+        Setting::Draft
+    )]
     NoDraftModel,
 }
 

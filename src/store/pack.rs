@@ -198,10 +198,10 @@ fn check_magic_version(path: &Path, head: &[u8]) -> Result<(), PackError> {
     }
     match u32_at(first, 8) {
         VERSION => Ok(()),
-        1 => Err(bad(
-            "written by an older deltafin (pack version 1, without the model fingerprint); re-run `deltafin place`"
-                .into(),
-        )),
+        1 => Err(bad(format!(
+            "written by an older deltafin (pack version 1, without the model fingerprint); re-run {}",
+            crate::setting::Action::Place
+        ))),
         v => Err(bad(format!("unsupported version {v} (this deltafin reads version {VERSION})"))),
     }
 }
@@ -333,7 +333,7 @@ mod tests {
         old[8] = 1;
         std::fs::write(dir.path().join("old.pack"), &old).unwrap();
         let err = read_header(&dir.path().join("old.pack")).unwrap_err().to_string();
-        assert!(err.contains("re-run `deltafin place`"), "{err}");
+        assert!(err.contains("pack version 1") && err.contains("re-run"), "{err}");
         // A truncated file is detected.
         std::fs::write(dir.path().join("short.pack"), &bytes[..bytes.len() - 5000]).unwrap();
         assert!(read_header(&dir.path().join("short.pack")).is_err());

@@ -151,7 +151,8 @@ impl DeviceCache {
         let wanted = self.capacity();
         if wanted == 0 && self.budget > 0 {
             tracing::warn!(
-                "--gpu-cache-gb: {} is less than one expert ({}); no device expert cache",
+                "{}: {} is less than one expert ({}); no device expert cache",
+                crate::setting::Setting::GpuCacheGb,
                 crate::util::human_bytes(self.budget),
                 crate::util::human_bytes(self.slot_bytes)
             );

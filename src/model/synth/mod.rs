@@ -14,6 +14,7 @@
 
 use super::bpe_train::{TRAINING_TEXT, rank_file, train_ranks};
 use super::tokenizer::{NUM_SPECIALS, k3_tokenizer_config};
+use crate::setting::Setting;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 
@@ -25,11 +26,14 @@ pub(crate) use tensors::{Fill, TensorPlan, write_safetensors};
 pub enum SynthError {
     #[error("invalid synth settings: {0}")]
     Spec(String),
-    #[error("{} already exists (use --force to replace it)", .0.display())]
+    /// A setting outside the range the spec allows (`expected` says what it allows).
+    #[error("invalid synth settings: {setting} {value}: {expected}")]
+    Setting { setting: Setting, value: usize, expected: String },
+    #[error("{} already exists (use {} to replace it)", .0.display(), Setting::Force)]
     Exists(PathBuf),
     #[error("{}: {source}", path.display())]
     Io { path: PathBuf, source: std::io::Error },
-    #[error("--force replaces only a model synth wrote, and {}: {why}", path.display())]
+    #[error("{} replaces only a model synth wrote, and {}: {why}", Setting::Force, path.display())]
     NotReplaceable { path: PathBuf, why: String },
     #[error("{} has {} free but the model needs {}", dir.display(), crate::util::human_bytes(*have), crate::util::human_bytes(*need))]
     NoSpace { dir: PathBuf, have: u64, need: u64 },
@@ -211,36 +215,40 @@ impl SynthSpec {
         }
         // The same bounds config.json is held to, so synth never writes a model `run` refuses.
         use super::config::{MAX_EXPERTS, MAX_LAYERS};
+        let out_of_range =
+            |setting: Setting, value: usize, expected: String| Err(SynthError::Setting { setting, value, expected });
         if self.layers > MAX_LAYERS {
-            return bad(format!("--layers {} is more than {MAX_LAYERS}", self.layers));
+            return out_of_range(Setting::Layers, self.layers, format!("at most {MAX_LAYERS}"));
         }
         if self.experts < 1 || self.experts > MAX_EXPERTS {
-            return bad(format!("--experts must be in 1..={MAX_EXPERTS} (K3's MoE layers route to experts)"));
+            let expected = format!("1..={MAX_EXPERTS} (K3's MoE layers route to experts)");
+            return out_of_range(Setting::Experts, self.experts, expected);
         }
         if self.dense_layers >= self.layers {
-            return bad(format!(
-                "--dense-layers {} leaves no MoE layer of {} (at most {})",
-                self.dense_layers,
-                self.layers,
-                self.layers - 1
-            ));
+            let expected = format!("at most {} (it leaves no MoE layer of {})", self.layers - 1, self.layers);
+            return out_of_range(Setting::DenseLayers, self.dense_layers, expected);
         }
         if self.vocab < 256 + NUM_SPECIALS {
-            return bad(format!(
-                "--vocab must be at least {} (256 byte tokens + {NUM_SPECIALS} specials)",
-                256 + NUM_SPECIALS
-            ));
+            let expected = format!("at least {} (256 byte tokens + {NUM_SPECIALS} specials)", 256 + NUM_SPECIALS);
+            return out_of_range(Setting::Vocab, self.vocab, expected);
         }
+        if self.top_k < 1 || self.top_k > self.experts {
+            return out_of_range(Setting::TopK, self.top_k, format!("1..={} (the number of experts)", self.experts));
+        }
+        for (setting, value) in [(Setting::ExpertInter, self.expert_inter), (Setting::ExpertLatent, self.expert_latent)]
         {
-            if self.top_k < 1 || self.top_k > self.experts {
-                return bad(format!("--top-k must be in 1..={} (the number of experts)", self.experts));
-            }
-            if !self.expert_inter.is_multiple_of(32) || !self.expert_latent.is_multiple_of(32) {
-                return bad("--expert-inter and --expert-latent must be multiples of 32 (the MXFP4 block)".into());
+            if !value.is_multiple_of(32) {
+                return out_of_range(setting, value, "a multiple of 32 (the MXFP4 block)".into());
             }
         }
-        if self.conv_width < 1 || self.attn_res_block < 1 || self.mla_every < 1 {
-            return bad("--conv-width, --block and --mla-every must be >= 1".into());
+        for (setting, value) in [
+            (Setting::ConvWidth, self.conv_width),
+            (Setting::AttnResBlock, self.attn_res_block),
+            (Setting::MlaEvery, self.mla_every),
+        ] {
+            if value < 1 {
+                return out_of_range(setting, value, "at least 1".into());
+            }
         }
         Ok(())
     }

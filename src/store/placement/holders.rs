@@ -5,7 +5,7 @@
 //! names another model, or that cannot be read, is skipped with a warning and its experts served by
 //! the other holders; a pack record is used only when its checksum and length are the manifest's.
 
-use super::{MANIFEST, Manifest, PlacementError, ShardUse};
+use super::{Manifest, PlacementError, ShardUse};
 use crate::model::Checkpoint;
 use crate::model::fingerprint;
 use crate::model::roster::{ExpertLayout, Roster};
@@ -92,16 +92,11 @@ pub fn manifest_spec(
     let mut holders: Vec<Option<Vec<Vec<Holder>>>> = vec![None; n_layers];
     let mut sums: Vec<Option<Vec<u64>>> = vec![None; n_layers];
     for ml in &m.layers {
-        let locs = roster.experts.get(ml.layer).and_then(|x| x.as_ref()).ok_or_else(|| {
-            PlacementError::Other(format!("{MANIFEST} lists layer {} which has no routed experts", ml.layer))
-        })?;
+        let mismatch =
+            |model: usize| PlacementError::LayerMismatch { layer: ml.layer, listed: ml.experts.len(), model };
+        let locs = roster.experts.get(ml.layer).and_then(|x| x.as_ref()).ok_or_else(|| mismatch(0))?;
         if ml.experts.len() != locs.len() {
-            return Err(PlacementError::Other(format!(
-                "{MANIFEST}: layer {} has {} experts, the model {}",
-                ml.layer,
-                ml.experts.len(),
-                locs.len()
-            )));
+            return Err(mismatch(locs.len()));
         }
         let mut per: Vec<Vec<Holder>> = vec![Vec::new(); locs.len()];
         for (d, drive) in m.drives.iter().enumerate() {

@@ -23,6 +23,7 @@ use super::pack;
 use crate::model::Checkpoint;
 use crate::model::fingerprint;
 use crate::model::roster::Roster;
+use crate::setting::{Action, Setting};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -57,8 +58,28 @@ pub enum PlacementError {
     Pack(#[from] pack::PackError),
     #[error("{0}")]
     OtherModel(Box<OtherModel>),
-    #[error("{}: another `deltafin place` is running here (it holds this lock); wait for it to finish", path.display())]
+    #[error("{}: another {} is running here (it holds this lock); wait for it to finish", path.display(), Action::Place)]
     Locked { path: PathBuf },
+    /// One directory given as two drives (they would overwrite each other's packs).
+    #[error("drive {} is given twice (each {} must be its own directory)", drive.display(), Setting::Drive)]
+    DriveTwice { drive: PathBuf },
+    /// A manifest whose layers are not the model's: a layer without routed experts, or another
+    /// count of experts.
+    #[error("{MANIFEST}: layer {layer} has {listed} experts, the model {model}")]
+    LayerMismatch { layer: usize, listed: usize, model: usize },
+    /// A model without routed experts has nothing to place.
+    #[error("{}: the model has no routed experts to place", .0.display())]
+    NoRoutedExperts(PathBuf),
+    /// A drive directory that is the model directory itself.
+    #[error("drive {} is the model directory itself; use a directory of its own", .0.display())]
+    DriveIsModel(PathBuf),
+    /// Drives (named, with their roots) whose free space is less than the packs they would hold.
+    #[error(
+        "{drives} {} {} free but this placement needs {} there",
+        if *shared { "share a file system with" } else { "has" },
+        crate::util::human_bytes(*free), crate::util::human_bytes(*need)
+    )]
+    NoRoom { drives: String, shared: bool, free: u64, need: u64 },
     #[error("{0}")]
     Other(String),
 }
@@ -170,9 +191,10 @@ impl Manifest {
         match raw.get("version").and_then(serde_json::Value::as_u64) {
             Some(v) if v == u64::from(VERSION) => {}
             Some(1) => {
-                return Err(invalid(
-                    "written by an older deltafin (version 1, without the model fingerprint); re-run `deltafin place` for this model".into(),
-                ));
+                return Err(invalid(format!(
+                    "written by an older deltafin (version 1, without the model fingerprint); re-run {} for this model",
+                    Action::Place
+                )));
             }
             Some(v) => return Err(invalid(format!("unsupported version {v} (this deltafin reads version {VERSION})"))),
             None => return Err(invalid("no version field".into())),
@@ -245,7 +267,12 @@ impl Manifest {
                 theirs: self.model.fingerprint.clone(),
                 ours: ours.clone(),
                 dir: ck.dir.clone(),
-                fix: format!("re-run `deltafin place --model {}`, or pass this model's --placement", ck.dir.display()),
+                fix: format!(
+                    "re-run {} for {}, or give this model's {}",
+                    Action::Place,
+                    ck.dir.display(),
+                    Setting::Placement
+                ),
             }))
         };
         if self.model.fingerprint != ours {
@@ -256,8 +283,9 @@ impl Manifest {
             return Err(PlacementError::Invalid {
                 path: self.path.clone(),
                 msg: format!(
-                    "its experts are {} bytes, this model's {model_len}; re-run `deltafin place --model {}`",
+                    "its experts are {} bytes, this model's {model_len}; re-run {} for {}",
                     self.expert_bytes,
+                    Action::Place,
                     ck.dir.display()
                 ),
             });
@@ -276,9 +304,10 @@ impl Manifest {
                 return Err(PlacementError::Invalid {
                     path: self.path.clone(),
                     msg: format!(
-                        "its checksum of expert {e} of layer {} ({}) is not the shards' ({got:016x}), so it is not this model's placement; re-run `deltafin place --model {}`",
+                        "its checksum of expert {e} of layer {} ({}) is not the shards' ({got:016x}), so it is not this model's placement; re-run {} for {}",
                         ml.layer,
                         x.xxh3,
+                        Action::Place,
                         ck.dir.display()
                     ),
                 });

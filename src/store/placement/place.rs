@@ -53,10 +53,8 @@ pub struct PlaceOptions<'a> {
 
 /// Runs (or resumes) a placement and writes `placement.json`.
 pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -> Result<Manifest, PlacementError> {
-    let layout = roster
-        .expert_layout
-        .clone()
-        .ok_or_else(|| PlacementError::Other("the model has no routed experts to place".into()))?;
+    let layout =
+        roster.expert_layout.clone().ok_or_else(|| PlacementError::NoRoutedExperts(o.model_dir.to_path_buf()))?;
     let layers: Vec<usize> = (0..c.layers).filter(|&l| roster.experts[l].is_some()).collect();
     for (root, _) in &o.drives {
         std::fs::create_dir_all(root).map_err(|source| PlacementError::Io { path: root.clone(), source })?;
@@ -65,16 +63,10 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
     let canon: Vec<PathBuf> = o.drives.iter().map(|(r, _)| canonical(r)).collect();
     for (i, a) in canon.iter().enumerate() {
         if canon[..i].contains(a) {
-            return Err(PlacementError::Other(format!(
-                "drive {} is given twice (each --drive must be its own directory)",
-                a.display()
-            )));
+            return Err(PlacementError::DriveTwice { drive: a.clone() });
         }
         if canonical(o.model_dir) == *a {
-            return Err(PlacementError::Other(format!(
-                "drive {} is the model directory itself; use a directory of its own",
-                a.display()
-            )));
+            return Err(PlacementError::DriveIsModel(a.clone()));
         }
     }
     let fp = fingerprint::fingerprint(ck);
@@ -190,13 +182,12 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
         if needed > have + existing {
             let names: Vec<String> =
                 ds.iter().map(|&d| format!("drive {d} ({})", plan.drives[d].root.display())).collect();
-            return Err(PlacementError::Other(format!(
-                "{} {} {} free but this placement needs {} there",
-                names.join(" and "),
-                if ds.len() > 1 { "share a file system with" } else { "has" },
-                crate::util::human_bytes(have + existing),
-                crate::util::human_bytes(needed)
-            )));
+            return Err(PlacementError::NoRoom {
+                drives: names.join(" and "),
+                shared: ds.len() > 1,
+                free: have + existing,
+                need: needed,
+            });
         }
     }
 
@@ -205,7 +196,7 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
     let mut checksums: HashMap<(usize, u32), u64> = HashMap::new();
     for (li, &l) in plan.layers.iter().enumerate() {
         let locs =
-            roster.experts[l].as_ref().ok_or_else(|| PlacementError::Other(format!("layer {l} has no experts")))?;
+            roster.experts[l].as_ref().ok_or_else(|| PlacementError::NoRoutedExperts(o.model_dir.to_path_buf()))?;
         for (d, drive) in plan.drives.iter().enumerate() {
             let ids: Vec<u32> =
                 (0..c.experts as u32).filter(|&e| plan.assign[li][e as usize].contains(&(d as u16))).collect();

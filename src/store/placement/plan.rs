@@ -8,6 +8,7 @@
 
 use super::{OtherModel, PlacementError, Policy};
 use crate::model::{Checkpoint, fingerprint};
+use crate::setting::Action;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -58,16 +59,14 @@ impl RouteTrace {
                 theirs: theirs.clone(),
                 ours: ours.into(),
                 dir: dir.to_path_buf(),
-                fix: format!(
-                    "record a trace on this model with `deltafin run --model {} --trace-routes FILE`",
-                    dir.display()
-                ),
+                fix: format!("record a trace on this model ({}) with {}", dir.display(), Action::RecordRoutes),
             }))),
             None => Err(PlacementError::Invalid {
                 path: self.path.clone(),
                 msg: format!(
-                    "this route trace does not say which model it was recorded on (an older deltafin wrote it); record it again with `deltafin run --model {} --trace-routes FILE`",
-                    dir.display()
+                    "this route trace does not say which model it was recorded on (an older deltafin wrote it); record it again on this model ({}) with {}",
+                    dir.display(),
+                    Action::RecordRoutes
                 ),
             }),
         }

@@ -12,6 +12,7 @@
 //! `timing.rs` (device timestamps) and `pipeline.rs` (shader modules, bind groups, layouts).
 
 use super::kernels::Kernel;
+use crate::setting::Setting;
 use wgpu::util::DeviceExt;
 
 mod pipeline;
@@ -32,9 +33,9 @@ use timing::timestamps_wanted;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
-    #[error("no GPU adapter found (wgpu saw: {seen}); use --backend cpu")]
+    #[error("no GPU adapter found (wgpu saw: {seen}); use {} cpu", Setting::Backend)]
     NoAdapter { seen: String },
-    #[error("the GPU adapter {adapter} cannot run deltafin's kernels: {why}; use --backend cpu")]
+    #[error("the GPU adapter {adapter} cannot run deltafin's kernels: {why}; use {} cpu", Setting::Backend)]
     Limits { adapter: String, why: String },
     #[error("cannot open the GPU device {adapter}: {msg}")]
     Device { adapter: String, msg: String },
@@ -45,7 +46,8 @@ pub enum GpuError {
     #[error("GPU error during a dispatch: {msg}")]
     Dispatch { msg: String },
     #[error(
-        "--gpu-cache-gb: the adapter ran out of device memory after {got} of {wanted} expert slots ({msg}); give at most {fits_gb:.1} GB"
+        "{}: the adapter ran out of device memory after {got} of {wanted} expert slots ({msg}); give at most {fits_gb:.1} GB",
+        Setting::GpuCacheGb
     )]
     DeviceCache { wanted: usize, got: usize, fits_gb: f64, msg: String },
 }
