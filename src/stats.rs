@@ -73,6 +73,9 @@ pub struct Stats {
     /// Every expert-union fetch in order: (layer, experts), for judging the cache against the
     /// optimum on the same trace (`store::cache::belady_misses`).
     pub fetch_trace: Vec<(u32, Vec<u32>)>,
+    /// Seconds of each of those fetches, from the request to the last expert run (a layer's MoE
+    /// time as its reads set it), in the same order.
+    pub layer_fetch_s: Vec<f32>,
     /// Lookahead prediction per layer: (predicted, actually needed, predicted and needed).
     pub predictions: std::collections::BTreeMap<u32, (u64, u64, u64)>,
 }
@@ -115,6 +118,7 @@ impl Stats {
             }
         }
         self.fetch_trace.extend(o.fetch_trace.iter().cloned());
+        self.layer_fetch_s.extend_from_slice(&o.layer_fetch_s);
         for (l, s) in &o.layer_read_wait_s {
             *self.layer_read_wait_s.entry(*l).or_insert(0.0) += s;
         }
@@ -227,6 +231,16 @@ impl Stats {
     }
 
     fn work_json(&self) -> Value {
+        let mut v = self.counters_json();
+        if let Value::Object(m) = &mut v {
+            let src = self.source.as_ref();
+            m.insert("hedged_reads".into(), json!(src.and_then(|s| s.hedged_reads)));
+            m.insert("hedge_wins".into(), json!(src.and_then(|s| s.hedge_wins)));
+        }
+        v
+    }
+
+    fn counters_json(&self) -> Value {
         json!({
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,

@@ -137,7 +137,14 @@ fn bench_io(a: IoArgs) -> Result<()> {
         // Ours: the store with no cache, reading every expert of the set once, no compute.
         let store = ExpertStore::open(
             make_spec()?,
-            StoreOptions { cache_bytes: 0, reader: a.reader, prefetch_depth: 0, record_reads: true, heat: None },
+            StoreOptions {
+                cache_bytes: 0,
+                reader: a.reader,
+                prefetch_depth: 0,
+                record_reads: true,
+                heat: None,
+                hedge: false,
+            },
         )?;
         let t0 = Instant::now();
         for (&l, es) in &by_layer {

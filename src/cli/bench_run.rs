@@ -363,6 +363,13 @@ fn one_run(
     let prefill_read_s = prefill_ceiling.map(|c| unique as f64 / (c * 1e9));
     let ttft_bound = prefill_read_s.map(|r| r + compute);
     let ttft_bound_max = prefill_read_s.map(|r| r.max(compute));
+    // A decode layer's fetch times (the straggler and hedging measure: its p99).
+    let mut decode_layers: Vec<f32> = stats.layer_fetch_s.get(pre.layer_fetch_s.len()..).unwrap_or(&[]).to_vec();
+    decode_layers.sort_by(f32::total_cmp);
+    let layer_q = |q: f64| {
+        let n = decode_layers.len();
+        (n > 0).then(|| decode_layers[((q * n as f64).ceil() as usize).clamp(1, n) - 1] as f64)
+    };
     let per_token_read = if steps > 0 { decode_read as f64 / steps as f64 } else { 0.0 };
     let decode_bound = decode_ceiling.filter(|_| steps > 0 && per_token_read > 0.0).map(|c| per_token_read / (c * 1e9));
     if stats.bytes_read().is_some() && unique > 0 && prefill_read > unique {
@@ -465,6 +472,10 @@ fn one_run(
                 "seconds_per_token": if steps > 0 { Some(decode_s / steps as f64) } else { None },
                 "decode_tok_s": if steps > 0 { steps as f64 / decode_s } else { 0.0 },
                 "bytes_read_per_token": per_token_read,
+                "layer_fetches": decode_layers.len(),
+                "layer_s_p50": layer_q(0.5),
+                "layer_s_p99": layer_q(0.99),
+                "layer_s_max": layer_q(1.0),
                 "draft": spec.as_ref().map_or("off", |s| s.drafter.name()),
                 "drafts_proposed": stats.drafts_proposed,
                 "drafts_accepted": stats.drafts_accepted,

@@ -51,6 +51,11 @@ pub struct EngineArgs {
     /// `off`, or a file. Changes only what is cached, never the output.
     #[arg(long, value_name = "auto|off|FILE", default_value = "auto", value_parser = parse_heat)]
     pub expert_heat: ExpertHeat,
+    /// Hedged reads: a read still in flight past its drive's learned p95 read time is issued again
+    /// on another drive holding a copy of the expert (mirror, hot replica); the first to land is
+    /// used. Changes only timing, never the output.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    pub hedge: OnOff,
 }
 
 fn parse_heat(s: &str) -> Result<ExpertHeat, String> {
@@ -88,6 +93,7 @@ impl EngineArgs {
             backend: self.backend,
             gpu_cache_gb: self.gpu_cache_gb,
             expert_heat: self.expert_heat.clone(),
+            hedge: self.hedge == OnOff::On,
         }
     }
 }

@@ -115,6 +115,8 @@ pub struct EngineConfig {
     pub gpu_cache_gb: Option<f64>,
     /// Route heat kept across runs, seeding the expert cache.
     pub expert_heat: ExpertHeat,
+    /// Hedged reads: a read late on its drive is issued again where the expert has another copy.
+    pub hedge: bool,
 }
 
 impl Default for EngineConfig {
@@ -137,6 +139,7 @@ impl Default for EngineConfig {
             backend: BackendKind::Cpu,
             gpu_cache_gb: None,
             expert_heat: ExpertHeat::Off,
+            hedge: true,
         }
     }
 }
@@ -459,6 +462,7 @@ impl Engine {
                     prefetch_depth,
                     record_reads: false,
                     heat,
+                    hedge: config.hedge,
                 };
                 let store = Arc::new(ExpertStore::open(spec, opts)?);
                 let source: Arc<dyn ExpertSource> = match stream {

@@ -172,6 +172,7 @@ impl Schedule for StoreSchedule<'_> {
         stats.read_wait_s += (fetch_s - kernel_s).max(0.0);
         *stats.layer_read_wait_s.entry(layer as u32).or_insert(0.0) += (fetch_s - kernel_s).max(0.0);
         stats.fetch_trace.push((layer as u32, union));
+        stats.layer_fetch_s.push(fetch_s as f32);
         // Setting up the experts counts as expert work, as the experts themselves do.
         stats.expert_kernel_s += kernel_s + (t_fetch - t_routed).as_secs_f64();
         stats.moe_experts_s += kernel_s;

@@ -94,6 +94,9 @@ pub struct SourceReport {
     /// Prefetch reads issued, and how many were later demanded.
     pub prefetch_issued: u64,
     pub prefetch_used: u64,
+    /// Second reads issued for late reads on another copy's drive, and how many landed first.
+    pub hedged_reads: Option<u64>,
+    pub hedge_wins: Option<u64>,
 }
 
 #[cfg(test)]

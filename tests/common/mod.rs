@@ -342,8 +342,11 @@ pub fn manifest_store(
         deltafin::store::placement::manifest_spec(man, &m.ck, &m.roster, m.roster.expert_layout.clone().unwrap())
             .unwrap();
     Arc::new(
-        ExpertStore::open(spec, StoreOptions { cache_bytes, reader, prefetch_depth, record_reads: false, heat: None })
-            .unwrap(),
+        ExpertStore::open(
+            spec,
+            StoreOptions { cache_bytes, reader, prefetch_depth, record_reads: false, heat: None, hedge: true },
+        )
+        .unwrap(),
     )
 }
 
@@ -364,7 +367,14 @@ pub fn shard_store_with_heat(
     Arc::new(
         ExpertStore::open(
             spec,
-            StoreOptions { cache_bytes, reader: ReaderKind::Auto, prefetch_depth, record_reads: false, heat },
+            StoreOptions {
+                cache_bytes,
+                reader: ReaderKind::Auto,
+                prefetch_depth,
+                record_reads: false,
+                heat,
+                hedge: true,
+            },
         )
         .unwrap(),
     )

@@ -85,6 +85,11 @@ pub(super) fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn crate::s
                 }
             }
         }
+        // An emulated slow drive (tests, drills): its completions arrive late (slept unlocked).
+        let delay = if done.is_empty() { None } else { lock(&sh).hedges.delay.get(d).copied().flatten() };
+        if let Some(delay) = delay {
+            std::thread::sleep(delay);
+        }
         for c in done.drain(..) {
             complete(&sh, d, c);
         }
@@ -106,6 +111,19 @@ fn give_up_drive(sh: &Shared, d: usize, msg: &str) {
     for r in mine {
         let Some(req) = st.reqs[r].take() else { continue };
         st.free_reqs.push(r);
+        let (twin, lost) = st.hedges.forget(r);
+        let twin = twin.filter(|&t| st.reqs[t].is_some());
+        if lost || twin.is_some() {
+            // A hedged read: the other copy serves (or served) the expert.
+            if let Some(t) = twin.filter(|_| !lost) {
+                hedge::hand_over(st, &req, r, t);
+            }
+            st.slots[req.slot] = if req.submitted.is_some() { Slot::Poisoned } else { Slot::Free };
+            if req.submitted.is_none() {
+                st.free.push(req.slot);
+            }
+            continue;
+        }
         let mut slot = req.slot;
         if req.submitted.is_some() {
             st.slots[slot] = Slot::Poisoned;
@@ -252,9 +270,13 @@ fn complete(sh: &Shared, d: usize, c: Done) {
     dr.queued_bytes = dr.queued_bytes.saturating_sub(op_len);
     let Some(req) = st.reqs[r].take() else { return };
     st.free_reqs.push(r);
+    let (twin, lost) = st.hedges.forget(r);
+    let twin = twin.filter(|&t| st.reqs[t].is_some());
     if req.prefetch {
         st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
     }
+    // The key's read (the first one issued) holds the waiters; a hedge that wins takes them.
+    let primary = matches!(st.keys.get(&key), Some(KeyState::Loading { req }) if *req == r);
     match verdict {
         Ok(n) => {
             let dr = &mut st.drives[d];
@@ -271,12 +293,27 @@ fn complete(sh: &Shared, d: usize, c: Done) {
                 dr.counters.prefetch_reads += 1;
             }
             st.read += n;
-            let prefetched = req.waiters == 0;
-            let sure = req.sure && prefetched;
+            if lost {
+                // Its twin landed first: these bytes are not used.
+                st.slots[slot] = Slot::Free;
+                st.free.push(slot);
+                sh.done_cv.notify_all();
+                return;
+            }
+            let (mut waiters, mut sure_read) = (req.waiters, req.sure);
+            if let Some(t) = twin {
+                if !primary && let Some(tq) = st.reqs[t].as_ref() {
+                    (waiters, sure_read) = (tq.waiters, tq.sure);
+                    st.hedges.wins += 1;
+                }
+                hedge::abandon(sh, st, t);
+            }
+            let prefetched = waiters == 0;
+            let sure = sure_read && prefetched;
             st.slots[slot] =
-                Slot::Ready { key, pins: req.waiters, start: start as u32, drive: d as u16, at: now, prefetched, sure };
+                Slot::Ready { key, pins: waiters, start: start as u32, drive: d as u16, at: now, prefetched, sure };
             st.keys.insert(key, KeyState::Ready { slot });
-            if req.waiters == 0 {
+            if waiters == 0 {
                 // Prefetched: evictable until demanded.
                 cache_slot(st, slot);
             }
@@ -292,6 +329,16 @@ fn complete(sh: &Shared, d: usize, c: Done) {
                     key.0
                 );
                 dr.failed = Some(format!("expert {} of layer {}: {msg}", key.1, key.0));
+            }
+            if lost || twin.is_some() {
+                // A hedged read: the other copy serves (or served) the expert.
+                if let Some(t) = twin.filter(|_| !lost) {
+                    hedge::hand_over(st, &req, r, t);
+                }
+                st.slots[slot] = Slot::Free;
+                st.free.push(slot);
+                sh.done_cv.notify_all();
+                return;
             }
             if req.prefetch {
                 // Counted again by start_read's retry only if it stays a prefetch.

@@ -180,7 +180,18 @@ impl ExpertSource for ExpertStore {
                     if !ready.is_empty() || remaining == 0 {
                         break;
                     }
-                    st = sh.done_cv.wait(st).unwrap_or_else(|p| p.into_inner());
+                    // Reads late on their drive get a second copy; wake when the next one is due.
+                    let wake = if sh.hedge {
+                        let waiting: Vec<u32> =
+                            wants.iter().filter(|(_, w)| matches!(w, Want::Waiting)).map(|(e, _)| *e).collect();
+                        hedge::hedge_late(sh, st_ref, l, &waiting)
+                    } else {
+                        None
+                    };
+                    st = match wake {
+                        Some(t) => sh.done_cv.wait_timeout(st, t).map_or_else(|p| p.into_inner().0, |(g, _)| g),
+                        None => sh.done_cv.wait(st).unwrap_or_else(|p| p.into_inner()),
+                    };
                 }
             }
             // Land outside the lock; each slot stays pinned until the sink drops its bytes.

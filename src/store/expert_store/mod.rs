@@ -30,6 +30,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 mod balance;
 mod drive;
 mod fetch;
+mod hedge;
 mod policy;
 
 use balance::{choose_holder, join_read, start_read};
@@ -106,11 +107,21 @@ pub struct StoreOptions {
     /// Route heat kept across runs ([`super::heat`]): seeds the cache's request counts at open and
     /// is rewritten with this run folded in when the store closes. None: no heat.
     pub heat: Option<PathBuf>,
+    /// Hedged reads: a demanded read late on its drive is issued again on another copy's drive
+    /// (see `hedge`).
+    pub hedge: bool,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { cache_bytes: 0, reader: ReaderKind::Auto, prefetch_depth: 1, record_reads: false, heat: None }
+        StoreOptions {
+            cache_bytes: 0,
+            reader: ReaderKind::Auto,
+            prefetch_depth: 1,
+            record_reads: false,
+            heat: None,
+            hedge: true,
+        }
     }
 }
 
@@ -228,6 +239,7 @@ struct State {
     read_log: Option<Vec<(u32, u64, u64)>>,
     /// Injected faults still to happen (tests and fault drills).
     faults: Vec<FaultPlan>,
+    hedges: hedge::Hedges,
 }
 
 /// What an injected fault does to a completed read.
@@ -261,6 +273,7 @@ struct Shared {
     prefetch_depth: usize,
     /// Cap on prefetch reads queued or in flight over all drives.
     prefetch_cap: usize,
+    hedge: bool,
 }
 
 pub struct ExpertStore {
@@ -385,6 +398,7 @@ impl ExpertStore {
             shutdown: false,
             read_log: opts.record_reads.then(Vec::new),
             faults: Vec::new(),
+            hedges: hedge::Hedges::new(spec.drives.len()),
         };
         let n_drives = spec.drives.len();
         let prefetch_cap = 2 * n_drives * opts.prefetch_depth;
@@ -398,6 +412,7 @@ impl ExpertStore {
             cache_slots,
             prefetch_depth: opts.prefetch_depth,
             prefetch_cap,
+            hedge: opts.hedge,
         });
         // Threads are owned by the store as they start, so an error below still shuts them down.
         let mut store = ExpertStore { shared, threads: Vec::new(), heat: Mutex::new(heat) };
@@ -512,6 +527,8 @@ impl ExpertStore {
             cache_slots: Some(sh.cache_slots),
             prefetch_issued: st.prefetch_issued,
             prefetch_used: st.prefetch_used,
+            hedged_reads: Some(st.hedges.issued),
+            hedge_wins: Some(st.hedges.wins),
             drives: st
                 .drives
                 .iter()
@@ -550,6 +567,14 @@ impl ExpertStore {
     /// Makes future reads fail as `plan` says (fault drills and tests of failover).
     pub fn inject_fault(&self, plan: FaultPlan) {
         lock(&self.shared).faults.push(plan);
+    }
+
+    /// Emulates a slow drive (tests of hedged reads, drills): from now on each batch of drive
+    /// `drive`'s completed reads is handed over `delay` late (None: on time again).
+    pub fn delay_drive(&self, drive: usize, delay: Option<Duration>) {
+        if let Some(d) = lock(&self.shared).hedges.delay.get_mut(drive) {
+            *d = delay;
+        }
     }
 
     /// Number of slots in the slab (cache + staging).
