@@ -5,7 +5,6 @@ mod common;
 use common::*;
 use serde_json::{Map, Value};
 use std::path::Path;
-use std::process::Command;
 
 /// Rewrites a safetensors file's header with `edit`, keeping the data bytes.
 fn edit_header(path: &Path, edit: impl FnOnce(&mut Map<String, Value>)) {
@@ -37,7 +36,7 @@ fn edit_json(path: &Path, edit: impl FnOnce(&mut Value)) {
 
 /// Runs `score` on `dir`; asserts exit code 1 and that stderr contains every `needle`.
 fn expect_failure(dir: &Path, needles: &[&str]) {
-    let out = Command::new(bin())
+    let out = deltafin_cmd()
         .args(["score", "--model"])
         .arg(dir)
         .args(["--prompt-ids", "1,2,3", "--logits-out"])
@@ -179,7 +178,7 @@ fn config_disagrees_with_checkpoint() {
 #[test]
 fn token_outside_vocabulary_is_a_runtime_error() {
     let dir = fixture(A);
-    let out = Command::new(bin())
+    let out = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&dir)
         .args(["--prompt-ids", "1,99999", "--max-new", "2"])
@@ -193,9 +192,9 @@ fn token_outside_vocabulary_is_a_runtime_error() {
 #[test]
 fn usage_errors_exit_with_2() {
     let dir = fixture(A);
-    let out = Command::new(bin()).args(["run", "--model"]).arg(&dir).args(["--prompt-ids", "1,x"]).output().unwrap();
+    let out = deltafin_cmd().args(["run", "--model"]).arg(&dir).args(["--prompt-ids", "1,x"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("`x` is not a token id"));
-    let out = Command::new(bin()).args(["run", "--bogus"]).output().unwrap();
+    let out = deltafin_cmd().args(["run", "--bogus"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }

@@ -17,7 +17,7 @@ fn model() -> tempfile::TempDir {
 }
 
 fn batch(dir: &Path, input: &Path, out: &Path) -> Command {
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.args(["batch", "--model"]).arg(dir).arg("--in").arg(input).arg("--out").arg(out);
     c.args(["--prefill-rows", "256", "--memory-gb", "2", "-q"]);
     c
@@ -60,7 +60,7 @@ fn lines_errors_and_reruns() {
     assert_eq!(r[4]["error"]["param"], "id");
     assert_eq!(r[5]["logprobs"].as_array().unwrap().len(), 6);
     // The same text as `deltafin run` on the same prompt.
-    let (run_out, _) = run_ok(Command::new(bin()).args(["run", "--model"]).arg(&dir).args([
+    let (run_out, _) = run_ok(deltafin_cmd().args(["run", "--model"]).arg(&dir).args([
         "--prompt",
         "Hello",
         "--max-new",
@@ -71,7 +71,7 @@ fn lines_errors_and_reruns() {
     ]));
     let run: Value = serde_json::from_str(&run_out).unwrap();
     assert_eq!(r[0]["text"], run["text"]);
-    let (run_out, _) = run_ok(Command::new(bin()).args(["run", "--model"]).arg(&dir).args([
+    let (run_out, _) = run_ok(deltafin_cmd().args(["run", "--model"]).arg(&dir).args([
         "--prompt",
         "Hello",
         "--max-new",

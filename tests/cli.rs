@@ -1,20 +1,18 @@
 //! The `run` and `score` subcommands end to end (real binary, real files), including bit-identical
-//! results whatever instruction set and thread count the kernels use.
+//! results whatever instruction set and thread count the kernels use; and the help a new user
+//! meets: every option of every subcommand described, examples, tips on usage errors.
 
 mod common;
 use common::*;
-use std::process::Command;
 
 fn score_file(name: &str, out: &std::path::Path, isa: Option<&str>, threads: Option<usize>) {
     let r = reference(name);
-    let mut cmd = Command::new(bin());
+    let mut cmd = deltafin_cmd();
+    cmd.arg("score");
     if let Some(t) = threads {
         cmd.args(["--threads", &t.to_string()]);
     }
-    cmd.args(["score", "--model"])
-        .arg(fixture(name))
-        .args(["--prompt-ids", &ids_arg(&r.prompt), "--logits-out"])
-        .arg(out);
+    cmd.args(["--model"]).arg(fixture(name)).args(["--prompt-ids", &ids_arg(&r.prompt), "--logits-out"]).arg(out);
     if let Some(i) = isa {
         cmd.env("DELTAFIN_ISA", i);
     }
@@ -52,7 +50,7 @@ fn every_instruction_set_and_thread_count_gives_the_same_bits() {
 #[test]
 fn run_json_reports_ids_and_stats() {
     let r = reference("k3-tiny-c");
-    let o = Command::new(bin())
+    let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(fixture("k3-tiny-c"))
         .args(["--prompt-ids", &ids_arg(&r.prompt), "--max-new", "32", "--ignore-eos", "--format", "json"])
@@ -74,7 +72,7 @@ fn run_json_reports_ids_and_stats() {
 #[test]
 fn run_text_streams_comma_separated_ids() {
     let r = reference("k3-tiny-c");
-    let o = Command::new(bin())
+    let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(fixture("k3-tiny-c"))
         .args(["--prompt-ids", &ids_arg(&r.prompt), "--max-new", "5", "--ignore-eos"])
@@ -95,7 +93,7 @@ fn run_stops_at_end_of_message() {
     let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
     v["text_config"]["eos_token_id"] = r.greedy[0].into();
     std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
-    let o = Command::new(bin())
+    let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(tmp.path())
         .args(["--prompt-ids", &ids_arg(&r.prompt), "--max-new", "10"])
@@ -110,7 +108,7 @@ fn engine_options_that_cannot_apply_are_errors_not_silent() {
     let r = reference("k3-tiny-a");
     let ids = ids_arg(&r.prompt[..8]);
     let run = |extra: &[&str], env: Option<(&str, &str)>| {
-        let mut cmd = Command::new(bin());
+        let mut cmd = deltafin_cmd();
         cmd.args(["run", "--model"]).arg(fixture("k3-tiny-a")).args(["--prompt-ids", &ids, "--max-new", "2", "-q"]);
         cmd.args(extra);
         if let Some((k, v)) = env {
@@ -154,7 +152,7 @@ fn engine_options_that_cannot_apply_are_errors_not_silent() {
 #[test]
 fn bench_kernels_options_out_of_range_are_errors_before_any_work() {
     let bench = |args: &[&str]| {
-        let o = Command::new(bin()).args(["bench", "kernels"]).args(args).output().unwrap();
+        let o = deltafin_cmd().args(["bench", "kernels"]).args(args).output().unwrap();
         (o.status.code(), String::from_utf8_lossy(&o.stderr).into_owned())
     };
     for (args, says) in [
@@ -177,4 +175,100 @@ fn bench_kernels_options_out_of_range_are_errors_before_any_work() {
         assert_eq!(code, Some(1), "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");
     }
+}
+
+/// Every subcommand's `--help`, by its words (`["bench", "io"]`).
+const SUBCOMMANDS: &[&[&str]] = &[
+    &["run"],
+    &["score"],
+    &["synth"],
+    &["place"],
+    &["bench"],
+    &["bench", "io"],
+    &["bench", "kernels"],
+    &["bench", "run"],
+    &["setup"],
+    &["batch"],
+    &["serve"],
+];
+
+fn help(words: &[&str]) -> String {
+    let o = deltafin_cmd().args(words).arg("--help").output().unwrap();
+    assert!(o.status.success(), "{words:?} --help: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// The options of a long `--help` text whose description is missing: nothing but a default or
+/// the list of possible values under the option's line.
+fn undescribed(text: &str) -> Vec<String> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        let t = l.trim_start();
+        let indent = l.len() - t.len();
+        if !(2..=6).contains(&indent) || !(t.starts_with("--") || t.starts_with("-")) || t.starts_with("- ") {
+            continue;
+        }
+        let name = t.split([' ', ',']).find(|w| w.starts_with("--")).unwrap_or(t).to_string();
+        // Short help puts the description on the option's line, long help under it.
+        let same_line = t.split_whitespace().any(|w| !w.starts_with('-') && !w.starts_with('<') && !w.ends_with('>'));
+        if same_line {
+            continue;
+        }
+        let desc = lines.get(i + 1).map(|n| n.trim()).unwrap_or("");
+        if desc.is_empty() || desc.starts_with("[default") || desc.starts_with("Possible values") {
+            out.push(name);
+        }
+    }
+    out
+}
+
+#[test]
+fn help_describes_every_option_with_examples_and_no_files_the_user_lacks() {
+    let mut blank = Vec::new();
+    for words in SUBCOMMANDS {
+        let text = help(words);
+        for name in undescribed(&text) {
+            blank.push(format!("{} {name}", words.join(" ")));
+        }
+        if words.len() == 1 {
+            assert!(text.contains("Examples:\n  deltafin "), "{words:?}: no examples in\n{text}");
+        }
+        for file in ["DESIGN.md", "K3.md", "docs/", "bench/", ".sh"] {
+            assert!(!text.contains(file), "{words:?} --help cites {file}, which a user of the binary lacks");
+        }
+    }
+    assert!(blank.is_empty(), "options without a description: {blank:?}");
+    // Only the subcommands whose kernels use threads take --threads.
+    for words in [&["setup"][..], &["place"], &["bench", "io"]] {
+        assert!(!help(words).contains("--threads"), "{words:?} offers --threads, which does nothing there");
+    }
+    for words in
+        [&["run"][..], &["score"], &["synth"], &["serve"], &["batch"], &["bench", "run"], &["bench", "kernels"]]
+    {
+        assert!(help(words).contains("--threads"), "{words:?}");
+    }
+}
+
+#[test]
+fn usage_errors_point_the_way() {
+    let err = |args: &[&str]| {
+        let o = deltafin_cmd().args(args).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    // A swapped pair of letters is not a near spelling to clap; it is to us.
+    let e = err(&["rnu", "--demo"]);
+    assert!(e.contains("unrecognized subcommand 'rnu'") && e.contains("'run'"), "{e}");
+    assert!(err(&["sreve"]).contains("'serve'"));
+    assert!(!err(&["frobnicate"]).contains("similar"));
+    // No model: the demo is one flag away.
+    for sub in ["run", "score", "serve", "batch"] {
+        let e = err(&[sub, "--prompt-ids", "1"]);
+        if e.contains("--model") {
+            assert!(e.contains(&format!("deltafin {sub} --demo")), "{sub}: {e}");
+        }
+    }
+    let e = err(&["run", "--prompt", "Hello"]);
+    assert!(e.contains("--model") && e.contains("deltafin run --demo"), "{e}");
 }

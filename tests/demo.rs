@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 fn deltafin(cache: &Path) -> Command {
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.env("DELTAFIN_CACHE", cache);
     c
 }

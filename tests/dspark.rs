@@ -165,19 +165,15 @@ fn cli_dspark_and_auto_give_the_same_ids_as_drafting_off() {
     let target = fixture(TARGET);
     let t = target.to_str().unwrap();
     let d = draft.to_str().unwrap();
-    let (_, err) = run_ok(std::process::Command::new(bin()).args(["synth", "--dspark", "--target", t, "--out", d]));
+    let (_, err) = run_ok(deltafin_cmd().args(["synth", "--dspark", "--target", t, "--out", d]));
     assert!(err.contains("DSpark drafter"), "{err}");
     // Again without --force: refused; with it: replaced.
-    let again =
-        std::process::Command::new(bin()).args(["synth", "--dspark", "--target", t, "--out", d]).output().unwrap();
+    let again = deltafin_cmd().args(["synth", "--dspark", "--target", t, "--out", d]).output().unwrap();
     assert!(!again.status.success() && String::from_utf8_lossy(&again.stderr).contains("already exists"));
-    run_ok(
-        std::process::Command::new(bin())
-            .args(["synth", "--dspark", "--target", t, "--out", d, "--force", "--seed", "9"]),
-    );
+    run_ok(deltafin_cmd().args(["synth", "--dspark", "--target", t, "--out", d, "--force", "--seed", "9"]));
     let ids = ids_arg(&r.prompt[..20]);
     let run = |extra: &[&str]| {
-        let mut c = std::process::Command::new(bin());
+        let mut c = deltafin_cmd();
         c.args(["run", "--model", t, "--prompt-ids", &ids, "--max-new", "24", "--format", "json"]);
         c.args(["--experts-from", "mmap", "--memory-gb", "4"]).args(extra);
         let (out, err) = run_ok(&mut c);
@@ -193,10 +189,8 @@ fn cli_dspark_and_auto_give_the_same_ids_as_drafting_off() {
     assert_eq!((auto, who), (off.clone(), serde_json::json!("dspark")));
     let (auto, who, _) = run(&["--draft", "auto"]);
     assert_eq!((auto, who), (off, serde_json::json!("ngram")));
-    let no_model = std::process::Command::new(bin())
-        .args(["run", "--model", t, "--prompt-ids", &ids, "--draft", "dspark"])
-        .output()
-        .unwrap();
+    let no_model =
+        deltafin_cmd().args(["run", "--model", t, "--prompt-ids", &ids, "--draft", "dspark"]).output().unwrap();
     assert!(!no_model.status.success());
     assert!(String::from_utf8_lossy(&no_model.stderr).contains("--draft-model"));
 }

@@ -661,7 +661,7 @@ fn auto_uses_the_cpu_without_a_real_gpu_and_the_cli_takes_backend_gpu() {
     let r = reference("k3-tiny-b");
     let ids = ids_arg(&r.prompt[..30]);
     let run = |backend: &str| {
-        let mut c = std::process::Command::new(bin());
+        let mut c = deltafin_cmd();
         c.args(["run", "--model"]).arg(fixture("k3-tiny-b"));
         c.args(["--prompt-ids", &ids, "--max-new", "10", "--ignore-eos", "--format", "json", "--backend", backend]);
         let (out, err) = run_ok(&mut c);
@@ -673,7 +673,7 @@ fn auto_uses_the_cpu_without_a_real_gpu_and_the_cli_takes_backend_gpu() {
     assert_eq!(gpu_ids, cpu_ids);
     assert!(err.contains("| gpu "), "{err}");
     // The same with every operation on the GPU.
-    let mut c = std::process::Command::new(bin());
+    let mut c = deltafin_cmd();
     c.env("DELTAFIN_GPU_OPS_MIN", "0").args(["run", "--model"]).arg(fixture("k3-tiny-b"));
     c.args(["--prompt-ids", &ids, "--max-new", "10", "--ignore-eos", "--format", "json", "--backend", "gpu"]);
     let (out, _) = run_ok(&mut c);
@@ -826,7 +826,7 @@ fn bench_kernels_on_the_gpu_gives_each_kernel_against_its_reference() {
     // Dispatched for twice the rows per workgroup it covers: half the outputs stay unwritten,
     // which the harness must not take for the shipped kernel's bits.
     std::fs::write(variants.join("half.wgsl"), format!("// rows_per_group: 256\n{shipped}")).unwrap();
-    let mut c = std::process::Command::new(bin());
+    let mut c = deltafin_cmd();
     // Small shapes and one repetition: the record's fields, not the speeds (lavapipe is a CPU).
     c.args(["bench", "kernels", "--backend", "gpu", "--reps", "1", "--matvec-rows", "256", "--rows", "4"]);
     c.arg("--matmul-variants").arg(&variants);

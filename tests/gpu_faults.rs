@@ -15,7 +15,6 @@ use deltafin::backend::BackendKind;
 use deltafin::backend::gpu::{GpuBackend, fail_readback_in, set_ops_min};
 use deltafin::engine::{Engine, EngineConfig, GenerateOptions, Session};
 use deltafin::k3::KdaMode;
-use std::process::Command;
 
 /// Held by each test: the hook counts every readback of the process (a GPU's open included).
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -114,7 +113,7 @@ fn the_cli_exits_with_the_failure_and_prints_only_correct_tokens() {
     }
     let r = reference("k3-tiny-c");
     for n in ["1", "150"] {
-        let o = Command::new(bin())
+        let o = deltafin_cmd()
             .args(["run", "--backend", "gpu", "--model"])
             .arg(fixture("k3-tiny-c"))
             .args(["--prompt-ids", &ids_arg(&r.prompt), "--max-new", "8", "--ignore-eos"])

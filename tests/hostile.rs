@@ -30,7 +30,7 @@ fn score_to(out: &Path) -> Command {
 }
 
 fn score_model(model: &Path, out: &Path) -> Command {
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.args(["score", "--model"]).arg(model).args(["--prompt-ids", "1,2,3", "--logits-out"]).arg(out);
     c
 }
@@ -62,7 +62,7 @@ fn outputs_never_replace_devices_fifos_or_directories() {
     expect(&mut score_to(&link), 1, &["links to", "FIFO"]);
     // Run's outputs are checked at the start, before the prompt is processed.
     let err = expect(
-        Command::new(bin())
+        deltafin_cmd()
             .args(["run", "--model"])
             .arg(fixture("k3-tiny-a"))
             .args(["--prompt-ids", "1,2", "--max-new", "2", "--stats-json"])
@@ -72,12 +72,12 @@ fn outputs_never_replace_devices_fifos_or_directories() {
     );
     assert!(!err.contains("context <="), "checked before the startup line:\n{err}");
     expect(
-        Command::new(bin()).args(["bench", "run", "--model"]).arg(fixture("k3-tiny-a")).args(["--out", "/dev/full"]),
+        deltafin_cmd().args(["bench", "run", "--model"]).arg(fixture("k3-tiny-a")).args(["--out", "/dev/full"]),
         1,
         &["--out /dev/full", "character device"],
     );
     expect(
-        Command::new(bin())
+        deltafin_cmd()
             .args(["run", "--model"])
             .arg(fixture("k3-tiny-a"))
             .args(["--prompt-ids", "1,2", "--trace-routes"])
@@ -108,7 +108,7 @@ fn outputs_write_through_links_to_their_target() {
 #[test]
 fn numbers_at_the_edge_are_errors_not_panics() {
     let run = |extra: &[&str]| {
-        let mut c = Command::new(bin());
+        let mut c = deltafin_cmd();
         c.args(["run", "--model"]).arg(fixture("k3-tiny-a")).args(["--prompt-ids", "1,2"]).args(extra);
         c
     };
@@ -126,7 +126,7 @@ fn numbers_at_the_edge_are_errors_not_panics() {
     expect(&mut run(&["--expert-cache-gb", "NaN"]), 2, &["--expert-cache-gb"]);
     let tmp = copy_fixture("k3-tiny-a");
     expect(
-        Command::new(bin()).args(["place", "--model"]).arg(tmp.path()).args(["--qd", "5000", "--drive", "x=1"]),
+        deltafin_cmd().args(["place", "--model"]).arg(tmp.path()).args(["--qd", "5000", "--drive", "x=1"]),
         2,
         &["queue depth 5000"],
     );
@@ -162,7 +162,7 @@ fn absurd_config_sizes_name_config_json_and_the_field() {
 fn error_text_has_each_cause_once_and_no_debug_text() {
     let tmp = tempfile::tempdir().unwrap();
     let err = expect(
-        Command::new(bin()).args(["run", "--model"]).arg(tmp.path()).args(["--prompt-ids", "1"]),
+        deltafin_cmd().args(["run", "--model"]).arg(tmp.path()).args(["--prompt-ids", "1"]),
         1,
         &["config.json", "No such file"],
     );
@@ -180,7 +180,7 @@ fn error_text_has_each_cause_once_and_no_debug_text() {
 }
 
 fn synth(out: &Path, extra: &[&str]) -> Command {
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.args(["synth", "--out"]).arg(out).args(["--layers", "2", "--experts", "4", "--top-k", "2"]).args(extra);
     c
 }
@@ -222,12 +222,12 @@ fn synth_force_replaces_only_its_own_output() {
 fn synth_refuses_unrunnable_or_oversized_models_and_cleans_stale_temps() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("z");
-    expect(Command::new(bin()).args(["synth", "--out"]).arg(&out).args(["--experts", "0"]), 1, &["--experts"]);
+    expect(deltafin_cmd().args(["synth", "--out"]).arg(&out).args(["--experts", "0"]), 1, &["--experts"]);
     expect(&mut synth(&out, &["--dense-layers", "2"]), 1, &["--dense-layers"]);
     assert!(!out.exists());
     // Far more than any test machine's free space: refused before writing anything.
     expect(
-        Command::new(bin()).args(["synth", "--out"]).arg(&out).args([
+        deltafin_cmd().args(["synth", "--out"]).arg(&out).args([
             "--preset",
             "k3-experts",
             "--layers",

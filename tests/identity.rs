@@ -21,7 +21,7 @@ fn two_models() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
 }
 
 fn place(model: &Path, args: &[&str]) -> Command {
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.args(["place", "--model"]).arg(model).args(args);
     c
 }
@@ -35,7 +35,7 @@ fn fp(model: &Path) -> String {
 }
 
 fn run(model: &Path, extra: &[&str]) -> Command {
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.args(["run", "--model"])
         .arg(model)
         .args(["--prompt-ids", "5,6,7,8", "--max-new", "6", "--ignore-eos"])

@@ -8,7 +8,6 @@ use common::*;
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::Command;
 
 /// Every tensor of a fixture: name -> (dtype, shape, bytes).
 type Tensor = (Dtype, Vec<usize>, Vec<u8>);
@@ -113,14 +112,14 @@ fn canonical_split_and_scattered_layouts_give_identical_bits() {
     // A placement of the scattered model keeps every expert contiguous: one read per expert.
     let m = open_model(&c);
     run_ok(
-        Command::new(bin())
+        deltafin_cmd()
             .args(["place", "--model"])
             .arg(&c)
             .arg("--drive")
             .arg(format!("{}=1.0", tmp.path().join("d0").display())),
     );
     let _ = m;
-    let o = Command::new(bin())
+    let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&c)
         .args([

@@ -18,7 +18,7 @@ fn model_dir_on(model: &Path, drive: &Path) -> std::path::PathBuf {
 }
 
 fn place(model: &Path, args: &[&str]) -> Command {
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.args(["place", "--model"]).arg(model).args(["--probe-mb", "32", "--probe-seconds", "0.2"]).args(args);
     c
 }
@@ -34,7 +34,7 @@ fn place_measure_run_verify() {
     assert!(err.contains("drive 1:") && err.contains("(given)"), "{err}");
     let r = reference("k3-tiny-a");
     let sj = tmp.path().join("stats.json");
-    let (out, err) = run_ok(Command::new(bin()).args(["run", "--model"]).arg(tmp.path()).args([
+    let (out, err) = run_ok(deltafin_cmd().args(["run", "--model"]).arg(tmp.path()).args([
         "--prompt-ids",
         &ids_arg(&r.prompt),
         "--max-new",
@@ -72,7 +72,7 @@ fn place_measure_run_verify() {
         "{err}"
     );
     // Running still gives the right tokens: the corrupt copy is detected and another holder used.
-    let (out, err) = run_ok(Command::new(bin()).args(["run", "--model"]).arg(tmp.path()).args([
+    let (out, err) = run_ok(deltafin_cmd().args(["run", "--model"]).arg(tmp.path()).args([
         "--prompt-ids",
         &ids_arg(&r.prompt),
         "--max-new",
@@ -211,7 +211,7 @@ fn hot_placement_from_a_recorded_trace() {
     let r = reference("k3-tiny-a");
     let trace = tmp.path().join("routes.json");
     run_ok(
-        Command::new(bin())
+        deltafin_cmd()
             .args(["run", "--model"])
             .arg(tmp.path())
             .args(["--prompt-ids", &ids_arg(&r.prompt), "--max-new", "4", "--trace-routes"])
@@ -241,7 +241,7 @@ fn hot_placement_from_a_recorded_trace() {
         let hottest = (0..counts.len()).max_by_key(|&e| (counts[e], std::cmp::Reverse(e))).unwrap();
         assert_eq!(l["experts"][hottest]["drives"], serde_json::json!([0]), "layer {layer}");
     }
-    let (out, _) = run_ok(Command::new(bin()).args(["run", "--model"]).arg(tmp.path()).args([
+    let (out, _) = run_ok(deltafin_cmd().args(["run", "--model"]).arg(tmp.path()).args([
         "--prompt-ids",
         &ids_arg(&r.prompt),
         "--max-new",

@@ -161,7 +161,7 @@ fn cli_sampling_flags_are_reproducible_and_checked() {
     let dir = fixture("k3-tiny-b");
     let r = reference("k3-tiny-b");
     let run = |extra: &[&str]| {
-        let mut c = std::process::Command::new(bin());
+        let mut c = deltafin_cmd();
         c.args(["run", "--model"]).arg(&dir).args([
             "--experts-from",
             "mmap",
@@ -180,7 +180,7 @@ fn cli_sampling_flags_are_reproducible_and_checked() {
     assert_eq!(a, run(&["--temperature", "0.8", "--seed", "7", "--threads", "1"]));
     assert_eq!(a, run(&["--temperature", "0.8", "--seed", "7", "--draft", "ngram"]));
     assert_eq!(run(&["--temperature", "0"]), run(&[]), "temperature 0 is greedy");
-    let o = std::process::Command::new(bin())
+    let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&dir)
         .args(["--prompt-ids", "1,2", "--temperature", "3"])

@@ -6,7 +6,6 @@ mod common;
 use common::*;
 use serde_json::Value;
 use std::path::Path;
-use std::process::Command;
 
 const TEXT: &str = "It is a truth universally acknowledged, that a single man in possession of a good \
 fortune, must be in want of a wife. However little known the feelings or views of such a man may be on \
@@ -17,7 +16,7 @@ fn rel(a: f64, b: f64) -> f64 {
 }
 
 fn synth(dir: &Path, seed: &str, vocab: &str) {
-    run_ok(Command::new(bin()).args(["synth", "--out"]).arg(dir).args([
+    run_ok(deltafin_cmd().args(["synth", "--out"]).arg(dir).args([
         "--layers",
         "3",
         "--experts",
@@ -43,7 +42,7 @@ fn compare_matches_the_fp64_reference_and_a_model_matches_itself() {
     let text = tmp.path().join("t.txt");
     std::fs::write(&text, TEXT).unwrap();
     let score = |judged: &Path, base: &str, extra: &[&str]| {
-        let mut c = Command::new(bin());
+        let mut c = deltafin_cmd();
         c.env("DELTAFIN_CACHE", tmp.path().join("cache")).args(["score", "--model"]).arg(judged);
         c.arg("--text").arg(&text).args(["--window", "16", "--compare", base]).args(extra);
         run_ok(&mut c).0
@@ -84,7 +83,7 @@ fn compare_matches_the_fp64_reference_and_a_model_matches_itself() {
     assert!(table.contains("KL divergence, mean"), "{table}");
     assert!(table.contains(&format!("{:.6}", got["kl_mean"].as_f64().unwrap())), "{table}");
     // --compare needs --text.
-    let o = Command::new(bin()).args(["score", "--model"]).arg(&a).args(["--compare", "bf16"]).output().unwrap();
+    let o = deltafin_cmd().args(["score", "--model"]).arg(&a).args(["--compare", "bf16"]).output().unwrap();
     assert_eq!(o.status.code(), Some(2));
 }
 
@@ -94,7 +93,7 @@ fn the_demo_against_itself() {
     let text = tmp.path().join("t.txt");
     std::fs::write(&text, TEXT).unwrap();
     let (out, _) = run_ok(
-        Command::new(bin())
+        deltafin_cmd()
             .env("DELTAFIN_CACHE", tmp.path().join("cache"))
             .args(["score", "--demo", "--text"])
             .arg(&text)

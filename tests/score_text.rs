@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use serde_json::Value;
 use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 const TEXT: &str = "It is a truth universally acknowledged, that a single man in possession of a good \
 fortune, must be in want of a wife. However little known the feelings or views of such a man may be on \
@@ -27,7 +27,7 @@ fn perplexity_matches_the_fp64_reference_over_several_windows() {
     // tiktoken disagree, which would make the two sides score different ids.
     let merges = deltafin::model::bpe_train::learn_merges(deltafin::model::bpe_train::TRAINING_TEXT, usize::MAX).len();
     let vocab = (merges + 256).to_string();
-    run_ok(Command::new(bin()).args(["synth", "--out"]).arg(&dir).args([
+    run_ok(deltafin_cmd().args(["synth", "--out"]).arg(&dir).args([
         "--layers",
         "3",
         "--experts",
@@ -42,7 +42,7 @@ fn perplexity_matches_the_fp64_reference_over_several_windows() {
     let text = tmp.path().join("t.txt");
     std::fs::write(&text, TEXT).unwrap();
     let score = |window: &str, extra: &[&str]| {
-        let mut c = Command::new(bin());
+        let mut c = deltafin_cmd();
         c.env("DELTAFIN_CACHE", tmp.path().join("cache")).args(["score", "--model"]).arg(&dir);
         c.arg("--text").arg(&text).args(["--window", window]).args(extra);
         run_ok(&mut c).0
@@ -65,7 +65,7 @@ fn perplexity_matches_the_fp64_reference_over_several_windows() {
     // The summary says the same; standard input gives the same numbers.
     let summary = score("24", &[]);
     assert!(summary.starts_with(&format!("perplexity {:.4}", got["ppl"].as_f64().unwrap())), "{summary}");
-    let mut child = Command::new(bin())
+    let mut child = deltafin_cmd()
         .env("DELTAFIN_CACHE", tmp.path().join("cache"))
         .args(["score", "--model"])
         .arg(&dir)
@@ -87,10 +87,10 @@ fn perplexity_matches_the_fp64_reference_over_several_windows() {
     // Errors: an empty text (nothing to predict) and a window of 0 (usage).
     let empty = tmp.path().join("empty.txt");
     std::fs::write(&empty, "").unwrap();
-    let o = Command::new(bin()).args(["score", "--model"]).arg(&dir).arg("--text").arg(&empty).output().unwrap();
+    let o = deltafin_cmd().args(["score", "--model"]).arg(&dir).arg("--text").arg(&empty).output().unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("the text is empty"));
-    let o = Command::new(bin())
+    let o = deltafin_cmd()
         .args(["score", "--model"])
         .arg(&dir)
         .arg("--text")

@@ -43,7 +43,7 @@ struct Server {
 
 impl Server {
     fn start(extra: &[&str]) -> Server {
-        let mut child = Command::new(bin())
+        let mut child = deltafin_cmd()
             .args(["serve", "--model"])
             .arg(model_dir())
             .args(["--port", "0", "--prefill-rows", "256", "--memory-gb", "2", "-q"])

@@ -7,7 +7,7 @@ mod common;
 #[path = "common/hub.rs"]
 mod hub;
 
-use common::{bin, ids_arg, run_ok, skipped, synth_small};
+use common::{deltafin_cmd, ids_arg, run_ok, skipped, synth_small};
 use hub::{FaultKind, HubServer};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -28,7 +28,7 @@ fn served(tmp: &Path) -> (HubServer, PathBuf) {
 }
 
 fn setup(s: &HubServer, tmp: &Path) -> Command {
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.arg("setup")
         .env("HF_ENDPOINT", &s.url)
         .env_remove("HF_TOKEN")
@@ -58,7 +58,7 @@ fn same_files(a: &Path, b: &Path) {
 
 /// Greedy ids and score logits (as bytes) of the model in `dir`, and the run's stderr.
 fn outputs(dir: &Path, tmp: &Path, env: &[(&str, &str)]) -> (String, Vec<u8>) {
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.args(["run", "--model"]).arg(dir).args(["--prompt-ids", &ids_arg(&PROMPT), "--max-new", "6", "--format", "json"]);
     c.args(["--memory-gb", "2"]);
     for (k, v) in env {
@@ -67,7 +67,7 @@ fn outputs(dir: &Path, tmp: &Path, env: &[(&str, &str)]) -> (String, Vec<u8>) {
     let (out, _) = run_ok(&mut c);
     let j: serde_json::Value = serde_json::from_str(&out).unwrap();
     let logits = tmp.join(format!("logits-{}.safetensors", std::process::id() as u64 ^ dir.as_os_str().len() as u64));
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.args(["score", "--model"])
         .arg(dir)
         .args(["--prompt-ids", &ids_arg(&PROMPT), "--memory-gb", "2", "--logits-out"])
@@ -205,7 +205,7 @@ fn a_too_small_disk_is_a_clear_error_and_leaves_nothing_registered() {
     // Experts are 40% of this model: the full install (8.4 MiB) does not fit the 7 MiB disk, the
     // stream install (5.3 MiB) does.
     let src = tmp.path().join("src");
-    run_ok(Command::new(bin()).args(["synth", "--out"]).arg(&src).args([
+    run_ok(deltafin_cmd().args(["synth", "--out"]).arg(&src).args([
         "--layers",
         "3",
         "--experts",
@@ -247,7 +247,7 @@ fn a_too_small_disk_is_a_clear_error_and_leaves_nothing_registered() {
     let _ = std::fs::write(&filler, vec![1u8; 1 << 20]);
     let st = tmp.path().join("st");
     run_ok(setup(&s, tmp.path()).arg("--stream").arg("--dir").arg(&st).arg("--drive").arg(&drive));
-    let o = Command::new(bin())
+    let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&st)
         .args(["--prompt-ids", &ids_arg(&PROMPT), "--max-new", "2", "--memory-gb", "2"])
@@ -295,7 +295,7 @@ fn stream_install_is_bit_identical_and_its_second_run_fetches_nothing() {
     assert_eq!(ids, want_ids);
     assert!(logits == want_logits, "stream-mode logits differ from the full model's");
     // What --stats shows of the first run: the hub as one more "drive".
-    let o = Command::new(bin())
+    let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&dir)
         .args(["--prompt-ids", &ids_arg(&PROMPT), "--max-new", "2", "--memory-gb", "2", "--stats"])
@@ -314,13 +314,13 @@ fn stream_install_is_bit_identical_and_its_second_run_fetches_nothing() {
     assert!(logits == want_logits);
     assert!(s.file_requests().is_empty(), "second run fetched {:?}", s.file_requests());
     // `place` and mmap experts are refused on a stream install.
-    let o = Command::new(bin()).args(["place", "--model"]).arg(&dir).arg("--drive").arg(&drive).output().unwrap();
+    let o = deltafin_cmd().args(["place", "--model"]).arg(&dir).arg("--drive").arg(&drive).output().unwrap();
     assert!(String::from_utf8_lossy(&o.stderr).contains("stream install"));
 
     // Prefetching a route trace recorded on the full model: the run after fetches nothing.
     let routes = tmp.path().join("routes.json");
     run_ok(
-        Command::new(bin())
+        deltafin_cmd()
             .args(["run", "--model"])
             .arg(&src)
             .args(["--prompt-ids", &ids_arg(&PROMPT), "--max-new", "6", "--memory-gb", "2", "--trace-routes"])
@@ -448,7 +448,7 @@ fn an_interrupted_stream_install_is_refused_then_resumed() {
     child.kill().unwrap();
     child.wait().unwrap();
     // Half-installed: refused, never read as a model with zero experts.
-    let o = Command::new(bin())
+    let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&dir)
         .args(["--prompt-ids", "1,2", "--max-new", "1", "--memory-gb", "2"])
@@ -494,7 +494,7 @@ fn damaged_streamed_packs_are_caught() {
     let n = b.len();
     b[n - 4096 - 100] ^= 0xff;
     std::fs::write(p, &b).unwrap();
-    let o = Command::new(bin())
+    let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&dir)
         .args(["--prompt-ids", &ids_arg(&PROMPT), "--max-new", "6", "--memory-gb", "2"])

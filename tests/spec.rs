@@ -299,7 +299,7 @@ fn cli_draft_ngram_prints_the_same_ids_and_dspark_without_a_model_is_refused() {
     let r = reference("k3-tiny-c");
     let ids = ids_arg(&r.prompt[..24]);
     let run = |draft: &str| {
-        let o = std::process::Command::new(bin())
+        let o = deltafin_cmd()
             .args(["run", "--model"])
             .arg(fixture("k3-tiny-c"))
             .args(["--prompt-ids", &ids, "--max-new", "40", "--ignore-eos", "--format", "json", "--draft", draft])
@@ -330,17 +330,19 @@ fn cli_draft_ngram_prints_the_same_ids_and_dspark_without_a_model_is_refused() {
 
 #[test]
 fn bench_run_records_the_same_ids_with_every_drafter_and_the_oracle_accepts_all() {
-    let run =
-        |draft: &str| {
-            let (out, _) =
-                run_ok(
-                    std::process::Command::new(bin())
-                        .args(["bench", "run", "--model"])
-                        .arg(fixture("k3-tiny-b"))
-                        .args(["--prompt-tokens", "24", "--decode", "30", "--ceiling-seconds", "0", "--draft", draft]),
-                );
-            serde_json::from_str::<serde_json::Value>(out.lines().next().unwrap()).unwrap()
-        };
+    let run = |draft: &str| {
+        let (out, _) = run_ok(deltafin_cmd().args(["bench", "run", "--model"]).arg(fixture("k3-tiny-b")).args([
+            "--prompt-tokens",
+            "24",
+            "--decode",
+            "30",
+            "--ceiling-seconds",
+            "0",
+            "--draft",
+            draft,
+        ]));
+        serde_json::from_str::<serde_json::Value>(out.lines().next().unwrap()).unwrap()
+    };
     let off = run("off");
     assert_eq!(off["decode"]["draft"], "off");
     for draft in ["ngram", "oracle"] {
@@ -366,7 +368,7 @@ fn bench_run_on_given_ids_matches_the_fp64_greedy_check() {
     std::fs::write(&ids_file, serde_json::to_string(&ids).unwrap()).unwrap();
     let model = fixture("k3-tiny-a");
     let (out, _) = run_ok(
-        std::process::Command::new(bin())
+        deltafin_cmd()
             .args(["bench", "run", "--model"])
             .arg(&model)
             .arg(format!("--prompt-ids=@{}", ids_file.display()))
@@ -396,7 +398,7 @@ fn bench_run_on_given_ids_matches_the_fp64_greedy_check() {
     assert_eq!(check(&wrong).status.code(), Some(1), "a changed token must fail the check");
     // Inline ids give the same run; ids outside the vocabulary are refused.
     let inline = ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(",");
-    let (out2, _) = run_ok(std::process::Command::new(bin()).args(["bench", "run", "--model"]).arg(&model).args([
+    let (out2, _) = run_ok(deltafin_cmd().args(["bench", "run", "--model"]).arg(&model).args([
         "--prompt-ids",
         &inline,
         "--decode",
@@ -408,7 +410,7 @@ fn bench_run_on_given_ids_matches_the_fp64_greedy_check() {
     ]));
     let rec2: serde_json::Value = serde_json::from_str(out2.lines().next().unwrap()).unwrap();
     assert_eq!(rec2["output_ids"], rec["output_ids"]);
-    let o = std::process::Command::new(bin())
+    let o = deltafin_cmd()
         .args(["bench", "run", "--model"])
         .arg(&model)
         .args(["--prompt-ids", "1,2,999999", "--ceiling-seconds", "0"])

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 fn deltafin(cache: &Path) -> Command {
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.env("DELTAFIN_CACHE", cache);
     c
 }
@@ -45,7 +45,7 @@ fn demo_works_on_a_fresh_machine_and_says_whether_it_is_random() {
 fn synth_writes_the_shipped_layout_and_matches_the_fp64_reference() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("m");
-    run_ok(Command::new(bin()).args(["synth", "--out"]).arg(&dir).args([
+    run_ok(deltafin_cmd().args(["synth", "--out"]).arg(&dir).args([
         "--layers",
         "4",
         "--experts",
@@ -90,7 +90,7 @@ fn synth_writes_the_shipped_layout_and_matches_the_fp64_reference() {
         .count();
     assert!(shards >= 2, "expected several shards, got {shards}");
     // Refuses to overwrite without --force.
-    let o = Command::new(bin()).args(["synth", "--out"]).arg(&dir).output().unwrap();
+    let o = deltafin_cmd().args(["synth", "--out"]).arg(&dir).output().unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("already exists"));
 
@@ -98,7 +98,7 @@ fn synth_writes_the_shipped_layout_and_matches_the_fp64_reference() {
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 500).collect();
     let out = tmp.path().join("l.safetensors");
     run_ok(
-        Command::new(bin())
+        deltafin_cmd()
             .args(["score", "--model"])
             .arg(&dir)
             .args(["--prompt-ids", &ids_arg(&prompt), "--logits-out"])
@@ -154,7 +154,7 @@ fn chat_mode_uses_the_template_and_text_output_is_the_decoded_ids() {
     let cache = tempfile::tempdir().unwrap();
     // synth's own chat template (the demo preset), whatever demo the binary carries.
     let dir = cache.path().join("m");
-    run_ok(Command::new(bin()).args(["synth", "--out"]).arg(&dir));
+    run_ok(deltafin_cmd().args(["synth", "--out"]).arg(&dir));
     let v = json_run(
         cache.path(),
         &[

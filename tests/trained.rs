@@ -97,7 +97,7 @@ fn score_text_equals_the_training_scripts_perplexity() {
     let window = want["window"].as_u64().unwrap().to_string();
     let text = trained_fixture().join(want["file"].as_str().unwrap());
     let (out, _) = run_ok(
-        std::process::Command::new(bin())
+        deltafin_cmd()
             .args(["score", "--model"])
             .arg(demo())
             .arg("--text")

@@ -18,7 +18,7 @@ const PIECES: [u8; 6] = [b'A', 0xE2, 0x82, 0xAC, 0xF0, 0x9F];
 const WANT: &str = "A€";
 
 fn deltafin(cache: &Path) -> Command {
-    let mut c = Command::new(bin());
+    let mut c = deltafin_cmd();
     c.env("DELTAFIN_CACHE", cache);
     c
 }

@@ -57,6 +57,8 @@ pub struct BatchArgs {
     /// No startup line and no progress bar.
     #[arg(long, short)]
     pub quiet: bool,
+    #[command(flatten)]
+    pub threads: super::Threads,
 }
 
 fn is_std(p: &Path) -> bool {

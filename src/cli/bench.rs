@@ -21,7 +21,7 @@ pub enum BenchCmd {
     /// Compute kernels at K3's real shapes: MXFP4 experts, bf16 projections, KDA state update.
     Kernels(KernelArgs),
     /// An exact prompt, cold, then decode steps: counters, timers, bound ratios; ladders and plots.
-    Run(super::bench_run::RunBenchArgs),
+    Run(Box<super::bench_run::RunBenchArgs>),
 }
 
 #[derive(Args)]
@@ -53,6 +53,8 @@ pub struct KernelArgs {
     /// kernel's (GPU only).
     #[arg(long, value_name = "DIR", hide = true)]
     matmul_variants: Option<PathBuf>,
+    #[command(flatten)]
+    pub threads: super::Threads,
 }
 
 #[derive(Args)]
@@ -75,9 +77,10 @@ pub struct IoArgs {
     /// Reads in flight per drive when there is no placement.
     #[arg(long, default_value_t = 4, value_parser = super::parse_qd)]
     qd: usize,
+    /// How the store reads (as for `run --reader`).
     #[arg(long, value_enum, default_value_t = ReaderKind::Auto)]
     reader: ReaderKind,
-    /// The fio binary (install with `apt-get install fio`; bench/io.sh does).
+    /// The fio binary that replays the same reads (Debian/Ubuntu: apt-get install fio).
     #[arg(long, default_value = "fio")]
     fio: String,
     /// Runs of each side (alternating); the best rate of each is reported.
@@ -88,11 +91,22 @@ pub struct IoArgs {
     label: Option<String>,
 }
 
+impl BenchArgs {
+    /// `--threads` of `bench kernels` and `bench run` (reads alone need none).
+    pub fn threads(&self) -> Option<usize> {
+        match &self.cmd {
+            BenchCmd::Kernels(k) => k.threads.threads,
+            BenchCmd::Run(r) => r.threads.threads,
+            BenchCmd::Io(_) => None,
+        }
+    }
+}
+
 pub fn run(a: BenchArgs) -> Result<()> {
     match a.cmd {
         BenchCmd::Io(io) => bench_io(io),
         BenchCmd::Kernels(k) => bench_kernels(k),
-        BenchCmd::Run(r) => super::bench_run::run(r),
+        BenchCmd::Run(r) => super::bench_run::run(*r),
     }
 }
 

@@ -88,6 +88,8 @@ pub struct RunBenchArgs {
     fetch_trace: Option<PathBuf>,
     #[command(flatten)]
     engine: EngineArgs,
+    #[command(flatten)]
+    pub threads: super::Threads,
 }
 
 /// Tries to empty the page cache (root only); true when it worked.

@@ -5,6 +5,7 @@ mod batch;
 mod bench;
 mod bench_run;
 mod engine;
+mod help;
 mod load;
 mod names;
 mod place;
@@ -25,31 +26,63 @@ use std::process::ExitCode;
     about = "Runs Kimi K3 exactly on one machine by streaming its MXFP4 experts from SSDs"
 )]
 pub struct Cli {
-    /// Worker threads for the kernels (default: all cores). Results do not depend on it.
-    #[arg(long, global = true, value_parser = parse_threads)]
-    threads: Option<usize>,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// The subcommands' names (for the tip on a mistyped one).
+const SUBCOMMANDS: &[&str] = &["run", "score", "synth", "place", "bench", "setup", "batch", "serve"];
+
+/// `--threads`, on the subcommands whose kernels run on the thread pool.
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct Threads {
+    /// Worker threads for the kernels (default: all cores, or RAYON_NUM_THREADS). Results do not
+    /// depend on it.
+    #[arg(long = "threads", value_parser = parse_threads)]
+    pub threads: Option<usize>,
 }
 
 #[derive(Subcommand)]
 enum Cmd {
     /// Generate from a prompt (greedy, or sampled with --temperature).
+    #[command(after_help = help::RUN)]
     Run(run::RunArgs),
     /// Compute logits at every position of a prompt and write them to a safetensors file.
+    #[command(after_help = help::SCORE)]
     Score(score::ScoreArgs),
     /// Write a random-weight checkpoint in the exact shipped layout (any size).
+    #[command(after_help = help::SYNTH)]
     Synth(synth::SynthArgs),
     /// Place experts on drives: pack files + placement.json (or --verify an existing placement).
+    #[command(after_help = help::PLACE)]
     Place(place::PlaceArgs),
     /// Benchmarks printing one JSON record per run.
+    #[command(after_help = help::BENCH)]
     Bench(bench::BenchArgs),
     /// Install a model from a Hugging Face-compatible hub (--full, or --stream experts on demand).
+    #[command(after_help = help::SETUP)]
     Setup(setup::SetupArgs),
     /// Run a JSONL file of requests (resumable: ids already in the output are skipped).
+    #[command(after_help = help::BATCH)]
     Batch(batch::BatchArgs),
     /// OpenAI-compatible HTTP server (chat, completions, streaming, metrics, a chat page at /).
+    #[command(after_help = help::SERVE)]
     Serve(serve::ServeArgs),
+}
+
+impl Cmd {
+    /// `--threads` of the subcommands that take it.
+    fn threads(&self) -> Option<usize> {
+        match self {
+            Cmd::Run(a) => a.threads.threads,
+            Cmd::Score(a) => a.threads.threads,
+            Cmd::Synth(a) => a.threads.threads,
+            Cmd::Bench(a) => a.threads(),
+            Cmd::Batch(a) => a.threads.threads,
+            Cmd::Serve(a) => a.threads.threads,
+            Cmd::Place(_) | Cmd::Setup(_) => None,
+        }
+    }
 }
 
 /// How KDA evaluates a prompt (hidden option for tests and comparisons).
@@ -101,9 +134,11 @@ where
 pub fn main() -> ExitCode {
     // Library messages name settings by the flags that set them.
     names::install();
+    let args: Vec<String> = std::env::args().collect();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
-        Err(e) => {
+        Err(mut e) => {
+            help::add_tips(&mut e, &args);
             let _ = e.print();
             return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
         }
@@ -117,7 +152,7 @@ pub fn main() -> ExitCode {
         .init();
     // rayon reads RAYON_NUM_THREADS itself when --threads is absent; hold it to the same bound so a
     // stray value is a clear usage error, not a panic when the pool first starts.
-    let threads = match (cli.threads, std::env::var("RAYON_NUM_THREADS")) {
+    let threads = match (cli.cmd.threads(), std::env::var("RAYON_NUM_THREADS")) {
         (Some(n), _) => Some(n),
         (None, Ok(v)) if !v.trim().is_empty() => match parse_threads(v.trim()) {
             Ok(n) => Some(n),

@@ -60,7 +60,8 @@ pub struct RunArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     pub format: Format,
-    /// Print the counters (DESIGN.md names) to stderr at the end.
+    /// Print the counters (bytes read, read amplification, cache hits, phase timers, tokens/s) to
+    /// stderr at the end; --stats-json writes them as JSON.
     #[arg(long)]
     pub stats: bool,
     /// Write the counters as JSON to this file.
@@ -91,6 +92,8 @@ pub struct RunArgs {
     /// How KDA processes the prompt.
     #[arg(long, value_enum, default_value_t = KdaArg::Auto, hide = true)]
     pub kda: KdaArg,
+    #[command(flatten)]
+    pub threads: super::Threads,
 }
 
 fn read_text(arg: &str, from_file: bool) -> Result<String> {

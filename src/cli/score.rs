@@ -57,6 +57,8 @@ pub struct ScoreArgs {
     kda: KdaArg,
     #[command(flatten)]
     engine: super::engine::EngineArgs,
+    #[command(flatten)]
+    pub threads: super::Threads,
 }
 
 fn parse_window(s: &str) -> Result<usize, String> {

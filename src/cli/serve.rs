@@ -63,6 +63,8 @@ pub struct ServeArgs {
     /// No startup line.
     #[arg(long, short)]
     pub quiet: bool,
+    #[command(flatten)]
+    pub threads: super::Threads,
 }
 
 pub fn run(mut a: ServeArgs) -> Result<()> {

@@ -53,6 +53,7 @@ pub struct SetupArgs {
     /// The draft's repo.
     #[arg(long, default_value = DRAFT_REPO)]
     draft_repo: String,
+    /// The draft's branch, tag or commit (resolved to a commit, like --revision).
     #[arg(long, default_value = "main")]
     draft_revision: String,
     /// Files (or trunk ranges) downloaded in parallel.

@@ -26,17 +26,23 @@ pub struct SynthArgs {
     /// Replace --out if it exists.
     #[arg(long)]
     force: bool,
+    /// Layers, all of them MoE but the first --dense-layers (demo 8, k3-experts 8; with --dspark:
+    /// the drafter's layers).
     #[arg(long)]
     layers: Option<usize>,
+    /// Routed experts per MoE layer (demo 32, k3-experts 64; K3 has 896).
     #[arg(long)]
     experts: Option<usize>,
+    /// Routed experts each token uses (demo 4, k3-experts 16, as K3).
     #[arg(long)]
     top_k: Option<usize>,
+    /// Hidden size (demo 256, k3-experts 7168, as K3).
     #[arg(long)]
     hidden: Option<usize>,
     /// Vocabulary including the 256 specials.
     #[arg(long)]
     vocab: Option<usize>,
+    /// Shared experts per MoE layer, run for every token (2 in both presets).
     #[arg(long)]
     shared_experts: Option<usize>,
     /// Routed expert FFN width (multiple of 32).
@@ -45,22 +51,28 @@ pub struct SynthArgs {
     /// Routed expert latent width (multiple of 32).
     #[arg(long)]
     expert_latent: Option<usize>,
+    /// Leading layers with a dense MLP instead of experts (1 in both presets).
     #[arg(long)]
     dense_layers: Option<usize>,
+    /// The dense MLP's width (demo 512, k3-experts 2048; with --dspark: the drafter's MLP width).
     #[arg(long)]
     dense_inter: Option<usize>,
+    /// KDA (linear attention) heads (4 in both presets; K3 has 96).
     #[arg(long)]
     kda_heads: Option<usize>,
+    /// KDA head dimension (demo 32, k3-experts 128, as K3).
     #[arg(long)]
     head_dim: Option<usize>,
     /// Every N-th layer (1-based) is MLA, and so is the last.
     #[arg(long)]
     mla_every: Option<usize>,
+    /// MLA attention heads (4 in both presets; with --dspark: the drafter's attention heads).
     #[arg(long)]
     mla_heads: Option<usize>,
     /// AttnRes block size.
     #[arg(long)]
     block: Option<usize>,
+    /// Seed of the random weights (default 1): the same seed and options give the same bytes.
     #[arg(long)]
     seed: Option<u64>,
     /// Target shard size in GB.
@@ -80,6 +92,8 @@ pub struct SynthArgs {
     /// Target layers the DSpark drafter taps (comma-separated; default: K3's five, scaled).
     #[arg(long, value_delimiter = ',', requires = "dspark")]
     taps: Option<Vec<usize>>,
+    #[command(flatten)]
+    pub threads: super::Threads,
 }
 
 fn run_dspark(a: &SynthArgs, target: &std::path::Path) -> Result<()> {

@@ -170,8 +170,42 @@ pub fn run_ok(c: &mut std::process::Command) -> (String, String) {
     (out, err)
 }
 
+/// The binary's path. Tests run it through [`deltafin_cmd`], which keeps it out of the user's caches.
 pub fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_deltafin")
+}
+
+/// The binary as every test runs it: `HOME` and deltafin's cache (`DELTAFIN_CACHE`) are this test
+/// process's own directory under the target dir, so no test writes into the user's
+/// `~/.cache/deltafin` (route heat, converted tokenizers, the demo) or reads what is there; a test
+/// that needs a fresh cache sets `DELTAFIN_CACHE` again. tests/hermetic.rs checks that every test
+/// starts the binary this way.
+pub fn deltafin_cmd() -> std::process::Command {
+    let home = test_home();
+    let mut c = std::process::Command::new(bin());
+    c.env("HOME", home).env("DELTAFIN_CACHE", home.join("deltafin-cache")).env_remove("XDG_CACHE_HOME");
+    c
+}
+
+/// This process's `HOME` for the binary: `TARGET/tmp/home-PID`, made on first use; the directories
+/// of test processes that have ended are removed then.
+pub fn test_home() -> &'static Path {
+    static HOME: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    HOME.get_or_init(|| {
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let alive = |pid: &str| Path::new("/proc").join(pid).exists() || !Path::new("/proc/self").exists();
+        for e in std::fs::read_dir(tmp).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(pid) = name.strip_prefix("home-")
+                && !alive(pid)
+            {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+        let home = tmp.join(format!("home-{}", std::process::id()));
+        std::fs::create_dir_all(&home).unwrap();
+        home
+    })
 }
 
 pub fn ids_arg(ids: &[u32]) -> String {
@@ -295,7 +329,7 @@ pub fn reference_rel_error(dir: &Path, prompt: &[u32], logits_file: &Path) -> f6
 
 /// Writes a small random model with `deltafin synth` (3 layers, 8 experts, top-2; `seed` as given).
 pub fn synth_small(dir: &Path, seed: Option<&str>) {
-    let mut c = std::process::Command::new(bin());
+    let mut c = deltafin_cmd();
     c.args(["synth", "--out"]).arg(dir).args(["--layers", "3", "--experts", "8", "--top-k", "2"]);
     if let Some(s) = seed {
         c.args(["--seed", s]);
