@@ -4,10 +4,11 @@
 //! `backend` (the operations the forward pass calls; `backend::cpu` the CPU kernels), `model`
 //! (config, checkpoint, roster, tokenizer, chat template, synth), `store` (where experts are read),
 //! `spec` (speculative decoding: drafters, width policy, cost model, verified generation), `hub`
-//! (Hugging Face-compatible downloads and stream mode),
-//! `demo` (the built-in demo model the binary carries), `cli` (subcommands).
+//! (Hugging Face-compatible downloads and stream mode), `bench` (measurements, one JSON record
+//! each), `demo` (the built-in demo model the binary carries), `cli` (subcommands).
 
 pub mod backend;
+pub mod bench;
 pub mod cli;
 pub mod demo;
 pub mod engine;

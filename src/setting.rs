@@ -43,6 +43,8 @@ pub enum Setting {
     Repo,
     /// A drive directory (of a placement or a stream install).
     Drive,
+    /// `bench run` over drive subsets of the placement.
+    Ladder,
 }
 
 /// An action a message may suggest.
@@ -89,6 +91,7 @@ impl Setting {
             Dir => "dir",
             Repo => "repo",
             Drive => "drives",
+            Ladder => "ladder",
         }
     }
 }

@@ -1,52 +1,20 @@
 //! `deltafin bench run`: an exact prompt, cold, then a few decode steps; one JSON record per run
-//! with machine, command, git revision, every counter and timer, the disk ceiling measured in the
-//! same run and the bound ratios:
-//! - TTFT / (distinct expert bytes / ceiling + measured compute), where compute = TTFT minus the
-//!   time the prefill waited for reads (the serial bound), and TTFT / max(read, compute) (the bound
-//!   of a schedule that overlaps reads and compute completely);
-//! - decode seconds per token / (bytes read per token / ceiling).
-//!
-//! The ceiling is measured the way the engine reads (whole-expert O_DIRECT reads on the run's own
-//! expert holders, the store's queue depth, until the rate is stable) three times: before the
-//! prompt, between prompt and decode, and after decode; each phase's bound uses the mean of the
-//! two probes around it, since a shared or bursting disk drifts over minutes.
+//! (printed, and appended to `--out`), measured by `crate::bench::run`: every counter and timer,
+//! the disk ceiling measured in the same run (before the prompt, between prompt and decode, after
+//! decode) and the bound ratios of TTFT and of a decode token.
 //!
 //! `--ladder` repeats over drive subsets of the placement; `--plot DIR` draws the ladder and the
 //! per-layer read wait as SVG.
 
-use super::engine::{EngineArgs, OnOff};
+use super::engine::EngineArgs;
 use super::load;
-use crate::engine::GenerateOptions;
-use crate::spec::{DraftKind, OracleDrafter, Speculator};
-use crate::store::placement::{Manifest, manifest_path};
-use crate::store::probe;
-use crate::store::reader::widen;
+use crate::bench::prompt;
+use crate::bench::run::{BenchDraft, PrefetchRuns, RunOptions};
+use crate::engine::KdaMode;
 use anyhow::{Context, Result, bail};
-use clap::{Args, ValueEnum};
-use load::Opened;
-use serde_json::{Value, json};
+use clap::Args;
+use std::io::Write;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum PrefetchRuns {
-    Off,
-    On,
-    /// Each configuration twice: prefetch off, then on.
-    Both,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum BenchDraft {
-    Off,
-    /// n-gram prompt lookup (with the live cost model).
-    Ngram,
-    /// The DSpark drafter of --draft-model (with the live cost model).
-    Dspark,
-    /// K3's own greedy continuation, recorded by a plain run first (acceptance 1.0, no cost model):
-    /// what batching alone gives.
-    Oracle,
-}
 
 #[derive(Args)]
 pub struct RunBenchArgs {
@@ -92,187 +60,58 @@ pub struct RunBenchArgs {
     pub threads: super::Threads,
 }
 
-/// Tries to empty the page cache (root only); true when it worked.
-fn drop_page_cache() -> bool {
-    // SAFETY: sync has no preconditions.
-    unsafe { libc::sync() };
-    std::fs::write("/proc/sys/vm/drop_caches", "3\n").is_ok()
-}
-
-/// A fixed prompt of `n` tokens: the model's tokenizer on built-in text when it has one, else a
-/// fixed pseudo-random id sequence.
-fn prompt_tokens(opened: &Opened, n: usize) -> Result<Vec<u32>> {
-    if opened.dir.join("tiktoken.model").exists() {
-        let tok = crate::engine::load_tokenizer(&opened.dir)?;
-        let mut ids = Vec::new();
-        while ids.len() < n {
-            ids.extend(tok.encode(crate::model::bpe_train::TRAINING_TEXT));
-        }
-        ids.truncate(n);
-        return Ok(ids);
-    }
-    let mut rng = crate::util::XorShift(0x9E37_79B9);
-    Ok((0..n).map(|_| (rng.next_u64() % opened.cfg.vocab as u64) as u32).collect())
-}
-
-/// Prompt ids from `path`: a JSON array of integers, or integers separated by whitespace or commas.
-fn prompt_ids_from(path: &std::path::Path) -> Result<Vec<u32>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let ids: Vec<u32> = if text.trim_start().starts_with('[') {
-        serde_json::from_str(&text)
-            .with_context(|| format!("{}: expected a JSON array of token ids", path.display()))?
-    } else {
-        text.split(|c: char| c.is_whitespace() || c == ',')
-            .filter(|t| !t.is_empty())
-            .map(|t| t.parse::<u32>().with_context(|| format!("{}: {t:?} is not a token id", path.display())))
-            .collect::<Result<_>>()?
-    };
-    if ids.is_empty() {
-        bail!("{}: no token ids", path.display());
-    }
-    Ok(ids)
-}
-
-/// The read ceiling of the drives a run uses, measured on its expert holders (random whole-expert
-/// O_DIRECT reads at the store's total queue depth); the holders are listed once for the three
-/// probes of a run.
-struct CeilingProbe {
-    ranges: Vec<(PathBuf, u64)>,
-    read_len: u64,
-    qd: usize,
-    secs: f64,
-}
-
-impl CeilingProbe {
-    fn new(
-        opened: &Opened,
-        manifest: Option<&Manifest>,
-        drives: Option<&[usize]>,
-        qd: usize,
-        secs: f64,
-    ) -> Result<Self> {
-        if secs <= 0.0 {
-            return Ok(CeilingProbe { ranges: Vec::new(), read_len: 0, qd, secs });
-        }
-        let layout = opened.roster.expert_layout.clone().context("no experts")?;
-        let (ranges, read_len) = match manifest {
-            Some(m) => {
-                let mut ranges: Vec<(PathBuf, u64)> = Vec::new();
-                for ml in &m.layers {
-                    for d in 0..m.drives.len() {
-                        if drives.is_some_and(|k| !k.contains(&d)) {
-                            continue;
-                        }
-                        let path = m.pack_path(d, ml.layer);
-                        if let Ok(h) = crate::store::pack::read_header(&path) {
-                            ranges.extend(h.entries.iter().map(|e| (path.clone(), e.offset)));
-                        }
-                    }
-                }
-                (ranges, widen(0, layout.len as u64).1)
-            }
-            None => crate::store::placement::shard_read_ranges(&opened.ck, &opened.roster),
-        };
-        Ok(CeilingProbe { ranges, read_len, qd, secs })
-    }
-
-    /// One probe (None when probes are off).
-    fn measure(&self) -> Result<Option<probe::Ceiling>> {
-        if self.secs <= 0.0 {
-            return Ok(None);
-        }
-        probe::measure_ranges(
-            &self.ranges,
-            self.read_len,
-            self.qd,
-            crate::store::reader::ReaderKind::Auto,
-            Duration::from_secs_f64(self.secs),
-        )
-        .map(Some)
-        .map_err(|e| anyhow::anyhow!("measuring the disk ceiling: {e}"))
-    }
-}
-
-fn ceiling_json(c: &Option<probe::Ceiling>) -> Value {
-    match c {
-        Some(c) => json!({"gbps": c.gbps, "seconds": c.seconds, "stable": c.stable, "windows_gbps": c.windows}),
-        None => Value::Null,
-    }
-}
-
-fn mean_gbps(a: &Option<probe::Ceiling>, b: &Option<probe::Ceiling>) -> Option<f64> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some((a.gbps + b.gbps) / 2.0),
-        (Some(c), None) | (None, Some(c)) => Some(c.gbps),
-        (None, None) => None,
-    }
-}
-
 pub fn run(a: RunBenchArgs) -> Result<()> {
     super::check_outputs([("--out", a.out.as_deref())])?;
     if a.prompt_tokens == 0 {
         bail!("--prompt-tokens must be > 0");
     }
-    let opened = load::open(&a.model)?;
+    if a.draft == BenchDraft::Dspark && a.engine.draft_model.is_none() {
+        bail!("--draft dspark needs --draft-model DIR");
+    }
+    let files = load::open(&a.model)?;
     let prompt = match a.prompt_ids.as_deref() {
         Some(arg) => {
             let ids = match arg.strip_prefix('@') {
-                Some(file) => prompt_ids_from(std::path::Path::new(file))?,
+                Some(file) => prompt::ids_from(std::path::Path::new(file))?,
                 None => super::parse_ids(arg).map_err(|e| anyhow::anyhow!("--prompt-ids: {e}"))?.0,
             };
             // Checked here too (the forward pass refuses them) so a bad id fails before the
             // engine opens and the disk is probed.
-            let vocab = opened.cfg.vocab;
+            let vocab = files.cfg.vocab;
             if let Some((i, id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
                 bail!("--prompt-ids: id {id} at position {i} is outside the vocabulary (size {vocab})");
             }
             ids
         }
-        None => prompt_tokens(&opened, a.prompt_tokens)?,
+        None => prompt::tokens(&files, a.prompt_tokens)?,
     };
-    let manifest_path = manifest_path(a.engine.placement.as_deref(), &a.model);
-    let manifest = manifest_path.as_ref().map(|p| Manifest::load(p)).transpose()?;
-    let subsets: Vec<Option<Vec<usize>>> = if a.ladder {
-        let m = manifest.as_ref().context("--ladder needs a placement (deltafin place)")?;
-        (1..=m.drives.len()).map(|k| Some((0..k).collect())).collect()
-    } else {
-        vec![a.engine.use_drives.clone()]
+    // The rows the engine holds at once are the run's to choose (the prompt, or a verify batch).
+    let config = a.engine.config(a.model.clone(), KdaMode::Recurrent, prompt.len(), 0);
+    let o = RunOptions {
+        decode: a.decode,
+        draft: a.draft,
+        ladder: a.ladder,
+        prefetch_runs: a.prefetch_runs,
+        ceiling_seconds: a.ceiling_seconds,
+        fetch_trace: a.fetch_trace.clone(),
     };
-    let prefetch: Vec<OnOff> = match a.prefetch_runs {
-        PrefetchRuns::Off => vec![OnOff::Off],
-        PrefetchRuns::On => vec![OnOff::On],
-        PrefetchRuns::Both => vec![OnOff::Off, OnOff::On],
+    let mut out = match &a.out {
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("cannot open {}", p.display()))?,
+        ),
+        None => None,
     };
-    let mut records: Vec<Value> = Vec::new();
-    for subset in &subsets {
-        let qd_total = manifest.as_ref().map_or(a.engine.qd, |m| {
-            m.drives
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| subset.as_ref().is_none_or(|k| k.contains(i)))
-                .map(|(_, d)| d.qd)
-                .sum()
-        });
-        let dropped = drop_page_cache();
-        let probe = CeilingProbe::new(&opened, manifest.as_ref(), subset.as_deref(), qd_total, a.ceiling_seconds)?;
-        for &pf in &prefetch {
-            let mut engine = a.engine.clone();
-            engine.use_drives = subset.clone();
-            engine.prefetch = pf;
-            let rec = one_run(&a, &opened, &engine, &prompt, &probe, dropped)?;
-            println!("{rec}");
-            if let Some(p) = &a.out {
-                use std::io::Write;
-                let mut f = std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(p)
-                    .with_context(|| format!("cannot open {}", p.display()))?;
-                writeln!(f, "{rec}")?;
-            }
-            records.push(rec);
+    let records = crate::bench::run::runs(&files, &config, &prompt, &o, &mut |rec| {
+        println!("{rec}");
+        match &mut out {
+            Some(f) => writeln!(f, "{rec}"),
+            None => Ok(()),
         }
-    }
+    })?;
     if let Some(dir) = &a.plot {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         super::plot::ladder(&dir.join("ladder.svg"), &records)?;
@@ -280,241 +119,4 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         eprintln!("deltafin bench: wrote {}/ladder.svg and {}/read_wait.svg", dir.display(), dir.display());
     }
     Ok(())
-}
-
-fn one_run(
-    a: &RunBenchArgs,
-    opened: &Opened,
-    engine_args: &EngineArgs,
-    prompt: &[u32],
-    probe: &CeilingProbe,
-    dropped: bool,
-) -> Result<Value> {
-    let opts = GenerateOptions { max_new: a.decode.max(1), stop: Vec::new() };
-    // A verify batch holds the pending token and up to 7 drafts.
-    let rows = if a.draft == BenchDraft::Off { prompt.len() } else { prompt.len().max(8) };
-    let config = engine_args.config(a.model.clone(), crate::k3::KdaMode::Recurrent, rows, 0);
-    if a.draft == BenchDraft::Dspark && engine_args.draft_model.is_none() {
-        anyhow::bail!("--draft dspark needs --draft-model DIR");
-    }
-    let mut oracle = match a.draft {
-        BenchDraft::Oracle => {
-            // Recorded on an engine of its own, so the measured run starts as cold as the others.
-            let engine = load::open_engine(config.clone())?;
-            let mut s = engine.new_session();
-            s.prefill(prompt).context("prefill failed")?;
-            let g = s.generate(&opts, &mut |_| true).context("decode failed")?;
-            let truth = prompt.iter().chain(&g.tokens).copied().collect();
-            Some(Speculator::without_cost_model(Box::new(OracleDrafter::new(truth))))
-        }
-        _ => None,
-    };
-    let dropped = drop_page_cache() || dropped;
-    let engine = load::open_engine(config)?;
-    let mut spec = match a.draft {
-        BenchDraft::Off => None,
-        BenchDraft::Ngram => crate::spec::drafter_for(DraftKind::Ngram, &engine)?.map(Speculator::new),
-        BenchDraft::Dspark => crate::spec::drafter_for(DraftKind::Dspark, &engine)?.map(Speculator::new),
-        BenchDraft::Oracle => oracle.take(),
-    };
-    let plan = engine.plan.clone();
-    let mut session = engine.new_session();
-    let ceiling_before = probe.measure()?;
-    let traffic_start = engine.device_traffic();
-    let unix = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-    let prefill_start = unix();
-    let t0 = Instant::now();
-    match &mut spec {
-        Some(sp) => sp.prefill(&mut session, prompt),
-        None => session.prefill(prompt),
-    }
-    .context("prefill failed")?;
-    let ttft = t0.elapsed().as_secs_f64();
-    session.stats.ttft_s = ttft;
-    session.stats.prefill_s = ttft;
-    let pre = session.stats.clone();
-    let traffic_prefill = engine.device_traffic();
-    let ops_prefill = engine.op_times();
-    let pre_src = engine.source_report();
-    let prefill_read = pre_src.expert_bytes_read.unwrap_or(0);
-    let unique = pre.expert_bytes_unique();
-    let prefill_end = unix();
-    let ceiling_mid = probe.measure()?;
-    let decode_start = unix();
-    let t1 = Instant::now();
-    let generation = match &mut spec {
-        Some(sp) => session.generate_speculative(&opts, sp, &mut |_| true),
-        None => session.generate(&opts, &mut |_| true),
-    }
-    .context("decode failed")?;
-    let out_ids = generation.tokens;
-    let decode_s = t1.elapsed().as_secs_f64();
-    let traffic_decode = engine.device_traffic().since(traffic_prefill);
-    let ops_decode = crate::backend::op_times_since(&engine.op_times(), &ops_prefill);
-    let decode_end = unix();
-    let ceiling_after = probe.measure()?;
-    let prefill_ceiling = mean_gbps(&ceiling_before, &ceiling_mid);
-    let decode_ceiling = mean_gbps(&ceiling_mid, &ceiling_after);
-    let mut stats = session.stats.clone();
-    stats.decode_s = decode_s;
-    stats.generated_tokens = out_ids.len() as u64;
-    stats.source = Some(engine.source_report());
-    let steps = out_ids.len().saturating_sub(1);
-    let decode_read = stats.bytes_read().unwrap_or(0).saturating_sub(prefill_read);
-    let compute = ttft - pre.read_wait_s;
-    let prefill_read_s = prefill_ceiling.map(|c| unique as f64 / (c * 1e9));
-    let ttft_bound = prefill_read_s.map(|r| r + compute);
-    let ttft_bound_max = prefill_read_s.map(|r| r.max(compute));
-    // A decode layer's fetch times (the straggler and hedging measure: its p99).
-    let mut decode_layers: Vec<f32> = stats.layer_fetch_s.get(pre.layer_fetch_s.len()..).unwrap_or(&[]).to_vec();
-    decode_layers.sort_by(f32::total_cmp);
-    let layer_q = |q: f64| {
-        let n = decode_layers.len();
-        (n > 0).then(|| decode_layers[((q * n as f64).ceil() as usize).clamp(1, n) - 1] as f64)
-    };
-    let per_token_read = if steps > 0 { decode_read as f64 / steps as f64 } else { 0.0 };
-    let decode_bound = decode_ceiling.filter(|_| steps > 0 && per_token_read > 0.0).map(|c| per_token_read / (c * 1e9));
-    if stats.bytes_read().is_some() && unique > 0 && prefill_read > unique {
-        eprintln!(
-            "deltafin bench: note: prefill read {} bytes for {} distinct ({:.4}x)",
-            prefill_read,
-            unique,
-            prefill_read as f64 / unique as f64
-        );
-    }
-    if let Some(p) = &a.fetch_trace {
-        let body = serde_json::to_vec(
-            &json!({"cache_slots": engine.source_report().cache_slots, "prefill_passes": pre.fetch_trace.len(), "trace": stats.fetch_trace}),
-        )?;
-        crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
-    }
-    // Our cache against the optimal one of the same size on the same fetch trace (cold start);
-    // with a device expert cache in front, the optimum has the slots of both.
-    let report = engine.source_report();
-    let device_slots = engine.device_expert_slots();
-    let cache_opt =
-        report.cache_slots.map(|slots| crate::store::cache::belady_misses(&stats.fetch_trace, slots + device_slots));
-    let cache_vs_opt = match (report.cache_misses, cache_opt) {
-        (Some(ours), Some(opt)) if opt > 0 => Some(ours as f64 / opt as f64),
-        _ => None,
-    };
-    // Where a decode token's time goes (the phase timers' growth over decode).
-    let decode_phases = (steps > 0).then(|| {
-        let n = steps as f64;
-        json!({
-            "read_wait_s": (stats.read_wait_s - pre.read_wait_s) / n,
-            "attention_s": (stats.attention_s - pre.attention_s) / n,
-            "router_s": (stats.router_s - pre.router_s) / n,
-            "moe_experts_s": (stats.moe_experts_s - pre.moe_experts_s) / n,
-            "moe_combine_s": (stats.moe_combine_s - pre.moe_combine_s) / n,
-            "dense_mlp_s": (stats.dense_mlp_s - pre.dense_mlp_s) / n,
-            "other_s": (stats.other_s - pre.other_s) / n,
-        })
-    });
-    // A device backend's operations per decode token: calls and wall seconds of each.
-    let decode_ops = (steps > 0 && !ops_decode.is_empty()).then(|| {
-        let n = steps as f64;
-        ops_decode
-            .iter()
-            .map(|o| {
-                let per = json!({"calls": o.calls as f64 / n, "s": o.seconds / n, "device_s": o.device_seconds / n});
-                (o.op.to_string(), per)
-            })
-            .collect::<serde_json::Map<_, _>>()
-    });
-    let layers_moe = opened.cfg.moe_layers() as u64;
-    let chunks = prompt.len().div_ceil(engine_args.prefill_rows.max(1)) as u64;
-    Ok(crate::stats::bench_record(
-        "run",
-        json!({
-            "model": a.model.display().to_string(),
-            "engine_config": engine.config,
-            "backend_used": engine.backend_used(),
-            "expert_bytes_total": opened.expert_bytes_total(),
-            "moe_layers": layers_moe,
-            "drives_used": engine_args.use_drives,
-            "prefetch": engine_args.prefetch == OnOff::On,
-            "page_cache_dropped": dropped,
-            "memory_budget": plan.budget,
-            "expert_cache_bytes": plan.expert_cache,
-            "ceiling_gbps": ceiling_before.as_ref().map(|c| c.gbps),
-            "ceilings": {
-                "before_prompt": ceiling_json(&ceiling_before),
-                "after_prompt": ceiling_json(&ceiling_mid),
-                "after_decode": ceiling_json(&ceiling_after),
-                "prefill_gbps": prefill_ceiling,
-                "decode_gbps": decode_ceiling,
-            },
-            "phase_unix_s": {"prefill": [prefill_start, prefill_end], "decode": [decode_start, decode_end]},
-            "prompt_tokens": prompt.len(),
-            "ttft_s": ttft,
-            "prefill_tok_s": prompt.len() as f64 / ttft,
-            "prefill": {
-                "layer_passes": pre.layer_passes,
-                "layer_passes_expected": layers_moe * chunks,
-                "expert_bytes_read": prefill_read,
-                "expert_bytes_unique": unique,
-                "read_amplification": if unique > 0 { Some(prefill_read as f64 / unique as f64) } else { None },
-                "read_wait_s": pre.read_wait_s,
-                "expert_kernel_s": pre.expert_kernel_s,
-                "moe_experts_s": pre.moe_experts_s,
-                "moe_combine_s": pre.moe_combine_s,
-                "attention_s": pre.attention_s,
-                "router_s": pre.router_s,
-                "other_s": pre.other_s,
-                "compute_s": compute,
-            },
-            "ttft_bound_s": ttft_bound,
-            "ttft_bound_ratio": ttft_bound.map(|b| ttft / b),
-            "ttft_bound_max_s": ttft_bound_max,
-            "ttft_over_max": ttft_bound_max.map(|b| ttft / b),
-            "prefill_read_bound_s": prefill_read_s,
-            "decode": {
-                "steps": steps,
-                "seconds_per_token": if steps > 0 { Some(decode_s / steps as f64) } else { None },
-                "decode_tok_s": if steps > 0 { steps as f64 / decode_s } else { 0.0 },
-                "bytes_read_per_token": per_token_read,
-                "layer_fetches": decode_layers.len(),
-                "layer_s_p50": layer_q(0.5),
-                "layer_s_p99": layer_q(0.99),
-                "layer_s_max": layer_q(1.0),
-                "draft": spec.as_ref().map_or("off", |s| s.drafter.name()),
-                "drafts_proposed": stats.drafts_proposed,
-                "drafts_accepted": stats.drafts_accepted,
-                "draft_acceptance": stats.acceptance(),
-                "verify_calls": stats.verify_calls,
-                "cost_model_pauses": spec.as_ref().and_then(|s| s.cost.as_ref()).map(|c| c.pauses),
-                "expert_bytes_requested_per_token": stats.decode_expert_bytes_per_token(),
-                "phase_s_per_token": decode_phases,
-                "backend_ops_per_token": decode_ops,
-            },
-            "decode_bound_s_per_token": decode_bound,
-            "decode_sustained_gbps": if decode_s > 0.0 && steps > 0 { Some(decode_read as f64 / decode_s / 1e9) } else { None },
-            "decode_bound_ratio": decode_bound.map(|b| (decode_s / steps as f64) / b),
-            "cache_slots": report.cache_slots,
-            "gpu_cache_slots": device_slots,
-            // Submissions (round trips and upload flushes) and bytes to and from the device.
-            "device_traffic": {
-                "prefill": traffic_prefill.since(traffic_start),
-                "decode": traffic_decode,
-                "decode_per_token": (steps > 0).then(|| {
-                    let n = steps as f64;
-                    json!({
-                        "submissions": traffic_decode.submissions as f64 / n,
-                        "upload_bytes": traffic_decode.upload_bytes as f64 / n,
-                        "readback_bytes": traffic_decode.readback_bytes as f64 / n,
-                        "wait_s": traffic_decode.wait_s / n,
-                        "device_s": traffic_decode.device_s / n,
-                    })
-                }),
-            },
-            "device_expert_bytes": engine.device_expert_bytes(),
-            "expert_heat_runs_before": engine.store().and_then(|s| s.heat_runs()),
-            "cache_misses": report.cache_misses,
-            "cache_misses_opt": cache_opt,
-            "cache_misses_vs_opt": cache_vs_opt,
-            "output_ids": out_ids,
-            "stats": stats.to_json(),
-        }),
-    ))
 }

@@ -13,12 +13,7 @@ use std::sync::Arc;
 
 /// A model's files without an engine (config, mapped checkpoint, checked roster): what `place`
 /// and the I/O benchmarks need.
-pub struct Opened {
-    pub dir: PathBuf,
-    pub cfg: K3Config,
-    pub ck: Checkpoint,
-    pub roster: Roster,
-}
+pub use crate::model::ModelFiles as Opened;
 
 /// Opens config, checkpoint and roster in that order, so the first error is the most fundamental.
 pub fn open(dir: &Path) -> Result<Opened> {
@@ -29,13 +24,6 @@ pub fn open(dir: &Path) -> Result<Opened> {
     let ck = Checkpoint::open(dir).with_context(|| format!("cannot open the checkpoint in {}", dir.display()))?;
     let roster = Roster::build(&cfg, &ck)?;
     Ok(Opened { dir: dir.to_path_buf(), cfg, ck, roster })
-}
-
-impl Opened {
-    /// Bytes of all routed experts on disk.
-    pub fn expert_bytes_total(&self) -> u64 {
-        (self.cfg.moe_layers() * self.cfg.experts * self.cfg.expert_bytes()) as u64
-    }
 }
 
 /// Opens an engine; the error names the model directory, except for options that conflict with

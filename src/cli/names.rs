@@ -34,6 +34,7 @@ pub fn flag(s: Setting) -> &'static str {
         Dir => "--dir",
         Repo => "--repo",
         Drive => "--drive",
+        Ladder => "--ladder",
     }
 }
 

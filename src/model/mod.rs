@@ -22,6 +22,22 @@ pub use checkpoint::Checkpoint;
 pub use config::K3Config;
 pub use roster::Roster;
 
+/// A model's files without an engine: its config, mapped checkpoint and checked roster (what
+/// placing experts and the I/O benchmarks need).
+pub struct ModelFiles {
+    pub dir: PathBuf,
+    pub cfg: K3Config,
+    pub ck: Checkpoint,
+    pub roster: Roster,
+}
+
+impl ModelFiles {
+    /// Bytes of all routed experts on disk.
+    pub fn expert_bytes_total(&self) -> u64 {
+        (self.cfg.moe_layers() * self.cfg.experts * self.cfg.expert_bytes()) as u64
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("{}: {source}", path.display())]
