@@ -14,8 +14,16 @@ pub const PROBE_READ: u64 = 16 << 20;
 pub enum ProbeError {
     #[error("{}: {source}", path.display())]
     Io { path: PathBuf, source: std::io::Error },
-    #[error("{0}")]
-    Other(String),
+    /// No expert holder to read (a model without routed experts, or no pack on the drives asked).
+    #[error("nothing to measure: no expert holder to read")]
+    NothingToMeasure,
+    #[error("cannot allocate the probe's read buffers ({slots} x {len} bytes): {source}")]
+    Buffers { slots: usize, len: u64, source: std::io::Error },
+    #[error("cannot start the reader ({kind:?}): {source}")]
+    Reader { kind: ReaderKind, source: std::io::Error },
+    /// A read of `path` (None: waiting for completions) failed.
+    #[error("read failed{}: {source}", path.as_ref().map(|p| format!(" ({})", p.display())).unwrap_or_default())]
+    Read { path: Option<PathBuf>, source: std::io::Error },
 }
 
 /// Result of a measurement.
@@ -96,7 +104,7 @@ pub fn measure_ranges(
     time: Duration,
 ) -> Result<Ceiling, ProbeError> {
     if ranges.is_empty() {
-        return Err(ProbeError::Other("nothing to measure".into()));
+        return Err(ProbeError::NothingToMeasure);
     }
     let mut files: Vec<(PathBuf, DirectFile)> = Vec::new();
     let mut idx = Vec::with_capacity(ranges.len());
@@ -113,10 +121,12 @@ pub fn measure_ranges(
     }
     let direct = files.iter().all(|(_, f)| f.direct);
     let qd = qd.max(1);
-    let slab = Slab::new(qd, len as usize).map_err(|e| ProbeError::Other(e.to_string()))?;
+    let slab = Slab::new(qd, len as usize).map_err(|source| ProbeError::Buffers { slots: qd, len, source })?;
     let table: super::reader::FileTable = files.iter().map(|(_, f)| f.fd()).collect();
     let mut rd =
-        new_reader(reader, qd, &slab.iovecs(), table).map_err(|e| ProbeError::Other(format!("reader: {e}")))?;
+        new_reader(reader, qd, &slab.iovecs(), table).map_err(|source| ProbeError::Reader { kind: reader, source })?;
+    // The file each slot's read is of (for a failed read's message).
+    let mut slot_file = vec![0usize; qd];
     let mut free: Vec<usize> = (0..qd).collect();
     let mut rng = crate::util::XorShift(0x2545_F491_4F6C_DD1D);
     let mut next = || rng.next_u64();
@@ -145,16 +155,19 @@ pub fn measure_ranges(
                 buf: slab.slot_ptr(slot),
                 buf_index: Some(slot as u16),
             };
+            slot_file[slot] = fi;
+            let failed = |source| ProbeError::Read { path: Some(files[fi].0.clone()), source };
             // SAFETY: slot buffers are exclusively owned by this read until it completes.
-            unsafe { rd.submit(op) }.map_err(|e| ProbeError::Other(format!("read failed: {e}")))?;
+            unsafe { rd.submit(op) }.map_err(failed)?;
             issued += 1;
         }
         if rd.in_flight() == 0 {
             break;
         }
-        rd.reap(Some(Duration::from_secs(5)), &mut done).map_err(|e| ProbeError::Other(format!("read failed: {e}")))?;
+        rd.reap(Some(Duration::from_secs(5)), &mut done).map_err(|source| ProbeError::Read { path: None, source })?;
         for d in done.drain(..) {
-            let n = d.result.map_err(|e| ProbeError::Other(format!("read failed: {e}")))?;
+            let path = slot_file.get(d.tag as usize).map(|&fi| files[fi].0.clone());
+            let n = d.result.map_err(|source| ProbeError::Read { path, source })?;
             bytes += n as u64;
             window_bytes += n as u64;
             free.push(d.tag as usize);
