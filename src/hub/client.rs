@@ -81,6 +81,22 @@ pub enum HubError {
     /// An expert the model does not have (`expert` None: the layer has no routed experts).
     #[error("{}", match expert { Some(e) => format!("expert {e} of layer {layer} does not exist"), None => format!("layer {layer} has no routed experts") })]
     NoExpert { layer: usize, expert: Option<u32> },
+    /// A repo file the hub lists with neither a sha256 (LFS) nor a git blob id.
+    #[error("{0}: the hub gave no checksum to verify it against")]
+    NoChecksum(String),
+    /// A repo that is not a safetensors checkpoint (neither an index nor `model.safetensors`).
+    #[error("{repo} at {revision} has neither {index} nor model.safetensors: not a safetensors checkpoint")]
+    NotSafetensors { repo: String, revision: String, index: &'static str },
+    /// A shard the checkpoint's index names that the repo does not have.
+    #[error("{index} names shard {shard}, which {repo} at {revision} does not have")]
+    MissingShard { index: &'static str, shard: String, repo: String, revision: String },
+    /// A download stopped (another file failed, or its hashing thread ended) before it finished.
+    #[error("{file}: download stopped: {why}")]
+    Stopped { file: String, why: &'static str },
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    #[error(transparent)]
+    Pack(#[from] crate::store::pack::PackError),
     #[error("{0}")]
     Other(String),
 }

@@ -76,7 +76,7 @@ impl Checker {
             h.update(format!("blob {}\0", f.size).as_bytes());
             return Ok(Checker::GitSha1(h, b.clone()));
         }
-        Err(HubError::Other(format!("{}: the hub gave no checksum to verify it against", f.path)))
+        Err(HubError::NoChecksum(f.path.clone()))
     }
 
     fn update(&mut self, b: &[u8]) {
@@ -418,7 +418,7 @@ fn receive(
         let r = (|| {
             while got < f.size {
                 if stop.load(Ordering::Relaxed) {
-                    return Err(HubError::Other("stopped".into()));
+                    return Err(HubError::Stopped { file: f.path.clone(), why: "another download failed" });
                 }
                 // Fill a whole chunk (reads return much less) so writes and queue hops are few.
                 let want = (1 << 20).min((f.size - got) as usize);
@@ -459,7 +459,7 @@ fn receive(
                 // Progress earns a fresh retry budget: a long download over a flaky link goes on.
                 *tries = 0;
                 if tx.send(buf).is_err() {
-                    return Err(HubError::Other("the hashing thread stopped".into()));
+                    return Err(HubError::Stopped { file: f.path.clone(), why: "the hashing thread ended" });
                 }
             }
             Ok(())
@@ -467,7 +467,7 @@ fn receive(
         drop(tx);
         let joined = hasher.join();
         r?;
-        joined.map_err(|_| HubError::Other("the hashing thread panicked".into()))
+        joined.map_err(|_| HubError::Stopped { file: f.path.clone(), why: "the hashing thread panicked" })
     })?;
     out.sync_all().map_err(|e| if is_disk_full(&e) { disk_full(got) } else { pio(e) })
 }

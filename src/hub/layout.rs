@@ -41,17 +41,13 @@ pub fn shard_names(info: &RepoInfo, dir: &Path) -> Result<Vec<String>, HubError>
     if info.file(INDEX).is_some() {
         let p = dir.join(INDEX);
         let text = std::fs::read_to_string(&p).map_err(|source| HubError::Io { path: p.clone(), source })?;
-        let (names, _) =
-            crate::model::checkpoint::parse_index(&p, &text).map_err(|e| HubError::Other(e.to_string()))?;
+        let (names, _) = crate::model::checkpoint::parse_index(&p, &text)?;
         return Ok(names);
     }
     if info.file("model.safetensors").is_some() {
         return Ok(vec!["model.safetensors".into()]);
     }
-    Err(HubError::Other(format!(
-        "{} at {} has neither {INDEX} nor model.safetensors: not a safetensors checkpoint",
-        info.repo, info.revision
-    )))
+    Err(HubError::NotSafetensors { repo: info.repo.clone(), revision: info.revision.clone(), index: INDEX })
 }
 
 /// What `install_stream` did.
@@ -168,11 +164,11 @@ pub fn install_stream(
     let shards: Vec<RepoFile> = names
         .iter()
         .map(|n| {
-            info.file(n).cloned().ok_or_else(|| {
-                HubError::Other(format!(
-                    "{INDEX} names shard {n}, which {} at {} does not have",
-                    info.repo, info.revision
-                ))
+            info.file(n).cloned().ok_or_else(|| HubError::MissingShard {
+                index: INDEX,
+                shard: n.clone(),
+                repo: info.repo.clone(),
+                revision: info.revision.clone(),
             })
         })
         .collect::<Result<_, _>>()?;

@@ -374,7 +374,7 @@ impl StreamSource {
             pack::PackError::Io { path, source } if source.raw_os_error() == Some(libc::ENOSPC) => {
                 HubError::DriveFull { path, layer }
             }
-            e => HubError::Other(e.to_string()),
+            e => HubError::Pack(e),
         })?;
         let lock_path = self.install.dir.join(LOCK);
         let lock = std::fs::OpenOptions::new()
