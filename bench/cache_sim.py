@@ -1,43 +1,190 @@
-"""Replays an expert fetch trace (`deltafin bench run --fetch-trace FILE`) through cache policies of
-the same size and prints one JSON record of their misses against the optimal (Belady) cache.
-Used to choose the store's policy by measurement:  python3 bench/cache_sim.py TRACE.json [SLOTS]
-`oracle_lookahead` bounds what route prediction could give: exact knowledge of the next 1/2/3
-tokens' routes (then next_use beyond)."""
+"""Replays expert fetch traces (`deltafin bench run --fetch-trace FILE`) through cache policies of
+the same size and prints one JSON record of their misses against the optimal (Belady) cache,
+summed over the traces (each trace starts cold, as each `bench run` does):
 
+    python3 bench/cache_sim.py TRACE.json [TRACE.json ...] [--slots N | --fractions 0.125,0.25,0.5]
+
+`--fractions` sizes the cache to that share of every MoE layer's experts (the trace names the
+layers; --experts gives their count, 64 on the demo model). Policies:
+- `store`: the store's policy, exactly (src/store/expert_store/policy.rs with src/store/replay.rs):
+  route replay's forecast first, then weighted request counts, a prompt weighing as 8 fetches. It
+  gives the store's own `cache_misses` on the same trace (the traces carry each prompt pass's
+  rows per expert, `rows_of`, which the store's ranks count);
+- `store_lfu`: the store's policy before route replay (LFU, a prompt's rows counted in full);
+- `lru`, `lfu`, `next_use`: textbook policies (keep the best `slots` after each pass);
+- `oracle_lookahead`: exact knowledge of the next 1/2/3 tokens' routes (then next_use beyond),
+  and `oracle_counts`: every expert's request count of the whole run known in advance — bounds
+  for what route prediction could give.
+Stdlib only.
+"""
+
+import argparse
+import bisect
+import heapq
 import json
 import math
-import sys
+
+# The store's constants (src/store/expert_store/policy.rs, src/store/replay.rs).
+RANK_UNIT = 256
+PROMPT_PRIOR_PASSES = 8.0
+VICTIM_SCAN = 64
+MATCH_PASSES = 2
+MIN_MATCH = 0.6
+HISTORY_TOKENS = 256
+HORIZON_TOKENS = 16
+# Staging slots of a store on one drive at queue depth 4 without prefetch: reads in flight take
+# them before the cache is touched (expert_store::staging_slots).
+STAGING = 6
 
 
 def belady(trace, cap):
-    nxt_use, pos = {}, {}
-    seq = [(l, e) for l, u in trace for e in u]
-    nxt = [math.inf] * len(seq)
-    for i in range(len(seq) - 1, -1, -1):
-        nxt[i] = pos.get(seq[i], math.inf)
-        pos[seq[i]] = i
-    cache, misses = {}, 0
-    for i, k in enumerate(seq):
-        if k in cache:
-            cache[k] = nxt[i]
-            continue
-        misses += 1
-        if cap == 0:
-            continue
-        if len(cache) < cap:
-            cache[k] = nxt[i]
-            continue
-        victim = max(cache, key=cache.get)
-        if cache[victim] > nxt[i]:
-            del cache[victim]
-            cache[k] = nxt[i]
+    """store::cache::belady_misses: a fetch's experts are needed together; its misses are admitted
+    in order, each evicting the cached expert needed farthest ahead if that is later than its own
+    next use."""
+    nxt, last = [None] * len(trace), {}
+    for f in range(len(trace) - 1, -1, -1):
+        l, es = trace[f]
+        nxt[f] = [last.get((l, e), math.inf) for e in es]
+        for e in es:
+            last[(l, e)] = f
+    cached, heap, misses = {}, [], 0
+    for f, (l, es) in enumerate(trace):
+        incoming = []
+        for i, e in enumerate(es):
+            k, nu = (l, e), nxt[f][i]
+            if k in cached:
+                cached[k] = nu
+                heapq.heappush(heap, (-nu, k))
+            else:
+                misses += 1
+                incoming.append((nu, k))
+        for nu, k in incoming:
+            if cap == 0 or nu == math.inf:
+                continue
+            if len(cached) >= cap:
+                while heap and (heap[0][1] not in cached or cached[heap[0][1]] != -heap[0][0]):
+                    heapq.heappop(heap)
+                far, victim = -heap[0][0], heap[0][1]
+                if far <= nu:
+                    continue
+                heapq.heappop(heap)
+                del cached[victim]
+            cached[k] = nu
+            heapq.heappush(heap, (-nu, k))
+    return misses
+
+
+class Replay:
+    """src/store/replay.rs: the fetch history and the forecast from its best earlier match."""
+
+    def __init__(self, layers):
+        self.layers = max(1, layers)
+        self.hist, self.seen, self.matched = [], {}, None
+
+    def record(self, l, experts):
+        es = sorted(set(experts))
+        now = len(self.hist)
+        for e in es:
+            self.seen.setdefault((l, e), []).append(now)
+        self.hist.append((l, frozenset(es)))
+        base = max(0, now + 1 - HISTORY_TOKENS * self.layers)
+        best, self.matched = 0.0, None
+        for q in range(now - 1, base, -1):
+            if self.hist[q][0] != l:
+                continue
+            score = 0.0
+            for j in range(MATCH_PASSES):
+                (la, a), (lb, b) = self.hist[now - j], self.hist[q - j]
+                if la == lb and a and b:
+                    score += len(a & b) / max(len(a), len(b))
+            if score > best:
+                best, self.matched = score, q
+        if best < MIN_MATCH * MATCH_PASSES:
+            self.matched = None
+
+    def next_use(self, k):
+        q = self.matched
+        if q is None or k not in self.seen:
+            return None
+        s = self.seen[k]
+        i = bisect.bisect_right(s, q)
+        if i == len(s):
+            return None
+        d = s[i] - q
+        return d if s[i] < len(self.hist) and d <= HORIZON_TOKENS * self.layers else None
+
+
+def store_policy(trace, rows_of, cap, replay=True):
+    """The store's cache, pass by pass as `fetch` runs it: hits pinned, misses take a free slot or
+    evict the victim, then each expert (hits first, then misses in order) stays cached if there is
+    room or it outranks the victim. replay=False: the policy before route replay (LFU, a prompt's
+    rows counted in full, admission above the least used)."""
+    layers = len({l for l, _ in trace})
+    rp = Replay(layers)
+    rank, order, seq, misses = {}, {}, 0, 0  # order: cached key -> (rank, seq)
+
+    def standing(k):
+        d = rp.next_use(k)
+        return (d is not None, -(d or 0), rank.get(k, 0))
+
+    def victim():
+        if not replay:
+            return min(order, key=order.get)
+        last = None
+        for k in sorted(order, key=order.get)[:VICTIM_SCAN]:
+            d = rp.next_use(k)
+            if d is None:
+                return k
+            if last is None or d > last[0]:
+                last = (d, k)
+        return last[1]
+
+    for f, (l, es) in enumerate(trace):
+        keys = [(l, e) for e in es]
+        counts = rows_of[f] if rows_of else []
+        if counts:
+            rows = max(1, sum(counts) // TOP_K)
+            for e, c in zip(es, counts):
+                if replay:
+                    add = math.floor(c * (PROMPT_PRIOR_PASSES * RANK_UNIT / rows) + 0.5)
+                else:
+                    add = math.floor(c * min(256, rows) / rows + 0.5)
+                rank[(l, e)] = rank.get((l, e), 0) + add
+        if replay and es:
+            rp.record(l, es)
+        for k in keys:
+            rank[k] = rank.get(k, 0) + (RANK_UNIT if replay else 1)
+            if k in order:
+                order[k] = (rank[k], order[k][1])
+        hits = [k for k in keys if k in order]
+        for k in hits:
+            del order[k]
+        hit_set = set(hits)
+        miss = [k for k in keys if k not in hit_set]
+        misses += len(miss)
+        in_use = len(hits)
+        for _ in miss:
+            if len(order) + in_use >= cap + STAGING:
+                del order[victim()]
+            in_use += 1
+        for k in hits + miss:
+            if len(order) < cap:
+                seq += 1
+                order[k] = (rank[k], seq)
+            elif cap > 0:
+                v = victim()
+                better = standing(k) > standing(v) if replay else rank[k] > order[v][0]
+                if better:
+                    del order[v]
+                    seq += 1
+                    order[k] = (rank[k], seq)
     return misses
 
 
 def scored(trace, cap, score):
     """Keeps, after every pass, the `cap` experts with the highest score(key, state) among the
     cached ones and the pass's new ones (a new one can be bypassed)."""
-    st = {"uses": {}, "last": {}, "t": 0, "layer_pos": {}, "cycle": None, "passes": {}}
+    st = {"uses": {}, "last": {}, "t": 0, "passes": {}}
     layers = sorted({l for l, _ in trace})
     cache, misses = set(), 0
     for t, (l, union) in enumerate(trace):
@@ -52,7 +199,7 @@ def scored(trace, cap, score):
         st["layer"] = l
         cands = cache | {(l, e) for e in union}
         if len(cands) > cap:
-            cache = set(sorted(cands, key=lambda k: score(k, st, layers), reverse=True)[:cap])
+            cache = set(heapq.nlargest(cap, cands, key=lambda k: score(k, st, layers)))
         else:
             cache = cands
     return misses
@@ -77,11 +224,8 @@ def next_use(k, st, layers):
 
 
 def oracle_lookahead(trace, cap, window):
-    """A policy that knows the next `window` passes exactly (an upper bound for any route
-    predictor that sees that far) and falls back to next_use beyond them: how far ahead one must
-    see to get near the optimum."""
-    next_pass = [{} for _ in trace]
-    upcoming = {}
+    """Knows the next `window` passes exactly and falls back to next_use beyond them."""
+    next_pass, upcoming = [None] * len(trace), {}
     for t in range(len(trace) - 1, -1, -1):
         next_pass[t] = dict(upcoming)
         l, u = trace[t]
@@ -89,32 +233,67 @@ def oracle_lookahead(trace, cap, window):
             upcoming[(l, e)] = t
 
     def score(k, st, layers):
-        t = st["t"]
-        j = next_pass[t].get(k)
-        if j is not None and j - t <= window:
-            return 1e9 - j
-        return next_use(k, st, layers)
+        j = next_pass[st["t"]].get(k)
+        if j is not None and j - st["t"] <= window:
+            return (1, -j)
+        return (0, next_use(k, st, layers))
 
     return scored(trace, cap, score)
 
 
+def oracle_counts(trace, cap):
+    """Every expert ranked by its request count over the whole run, known in advance."""
+    total = {}
+    for l, u in trace:
+        for e in u:
+            total[(l, e)] = total.get((l, e), 0) + 1
+    return scored(trace, cap, lambda k, st, layers: (total[k], st["last"][k]))
+
+
+TOP_K = 8
+
+
 def main():
-    d = json.load(open(sys.argv[1]))
-    cap = int(sys.argv[2]) if len(sys.argv) > 2 else d["cache_slots"]
-    trace = [(int(l), [int(e) for e in u]) for l, u in d["trace"]]
-    opt = belady(trace, cap)
-    out = {"bench": "cache_sim", "trace": sys.argv[1], "cache_slots": cap, "passes": len(trace),
-           "requests": sum(len(u) for _, u in trace), "belady_misses": opt}
-    for name, f in [("lru", lru), ("lfu", lfu), ("next_use", next_use)]:
-        m = scored(trace, cap, f)
-        out[name] = {"misses": m, "vs_opt": m / opt if opt else None}
-    # Decode passes per token = MoE layers; windows in tokens of exact foresight.
-    n_layers = len({l for l, _ in trace})
-    look = {}
-    for tokens in (1, 2, 3):
-        m = oracle_lookahead(trace, cap, tokens * n_layers)
-        look[f"{tokens}_token"] = {"passes": tokens * n_layers, "misses": m, "vs_opt": m / opt if opt else None}
-    out["oracle_lookahead"] = look
+    global TOP_K
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--slots", type=int, help="cache slots (default: each trace's own)")
+    p.add_argument("--fractions", help="cache sizes as shares of each layer's experts, e.g. 0.125,0.25,0.5")
+    p.add_argument("--experts", type=int, default=64, help="routed experts per MoE layer")
+    p.add_argument("--top-k", type=int, default=8, help="experts per row (counts rows of a prompt pass)")
+    p.add_argument("--quick", action="store_true", help="only the optimum, the store's policies and LRU")
+    a = p.parse_args()
+    TOP_K = a.top_k
+    runs = []
+    for path in a.traces:
+        d = json.load(open(path))
+        trace = [(int(l), [int(e) for e in u]) for l, u in d["trace"]]
+        runs.append((trace, d.get("rows_of"), d.get("cache_slots")))
+    layers = len({l for l, _ in runs[0][0]})
+    if a.fractions:
+        sizes = [(f, int(float(f) * a.experts) * layers) for f in a.fractions.split(",")]
+    else:
+        sizes = [(None, a.slots if a.slots is not None else runs[0][2])]
+    out = {"bench": "cache_sim", "traces": len(runs), "passes": sum(len(t) for t, _, _ in runs),
+           "requests": sum(len(u) for t, _, _ in runs for _, u in t),
+           "rows_of": all(r is not None for _, r, _ in runs), "sizes": {}}
+    for label, cap in sizes:
+        opt = sum(belady(t, cap) for t, _, _ in runs)
+        row = {"slots": cap, "belady_misses": opt}
+
+        def put(name, m):
+            row[name] = {"misses": m, "vs_opt": round(m / opt, 4) if opt else None}
+
+        put("store", sum(store_policy(t, r, cap) for t, r, _ in runs))
+        put("store_lfu", sum(store_policy(t, r, cap, replay=False) for t, r, _ in runs))
+        put("lru", sum(scored(t, cap, lru) for t, _, _ in runs))
+        if not a.quick:
+            put("lfu", sum(scored(t, cap, lfu) for t, _, _ in runs))
+            put("next_use", sum(scored(t, cap, next_use) for t, _, _ in runs))
+            put("oracle_counts", sum(oracle_counts(t, cap) for t, _, _ in runs))
+            for tokens in (1, 2, 3):
+                put(f"oracle_lookahead_{tokens}_token", sum(oracle_lookahead(t, cap, tokens * layers) for t, _, _ in runs))
+        out["sizes"][label or str(cap)] = row
     print(json.dumps(out))
 
 

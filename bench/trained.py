@@ -115,8 +115,11 @@ def main():
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (smoke tests)")
+    p.add_argument("--parts", default="drafts,cache,placement",
+                   help="what to measure (comma-separated): drafts (with routes), cache, placement")
     p.add_argument("--out")
     a = p.parse_args()
+    parts = set(a.parts.split(","))
     cfg = json.load(open(os.path.join(a.model, "config.json")))["text_config"]
     experts, top_k = cfg["num_experts"], cfg["num_experts_per_token"]
     moe_layers = cfg["num_hidden_layers"] - cfg.get("first_k_dense_replace", 0)
@@ -135,9 +138,9 @@ def main():
     traces = []
     # `oracle` drafts K3's own greedy continuation (acceptance 1, no drafter cost): what verifying
     # rows together gives at best, beside what the trained drafter gives.
-    for name, draft, cache in [("off_streamed", "off", 0.0), ("dspark_streamed", "dspark", 0.0),
-                               ("oracle_streamed", "oracle", 0.0),
-                               ("off_cached", "off", None), ("dspark_cached", "dspark", None)]:
+    settings = [("off_streamed", "off", 0.0), ("dspark_streamed", "dspark", 0.0), ("oracle_streamed", "oracle", 0.0),
+                ("off_cached", "off", None), ("dspark_cached", "dspark", None)]
+    for name, draft, cache in settings if "drafts" in parts else settings[:1]:
         recs = []
         for i, x in enumerate(ids):
             tr = os.path.join(work, f"{name}-{i}.json")
@@ -170,7 +173,7 @@ def main():
         off, on = runs[f"off_{mode}"], runs[name]
         drafts[name]["tok_s_ratio_to_off"] = drafts[name]["decode_tok_s"] / drafts[f"off_{mode}"]["decode_tok_s"]
         drafts[name]["ids_identical_to_off"] = all(x["output_ids"] == y["output_ids"] for x, y in zip(off, on))
-    vu = [u for r in runs["dspark_streamed"] for u in r["_verify_unions"]]
+    vu = [u for r in runs.get("dspark_streamed", []) for u in r["_verify_unions"]]
     routes = route_stats(traces, experts, top_k)
     routes["verify_union_mean"] = sum(vu) / len(vu) if vu else None
 
@@ -178,7 +181,7 @@ def main():
     expert_bytes = 3 * cfg["moe_intermediate_size"] * cfg["routed_expert_hidden_size"] * 17 // 32
     slot = -(-expert_bytes // 4096) * 4096
     cache = {}
-    for label, frac in (("quarter", 0.25), ("half", 0.5)):
+    for label, frac in (("quarter", 0.25), ("half", 0.5)) if "cache" in parts else ():
         want = int(frac * experts) * moe_layers
         misses, opt, slots = 0, 0, None
         for x in ids:
@@ -194,28 +197,37 @@ def main():
         cache[label] = {"slots": slots, "slots_wanted": want, "cache_misses": misses, "cache_misses_opt": opt,
                         "cache_misses_vs_opt": misses / opt if opt else None}
 
+    if "cache" in parts:
+        # The same routes replayed through textbook policies and route oracles (bench/cache_sim.py):
+        # what a policy could get from knowing the next tokens' routes exactly.
+        sim = sh([sys.executable, os.path.join(ROOT, "bench/cache_sim.py"), "--fractions", "0.25,0.5",
+                  "--experts", str(experts), "--top-k", str(top_k)]
+                 + [os.path.join(work, f"off_streamed-{i}.json") for i in range(len(ids))])
+        cache["simulated"] = json.loads(sim)["sizes"]
+
     # Placement: hot vs spread on a fast and a slow directory; the trace from training-text prompts.
     place = {}
-    routes_file = os.path.join(work, "routes.json")
-    sh([a.bin, "run", "--model", a.model, "--prompt-file", os.path.join(ROOT, "bench/train-sample.txt"),
-        "--max-new", "1", "--temperature", "0", "--trace-routes", routes_file])
-    for policy in ("spread", "hot"):
-        fast, slow = os.path.join(work, f"{policy}-fast"), os.path.join(work, f"{policy}-slow")
-        # place writes MODEL/placement.json, which bench run then reads.
-        args = [a.bin, "place", "--model", a.model, "--drive", f"{fast}=1.0", "--drive", f"{slow}=0.5",
-                "--policy", policy]
-        if policy == "hot":
-            args += ["--trace", routes_file]
-        sh(args)
-        fb, tb = 0, 0
-        for x in ids:
-            r = bench_run(a, x, "off", 0.0)
-            drives = r["stats"].get("drives") or []
-            for d in drives:
-                tb += d.get("bytes_read", 0)
-                if os.path.realpath(d.get("root", "")).startswith(os.path.realpath(fast)):
-                    fb += d.get("bytes_read", 0)
-        place[policy] = {"fast_drive_share_of_bytes": fb / tb if tb else None, "bytes_read": tb}
+    if "placement" in parts:
+        routes_file = os.path.join(work, "routes.json")
+        sh([a.bin, "run", "--model", a.model, "--prompt-file", os.path.join(ROOT, "bench/train-sample.txt"),
+            "--max-new", "1", "--temperature", "0", "--trace-routes", routes_file])
+        for policy in ("spread", "hot"):
+            fast, slow = os.path.join(work, f"{policy}-fast"), os.path.join(work, f"{policy}-slow")
+            # place writes MODEL/placement.json, which bench run then reads.
+            args = [a.bin, "place", "--model", a.model, "--drive", f"{fast}=1.0", "--drive", f"{slow}=0.5",
+                    "--policy", policy]
+            if policy == "hot":
+                args += ["--trace", routes_file]
+            sh(args)
+            fb, tb = 0, 0
+            for x in ids:
+                r = bench_run(a, x, "off", 0.0)
+                drives = r["stats"].get("drives") or []
+                for d in drives:
+                    tb += d.get("bytes_read", 0)
+                    if os.path.realpath(d.get("root", "")).startswith(os.path.realpath(fast)):
+                        fb += d.get("bytes_read", 0)
+            place[policy] = {"fast_drive_share_of_bytes": fb / tb if tb else None, "bytes_read": tb}
 
     rec = {"bench": "trained", "model": os.path.basename(os.path.normpath(cfg.get("_name", "kimi-k3-demo"))),
            "prompts": len(ids), "prompt_tokens": sum(map(len, ids)), "decode_steps_per_prompt": a.decode,

@@ -76,6 +76,9 @@ pub struct Stats {
     /// Seconds of each of those fetches, from the request to the last expert run (a layer's MoE
     /// time as its reads set it), in the same order.
     pub layer_fetch_s: Vec<f32>,
+    /// Beside each fetch of `fetch_trace`: the rows routed to each of its experts when the pass
+    /// ran several rows (empty for one row), so a replay gives the cache the same counts.
+    pub fetch_rows: Vec<Vec<u32>>,
     /// Lookahead prediction per layer: (predicted, actually needed, predicted and needed).
     pub predictions: std::collections::BTreeMap<u32, (u64, u64, u64)>,
 }
@@ -119,6 +122,7 @@ impl Stats {
         }
         self.fetch_trace.extend(o.fetch_trace.iter().cloned());
         self.layer_fetch_s.extend_from_slice(&o.layer_fetch_s);
+        self.fetch_rows.extend(o.fetch_rows.iter().cloned());
         for (l, s) in &o.layer_read_wait_s {
             *self.layer_read_wait_s.entry(*l).or_insert(0.0) += s;
         }

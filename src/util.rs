@@ -293,6 +293,11 @@ impl EvictionOrder {
     pub fn first(&self) -> Option<(u32, usize)> {
         self.order.iter().next().map(|&(r, _, i)| (r, i))
     }
+
+    /// Every slot with its rank, next victim first.
+    pub fn iter(&self) -> impl Iterator<Item = (u32, usize)> + '_ {
+        self.order.iter().map(|&(r, _, i)| (r, i))
+    }
 }
 
 /// Free bytes of the file system holding `path` (or its nearest existing ancestor).

@@ -55,7 +55,7 @@ pub struct RunOptions {
     /// Seconds of reads (at least) for each of the three disk ceiling probes (0 skips them).
     pub ceiling_seconds: f64,
     /// Write the run's expert fetch trace (one [layer, [experts...]] per MoE layer pass, prefill
-    /// then decode) here as JSON.
+    /// then decode, with `rows_of`: each pass's rows per expert, empty for one row) here as JSON.
     pub fetch_trace: Option<PathBuf>,
 }
 
@@ -217,7 +217,7 @@ fn one_run(
     }
     if let Some(p) = &a.fetch_trace {
         let body = serde_json::to_vec(
-            &json!({"cache_slots": engine.source_report().cache_slots, "prefill_passes": pre.fetch_trace.len(), "trace": stats.fetch_trace}),
+            &json!({"cache_slots": engine.source_report().cache_slots, "prefill_passes": pre.fetch_trace.len(), "trace": stats.fetch_trace, "rows_of": stats.fetch_rows}),
         )
         .map_err(|source| BenchError::Json { path: p.clone(), source })?;
         crate::util::write_atomic(p, &body).map_err(|source| BenchError::Io { path: p.clone(), source })?;

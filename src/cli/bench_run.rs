@@ -51,7 +51,8 @@ pub struct RunBenchArgs {
     #[arg(long)]
     out: Option<PathBuf>,
     /// Write the run's expert fetch trace (one [layer, [experts...]] per MoE layer pass, prefill
-    /// then decode) as JSON, for studying cache policies offline.
+    /// then decode, and beside each pass of several rows the rows routed to each expert) as JSON,
+    /// for studying cache policies offline (bench/cache_sim.py).
     #[arg(long, value_name = "FILE")]
     fetch_trace: Option<PathBuf>,
     #[command(flatten)]

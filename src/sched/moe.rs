@@ -111,6 +111,7 @@ impl Schedule for StoreSchedule<'_> {
 
         let layout = src.layout().clone();
         let mut work = RoutedExperts::new(&*model.be, c, layer, &layout, routes, zd);
+        let rows_of: Vec<u32> = if n > 1 { work.rows_of().iter().map(|&r| r as u32).collect() } else { Vec::new() };
         if n > 1 {
             src.note_routes(layer, work.union(), &work.rows_of(), n);
         }
@@ -173,6 +174,7 @@ impl Schedule for StoreSchedule<'_> {
         *stats.layer_read_wait_s.entry(layer as u32).or_insert(0.0) += (fetch_s - kernel_s).max(0.0);
         stats.fetch_trace.push((layer as u32, union));
         stats.layer_fetch_s.push(fetch_s as f32);
+        stats.fetch_rows.push(rows_of);
         // Setting up the experts counts as expert work, as the experts themselves do.
         stats.expert_kernel_s += kernel_s + (t_fetch - t_routed).as_secs_f64();
         stats.moe_experts_s += kernel_s;

@@ -9,7 +9,7 @@
 //! Implementations: [`expert_store::ExpertStore`] (holders on drives, O_DIRECT readers, balancer,
 //! cache, failover — the engine's path) and [`ShardExperts`] (slices of the memory-mapped shards —
 //! the in-memory reference the store is tested against). `pack` is the on-drive format of expert
-//! copies, `placement` decides and writes where they go, `probe` measures drives, `heat` keeps route heat across runs.
+//! copies, `placement` decides and writes where they go, `probe` measures drives, `heat` keeps route heat across runs, `replay` forecasts the cache's next requests from its fetch history.
 
 pub mod cache;
 pub mod counters;
@@ -21,6 +21,7 @@ pub mod placement;
 pub mod pread;
 pub mod probe;
 pub mod reader;
+pub mod replay;
 #[cfg(target_os = "linux")]
 pub mod uring;
 

@@ -40,8 +40,11 @@ impl ExpertSource for ExpertStore {
             let mut st = lock(sh);
             let st = &mut *st;
             demote_read_ahead(st, layer);
+            if !experts.is_empty() {
+                st.replay.record(l, experts);
+            }
             for &e in experts {
-                add_uses(st, (l, e), 1);
+                add_uses(st, (l, e), 1, policy::RANK_UNIT);
             }
         }
         let mut remaining = wants.len();

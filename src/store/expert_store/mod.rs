@@ -33,6 +33,7 @@ mod fetch;
 mod hedge;
 mod policy;
 
+use super::replay::RouteReplay;
 use balance::{choose_holder, join_read, start_read};
 use drive::drive_loop;
 use policy::{SureSlot, add_uses, alloc_slot, cache_slot, demote_read_ahead, pin_ready, read_ahead, unpin};
@@ -217,9 +218,12 @@ struct State {
     free: Vec<usize>,
     /// Ready, unpinned slots (cached or prefetched) in eviction order (see `rank`).
     lru: EvictionOrder,
-    /// How often each expert has been requested: a used expert enters a full cache only by
-    /// displacing a less-used one, so decode's cyclic walk over layers cannot flush it.
+    /// How often each expert has been requested (a prompt's rows counted), for the route heat.
     uses: HashMap<Key, u32>,
+    /// Each expert's rank when out of the replay's forecast: requests weighted (see `policy`).
+    ranks: HashMap<Key, u32>,
+    /// The fetch history and its forecast of the next requests.
+    replay: RouteReplay,
     reqs: Vec<Option<Req>>,
     free_reqs: Vec<usize>,
     drives: Vec<DriveState>,
@@ -377,12 +381,16 @@ impl ExpertStore {
             let experts = spec.holders.iter().flatten().map(|h| h.len()).max().unwrap_or(0);
             Heat::open(path, &layers, experts)
         });
+        let uses = heat.as_ref().map(Heat::seed).unwrap_or_default();
+        let moe_layers = spec.holders.iter().filter(|h| h.is_some()).count();
         let st = State {
             slots: vec![Slot::Free; n_slots],
             keys: HashMap::new(),
             free: (0..n_slots).rev().collect(),
             lru: EvictionOrder::new(n_slots),
-            uses: heat.as_ref().map(Heat::seed).unwrap_or_default(),
+            ranks: policy::heat_ranks(&uses),
+            uses,
+            replay: RouteReplay::new(moe_layers),
             reqs: Vec::new(),
             free_reqs: Vec::new(),
             drives,
@@ -494,19 +502,20 @@ impl ExpertStore {
         }
     }
 
-    /// Counts a batch's routes into the cache's request counts: a prompt tells early which experts
-    /// this model and text route to most, long before decode's one request per step would. Each
-    /// row routed to an expert counts as one request, scaled down for batches above
-    /// [`PROMPT_HEAT_ROWS`] rows so one long prompt weighs as much as that many decode steps.
-    /// Single rows are counted by `fetch`.
+    /// Counts a batch's routes into the cache's request counts: for the route heat, each row
+    /// routed to an expert counts as one request, scaled down for batches above
+    /// [`PROMPT_HEAT_ROWS`] rows so one long prompt weighs as much as that many decode steps; for
+    /// the cache's ranks the batch weighs as [`policy::PROMPT_PRIOR_PASSES`] fetches (a prompt's
+    /// routes foretell its continuation's only weakly). Single rows are counted by `fetch`.
     pub fn note_routes(&self, layer: usize, experts: &[u32], rows_of: &[usize], rows: usize) {
         if rows <= 1 {
             return;
         }
         let scale = PROMPT_HEAT_ROWS.min(rows) as f64 / rows as f64;
+        let prior = policy::PROMPT_PRIOR_PASSES * f64::from(policy::RANK_UNIT) / rows as f64;
         let mut st = lock(&self.shared);
         for (&e, &c) in experts.iter().zip(rows_of) {
-            add_uses(&mut st, (layer as u32, e), (c as f64 * scale).round() as u32);
+            add_uses(&mut st, (layer as u32, e), (c as f64 * scale).round() as u32, (c as f64 * prior).round() as u32);
         }
     }
 

@@ -1,9 +1,16 @@
 //! The expert cache's policy: which slot a read takes, which cached expert is evicted, how reads
 //! ahead of a batch rank, and when an expert finished with stays cached.
 //!
+//! Two signals rank a cached expert (measured against the optimal cache in bench/cache_sim.py,
+//! which replays this policy exactly): the route replay's forecast ([`crate::store::replay`]) keeps
+//! what the forecast needs soonest; the rest are ranked by how often they were requested, a
+//! prompt's or the route heat's counts weighing only as a few passes' worth (they predict later
+//! routes poorly: ranked by them alone, the cache misses ~2x the optimum's misses).
+//!
 //! Contract: every function runs under the store's lock (`&mut State`); a pinned or loading slot
-//! is never evicted; ranks are request counts (a prefetched guess ranks 0, a read ahead above any
-//! demanded expert until its layer is fetched), so eviction honours the same counts as admission.
+//! is never evicted; ranks are weighted request counts (a prefetched guess ranks 0, a read ahead
+//! above any demanded expert until its layer is fetched), so eviction honours the same ranks as
+//! admission.
 
 use super::*;
 
@@ -122,11 +129,39 @@ pub(super) fn evict_slot(st: &mut State, slot: usize) {
     st.slots[slot] = Slot::Free;
 }
 
-/// Adds `n` requests to an expert's count; a cached expert keeps its place in the eviction order
-/// under its new count.
-pub(super) fn add_uses(st: &mut State, key: Key, n: u32) {
+/// One request of an expert by a fetch, in rank units (a prompt's share is a fraction of it).
+pub(super) const RANK_UNIT: u32 = 256;
+/// A batch's routes (a prompt) weigh as this many fetches, each expert by the share of the rows
+/// routed to it: a prompt's counts foretell the continuation's routes poorly.
+pub(super) const PROMPT_PRIOR_PASSES: f64 = 8.0;
+/// The route heat of earlier runs weighs as this many fetches, each expert by its count against
+/// its layer's hottest.
+pub(super) const HEAT_PRIOR_PASSES: f64 = 4.0;
+/// Cached experts looked at, least-requested first, for one not in the replay's forecast.
+const VICTIM_SCAN: usize = 64;
+
+/// Starting ranks from the route heat's counts ([`HEAT_PRIOR_PASSES`]).
+pub(super) fn heat_ranks(seed: &HashMap<Key, u32>) -> HashMap<Key, u32> {
+    let mut hottest: HashMap<u32, u32> = HashMap::new();
+    for (&(l, _), &c) in seed {
+        let h = hottest.entry(l).or_insert(0);
+        *h = (*h).max(c);
+    }
+    seed.iter()
+        .map(|(&k, &c)| {
+            let h = hottest.get(&k.0).copied().unwrap_or(1).max(1);
+            (k, (HEAT_PRIOR_PASSES * f64::from(RANK_UNIT) * f64::from(c) / f64::from(h)).round() as u32)
+        })
+        .collect()
+}
+
+/// Adds `n` requests to an expert's count (kept for the route heat) and `units` to its rank; a
+/// cached expert keeps its place in the eviction order under its new rank.
+pub(super) fn add_uses(st: &mut State, key: Key, n: u32, units: u32) {
     let u = st.uses.entry(key).or_insert(0);
     *u = u.saturating_add(n);
+    let r = st.ranks.entry(key).or_insert(0);
+    *r = r.saturating_add(units);
     if let Some(KeyState::Ready { slot }) = st.keys.get(&key) {
         let slot = *slot;
         let r = rank(st, slot);
@@ -134,14 +169,51 @@ pub(super) fn add_uses(st: &mut State, key: Key, n: u32) {
     }
 }
 
-/// A cached slot's eviction rank: how often its expert has been requested, so eviction honours the
-/// same counts as admission; a prefetched guess nobody asked for yet ranks below anything demanded.
+/// A cached slot's eviction rank: its expert's weighted request count, so eviction honours the
+/// same ranks as admission; a prefetched guess nobody asked for yet ranks below anything demanded.
 pub(super) fn rank(st: &State, slot: usize) -> u32 {
     match st.slots[slot] {
         Slot::Ready { sure: true, .. } => u32::MAX - 1,
         Slot::Ready { prefetched: true, .. } => 0,
-        Slot::Ready { key, .. } => st.uses.get(&key).copied().unwrap_or(0),
+        Slot::Ready { key, .. } => st.ranks.get(&key).copied().unwrap_or(0),
         _ => u32::MAX,
+    }
+}
+
+/// How an expert ranks for staying cached: in the replay's forecast (sooner first) above out of
+/// it, then by weighted request count. Tuples compare in that order.
+fn standing(st: &State, key: Key) -> (bool, std::cmp::Reverse<u64>, u32) {
+    let soon = st.replay.next_use(key);
+    (soon.is_some(), std::cmp::Reverse(soon.unwrap_or(0)), st.ranks.get(&key).copied().unwrap_or(0))
+}
+
+/// The cached slot to give up next: among the [`VICTIM_SCAN`] least-requested, the first the
+/// forecast does not need (a prefetched guess at once), else the one it needs last; a slot read
+/// ahead only when nothing else is cached.
+fn victim(st: &State) -> Option<usize> {
+    let mut last: Option<(u64, usize)> = None;
+    for (_, slot) in st.lru.iter().take(VICTIM_SCAN) {
+        match st.slots[slot] {
+            Slot::Ready { sure: true, .. } => {}
+            Slot::Ready { prefetched: true, .. } => return Some(slot),
+            Slot::Ready { key, .. } => match st.replay.next_use(key) {
+                None => return Some(slot),
+                Some(d) if last.is_none_or(|(ld, _)| d > ld) => last = Some((d, slot)),
+                Some(_) => {}
+            },
+            _ => {}
+        }
+    }
+    last.map(|(_, s)| s).or_else(|| st.lru.first().map(|(_, s)| s))
+}
+
+/// Whether `key`, just used, should take `victim`'s place in a full cache.
+fn outranks(st: &State, key: Key, victim: usize) -> bool {
+    match st.slots[victim] {
+        Slot::Ready { sure: true, .. } => false,
+        Slot::Ready { prefetched: true, .. } => true,
+        Slot::Ready { key: v, .. } => standing(st, key) > standing(st, v),
+        _ => false,
     }
 }
 
@@ -151,17 +223,17 @@ pub(super) fn cache_slot(st: &mut State, slot: usize) {
     st.lru.push(slot, r);
 }
 
-/// Frees the cached slot whose expert has been requested least often (least recently used first
-/// among equals). Slots of the current request are pinned or loading, so never candidates.
-pub(super) fn evict_least_used(st: &mut State) -> Option<usize> {
-    let (_, slot) = st.lru.first()?;
+/// Frees the cached slot [`victim`] names. Slots of the current request are pinned or loading, so
+/// never candidates.
+pub(super) fn evict_victim(st: &mut State) -> Option<usize> {
+    let slot = victim(st)?;
     evict_slot(st, slot);
     Some(slot)
 }
 
-/// A slot for a demanded read: a free one, else the least-used cached one.
+/// A slot for a demanded read: a free one, else the cached one [`victim`] names.
 pub(super) fn alloc_slot(st: &mut State) -> Option<usize> {
-    st.free.pop().or_else(|| evict_least_used(st))
+    st.free.pop().or_else(|| evict_victim(st))
 }
 
 /// Pins a Ready slot for a fetcher.
@@ -178,8 +250,8 @@ pub(super) fn pin_ready(st: &mut State, slot: usize) {
 }
 
 /// Releases a pin after the forward pass consumed the bytes and keeps the expert as cache when
-/// there is room, or when it has been requested more often than the least-used cached expert
-/// (which it then replaces); otherwise the slot is freed.
+/// there is room, or when it [`outranks`] the cached expert [`victim`] names (which it then
+/// replaces); otherwise the slot is freed.
 pub(super) fn unpin(sh: &Shared, st: &mut State, key: Key, slot: usize) {
     if let Slot::Ready { pins, .. } = &mut st.slots[slot] {
         *pins = pins.saturating_sub(1);
@@ -190,11 +262,10 @@ pub(super) fn unpin(sh: &Shared, st: &mut State, key: Key, slot: usize) {
     let keep = if st.lru.len() < sh.cache_slots {
         true
     } else {
-        let uses = st.uses.get(&key).copied().unwrap_or(0);
-        match st.lru.first() {
-            Some((victim_uses, victim)) if sh.cache_slots > 0 && uses > victim_uses => {
-                evict_slot(st, victim);
-                st.free.push(victim);
+        match victim(st) {
+            Some(v) if sh.cache_slots > 0 && outranks(st, key, v) => {
+                evict_slot(st, v);
+                st.free.push(v);
                 true
             }
             _ => false,
