@@ -40,6 +40,20 @@ pub struct BudgetError {
     pub activations: u64,
 }
 
+/// Sequences that do not fit in the memory budget together (see [`MemoryPlan::sequences_fit`]).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{count} sequences of {tokens} tokens in all need {} of sequence state together, but the memory budget {} leaves {} beside the trunk, expert cache and activations (lower --parallel or the prompts' lengths, or raise --memory-gb)",
+    human_bytes(*need), human_bytes(*budget), human_bytes(*free)
+)]
+pub struct SequencesError {
+    pub count: usize,
+    pub tokens: usize,
+    pub need: u64,
+    pub free: u64,
+    pub budget: u64,
+}
+
 /// Memory this machine can give us: MemAvailable, capped by the limit of our memory cgroup
 /// (v1 or v2) when there is one; 8 GiB where neither can be read.
 pub fn machine_available() -> u64 {
@@ -149,6 +163,27 @@ impl MemoryPlan {
             activations,
             context_bound,
         })
+    }
+
+    /// Checks that sequences of `lens` tokens each fit beside the rest of the plan, all at once
+    /// (a batch holds every sequence's state together): the error names the budget.
+    pub fn sequences_fit(&self, lens: &[usize]) -> Result<(), SequencesError> {
+        let free =
+            self.budget.saturating_sub(self.trunk + self.draft + self.expert_cache + self.staging + self.activations);
+        let need: u64 = lens
+            .iter()
+            .map(|&l| self.state_fixed.saturating_add(self.state_per_token.saturating_mul(l as u64)))
+            .fold(0u64, u64::saturating_add);
+        if need > free {
+            return Err(SequencesError {
+                count: lens.len(),
+                tokens: lens.iter().sum(),
+                need,
+                free,
+                budget: self.budget,
+            });
+        }
+        Ok(())
     }
 
     /// "trunk 12 MiB + expert cache 0 B + read slots 70 MiB + state 1.2 MiB + 2.3 KiB/token + activations 3 MiB of 20 GiB"

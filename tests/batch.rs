@@ -150,3 +150,72 @@ fn dash_reads_stdin_and_writes_stdout() {
     assert_eq!(lines[0]["usage"]["completion_tokens"], 2);
     assert_eq!(lines[1]["error"]["param"], "prompt");
 }
+
+/// Records by id (errors without an id by line).
+fn by_id(rs: &[Value]) -> std::collections::BTreeMap<String, Value> {
+    rs.iter()
+        .map(|r| (if r["id"].is_null() { format!("line {}", r["line"]) } else { r["id"].to_string() }, r.clone()))
+        .collect()
+}
+
+#[test]
+fn parallel_answers_equal_serial_ones_and_resume_after_kill_9() {
+    let tmp = model();
+    let dir = tmp.path().join("m");
+    let input = tmp.path().join("in.jsonl");
+    let mut lines: Vec<String> = (0..9)
+        .map(|i| {
+            format!(
+                r#"{{"id": "q{i}", "prompt": "Prompt number {i} {}", "max_tokens": {}}}"#,
+                "x ".repeat(i),
+                200 + 20 * i
+            )
+        })
+        .collect();
+    lines.push(
+        r#"{"id": "s", "prompt": "Hello", "max_tokens": 30, "temperature": 0.9, "seed": 4, "logprobs": 2}"#.into(),
+    );
+    lines.push(
+        r#"{"id": "c", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20, "reasoning_effort": "none"}"#
+            .into(),
+    );
+    lines.push("{broken".into());
+    lines.push(r#"{"id": "st", "prompt": "Prompt number 3", "max_tokens": 50, "stop": [" "]}"#.into());
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let serial = tmp.path().join("serial.jsonl");
+    run_ok(&mut batch(&dir, &input, &serial));
+    let want = by_id(&records(&serial));
+    // Together, in groups of 4: the same answers, counters showing the shared group.
+    let par = tmp.path().join("par.jsonl");
+    let (_, err) = run_ok(batch(&dir, &input, &par).args(["--parallel", "4"]));
+    assert!(err.contains("12 done, 1 errors"), "{err}");
+    let got = by_id(&records(&par));
+    assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+    for (id, w) in &want {
+        let g = &got[id];
+        for k in ["text", "finish_reason", "usage", "logprobs", "reasoning_content", "error"] {
+            assert_eq!(g.get(k), w.get(k), "{id}: {k}");
+        }
+        if w.get("error").is_none() {
+            assert_eq!(g["deltafin"]["batch"], 4, "{id}");
+        }
+    }
+    // Killed while a group runs: the rerun finishes with each id once and the same answers.
+    let out = tmp.path().join("out.jsonl");
+    let mut child = batch(&dir, &input, &out).args(["--parallel", "4"]).stderr(Stdio::null()).spawn().unwrap();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&out).map_or(0, |s| s.lines().count()) < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no progress");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(records(&out).len() < 13, "killed before the end");
+    run_ok(batch(&dir, &input, &out).args(["--parallel", "3"]));
+    let got = records(&out);
+    assert_eq!(got.len(), 13, "each line once");
+    let got = by_id(&got);
+    for (id, w) in &want {
+        assert_eq!(got[id].get("text"), w.get("text"), "{id}");
+    }
+}

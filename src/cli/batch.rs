@@ -8,14 +8,21 @@
 //! next run cuts off. A rerun skips the ids already in the output (resumable after kill -9). A bad
 //! line gets an error record (`{"id", "line", "error": {...}}`) and the batch goes on. `-` is
 //! standard input / standard output. Progress (done, rate, ETA) goes to stderr.
+//!
+//! `--parallel N` runs up to N requests together (`Generator::generate_batch`): their prompts
+//! in shared expert-major passes and their answers in lockstep, each layer's experts read once
+//! for all of them; every answer is the one it gets alone. Results are written as each group
+//! finishes, so a kill loses at most the running group (rerun redoes it). The group's sequence
+//! states must fit in the memory budget together, else the batch stops with a message naming it.
 
 use super::load;
 use crate::serve::api::{self, ApiError, ParseContext};
-use crate::serve::generator::{GenConfig, GenError, Generator, Output};
+use crate::serve::generator::{GenConfig, GenError, Generator};
+use crate::serve::records::{Waiting, error_record, group_records, result_record};
 use crate::spec::DraftKind;
 use anyhow::{Context, Result};
 use clap::Args;
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::collections::HashSet;
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
@@ -52,6 +59,10 @@ pub struct BatchArgs {
     /// Do not reuse the previous request's session when a prompt extends it.
     #[arg(long)]
     pub no_reuse: bool,
+    /// Requests run together (prompts prefilled in shared passes, answers decoded in lockstep:
+    /// one read of each layer's experts for all of them); answers are identical to 1's.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub parallel: u64,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
     /// No startup line and no progress bar.
@@ -98,33 +109,41 @@ fn already_done(out: &Path) -> Result<(HashSet<String>, HashSet<u64>)> {
     Ok((ids, lines))
 }
 
-fn error_record(id: &Value, line: u64, e: &ApiError) -> Value {
-    json!({"id": id, "line": line, "error": e.body()["error"]})
+/// Where result records go: the output file (one synced write each) or standard output.
+struct Results {
+    file: Option<std::fs::File>,
+    ok: u64,
+    errors: u64,
 }
 
-fn result_record(id: &Value, line: u64, out: &Output, logprobs: bool, text: &dyn Fn(u32) -> String) -> Value {
-    let mut r = json!({
-        "id": id,
-        "line": line,
-        "text": out.content,
-        "finish_reason": out.finish_reason,
-        "usage": crate::serve::sse::usage(out),
-        "deltafin": out.ext,
-    });
-    if !out.reasoning.is_empty() {
-        r["reasoning_content"] = json!(out.reasoning);
+impl Results {
+    fn write(&mut self, record: &Value) -> Result<()> {
+        if record.get("error").is_some() {
+            self.errors += 1;
+        } else {
+            self.ok += 1;
+        }
+        // One write per record: a kill leaves whole lines (and at worst one torn last line).
+        let mut text = record.to_string();
+        text.push('\n');
+        match &mut self.file {
+            Some(f) => f.write_all(text.as_bytes()).and_then(|_| f.sync_data()),
+            None => {
+                let mut o = std::io::stdout().lock();
+                o.write_all(text.as_bytes()).and_then(|_| o.flush())
+            }
+        }
+        .context("cannot write a result")
     }
-    if logprobs {
-        r["logprobs"] = out
-            .logprobs
-            .iter()
-            .map(|l| {
-                json!({"token": text(l.token), "logprob": l.logprob,
-                       "top_logprobs": l.top.iter().map(|&(t, lp)| json!({"token": text(t), "logprob": lp})).collect::<Vec<_>>()})
-            })
-            .collect();
+}
+
+/// Runs a group of requests together and writes their records.
+fn run_group(generator: &mut Generator, group: &mut Vec<Waiting>, out: &mut Results) -> Result<()> {
+    for r in &group_records(generator, group)? {
+        out.write(r)?;
     }
-    r
+    group.clear();
+    Ok(())
 }
 
 pub fn run(mut a: BatchArgs) -> Result<()> {
@@ -139,7 +158,21 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
         std::fs::read_to_string(&a.input).with_context(|| format!("cannot read {}", a.input.display()))?
     };
     let (done_ids, done_lines) = if is_std(&a.output) { Default::default() } else { already_done(&a.output)? };
-    let mut file = if is_std(&a.output) {
+    if a.parallel as usize > a.engine.prefill_rows.max(1) {
+        anyhow::bail!(
+            "--parallel {} decodes {} rows a step, more than --prefill-rows {}: raise --prefill-rows",
+            a.parallel,
+            a.parallel,
+            a.engine.prefill_rows
+        );
+    }
+    if a.parallel > 1 && a.draft != DraftKind::Off {
+        anyhow::bail!(
+            "--parallel {} runs without drafts (drafts per sequence in a batch are not built yet): leave out --draft or use --parallel 1",
+            a.parallel
+        );
+    }
+    let file = if is_std(&a.output) {
         None
     } else {
         Some(
@@ -171,7 +204,10 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let t0 = Instant::now();
-    let (mut ok, mut errors, mut skipped) = (0u64, 0u64, 0u64);
+    let mut out = Results { file, ok: 0, errors: 0 };
+    let mut skipped = 0u64;
+    let parallel = a.parallel as usize;
+    let mut group: Vec<Waiting> = Vec::with_capacity(parallel);
     let mut seen: HashSet<String> = HashSet::new();
     for (n, line) in todo {
         bar.inc(1);
@@ -206,6 +242,20 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
                         n,
                         &ApiError::invalid("id", format!("id {id} appears twice in the input")),
                     ),
+                    (Some(_), Ok(mut req)) if parallel > 1 => {
+                        req.max_tokens = req.max_tokens.or(Some(a.max_tokens));
+                        match generator.encoder().prepare(&req) {
+                            Ok(p) => {
+                                group.push(Waiting { id: id_val, line: n, req, prepared: p });
+                                if group.len() >= parallel {
+                                    run_group(&mut generator, &mut group, &mut out)?;
+                                    bar.set_message(format!("{} errors", out.errors));
+                                }
+                                continue;
+                            }
+                            Err(e) => error_record(&id_val, n, &e),
+                        }
+                    }
                     (Some(_), Ok(mut req)) => {
                         req.max_tokens = req.max_tokens.or(Some(a.max_tokens));
                         match generator.generate(&req, 0.0, &mut |_| true) {
@@ -225,25 +275,12 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
                 }
             }
         };
-        if record.get("error").is_some() {
-            errors += 1;
-        } else {
-            ok += 1;
-        }
-        // One write per record: a kill leaves whole lines (and at worst one torn last line).
-        let mut text = record.to_string();
-        text.push('\n');
-        match &mut file {
-            Some(f) => f.write_all(text.as_bytes()).and_then(|_| f.sync_data()),
-            None => {
-                let mut o = std::io::stdout().lock();
-                o.write_all(text.as_bytes()).and_then(|_| o.flush())
-            }
-        }
-        .context("cannot write a result")?;
-        bar.set_message(format!("{errors} errors"));
+        out.write(&record)?;
+        bar.set_message(format!("{} errors", out.errors));
     }
+    run_group(&mut generator, &mut group, &mut out)?;
     bar.finish_and_clear();
+    let (ok, errors) = (out.ok, out.errors);
     eprintln!(
         "deltafin: batch: {ok} done, {errors} errors, {skipped} already in the output, in {:.1} s",
         t0.elapsed().as_secs_f64()

@@ -11,6 +11,8 @@ mod names;
 mod place;
 mod plot;
 mod run;
+mod run_args;
+mod run_many;
 mod score;
 mod serve;
 mod setup;

@@ -1,100 +1,20 @@
 //! `deltafin run`: one-shot generation (greedy, or sampled with `--temperature`). Text streams to stdout as tokens are produced
 //! (held back only inside a UTF-8 character); diagnostics, the startup line and `--stats` go to
-//! stderr, so stdout can be piped.
+//! stderr, so stdout can be piped. Several prompts (`--prompt` repeated, `--prompt-file`
+//! repeated, or `--prompt-lines FILE`) run together: see `run_many`.
 
 use super::load;
-use super::{KdaArg, TokenIds};
+pub use super::run_args::{Format, RunArgs};
 use crate::engine::GenerateOptions;
-use crate::model::chat::{ChatOptions, ChatTemplate, Thinking};
+use crate::model::chat::{ChatOptions, ChatTemplate};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::sample::{Sampler, SamplingParams};
 use crate::spec::{DraftKind, Speculator, WidthPolicy};
 use anyhow::{Context, Result, bail};
-use clap::{ArgGroup, Args, ValueEnum};
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Format {
-    /// Generated text streamed as it is produced (token ids if the model has no tokenizer).
-    Text,
-    /// One JSON object at the end: prompt_ids, output_ids, text, stats.
-    Json,
-}
-
-#[derive(Args)]
-#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompt_ids"])))]
-pub struct RunArgs {
-    /// Model directory (config.json, safetensors shards, tokenizer files).
-    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
-    pub model: Option<PathBuf>,
-    /// Use the built-in demo model (K3's architecture and layout, laid out under deltafin's cache
-    /// directory on first use, no download; its generation_config.json gives the sampling defaults).
-    #[arg(long)]
-    pub demo: bool,
-    /// Prompt text ("-" reads standard input).
-    #[arg(long)]
-    pub prompt: Option<String>,
-    /// Read the prompt text from a file ("-" for standard input).
-    #[arg(long)]
-    pub prompt_file: Option<PathBuf>,
-    /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
-    #[arg(long, value_parser = super::parse_ids)]
-    pub prompt_ids: Option<TokenIds>,
-    /// Wrap the prompt as a user message in the model's chat template.
-    #[arg(long)]
-    pub chat: bool,
-    /// System message for --chat.
-    #[arg(long, requires = "chat")]
-    pub system: Option<String>,
-    /// Thinking effort for --chat (the template's default is max; off answers directly).
-    #[arg(long, value_enum, default_value_t = Thinking::Max)]
-    pub thinking: Thinking,
-    /// Maximum number of tokens to generate.
-    #[arg(long, default_value_t = 256)]
-    pub max_new: usize,
-    /// Keep generating past the end-of-message token.
-    #[arg(long)]
-    pub ignore_eos: bool,
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = Format::Text)]
-    pub format: Format,
-    /// Print the counters (bytes read, read amplification, cache hits, phase timers, tokens/s) to
-    /// stderr at the end; --stats-json writes them as JSON.
-    #[arg(long)]
-    pub stats: bool,
-    /// Write the counters as JSON to this file.
-    #[arg(long)]
-    pub stats_json: Option<PathBuf>,
-    /// Record how often each expert is routed (input for `place --policy hot`).
-    #[arg(long)]
-    pub trace_routes: Option<PathBuf>,
-    #[command(flatten)]
-    pub engine: super::engine::EngineArgs,
-    /// Sampling temperature (0 is greedy: K3's argmax). Default 0, or with --demo the demo's
-    /// generation_config.json.
-    #[arg(long)]
-    pub temperature: Option<f64>,
-    /// Nucleus sampling: keep the most likely tokens up to this probability mass. Default 1, or
-    /// with --demo the demo's generation_config.json.
-    #[arg(long)]
-    pub top_p: Option<f64>,
-    /// Seed of the sampler (default: a fresh one, printed; the same seed gives the same output).
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Draft tokens for K3 to verify in batches (output is identical; only speed changes).
-    #[arg(long, value_enum, default_value_t = DraftKind::Off)]
-    pub draft: DraftKind,
-    /// No startup line.
-    #[arg(long, short)]
-    pub quiet: bool,
-    /// How KDA processes the prompt.
-    #[arg(long, value_enum, default_value_t = KdaArg::Auto, hide = true)]
-    pub kda: KdaArg,
-    #[command(flatten)]
-    pub threads: super::Threads,
-}
 
 fn read_text(arg: &str, from_file: bool) -> Result<String> {
     if arg == "-" {
@@ -108,19 +28,36 @@ fn read_text(arg: &str, from_file: bool) -> Result<String> {
     Ok(arg.to_string())
 }
 
-/// Prompt ids from the arguments (and the tokenizer / chat template when text is given).
-fn prompt_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>) -> Result<Vec<u32>> {
+/// The prompts' texts, in order.
+fn prompt_texts(a: &RunArgs) -> Result<Vec<String>> {
+    if let Some(f) = &a.prompt_lines {
+        let all = read_text(&f.to_string_lossy(), true)?;
+        let lines: Vec<String> = all.lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect();
+        if lines.is_empty() {
+            bail!("--prompt-lines {}: no prompt in it (one prompt a line)", f.display());
+        }
+        return Ok(lines);
+    }
+    if !a.prompt.is_empty() {
+        return a.prompt.iter().map(|p| read_text(p, false)).collect();
+    }
+    a.prompt_file.iter().map(|f| read_text(&f.to_string_lossy(), true)).collect()
+}
+
+/// Prompt ids from the arguments (and the tokenizer / chat template when text is given), one
+/// list per prompt.
+fn prompt_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>) -> Result<Vec<Vec<u32>>> {
     if let Some(ids) = &a.prompt_ids {
         if a.chat {
             bail!("--chat needs a text prompt (--prompt or --prompt-file), not --prompt-ids");
         }
-        return Ok(ids.0.clone());
+        return Ok(vec![ids.0.clone()]);
     }
-    let text = match (&a.prompt, &a.prompt_file) {
-        (Some(p), _) => read_text(p, false)?,
-        (None, Some(f)) => read_text(&f.to_string_lossy(), true)?,
-        (None, None) => bail!("no prompt given"),
-    };
+    prompt_texts(a)?.iter().map(|t| text_ids(a, dir, tok, t)).collect()
+}
+
+/// One text prompt's ids.
+fn text_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>, text: &str) -> Result<Vec<u32>> {
     let tok = tok.context("text prompts need a tokenizer")?;
     let ids = if a.chat {
         let chat = ChatTemplate::load(dir, tok).context("cannot load the chat template")?;
@@ -132,7 +69,7 @@ fn prompt_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>) -> Result<Vec<u3
         let opts = ChatOptions { thinking: a.thinking, ..ChatOptions::default() };
         chat.encode(tok, &serde_json::Value::Array(messages), &opts)?
     } else {
-        tok.encode(&text)
+        tok.encode(text)
     };
     if ids.is_empty() {
         bail!("the prompt is empty");
@@ -154,7 +91,11 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let defaults = load::sampling(&dir, a.demo, a.temperature, a.top_p)?;
     let sampling =
         SamplingParams::new(defaults.temperature, defaults.top_p, seed).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let prompt = prompt_ids(&a, &dir, tok.as_ref())?;
+    let mut prompts = prompt_ids(&a, &dir, tok.as_ref())?;
+    if prompts.len() > 1 {
+        return super::run_many::run_many(&a, dir, tok, prompts, sampling);
+    }
+    let prompt = prompts.pop().context("no prompt given")?;
     if a.draft == DraftKind::Dspark && a.engine.draft_model.is_none() {
         bail!(
             "--draft dspark needs --draft-model DIR (a DSpark checkpoint; `deltafin synth --dspark` writes a random one)"

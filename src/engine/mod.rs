@@ -8,11 +8,13 @@
 //! per-sequence state lives in [`Session`]s. [`Engine::forward_sessions`] runs rows of several
 //! sessions through one layer loop (one expert-union read per layer for all of them).
 
+mod batch;
 pub mod compare;
 mod facts;
 pub mod perplexity;
 pub(crate) mod session;
 
+pub use batch::{BatchSeq, prefill_passes};
 pub use session::{GenerateOptions, Generation, Session, StopReason};
 // The settings and errors of the engine's API that are defined further down.
 pub use crate::backend::BackendKind;
@@ -514,6 +516,16 @@ impl Engine {
         sessions: &mut [&mut Session],
         tokens: &[&[u32]],
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        self.forward_sessions_counted(sessions, tokens, &mut Stats::default())
+    }
+
+    /// [`Engine::forward_sessions`] that also adds the shared forward's counters to `total`.
+    pub fn forward_sessions_counted(
+        &self,
+        sessions: &mut [&mut Session],
+        tokens: &[&[u32]],
+        total: &mut Stats,
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
         if sessions.len() != tokens.len() {
             return Err(ForwardError::BatchMismatch { sessions: sessions.len(), lists: tokens.len() });
         }
@@ -534,6 +546,7 @@ impl Engine {
             // Every row is kept: no replay runs, so this commit cannot fail midway.
             logits.push(s.commit_fed(t, o.logits, &stats)?.to_vec());
         }
+        total.merge(&stats);
         Ok(logits)
     }
 

@@ -26,6 +26,13 @@ pub struct Session {
     pub stats: Stats,
 }
 
+/// A session's committed sequence as it was (see [`Session::checkpoint`]).
+pub(super) struct Checkpoint {
+    state: SeqState,
+    tokens: usize,
+    logits: Option<Vec<f32>>,
+}
+
 /// Options of [`Session::generate`].
 #[derive(Clone, Debug, Default)]
 pub struct GenerateOptions {
@@ -80,6 +87,20 @@ impl Session {
     pub(super) fn state_mut(&mut self) -> &mut SeqState {
         self.verifying = None;
         &mut self.state
+    }
+
+    /// A copy of the committed sequence (state, token count, logits) to come back to with
+    /// [`Session::restore`] when a later step of a multi-pass forward fails.
+    pub(super) fn checkpoint(&self) -> Result<Checkpoint, ForwardError> {
+        Ok(Checkpoint { state: self.state.try_clone()?, tokens: self.tokens.len(), logits: self.last_logits.clone() })
+    }
+
+    /// Goes back to a [`Session::checkpoint`] of this session.
+    pub(super) fn restore(&mut self, c: Checkpoint) {
+        self.state = c.state;
+        self.tokens.truncate(c.tokens);
+        self.last_logits = c.logits;
+        self.verifying = None;
     }
 
     /// Commits the rows of `tokens` that a shared forward left pending and records them.

@@ -11,14 +11,16 @@
 //! memo answers a repeated identical greedy request without any compute. `sink` receives each
 //! token's visible text; returning false cancels the generation at that token.
 
+pub use super::answer::Delta;
+use super::answer::{Answer, Tokens};
 use super::api::{ApiError, GenRequest, Kind, Prompt};
-use crate::engine::ForwardError;
-use crate::engine::{Engine, GenerateOptions, Session, StopReason};
+use crate::engine::{Engine, ForwardError, GenerateOptions, Generation, Session, StopReason};
 use crate::model::chat::{ChatError, ChatOptions, ChatTemplate, Thinking};
-use crate::model::tokenizer::{StreamDecoder, Tokenizer};
+use crate::model::tokenizer::Tokenizer;
 use crate::sample::{Sampler, SamplingParams, TokenLogprob};
 use crate::spec::{DraftKind, Speculator};
 use crate::stats::Stats;
+use crate::store::SourceReport;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -41,13 +43,6 @@ impl Default for GenConfig {
     }
 }
 
-/// One token's visible text, split into the chat template's channels.
-#[derive(Clone, Debug, Default)]
-pub struct Delta {
-    pub content: String,
-    pub reasoning: String,
-    pub logprobs: Option<TokenLogprob>,
-}
 
 /// A finished request.
 #[derive(Clone, Debug)]
@@ -86,7 +81,7 @@ pub struct Totals {
     pub ttft_count: u64,
 }
 
-type MemoKey = (Vec<u32>, Kind, usize, Vec<String>, Option<usize>, Option<Thinking>);
+pub(super) type MemoKey = (Vec<u32>, Kind, usize, Vec<String>, Option<usize>, Option<Thinking>);
 
 /// Turns requests into checked prompt ids; shared (`Send + Sync`) so that a server can validate a
 /// request on its HTTP threads before it queues.
@@ -104,103 +99,13 @@ pub struct Prepared {
 }
 
 pub struct Generator {
-    engine: Arc<Engine>,
-    enc: Arc<Encoder>,
-    stops: Vec<u32>,
-    cfg: GenConfig,
+    pub(super) engine: Arc<Engine>,
+    pub(super) enc: Arc<Encoder>,
+    pub(super) stops: Vec<u32>,
+    pub(super) cfg: GenConfig,
     kept: Vec<Session>,
     memo: VecDeque<(MemoKey, Output)>,
     pub totals: Totals,
-}
-
-/// Routes tokens into the template's channels: thinking (`<|open|>think<|sep|>`) and response
-/// (`<|open|>response<|sep|>`); tags and other structure are not shown.
-struct Channels {
-    open: Option<u32>,
-    close: Option<u32>,
-    sep: Option<u32>,
-    state: Chan,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-enum Chan {
-    Reasoning,
-    Content,
-    Tag { opening: bool, name: String },
-    Hidden,
-}
-
-impl Channels {
-    fn route(&mut self, id: u32, piece: String, special: bool) -> (String, String) {
-        let is = |x: Option<u32>| x == Some(id);
-        if is(self.open) || is(self.close) {
-            self.state = Chan::Tag { opening: is(self.open), name: String::new() };
-            return Default::default();
-        }
-        if is(self.sep) {
-            if let Chan::Tag { opening, name } = &self.state {
-                self.state = match (opening, name.trim()) {
-                    (true, "response") => Chan::Content,
-                    (true, "think") => Chan::Reasoning,
-                    _ => Chan::Hidden,
-                };
-            }
-            return Default::default();
-        }
-        if special {
-            return Default::default();
-        }
-        match &mut self.state {
-            Chan::Reasoning => (String::new(), piece),
-            Chan::Content => (piece, String::new()),
-            Chan::Tag { name, .. } => {
-                name.push_str(&piece);
-                Default::default()
-            }
-            Chan::Hidden => Default::default(),
-        }
-    }
-}
-
-/// Holds back text that could be the start of a stop string; finds the first stop.
-struct StopText {
-    stops: Vec<String>,
-    held: String,
-    hit: bool,
-}
-
-impl StopText {
-    /// Text that is safe to show now; sets `hit` when a stop string appeared (text cut before it).
-    fn push(&mut self, piece: &str) -> String {
-        if self.hit {
-            return String::new();
-        }
-        self.held.push_str(piece);
-        if let Some(pos) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
-            self.hit = true;
-            let out = self.held[..pos].to_string();
-            self.held.clear();
-            return out;
-        }
-        // The longest suffix that is a prefix of some stop string stays held.
-        let mut keep = 0;
-        for s in &self.stops {
-            for (i, _) in self.held.char_indices() {
-                if s.starts_with(&self.held[i..]) {
-                    keep = keep.max(self.held.len() - i);
-                    break;
-                }
-            }
-        }
-        let cut = self.held.len() - keep;
-        let out = self.held[..cut].to_string();
-        self.held.drain(..cut);
-        out
-    }
-
-    fn finish(&mut self) -> String {
-        std::mem::take(&mut self.held)
-    }
 }
 
 fn ms(s: f64) -> Value {
@@ -237,6 +142,11 @@ impl Generator {
 }
 
 impl Encoder {
+    /// The model's tokenizer (None for a model given token ids only).
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.tok.as_ref()
+    }
+
     /// The chat template can take tool definitions.
     pub fn template_takes_tools(&self) -> bool {
         self.engine.dir().join("chat_template.jinja").exists()
@@ -396,23 +306,8 @@ impl Generator {
     ) -> Result<Output, GenError> {
         let t0 = Instant::now();
         let Prepared { prompt, max_new } = prepared;
-        self.totals.requests += 1;
-        let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
-        let params = SamplingParams::new(req.temperature, req.top_p, seed)
-            .map_err(|e| GenError::Request(ApiError::invalid("temperature", e.to_string())))?;
-        let key: MemoKey = (prompt.clone(), req.kind, max_new, req.stop.clone(), req.logprobs, req.thinking);
-        let memo_ok = params.is_greedy() && req.logprobs.is_none() && self.cfg.memo_entries > 0;
-        if memo_ok && let Some((_, hit)) = self.memo.iter().find(|(k, _)| *k == key) {
-            let mut out = hit.clone();
-            sink(&Delta { content: out.content.clone(), reasoning: out.reasoning.clone(), logprobs: None });
-            self.totals.memo_hits += 1;
-            self.totals.prompt_tokens += prompt.len() as u64;
-            out.ext["memo_hit"] = json!(true);
-            out.ext["queue_s"] = ms(queued_s);
-            out.ext["ttft_s"] = ms(queued_s + t0.elapsed().as_secs_f64());
-            for k in ["prefill_s", "decode_s", "bytes_read", "expert_bytes_requested", "cache_hits", "cache_misses"] {
-                out.ext[k] = json!(0);
-            }
+        let begin = self.begin(req, &prompt, max_new)?;
+        if let Some(out) = self.memo_answer(&begin, prompt.len(), queued_s, t0, sink) {
             return Ok(out);
         }
         let mut spec = crate::spec::drafter_for(self.cfg.draft, &self.engine).ok().flatten().map(Speculator::new);
@@ -431,91 +326,84 @@ impl Generator {
         let prefilled_s = t0.elapsed().as_secs_f64();
         let snapshot =
             (self.cfg.reuse && self.snapshot_fits(prompt.len(), max_new)).then(|| session.fork()).transpose()?;
-        let mut sampler = Sampler::new(params);
+        let mut sampler = Sampler::new(begin.params);
         let lp_sink = req.logprobs.map(|n| sampler.record_logprobs(n));
-        let is_chat = req.kind == Kind::Chat;
-        let enc = Arc::clone(&self.enc);
-        let tok = enc.tok.as_ref();
-        let sp = |n: &str| tok.and_then(|t| t.special_id(n));
-        let mut channels = Channels {
-            open: sp("<|open|>"),
-            close: sp("<|close|>"),
-            sep: sp("<|sep|>"),
-            state: if is_chat && req.thinking != Some(Thinking::Off) { Chan::Reasoning } else { Chan::Content },
-        };
-        let mut stop_text = StopText { stops: req.stop.clone(), held: String::new(), hit: false };
-        let mut decoder = StreamDecoder::default();
-        let (mut content, mut reasoning) = (String::new(), String::new());
-        let mut ttft = None;
-        let mut logprobs = Vec::new();
-        let mut cancelled = false;
-        let mut n = 0;
-        let stops = self.stops.clone();
-        let opts = GenerateOptions { max_new, stop: stops.clone() };
-        let mut on_token = |id: u32| {
-            n += 1;
-            ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64());
-            let lp = lp_sink.as_ref().and_then(|s| s.lock().ok().and_then(|v| v.get(n - 1).cloned()));
-            if let Some(l) = &lp {
-                logprobs.push(l.clone());
-            }
-            let mut d = Delta { logprobs: lp, ..Default::default() };
-            if !stops.contains(&id) {
-                let special = tok.is_some_and(|t| t.is_special(id));
-                let piece = match tok {
-                    Some(t) if special && (is_chat || t.is_reserved(id)) => String::new(),
-                    // A named special's text goes through the decoder too: its name cuts short an
-                    // unfinished character before it, as in `Tokenizer::decode` and `run`.
-                    Some(t) => decoder.push(t.token_bytes(id).unwrap_or_default()),
-                    None => format!("{}{id}", if n > 1 { "," } else { "" }),
-                };
-                let (c, r) = if is_chat { channels.route(id, piece, special) } else { (piece, String::new()) };
-                d.content = stop_text.push(&c);
-                d.reasoning = r;
-            }
-            content.push_str(&d.content);
-            reasoning.push_str(&d.reasoning);
-            if !sink(&d) {
-                cancelled = true;
-                return false;
-            }
-            // A stop string ends the answer at this token.
-            !stop_text.hit
-        };
+        let mut answer = Answer::new(req, self.enc.clone(), self.stops.clone(), t0, lp_sink);
+        let opts = GenerateOptions { max_new, stop: self.stops.clone() };
+        let mut on_token = |id: u32| answer.token(id, sink);
         let g = match &mut spec {
             Some(s) => session.generate_speculative_sampled(&opts, s, &mut sampler, &mut on_token),
             None => session.generate_sampled(&opts, &mut sampler, &mut on_token),
         }?;
-        // An unfinished UTF-8 character at the end is dropped (it would show as U+FFFD); text held
-        // back for a stop string that never came is shown.
-        decoder.finish();
-        let tail = if stop_text.hit { String::new() } else { stop_text.finish() };
-        if !tail.is_empty() {
-            content.push_str(&tail);
-            sink(&Delta { content: tail, reasoning: String::new(), logprobs: None });
+        answer.finish(sink);
+        let src1 = self.engine.source_report();
+        let ran = Ran { prompt_len: prompt.len(), reused, queued_s, prefilled_s, src0: &src0, src1: &src1 };
+        let out = self.output(&begin, answer, g, &session.stats, &ran);
+        if self.cfg.reuse {
+            self.kept = snapshot.into_iter().chain(std::iter::once(session)).collect();
         }
+        self.remember(begin, &out);
+        Ok(out)
+    }
+
+    /// Counts a request and fixes its sampling (its seed drawn now when it gives none) and its
+    /// memo key (when the memo may answer it: greedy, no log-probabilities).
+    pub(super) fn begin(&mut self, req: &GenRequest, prompt: &[u32], max_new: usize) -> Result<Begin, GenError> {
+        self.totals.requests += 1;
+        let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
+        let params = SamplingParams::new(req.temperature, req.top_p, seed)
+            .map_err(|e| GenError::Request(ApiError::invalid("temperature", e.to_string())))?;
+        let memo_ok = params.is_greedy() && req.logprobs.is_none() && self.cfg.memo_entries > 0;
+        let key = memo_ok.then(|| (prompt.to_vec(), req.kind, max_new, req.stop.clone(), req.logprobs, req.thinking));
+        Ok(Begin { seed, params, key })
+    }
+
+    /// The memo's answer to a request, when it has one (its text handed to `sink` at once).
+    pub(super) fn memo_answer(
+        &mut self,
+        begin: &Begin,
+        prompt_len: usize,
+        queued_s: f64,
+        t0: Instant,
+        sink: &mut dyn FnMut(&Delta) -> bool,
+    ) -> Option<Output> {
+        let key = begin.key.as_ref()?;
+        let (_, hit) = self.memo.iter().find(|(k, _)| k == key)?;
+        let mut out = hit.clone();
+        sink(&Delta { content: out.content.clone(), reasoning: out.reasoning.clone(), logprobs: None });
+        self.totals.memo_hits += 1;
+        self.totals.prompt_tokens += prompt_len as u64;
+        out.ext["memo_hit"] = json!(true);
+        out.ext["queue_s"] = ms(queued_s);
+        out.ext["ttft_s"] = ms(queued_s + t0.elapsed().as_secs_f64());
+        for k in ["prefill_s", "decode_s", "bytes_read", "expert_bytes_requested", "cache_hits", "cache_misses"] {
+            out.ext[k] = json!(0);
+        }
+        Some(out)
+    }
+
+    /// A finished request's output (usage, the deltafin object) from its answer, generation and
+    /// counters; adds it to the totals.
+    pub(super) fn output(&mut self, begin: &Begin, answer: Answer, g: Generation, st: &Stats, ran: &Ran) -> Output {
+        let cancelled = answer.cancelled;
         let finish_reason = match g.reason {
             _ if cancelled => "cancelled",
             StopReason::Cancelled => "stop",
             StopReason::Stop => "stop",
             StopReason::Length => "length",
         };
-        let src1 = self.engine.source_report();
-        let st = &session.stats;
-        let bytes_read = match (src0.expert_bytes_read, src1.expert_bytes_read) {
-            (Some(a), Some(b)) => Some(b.saturating_sub(a)),
-            _ => None,
-        };
+        let (src0, src1) = (ran.src0, ran.src1);
         let diff = |a: Option<u64>, b: Option<u64>| a.zip(b).map(|(a, b)| b.saturating_sub(a));
+        let bytes_read = diff(src0.expert_bytes_read, src1.expert_bytes_read);
         let unique = st.expert_bytes_unique();
-        let ttft_s = queued_s + ttft.unwrap_or(prefilled_s);
+        let ttft_s = ran.queued_s + answer.ttft.unwrap_or(ran.prefilled_s);
         let ext = json!({
             "ttft_s": ms(ttft_s),
-            "queue_s": ms(queued_s),
+            "queue_s": ms(ran.queued_s),
             "prefill_s": ms(st.prefill_s),
             "decode_s": ms(st.decode_s),
             "decode_tok_s": ms(st.decode_tok_s()),
-            "prompt_tokens_reused": reused,
+            "prompt_tokens_reused": ran.reused,
             "memo_hit": false,
             "bytes_read": bytes_read,
             "expert_bytes_requested": st.expert_bytes_requested,
@@ -524,68 +412,54 @@ impl Generator {
             "cache_misses": diff(src0.cache_misses, src1.cache_misses),
             "drafts_proposed": st.drafts_proposed,
             "drafts_accepted": st.drafts_accepted,
-            "seed": seed,
+            "seed": begin.seed,
         });
         let t = &mut self.totals;
-        t.prompt_tokens += prompt.len() as u64;
-        t.prompt_tokens_reused += reused as u64;
+        t.prompt_tokens += ran.prompt_len as u64;
+        t.prompt_tokens_reused += ran.reused as u64;
         t.completion_tokens += g.tokens.len() as u64;
         t.cancelled += u64::from(cancelled);
         t.drafts_proposed += st.drafts_proposed;
         t.drafts_accepted += st.drafts_accepted;
         t.ttft_s_sum += ttft_s;
         t.ttft_count += 1;
-        let out =
-            Output { tokens: g.tokens, content, reasoning, finish_reason, logprobs, prompt_tokens: prompt.len(), ext };
-        if self.cfg.reuse {
-            self.kept = snapshot.into_iter().chain(std::iter::once(session)).collect();
-        }
-        if memo_ok && !cancelled {
+        let Answer { content, reasoning, logprobs, .. } = answer;
+        Output { tokens: g.tokens, content, reasoning, finish_reason, logprobs, prompt_tokens: ran.prompt_len, ext }
+    }
+
+    /// Keeps a finished answer in the memo when it may answer a repeat.
+    pub(super) fn remember(&mut self, begin: Begin, out: &Output) {
+        if let Some(key) = begin.key
+            && out.finish_reason != "cancelled"
+        {
             if self.memo.len() >= self.cfg.memo_entries {
                 self.memo.pop_front();
             }
             self.memo.push_back((key, out.clone()));
         }
-        Ok(out)
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// A request's sampling and memo key, fixed when it starts ([`Generator::begin`]).
+pub(super) struct Begin {
+    pub seed: u64,
+    pub params: SamplingParams,
+    pub key: Option<MemoKey>,
+}
 
-    #[test]
-    fn stop_strings_are_held_back_and_cut() {
-        let mut s = StopText { stops: vec!["END".into()], held: String::new(), hit: false };
-        assert_eq!(s.push("abc E"), "abc ");
-        assert_eq!(s.push("N"), "");
-        assert_eq!(s.push("x"), "ENx");
-        assert_eq!(s.push("yyEND zz"), "yy");
-        assert!(s.hit);
-        let mut s = StopText { stops: vec![], held: String::new(), hit: false };
-        assert_eq!(s.push("free"), "free");
-    }
+/// How a request ran, for its output: prompt length, tokens reused, queue and prefill seconds,
+/// and the source's counters before and after.
+pub(super) struct Ran<'a> {
+    pub prompt_len: usize,
+    pub reused: usize,
+    pub queued_s: f64,
+    pub prefilled_s: f64,
+    pub src0: &'a SourceReport,
+    pub src1: &'a SourceReport,
+}
 
-    #[test]
-    fn channels_split_thinking_from_the_response() {
-        let mut c = Channels { open: Some(1), close: Some(2), sep: Some(3), state: Chan::Reasoning };
-        let mut out = (String::new(), String::new());
-        for (id, p, sp) in [
-            (10, "hm", false),
-            (2, "", true),
-            (11, "think", false),
-            (3, "", true),
-            (1, "", true),
-            (12, "response", false),
-            (3, "", true),
-            (13, "Hi", false),
-            (2, "", true),
-            (14, "response", false),
-        ] {
-            let (a, b) = c.route(id, p.to_string(), sp);
-            out.0.push_str(&a);
-            out.1.push_str(&b);
-        }
-        assert_eq!(out, ("Hi".to_string(), "hm".to_string()));
+impl Tokens for Encoder {
+    fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.tok.as_ref()
     }
 }

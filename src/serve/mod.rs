@@ -11,10 +11,13 @@
 //! SIGINT/SIGTERM stop accepting connections, cancel the running generation at its next token,
 //! answer queued requests with 503, and return once connections are closed.
 
+pub mod answer;
 pub mod api;
 pub mod conn;
 pub mod generator;
 pub mod metrics;
+pub mod parallel;
+pub mod records;
 pub mod sse;
 
 use crate::engine::Engine;

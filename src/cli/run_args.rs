@@ -1,0 +1,92 @@
+//! The arguments of `deltafin run` (shared by `run` and `run_many`).
+
+use super::{KdaArg, TokenIds};
+use crate::model::chat::Thinking;
+use crate::spec::DraftKind;
+use clap::{ArgGroup, Args, ValueEnum};
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Generated text streamed as it is produced (token ids if the model has no tokenizer).
+    Text,
+    /// One JSON object at the end: prompt_ids, output_ids, text, stats.
+    Json,
+}
+
+#[derive(Args)]
+#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompt_lines", "prompt_ids"])))]
+pub struct RunArgs {
+    /// Model directory (config.json, safetensors shards, tokenizer files).
+    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    pub model: Option<PathBuf>,
+    /// Use the built-in demo model (K3's architecture and layout, laid out under deltafin's cache
+    /// directory on first use, no download; its generation_config.json gives the sampling defaults).
+    #[arg(long)]
+    pub demo: bool,
+    /// Prompt text ("-" reads standard input); repeated, several prompts run together.
+    #[arg(long)]
+    pub prompt: Vec<String>,
+    /// Read the prompt text from a file ("-" for standard input); repeated, one prompt a file.
+    #[arg(long)]
+    pub prompt_file: Vec<PathBuf>,
+    /// Several prompts, one a line of this file (empty lines skipped), run together: their
+    /// prompts in shared expert-major passes, their answers in lockstep.
+    #[arg(long, value_name = "FILE")]
+    pub prompt_lines: Option<PathBuf>,
+    /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
+    #[arg(long, value_parser = super::parse_ids)]
+    pub prompt_ids: Option<TokenIds>,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// Thinking effort for --chat (the template's default is max; off answers directly).
+    #[arg(long, value_enum, default_value_t = Thinking::Max)]
+    pub thinking: Thinking,
+    /// Maximum number of tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    pub max_new: usize,
+    /// Keep generating past the end-of-message token.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+    /// Print the counters (bytes read, read amplification, cache hits, phase timers, tokens/s) to
+    /// stderr at the end; --stats-json writes them as JSON.
+    #[arg(long)]
+    pub stats: bool,
+    /// Write the counters as JSON to this file.
+    #[arg(long)]
+    pub stats_json: Option<PathBuf>,
+    /// Record how often each expert is routed (input for `place --policy hot`).
+    #[arg(long)]
+    pub trace_routes: Option<PathBuf>,
+    #[command(flatten)]
+    pub engine: super::engine::EngineArgs,
+    /// Sampling temperature (0 is greedy: K3's argmax). Default 0, or with --demo the demo's
+    /// generation_config.json.
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass. Default 1, or
+    /// with --demo the demo's generation_config.json.
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// Seed of the sampler (default: a fresh one, printed; the same seed gives the same output).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Draft tokens for K3 to verify in batches (output is identical; only speed changes).
+    #[arg(long, value_enum, default_value_t = DraftKind::Off)]
+    pub draft: DraftKind,
+    /// No startup line.
+    #[arg(long, short)]
+    pub quiet: bool,
+    /// How KDA processes the prompt.
+    #[arg(long, value_enum, default_value_t = KdaArg::Auto, hide = true)]
+    pub kda: KdaArg,
+    #[command(flatten)]
+    pub threads: super::Threads,
+}

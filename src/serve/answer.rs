@@ -1,0 +1,263 @@
+//! One answer's text as its tokens come: the chat template's channels (thinking and response),
+//! stop strings held back until they are decided, UTF-8 split over tokens held back, and the
+//! per-token deltas a server streams.
+//!
+//! Contract: [`Answer::token`] takes each emitted token in order and hands its visible text to
+//! the sink (false from the sink: cancelled, the generation ends at that token; a stop string
+//! ends it too); [`Answer::finish`] drops an unfinished character and shows text held back for a
+//! stop string that never came. The same tokens give the same text whether the answer was
+//! generated alone or in a batch.
+
+use super::api::{GenRequest, Kind};
+use crate::model::chat::Thinking;
+use crate::model::tokenizer::{StreamDecoder, Tokenizer};
+use crate::sample::TokenLogprob;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// One token's visible text, split into the chat template's channels.
+#[derive(Clone, Debug, Default)]
+pub struct Delta {
+    pub content: String,
+    pub reasoning: String,
+    pub logprobs: Option<TokenLogprob>,
+}
+
+/// Where an answer finds the model's tokenizer (the server's request encoder).
+pub trait Tokens: Send + Sync {
+    fn tokenizer(&self) -> Option<&Tokenizer>;
+}
+
+/// The text of one answer so far (see the module contract).
+pub struct Answer {
+    enc: Arc<dyn Tokens>,
+    is_chat: bool,
+    /// The model's end tokens (not shown).
+    stops: Vec<u32>,
+    t0: Instant,
+    lp_sink: Option<Arc<Mutex<Vec<TokenLogprob>>>>,
+    channels: Channels,
+    stop_text: StopText,
+    decoder: StreamDecoder,
+    n: usize,
+    pub content: String,
+    pub reasoning: String,
+    /// Seconds from `t0` to the first token.
+    pub ttft: Option<f64>,
+    pub logprobs: Vec<TokenLogprob>,
+    /// The sink refused a delta (the client has gone).
+    pub cancelled: bool,
+}
+
+impl Answer {
+    /// An empty answer to `req`; `lp_sink` is where the sampler records log-probabilities.
+    pub fn new(
+        req: &GenRequest,
+        enc: Arc<dyn Tokens>,
+        stops: Vec<u32>,
+        t0: Instant,
+        lp_sink: Option<Arc<Mutex<Vec<TokenLogprob>>>>,
+    ) -> Self {
+        let is_chat = req.kind == Kind::Chat;
+        let tok = enc.tokenizer();
+        let sp = |n: &str| tok.and_then(|t| t.special_id(n));
+        let channels = Channels {
+            open: sp("<|open|>"),
+            close: sp("<|close|>"),
+            sep: sp("<|sep|>"),
+            state: if is_chat && req.thinking != Some(Thinking::Off) { Chan::Reasoning } else { Chan::Content },
+        };
+        Answer {
+            is_chat,
+            stops,
+            t0,
+            lp_sink,
+            channels,
+            stop_text: StopText { stops: req.stop.clone(), held: String::new(), hit: false },
+            decoder: StreamDecoder::default(),
+            n: 0,
+            content: String::new(),
+            reasoning: String::new(),
+            ttft: None,
+            logprobs: Vec::new(),
+            cancelled: false,
+            enc,
+        }
+    }
+
+    /// Takes the next emitted token, handing its delta to `sink`; false ends the generation at it
+    /// (the sink refused it, or a stop string appeared).
+    pub fn token(&mut self, id: u32, sink: &mut dyn FnMut(&Delta) -> bool) -> bool {
+        self.n += 1;
+        let n = self.n;
+        self.ttft.get_or_insert_with(|| self.t0.elapsed().as_secs_f64());
+        let lp = self.lp_sink.as_ref().and_then(|s| s.lock().ok().and_then(|v| v.get(n - 1).cloned()));
+        if let Some(l) = &lp {
+            self.logprobs.push(l.clone());
+        }
+        let mut d = Delta { logprobs: lp, ..Default::default() };
+        if !self.stops.contains(&id) {
+            let tok = self.enc.tokenizer();
+            let special = tok.is_some_and(|t| t.is_special(id));
+            let piece = match tok {
+                Some(t) if special && (self.is_chat || t.is_reserved(id)) => String::new(),
+                // A named special's text goes through the decoder too: its name cuts short an
+                // unfinished character before it, as in `Tokenizer::decode` and `run`.
+                Some(t) => self.decoder.push(t.token_bytes(id).unwrap_or_default()),
+                None => format!("{}{id}", if n > 1 { "," } else { "" }),
+            };
+            let (c, r) = if self.is_chat { self.channels.route(id, piece, special) } else { (piece, String::new()) };
+            d.content = self.stop_text.push(&c);
+            d.reasoning = r;
+        }
+        self.content.push_str(&d.content);
+        self.reasoning.push_str(&d.reasoning);
+        if !sink(&d) {
+            self.cancelled = true;
+            return false;
+        }
+        // A stop string ends the answer at this token.
+        !self.stop_text.hit
+    }
+
+    /// The generation has ended: an unfinished UTF-8 character at the end is dropped (it would
+    /// show as U+FFFD); text held back for a stop string that never came is shown.
+    pub fn finish(&mut self, sink: &mut dyn FnMut(&Delta) -> bool) {
+        self.decoder.finish();
+        let tail = if self.stop_text.hit { String::new() } else { self.stop_text.finish() };
+        if !tail.is_empty() {
+            self.content.push_str(&tail);
+            sink(&Delta { content: tail, reasoning: String::new(), logprobs: None });
+        }
+    }
+}
+
+/// Routes tokens into the template's channels: thinking (`<|open|>think<|sep|>`) and response
+/// (`<|open|>response<|sep|>`); tags and other structure are not shown.
+struct Channels {
+    open: Option<u32>,
+    close: Option<u32>,
+    sep: Option<u32>,
+    state: Chan,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Chan {
+    Reasoning,
+    Content,
+    Tag { opening: bool, name: String },
+    Hidden,
+}
+
+impl Channels {
+    fn route(&mut self, id: u32, piece: String, special: bool) -> (String, String) {
+        let is = |x: Option<u32>| x == Some(id);
+        if is(self.open) || is(self.close) {
+            self.state = Chan::Tag { opening: is(self.open), name: String::new() };
+            return Default::default();
+        }
+        if is(self.sep) {
+            if let Chan::Tag { opening, name } = &self.state {
+                self.state = match (opening, name.trim()) {
+                    (true, "response") => Chan::Content,
+                    (true, "think") => Chan::Reasoning,
+                    _ => Chan::Hidden,
+                };
+            }
+            return Default::default();
+        }
+        if special {
+            return Default::default();
+        }
+        match &mut self.state {
+            Chan::Reasoning => (String::new(), piece),
+            Chan::Content => (piece, String::new()),
+            Chan::Tag { name, .. } => {
+                name.push_str(&piece);
+                Default::default()
+            }
+            Chan::Hidden => Default::default(),
+        }
+    }
+}
+
+/// Holds back text that could be the start of a stop string; finds the first stop.
+struct StopText {
+    stops: Vec<String>,
+    held: String,
+    hit: bool,
+}
+
+impl StopText {
+    /// Text that is safe to show now; sets `hit` when a stop string appeared (text cut before it).
+    fn push(&mut self, piece: &str) -> String {
+        if self.hit {
+            return String::new();
+        }
+        self.held.push_str(piece);
+        if let Some(pos) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+            self.hit = true;
+            let out = self.held[..pos].to_string();
+            self.held.clear();
+            return out;
+        }
+        // The longest suffix that is a prefix of some stop string stays held.
+        let mut keep = 0;
+        for s in &self.stops {
+            for (i, _) in self.held.char_indices() {
+                if s.starts_with(&self.held[i..]) {
+                    keep = keep.max(self.held.len() - i);
+                    break;
+                }
+            }
+        }
+        let cut = self.held.len() - keep;
+        let out = self.held[..cut].to_string();
+        self.held.drain(..cut);
+        out
+    }
+
+    fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_are_held_back_and_cut() {
+        let mut s = StopText { stops: vec!["END".into()], held: String::new(), hit: false };
+        assert_eq!(s.push("abc E"), "abc ");
+        assert_eq!(s.push("N"), "");
+        assert_eq!(s.push("x"), "ENx");
+        assert_eq!(s.push("yyEND zz"), "yy");
+        assert!(s.hit);
+        let mut s = StopText { stops: vec![], held: String::new(), hit: false };
+        assert_eq!(s.push("free"), "free");
+    }
+
+    #[test]
+    fn channels_split_thinking_from_the_response() {
+        let mut c = Channels { open: Some(1), close: Some(2), sep: Some(3), state: Chan::Reasoning };
+        let mut out = (String::new(), String::new());
+        for (id, p, sp) in [
+            (10, "hm", false),
+            (2, "", true),
+            (11, "think", false),
+            (3, "", true),
+            (1, "", true),
+            (12, "response", false),
+            (3, "", true),
+            (13, "Hi", false),
+            (2, "", true),
+            (14, "response", false),
+        ] {
+            let (a, b) = c.route(id, p.to_string(), sp);
+            out.0.push_str(&a);
+            out.1.push_str(&b);
+        }
+        assert_eq!(out, ("Hi".to_string(), "hm".to_string()));
+    }
+}

@@ -1,0 +1,232 @@
+//! Batch jobs share every expert read: N prompts prefilled in shared expert-major passes and
+//! decoded in lockstep give each sequence exactly what it gets alone (logits bit for bit, the
+//! same greedy and seeded-sampled tokens), read each pass's expert union once, and a pass that
+//! fails leaves every session as it was; `run` with several prompts prints each prompt's answer
+//! alone.
+
+mod common;
+use common::*;
+use deltafin::engine::{BatchSeq, Engine, EngineConfig, GenerateOptions, Session, prefill_passes};
+use deltafin::k3::KdaMode;
+use deltafin::sample::{Sampler, SamplingParams};
+use deltafin::store::expert_store::ExpertStore;
+use deltafin::store::{ExpertSink, ExpertSource, StoreError};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+fn reads(s: &ExpertStore) -> u64 {
+    s.report().drives.iter().map(|d| d.reads).sum()
+}
+
+fn config(dir: &std::path::Path, prefill_rows: usize) -> EngineConfig {
+    EngineConfig { prefill_rows, ..test_config(dir, KdaMode::Recurrent) }
+}
+
+/// Prompts of different lengths from the fixture's reference prompt.
+fn prompts(r: &Reference) -> Vec<Vec<u32>> {
+    vec![r.prompt[..40].to_vec(), r.prompt[40..70].to_vec(), r.prompt[70..75].to_vec(), r.prompt[5..60].to_vec()]
+}
+
+#[test]
+fn passes_pack_prompts_in_order_up_to_the_row_bound() {
+    assert_eq!(prefill_passes(&[3, 2], 8), vec![vec![(0, 0, 3), (1, 0, 2)]]);
+    assert_eq!(
+        prefill_passes(&[5, 6, 1], 4),
+        vec![vec![(0, 0, 4)], vec![(0, 4, 5), (1, 0, 3)], vec![(1, 3, 6), (2, 0, 1)]]
+    );
+    assert_eq!(prefill_passes(&[4], 4), vec![vec![(0, 0, 4)]]);
+}
+
+#[test]
+fn a_batched_prefill_equals_each_prompt_alone_and_reads_each_union_once_per_pass() {
+    let dir = fixture("k3-tiny-a");
+    let m = open_model(&dir);
+    let r = reference("k3-tiny-a");
+    let ps = prompts(&r);
+    let moe = m.cfg.moe_layers() as u64;
+    // Alone, each on its own store without a cache.
+    let mut alone_reads = 0;
+    let mut alone = Vec::new();
+    for p in &ps {
+        let store = shard_store(&m, 0, 2, 0);
+        let e = Engine::open_with_source(config(&dir, 4096), store.clone()).unwrap();
+        let mut s = e.new_session();
+        s.prefill(p).unwrap();
+        alone.push(bits(s.logits().unwrap()));
+        alone_reads += reads(&store);
+    }
+    // Together: 130 rows in passes of 64, prompts spanning passes.
+    for rows in [4096, 64] {
+        let store = shard_store(&m, 0, 2, 0);
+        let e = Engine::open_with_source(config(&dir, rows), store.clone()).unwrap();
+        let mut sessions: Vec<Session> = ps.iter().map(|_| e.new_session()).collect();
+        let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+        let lists: Vec<&[u32]> = ps.iter().map(Vec::as_slice).collect();
+        let stats = e.prefill_sessions(&mut refs, &lists).unwrap();
+        for (i, (s, p)) in sessions.iter().zip(&ps).enumerate() {
+            assert_eq!(s.tokens(), &p[..]);
+            assert_eq!(bits(s.logits().unwrap()), alone[i], "prompt {i} differs in a batch (rows {rows})");
+        }
+        let passes = prefill_passes(&ps.iter().map(Vec::len).collect::<Vec<_>>(), rows).len() as u64;
+        assert_eq!(stats.layer_passes, passes * moe, "one pass per MoE layer per sweep (rows {rows})");
+        assert_eq!(stats.prompt_tokens, 130);
+        if rows == 4096 {
+            // One sweep: each distinct expert of a layer read once for all four prompts.
+            let together = reads(&store);
+            assert!(together < alone_reads, "shared reads {together} vs {alone_reads} alone");
+            assert!(together <= (m.cfg.experts * m.cfg.moe_layers()) as u64);
+        }
+    }
+}
+
+/// The tokens `opts` and `params` give from a prompt alone.
+fn generate_alone(e: &Arc<Engine>, p: &[u32], opts: &GenerateOptions, params: SamplingParams) -> Vec<u32> {
+    let mut s = e.new_session();
+    s.prefill(p).unwrap();
+    s.generate_sampled(opts, &mut Sampler::new(params), &mut |_| true).unwrap().tokens
+}
+
+#[test]
+fn lockstep_decode_equals_each_sequence_alone_as_they_leave() {
+    let dir = fixture("k3-tiny-a");
+    let r = reference("k3-tiny-a");
+    let e = Engine::open(config(&dir, 64)).unwrap();
+    let ps = prompts(&r);
+    let greedy = SamplingParams::new(0.0, 1.0, 0).unwrap();
+    let warm = SamplingParams::new(0.9, 0.95, 7).unwrap();
+    // Different lengths (they leave at different steps), one sampled, one stopping on a token.
+    let stop_tok = r.greedy[2];
+    let setups: Vec<(GenerateOptions, SamplingParams)> = vec![
+        (GenerateOptions { max_new: 9, stop: vec![] }, greedy),
+        (GenerateOptions { max_new: 3, stop: vec![] }, greedy),
+        (GenerateOptions { max_new: 12, stop: vec![] }, warm),
+        (GenerateOptions { max_new: 10, stop: vec![stop_tok] }, greedy),
+    ];
+    let want: Vec<Vec<u32>> = ps.iter().zip(&setups).map(|(p, (o, sp))| generate_alone(&e, p, o, *sp)).collect();
+    let mut sessions: Vec<Session> = ps.iter().map(|_| e.new_session()).collect();
+    {
+        let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+        let lists: Vec<&[u32]> = ps.iter().map(Vec::as_slice).collect();
+        e.prefill_sessions(&mut refs, &lists).unwrap();
+    }
+    let mut samplers: Vec<Sampler> = setups.iter().map(|(_, p)| Sampler::new(*p)).collect();
+    let mut seen = vec![0usize; ps.len()];
+    let mut cbs: Vec<_> = seen
+        .iter_mut()
+        .map(|n| {
+            move |_: u32| {
+                *n += 1;
+                true
+            }
+        })
+        .collect();
+    let mut seqs: Vec<BatchSeq> = sessions
+        .iter_mut()
+        .zip(samplers.iter_mut())
+        .zip(cbs.iter_mut())
+        .zip(&setups)
+        .map(|(((session, sampler), on_token), (opts, _))| BatchSeq { session, opts: opts.clone(), sampler, on_token })
+        .collect();
+    let (gens, stats) = e.generate_sessions(&mut seqs).unwrap();
+    drop(seqs);
+    drop(cbs);
+    for (i, g) in gens.iter().enumerate() {
+        assert_eq!(g.tokens, want[i], "sequence {i} differs in lockstep");
+        assert_eq!(seen[i], g.tokens.len());
+        assert_eq!(sessions[i].pos(), ps[i].len() + g.tokens.len() - 1, "the last token is not fed");
+    }
+    // The longest runs every step; each step is one forward (one pass per MoE layer).
+    let steps = gens.iter().map(|g| g.tokens.len()).max().unwrap() as u64 - 1;
+    assert_eq!(stats.layer_passes, steps * open_model(&dir).cfg.moe_layers() as u64);
+}
+
+/// Fails every fetch of `layer` from the `fail_from`-th on.
+struct FailLate {
+    inner: Arc<dyn ExpertSource>,
+    layer: usize,
+    fail_from: AtomicUsize,
+    fetches: AtomicUsize,
+}
+
+impl ExpertSource for FailLate {
+    fn layout(&self) -> &deltafin::model::roster::ExpertLayout {
+        self.inner.layout()
+    }
+    fn fetch<'s>(&'s self, layer: usize, experts: &[u32], sink: &mut dyn ExpertSink<'s>) -> Result<(), StoreError> {
+        if layer == self.layer && self.fetches.fetch_add(1, Ordering::Relaxed) >= self.fail_from.load(Ordering::Relaxed)
+        {
+            return Err(StoreError::NoHolderLeft(format!("injected read error in layer {layer}")));
+        }
+        self.inner.fetch(layer, experts, sink)
+    }
+    fn describe(&self) -> String {
+        "failing".into()
+    }
+}
+
+#[test]
+fn a_batched_prefill_that_fails_late_leaves_every_session_as_it_was() {
+    let dir = fixture("k3-tiny-a");
+    let m = open_model(&dir);
+    let r = reference("k3-tiny-a");
+    let src = Arc::new(FailLate {
+        inner: Arc::new(m.mmap_source()),
+        layer: 1,
+        fail_from: AtomicUsize::new(usize::MAX),
+        fetches: AtomicUsize::new(0),
+    });
+    let e = Engine::open_with_source(config(&dir, 32), src.clone()).unwrap();
+    let (mut a, mut b) = (e.new_session(), e.new_session());
+    a.prefill(&r.prompt[..10]).unwrap();
+    let before = bits(a.logits().unwrap());
+    // 60 rows in passes of 32: the second pass fails after the first committed.
+    src.fail_from.store(src.fetches.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    assert!(e.prefill_sessions(&mut [&mut a, &mut b], &[&r.prompt[10..40], &r.prompt[40..70]]).is_err());
+    assert_eq!((a.pos(), a.tokens()), (10, &r.prompt[..10]));
+    assert_eq!(bits(a.logits().unwrap()), before);
+    assert_eq!((b.pos(), b.logits().is_none()), (0, true));
+    src.fail_from.store(usize::MAX, Ordering::Relaxed);
+    e.prefill_sessions(&mut [&mut a, &mut b], &[&r.prompt[10..40], &r.prompt[40..70]]).unwrap();
+    let mut fresh = e.new_session();
+    fresh.prefill(&r.prompt[..40]).unwrap();
+    assert_eq!(bits(a.logits().unwrap()), bits(fresh.logits().unwrap()));
+}
+
+#[test]
+fn run_with_several_prompts_prints_each_answer_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    synth_small(&dir, Some("5"));
+    let run = |extra: &[&str]| {
+        let mut c = Command::new(bin());
+        c.args(["run", "--model"]).arg(&dir).args(["--max-new", "7", "--format", "json", "-q", "--memory-gb", "2"]);
+        c.args(extra);
+        run_ok(&mut c).0
+    };
+    let texts = ["Once upon a time", "The", "A much longer prompt about the sea and the sky"];
+    let alone: Vec<serde_json::Value> = texts
+        .iter()
+        .map(|t| serde_json::from_str(&run(&["--prompt", t, "--seed", "3", "--temperature", "0.7"])).unwrap())
+        .collect();
+    let mut args = vec!["--seed", "3", "--temperature", "0.7"];
+    for t in &texts {
+        args.extend(["--prompt", t]);
+    }
+    let lines_file = tmp.path().join("prompts.txt");
+    std::fs::write(&lines_file, format!("{}\n\n{}\n{}\n", texts[0], texts[1], texts[2])).unwrap();
+    let by_lines = run(&["--prompt-lines", lines_file.to_str().unwrap(), "--seed", "3", "--temperature", "0.7"]);
+    for out in [run(&args), by_lines] {
+        let lines: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), texts.len() + 1, "{out}");
+        for (got, want) in lines.iter().zip(&alone) {
+            for k in ["prompt_ids", "output_ids", "text"] {
+                assert_eq!(got[k], want[k], "{k}");
+            }
+        }
+        assert_eq!(
+            lines[texts.len()]["stats"]["prompt_tokens"],
+            alone.iter().map(|a| a["prompt_ids"].as_array().unwrap().len()).sum::<usize>()
+        );
+    }
+}
