@@ -1,17 +1,17 @@
 //! Batch jobs share every expert read: N prompts prefilled in shared expert-major passes and
 //! decoded in lockstep give each sequence exactly what it gets alone (logits bit for bit, the
 //! same greedy and seeded-sampled tokens), read each pass's expert union once, and a pass that
-//! fails leaves every session as it was; `run` with several prompts prints each prompt's answer
-//! alone.
+//! fails leaves every session as it was; sequences that join and leave a running batch at step
+//! boundaries (their prompt chunks riding along the others' decode rows) get what they get alone;
+//! `run` with several prompts prints each prompt's answer alone.
 
 mod common;
 use common::*;
-use deltafin::engine::{BatchSeq, Engine, EngineConfig, GenerateOptions, Session, prefill_passes};
+use deltafin::engine::{BatchSeq, Engine, EngineConfig, GenerateOptions, Lane, Session, prefill_passes};
 use deltafin::k3::KdaMode;
 use deltafin::sample::{Sampler, SamplingParams};
 use deltafin::store::expert_store::ExpertStore;
 use deltafin::store::{ExpertSink, ExpertSource, StoreError};
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -199,7 +199,7 @@ fn run_with_several_prompts_prints_each_answer_alone() {
     let dir = tmp.path().join("m");
     synth_small(&dir, Some("5"));
     let run = |extra: &[&str]| {
-        let mut c = Command::new(bin());
+        let mut c = deltafin_cmd();
         c.args(["run", "--model"]).arg(&dir).args(["--max-new", "7", "--format", "json", "-q", "--memory-gb", "2"]);
         c.args(extra);
         run_ok(&mut c).0
@@ -229,4 +229,60 @@ fn run_with_several_prompts_prints_each_answer_alone() {
             alone.iter().map(|a| a["prompt_ids"].as_array().unwrap().len()).sum::<usize>()
         );
     }
+}
+
+#[test]
+fn lanes_that_join_and_leave_a_running_batch_equal_each_sequence_alone() {
+    let dir = fixture("k3-tiny-a");
+    let r = reference("k3-tiny-a");
+    // 16 rows a step: the 40- and 55-token prompts take several steps beside decode rows.
+    let e = Engine::open(config(&dir, 16)).unwrap();
+    let ps = prompts(&r);
+    let greedy = SamplingParams::new(0.0, 1.0, 0).unwrap();
+    let warm = SamplingParams::new(0.9, 0.95, 11).unwrap();
+    let stop_tok = r.greedy[1];
+    let setups: Vec<(GenerateOptions, SamplingParams)> = vec![
+        (GenerateOptions { max_new: 14, stop: vec![] }, greedy),
+        (GenerateOptions { max_new: 4, stop: vec![] }, warm),
+        (GenerateOptions { max_new: 9, stop: vec![stop_tok] }, greedy),
+        (GenerateOptions { max_new: 7, stop: vec![] }, warm),
+    ];
+    let want: Vec<Vec<u32>> = ps.iter().zip(&setups).map(|(p, (o, sp))| generate_alone(&e, p, o, *sp)).collect();
+    // Sequence i joins at step joins[i]; finished ones leave between steps.
+    let joins = [0usize, 0, 3, 6];
+    let mut lanes: Vec<(usize, Lane)> = Vec::new();
+    let mut got: Vec<Option<Vec<u32>>> = vec![None; ps.len()];
+    let mut peak = 0;
+    let mut step = 0;
+    while got.iter().any(Option::is_none) {
+        for (i, &j) in joins.iter().enumerate() {
+            if j == step {
+                let (o, sp) = &setups[i];
+                lanes.push((i, Lane::new(e.new_session(), ps[i].clone(), o.clone(), Sampler::new(*sp)).unwrap()));
+            }
+        }
+        let (ids, mut ls): (Vec<usize>, Vec<Lane>) = lanes.drain(..).unzip();
+        let mut streamed: Vec<Vec<u32>> = vec![Vec::new(); ls.len()];
+        let mut on_token = |k: usize, t: u32| {
+            streamed[k].push(t);
+            true
+        };
+        e.step_lanes(&mut ls, &mut on_token, &mut Default::default()).unwrap();
+        peak = peak.max(ls.iter().map(|l| l.peak_batch).max().unwrap_or(0));
+        for ((l, i), seen) in ls.into_iter().zip(ids).zip(streamed) {
+            // The callback saw each token as it was emitted.
+            assert!(seen.len() <= 1 && l.tokens.ends_with(&seen));
+            if l.done() {
+                got[i] = Some(l.tokens.clone());
+            } else {
+                lanes.push((i, l));
+            }
+        }
+        step += 1;
+        assert!(step < 200, "the batch never finished");
+    }
+    for (i, g) in got.into_iter().enumerate() {
+        assert_eq!(g.unwrap(), want[i], "sequence {i} differs in a running batch");
+    }
+    assert!(peak >= 3, "sequences shared steps (peak {peak})");
 }

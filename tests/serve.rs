@@ -165,6 +165,29 @@ fn a_full_queue_answers_429_with_retry_after() {
 }
 
 #[test]
+fn sixteen_concurrent_streams_run_in_one_batch_each_as_if_alone() {
+    let batched: serde_json::Value = {
+        let s = Server::start(&["--parallel", "16", "--queue", "0"]);
+        serde_json::from_str(s.client("parallel", None).trim()).unwrap()
+    };
+    let alone: serde_json::Value = {
+        let s = Server::start(&["--no-reuse"]);
+        serde_json::from_str(s.client("alone", None).trim()).unwrap()
+    };
+    let (b, a) = (batched.as_array().unwrap(), alone.as_array().unwrap());
+    assert_eq!(b.len(), 16);
+    for (i, (x, y)) in b.iter().zip(a).enumerate() {
+        for k in ["text", "finish", "logprobs"] {
+            assert_eq!(x[k], y[k], "request {i}: {k} differs from the request served alone");
+        }
+        assert_eq!(y["batch"], 1);
+    }
+    // Started together, they joined one running batch (each answer says the most that shared a step with it).
+    let peak = b.iter().map(|x| x["batch"].as_u64().unwrap()).max().unwrap();
+    assert_eq!(peak, 16, "{batched}");
+}
+
+#[test]
 fn a_client_that_disconnects_cancels_its_generation() {
     let s = Server::start(&[]);
     s.client("disconnect", None);

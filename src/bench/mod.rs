@@ -7,8 +7,10 @@
 //! phase that failed. `io` times the expert store's reads against fio replaying the same reads;
 //! `kernels` the CPU kernels at K3's shapes (`kernels_gpu`: the GPU's, development only); `run`
 //! one cold prompt and its decode steps against the disk ceiling that `ceiling` measures on the
-//! run's own expert holders; `prompt` the prompts they use.
+//! run's own expert holders; `batch` N prompts run together (`bench run --batch N`); `prompt` the
+//! prompts they use.
 
+pub mod batch;
 pub mod ceiling;
 pub mod io;
 pub mod kernels;

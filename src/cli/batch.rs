@@ -184,7 +184,9 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
         )
     };
     let rows = a.engine.prefill_rows.max(8);
-    let engine = load::open_engine(a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0))?;
+    let mut config = a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0);
+    config.sequences = a.parallel as usize;
+    let engine = load::open_engine(config)?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
     crate::spec::drafter_for(a.draft, &engine)?;
     if !a.quiet {

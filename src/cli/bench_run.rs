@@ -3,6 +3,9 @@
 //! the disk ceiling measured in the same run (before the prompt, between prompt and decode, after
 //! decode) and the bound ratios of TTFT and of a decode token.
 //!
+//! `--batch N` runs N prompts together instead (shared prefill passes, lockstep decode; the
+//! record and its bounds: `crate::bench::batch`).
+//!
 //! `--ladder` repeats over drive subsets of the placement; `--plot DIR` draws the ladder and the
 //! per-layer read wait as SVG.
 
@@ -47,6 +50,11 @@ pub struct RunBenchArgs {
     /// Drafting during the decode steps (output is identical; the record shows acceptance).
     #[arg(long, value_enum, default_value_t = BenchDraft::Off)]
     draft: BenchDraft,
+    /// Run this many prompts together (each --prompt-tokens long, from different places of the
+    /// text): shared expert-major prefill passes and lockstep decode, each checked against its run
+    /// alone.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096), conflicts_with_all = ["ladder", "draft", "prompt_ids"])]
+    batch: Option<u64>,
     /// Also write every record (one JSON per line) to this file.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -86,6 +94,18 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         }
         None => prompt::tokens(&files, a.prompt_tokens)?,
     };
+    if let Some(n) = a.batch {
+        let n = n as usize;
+        let mut config = a.engine.config(a.model.clone(), KdaMode::Recurrent, a.prompt_tokens * n, 0);
+        config.sequences = n;
+        let rec = crate::bench::batch::runs(&files, config, a.prompt_tokens, n, a.decode, a.ceiling_seconds)?;
+        println!("{rec}");
+        if let Some(p) = &a.out {
+            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p);
+            writeln!(f.as_mut().map_err(|e| anyhow::anyhow!("cannot open {}: {e}", p.display()))?, "{rec}")?;
+        }
+        return Ok(());
+    }
     // The rows the engine holds at once are the run's to choose (the prompt, or a verify batch).
     let config = a.engine.config(a.model.clone(), KdaMode::Recurrent, prompt.len(), 0);
     let o = RunOptions {

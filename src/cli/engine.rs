@@ -94,6 +94,7 @@ impl EngineArgs {
             gpu_cache_gb: self.gpu_cache_gb,
             expert_heat: self.expert_heat.clone(),
             hedge: self.hedge == OnOff::On,
+            sequences: 1,
         }
     }
 }

@@ -15,7 +15,6 @@ use std::io::{Read, Write};
 use std::path::Path;
 use std::time::Instant;
 
-
 fn read_text(arg: &str, from_file: bool) -> Result<String> {
     if arg == "-" {
         let mut s = String::new();

@@ -44,7 +44,9 @@ pub(super) fn run_many(
             a.engine.prefill_rows
         );
     }
-    let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), rows, 0))?;
+    let mut config = a.engine.config(dir.clone(), a.kda.into(), rows, 0);
+    config.sequences = prompts.len();
+    let engine = load::open_engine(config)?;
     if let Some(t) = &tok {
         engine.check_tokenizer(t)?;
     }

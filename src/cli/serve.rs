@@ -32,6 +32,11 @@ pub struct ServeArgs {
     /// Requests that may wait while one runs; more get a 429 with Retry-After.
     #[arg(long, default_value_t = 16)]
     pub queue: usize,
+    /// Requests generated together: up to N run in one batch (each layer's experts read once for
+    /// all of them per step), each answer identical to the request served alone; their sequence
+    /// states must fit the memory budget together.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub parallel: u64,
     /// Largest request body in bytes (larger: 413).
     #[arg(long, default_value_t = 128 << 20)]
     pub max_request_bytes: usize,
@@ -71,9 +76,20 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
     let sampling = load::sampling(&dir, a.demo, a.temperature, a.top_p)?;
+    if a.parallel > 1 && a.draft != DraftKind::Off {
+        anyhow::bail!(
+            "--parallel {} runs without drafts (drafts per sequence in a batch are not built yet): leave out --draft or use --parallel 1",
+            a.parallel
+        );
+    }
     // Verify batches need k + 1 rows; prompts are chunked at --prefill-rows.
     let rows = a.engine.prefill_rows.max(8);
-    let engine = load::open_engine(a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0))?;
+    let mut config = a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0);
+    config.sequences = a.parallel as usize;
+    let engine = load::open_engine(config)?;
+    // N sequence states must fit beside the rest of the plan (each request's tokens are checked
+    // when it is admitted).
+    engine.sequences_fit(&vec![1; a.parallel as usize])?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
     crate::spec::drafter_for(a.draft, &engine)?;
     let model_id = a.model_name.clone().unwrap_or_else(|| {
@@ -99,6 +115,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         port: a.port,
         api_key: a.api_key.clone().filter(|k| !k.is_empty()),
         queue: a.queue,
+        parallel: a.parallel as usize,
         max_request_bytes: a.max_request_bytes,
         read_timeout: std::time::Duration::from_secs_f64(a.read_timeout),
         model_id: model_id.clone(),

@@ -58,6 +58,49 @@ pub fn prefill_passes(lens: &[usize], rows: usize) -> Vec<Vec<(usize, usize, usi
 }
 
 impl Engine {
+    /// Runs `tokens[i]` on `sessions[i]` for every i in one layer loop (one expert-union read per
+    /// MoE layer for all of them) and commits every row; returns each session's last-row logits.
+    /// If it fails, every session is as it was. The shared forward's counters are added to every
+    /// session that took part.
+    pub fn forward_sessions(
+        &self,
+        sessions: &mut [&mut Session],
+        tokens: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        self.forward_sessions_counted(sessions, tokens, &mut Stats::default())
+    }
+
+    /// [`Engine::forward_sessions`] that also adds the shared forward's counters to `total`.
+    pub fn forward_sessions_counted(
+        &self,
+        sessions: &mut [&mut Session],
+        tokens: &[&[u32]],
+        total: &mut Stats,
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        if sessions.len() != tokens.len() {
+            return Err(ForwardError::BatchMismatch { sessions: sessions.len(), lists: tokens.len() });
+        }
+        if sessions.iter().any(|s| !std::ptr::eq(&**s.engine(), self)) {
+            return Err(ForwardError::ForeignSession);
+        }
+        let mut stats = Stats::default();
+        let outs = {
+            let mut batch: Vec<SeqRows> = sessions
+                .iter_mut()
+                .zip(tokens)
+                .map(|(s, t)| SeqRows { state: s.state_mut(), tokens: t, logits: LogitRows::Last, taps: &[] })
+                .collect();
+            sched::forward(&self.model, &*self.device, self.source(), self.sched_options(), &mut batch, &mut stats)?
+        };
+        let mut logits = Vec::with_capacity(outs.len());
+        for ((s, t), o) in sessions.iter_mut().zip(tokens).zip(outs) {
+            // Every row is kept: no replay runs, so this commit cannot fail midway.
+            logits.push(s.commit_fed(t, o.logits, &stats)?.to_vec());
+        }
+        total.merge(&stats);
+        Ok(logits)
+    }
+
     /// Checks that sequences of `lens` tokens each fit the memory budget together (a batch
     /// holds all their states at once); the error names the budget.
     pub fn sequences_fit(&self, lens: &[usize]) -> Result<(), SequencesError> {

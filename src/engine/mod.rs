@@ -11,10 +11,12 @@
 mod batch;
 pub mod compare;
 mod facts;
+mod lanes;
 pub mod perplexity;
 pub(crate) mod session;
 
 pub use batch::{BatchSeq, prefill_passes};
+pub use lanes::Lane;
 pub use session::{GenerateOptions, Generation, Session, StopReason};
 // The settings and errors of the engine's API that are defined further down.
 pub use crate::backend::BackendKind;
@@ -27,9 +29,8 @@ use crate::memory::{BudgetError, MemoryPlan, activation_bytes, machine_available
 use crate::model::config::{AttnKind, FfnKind};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{Checkpoint, K3Config, ModelError, Roster};
-use crate::sched::{self, LogitRows, SeqRows};
+use crate::sched;
 use crate::setting::{Action, Setting};
-use crate::stats::Stats;
 use crate::store::expert_store::{self, ExpertStore, StoreOptions, StoreSpec};
 use crate::store::placement::{Manifest, PlacementError, manifest_path, manifest_spec, shard_spec};
 use crate::store::reader::ReaderKind;
@@ -119,6 +120,10 @@ pub struct EngineConfig {
     pub expert_heat: ExpertHeat,
     /// Hedged reads: a read late on its drive is issued again where the expert has another copy.
     pub hedge: bool,
+    /// Sequences run together (`--parallel`, `bench run --batch`): the default expert cache
+    /// leaves room for this many sequence states.
+    #[serde(default)]
+    pub sequences: usize,
 }
 
 impl Default for EngineConfig {
@@ -142,6 +147,7 @@ impl Default for EngineConfig {
             gpu_cache_gb: None,
             expert_heat: ExpertHeat::Off,
             hedge: true,
+            sequences: 1,
         }
     }
 }
@@ -434,7 +440,8 @@ impl Engine {
             (Some(_), Some(g)) => (g * 1e9) as u64,
             (Some(_), None) => {
                 let (fixed, per_token) = crate::k3::state::SeqState::footprint(c);
-                let reserve = fixed as u64 + per_token as u64 * c.max_context.min(32_768) as u64;
+                let one = fixed as u64 + per_token as u64 * c.max_context.min(32_768) as u64;
+                let reserve = one * config.sequences.max(1) as u64;
                 let committed =
                     trunk + draft_bytes + staging + reserve + activation_bytes(c, rows) + config.output_bytes;
                 (budget.saturating_sub(committed) as f64 * 0.9) as u64
@@ -505,49 +512,6 @@ impl Engine {
 
     pub(crate) fn sched_options(&self) -> sched::Options {
         sched::Options { kda_mode: self.config.kda, prefetch: self.config.prefetch }
-    }
-
-    /// Runs `tokens[i]` on `sessions[i]` for every i in one layer loop (one expert-union read per
-    /// MoE layer for all of them) and commits every row; returns each session's last-row logits.
-    /// If it fails, every session is as it was. The shared forward's counters are added to every
-    /// session that took part.
-    pub fn forward_sessions(
-        &self,
-        sessions: &mut [&mut Session],
-        tokens: &[&[u32]],
-    ) -> Result<Vec<Vec<f32>>, ForwardError> {
-        self.forward_sessions_counted(sessions, tokens, &mut Stats::default())
-    }
-
-    /// [`Engine::forward_sessions`] that also adds the shared forward's counters to `total`.
-    pub fn forward_sessions_counted(
-        &self,
-        sessions: &mut [&mut Session],
-        tokens: &[&[u32]],
-        total: &mut Stats,
-    ) -> Result<Vec<Vec<f32>>, ForwardError> {
-        if sessions.len() != tokens.len() {
-            return Err(ForwardError::BatchMismatch { sessions: sessions.len(), lists: tokens.len() });
-        }
-        if sessions.iter().any(|s| !std::ptr::eq(&**s.engine(), self)) {
-            return Err(ForwardError::ForeignSession);
-        }
-        let mut stats = Stats::default();
-        let outs = {
-            let mut batch: Vec<SeqRows> = sessions
-                .iter_mut()
-                .zip(tokens)
-                .map(|(s, t)| SeqRows { state: s.state_mut(), tokens: t, logits: LogitRows::Last, taps: &[] })
-                .collect();
-            sched::forward(&self.model, &*self.device, self.source(), self.sched_options(), &mut batch, &mut stats)?
-        };
-        let mut logits = Vec::with_capacity(outs.len());
-        for ((s, t), o) in sessions.iter_mut().zip(tokens).zip(outs) {
-            // Every row is kept: no replay runs, so this commit cannot fail midway.
-            logits.push(s.commit_fed(t, o.logits, &stats)?.to_vec());
-        }
-        total.merge(&stats);
-        Ok(logits)
     }
 
     /// Checks that a tokenizer fits this model's vocabulary.

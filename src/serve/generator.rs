@@ -43,7 +43,6 @@ impl Default for GenConfig {
     }
 }
 
-
 /// A finished request.
 #[derive(Clone, Debug)]
 pub struct Output {

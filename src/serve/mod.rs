@@ -1,9 +1,10 @@
 //! `deltafin serve`: an OpenAI-compatible HTTP server (axum on tokio) in front of one engine.
 //!
-//! Contract: HTTP is handled on a small tokio runtime; generations run one at a time on a
-//! dedicated worker thread that owns the [`generator::Generator`] (and so the kept sessions and
-//! the memo). A request waits in a bounded queue (`queue` places besides the running one); past
-//! it the answer is a 429 with `Retry-After`. Every request is validated before it is queued
+//! Contract: HTTP is handled on a small tokio runtime; generations run on a dedicated worker
+//! thread that owns the [`generator::Generator`] (and so the kept sessions and the memo): one at
+//! a time, or with `parallel` N > 1 up to N together in one running batch that requests join and
+//! leave at step boundaries ([`running`]). A request waits in a bounded queue (`queue` places
+//! besides the running ones); past it the answer is a 429 with `Retry-After`. Every request is validated before it is queued
 //! ([`api`]); the worker's sink fails once the client has gone, which cancels the generation at
 //! the next token. A panic in a generation is a 500 for that request, never a dead server.
 //! A client that stalls or trickles its request head or body is closed after the read timeout
@@ -18,6 +19,7 @@ pub mod generator;
 pub mod metrics;
 pub mod parallel;
 pub mod records;
+mod running;
 pub mod sse;
 
 use crate::engine::Engine;
@@ -44,8 +46,10 @@ pub struct ServeOptions {
     pub host: String,
     pub port: u16,
     pub api_key: Option<String>,
-    /// Requests that may wait besides the running one.
+    /// Requests that may wait besides the running ones.
     pub queue: usize,
+    /// Requests generated together in one running batch (`--parallel`; 1: one at a time).
+    pub parallel: usize,
     pub max_request_bytes: usize,
     /// Longest wait for a request's head (from the connection's start or its previous answer)
     /// and, after it, for its body; a slower client is disconnected.
@@ -136,11 +140,15 @@ pub fn serve(engine: Arc<Engine>, opts: ServeOptions, ready: impl FnOnce(SocketA
     let shutting_down = Arc::new(AtomicBool::new(false));
     let last_gen_s = Arc::new(std::sync::Mutex::new(1.0));
     let (jobs_tx, jobs_rx) = mpsc::channel::<Job>();
+    let parallel = opts.parallel;
     let worker = {
         let (metrics, stop, last) = (Arc::clone(&metrics), Arc::clone(&shutting_down), Arc::clone(&last_gen_s));
         std::thread::Builder::new()
             .name("deltafin-generate".into())
-            .spawn(move || worker(gen_, jobs_rx, metrics, stop, last))
+            .spawn(move || match parallel {
+                0 | 1 => worker(gen_, jobs_rx, metrics, stop, last),
+                n => running::worker(gen_, jobs_rx, running::Shared { metrics, stop, last_gen_s: last }, n),
+            })
             .map_err(ServeError::Io)?
     };
     let state = Arc::new(AppState {
@@ -349,7 +357,7 @@ fn parse(st: &AppState, kind: Kind, body: Result<Bytes, ApiError>) -> Result<Gen
 
 /// Counts the request in the queue, or says it is full.
 fn enqueue(st: &AppState, job: Job) -> Result<(), ApiError> {
-    let cap = 1 + st.opts.queue;
+    let cap = st.opts.parallel.max(1) + st.opts.queue;
     let busy = st.metrics.pending.fetch_add(1, Ordering::SeqCst);
     let refuse = |st: &AppState, e: ApiError| {
         st.metrics.pending.fetch_sub(1, Ordering::SeqCst);

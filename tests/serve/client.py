@@ -203,7 +203,61 @@ def conversation():
     }))
 
 
-SCENARIOS = {"basic": basic, "auth": auth, "queue": queue, "disconnect": disconnect, "conversation": conversation}
+def parallel_requests():
+    """The 16 requests of `parallel` / `alone`: different prompts, greedy and seeded sampling, logprobs."""
+    topics = ["drives", "caches", "experts", "batches", "queues", "reads", "tokens", "layers"]
+    reqs = []
+    for i in range(16):
+        kw = {"temperature": 0.8, "seed": 100 + i} if i % 2 else {"temperature": 0}
+        if i % 4 == 3:
+            kw["logprobs"] = True
+            kw["top_logprobs"] = 2
+        reqs.append(dict(model=MODEL, messages=[{"role": "user", "content": f"Tell me about {topics[i % 8]} ({i})."}],
+                         max_tokens=24 + i, reasoning_effort="none", **kw))
+    return reqs
+
+
+def stream_one(req):
+    """One streamed chat completion: its text, finish reason, log-probabilities and deltafin object."""
+    text, finish, lps, ext = "", None, [], None
+    for ch in client().chat.completions.create(stream=True, stream_options={"include_usage": True}, **req):
+        if ch.choices:
+            d = ch.choices[0]
+            text += d.delta.content or ""
+            finish = d.finish_reason or finish
+            if d.logprobs and d.logprobs.content:
+                lps += [t.logprob for t in d.logprobs.content]
+        if ch.usage is not None:
+            ext = ch.model_extra.get("deltafin")
+    assert finish in ("stop", "length"), finish
+    return {"text": text, "finish": finish, "logprobs": lps, "batch": (ext or {}).get("batch", 1)}
+
+
+def parallel():
+    """16 concurrent streams (started together): each answer well-formed; prints them in order."""
+    reqs = parallel_requests()
+    out = [None] * len(reqs)
+    go = threading.Barrier(len(reqs))
+
+    def one(i):
+        go.wait()
+        out[i] = stream_one(reqs[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(o is not None for o in out), out
+    print(json.dumps(out))
+
+
+def alone():
+    """The same 16 requests one after another."""
+    print(json.dumps([stream_one(r) for r in parallel_requests()]))
+
+
+SCENARIOS = {"parallel": parallel, "alone": alone, "basic": basic, "auth": auth, "queue": queue, "disconnect": disconnect, "conversation": conversation}
 
 if __name__ == "__main__":
     SCENARIOS[SCENARIO]()

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The README table of issue 31: `bench run --batch N` on an over-RAM K3-shaped synthetic model in a
+# memory cgroup (v1 or v2, named batch-table, removed after): prefill of N = 1, 4, 16 prompts of
+# 512 tokens, decode of N = 1, 8, 32 sequences (32-token prompts, 8 steps). Cold: each run drops
+# the page cache. Needs root. One JSON record per run appended to OUT.
+#   bench/batch_table.sh BIN MODEL OUT [LIMIT] [all|prefill|decode|short16]   (model: synth --preset k3-experts --layers 8
+#   --experts 128 --hidden 1024 --expert-latent 1024 --expert-inter 2048, 3.1 GiB; limit 1536M)
+set -euo pipefail
+bin=$1 model=$2 out=$3 limit=${4:-1536M}
+if [ -d /sys/fs/cgroup/memory ]; then
+  cg=/sys/fs/cgroup/memory/batch-table
+  mkdir -p "$cg"
+  echo "$limit" > "$cg/memory.limit_in_bytes"
+else
+  cg=/sys/fs/cgroup/batch-table
+  mkdir -p "$cg"
+  echo "$limit" > "$cg/memory.max"
+fi
+cleanup() { rmdir "$cg" 2>/dev/null || true; }
+trap cleanup EXIT
+run() {
+  sh -c 'echo $$ > "$1/cgroup.procs"; shift; exec "$@"' sh "$cg" "$bin" bench run --model "$model" "$@" --out "$out" \
+    | cut -c1-300
+}
+what=${5:-all}
+if [ "$what" = all ] || [ "$what" = prefill ]; then
+  for n in 1 4; do run --batch "$n" --prompt-tokens 512 --decode 2 --prefill-rows 4096; done
+  # 16 x 512 rows need fewer rows a pass to leave room for 16 states in the limit: 3 passes.
+  run --batch 16 --prompt-tokens 512 --decode 2 --prefill-rows 3072
+fi
+if [ "$what" = all ] || [ "$what" = decode ]; then
+  for n in 1 8 32; do run --batch "$n" --prompt-tokens 32 --decode 9; done
+fi
+if [ "$what" = short16 ]; then
+  # What the 2 shared cores allowed in the session of 2026-12-03: 16 prompts of 128 tokens, one pass.
+  run --batch 16 --prompt-tokens 128 --decode 2 --prefill-rows 2048
+fi
