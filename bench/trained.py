@@ -13,7 +13,7 @@ one JSON record (also appended to --out):
   the cache sized to a quarter and to a half of each layer's experts;
 - placement: `place --policy hot` vs `spread` over a fast and a slow directory (declared 1.0 and
   0.5 GB/s, so the fast one holds two thirds of the experts either way), the route trace recorded on
-  training text (bench/train-sample.txt: the start of 4 training documents of each source): share
+  training text (bench/data/train-sample.txt: the start of 4 training documents of each source): share
   of expert bytes served by the fast one.
 
     python3 bench/trained.py [--bin target/release/deltafin] [--decode 64] [--out bench/results/...]
@@ -111,7 +111,7 @@ def main():
     p.add_argument("--bin", default=os.environ.get("DELTAFIN_BIN", os.path.join(ROOT, "target/release/deltafin")))
     p.add_argument("--model", default=os.path.join(ROOT, "demo/kimi-k3-demo"))
     p.add_argument("--draft-model", default=os.path.join(ROOT, "demo/kimi-k3-demo-dspark"))
-    p.add_argument("--prompts", default=os.path.join(ROOT, "bench/heldout-prompts.jsonl"))
+    p.add_argument("--prompts", default=os.path.join(ROOT, "bench/data/heldout-prompts.jsonl"))
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--limit", type=int, default=0, help="use only the first N prompts (smoke tests)")
@@ -209,7 +209,7 @@ def main():
     place = {}
     if "placement" in parts:
         routes_file = os.path.join(work, "routes.json")
-        sh([a.bin, "run", "--model", a.model, "--prompt-file", os.path.join(ROOT, "bench/train-sample.txt"),
+        sh([a.bin, "run", "--model", a.model, "--prompt-file", os.path.join(ROOT, "bench/data/train-sample.txt"),
             "--max-new", "1", "--temperature", "0", "--trace-routes", routes_file])
         for policy in ("spread", "hot"):
             fast, slow = os.path.join(work, f"{policy}-fast"), os.path.join(work, f"{policy}-slow")

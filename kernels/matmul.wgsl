@@ -37,7 +37,7 @@ fn scale_byte(idx: u32) -> u32 {
 // meet in workgroup memory (one input row per round) for the tree; every accumulator index is a
 // constant once the short loops are unrolled, so they stay in registers (an index by the round,
 // as before, put the whole array in local memory). Measured on the H200 (2026-12-02, 512 / 64 /
-// 16 input rows, GMAC/s; bench/matmul_variants/README.md): 2 x 4 6,914-6,972 / 5,709-5,733 /
+// 16 input rows, GMAC/s; bench/data/gpu-variants/matmul/README.md): 2 x 4 6,914-6,972 / 5,709-5,733 /
 // 2,252-2,320; 1 x 8 5,916-6,037 / 5,028 / 2,440; 2 x 8 7,793-7,845 / 5,110 / 1,746; with the
 // accumulators in local memory 2,007-2,134 / 1,842-1,886 / 1,189-1,198.
 const MM_ROWS: u32 = 2u;

@@ -14,7 +14,7 @@
 // reads its 8 words as two vec4 and neither side has bank conflicts. A thread reading its own
 // words straight from memory touches 16 bytes of a line per load; measured on the H200 the tiles
 // run 1,390 GB/s against 1,330 for the best such kernel and 990 for the one with the E2M1 table
-// (bench/results-2026-12-01-h200-matvec-variants-r*.jsonl). Blocks past the last whole tile,
+// (bench/results/2026-12-02-h200-matvec-variants/r*.jsonl). Blocks past the last whole tile,
 // and matrices whose weights do not start on 16 bytes or whose rows' scales do not start on a
 // word, go straight from memory in the same order.
 //

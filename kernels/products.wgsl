@@ -77,7 +77,7 @@ fn f16_at(t: u32) -> vec2<f32> {
 // The word's low nibbles (`lows`) and high nibbles (`highs`), each moved into f16 place in its own
 // byte by one shift and a bitwise select: bytes 1 and 3 are then an f16 pair under the mask, and
 // bytes 0 and 2 one byte-shift away. 11 integer operations per word (the per-pair shifts and masks
-// took 16; 3% faster on the H200, bench/matvec_variants/README.md, round 12).
+// took 16; 3% faster on the H200, bench/data/gpu-variants/matvec/README.md, round 12).
 fn nibbles_f16(word: u32) -> vec2<u32> {
     let lows = ((word << 4u) & 0x80808080u) | ((word << 1u) & 0x7f7f7f7fu);
     let highs = (word & 0x80808080u) | ((word >> 3u) & 0x7f7f7f7fu);

@@ -272,3 +272,14 @@ fn usage_errors_point_the_way() {
     let e = err(&["run", "--prompt", "Hello"]);
     assert!(e.contains("--model") && e.contains("deltafin run --demo"), "{e}");
 }
+
+/// The GPU kernel microbench is not in the shipped binary (feature `gpu-bench`): asking for it
+/// says how to get it, before any work.
+#[cfg(not(feature = "gpu-bench"))]
+#[test]
+fn the_gpu_kernel_microbench_is_not_in_the_shipped_binary() {
+    let o = deltafin_cmd().args(["bench", "kernels", "--backend", "gpu"]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("feature gpu-bench"), "{err}");
+}

@@ -813,6 +813,9 @@ fn timed_passes_count_device_time_and_change_no_bit() {
     }
 }
 
+/// The kernel microbench is a build feature (`gpu-bench`, off in the shipped binary): `cargo test
+/// --release --features gpu-bench --test gpu` runs this.
+#[cfg(feature = "gpu-bench")]
 #[test]
 fn bench_kernels_on_the_gpu_gives_each_kernel_against_its_reference() {
     if gpu().is_none() {

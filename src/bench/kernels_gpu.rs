@@ -3,18 +3,19 @@
 //! plain reads of the same bytes and the adapter's FMA peak).
 //!
 //! Contract: [`open`] gives the adapter to time (None: time the CPU's kernels instead); [`run`]
-//! times it with the options as given (the caller checks them) and returns one record. Without the
-//! `gpu` feature [`Gpu`] has no value and [`open`] refuses `--backend gpu`.
+//! times it with the options as given (the caller checks them) and returns one record. The
+//! microbench is a development tool, not in the shipped binary: without the `gpu-bench` feature
+//! [`Gpu`] has no value and [`open`] refuses the GPU ([`BenchError::GpuMicrobenchNotBuilt`]).
 
 use super::BenchError;
 use crate::backend::BackendKind;
 use std::path::PathBuf;
 
 /// The adapter whose kernels are timed.
-#[cfg(feature = "gpu")]
+#[cfg(feature = "gpu-bench")]
 pub type Gpu = crate::backend::gpu::GpuBackend;
-/// Without the `gpu` feature there is no adapter.
-#[cfg(not(feature = "gpu"))]
+/// Without the `gpu-bench` feature there is no adapter to time.
+#[cfg(not(feature = "gpu-bench"))]
 pub type Gpu = std::convert::Infallible;
 
 /// What the GPU kernels are timed on.
@@ -36,7 +37,7 @@ pub struct GpuKernelOptions {
 /// trunk matvec (12288 x 7168), each against a plain read of the same bytes; one expert's w1 alone (3072 x 3584); the `rows`-row MXFP4
 /// matmul on one expert's w1 and bf16 matmul on `routed_expert_down_proj` (3584 x 7168), each
 /// also as a fraction of the adapter's measured f32 FMA peak. `round_trip_us`: one tiny product's upload, submission and readback.
-#[cfg(feature = "gpu")]
+#[cfg(feature = "gpu-bench")]
 pub fn run(g: &Gpu, a: &GpuKernelOptions) -> Result<serde_json::Value, BenchError> {
     use crate::backend::gpu::BenchKind;
     use crate::backend::{Backend, Device};
@@ -131,7 +132,7 @@ pub fn run(g: &Gpu, a: &GpuKernelOptions) -> Result<serde_json::Value, BenchErro
 
 /// The timings of `dir`'s variants, with a warning for each that failed and for a directory
 /// without any.
-#[cfg(feature = "gpu")]
+#[cfg(feature = "gpu-bench")]
 fn variant_timings(
     dir: &std::path::Path,
     variants: Vec<crate::backend::gpu::VariantTiming>,
@@ -156,7 +157,7 @@ fn variant_timings(
 /// The GPU whose kernels `bench kernels` times: with `--backend gpu` any adapter (lavapipe
 /// included), with `auto` a real GPU if there is one (else None: the CPU's kernels, as for the
 /// engine), with `cpu` None.
-#[cfg(feature = "gpu")]
+#[cfg(feature = "gpu-bench")]
 pub fn open(kind: BackendKind) -> Result<Option<Gpu>, BenchError> {
     use crate::backend::gpu::GpuBackend;
     match kind {
@@ -172,15 +173,15 @@ pub fn open(kind: BackendKind) -> Result<Option<Gpu>, BenchError> {
     }
 }
 
-#[cfg(not(feature = "gpu"))]
+#[cfg(not(feature = "gpu-bench"))]
 pub fn run(g: &Gpu, _: &GpuKernelOptions) -> Result<serde_json::Value, BenchError> {
     match *g {}
 }
 
-#[cfg(not(feature = "gpu"))]
+#[cfg(not(feature = "gpu-bench"))]
 pub fn open(kind: BackendKind) -> Result<Option<Gpu>, BenchError> {
     match kind {
-        BackendKind::Gpu => Err(crate::backend::BackendError::NotBuilt.into()),
+        BackendKind::Gpu => Err(BenchError::GpuMicrobenchNotBuilt),
         _ => Ok(None),
     }
 }

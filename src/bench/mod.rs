@@ -49,6 +49,10 @@ pub enum BenchError {
     /// A ladder runs over drive subsets of a placement, and there is none.
     #[error("{} needs a placement ({})", Setting::Ladder, Action::Place)]
     LadderNeedsPlacement,
+    /// The GPU's kernel timings were asked for from a build without them (they are a development
+    /// tool, not in the shipped binary).
+    #[error("the GPU kernel microbench is not in this build: build deltafin with the cargo feature gpu-bench")]
+    GpuMicrobenchNotBuilt,
     /// The model has no routed experts, and the benchmark reads experts.
     #[error("{}: the model has no routed experts", .0.display())]
     NoRoutedExperts(PathBuf),

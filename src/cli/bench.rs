@@ -30,7 +30,8 @@ pub struct KernelArgs {
     /// KDA heads (K3: 96).
     #[arg(long, default_value_t = 96)]
     heads: usize,
-    /// Which kernels: the CPU's, or the GPU's (wgpu; any adapter, lavapipe included).
+    /// Which kernels: the CPU's, or the GPU's (wgpu; any adapter, lavapipe included; only in a
+    /// build with --features gpu-bench, a development tool).
     #[arg(long, value_enum, ignore_case = true, default_value_t = BackendKind::Cpu)]
     backend: BackendKind,
     /// Dispatches averaged per GPU measurement.

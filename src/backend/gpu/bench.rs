@@ -114,7 +114,7 @@ impl Gpu {
     /// its input at binding 2, as the shipped kernels do) unless it has a line `// standalone`;
     /// `// rows_per_group: N` sets its dispatch (default 16); `// trusted` compiles it without
     /// wgpu's injected bounds clamps and loop counters. A development tool
-    /// (`bench kernels --matvec-variants DIR`; `bench/matvec_variants/`).
+    /// (`bench kernels --matvec-variants DIR`; `bench/data/gpu-variants/matvec/`).
     pub fn time_matvec_variants(
         &self,
         dir: &std::path::Path,

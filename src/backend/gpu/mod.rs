@@ -18,6 +18,7 @@
 //! there by the next update or replay, and an MLA latent cache ([`AppendBuf`]) is mirrored there,
 //! so that decode moves only each token's rows and outputs; other activations are not resident.
 
+#[cfg(feature = "gpu-bench")]
 mod bench;
 mod device;
 mod expert_cache;
@@ -27,6 +28,7 @@ mod ops;
 mod profile;
 mod state;
 
+#[cfg(feature = "gpu-bench")]
 pub use bench::VariantTiming;
 
 pub use device::{AdapterSummary, GpuError, fail_readback_in, set_timestamps};
@@ -203,11 +205,13 @@ impl GpuBackend {
 
     /// Seconds per dispatch of the product (weights resident) and of a plain read of the same
     /// bytes, each averaged over `reps` dispatches in one submission (for `bench kernels`).
+    #[cfg(feature = "gpu-bench")]
     pub fn time_product(&self, kind: BenchKind, rows: usize, cols: usize, n: usize, reps: usize) -> (f64, f64) {
         self.gpu.time_product(kind, rows, cols, n, reps)
     }
 
     /// [`Gpu::time_matmul_variants`] (for `bench kernels --matmul-variants`).
+    #[cfg(feature = "gpu-bench")]
     pub fn time_matmul_variants(
         &self,
         dir: &std::path::Path,
@@ -221,11 +225,13 @@ impl GpuBackend {
 
     /// The adapter's measured f32 fused-multiply-adds per second ([`Gpu::fma_peak`], for `bench
     /// kernels`).
+    #[cfg(feature = "gpu-bench")]
     pub fn fma_peak(&self, reps: usize) -> f64 {
         self.gpu.fma_peak(reps)
     }
 
     /// [`Gpu::time_matvec_variants`] (for `bench kernels --matvec-variants`).
+    #[cfg(feature = "gpu-bench")]
     pub fn time_matvec_variants(
         &self,
         dir: &std::path::Path,
@@ -238,6 +244,7 @@ impl GpuBackend {
 }
 
 /// What `time_product` measures.
+#[cfg(feature = "gpu-bench")]
 #[derive(Clone, Copy, Debug)]
 pub enum BenchKind {
     Bf16,

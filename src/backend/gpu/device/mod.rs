@@ -22,12 +22,16 @@ mod timing;
 
 use pipeline::product_shader;
 pub(super) use pipeline::{ComputeLayout, bind_group, shader};
-pub(super) use products::{Chunk, MATVEC_ROWS, MAX_GROUPS, MatvecJob, Params, ROWS_PER_GROUP, XR, f32_bytes};
+pub(super) use products::{Chunk, MatvecJob, f32_bytes};
 pub use products::{Kind, Resident};
 use readback::SPIN_WAIT;
 pub use readback::fail_readback_in;
 pub(super) use readback::{fail_readback_wanted, map_words};
 pub(super) use timing::Stamp;
+
+// The kernel microbench's view of the product kernels' layout.
+#[cfg(feature = "gpu-bench")]
+pub(super) use products::{MATVEC_ROWS, MAX_GROUPS, Params, ROWS_PER_GROUP, XR};
 pub use timing::set_timestamps;
 use timing::timestamps_wanted;
 
@@ -143,9 +147,13 @@ pub struct Gpu {
     products_layout: ComputeLayout,
     pub(super) matmul: wgpu::ComputePipeline,
     pub(super) matvec: wgpu::ComputePipeline,
+    // The plain read and the matmul module serve the kernel microbench only (feature gpu-bench);
+    // built in every build all the same, so that the device opens the same way in both.
+    #[cfg_attr(not(feature = "gpu-bench"), allow(dead_code))]
     pub(super) read_all: wgpu::ComputePipeline,
     fma_probe: wgpu::ComputePipeline,
     /// The compiled `matmul.wgsl`, for the bench's pipelines of its other entry points.
+    #[cfg_attr(not(feature = "gpu-bench"), allow(dead_code))]
     pub(super) matmul_module: wgpu::ShaderModule,
     pub(super) empty: wgpu::Buffer,
     pub summary: AdapterSummary,

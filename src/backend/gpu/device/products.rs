@@ -183,7 +183,9 @@ impl Gpu {
         Resident { rows, cols, stride: cols, bytes: (rows * (pb + sb)) as u64, chunks }
     }
 
-    /// The pipeline of `entry` in `module` on the product kernels' layout.
+    /// The pipeline of `entry` in `module` on the product kernels' layout (for the kernel
+    /// microbench's variants).
+    #[cfg(feature = "gpu-bench")]
     pub(in crate::backend::gpu) fn pipeline_of(
         &self,
         module: &wgpu::ShaderModule,
