@@ -83,9 +83,16 @@ fn every_placement_cache_and_reader_gives_identical_bits() {
                         assert_eq!(r.cache_hits, Some(0), "no cache, no hits");
                     }
                     if cache == 1 << 30 {
-                        // Everything fits: each distinct expert is read exactly once.
+                        // Everything fits: each distinct expert is read once, plus at most one
+                        // second copy per hedged read (a read late on a loaded machine is hedged
+                        // where a mirror holds the expert; the loser may complete unused).
                         let distinct: u64 = r.cache_misses.unwrap();
-                        assert_eq!(r.drives.iter().map(|d| d.reads).sum::<u64>(), distinct);
+                        let hedged = r.hedged_reads.unwrap_or(0);
+                        let reads: u64 = r.drives.iter().map(|d| d.reads).sum();
+                        assert!(
+                            (distinct..=distinct + hedged).contains(&reads),
+                            "{reads} drive reads for {distinct} distinct experts and {hedged} hedged reads"
+                        );
                     }
                     combos += 1;
                 }
