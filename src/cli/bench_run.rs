@@ -60,7 +60,7 @@ pub struct RunBenchArgs {
     out: Option<PathBuf>,
     /// Write the run's expert fetch trace (one [layer, [experts...]] per MoE layer pass, prefill
     /// then decode, and beside each pass of several rows the rows routed to each expert) as JSON,
-    /// for studying cache policies offline (bench/cache_sim.py).
+    /// for studying cache policies offline (the repository's cache simulator replays it).
     #[arg(long, value_name = "FILE")]
     fetch_trace: Option<PathBuf>,
     #[command(flatten)]
