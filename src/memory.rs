@@ -201,3 +201,85 @@ impl MemoryPlan {
         )
     }
 }
+
+/// What `deltafin plan` assumes besides the memory budget.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct PlanInputs {
+    pub memory_bytes: u64,
+    /// Kept for the OS and everything else on the machine.
+    pub os_bytes: u64,
+    /// Tokens of context reserved for one sequence's MLA cache.
+    pub context: usize,
+    /// Prompt rows processed together (activations).
+    pub prefill_rows: usize,
+    /// Sequential read rate of one drive, bytes per second.
+    pub drive_bytes_per_s: f64,
+    /// Escapes per coded value (measured by `pack-trunk` on a trained model's trunk).
+    pub escape_fraction: f64,
+}
+
+/// One trunk encoding's line of the plan.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PlanRow {
+    pub trunk: &'static str,
+    pub exact: bool,
+    pub trunk_bytes: u64,
+    pub state_bytes: u64,
+    pub activation_bytes: u64,
+    pub os_bytes: u64,
+    pub expert_cache_bytes: u64,
+    pub cached_experts: u64,
+    /// Expected hit rate of the expert cache: the fraction of all experts it holds (routes taken
+    /// as uniform; skewed real routes hit more, so this is the pessimistic end).
+    pub hit_rate: f64,
+    /// Decode lower bound in seconds per token for 1, 2, 4 and 8 drives: the routed bytes a token
+    /// misses, read at the drives' combined rate.
+    pub decode_s_per_token: Vec<(usize, f64)>,
+}
+
+/// The memory plan of model `c` under each trunk encoding (bf16, coded, int8).
+pub fn plan_encodings(c: &K3Config, p: &PlanInputs) -> Vec<PlanRow> {
+    let (mats, vec_values) = crate::model::roster::trunk_shapes(c);
+    let vecs = 4 * vec_values as u64;
+    let bf16: u64 = mats.iter().map(|(_, r, k)| (2 * r * k) as u64).sum::<u64>() + vecs;
+    let coded: u64 = mats
+        .iter()
+        .map(|(_, r, k)| {
+            let values = (r * k) as f64;
+            (r * k + r * crate::backend::coded::idx_row(*k) + 4 * (r + 1) + 8) as u64
+                + (values * p.escape_fraction) as u64
+        })
+        .sum::<u64>()
+        + vecs;
+    let int8: u64 = mats.iter().map(|(_, r, k)| (r * k + 4 * r) as u64).sum::<u64>() + vecs;
+    let (fixed, per_token) = SeqState::footprint(c);
+    let state = fixed as u64 + per_token as u64 * p.context as u64;
+    let act = activation_bytes(c, p.prefill_rows);
+    let expert = c.expert_bytes() as u64;
+    let all_experts = (c.moe_layers() * c.experts) as u64;
+    let token_bytes = (c.moe_layers() * c.top_k) as f64 * expert as f64;
+    [("bf16", true, bf16), ("coded", true, coded), ("int8", false, int8)]
+        .into_iter()
+        .map(|(name, exact, trunk)| {
+            let cache = p.memory_bytes.saturating_sub(trunk + state + act + p.os_bytes);
+            let cached = (cache / expert.max(1)).min(all_experts);
+            let hit = cached as f64 / all_experts.max(1) as f64;
+            let decode = [1usize, 2, 4, 8]
+                .into_iter()
+                .map(|n| (n, token_bytes * (1.0 - hit) / (n as f64 * p.drive_bytes_per_s)))
+                .collect();
+            PlanRow {
+                trunk: name,
+                exact,
+                trunk_bytes: trunk,
+                state_bytes: state,
+                activation_bytes: act,
+                os_bytes: p.os_bytes,
+                expert_cache_bytes: cached * expert,
+                cached_experts: cached,
+                hit_rate: hit,
+                decode_s_per_token: decode,
+            }
+        })
+        .collect()
+}

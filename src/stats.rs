@@ -66,6 +66,9 @@ pub struct Stats {
     pub drafter: Option<String>,
     /// The expert source's counters (filled at the end of a run).
     pub source: Option<crate::store::SourceReport>,
+    /// The trunk encoding the engine ran (`bf16`, `coded`, `int8`) and whether that is the shipped
+    /// model bit for bit (int8 is not).
+    pub trunk: Option<(&'static str, bool)>,
     /// Routing counts per (layer, expert), for `--trace-routes`.
     pub routes: std::collections::BTreeMap<u32, Vec<u64>>,
     /// Compute time spent waiting for expert reads, per MoE layer.
@@ -217,6 +220,10 @@ impl Stats {
     pub fn to_json(&self) -> Value {
         let mut v = self.work_json();
         if let Value::Object(m) = &mut v {
+            if let Some((t, exact)) = self.trunk {
+                m.insert("trunk".into(), json!(t));
+                m.insert("exact".into(), json!(exact));
+            }
             m.insert("drafter".into(), json!(self.drafter));
             m.insert("verify_calls".into(), json!(self.verify_calls));
             m.insert("draft_acceptance".into(), json!(self.acceptance()));

@@ -14,7 +14,7 @@ use deltafin::backend::gpu::GpuBackend;
 use deltafin::backend::{
     AppendBuf, Backend, BackendKind, Bf16Mat, CpuBackend, Device, ExpertLayout, Mxfp4Mat, Situ, StateBuf, run_expert,
 };
-use deltafin::cpu::{decode_bf16_row, decode_mxfp4_row, deinterleave_mxfp4_input};
+use deltafin::cpu::{decode_mxfp4_row, deinterleave_mxfp4_input};
 use deltafin::engine::{Engine, EngineConfig, EngineError};
 use deltafin::k3::KdaMode;
 use deltafin::setting::Setting;
@@ -176,7 +176,7 @@ fn products_match(g: &GpuBackend) {
         let dec: Vec<Vec<f32>> = (0..rows)
             .map(|r| {
                 let mut o = vec![0f32; cols];
-                decode_bf16_row(w.row(r), &mut o);
+                w.decode_row(r, &mut o);
                 o
             })
             .collect();

@@ -18,10 +18,12 @@
 //! WGSL kernels from `kernels/` through wgpu. [`open`] picks one for a [`BackendKind`].
 
 pub mod append_buf;
+pub mod coded;
 pub mod cpu;
 pub mod detmath;
 #[cfg(feature = "gpu")]
 pub mod gpu;
+pub mod int8;
 pub mod state_buf;
 pub mod types;
 
@@ -29,7 +31,9 @@ pub use append_buf::AppendBuf;
 use rayon::prelude::*;
 pub use state_buf::StateBuf;
 use std::sync::Arc;
-pub use types::{Bf16Mat, ExpertLayout, HeadIn, MXFP4_BLOCK, MlaDims, Mxfp4Mat, RouteRule, SharedBytes, Situ, Visible};
+pub use types::{
+    Bf16Mat, ExpertLayout, HeadIn, MXFP4_BLOCK, MatStore, MlaDims, Mxfp4Mat, RouteRule, SharedBytes, Situ, Visible,
+};
 
 /// Which backend runs the forward pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, clap::ValueEnum)]

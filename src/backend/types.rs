@@ -7,6 +7,8 @@
 //! state. They describe tensors and operations, never the model that uses them; the CPU kernels'
 //! math on them lives in `cpu/` (e.g. `impl Situ` in `cpu::ops`).
 
+use super::coded::CodedMat;
+use super::int8::Int8Mat;
 use std::sync::Arc;
 
 /// MXFP4 block: 32 inputs share one E8M0 scale byte.
@@ -53,11 +55,23 @@ impl std::fmt::Debug for SharedBytes {
     }
 }
 
-/// A row-major bf16 matrix (little-endian, any alignment), usually a zero-copy view into a mapped
-/// shard that keeps the mapping alive.
+/// How a trunk matrix's values are held (`--trunk`).
+#[derive(Clone, Debug)]
+pub enum MatStore {
+    /// bf16 as shipped (little-endian, any alignment), usually a zero-copy view into a mapped
+    /// shard that keeps the mapping alive.
+    Bf16(SharedBytes),
+    /// Losslessly coded bf16 (`backend::coded`): every row decodes to the original bits.
+    Coded(Arc<CodedMat>),
+    /// int8 with a scale per row (`backend::int8`): **not exact**, opt-in only.
+    Int8(Arc<Int8Mat>),
+}
+
+/// A row-major trunk matrix of bf16 values as shipped — held as bf16, losslessly coded, or (opt-in,
+/// not exact) as int8 — that the kernels read row by row.
 #[derive(Clone, Debug)]
 pub struct Bf16Mat {
-    pub data: SharedBytes,
+    pub store: MatStore,
     pub rows: usize,
     pub cols: usize,
 }
@@ -66,7 +80,7 @@ impl Bf16Mat {
     /// Panics if `data` does not hold exactly `rows * cols` bf16 values (checked by the roster).
     pub fn new(data: SharedBytes, rows: usize, cols: usize) -> Self {
         assert_eq!(data.len(), rows * cols * 2, "bf16 matrix size");
-        Bf16Mat { data, rows, cols }
+        Bf16Mat { store: MatStore::Bf16(data), rows, cols }
     }
 
     /// A matrix over an owned buffer (tests, benchmarks, converted tensors).
@@ -74,24 +88,53 @@ impl Bf16Mat {
         Bf16Mat::new(SharedBytes::from_vec(data), rows, cols)
     }
 
-    #[inline]
-    pub fn row(&self, r: usize) -> &[u8] {
-        &self.data[r * self.cols * 2..(r + 1) * self.cols * 2]
+    /// A coded matrix (its parts checked by whoever built it).
+    pub fn coded(m: Arc<CodedMat>) -> Self {
+        let (rows, cols) = (m.rows, m.cols);
+        Bf16Mat { store: MatStore::Coded(m), rows, cols }
     }
 
-    /// Rows `start..start+n` as a matrix of their own.
-    pub fn rows_slice(&self, start: usize, n: usize) -> Bf16Mat {
-        Bf16Mat::new(self.data.slice(start * self.cols * 2, (start + n) * self.cols * 2), n, self.cols)
+    /// An int8 matrix.
+    pub fn int8(m: Arc<Int8Mat>) -> Self {
+        let (rows, cols) = (m.rows, m.cols);
+        Bf16Mat { store: MatStore::Int8(m), rows, cols }
     }
 
-    /// A stable identity of the matrix's bytes (their address), for backends that keep copies.
+    /// The bf16 bytes of the whole matrix when it is held as bf16.
+    pub fn bf16_bytes(&self) -> Option<&[u8]> {
+        match &self.store {
+            MatStore::Bf16(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// Writes row `r`'s bf16 bytes into `dst` (`2 * cols` bytes): copied, or decoded when coded.
+    /// Panics for an int8 matrix, whose values are not bf16 (the engine refuses `--trunk int8` on
+    /// a backend that would ask).
+    pub fn copy_bf16_row(&self, r: usize, dst: &mut [u8]) {
+        match &self.store {
+            MatStore::Bf16(d) => dst.copy_from_slice(&d[r * self.cols * 2..(r + 1) * self.cols * 2]),
+            MatStore::Coded(c) => c.decode_row_bf16(r, dst),
+            MatStore::Int8(_) => panic!("an int8 trunk matrix has no bf16 rows"),
+        }
+    }
+
+    /// A stable identity of the matrix's storage (its address), for backends that keep copies.
     pub fn id(&self) -> usize {
-        self.data.as_ptr() as usize
+        match &self.store {
+            MatStore::Bf16(d) => d.as_ptr() as usize,
+            MatStore::Coded(c) => Arc::as_ptr(c) as usize,
+            MatStore::Int8(q) => Arc::as_ptr(q) as usize,
+        }
     }
 
-    /// Bytes of the matrix.
+    /// Bytes the matrix holds in memory (its coded size when coded).
     pub fn byte_len(&self) -> usize {
-        self.data.len()
+        match &self.store {
+            MatStore::Bf16(d) => d.len(),
+            MatStore::Coded(c) => c.byte_len(),
+            MatStore::Int8(q) => q.byte_len(),
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! Engine options shared by `run`, `score` and `bench`, mapped one to one onto
 //! [`EngineConfig`] (the library builds the memory plan and the expert source from it).
 
-use crate::engine::{BackendKind, EngineConfig, ExpertHeat, ExpertsFrom, KdaMode};
+use crate::engine::{BackendKind, EngineConfig, ExpertHeat, ExpertsFrom, KdaMode, Trunk};
 use crate::store::reader::ReaderKind;
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
@@ -56,6 +56,11 @@ pub struct EngineArgs {
     /// used. Changes only timing, never the output.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     pub hedge: OnOff,
+    /// How the trunk (everything but the routed experts) is held: auto (coded when `deltafin
+    /// pack-trunk` has coded it, else bf16), bf16 (as shipped), coded (lossless, bit-identical
+    /// output in about 3/4 of the memory), or int8 (per-row absmax: NOT exact, labelled so).
+    #[arg(long, value_enum, default_value_t = Trunk::Auto)]
+    pub trunk: Trunk,
 }
 
 fn parse_heat(s: &str) -> Result<ExpertHeat, String> {
@@ -95,6 +100,7 @@ impl EngineArgs {
             expert_heat: self.expert_heat.clone(),
             hedge: self.hedge == OnOff::On,
             sequences: 1,
+            trunk: self.trunk,
         }
     }
 }

@@ -25,6 +25,14 @@ pub const PLACE: &str = "Examples:
   deltafin place --model DIR --drive /mnt/nvme0=6.5 --drive /mnt/nvme1=6.5 --policy mirror
   deltafin place --model DIR --verify";
 
+pub const PACK_TRUNK: &str = "Examples:
+  deltafin pack-trunk --demo                               code the demo's trunk (70.9% of bf16, same output bits)
+  deltafin pack-trunk --model DIR --json --time-products 5";
+
+pub const PLAN: &str = "Examples:
+  deltafin plan --memory-gb 128                            Kimi K3 on a 128 GB machine, per trunk encoding
+  deltafin plan --memory-gb 192 --context 131072 --json";
+
 pub const BENCH: &str = "Examples:
   deltafin bench kernels                                   CPU kernels at K3's shapes
   deltafin bench run --model DIR --prompt-tokens 512 --decode 16

@@ -8,7 +8,9 @@ mod engine;
 mod help;
 mod load;
 mod names;
+mod pack_trunk;
 mod place;
+mod plan;
 mod plot;
 mod run;
 mod run_args;
@@ -58,6 +60,12 @@ enum Cmd {
     /// Place experts on drives: pack files + placement.json (or --verify an existing placement).
     #[command(after_help = help::PLACE)]
     Place(place::PlaceArgs),
+    /// Code the trunk losslessly into MODEL/trunk-coded/ (used by --trunk coded, the default when present).
+    #[command(after_help = help::PACK_TRUNK)]
+    PackTrunk(pack_trunk::PackTrunkArgs),
+    /// Kimi K3's memory plan on a machine of --memory-gb: trunk per encoding, expert cache, decode bound.
+    #[command(after_help = help::PLAN)]
+    Plan(plan::PlanArgs),
     /// Benchmarks printing one JSON record per run.
     #[command(after_help = help::BENCH)]
     Bench(bench::BenchArgs),
@@ -82,7 +90,7 @@ impl Cmd {
             Cmd::Bench(a) => a.threads(),
             Cmd::Batch(a) => a.threads.threads,
             Cmd::Serve(a) => a.threads.threads,
-            Cmd::Place(_) | Cmd::Setup(_) => None,
+            Cmd::Place(_) | Cmd::Setup(_) | Cmd::PackTrunk(_) | Cmd::Plan(_) => None,
         }
     }
 }
@@ -176,6 +184,8 @@ pub fn main() -> ExitCode {
         Cmd::Score(a) => score::run(a),
         Cmd::Synth(a) => synth::run(a),
         Cmd::Place(a) => place::run(a),
+        Cmd::PackTrunk(a) => pack_trunk::run(a),
+        Cmd::Plan(a) => plan::run(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Setup(a) => setup::run(a),
         Cmd::Serve(a) => serve::run(a),

@@ -6,6 +6,7 @@
 
 use super::KdaArg;
 use super::load;
+use crate::engine::Trunk;
 use crate::engine::perplexity;
 use crate::model::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
@@ -44,9 +45,9 @@ pub struct ScoreArgs {
     #[arg(long, default_value_t = 512, value_parser = parse_window)]
     window: usize,
     /// With --text: compare this model's next-token distributions with BASE's (KL divergence,
-    /// top-1 agreement, both perplexities, llama.cpp's --kl-divergence definitions). BASE is
-    /// `bf16` (this model with its bf16 trunk) or another model directory (`./bf16` for a
-    /// directory of that name).
+    /// top-1 agreement, both perplexities, llama.cpp's --kl-divergence definitions). BASE is a
+    /// trunk encoding of this model (`bf16`, `coded`, `int8`) or another model directory (`./bf16`
+    /// for a directory of that name).
     #[arg(long, value_name = "BASE", requires = "text")]
     compare: Option<PathBuf>,
     /// Output of --text.
@@ -125,9 +126,16 @@ fn progress_bar(len: usize, visible: bool) -> indicatif::ProgressBar {
 fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
     use crate::engine::compare;
     let base_arg = a.compare.clone().unwrap_or_default();
-    let (base_dir, base_label) = match base_arg.to_str() {
-        Some("bf16") => (dir.clone(), "bf16".to_string()),
-        _ => (base_arg.clone(), base_arg.display().to_string()),
+    // BASE is an encoding of this model's trunk, or another model directory.
+    let base_trunk = match base_arg.to_str() {
+        Some("bf16") => Some(Trunk::Bf16),
+        Some("coded") => Some(Trunk::Coded),
+        Some("int8") => Some(Trunk::Int8),
+        _ => None,
+    };
+    let (base_dir, base_label) = match base_trunk {
+        Some(t) => (dir.clone(), t.name().to_string()),
+        None => (base_arg.clone(), base_arg.display().to_string()),
     };
     let text = read_text(path)?;
     let (ids, cfg, tok) = ids_of(&dir, &text)?;
@@ -146,7 +154,9 @@ fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
     let mut scratch = compare::scratch_file().context("cannot create a scratch file for the base's logits")?;
     // One engine at a time: the base's, then the judged one's.
     let base_vocab = {
-        let engine = load::open_engine(a.engine.config(base_dir.clone(), a.kda.into(), window, logits_bytes))?;
+        let mut config = a.engine.config(base_dir.clone(), a.kda.into(), window, logits_bytes);
+        config.trunk = base_trunk.unwrap_or(config.trunk);
+        let engine = load::open_engine(config)?;
         engine.check_tokenizer(&base_tok)?;
         bar.set_message("base");
         compare::base_pass(&engine, &ids, a.window, &mut scratch, &mut |d| bar.set_position(d as u64))
@@ -154,6 +164,7 @@ fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
     };
     let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), window, logits_bytes))?;
     engine.check_tokenizer(&tok)?;
+    let judged_trunk = engine.trunk;
     bar.set_message("judged");
     let per_token = compare::judged_pass(&engine, &ids, a.window, &mut scratch, base_vocab, &mut |d| {
         bar.set_position((predicted + d) as u64)
@@ -166,11 +177,15 @@ fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
             let mut v = serde_json::to_value(&s)?;
             v["model"] = serde_json::json!(dir);
             v["base"] = serde_json::json!(base_label);
+            v["trunk"] = serde_json::json!(judged_trunk.name());
+            v["exact"] = serde_json::json!(judged_trunk.exact());
             v["window"] = serde_json::json!(a.window);
             v["windows"] = serde_json::json!(perplexity::windows(ids.len(), a.window).len());
             println!("{v}");
         }
-        Format::Text => print!("{}", s.table(&dir.display().to_string(), &base_label)),
+        Format::Text => {
+            print!("{}", s.table(&format!("{} (trunk {})", dir.display(), judged_trunk.name()), &base_label))
+        }
     }
     Ok(())
 }

@@ -82,6 +82,11 @@ pub struct SynthArgs {
     /// text for benchmarking drafters).
     #[arg(long)]
     embed_scale: Option<f32>,
+    /// Draw the trunk's bf16 matrices from a trained model's values (per tensor role, scaled to
+    /// the fan-in) instead of uniform random ones: a model directory, or `demo` for the built-in
+    /// trained demo (what the coded trunk's size is measured on).
+    #[arg(long, value_name = "MODEL|demo")]
+    trunk_values_from: Option<PathBuf>,
     /// Write a random DSpark draft model for --target instead (config.json + model.safetensors);
     /// --layers, --mla-heads (attention heads), --dense-inter (MLP width) and --seed apply to it.
     #[arg(long, requires = "target")]
@@ -154,6 +159,9 @@ pub fn run(a: SynthArgs) -> Result<()> {
          head_dim => kda_head_dim, mla_every => mla_every, mla_heads => mla_heads, block => attn_res_block, seed => seed);
     if let Some(x) = a.embed_scale {
         s.embed_scale = x;
+    }
+    if let Some(p) = &a.trunk_values_from {
+        s.trunk_values_from = Some(if p.as_os_str() == "demo" { super::load::demo_dir()? } else { p.clone() });
     }
     if let Some(g) = a.shard_gb {
         s.shard_bytes = (g * 1e9).max(1.0) as u64;

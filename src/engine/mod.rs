@@ -14,12 +14,14 @@ mod facts;
 mod lanes;
 pub mod perplexity;
 pub(crate) mod session;
+pub mod trunk;
 
 pub use batch::{BatchSeq, prefill_passes};
 pub use lanes::Lane;
 pub use session::{GenerateOptions, Generation, Session, StopReason};
 // The settings and errors of the engine's API that are defined further down.
 pub use crate::backend::BackendKind;
+pub use crate::k3::weights::Trunk;
 pub use crate::k3::{ForwardError, KdaMode};
 
 use crate::backend::{DeviceTraffic, OpTime, SequenceState};
@@ -124,6 +126,8 @@ pub struct EngineConfig {
     /// leaves room for this many sequence states.
     #[serde(default)]
     pub sequences: usize,
+    /// How the trunk's bf16 matrices are held (`--trunk`; default coded when packed, else bf16).
+    pub trunk: Trunk,
 }
 
 impl Default for EngineConfig {
@@ -148,6 +152,7 @@ impl Default for EngineConfig {
             expert_heat: ExpertHeat::Off,
             hedge: true,
             sequences: 1,
+            trunk: Trunk::Auto,
         }
     }
 }
@@ -188,6 +193,8 @@ pub enum EngineError {
     Backend(#[from] crate::backend::BackendError),
     #[error(transparent)]
     Hub(#[from] crate::hub::HubError),
+    #[error(transparent)]
+    TrunkPack(#[from] crate::model::trunk_pack::TrunkPackError),
 }
 
 impl From<LoadError> for EngineError {
@@ -207,6 +214,8 @@ pub struct Engine {
     pub ck: Arc<Checkpoint>,
     pub roster: Roster,
     pub model: K3,
+    /// The trunk encoding in use (`EngineConfig::trunk` resolved: never `Auto`).
+    pub trunk: Trunk,
     /// The backend the model computes on, as the engine manages it (description, device expert
     /// cache, counters); the model itself sees only its operations.
     device: Arc<dyn crate::backend::Device>,
@@ -372,9 +381,10 @@ impl Engine {
         let cfg = K3Config::load(&dir)?;
         let ck = Arc::new(Checkpoint::open(&dir)?);
         let roster = Roster::build(&cfg, &ck)?;
+        let trunk = trunk::resolve(&config, &dir)?;
         let device_cache_bytes = config.gpu_cache_gb.map_or(0, |g| (g * 1e9) as u64);
         let backend = crate::backend::open(config.backend, crate::backend::BackendOptions { device_cache_bytes })?;
-        let model = K3::load(cfg.clone(), &ck, &backend)?;
+        let model = trunk::load(trunk, &cfg, &dir, &ck, &backend)?;
         if let Some(l) = &roster.expert_layout {
             backend.plan_experts(l, cfg.moe_layers() * cfg.experts)?;
             if device_cache_bytes > 0 && backend.device_expert_bytes() == 0 {
@@ -396,7 +406,7 @@ impl Engine {
                 mla_token_floats: cfg.kv_lora + cfg.qk_rope,
             });
         }
-        let trunk = model.w.resident_bytes() as u64;
+        let trunk_bytes = model.w.resident_bytes() as u64;
         let draft = match &config.draft_model {
             Some(d) => {
                 Some(Arc::new(DSparkModel::open(d, &cfg, &model.w, Arc::clone(&model.be)).map_err(EngineError::Draft)?))
@@ -443,13 +453,13 @@ impl Engine {
                 let one = fixed as u64 + per_token as u64 * c.max_context.min(32_768) as u64;
                 let reserve = one * config.sequences.max(1) as u64;
                 let committed =
-                    trunk + draft_bytes + staging + reserve + activation_bytes(c, rows) + config.output_bytes;
+                    trunk_bytes + draft_bytes + staging + reserve + activation_bytes(c, rows) + config.output_bytes;
                 (budget.saturating_sub(committed) as f64 * 0.9) as u64
             }
         };
         // Whole slots only, and never more than every expert.
         let cache = cache.checked_div(slot).map_or(0, |n| n.min(n_experts) * slot);
-        let plan = MemoryPlan::new(c, budget, trunk, draft_bytes, cache, staging, rows, config.output_bytes)?;
+        let plan = MemoryPlan::new(c, budget, trunk_bytes, draft_bytes, cache, staging, rows, config.output_bytes)?;
         let (source, store): (Option<Arc<dyn ExpertSource>>, Option<Arc<ExpertStore>>) = match spec {
             None if given.is_some() => (given, None),
             None => match ShardExperts::new(Arc::clone(&ck), &roster) {
@@ -487,7 +497,7 @@ impl Engine {
                 (Some(source), Some(store))
             }
         };
-        Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, device: backend, draft, source, store, plan }))
+        Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, trunk, device: backend, draft, source, store, plan }))
     }
 
     /// A new, empty sequence on this engine.
@@ -550,7 +560,7 @@ impl Engine {
         let random = if crate::model::synth::is_synthetic(&self.dir) { " [RANDOM WEIGHTS]" } else { "" };
         let source = self.source.as_ref().map_or_else(|| "no routed experts".to_string(), |s| s.describe());
         format!(
-            "deltafin: {}{random} | {} layers ({kda} KDA + {} MLA, {dense} dense + {} MoE), {} experts/layer top-{} + {} shared, hidden {}, vocab {} | experts {} on disk, {source} | memory: {} | context <= {} tokens | prefill rows {} | {}{}",
+            "deltafin: {}{random} | {} layers ({kda} KDA + {} MLA, {dense} dense + {} MoE), {} experts/layer top-{} + {} shared, hidden {}, vocab {} | experts {} on disk, {source} | {} | memory: {} | context <= {} tokens | prefill rows {} | {}{}",
             self.dir.display(),
             c.layers,
             c.layers - kda,
@@ -561,6 +571,7 @@ impl Engine {
             c.hidden,
             c.vocab,
             crate::util::human_bytes(self.expert_bytes_total()),
+            self.trunk_label(),
             self.plan.summary(),
             self.plan.context_bound,
             self.config.prefill_rows,

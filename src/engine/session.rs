@@ -62,7 +62,8 @@ pub struct Generation {
 impl Session {
     pub(super) fn new(engine: Arc<Engine>) -> Self {
         let state = engine.model.new_state();
-        Session { engine, state, tokens: Vec::new(), last_logits: None, verifying: None, stats: Stats::default() }
+        let stats = Stats { trunk: Some((engine.trunk.name(), engine.trunk.exact())), ..Stats::default() };
+        Session { engine, state, tokens: Vec::new(), last_logits: None, verifying: None, stats }
     }
 
     pub fn engine(&self) -> &Arc<Engine> {

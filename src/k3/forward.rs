@@ -134,7 +134,7 @@ fn layers(
     let mut embeds = vec![0f32; total * h];
     for (s, r) in batch.iter().zip(&ranges) {
         for (i, &id) in s.tokens.iter().enumerate() {
-            crate::cpu::decode_bf16_row(w.embed.row(id as usize), &mut embeds[(r.start + i) * h..][..h]);
+            w.embed.decode_row(id as usize, &mut embeds[(r.start + i) * h..][..h]);
         }
     }
     let mut res = Residual::new(embeds, h);

@@ -69,7 +69,17 @@ impl K3 {
     /// Loads the trunk of a roster-checked checkpoint (zero-copy views that keep it mapped) and
     /// hands its matrices to the backend once.
     pub fn load(cfg: K3Config, ck: &Checkpoint, device: &Arc<dyn Device>) -> Result<Self, LoadError> {
-        let w = Weights::load(&cfg, ck)?;
+        Self::load_from(cfg, ck, device, &weights::TrunkSource::Bf16)
+    }
+
+    /// [`K3::load`] with the trunk's matrices from `src` (`--trunk`).
+    pub fn load_from(
+        cfg: K3Config,
+        ck: &Checkpoint,
+        device: &Arc<dyn Device>,
+        src: &weights::TrunkSource,
+    ) -> Result<Self, LoadError> {
+        let w = Weights::load_from(&cfg, ck, src)?;
         device.prepare(&w.device_matrices())?;
         let be: Arc<dyn Backend> = device.clone();
         Ok(K3 { cfg, w, be })

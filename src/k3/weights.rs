@@ -1,11 +1,15 @@
-//! The resident trunk: bf16 matrices (zero-copy views that keep the mapped shards alive) and small
-//! vectors converted to f32 once at load. Built only after the roster check has passed.
+//! The resident trunk: its matrices as `--trunk` asks — bf16 (zero-copy views that keep the mapped
+//! shards alive), losslessly coded (from the model's `trunk-coded/` pack, `model::trunk_pack`) or
+//! int8 (quantised at load; not exact) — and small vectors converted to f32 once at load. Built
+//! only after the roster check has passed.
 
 use crate::backend::Bf16Mat;
+use crate::backend::int8::Int8Mat;
 use crate::model::config::{AttnKind, FfnKind};
 use crate::model::roster::{LM_HEAD, layer, top};
 use crate::model::{Checkpoint, K3Config, ModelError};
 use safetensors::tensor::Dtype;
+use std::sync::Arc;
 
 pub struct KdaWeights {
     pub q_proj: Bf16Mat,
@@ -52,11 +56,14 @@ pub struct MoeWeights {
     pub shared: Option<MlpWeights>,
 }
 
+// One per layer, built once: the size difference between variants costs nothing worth a Box.
+#[allow(clippy::large_enum_variant)]
 pub enum Attn {
     Kda(KdaWeights),
     Mla(MlaWeights),
 }
 
+#[allow(clippy::large_enum_variant)]
 pub enum Ffn {
     Dense(MlpWeights),
     Moe(MoeWeights),
@@ -72,6 +79,47 @@ pub struct LayerWeights {
     pub ffn: Ffn,
 }
 
+/// How the trunk's bf16 matrices are held (`--trunk`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Trunk {
+    /// Coded when the model directory has a coded trunk (`deltafin pack-trunk`), else bf16.
+    #[default]
+    Auto,
+    /// bf16 as shipped, mapped from the shards.
+    Bf16,
+    /// Losslessly coded (bit-identical output, about 3/4 of bf16's memory).
+    Coded,
+    /// int8 with a scale per row (per-row absmax): NOT exact, opt-in.
+    Int8,
+}
+
+impl Trunk {
+    pub fn name(self) -> &'static str {
+        match self {
+            Trunk::Auto => "auto",
+            Trunk::Bf16 => "bf16",
+            Trunk::Coded => "coded",
+            Trunk::Int8 => "int8",
+        }
+    }
+
+    /// Whether the model computed is the shipped model, bit for bit.
+    pub fn exact(self) -> bool {
+        self != Trunk::Int8
+    }
+}
+
+/// Where a trunk matrix comes from while loading.
+pub enum TrunkSource<'a> {
+    Bf16,
+    Int8,
+    /// A coded matrix by tensor name (the pack has been checked against the model).
+    Coded(&'a dyn Fn(&str) -> Option<Arc<crate::backend::coded::CodedMat>>),
+    /// bf16, recording each matrix's tensor name in load order (what `pack-trunk` codes).
+    Names(&'a std::cell::RefCell<Vec<String>>),
+}
+
 pub struct Weights {
     pub embed: Bf16Mat,
     pub lm_head: Bf16Mat,
@@ -82,6 +130,7 @@ pub struct Weights {
 
 struct Loader<'a> {
     ck: &'a Checkpoint,
+    src: &'a TrunkSource<'a>,
 }
 
 impl<'a> Loader<'a> {
@@ -103,7 +152,33 @@ impl<'a> Loader<'a> {
                 });
             }
         };
-        Ok(Bf16Mat::new(self.ck.shared_bytes(e), rows, cols))
+        let bf16 = || Bf16Mat::new(self.ck.shared_bytes(e), rows, cols);
+        Ok(match self.src {
+            TrunkSource::Bf16 => bf16(),
+            TrunkSource::Names(names) => {
+                names.borrow_mut().push(name.to_string());
+                bf16()
+            }
+            TrunkSource::Int8 => Bf16Mat::int8(Arc::new(Int8Mat::quantize(self.ck.bytes(e), rows, cols))),
+            TrunkSource::Coded(get) => match get(name) {
+                Some(m) if (m.rows, m.cols) == (rows, cols) => Bf16Mat::coded(m),
+                Some(m) => {
+                    return Err(ModelError::Safetensors {
+                        path: self.ck.dir.join(crate::model::trunk_pack::DIR),
+                        msg: format!(
+                            "coded tensor `{name}` is {} x {}, the checkpoint's {rows} x {cols}",
+                            m.rows, m.cols
+                        ),
+                    });
+                }
+                None => {
+                    return Err(ModelError::Safetensors {
+                        path: self.ck.dir.join(crate::model::trunk_pack::DIR),
+                        msg: format!("the coded trunk has no tensor `{name}`; re-run `deltafin pack-trunk`"),
+                    });
+                }
+            },
+        })
     }
 
     /// Any F32/BF16/F16 tensor, flattened to f32 (exact conversions).
@@ -137,9 +212,14 @@ impl<'a> Loader<'a> {
 }
 
 impl Weights {
-    /// Borrows the trunk from a checkpoint whose roster has been checked.
+    /// Borrows the bf16 trunk from a checkpoint whose roster has been checked.
     pub fn load(c: &K3Config, ck: &Checkpoint) -> Result<Self, ModelError> {
-        let ld = Loader { ck };
+        Self::load_from(c, ck, &TrunkSource::Bf16)
+    }
+
+    /// The trunk with its matrices from `src`.
+    pub fn load_from(c: &K3Config, ck: &Checkpoint, src: &TrunkSource) -> Result<Self, ModelError> {
+        let ld = Loader { ck, src };
         let mut layers = Vec::with_capacity(c.layers);
         for l in 0..c.layers {
             let n = |s: &str| layer(l, s);

@@ -15,6 +15,7 @@ pub mod generation;
 pub mod roster;
 pub mod synth;
 pub mod tokenizer;
+pub mod trunk_pack;
 
 use std::path::PathBuf;
 

@@ -150,6 +150,21 @@ fn ex(name: String, kind: Kind, shape: Vec<usize>) -> Expect {
     Expect { name, kind, shape: Shape::Exact(shape) }
 }
 
+/// The trunk's bf16 matrices as (name, rows, cols), and how many values its small vectors hold
+/// (they are kept as f32): what the trunk weighs under any encoding, without a checkpoint.
+pub fn trunk_shapes(c: &K3Config) -> (Vec<(String, usize, usize)>, usize) {
+    let (mut mats, mut vecs) = (Vec::new(), 0);
+    for x in trunk_expectations(c) {
+        match (x.kind, &x.shape) {
+            (Kind::Bf16, Shape::Exact(s)) if s.len() == 2 => mats.push((x.name, s[0], s[1])),
+            (_, Shape::Exact(s)) => vecs += s.iter().product::<usize>(),
+            (_, Shape::OneOf(v)) => vecs += v.first().map_or(0, |s| s.iter().product::<usize>()),
+            (_, Shape::AtLeast(n)) => vecs += n,
+        }
+    }
+    (mats, vecs)
+}
+
 /// Every tensor the forward pass reads, except routed experts.
 fn trunk_expectations(c: &K3Config) -> Vec<Expect> {
     let h = c.hidden;

@@ -5,8 +5,8 @@
 //! result does not depend on threading. The tests check it against the textbook form (keys and
 //! values expanded through kv_b) in f64.
 
+use super::dot_f32;
 use super::ops::{axpy, softmax_of_products};
-use super::{decode_bf16_row, dot_f32};
 use crate::backend::types::{Bf16Mat, MlaDims, Visible};
 use rayon::prelude::*;
 
@@ -42,7 +42,7 @@ pub fn attention_with(
         let mut q_abs = vec![0f32; lora];
         let mut wrow = vec![0f32; lora];
         for (i, &qi) in q_nope.iter().enumerate() {
-            decode_bf16_row(kv_b.row(hd * (nope + vd) + i), &mut wrow);
+            kv_b.decode_row(hd * (nope + vd) + i, &mut wrow);
             axpy(&mut q_abs, qi, &wrow);
         }
         let len = if visible == Visible::All { all } else { past + t + 1 };
@@ -59,7 +59,7 @@ pub fn attention_with(
             axpy(&mut mixed, ps, &cache[s * lat..s * lat + lora]);
         }
         for (j, o) in out.iter_mut().enumerate() {
-            decode_bf16_row(kv_b.row(hd * (nope + vd) + nope + j), &mut wrow);
+            kv_b.decode_row(hd * (nope + vd) + nope + j, &mut wrow);
             *o = dot_f32(&wrow, &mixed);
         }
     });
@@ -79,7 +79,7 @@ mod tests {
         let tokens = past + n;
         let w = |r: usize| -> Vec<f64> {
             let mut row = vec![0f32; lora];
-            decode_bf16_row(kv_b.row(r), &mut row);
+            kv_b.decode_row(r, &mut row);
             row.into_iter().map(f64::from).collect()
         };
         let mut out = vec![0f64; n * nh * vd];

@@ -9,6 +9,7 @@
 //! "deinterleaved" element order produced by [`deinterleave_mxfp4_input`]; there is never an f32
 //! copy of an expert, only of one weight row at a time in a small scratch buffer.
 
+pub mod coded;
 pub mod kda;
 pub mod mla;
 #[cfg(target_arch = "aarch64")]
@@ -19,7 +20,7 @@ mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-use crate::backend::types::{Bf16Mat, MXFP4_BLOCK, Mxfp4Mat};
+use crate::backend::types::{Bf16Mat, MXFP4_BLOCK, MatStore, Mxfp4Mat};
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
@@ -266,7 +267,14 @@ pub fn matvec_bf16(w: &Bf16Mat, x: &[f32], out: &mut [f32]) {
 
 pub fn matvec_bf16_isa(isa: Isa, w: &Bf16Mat, x: &[f32], out: &mut [f32]) {
     assert_eq!(x.len(), w.cols);
-    matvec_quads(w.rows, w.cols, out, |r| dot4_bf16(isa, r.map(|i| w.row(i)), x));
+    match &w.store {
+        MatStore::Bf16(d) => {
+            let row = |i: usize| &d[i * w.cols * 2..(i + 1) * w.cols * 2];
+            matvec_quads(w.rows, w.cols, out, |r| dot4_bf16(isa, r.map(row), x))
+        }
+        MatStore::Coded(c) => coded::matvec_coded(isa, c, x, out),
+        MatStore::Int8(q) => coded::matvec_int8(isa, q, x, out),
+    }
 }
 
 /// out[r] = W[r] . x for an MXFP4 matrix; `xd` is the deinterleaved input.
@@ -313,7 +321,7 @@ impl RowDecode for Bf16Mat {
         self.cols
     }
     fn decode(&self, r: usize, out: &mut [f32]) {
-        decode_bf16_row(self.row(r), out)
+        self.decode_row(r, out)
     }
 }
 

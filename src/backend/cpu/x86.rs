@@ -440,3 +440,79 @@ pub(super) unsafe fn decode_bf16_row_avx512(row: &[u8], out: &mut [f32]) {
         out[i] = f32::from_bits((u16::from_le_bytes([row[2 * i], row[2 * i + 1]]) as u32) << 16);
     }
 }
+
+// ---- coded trunk rows, decoded in registers ---------------------------------------------------
+
+/// Dots of four coded rows with one f32 vector, each 64-value block decoded into registers
+/// (`coded::decode::block_avx512`) and fed to the FMAs as it comes: the same lanes, values, order
+/// and reduction as [`dot4_bf16_avx512`] on the decoded rows, so the same bits, without the rows
+/// ever being written out. A row's last partial block is decoded by the portable decoder into a
+/// zero-padded buffer, as `dot4_bf16_avx512` pads its tail.
+///
+/// # Safety
+/// Requires avx512f/bw/vbmi/vbmi2, bmi2 and popcnt (`has_avx512_decode`); `m` passed `CodedMat::check`;
+/// every row index is below `m.rows` and `x.len() == m.cols`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512vbmi2,bmi2,popcnt")]
+pub(super) unsafe fn dot4_coded_avx512(m: &crate::backend::coded::CodedMat, rows: [usize; 4], x: &[f32]) -> [f32; 4] {
+    use crate::backend::coded::decode::{BLOCK_VALUES, block_avx512, decode_portable, table_avx512};
+    let n = x.len();
+    let whole = n / BLOCK_VALUES;
+    let parts = rows.map(|r| m.row_parts(r));
+    let tab = table_avx512(&m.table);
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut used = [0usize; 4];
+    // Row by row: each row's lanes see its values in the same order either way, and one row's
+    // accumulator and escape position stay in registers through its blocks.
+    for r in 0..4 {
+        let (sm, idx, esc) = parts[r];
+        let (mut a, mut u) = (acc[r], 0usize);
+        for b in 0..whole {
+            // SAFETY: block b's 64 values are inside the row and x; the row's parts are consistent.
+            unsafe {
+                let xp = x.as_ptr().add(BLOCK_VALUES * b);
+                let (lo, hi) =
+                    block_avx512(tab, sm.as_ptr().add(64 * b), idx.as_ptr().add(24 * b), esc.as_ptr(), &mut u);
+                // Values 16k..16k+16 of the block are byte quarter k: f32 bits = hi << 24 | lo << 16.
+                let w0 = _mm512_or_si512(
+                    _mm512_slli_epi32::<16>(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(lo))),
+                    _mm512_slli_epi32::<24>(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(hi))),
+                );
+                let w1 = _mm512_or_si512(
+                    _mm512_slli_epi32::<16>(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32::<1>(lo))),
+                    _mm512_slli_epi32::<24>(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32::<1>(hi))),
+                );
+                let w2 = _mm512_or_si512(
+                    _mm512_slli_epi32::<16>(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32::<2>(lo))),
+                    _mm512_slli_epi32::<24>(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32::<2>(hi))),
+                );
+                let w3 = _mm512_or_si512(
+                    _mm512_slli_epi32::<16>(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32::<3>(lo))),
+                    _mm512_slli_epi32::<24>(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32::<3>(hi))),
+                );
+                a = _mm512_fmadd_ps(_mm512_castsi512_ps(w0), _mm512_loadu_ps(xp), a);
+                a = _mm512_fmadd_ps(_mm512_castsi512_ps(w1), _mm512_loadu_ps(xp.add(16)), a);
+                a = _mm512_fmadd_ps(_mm512_castsi512_ps(w2), _mm512_loadu_ps(xp.add(32)), a);
+                a = _mm512_fmadd_ps(_mm512_castsi512_ps(w3), _mm512_loadu_ps(xp.add(48)), a);
+            }
+        }
+        (acc[r], used[r]) = (a, u);
+    }
+    let done = whole * BLOCK_VALUES;
+    if done < n {
+        let xb: Vec<f32> = (done..done + BLOCK_VALUES).map(|i| if i < n { x[i] } else { 0.0 }).collect();
+        for r in 0..4 {
+            let (sm, idx, esc) = parts[r];
+            let mut tail = [0u8; 2 * 64];
+            decode_portable(&m.table, &sm[done..], &idx[whole * 24..], &esc[used[r]..], &mut tail[..2 * (n - done)], 0);
+            for k in 0..(n - done).div_ceil(LANES) {
+                // SAFETY: the buffers hold 64 values; chunk k < 4.
+                unsafe {
+                    let xv = _mm512_loadu_ps(xb.as_ptr().add(LANES * k));
+                    acc[r] = _mm512_fmadd_ps(bf16x16_512(tail.as_ptr().add(32 * k)), xv, acc[r]);
+                }
+            }
+        }
+    }
+    // SAFETY: avx512f is enabled for this function.
+    unsafe { acc.map(|a| reduce512(a)) }
+}

@@ -4,7 +4,6 @@
 
 use super::DSparkModel;
 use crate::backend::{AppendBuf, BackendError, MlaDims, Visible};
-use crate::cpu::decode_bf16_row;
 use crate::cpu::ops::sigmoid;
 
 impl DSparkModel {
@@ -73,7 +72,7 @@ impl DSparkModel {
         let mut hs = vec![0f32; n * h];
         for (r, row) in hs.chunks_exact_mut(h).enumerate() {
             let t = if r == 0 { anchor } else { c.mask_token };
-            decode_bf16_row(self.embed.row(t as usize), row);
+            self.embed.decode_row(t as usize, row);
         }
         let dims = MlaDims { heads: nh, nope: c.nope, rope: c.rope, lora: c.kv_lora, v_head: c.v_head };
         let scale = c.softmax_scale() as f32;
@@ -129,7 +128,7 @@ impl DSparkModel {
         let mut emb = vec![0f32; c.markov_rank];
         let mut bias = vec![0f32; v];
         for row in logits.chunks_exact_mut(v) {
-            decode_bf16_row(self.markov_w1.row(prev as usize), &mut emb);
+            self.markov_w1.decode_row(prev as usize, &mut emb);
             be.matmul_bf16(&self.markov_w2, &emb, &mut bias)?;
             add(row, &bias);
             prev = be.argmax(row)?;

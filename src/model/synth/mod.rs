@@ -35,6 +35,8 @@ pub enum SynthError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{} replaces only a model synth wrote, and {}: {why}", Setting::Force, path.display())]
     NotReplaceable { path: PathBuf, why: String },
+    #[error("drawing trunk values from {}: {msg}", path.display())]
+    Trained { path: PathBuf, msg: String },
     #[error("{} has {} free but the model needs {}", dir.display(), crate::util::human_bytes(*have), crate::util::human_bytes(*need))]
     NoSpace { dir: PathBuf, have: u64, need: u64 },
 }
@@ -131,6 +133,11 @@ pub struct SynthSpec {
     /// stream, so greedy decode falls into short cycles (repetitive output, for drafter benchmarks).
     #[serde(skip_serializing_if = "is_unit_scale")]
     pub embed_scale: f32,
+    /// Draw the trunk's bf16 matrices from this trained model's values (per tensor role, scaled by
+    /// a power of two to the fan-in) instead of uniform random values: a K3-shaped trunk whose
+    /// exponent / mantissa distribution is a trained model's (what the coded trunk is measured on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trunk_values_from: Option<PathBuf>,
 }
 
 fn is_unit_scale(x: &f32) -> bool {
@@ -166,6 +173,41 @@ impl SynthSpec {
             seed: 1,
             shard_bytes: 4 << 20,
             embed_scale: 1.0,
+            trunk_values_from: None,
+        }
+    }
+
+    /// Kimi K3's own shape (`/work/shared/K3.md`): 93 layers (69 KDA + 24 MLA, layer 0 dense),
+    /// hidden 7168, vocab 163840, 896 experts top-16 + 2 shared. Too large to write; `deltafin
+    /// plan` parses its config for the memory arithmetic of the real model.
+    pub fn k3() -> Self {
+        SynthSpec {
+            hidden: 7168,
+            layers: 93,
+            vocab: 163_840,
+            attn_res_block: 12,
+            kda_heads: 96,
+            kda_head_dim: 128,
+            conv_width: 4,
+            mla_every: 4,
+            mla_heads: 96,
+            q_lora: 1536,
+            kv_lora: 512,
+            qk_nope: 128,
+            qk_rope: 64,
+            v_head: 128,
+            dense_layers: 1,
+            dense_inter: 33_792,
+            experts: 896,
+            top_k: 16,
+            shared_experts: 2,
+            expert_inter: 3072,
+            expert_latent: 3584,
+            max_context: 1 << 20,
+            seed: 1,
+            shard_bytes: 4 << 30,
+            embed_scale: 1.0,
+            trunk_values_from: None,
         }
     }
 
@@ -198,6 +240,7 @@ impl SynthSpec {
             seed: 1,
             shard_bytes: 4 << 30,
             embed_scale: 1.0,
+            trunk_values_from: None,
         }
     }
 
@@ -407,7 +450,10 @@ fn write_into(spec: &SynthSpec, dir: &Path, progress: &(dyn Fn(u64, u64) + Sync)
     text("chat_template.jinja", SYNTH_CHAT_TEMPLATE)?;
 
     // Pack groups into shards of about `shard_bytes`.
-    let groups = spec.plan();
+    let mut groups = spec.plan();
+    if let Some(from) = &spec.trunk_values_from {
+        tensors::draw_from_trained(&mut groups, from)?;
+    }
     let mut shards: Vec<Vec<TensorPlan>> = vec![Vec::new()];
     let mut size = 0u64;
     for g in groups {

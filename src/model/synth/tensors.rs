@@ -1,7 +1,8 @@
 //! The tensors of a synthetic checkpoint: every tensor K3's layout has for a spec (names, shapes,
 //! dtypes, how each is filled) and the safetensors writer that streams their bytes.
 //!
-//! Contract: a tensor's bytes are a pure function of (seed, tensor name, chunk) — independent of
+//! Contract: a tensor's bytes are a pure function of (seed, tensor name, chunk, and the trained
+//! model its values are drawn from, if any) — independent of
 //! thread count, shard split and write order; a file is written in chunks of `CHUNK` bytes (so
 //! memory does not grow with the model) and fsynced; routed experts come first in a shard and the
 //! data section starts 4 KiB-aligned, so real-size experts need no O_DIRECT widening.
@@ -139,17 +140,26 @@ pub(crate) struct TensorPlan {
     dtype: Dtype,
     shape: Vec<usize>,
     fill: Fill,
+    /// Drawn from a trained tensor's values instead of `fill` (`SynthSpec::trunk_values_from`).
+    trained: Option<Trained>,
+}
+
+/// A trained tensor's bf16 values to draw from, and the power of two they are scaled down by.
+#[derive(Clone)]
+pub(crate) struct Trained {
+    pool: std::sync::Arc<Vec<u16>>,
+    shift: u8,
 }
 
 impl TensorPlan {
     pub(crate) fn bf16(name: String, shape: Vec<usize>, fill: Fill) -> Self {
-        TensorPlan { name, dtype: Dtype::Bf16, shape, fill }
+        TensorPlan { name, dtype: Dtype::Bf16, shape, fill, trained: None }
     }
     pub(crate) fn f32(name: String, shape: Vec<usize>, fill: Fill) -> Self {
-        TensorPlan { name, dtype: Dtype::F32, shape, fill }
+        TensorPlan { name, dtype: Dtype::F32, shape, fill, trained: None }
     }
     fn u8(name: String, shape: Vec<usize>, fill: Fill) -> Self {
-        TensorPlan { name, dtype: Dtype::U8, shape, fill }
+        TensorPlan { name, dtype: Dtype::U8, shape, fill, trained: None }
     }
     fn elem(&self) -> usize {
         match self.dtype {
@@ -186,6 +196,13 @@ impl TensorPlan {
             (_, Fill::Scale(c)) => {
                 out.extend((0..len).map(|_| c.wrapping_add((rng.next_u64() % 3) as u8).wrapping_sub(1)))
             }
+            (Dtype::Bf16, _) if self.trained.is_some() => {
+                let Some(t) = &self.trained else { return out };
+                for _ in 0..len / 2 {
+                    let b = t.pool[(rng.next_u64() % t.pool.len() as u64) as usize];
+                    out.extend_from_slice(&scale_down(b, t.shift).to_le_bytes());
+                }
+            }
             (Dtype::Bf16, f) => {
                 for _ in 0..len / 2 {
                     let x = sample(&mut rng, f);
@@ -201,6 +218,72 @@ impl TensorPlan {
         }
         out
     }
+}
+
+/// `b` (bf16 bits) divided by `2^shift`, exactly where the result is normal (its exponent field
+/// stays above 0); smaller results flush to a signed zero. Zeros, infinities and NaNs stay.
+fn scale_down(b: u16, shift: u8) -> u16 {
+    let e = (b >> 7) & 0xff;
+    match e {
+        0 | 0xff => b,
+        e if e > shift as u16 => (b & 0x807f) | ((e - shift as u16) << 7),
+        _ => b & 0x8000,
+    }
+}
+
+/// The role of a tensor: its name with the layer number taken out.
+fn role(name: &str) -> String {
+    match name.split_once(".layers.") {
+        Some((a, rest)) => match rest.split_once('.') {
+            Some((_, tail)) => format!("{a}.layers.*.{tail}"),
+            None => name.to_string(),
+        },
+        None => name.to_string(),
+    }
+}
+
+/// Makes every bf16 matrix of `groups` that would be uniform random draw its values from the
+/// trained model in `dir` instead: from all of that model's tensors of the same role (the name
+/// without its layer number), else from all its bf16 matrices; scaled down by the power of two
+/// nearest to `sqrt(cols / trained cols)`, as a wider fan-in's initialisation would be. So the
+/// synth trunk has the trained model's per-tensor joint sign / exponent / mantissa distribution.
+pub(crate) fn draw_from_trained(groups: &mut [Vec<TensorPlan>], dir: &Path) -> Result<(), SynthError> {
+    use std::collections::HashMap;
+    use std::sync::Arc;
+    let bad = |msg: String| SynthError::Trained { path: dir.to_path_buf(), msg };
+    let ck = crate::model::Checkpoint::open(dir).map_err(|e| bad(e.to_string()))?;
+    let mut names: Vec<&str> = ck.tensor_names().collect();
+    names.sort_unstable();
+    // role -> (values, cols of the first such tensor)
+    let mut pools: HashMap<String, (Vec<u16>, usize)> = HashMap::new();
+    let mut all: Vec<u16> = Vec::new();
+    let mut all_cols = 0;
+    for n in names {
+        let Some(e) = ck.get(n) else { continue };
+        if e.dtype != safetensors::Dtype::BF16 || e.shape.len() != 2 || e.shape[0] < 2 {
+            continue;
+        }
+        let vals: Vec<u16> = ck.bytes(e).chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+        all.extend_from_slice(&vals);
+        all_cols = all_cols.max(e.shape[1]);
+        let p = pools.entry(role(n)).or_insert_with(|| (Vec::new(), e.shape[1]));
+        p.0.extend(vals);
+    }
+    if all.is_empty() {
+        return Err(bad("it has no bf16 matrices to draw trunk values from".into()));
+    }
+    let all = (Arc::new(all), all_cols);
+    let pools: HashMap<String, (Arc<Vec<u16>>, usize)> =
+        pools.into_iter().map(|(k, (v, c))| (k, (Arc::new(v), c))).collect();
+    for t in groups.iter_mut().flatten() {
+        if t.dtype != Dtype::Bf16 || t.shape.len() != 2 || !matches!(t.fill, Fill::Uniform(_)) {
+            continue;
+        }
+        let (pool, cols) = pools.get(&role(&t.name)).map_or_else(|| all.clone(), |(p, c)| (p.clone(), *c));
+        let shift = (0.5 * (t.shape[1] as f64 / cols as f64).log2()).round().clamp(0.0, 60.0) as u8;
+        t.trained = Some(Trained { pool, shift });
+    }
+    Ok(())
 }
 
 /// Generation chunk (bytes); a multiple of 4 so element boundaries never straddle chunks.

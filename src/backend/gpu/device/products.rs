@@ -137,7 +137,7 @@ impl Gpu {
                 let n = per.min(rows - r0);
                 let mut bytes = vec![0u8; n * stride * 2];
                 for (r, dst) in (r0..r0 + n).zip(bytes.chunks_exact_mut(stride * 2)) {
-                    dst[..cols * 2].copy_from_slice(w.row(r));
+                    w.copy_bf16_row(r, &mut dst[..cols * 2]);
                 }
                 Chunk {
                     row0: r0,
