@@ -13,7 +13,6 @@ use deltafin::k3::KdaMode;
 use deltafin::k3::weights::Trunk;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 
 /// bf16 values shaped like trained weights (a spread of exponents, some far out, some zeros).
@@ -91,7 +90,7 @@ fn linked(src: &Path, tmp: &Path) -> PathBuf {
 }
 
 fn pack(dir: &Path) -> Value {
-    let (out, _) = run_ok(Command::new(bin()).args(["pack-trunk", "--json", "--model"]).arg(dir));
+    let (out, _) = run_ok(deltafin_cmd().args(["pack-trunk", "--json", "--model"]).arg(dir));
     serde_json::from_str(&out).unwrap()
 }
 
@@ -193,7 +192,7 @@ fn int8_is_labelled_not_exact_and_cpu_only() {
     let dir = fixture("k3-tiny-a");
     let stats = tmp.path().join("stats.json");
     let (out, err) = run_ok(
-        Command::new(bin())
+        deltafin_cmd()
             .env("DELTAFIN_CACHE", tmp.path().join("cache"))
             .args(["run", "--model"])
             .arg(&dir)
@@ -210,7 +209,7 @@ fn int8_is_labelled_not_exact_and_cpu_only() {
     let s: Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
     assert_eq!((&s["trunk"], &s["exact"]), (&Value::from("int8"), &Value::from(false)));
     // bf16 is exact and says so.
-    let (out, _) = run_ok(Command::new(bin()).args(["run", "--model"]).arg(&dir).args([
+    let (out, _) = run_ok(deltafin_cmd().args(["run", "--model"]).arg(&dir).args([
         "--prompt-ids",
         "1,2,3",
         "--max-new",
@@ -236,7 +235,7 @@ fn open_gpu_int8(dir: &Path) -> String {
 
 #[test]
 fn the_k3_plan_for_128_gb() {
-    let (out, _) = run_ok(Command::new(bin()).args(["plan", "--memory-gb", "128", "--json"]));
+    let (out, _) = run_ok(deltafin_cmd().args(["plan", "--memory-gb", "128", "--json"]));
     let v: Value = serde_json::from_str(&out).unwrap();
     let plans = v["plans"].as_array().unwrap();
     let get = |t: &str| plans.iter().find(|p| p["trunk"] == t).unwrap();
@@ -254,6 +253,6 @@ fn the_k3_plan_for_128_gb() {
     assert!(bound(coded, 0) < bound(bf16, 0));
     assert!(bound(coded, 1) < bound(coded, 0), "more drives, lower bound");
     // The table names the encodings and marks int8.
-    let (table, _) = run_ok(Command::new(bin()).args(["plan", "--memory-gb", "128"]));
+    let (table, _) = run_ok(deltafin_cmd().args(["plan", "--memory-gb", "128"]));
     assert!(table.contains("int8 (NOT EXACT)") && table.contains("coded"), "{table}");
 }
