@@ -91,12 +91,19 @@ pub fn check_output_path(path: &Path) -> std::io::Result<()> {
 /// link is followed and its target replaced (the link stays); a directory, FIFO, device or socket
 /// is refused, never replaced. An existing file keeps its permissions.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    write_atomic_parts(path, &[bytes])
+}
+
+/// [`write_atomic`] of the concatenation of `parts`, without building it in memory.
+pub fn write_atomic_parts(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
     let target = write_target(path)?;
     let dir = parent_dir(&target);
     let tmp = temp_beside(&target);
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
+        for b in parts {
+            f.write_all(b)?;
+        }
         if let Ok(m) = std::fs::metadata(&target) {
             f.set_permissions(m.permissions())?;
         }

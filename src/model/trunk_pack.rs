@@ -10,8 +10,8 @@
 //!     "parts": [[offset, length] x 4]}]}   (parts: sm, idx, esc_start, esc; offsets from the payload)
 //! ... zero padding to a multiple of 64, then the payload (every part 64-aligned)
 //! ```
-//! Contract: a file exists under its final name only when complete (written as `NAME.partial`,
-//! fsynced, renamed), and `manifest.json` (the model's fingerprint, the files and their sizes) is
+//! Contract: a file exists under its final name only when complete (written to a temporary beside
+//! it, fsynced, renamed), and `manifest.json` (the model's fingerprint, the files and their sizes) is
 //! written the same way after the last one: a trunk without a manifest is unfinished and is not
 //! used. A re-run keeps every file that is whole and of this model (resumable). Reading checks the
 //! magic, the checksum over header and payload, the fingerprint against the model's and every
@@ -21,7 +21,6 @@ use crate::backend::SharedBytes;
 use crate::backend::coded::{CodedMat, CodedParts};
 use memmap2::Mmap;
 use std::collections::HashMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use xxhash_rust::xxh3::xxh3_64;
@@ -90,25 +89,10 @@ fn bad(path: &Path, msg: impl Into<String>) -> TrunkPackError {
     TrunkPackError::Bad { path: path.to_path_buf(), msg: msg.into() }
 }
 
-/// Writes `bytes` to `path` atomically (a `.partial` file, fsynced, renamed, the directory synced).
-pub fn write_atomic(path: &Path, bytes: &[&[u8]]) -> Result<(), TrunkPackError> {
-    let tmp = path.with_extension(format!("{}.partial", path.extension().and_then(|e| e.to_str()).unwrap_or("")));
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
-        for b in bytes {
-            f.write_all(b).map_err(io(&tmp))?;
-        }
-        f.sync_all().map_err(io(&tmp))?;
-        std::fs::rename(&tmp, path).map_err(io(path))?;
-        if let Some(d) = path.parent().and_then(|d| std::fs::File::open(d).ok()) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+/// Writes `parts` to `path` atomically (`util::write_atomic_parts`: a temporary beside it, fsynced,
+/// renamed).
+fn write_atomic(path: &Path, parts: &[&[u8]]) -> Result<(), TrunkPackError> {
+    crate::util::write_atomic_parts(path, parts).map_err(io(path))
 }
 
 /// Codes `tensors` (name, bf16 bytes, rows, cols) of one group into `path`.
