@@ -7,12 +7,14 @@
 #   --experts 128 --hidden 1024 --expert-latent 1024 --expert-inter 2048, 3.1 GiB; limit 1536M)
 set -euo pipefail
 bin=$1 model=$2 out=$3 limit=${4:-1536M}
+# The cgroup's name (CG=NAME to run two tables side by side).
+name=${CG:-batch-table}
 if [ -d /sys/fs/cgroup/memory ]; then
-  cg=/sys/fs/cgroup/memory/batch-table
+  cg=/sys/fs/cgroup/memory/$name
   mkdir -p "$cg"
   echo "$limit" > "$cg/memory.limit_in_bytes"
 else
-  cg=/sys/fs/cgroup/batch-table
+  cg=/sys/fs/cgroup/$name
   mkdir -p "$cg"
   echo "$limit" > "$cg/memory.max"
 fi

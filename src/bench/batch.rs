@@ -8,8 +8,13 @@
 //! tokens). The disk ceiling is measured by the caller's `measure` before prefill, between the
 //! phases and after decode; each phase's bound uses the mean of the two probes around it.
 //! - prefill: `bound_s` = max(union bytes / ceiling, compute), where union bytes are the distinct
-//!   experts the shared passes touched and compute is the batch's measured compute (its wall
-//!   minus the time it waited for reads: every prompt's rows at the rate the kernels ran);
+//!   experts the shared passes touched and compute is the work of every prompt at the rate the
+//!   kernels run on this machine, measured in the same run apart from any read: each (pass,
+//!   expert) of the shared passes at its row count, timed by `Engine::expert_seconds` on a
+//!   resident expert (a few row counts spanning the run's, interpolated between them;
+//!   `expert_kernel_bound_s`), plus the trunk (attention, dense layers, routers, the routed input
+//!   and combine, the output head: phases that never wait for a read, timed as they ran;
+//!   `trunk_s`). Not the wall minus the read waits, which is the bound by construction;
 //! - decode: `bound_s` = the union-read bound summed over steps: each step's per-layer union of
 //!   the active sequences' experts (the recorded routes) x expert bytes / ceiling.
 //!
@@ -100,12 +105,16 @@ pub fn run(
     let m = |measure: &mut dyn FnMut() -> Result<Option<f64>, String>| measure().map_err(BatchBenchError::Ceiling);
     let c0 = m(measure)?;
     let read0 = engine.source_report().expert_bytes_read.unwrap_or(0);
+    let rss_before = reset_peak_rss();
     let t0 = Instant::now();
     let pre = {
         let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
         engine.prefill_sessions(&mut refs, &lists)?
     };
     let prefill_wall = t0.elapsed().as_secs_f64();
+    let peak_rss = proc_status_bytes("VmHWM:");
+    // A device backend's operations during the prefill (empty on the CPU).
+    let prefill_ops = engine.op_times();
     let read1 = engine.source_report().expert_bytes_read.unwrap_or(0);
     let first_logits: Vec<Vec<f32>> =
         sessions.iter().map(|s| s.logits().map(<[f32]>::to_vec).unwrap_or_default()).collect();
@@ -137,7 +146,15 @@ pub fn run(
     let prefill_ceiling = mean(c0, c1);
     let decode_ceiling = mean(c1, c2);
     let union_bytes = pre.expert_bytes_unique();
-    let compute = (prefill_wall - pre.read_wait_s).max(0.0);
+    let rate = kernel_rate(&engine, &pre.fetch_rows)?;
+    // Phases of the trunk (none waits for a read); the expert phases less the kernels themselves
+    // are the routed input, the setup of each layer's experts and the combine.
+    let trunk_s = pre.attention_s
+        + pre.dense_mlp_s
+        + pre.router_s
+        + pre.other_s
+        + (pre.expert_kernel_s - pre.moe_experts_s).max(0.0);
+    let compute = rate.as_ref().map_or((prefill_wall - pre.read_wait_s).max(0.0), |r| r.bound_s + trunk_s);
     let prefill_read_s = prefill_ceiling.map(|c| union_bytes as f64 / (c * 1e9));
     let prefill_bound = prefill_read_s.map(|r| r.max(compute));
     let steps = dec.forward_calls;
@@ -166,6 +183,13 @@ pub fn run(
                 "ratio": prefill_bound.map(|b| prefill_wall / b),
                 "read_bound_s": prefill_read_s,
                 "compute_s": compute,
+                "expert_kernel_bound_s": rate.as_ref().map(|r| r.bound_s),
+                "trunk_s": trunk_s,
+                "expert_rate_points": rate.as_ref().map(|r| &r.points),
+                "expert_rows": pre.expert_rows,
+                "peak_rss_bytes": peak_rss,
+                "rss_before_bytes": rss_before,
+                "ops": (!prefill_ops.is_empty()).then_some(&prefill_ops),
                 "read_wait_s": pre.read_wait_s,
                 "expert_kernel_s": pre.expert_kernel_s,
                 "attention_s": pre.attention_s,
@@ -195,6 +219,59 @@ pub fn run(
             "output_ids": gens.iter().map(|g| &g.tokens).collect::<Vec<_>>(),
         }),
     ))
+}
+
+/// The expert kernels' measured time for a run's passes: `points` (rows, seconds of one expert)
+/// and `bound_s`, every (pass, expert) at its rows.
+struct KernelRate {
+    points: Vec<(usize, f64)>,
+    bound_s: f64,
+}
+
+/// Repetitions of each timed row count (the median is taken).
+const RATE_REPS: usize = 3;
+
+/// Times one expert at row counts spanning `fetch_rows` (the rows of each expert of each pass):
+/// powers of two from the fewest to the most rows, and the most; every (pass, expert) then costs
+/// the time interpolated linearly between the two nearest counts. None without routed experts.
+fn kernel_rate(engine: &Engine, fetch_rows: &[Vec<u32>]) -> Result<Option<KernelRate>, BatchBenchError> {
+    let all: Vec<usize> = fetch_rows.iter().flatten().map(|&m| m as usize).filter(|&m| m > 0).collect();
+    let (Some(&lo), Some(&hi)) = (all.iter().min(), all.iter().max()) else { return Ok(None) };
+    let mut grid: Vec<usize> =
+        std::iter::successors(Some(1usize), |m| Some(m * 2)).take_while(|&m| m < hi).filter(|&m| 2 * m > lo).collect();
+    grid.push(hi);
+    let Some(secs) = engine.expert_seconds(&grid, RATE_REPS).map_err(ForwardError::from)? else { return Ok(None) };
+    let points: Vec<(usize, f64)> = grid.into_iter().zip(secs).collect();
+    let at = |m: usize| -> f64 {
+        let i = points.partition_point(|&(g, _)| g < m);
+        match (i.checked_sub(1).map(|j| points[j]), points.get(i)) {
+            (_, Some(&(g, t))) if g == m => t,
+            (Some((g0, t0)), Some(&(g1, t1))) => t0 + (t1 - t0) * (m - g0) as f64 / (g1 - g0) as f64,
+            // Below the smallest count (1 when any pass has one row): scaled down from it.
+            (None, Some(&(g1, t1))) => t1 * m as f64 / g1 as f64,
+            (Some((_, t)), None) => t,
+            (None, None) => 0.0,
+        }
+    };
+    let bound_s = all.iter().map(|&m| at(m)).sum();
+    Ok(Some(KernelRate { points, bound_s }))
+}
+
+/// A `/proc/self/status` line's value in bytes (`VmHWM:`, `VmRSS:`); None where there is none.
+fn proc_status_bytes(key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
+    let kb: u64 = line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Resets the process's peak resident set to its current one (Linux: `5` to
+/// `/proc/self/clear_refs`), so that `VmHWM` after the prefill is the prefill's peak; returns
+/// the resident set now.
+fn reset_peak_rss() -> Option<u64> {
+    // Where the kernel refuses, VmHWM stays the process's peak so far: still an upper bound.
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    proc_status_bytes("VmRSS:")
 }
 
 /// The number of shared prefill passes `prompts` take on `engine`.

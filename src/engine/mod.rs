@@ -11,6 +11,7 @@
 mod batch;
 pub mod compare;
 mod facts;
+mod kernel_rate;
 mod lanes;
 pub mod perplexity;
 pub(crate) mod session;

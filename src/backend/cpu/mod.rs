@@ -459,7 +459,81 @@ pub fn matmul_mxfp4_isa(isa: Isa, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
     if xds.len() == w.cols {
         return matvec_mxfp4_isa(isa, w, xds, out);
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && xds.len() <= REG_MAX_ROWS * w.cols {
+        return matmul_mxfp4_regs(w, xds, out);
+    }
     matmul_decoded(isa, w, xds, out)
+}
+
+/// Input rows up to which an MXFP4 product decodes its weights in registers
+/// ([`matmul_mxfp4_regs`]); above, a band decoded once into f32 serves the rows
+/// ([`matmul_decoded`]): a decode step's few rows of an expert. Each quad of inputs decodes the
+/// weights again, so past a few quads the band decoded once wins.
+const REG_MAX_ROWS: usize = 8;
+/// Weight rows per task of [`matmul_mxfp4_regs`].
+const REG_WROWS: usize = 64;
+
+/// out[i, r] = W[r] . xds[i] for a few input rows (a decode step's rows of one expert): each
+/// quad of weight rows is decoded in registers once per quad of input rows and applied to all
+/// of them ([`x86::dot4xn_mxfp4_avx512`]), so the weights are neither decoded per input row nor
+/// written out as f32; each element bit-identical to the one-row product.
+#[cfg(target_arch = "x86_64")]
+fn matmul_mxfp4_regs(w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
+    let (rows, cols) = (w.rows, w.cols);
+    assert_eq!(xds.len() % cols, 0);
+    assert_eq!(cols % MXFP4_BLOCK, 0);
+    let n = xds.len() / cols;
+    assert_eq!(out.len(), n * rows);
+    if n == 0 || rows == 0 {
+        return;
+    }
+    let band = |b: usize| {
+        let r0 = b * REG_WROWS;
+        let nr = REG_WROWS.min(rows - r0);
+        // [nr, n]: this band's outputs, scattered into `out` below.
+        let mut res = vec![0f32; nr * n];
+        for q in (0..nr).step_by(4) {
+            let nw = 4.min(nr - q);
+            // A short quad repeats its last row (the extra results are dropped).
+            let wr: [(&[u8], &[u8]); 4] = std::array::from_fn(|k| w.row(r0 + q + k.min(nw - 1)));
+            for i in (0..n).step_by(4) {
+                let x = |k: usize| &xds[(i + k) * cols..][..cols];
+                let mut put = |d: &[[f32; 4]; 4], nx: usize| {
+                    for (a, da) in d.iter().enumerate().take(nw) {
+                        res[(q + a) * n + i..][..nx].copy_from_slice(&da[..nx]);
+                    }
+                };
+                // SAFETY: Isa::Avx512 is only chosen when avx512f was detected; every input is
+                // `cols` long, a multiple of 32, as is every weight row.
+                unsafe {
+                    match n - i {
+                        1 => put(&x86::dot4xn_mxfp4_avx512::<1>(wr, [x(0)]).map(|r| [r[0], 0.0, 0.0, 0.0]), 1),
+                        2 => put(&x86::dot4xn_mxfp4_avx512::<2>(wr, [x(0), x(1)]).map(|r| [r[0], r[1], 0.0, 0.0]), 2),
+                        3 => put(
+                            &x86::dot4xn_mxfp4_avx512::<3>(wr, [x(0), x(1), x(2)]).map(|r| [r[0], r[1], r[2], 0.0]),
+                            3,
+                        ),
+                        _ => put(&x86::dot4xn_mxfp4_avx512::<4>(wr, [x(0), x(1), x(2), x(3)]), 4),
+                    }
+                }
+            }
+        }
+        (r0, res)
+    };
+    let nb = rows.div_ceil(REG_WROWS);
+    let bands: Vec<(usize, Vec<f32>)> = if rows * cols * n < PAR_MIN_WORK {
+        (0..nb).map(band).collect()
+    } else {
+        (0..nb).into_par_iter().map(band).collect()
+    };
+    for (r0, res) in bands {
+        for (rr, vals) in res.chunks_exact(n).enumerate() {
+            for (i, &v) in vals.iter().enumerate() {
+                out[i * rows + r0 + rr] = v;
+            }
+        }
+    }
 }
 
 /// Plain f32 dot product with the kernels' fixed operation order (used for attention scores).

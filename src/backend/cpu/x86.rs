@@ -214,6 +214,41 @@ pub(super) unsafe fn dot4_mxfp4_avx512(w: [(&[u8], &[u8]); 4], xd: &[f32]) -> [f
     unsafe { acc.map(|a| reduce512(a)) }
 }
 
+/// Dots of four MXFP4 weight rows with `NX` deinterleaved input rows: out[r][i] = w[r] . x[i].
+/// Each 32-input block of a weight row is decoded into registers once and applied to every input
+/// row (no f32 copy of the weights, no decode per input row); each output is the same lanes,
+/// values, operations and reduction as [`dot4_mxfp4_avx512`] on that input alone.
+///
+/// # Safety
+/// Requires avx512f; every `x[i].len()` is the same multiple of 32 and matches every row (2 codes
+/// a byte, one scale per 32 inputs).
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn dot4xn_mxfp4_avx512<const NX: usize>(w: [(&[u8], &[u8]); 4], x: [&[f32]; NX]) -> [[f32; NX]; 4] {
+    // SAFETY: E2M1 holds 16 f32.
+    let lut = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
+    let low = _mm512_set1_epi32(15);
+    let mut acc = [[_mm512_setzero_ps(); NX]; 4];
+    let xp = x.map(|r| r.as_ptr());
+    for b in 0..x[0].len() / 32 {
+        // SAFETY: block b lies inside every input (32 floats) and every row (16 bytes, 1 scale).
+        unsafe {
+            let xe: [__m512; NX] = std::array::from_fn(|i| _mm512_loadu_ps(xp[i].add(b * 32)));
+            let xo: [__m512; NX] = std::array::from_fn(|i| _mm512_loadu_ps(xp[i].add(b * 32 + 16)));
+            for r in 0..4 {
+                let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(w[r].0.as_ptr().add(b * 16) as *const __m128i));
+                let s = _mm512_set1_ps(e8m0(w[r].1[b]));
+                let lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, low), lut), s);
+                let hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut), s);
+                for i in 0..NX {
+                    acc[r][i] = _mm512_fmadd_ps(hi, xo[i], _mm512_fmadd_ps(lo, xe[i], acc[r][i]));
+                }
+            }
+        }
+    }
+    // SAFETY: avx512f is enabled for this function.
+    std::array::from_fn(|r| std::array::from_fn(|i| unsafe { reduce512(acc[r][i]) }))
+}
+
 // ---- AVX2 ---------------------------------------------------------------------------------
 
 #[target_feature(enable = "avx2")]
