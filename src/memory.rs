@@ -41,7 +41,7 @@ pub struct BudgetError {
 }
 
 /// Sequences that do not fit in the memory budget together (see [`MemoryPlan::sequences_fit`]).
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[error(
     "{count} sequences of {tokens} tokens in all need {} of sequence state together, but the memory budget {} leaves {} beside the trunk, expert cache and activations (run fewer sequences together or shorter ones, or raise {})",
     human_bytes(*need), human_bytes(*budget), human_bytes(*free), crate::setting::Setting::MemoryGb

@@ -219,3 +219,46 @@ fn parallel_answers_equal_serial_ones_and_resume_after_kill_9() {
         assert_eq!(got[id].get("text"), w.get("text"), "{id}");
     }
 }
+
+#[test]
+fn drafts_in_a_running_batch_give_each_answer_alone_on_the_demo_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in.jsonl");
+    let starts = ["The ship", "In the beginning", "It is a truth", "Fellow citizens", "Call me", "And the Lord"];
+    let lines: Vec<String> = (0..10)
+        .map(|i| {
+            let sampled =
+                if i % 2 == 1 { format!(r#", "temperature": 0.8, "seed": {i}, "logprobs": 2"#) } else { String::new() };
+            format!(r#"{{"id": "d{i}", "prompt": "{} {i}", "max_tokens": {}{sampled}}}"#, starts[i % 6], 16 + 4 * i)
+        })
+        .collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let demo = |out: &Path, extra: &[&str]| {
+        let mut c = deltafin_cmd();
+        c.args(["batch", "--demo", "--temperature", "0", "-q", "--in"]).arg(&input).arg("--out").arg(out).args(extra);
+        run_ok(&mut c).1
+    };
+    let serial = tmp.path().join("serial.jsonl");
+    demo(&serial, &[]);
+    let want = by_id(&records(&serial));
+    assert_eq!(want.len(), 10);
+    for n in ["1", "3", "8"] {
+        let out = tmp.path().join(format!("p{n}.jsonl"));
+        let err = demo(&out, &["--parallel", n, "--draft", "dspark"]);
+        assert!(err.contains("10 done, 0 errors"), "{err}");
+        let got = by_id(&records(&out));
+        assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+        for (id, w) in &want {
+            for k in ["text", "finish_reason", "usage", "logprobs"] {
+                assert_eq!(got[id].get(k), w.get(k), "--parallel {n} --draft dspark, {id}: {k}");
+            }
+        }
+        let accepted: u64 = got.values().map(|r| r["deltafin"]["drafts_accepted"].as_u64().unwrap()).sum();
+        assert!(accepted > 0, "--parallel {n}: no draft accepted");
+        if n != "1" {
+            // Shared reads are labelled so, never counted as one request's own.
+            let r = &got["\"d0\""]["deltafin"];
+            assert!(r["bytes_read"].is_null() && r["shared"]["forwards"].as_u64().unwrap() > 0, "{r}");
+        }
+    }
+}

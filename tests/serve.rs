@@ -3,7 +3,7 @@
 //! seeds, strict errors, auth), `curl -N` for the SSE framing, concurrent clients for the queue
 //! and 429, a client that disconnects, limits and garbage that must not wedge the server,
 //! conversation reuse, the memo and drafts (identical output to a server without them, counters
-//! showing the reuse), SIGTERM, and the chat page in headless Chromium. Tests that need curl or Chromium skip, saying so,
+//! showing the reuse), 16 concurrent streams in one running batch (drafting on the demo model too), SIGTERM, and the chat page in headless Chromium. Tests that need curl or Chromium skip, saying so,
 //! where the machine lacks them (`DELTAFIN_REQUIRE_CHROMIUM=1` / `DELTAFIN_REQUIRE_CURL=1` make that a
 //! failure; `.ci/run` installs Chromium and sets the first).
 
@@ -43,9 +43,19 @@ struct Server {
 
 impl Server {
     fn start(extra: &[&str]) -> Server {
+        let model = ["--model".to_string(), model_dir().display().to_string()];
+        Server::start_on(&model, extra)
+    }
+
+    /// A server of the trained demo model (`--demo`), named as the client expects.
+    fn start_demo(extra: &[&str]) -> Server {
+        Server::start_on(&["--demo".into(), "--model-name".into(), MODEL.into()], extra)
+    }
+
+    fn start_on(model: &[String], extra: &[&str]) -> Server {
         let mut child = deltafin_cmd()
-            .args(["serve", "--model"])
-            .arg(model_dir())
+            .arg("serve")
+            .args(model)
             .args(["--port", "0", "--prefill-rows", "256", "--memory-gb", "2", "-q"])
             .args(extra)
             .stdout(Stdio::null())
@@ -185,6 +195,28 @@ fn sixteen_concurrent_streams_run_in_one_batch_each_as_if_alone() {
     // Started together, they joined one running batch (each answer says the most that shared a step with it).
     let peak = b.iter().map(|x| x["batch"].as_u64().unwrap()).max().unwrap();
     assert_eq!(peak, 16, "{batched}");
+}
+
+#[test]
+fn drafts_in_a_running_batch_answer_each_stream_as_alone_on_the_demo_model() {
+    // 16 streams, 8 at a time, each drafting with the demo's DSpark drafter.
+    let batched: serde_json::Value = {
+        let s = Server::start_demo(&["--parallel", "8", "--queue", "8", "--draft", "dspark"]);
+        serde_json::from_str(s.client("parallel", None).trim()).unwrap()
+    };
+    let alone: serde_json::Value = {
+        let s = Server::start_demo(&["--no-reuse"]);
+        serde_json::from_str(s.client("alone", None).trim()).unwrap()
+    };
+    let (b, a) = (batched.as_array().unwrap(), alone.as_array().unwrap());
+    assert_eq!(b.len(), 16);
+    for (i, (x, y)) in b.iter().zip(a).enumerate() {
+        for k in ["text", "finish", "logprobs"] {
+            assert_eq!(x[k], y[k], "request {i}: {k} differs from the request served alone without drafts");
+        }
+    }
+    let peak = b.iter().map(|x| x["batch"].as_u64().unwrap()).max().unwrap();
+    assert_eq!(peak, 8, "{batched}");
 }
 
 #[test]

@@ -9,16 +9,18 @@
 //! line gets an error record (`{"id", "line", "error": {...}}`) and the batch goes on. `-` is
 //! standard input / standard output. Progress (done, rate, ETA) goes to stderr.
 //!
-//! `--parallel N` runs up to N requests together (`Generator::generate_batch`): their prompts
-//! in shared expert-major passes and their answers in lockstep, each layer's experts read once
-//! for all of them; every answer is the one it gets alone. Results are written as each group
-//! finishes, so a kill loses at most the running group (rerun redoes it). The group's sequence
-//! states must fit in the memory budget together, else the batch stops with a message naming it.
+//! `--parallel N` runs up to N requests as a running batch (`serve::records::run_lanes`, the
+//! engine's lane driver): each step reads each layer's experts once for all of them; when one
+//! finishes its result is written and the next request joins at the next step, its prompt's
+//! rows in the same forward as the running ones' decode rows (and, with `--draft`, their verify
+//! rows). Every answer is the one it gets alone. Results come in the order requests finish; a kill
+//! loses only the running requests (a rerun redoes them). A request whose sequence state cannot
+//! fit the memory budget even alone stops the batch with a message naming the budget.
 
 use super::load;
 use crate::serve::api::{self, ApiError, ParseContext};
 use crate::serve::generator::{GenConfig, GenError, Generator};
-use crate::serve::records::{Waiting, error_record, group_records, result_record};
+use crate::serve::records::{Line, Waiting, error_record, result_record, run_lanes};
 use crate::spec::DraftKind;
 use anyhow::{Context, Result};
 use clap::Args;
@@ -59,8 +61,9 @@ pub struct BatchArgs {
     /// Do not reuse the previous request's session when a prompt extends it.
     #[arg(long)]
     pub no_reuse: bool,
-    /// Requests run together (prompts prefilled in shared passes, answers decoded in lockstep:
-    /// one read of each layer's experts for all of them); answers are identical to 1's.
+    /// Requests run together as a running batch (one read of each layer's experts a step for all
+    /// of them; the next request joins when one finishes; drafts work per request); answers are
+    /// identical to 1's.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
     pub parallel: u64,
     #[command(flatten)]
@@ -117,7 +120,7 @@ struct Results {
 }
 
 impl Results {
-    fn write(&mut self, record: &Value) -> Result<()> {
+    fn write(&mut self, record: &Value) -> std::io::Result<()> {
         if record.get("error").is_some() {
             self.errors += 1;
         } else {
@@ -133,17 +136,7 @@ impl Results {
                 o.write_all(text.as_bytes()).and_then(|_| o.flush())
             }
         }
-        .context("cannot write a result")
     }
-}
-
-/// Runs a group of requests together and writes their records.
-fn run_group(generator: &mut Generator, group: &mut Vec<Waiting>, out: &mut Results) -> Result<()> {
-    for r in &group_records(generator, group)? {
-        out.write(r)?;
-    }
-    group.clear();
-    Ok(())
 }
 
 pub fn run(mut a: BatchArgs) -> Result<()> {
@@ -164,12 +157,6 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
             a.parallel,
             a.parallel,
             a.engine.prefill_rows
-        );
-    }
-    if a.parallel > 1 && a.draft != DraftKind::Off {
-        anyhow::bail!(
-            "--parallel {} runs without drafts (drafts per sequence in a batch are not built yet): leave out --draft or use --parallel 1",
-            a.parallel
         );
     }
     let file = if is_std(&a.output) {
@@ -209,82 +196,92 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     let mut out = Results { file, ok: 0, errors: 0 };
     let mut skipped = 0u64;
     let parallel = a.parallel as usize;
-    let mut group: Vec<Waiting> = Vec::with_capacity(parallel);
     let mut seen: HashSet<String> = HashSet::new();
-    for (n, line) in todo {
-        bar.inc(1);
-        let record = match serde_json::from_str::<Value>(line) {
-            Err(e) => {
-                if done_lines.contains(&n) {
+    let enc = generator.encoder();
+    let mut todo = todo.into_iter();
+    // The walk over the input: each line's record or checked request, skipping what is done.
+    let mut walk = || -> Option<Line> {
+        loop {
+            let (n, line) = todo.next()?;
+            bar.inc(1);
+            let v = match serde_json::from_str::<Value>(line) {
+                Err(_) if done_lines.contains(&n) => {
                     skipped += 1;
                     continue;
                 }
-                error_record(
-                    &Value::Null,
-                    n,
-                    &ApiError::new(400, "invalid_request_error", "invalid_json", format!("line {n} is not JSON: {e}")),
-                )
-            }
-            Ok(v) => {
-                let (id, req) = api::parse_batch_line(&v, &ctx);
-                // Records carry the id as given (a string or a number).
-                let id_val = v.get("id").filter(|_| id.is_some()).cloned().unwrap_or(Value::Null);
-                match (&id, req) {
-                    (Some(id), _) if done_ids.contains(id) => {
-                        skipped += 1;
-                        continue;
-                    }
-                    (None, _) if done_lines.contains(&n) => {
-                        skipped += 1;
-                        continue;
-                    }
-                    (_, Err(e)) => error_record(&id_val, n, &e),
-                    (Some(id), Ok(_)) if !seen.insert(id.clone()) => error_record(
-                        &id_val,
-                        n,
-                        &ApiError::invalid("id", format!("id {id} appears twice in the input")),
-                    ),
-                    (Some(_), Ok(mut req)) if parallel > 1 => {
-                        req.max_tokens = req.max_tokens.or(Some(a.max_tokens));
-                        match generator.encoder().prepare(&req) {
-                            Ok(p) => {
-                                group.push(Waiting { id: id_val, line: n, req, prepared: p });
-                                if group.len() >= parallel {
-                                    run_group(&mut generator, &mut group, &mut out)?;
-                                    bar.set_message(format!("{} errors", out.errors));
-                                }
-                                continue;
-                            }
-                            Err(e) => error_record(&id_val, n, &e),
-                        }
-                    }
-                    (Some(_), Ok(mut req)) => {
-                        req.max_tokens = req.max_tokens.or(Some(a.max_tokens));
-                        match generator.generate(&req, 0.0, &mut |_| true) {
-                            Ok(out) => {
-                                let tt = |t| generator.token_text(t);
-                                result_record(&id_val, n, &out, req.logprobs.is_some(), &tt)
-                            }
-                            Err(GenError::Request(e)) => error_record(&id_val, n, &e),
-                            Err(e) => error_record(
-                                &id_val,
-                                n,
-                                &ApiError::new(500, "server_error", "generation_failed", e.to_string()),
-                            ),
-                        }
-                    }
-                    (None, Ok(_)) => error_record(&Value::Null, n, &ApiError::invalid("id", "the line has no id")),
+                Err(e) => {
+                    let e = ApiError::new(
+                        400,
+                        "invalid_request_error",
+                        "invalid_json",
+                        format!("line {n} is not JSON: {e}"),
+                    );
+                    return Some(Line::Record(error_record(&Value::Null, n, &e)));
                 }
-            }
+                Ok(v) => v,
+            };
+            let (id, req) = api::parse_batch_line(&v, &ctx);
+            // Records carry the id as given (a string or a number).
+            let id_val = v.get("id").filter(|_| id.is_some()).cloned().unwrap_or(Value::Null);
+            let record = match (&id, req) {
+                (Some(id), _) if done_ids.contains(id) => {
+                    skipped += 1;
+                    continue;
+                }
+                (None, _) if done_lines.contains(&n) => {
+                    skipped += 1;
+                    continue;
+                }
+                (_, Err(e)) => error_record(&id_val, n, &e),
+                (Some(id), Ok(_)) if !seen.insert(id.clone()) => {
+                    error_record(&id_val, n, &ApiError::invalid("id", format!("id {id} appears twice in the input")))
+                }
+                (Some(_), Ok(mut req)) => {
+                    req.max_tokens = req.max_tokens.or(Some(a.max_tokens));
+                    match enc.prepare(&req) {
+                        Ok(p) => return Some(Line::Job(Box::new(Waiting { id: id_val, line: n, req, prepared: p }))),
+                        Err(e) => error_record(&id_val, n, &e),
+                    }
+                }
+                (None, Ok(_)) => error_record(&Value::Null, n, &ApiError::invalid("id", "the line has no id")),
+            };
+            return Some(Line::Record(record));
+        }
+    };
+    let stats = if parallel > 1 {
+        let mut write = |r: &Value| {
+            out.write(r)?;
+            bar.set_message(format!("{} errors", out.errors));
+            Ok(())
         };
-        out.write(&record)?;
-        bar.set_message(format!("{} errors", out.errors));
-    }
-    run_group(&mut generator, &mut group, &mut out)?;
+        Some(run_lanes(&mut generator, parallel, &mut walk, &mut write)?)
+    } else {
+        while let Some(l) = walk() {
+            let record = match l {
+                Line::Record(r) => r,
+                Line::Job(w) => match generator.generate_prepared(&w.req, w.prepared, 0.0, &mut |_| true) {
+                    Ok(o) => result_record(&w.id, w.line, &o, w.req.logprobs.is_some(), &|t| generator.token_text(t)),
+                    Err(GenError::Request(e)) => error_record(&w.id, w.line, &e),
+                    Err(e) => error_record(
+                        &w.id,
+                        w.line,
+                        &ApiError::new(500, "server_error", "generation_failed", e.to_string()),
+                    ),
+                },
+            };
+            out.write(&record).context("cannot write a result")?;
+            bar.set_message(format!("{} errors", out.errors));
+        }
+        None
+    };
     bar.finish_and_clear();
     let (ok, errors) = (out.ok, out.errors);
+    // A running batch's reads are shared by its requests: their total, once.
+    let reads = stats
+        .and_then(|s| s.expert_bytes_read)
+        .map_or(String::new(), |b| format!(", expert reads {:.1} MB for the whole batch", b as f64 / 1e6));
     eprintln!(
-        "deltafin: batch: {ok} done, {errors} errors, {skipped} already in the output, in {:.1} s",
+        "deltafin: batch: {ok} done, {errors} errors, {skipped} already in the output, in {:.1} s{reads}",
         t0.elapsed().as_secs_f64()
     );
     Ok(())

@@ -30,10 +30,14 @@ pub struct RunArgs {
     /// Read the prompt text from a file ("-" for standard input); repeated, one prompt a file.
     #[arg(long)]
     pub prompt_file: Vec<PathBuf>,
-    /// Several prompts, one a line of this file (empty lines skipped), run together: their
-    /// prompts in shared expert-major passes, their answers in lockstep.
+    /// Several prompts, one a line of this file (empty lines skipped), run together as a running
+    /// batch: one read of each layer's experts per step for all of them.
     #[arg(long, value_name = "FILE")]
     pub prompt_lines: Option<PathBuf>,
+    /// With several prompts: how many run at once (default: all); when one finishes the next
+    /// joins at the next step. Answers are identical whatever it is.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub parallel: Option<u64>,
     /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
     #[arg(long, value_parser = super::parse_ids)]
     pub prompt_ids: Option<TokenIds>,

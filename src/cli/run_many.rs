@@ -1,24 +1,77 @@
-//! `deltafin run` with several prompts: all of them prefilled in shared expert-major passes and
-//! decoded in lockstep (`Engine::prefill_sessions`, `Engine::generate_sessions`), each layer's
-//! experts read once per pass for all of them.
+//! `deltafin run` with several prompts: a running batch (the engine's lane driver,
+//! `Engine::drive_lanes`) of up to `--parallel` prompts (default: all of them), each layer's
+//! experts read once per step for all running prompts; when one finishes the next joins at the
+//! next step, its prompt's rows in the same forward as the others' decode rows.
 //!
 //! Contract: each prompt's tokens and text are the ones `run` gives it alone with the same
-//! options (and `--seed`); the answers are printed when all are done, in prompt order — as text,
-//! one answer after another, each ended by a newline, or with `--format json` one JSON object a
-//! line (`prompt_ids`, `output_ids`, `text`) and the counters of the shared run in a last line
-//! (`{"stats": ...}`). No drafts here; `--stats`, `--stats-json` and `--trace-routes` cover the
-//! whole batch.
+//! options (and `--seed`), drafts (`--draft`) on or off; the answers are printed when all are
+//! done, in prompt order — as text, one answer after another, each ended by a newline, or with
+//! `--format json` one JSON object a line (`prompt_ids`, `output_ids`, `text`) and the counters
+//! of the whole batch in a last line (`{"stats": ...}`: each shared forward counted once; prefill
+//! and decode overlap, so `prefill_s` is the time to the first token and `decode_s` the rest).
+//! `--stats`, `--stats-json` and `--trace-routes` cover the whole batch.
 
 use super::load;
 use super::run_args::{Format, RunArgs};
-use crate::engine::{BatchSeq, GenerateOptions, Session};
+use crate::engine::{Engine, GenerateOptions, Generation, Lane, LaneError, LaneHost};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::sample::{Sampler, SamplingParams};
-use crate::spec::DraftKind;
+use crate::spec::{DraftKind, Speculator};
 use anyhow::{Context, Result, bail};
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
+
+/// The prompts as the lane driver's host: each prompt a lane, its generation kept by index.
+struct Prompts<'a> {
+    engine: &'a Arc<Engine>,
+    prompts: &'a [Vec<u32>],
+    opts: GenerateOptions,
+    sampling: SamplingParams,
+    draft: DraftKind,
+    next: usize,
+    gens: Vec<Option<Generation>>,
+    first_token: Option<Instant>,
+    failed: Option<String>,
+}
+
+impl LaneHost for Prompts<'_> {
+    type Tag = usize;
+
+    fn next(&mut self, _idle: bool) -> Option<(usize, Lane)> {
+        let i = self.next;
+        let p = self.prompts.get(i).filter(|_| self.failed.is_none())?;
+        self.next += 1;
+        let lane = match Lane::new(self.engine.new_session(), p.clone(), self.opts.clone(), Sampler::new(self.sampling))
+        {
+            Ok(l) => l,
+            Err(e) => {
+                self.failed = Some(format!("prompt {}: {e}", i + 1));
+                return None;
+            }
+        };
+        // The drafter was built once at startup: here it cannot fail.
+        let lane = match crate::spec::drafter_for(self.draft, self.engine).ok().flatten() {
+            Some(d) => lane.with_drafts(Box::new(Speculator::new(d))),
+            None => lane,
+        };
+        Some((i, lane))
+    }
+
+    fn token(&mut self, _: &mut usize, _: u32) -> bool {
+        self.first_token.get_or_insert_with(Instant::now);
+        self.failed.is_none()
+    }
+
+    fn finished(&mut self, i: usize, lane: Lane) {
+        self.gens[i] = Some(lane.generation());
+    }
+
+    fn failed(&mut self, i: usize, _lane: Lane, e: &LaneError) {
+        self.failed.get_or_insert_with(|| format!("prompt {}: {e}", i + 1));
+    }
+}
 
 /// Runs several prompts together (see the module contract).
 pub(super) fn run_many(
@@ -28,28 +81,26 @@ pub(super) fn run_many(
     prompts: Vec<Vec<u32>>,
     sampling: SamplingParams,
 ) -> Result<()> {
-    if a.draft != DraftKind::Off {
-        bail!(
-            "several prompts run without drafts (drafts per sequence in a batch are not built yet): leave out --draft"
-        );
-    }
-    // Rows in flight: a prefill pass packs up to --prefill-rows, a decode step one per prompt.
+    let parallel = a.parallel.map_or(prompts.len(), |p| p as usize).max(1);
+    // Rows in flight: prompt chunks up to --prefill-rows, and a decode step's rows (a verify
+    // block of up to 8 per prompt with drafts).
     let total: usize = prompts.iter().map(Vec::len).sum();
-    let rows = total.max(prompts.len());
-    if prompts.len() > a.engine.prefill_rows.max(1) {
+    let per = if a.draft == DraftKind::Off { 1 } else { 8 };
+    let rows = total.max(parallel * per);
+    if parallel > a.engine.prefill_rows.max(1) {
         bail!(
-            "{} prompts decode {} rows a step, more than --prefill-rows {}: raise --prefill-rows",
-            prompts.len(),
-            prompts.len(),
+            "{parallel} prompts together decode {parallel} rows a step, more than --prefill-rows {}: raise --prefill-rows or lower --parallel",
             a.engine.prefill_rows
         );
     }
     let mut config = a.engine.config(dir.clone(), a.kda.into(), rows, 0);
-    config.sequences = prompts.len();
+    config.sequences = parallel;
     let engine = load::open_engine(config)?;
     if let Some(t) = &tok {
         engine.check_tokenizer(t)?;
     }
+    // A drafter that cannot be built is a startup error.
+    crate::spec::drafter_for(a.draft, &engine)?;
     let bound = engine.context_bound();
     for (i, p) in prompts.iter().enumerate() {
         if p.len().checked_add(a.max_new).is_none_or(|n| n > bound) {
@@ -61,11 +112,13 @@ pub(super) fn run_many(
             );
         }
     }
-    let lens: Vec<usize> = prompts.iter().map(|p| p.len() + a.max_new).collect();
+    let mut lens: Vec<usize> = prompts.iter().map(|p| p.len() + a.max_new).collect();
+    lens.sort_unstable_by(|x, y| y.cmp(x));
+    lens.truncate(parallel);
     engine.sequences_fit(&lens)?;
     if !a.quiet {
         eprintln!("{}", engine.startup_line());
-        eprintln!("deltafin: {} prompts ({total} tokens) run together", prompts.len());
+        eprintln!("deltafin: {} prompts ({total} tokens), {parallel} at a time", prompts.len());
         if !sampling.is_greedy() {
             eprintln!(
                 "deltafin: sampling: temperature {} top-p {} seed {} (each prompt)",
@@ -78,31 +131,27 @@ pub(super) fn run_many(
     }
     let stops: Vec<u32> = if a.ignore_eos { Vec::new() } else { engine.stop_tokens(tok.as_ref()) };
     let t0 = Instant::now();
-    let mut sessions: Vec<Session> = prompts.iter().map(|_| engine.new_session()).collect();
-    let refs: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
-    let mut stats = {
-        let mut s: Vec<&mut Session> = sessions.iter_mut().collect();
-        engine.prefill_sessions(&mut s, &refs).context("prefill failed")?
+    let mut host = Prompts {
+        engine: &engine,
+        prompts: &prompts,
+        opts: GenerateOptions { max_new: a.max_new, stop: stops.clone() },
+        sampling,
+        draft: a.draft,
+        next: 0,
+        gens: vec![None; prompts.len()],
+        first_token: None,
+        failed: None,
     };
-    stats.ttft_s = t0.elapsed().as_secs_f64();
-    let mut samplers: Vec<Sampler> = prompts.iter().map(|_| Sampler::new(sampling)).collect();
-    let mut on_token: Vec<_> = prompts.iter().map(|_| |_: u32| true).collect();
-    let gens = {
-        let mut seqs: Vec<BatchSeq> = sessions
-            .iter_mut()
-            .zip(samplers.iter_mut())
-            .zip(on_token.iter_mut())
-            .map(|((session, sampler), on_token)| BatchSeq {
-                session,
-                opts: GenerateOptions { max_new: a.max_new, stop: stops.clone() },
-                sampler,
-                on_token,
-            })
-            .collect();
-        let (gens, decode) = engine.generate_sessions(&mut seqs).context("decode failed")?;
-        stats.merge(&decode);
-        gens
-    };
+    let mut stats = engine.drive_lanes(parallel, &mut host);
+    if let Some(e) = host.failed {
+        bail!("{e}");
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    stats.ttft_s = host.first_token.map_or(wall, |t| (t - t0).as_secs_f64());
+    stats.prefill_s = stats.ttft_s;
+    stats.decode_s = wall - stats.ttft_s;
+    let gens: Vec<Generation> =
+        host.gens.into_iter().map(|g| g.context("a prompt did not finish")).collect::<Result<_>>()?;
     stats.source = Some(engine.source_report());
     let mut out = std::io::stdout().lock();
     for (p, g) in prompts.iter().zip(&gens) {

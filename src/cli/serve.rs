@@ -76,12 +76,6 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
     let sampling = load::sampling(&dir, a.demo, a.temperature, a.top_p)?;
-    if a.parallel > 1 && a.draft != DraftKind::Off {
-        anyhow::bail!(
-            "--parallel {} runs without drafts (drafts per sequence in a batch are not built yet): leave out --draft or use --parallel 1",
-            a.parallel
-        );
-    }
     // Verify batches need k + 1 rows; prompts are chunked at --prefill-rows.
     let rows = a.engine.prefill_rows.max(8);
     let mut config = a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0);

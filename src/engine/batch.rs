@@ -18,7 +18,7 @@ use super::{Engine, GenerateOptions, Generation, Session, StopReason};
 use crate::k3::ForwardError;
 use crate::memory::SequencesError;
 use crate::sample::Sampler;
-use crate::sched::{self, LogitRows, SeqRows};
+use crate::sched::{self, LogitRows, RowsOut, SeqRows};
 use crate::stats::Stats;
 use std::time::Instant;
 
@@ -99,6 +99,29 @@ impl Engine {
         }
         total.merge(&stats);
         Ok(logits)
+    }
+
+    /// Runs `rows[i]` (tokens, which logits, which taps) on `sessions[i]` for every i in one layer
+    /// loop and leaves every row pending (each session keeps what it will with `commit_rows`);
+    /// returns each session's rows. If it fails, every session is as it was.
+    pub(super) fn forward_pending(
+        &self,
+        sessions: &mut [&mut Session],
+        rows: &[(&[u32], LogitRows, Vec<usize>)],
+        stats: &mut Stats,
+    ) -> Result<Vec<RowsOut>, ForwardError> {
+        if sessions.len() != rows.len() {
+            return Err(ForwardError::BatchMismatch { sessions: sessions.len(), lists: rows.len() });
+        }
+        if sessions.iter().any(|s| !std::ptr::eq(&**s.engine(), self)) {
+            return Err(ForwardError::ForeignSession);
+        }
+        let mut batch: Vec<SeqRows> = sessions
+            .iter_mut()
+            .zip(rows)
+            .map(|(s, (t, l, taps))| SeqRows { state: s.state_mut(), tokens: t, logits: *l, taps })
+            .collect();
+        sched::forward(&self.model, &*self.device, self.source(), self.sched_options(), &mut batch, stats)
     }
 
     /// Checks that sequences of `lens` tokens each fit the memory budget together (a batch

@@ -10,6 +10,7 @@
 
 mod batch;
 pub mod compare;
+mod drive;
 mod facts;
 mod kernel_rate;
 mod lanes;
@@ -18,7 +19,8 @@ pub(crate) mod session;
 pub mod trunk;
 
 pub use batch::{BatchSeq, prefill_passes};
-pub use lanes::Lane;
+pub use drive::{LaneError, LaneHost};
+pub use lanes::{Lane, LaneDrafts};
 pub use session::{GenerateOptions, Generation, Session, StopReason};
 // The settings and errors of the engine's API that are defined further down.
 pub use crate::backend::BackendKind;

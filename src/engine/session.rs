@@ -111,10 +111,18 @@ impl Session {
         logits: Vec<f32>,
         stats: &Stats,
     ) -> Result<&[f32], ForwardError> {
-        self.state.commit(&*self.engine.model.be, &self.engine.cfg, tokens.len())?;
-        self.tokens.extend_from_slice(tokens);
+        self.commit_rows(tokens, tokens.len(), logits)?;
         self.stats.merge(stats);
-        Ok(self.last_logits.insert(logits))
+        Ok(self.last_logits.as_deref().unwrap_or_default())
+    }
+
+    /// Keeps the first `j` of the rows of `tokens` that a shared forward left pending (the rest
+    /// roll back), with `logits` after the last kept row. All or nothing, as `commit`.
+    pub(super) fn commit_rows(&mut self, tokens: &[u32], j: usize, logits: Vec<f32>) -> Result<(), ForwardError> {
+        self.state.commit(&*self.engine.model.be, &self.engine.cfg, j)?;
+        self.tokens.extend_from_slice(&tokens[..j]);
+        self.last_logits = Some(logits);
+        Ok(())
     }
 
     /// One forward of `tokens` on this session alone, committed on success.

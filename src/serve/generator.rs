@@ -335,8 +335,8 @@ impl Generator {
             None => session.generate_sampled(&opts, &mut sampler, &mut on_token),
         }?;
         answer.finish(sink);
-        let src1 = self.engine.source_report();
-        let ran = Ran { prompt_len: prompt.len(), reused, queued_s, prefilled_s, src0: &src0, src1: &src1 };
+        let reads = Reads::between(&src0, &self.engine.source_report());
+        let ran = Ran { prompt_len: prompt.len(), reused, queued_s, prefilled_s, reads };
         let out = self.output(&begin, answer, g, &session.stats, &ran);
         if self.cfg.reuse {
             self.kept = snapshot.into_iter().chain(std::iter::once(session)).collect();
@@ -378,6 +378,9 @@ impl Generator {
         for k in ["prefill_s", "decode_s", "bytes_read", "expert_bytes_requested", "cache_hits", "cache_misses"] {
             out.ext[k] = json!(0);
         }
+        if let Some(o) = out.ext.as_object_mut() {
+            o.remove("shared");
+        }
         Some(out)
     }
 
@@ -391,9 +394,7 @@ impl Generator {
             StopReason::Stop => "stop",
             StopReason::Length => "length",
         };
-        let (src0, src1) = (ran.src0, ran.src1);
-        let diff = |a: Option<u64>, b: Option<u64>| a.zip(b).map(|(a, b)| b.saturating_sub(a));
-        let bytes_read = diff(src0.expert_bytes_read, src1.expert_bytes_read);
+        let bytes_read = ran.reads.bytes_read;
         let unique = st.expert_bytes_unique();
         let ttft_s = ran.queued_s + answer.ttft.unwrap_or(ran.prefilled_s);
         let ext = json!({
@@ -407,8 +408,8 @@ impl Generator {
             "bytes_read": bytes_read,
             "expert_bytes_requested": st.expert_bytes_requested,
             "read_amplification": bytes_read.filter(|_| unique > 0).map(|b| b as f64 / unique as f64),
-            "cache_hits": diff(src0.cache_hits, src1.cache_hits),
-            "cache_misses": diff(src0.cache_misses, src1.cache_misses),
+            "cache_hits": ran.reads.cache_hits,
+            "cache_misses": ran.reads.cache_misses,
             "drafts_proposed": st.drafts_proposed,
             "drafts_accepted": st.drafts_accepted,
             "seed": begin.seed,
@@ -447,14 +448,34 @@ pub(super) struct Begin {
 }
 
 /// How a request ran, for its output: prompt length, tokens reused, queue and prefill seconds,
-/// and the source's counters before and after.
-pub(super) struct Ran<'a> {
+/// and the expert reads it made.
+pub(super) struct Ran {
     pub prompt_len: usize,
     pub reused: usize,
     pub queued_s: f64,
     pub prefilled_s: f64,
-    pub src0: &'a SourceReport,
-    pub src1: &'a SourceReport,
+    pub reads: Reads,
+}
+
+/// Expert reads from drives and the cache's hits and misses (None where the source does not
+/// count them).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Reads {
+    pub bytes_read: Option<u64>,
+    pub cache_hits: Option<u64>,
+    pub cache_misses: Option<u64>,
+}
+
+impl Reads {
+    /// The reads between two reports of the source.
+    pub fn between(a: &SourceReport, b: &SourceReport) -> Reads {
+        let diff = |a: Option<u64>, b: Option<u64>| a.zip(b).map(|(a, b)| b.saturating_sub(a));
+        Reads {
+            bytes_read: diff(a.expert_bytes_read, b.expert_bytes_read),
+            cache_hits: diff(a.cache_hits, b.cache_hits),
+            cache_misses: diff(a.cache_misses, b.cache_misses),
+        }
+    }
 }
 
 impl Tokens for Encoder {

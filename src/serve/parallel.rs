@@ -1,119 +1,121 @@
-//! Several requests generated together: their prompts prefilled in shared expert-major passes
-//! and their answers decoded in lockstep, one expert-union read per layer for all of them.
+//! A request as a lane of a running batch, for `serve --parallel N` and `batch --parallel N`
+//! (both drive their lanes with `Engine::drive_lanes`).
 //!
-//! Contract: [`Generator::generate_batch`] answers every job exactly as
-//! [`Generator::generate_prepared`] would alone — the same tokens (the forward's bits do not
-//! depend on what runs beside a row, and each job samples with its own seed), the same text,
-//! stop strings and log-probabilities — but reads each layer's experts once for the whole batch
-//! (`Engine::prefill_sessions`, `Engine::generate_sessions`). Jobs start from fresh sessions
-//! (no conversation reuse) and without drafts; the memo still answers a repeated greedy request.
-//! A job whose sampling settings are bad gets its own error; a failed shared forward fails every
-//! job still running (the outer `Err`). Each output's `deltafin` object counts the shared passes
-//! (`batch`: how many jobs shared them).
+//! Contract: [`Generator::start_lane`] turns a prepared request into an `engine::Lane` on a fresh
+//! session — its own sampler (seeded as the request says), stop tokens, log-probabilities and,
+//! when the generator drafts (`GenConfig::draft`), its own drafter — or answers it at once (a bad
+//! sampling setting, the memo). [`LaneRequest::token`] turns each emitted token into text for the
+//! request's sink, and [`Generator::finish_lane`] gives the finished request's [`Output`]: the
+//! same tokens, text, stop strings and log-probabilities as [`Generator::generate_prepared`]
+//! alone (rows do not change each other's bits, each request samples with its own seed, drafts
+//! change only speed). Lanes start from fresh sessions (no conversation reuse).
+//!
+//! Counters: `batch` in the `deltafin` object is the most requests that shared a step with this
+//! one. A request that shared its forwards with others has no expert reads of its own: its
+//! `bytes_read`, `expert_bytes_requested`, `read_amplification`, `cache_hits` and `cache_misses`
+//! are null and `shared` holds the counters of the forwards it took part in (the other requests'
+//! reads included: summing them over requests counts a read once per request that shared it).
+//! A request that ran alone has them as its own, as without `--parallel`.
 
 use super::answer::Answer;
 use super::api::GenRequest;
-use super::generator::{Delta, GenError, Generator, Output, Prepared, Ran};
-use crate::engine::ForwardError;
-use crate::engine::{BatchSeq, GenerateOptions, Session};
+use super::generator::{Begin, Delta, GenError, Generator, Output, Prepared, Ran, Reads};
+use crate::engine::{GenerateOptions, Lane};
 use crate::sample::Sampler;
-use serde_json::json;
+use crate::spec::Speculator;
+use serde_json::{Value, json};
 use std::time::Instant;
 
-/// One request of a batch: the request, its checked prompt and where its text goes (false from
-/// the sink cancels that job alone).
-pub struct BatchJob<'a> {
-    pub req: &'a GenRequest,
-    pub prepared: Prepared,
-    pub sink: &'a mut dyn FnMut(&Delta) -> bool,
+/// A running request's side of its lane: its sampling and memo key, and its answer so far.
+pub struct LaneRequest {
+    begin: Begin,
+    answer: Answer,
+    queued_s: f64,
+    prompt_len: usize,
+}
+
+/// What [`Generator::start_lane`] made of a request.
+pub enum Started {
+    /// It runs as this lane.
+    Lane(Box<(Lane, LaneRequest)>),
+    /// It is answered already (the memo), or refused.
+    Answered(Result<Output, GenError>),
+}
+
+impl LaneRequest {
+    /// Its lane emitted `id`: the text goes to `sink` (false cancels the request).
+    pub fn token(&mut self, id: u32, sink: &mut dyn FnMut(&Delta) -> bool) -> bool {
+        self.answer.token(id, sink)
+    }
 }
 
 impl Generator {
-    /// Generates every job together (see the module contract); one result per job, in order.
-    pub fn generate_batch(&mut self, jobs: &mut [BatchJob]) -> Result<Vec<Result<Output, GenError>>, ForwardError> {
+    /// Starts a request as a lane (see the module contract); `queued_s` is how long it waited.
+    pub fn start_lane(
+        &mut self,
+        req: &GenRequest,
+        prepared: Prepared,
+        queued_s: f64,
+        sink: &mut dyn FnMut(&Delta) -> bool,
+    ) -> Started {
         let t0 = Instant::now();
-        let mut results: Vec<Option<Result<Output, GenError>>> = Vec::with_capacity(jobs.len());
-        let mut begins = Vec::with_capacity(jobs.len());
-        for j in jobs.iter_mut() {
-            let p = &j.prepared;
-            match self.begin(j.req, &p.prompt, p.max_new) {
-                Err(e) => {
-                    results.push(Some(Err(e)));
-                    begins.push(None);
-                }
-                Ok(b) => {
-                    let memo = self.memo_answer(&b, p.prompt.len(), 0.0, t0, j.sink);
-                    results.push(memo.map(Ok));
-                    begins.push(Some(b).filter(|_| results.last().is_some_and(Option::is_none)));
-                }
-            }
-        }
-        // The jobs that run, in order.
-        let run: Vec<usize> = (0..jobs.len()).filter(|&i| begins[i].is_some()).collect();
-        let mut sessions: Vec<Session> = run.iter().map(|_| self.engine.new_session()).collect();
-        let prompts: Vec<&[u32]> = run.iter().map(|&i| &jobs[i].prepared.prompt[..]).collect();
-        let src0 = self.engine.source_report();
-        if !run.is_empty() {
-            let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
-            self.engine.prefill_sessions(&mut refs, &prompts)?;
-        }
-        let prefilled_s = t0.elapsed().as_secs_f64();
-        let mut samplers: Vec<Sampler> = Vec::with_capacity(run.len());
-        let mut answers: Vec<Answer> = Vec::with_capacity(run.len());
-        for &i in &run {
-            let b = begins[i].as_ref().ok_or(ForwardError::Empty)?;
-            let mut sampler = Sampler::new(b.params);
-            let lp = jobs[i].req.logprobs.map(|n| sampler.record_logprobs(n));
-            answers.push(Answer::new(jobs[i].req, self.enc.clone(), self.stops.clone(), t0, lp));
-            samplers.push(sampler);
-        }
-        let max_new: Vec<usize> = run.iter().map(|&i| jobs[i].prepared.max_new).collect();
-        let gens = {
-            let mut sinks: Vec<&mut dyn FnMut(&Delta) -> bool> = Vec::with_capacity(run.len());
-            let mut want = run.iter().peekable();
-            for (i, j) in jobs.iter_mut().enumerate() {
-                if want.peek() == Some(&&i) {
-                    want.next();
-                    sinks.push(&mut *j.sink);
-                }
-            }
-            let mut on_token: Vec<Box<dyn FnMut(u32) -> bool + '_>> = answers
-                .iter_mut()
-                .zip(sinks)
-                .map(|(a, sink)| Box::new(move |id| a.token(id, sink)) as Box<dyn FnMut(u32) -> bool>)
-                .collect();
-            let mut seqs: Vec<BatchSeq> = sessions
-                .iter_mut()
-                .zip(samplers.iter_mut())
-                .zip(on_token.iter_mut())
-                .zip(&max_new)
-                .map(|(((session, sampler), on_token), &max_new)| BatchSeq {
-                    session,
-                    opts: GenerateOptions { max_new, stop: self.stops.clone() },
-                    sampler,
-                    on_token: &mut **on_token,
-                })
-                .collect();
-            if seqs.is_empty() { Vec::new() } else { self.engine.generate_sessions(&mut seqs)?.0 }
+        let Prepared { prompt, max_new } = prepared;
+        let begin = match self.begin(req, &prompt, max_new) {
+            Ok(b) => b,
+            Err(e) => return Started::Answered(Err(e)),
         };
-        let src1 = self.engine.source_report();
-        let n = run.len();
-        for (((&i, mut answer), g), session) in run.iter().zip(answers).zip(gens).zip(&sessions) {
-            answer.finish(jobs[i].sink);
-            let ran = Ran {
-                prompt_len: jobs[i].prepared.prompt.len(),
-                reused: 0,
-                queued_s: 0.0,
-                prefilled_s,
-                src0: &src0,
-                src1: &src1,
-            };
-            let Some(begin) = begins[i].take() else { continue };
-            let mut out = self.output(&begin, answer, g, &session.stats, &ran);
-            out.ext["batch"] = json!(n);
-            self.remember(begin, &out);
-            results[i] = Some(Ok(out));
+        if let Some(out) = self.memo_answer(&begin, prompt.len(), queued_s, t0, sink) {
+            return Started::Answered(Ok(out));
         }
-        Ok(results.into_iter().map(|r| r.unwrap_or(Err(GenError::Forward(ForwardError::Empty)))).collect())
+        let mut sampler = Sampler::new(begin.params);
+        let lp = req.logprobs.map(|n| sampler.record_logprobs(n));
+        let answer = Answer::new(req, self.enc.clone(), self.stops.clone(), t0, lp);
+        let opts = GenerateOptions { max_new, stop: self.stops.clone() };
+        let prompt_len = prompt.len();
+        let lane = match Lane::new(self.engine.new_session(), prompt, opts, sampler) {
+            Ok(l) => l,
+            Err(e) => return Started::Answered(Err(e.into())),
+        };
+        // A drafter that cannot be built was refused at startup; here it only may be absent.
+        let lane = match crate::spec::drafter_for(self.cfg.draft, &self.engine).ok().flatten() {
+            Some(d) => lane.with_drafts(Box::new(Speculator::new(d))),
+            None => lane,
+        };
+        Started::Lane(Box::new((lane, LaneRequest { begin, answer, queued_s, prompt_len })))
+    }
+
+    /// The finished lane's output (see the module contract); its last text goes to `sink`.
+    pub fn finish_lane(&mut self, lane: Lane, r: LaneRequest, sink: &mut dyn FnMut(&Delta) -> bool) -> Output {
+        let LaneRequest { begin, mut answer, queued_s, prompt_len } = r;
+        answer.finish(sink);
+        let st = &lane.session.stats;
+        let sh = &lane.shared;
+        let alone = lane.peak_batch <= 1;
+        // Alone, the forwards' counters are its own.
+        let mut own = st.clone();
+        if alone {
+            own.expert_bytes_requested = sh.expert_bytes_requested;
+            own.distinct_experts.clone_from(&sh.distinct_experts);
+            own.expert_bytes = sh.expert_bytes;
+        }
+        let reads =
+            Reads { bytes_read: sh.expert_bytes_read, cache_hits: sh.cache_hits, cache_misses: sh.cache_misses };
+        let ran = Ran { prompt_len, reused: 0, queued_s, prefilled_s: st.prefill_s, reads };
+        let mut out = self.output(&begin, answer, lane.generation(), &own, &ran);
+        out.ext["batch"] = json!(lane.peak_batch);
+        if !alone {
+            for k in ["bytes_read", "expert_bytes_requested", "read_amplification", "cache_hits", "cache_misses"] {
+                out.ext[k] = Value::Null;
+            }
+            out.ext["shared"] = json!({
+                "forwards": sh.forward_calls,
+                "bytes_read": sh.expert_bytes_read,
+                "expert_bytes_requested": sh.expert_bytes_requested,
+                "cache_hits": sh.cache_hits,
+                "cache_misses": sh.cache_misses,
+            });
+        }
+        self.remember(begin, &out);
+        out
     }
 }

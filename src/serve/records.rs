@@ -3,14 +3,17 @@
 //!
 //! Contract: a result record is `{"id", "line", "text", "finish_reason", "usage", "deltafin"}`
 //! plus `reasoning_content` and `logprobs` when there are any; an error record is `{"id", "line",
-//! "error"}` in OpenAI's error shape. [`group_records`] answers a group of checked requests
-//! together (`Generator::generate_batch`), one record per request in order, after checking that
-//! their sequence states fit the memory budget together.
+//! "error"}` in OpenAI's error shape. [`run_lanes`] runs checked requests as a running batch
+//! (`Engine::drive_lanes`, each request a lane: `Generator::start_lane`): when one finishes its
+//! record is written and the next request joins at the next step, its prompt's rows in the same
+//! forward as the running ones' decode rows; records come in the order requests finish.
 
 use super::api::{ApiError, GenRequest};
-use super::generator::{Delta, GenError, Generator, Output, Prepared};
-use super::parallel::BatchJob;
+use super::generator::{GenError, Generator, Output, Prepared};
+use super::parallel::{LaneRequest, Started};
+use crate::engine::{Lane, LaneError, LaneHost};
 use crate::memory::SequencesError;
+use crate::stats::Stats;
 use serde_json::{Value, json};
 
 /// A line waiting for its group: its id as given, its line number, the request and its prompt.
@@ -50,31 +53,107 @@ pub fn result_record(id: &Value, line: u64, out: &Output, logprobs: bool, text: 
     r
 }
 
-/// Answers `group` together; one record per request, in order. A failed shared forward is an
-/// error record for every request of the group.
-pub fn group_records(generator: &mut Generator, group: &[Waiting]) -> Result<Vec<Value>, SequencesError> {
-    if group.is_empty() {
-        return Ok(Vec::new());
+/// What a batch's walk over its input yields: a record to write now (an error, a skipped
+/// line's), or a checked request to run.
+pub enum Line {
+    Record(Value),
+    Job(Box<Waiting>),
+}
+
+/// Why [`run_lanes`] stopped before the end.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("cannot write a result: {0}")]
+    Write(std::io::Error),
+    #[error(transparent)]
+    Memory(#[from] SequencesError),
+}
+
+/// Runs the requests `next` yields as a running batch of up to `parallel` lanes
+/// (`Engine::drive_lanes`; see the module contract) and writes every record with `write`: a
+/// line's error at once, a result as soon as its request finishes. A failed step is an error
+/// record for each request it failed. A write that fails, or a request whose state cannot fit
+/// the memory budget even alone, stops the run: the requests still running are cancelled and
+/// not written (a rerun redoes them). Returns the counters of the whole batch (each shared
+/// forward once).
+pub fn run_lanes(
+    generator: &mut Generator,
+    parallel: usize,
+    next: &mut dyn FnMut() -> Option<Line>,
+    write: &mut dyn FnMut(&Value) -> std::io::Result<()>,
+) -> Result<Stats, RunError> {
+    let engine = std::sync::Arc::clone(generator.engine());
+    let mut host = Host { generator, next, write, stopped: None };
+    let stats = engine.drive_lanes(parallel, &mut host);
+    host.stopped.map_or(Ok(stats), Err)
+}
+
+struct Host<'a> {
+    generator: &'a mut Generator,
+    next: &'a mut dyn FnMut() -> Option<Line>,
+    write: &'a mut dyn FnMut(&Value) -> std::io::Result<()>,
+    stopped: Option<RunError>,
+}
+
+impl Host<'_> {
+    fn put(&mut self, r: &Value) {
+        if self.stopped.is_none()
+            && let Err(e) = (self.write)(r)
+        {
+            self.stopped = Some(RunError::Write(e));
+        }
     }
-    let lens: Vec<usize> = group.iter().map(|w| w.prepared.prompt.len() + w.prepared.max_new).collect();
-    generator.engine().sequences_fit(&lens)?;
-    let mut sinks: Vec<_> = group.iter().map(|_| |_: &Delta| true).collect();
-    let mut jobs: Vec<BatchJob> = group
-        .iter()
-        .zip(sinks.iter_mut())
-        .map(|(w, sink)| BatchJob { req: &w.req, prepared: w.prepared.clone(), sink })
-        .collect();
-    let failed = |e: &dyn std::fmt::Display| ApiError::new(500, "server_error", "generation_failed", e.to_string());
-    Ok(match generator.generate_batch(&mut jobs) {
-        Ok(rs) => group
-            .iter()
-            .zip(rs)
-            .map(|(w, r)| match r {
-                Ok(o) => result_record(&w.id, w.line, &o, w.req.logprobs.is_some(), &|t| generator.token_text(t)),
-                Err(GenError::Request(e)) => error_record(&w.id, w.line, &e),
-                Err(e) => error_record(&w.id, w.line, &failed(&e)),
-            })
-            .collect(),
-        Err(e) => group.iter().map(|w| error_record(&w.id, w.line, &failed(&e))).collect(),
-    })
+}
+
+impl LaneHost for Host<'_> {
+    type Tag = (Waiting, LaneRequest);
+
+    fn next(&mut self, _idle: bool) -> Option<(Self::Tag, Lane)> {
+        while self.stopped.is_none() {
+            let w = match (self.next)()? {
+                Line::Record(r) => {
+                    self.put(&r);
+                    continue;
+                }
+                Line::Job(w) => w,
+            };
+            let r = match self.generator.start_lane(&w.req, w.prepared.clone(), 0.0, &mut |_| true) {
+                Started::Lane(b) => {
+                    let (lane, req) = *b;
+                    return Some(((*w, req), lane));
+                }
+                Started::Answered(Ok(o)) => {
+                    result_record(&w.id, w.line, &o, w.req.logprobs.is_some(), &|t| self.generator.token_text(t))
+                }
+                Started::Answered(Err(GenError::Request(e))) => error_record(&w.id, w.line, &e),
+                Started::Answered(Err(e)) => error_record(&w.id, w.line, &failed(&e)),
+            };
+            self.put(&r);
+        }
+        None
+    }
+
+    fn token(&mut self, (_, req): &mut Self::Tag, id: u32) -> bool {
+        // A stopped run cancels what still runs.
+        self.stopped.is_none() && req.token(id, &mut |_| true)
+    }
+
+    fn finished(&mut self, (w, req): Self::Tag, lane: Lane) {
+        let o = self.generator.finish_lane(lane, req, &mut |_| true);
+        let r = result_record(&w.id, w.line, &o, w.req.logprobs.is_some(), &|t| self.generator.token_text(t));
+        self.put(&r);
+    }
+
+    fn failed(&mut self, (w, _): Self::Tag, _lane: Lane, e: &LaneError) {
+        match e {
+            LaneError::Memory(m) => {
+                self.stopped.get_or_insert(RunError::Memory(m.clone()));
+            }
+            e => self.put(&error_record(&w.id, w.line, &failed(e))),
+        }
+    }
+}
+
+fn failed(e: &dyn std::fmt::Display) -> ApiError {
+    ApiError::new(500, "server_error", "generation_failed", e.to_string())
 }

@@ -19,6 +19,7 @@
 //! them in [`Drafter::observe`]), and [`OracleDrafter`] (replays a recorded run, for benchmarks).
 
 pub mod dspark;
+mod lane;
 mod ngram;
 mod oracle;
 pub mod sampling;
