@@ -108,6 +108,8 @@ pub fn io(files: &ModelFiles, o: &IoOptions) -> Result<IoOutcome, BenchError> {
                 record_reads: true,
                 heat: None,
                 hedge: false,
+                // Whole experts, as fio reads them.
+                split_min: None,
             },
         )?;
         let t0 = Instant::now();

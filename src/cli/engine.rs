@@ -56,6 +56,11 @@ pub struct EngineArgs {
     /// used. Changes only timing, never the output.
     #[arg(long, value_enum, default_value_t = OnOff::On)]
     pub hedge: OnOff,
+    /// Split reads: an expert with copies on several drives (mirror) is read as byte ranges
+    /// across them, sized by each drive's measured rate, so a layer's reads end together.
+    /// Changes only timing, never the output.
+    #[arg(long, value_enum, default_value_t = OnOff::On)]
+    pub split_reads: OnOff,
     /// How the trunk (everything but the routed experts) is held: auto (coded when `deltafin
     /// pack-trunk` has coded it, else bf16), bf16 (as shipped), coded (lossless, bit-identical
     /// output in about 3/4 of the memory), or int8 (per-row absmax: NOT exact, labelled so).
@@ -99,6 +104,7 @@ impl EngineArgs {
             gpu_cache_gb: self.gpu_cache_gb,
             expert_heat: self.expert_heat.clone(),
             hedge: self.hedge == OnOff::On,
+            split_reads: self.split_reads == OnOff::On,
             sequences: 1,
             trunk: self.trunk,
         }

@@ -125,6 +125,8 @@ pub struct EngineConfig {
     pub expert_heat: ExpertHeat,
     /// Hedged reads: a read late on its drive is issued again where the expert has another copy.
     pub hedge: bool,
+    /// Split reads: a demanded expert held on several drives is read as byte ranges across them.
+    pub split_reads: bool,
     /// Sequences run together (`--parallel`, `bench run --batch`): the default expert cache
     /// leaves room for this many sequence states.
     #[serde(default)]
@@ -154,6 +156,7 @@ impl Default for EngineConfig {
             gpu_cache_gb: None,
             expert_heat: ExpertHeat::Off,
             hedge: true,
+            split_reads: true,
             sequences: 1,
             trunk: Trunk::Auto,
         }
@@ -485,6 +488,7 @@ impl Engine {
                     record_reads: false,
                     heat,
                     hedge: config.hedge,
+                    split_min: config.split_reads.then_some(crate::store::expert_store::SPLIT_MIN),
                 };
                 let store = Arc::new(ExpertStore::open(spec, opts)?);
                 let source: Arc<dyn ExpertSource> = match stream {

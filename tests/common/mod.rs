@@ -376,11 +376,7 @@ pub fn manifest_store(
         deltafin::store::placement::manifest_spec(man, &m.ck, &m.roster, m.roster.expert_layout.clone().unwrap())
             .unwrap();
     Arc::new(
-        ExpertStore::open(
-            spec,
-            StoreOptions { cache_bytes, reader, prefetch_depth, record_reads: false, heat: None, hedge: true },
-        )
-        .unwrap(),
+        ExpertStore::open(spec, StoreOptions { cache_bytes, reader, prefetch_depth, ..Default::default() }).unwrap(),
     )
 }
 
@@ -407,7 +403,7 @@ pub fn shard_store_with_heat(
                 prefetch_depth,
                 record_reads: false,
                 heat,
-                hedge: true,
+                ..Default::default()
             },
         )
         .unwrap(),

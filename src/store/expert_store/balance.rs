@@ -2,8 +2,9 @@
 //!
 //! Contract: a read goes to the usable holder (drive not failed, not excluded, files open) with the
 //! earliest expected completion (bytes queued on its drive plus this read, over the drive's rate),
-//! primary holders before fallback ones; an expert is read whole from one drive; a read already in
-//! flight is joined, never issued twice. Runs under the store's lock.
+//! primary holders before fallback ones; a demanded read with copies on several drives is split
+//! across them (`split`); a read already in flight is joined, never issued twice. Runs under the
+//! store's lock.
 
 use super::*;
 
@@ -31,20 +32,55 @@ pub(super) fn choose_holder(sh: &Shared, st: &State, key: Key, exclude: &[u16]) 
 
 /// Queues a read of `key` into `slot`; false if no holder is usable (then nothing changed).
 pub(super) fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, prefetch: bool, exclude: &[u16]) -> bool {
+    start_read_as(sh, st, key, slot, prefetch, exclude, false)
+}
+
+/// [`start_read`]; `whole`: from one drive, never split or moved (a demanded read is split across
+/// the drives holding it otherwise, see `split`).
+pub(super) fn start_read_as(
+    sh: &Shared,
+    st: &mut State,
+    key: Key,
+    slot: usize,
+    prefetch: bool,
+    exclude: &[u16],
+    whole: bool,
+) -> bool {
     let Some(h) = choose_holder(sh, st, key, exclude) else { return false };
     let len = sh.spec.layout.len as u64;
-    let pieces: Vec<HolderExtent> = match &h.extents {
-        None => vec![HolderExtent { file: h.file, offset: h.offset, len, dest: 0 }],
-        Some(xs) => xs.to_vec(),
+    let split = if prefetch || whole { None } else { split::plan(sh, st, key, exclude, &h) };
+    let movable = !whole && sh.split_min.is_some() && split::movable(sh, &h);
+    let parts = match split {
+        Some(parts) => parts,
+        None => {
+            let pieces: Vec<HolderExtent> = match &h.extents {
+                None => vec![HolderExtent { file: h.file, offset: h.offset, len, dest: 0 }],
+                Some(xs) => xs.to_vec(),
+            };
+            let mut parts = Vec::with_capacity(pieces.len());
+            let mut pos = 0u64;
+            for x in &pieces {
+                let Some(file) = sh.files[x.file as usize].as_ref() else { return false };
+                let (offset, op_len, skip) = if file.direct { widen(x.offset, x.len) } else { (x.offset, x.len, 0) };
+                let (drive, at, due, done) = (h.drive, None, None, false);
+                parts.push(Part {
+                    drive,
+                    at,
+                    due,
+                    done,
+                    file: x.file,
+                    offset,
+                    op_len,
+                    skip,
+                    pos,
+                    dest: x.dest,
+                    len: x.len,
+                });
+                pos += op_len.div_ceil(4096) * 4096;
+            }
+            parts
+        }
     };
-    let mut parts = Vec::with_capacity(pieces.len());
-    let mut pos = 0u64;
-    for x in &pieces {
-        let Some(file) = sh.files[x.file as usize].as_ref() else { return false };
-        let (offset, op_len, skip) = if file.direct { widen(x.offset, x.len) } else { (x.offset, x.len, 0) };
-        parts.push(Part { file: x.file, offset, op_len, skip, pos, dest: x.dest, len: x.len });
-        pos += op_len.div_ceil(4096) * 4096;
-    }
     // One piece stays where it lands; several are assembled at the start of the slot.
     let start = if parts.len() == 1 { parts[0].skip } else { 0 };
     let op_len: u64 = parts.iter().map(|p| p.op_len).sum();
@@ -52,7 +88,7 @@ pub(super) fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, pre
     let req = Req {
         key,
         slot,
-        drive: h.drive,
+        drive: parts[0].drive,
         tried: exclude.to_vec(),
         prefetch,
         sure: false,
@@ -64,6 +100,8 @@ pub(super) fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, pre
         parts_left: n_parts,
         part_error: None,
         bytes_got: 0,
+        movable,
+        poison: false,
     };
     let r = match st.free_reqs.pop() {
         Some(r) => {
@@ -75,17 +113,39 @@ pub(super) fn start_read(sh: &Shared, st: &mut State, key: Key, slot: usize, pre
             st.reqs.len() - 1
         }
     };
-    let d = &mut st.drives[h.drive as usize];
-    d.queued_bytes += op_len;
-    if prefetch {
-        d.prefetch.push_back(r);
-    } else {
-        d.demand.push_back(r);
+    for i in 0..n_parts {
+        let Some(p) = st.reqs[r].as_ref().map(|q| q.parts[i]) else { continue };
+        let d = &mut st.drives[p.drive as usize];
+        d.queued_bytes += p.op_len;
+        if prefetch {
+            d.prefetch.push_back(tag(r, i));
+        } else {
+            d.demand.push_back(tag(r, i));
+        }
+        sh.drive_cv[p.drive as usize].notify_one();
     }
     st.slots[slot] = Slot::Loading;
     st.keys.insert(key, KeyState::Loading { req: r });
-    sh.drive_cv[h.drive as usize].notify_one();
     true
+}
+
+/// Moves request `r`'s queued parts between a drive's prefetch and demand queues.
+pub(super) fn requeue(st: &mut State, r: usize, to_demand: bool) {
+    let Some(q) = st.reqs[r].as_ref() else { return };
+    for (i, p) in q.parts.iter().enumerate() {
+        if p.at.is_some() || p.done {
+            continue;
+        }
+        let dr = &mut st.drives[p.drive as usize];
+        let t = tag(r, i);
+        dr.prefetch.retain(|&x| x != t);
+        dr.demand.retain(|&x| x != t);
+        if to_demand {
+            dr.demand.push_back(t);
+        } else {
+            dr.prefetch.push_back(t);
+        }
+    }
 }
 
 /// Adds a waiter to the read in flight for `key` (promoting a prefetch to a demanded read).
@@ -100,10 +160,6 @@ pub(super) fn join_read(st: &mut State, r: usize) {
         q.prefetch = false;
         st.prefetch_used += 1;
         st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
-        if q.submitted.is_none() {
-            let dr = &mut st.drives[q.drive as usize];
-            dr.prefetch.retain(|&x| x != r);
-            dr.demand.push_back(r);
-        }
+        requeue(st, r, true);
     }
 }

@@ -20,41 +20,53 @@ pub(super) fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn crate::s
                     return;
                 }
                 let st_ref = &mut *st;
-                let prefetch_in_flight = st_ref
-                    .reqs
-                    .iter()
-                    .flatten()
-                    .filter(|r| r.drive as usize == d && r.prefetch && r.submitted.is_some())
-                    .count();
+                let on_d =
+                    |q: &Req| q.parts.iter().filter(|p| p.drive as usize == d && p.at.is_some() && !p.done).count();
+                let prefetch_in_flight: usize = st_ref.reqs.iter().flatten().filter(|q| q.prefetch).map(on_d).sum();
                 while in_flight + batch.len() < qd {
-                    let dr = &mut st_ref.drives[d];
-                    // Prefetch only into idle capacity: never while a demanded read waits.
-                    let r = match dr.demand.pop_front() {
-                        Some(r) => r,
-                        None if prefetch_in_flight + batch.len() < sh.prefetch_depth => match dr.prefetch.pop_front() {
-                            Some(r) => r,
+                    // Demanded parts first, then one taken off a drive that would land it later;
+                    // prefetch only into idle capacity, never while a demanded read waits.
+                    let t = match st_ref.drives[d].demand.pop_front() {
+                        Some(t) => t,
+                        None => match split::steal(&sh, st_ref, d) {
+                            Some(t) => t,
+                            None if prefetch_in_flight + batch.len() < sh.prefetch_depth => {
+                                match st_ref.drives[d].prefetch.pop_front() {
+                                    Some(t) => t,
+                                    None => break,
+                                }
+                            }
                             None => break,
                         },
-                        None => break,
                     };
+                    let (r, i) = untag(t);
+                    let (rate, ahead) = (st_ref.drives[d].rate, st_ref.drives[d].flight_bytes);
                     let Some(req) = st_ref.reqs[r].as_mut() else { continue };
-                    st_ref.drives[d].in_flight += req.parts.len();
-                    req.submitted = Some(Instant::now());
-                    for (i, p) in req.parts.iter().enumerate() {
-                        if let Some(log) = st_ref.read_log.as_mut() {
-                            log.push((p.file, p.offset, p.op_len));
-                        }
-                        // SAFETY: pos + op_len lies inside the slot (slot_size_for counts every piece).
-                        let buf = unsafe { sh.slab.slot_ptr(req.slot).add(p.pos as usize) };
-                        batch.push(ReadOp {
-                            tag: ((r as u64) << PART_BITS) | i as u64,
-                            file: p.file,
-                            offset: p.offset,
-                            len: p.op_len as usize,
-                            buf,
-                            buf_index: u16::try_from(req.slot).ok(),
-                        });
+                    let slot = req.slot;
+                    let Some(p) = req.parts.get_mut(i).filter(|p| p.at.is_none() && !p.done && p.drive as usize == d)
+                    else {
+                        continue;
+                    };
+                    let now = Instant::now();
+                    p.at = Some(now);
+                    p.due = Some(now + Duration::from_secs_f64((ahead + p.op_len) as f64 / rate));
+                    let p = *p;
+                    req.submitted.get_or_insert(now);
+                    st_ref.drives[d].in_flight += 1;
+                    st_ref.drives[d].flight_bytes += p.op_len;
+                    if let Some(log) = st_ref.read_log.as_mut() {
+                        log.push((p.file, p.offset, p.op_len));
                     }
+                    // SAFETY: pos + op_len lies inside the slot (slot_size_for counts every piece).
+                    let buf = unsafe { sh.slab.slot_ptr(slot).add(p.pos as usize) };
+                    batch.push(ReadOp {
+                        tag: t as u64,
+                        file: p.file,
+                        offset: p.offset,
+                        len: p.op_len as usize,
+                        buf,
+                        buf_index: u16::try_from(slot).ok(),
+                    });
                 }
                 work_waiting = !st_ref.drives[d].demand.is_empty() || !st_ref.drives[d].prefetch.is_empty();
                 if batch.is_empty() && in_flight == 0 {
@@ -104,11 +116,24 @@ fn give_up_drive(sh: &Shared, d: usize, msg: &str) {
     tracing::warn!("drive {d} ({}): {msg}; avoiding this drive", sh.spec.drives[d].root.display());
     st.drives[d].failed = Some(msg.to_string());
     st.drives[d].counters.failures += 1;
+    let here = |p: &Part| p.drive as usize == d && !p.done;
     let mine: Vec<usize> =
-        (0..st.reqs.len()).filter(|&r| st.reqs[r].as_ref().is_some_and(|q| q.drive as usize == d)).collect();
+        (0..st.reqs.len()).filter(|&r| st.reqs[r].as_ref().is_some_and(|q| q.parts.iter().any(here))).collect();
     st.drives[d].demand.clear();
     st.drives[d].prefetch.clear();
     for r in mine {
+        let Some(q) = st.reqs[r].as_mut() else { continue };
+        if q.parts.iter().any(|p| p.drive as usize != d && !p.done) {
+            // A split read with parts on other drives: it fails (and is retried) once they land;
+            // a part lost in flight here may still write its slot.
+            q.poison |= q.parts.iter().any(|p| here(p) && p.at.is_some());
+            let lost = q.parts.iter().filter(|p| here(p)).count();
+            q.parts.iter_mut().filter(|p| here(p)).for_each(|p| p.done = true);
+            q.parts_left = q.parts_left.saturating_sub(lost);
+            q.part_error.get_or_insert((d as u16, msg.to_string()));
+            continue;
+        }
+        let in_flight_here = q.parts.iter().any(|p| here(p) && p.at.is_some());
         let Some(req) = st.reqs[r].take() else { continue };
         st.free_reqs.push(r);
         let (twin, lost) = st.hedges.forget(r);
@@ -118,14 +143,14 @@ fn give_up_drive(sh: &Shared, d: usize, msg: &str) {
             if let Some(t) = twin.filter(|_| !lost) {
                 hedge::hand_over(st, &req, r, t);
             }
-            st.slots[req.slot] = if req.submitted.is_some() { Slot::Poisoned } else { Slot::Free };
-            if req.submitted.is_none() {
+            st.slots[req.slot] = if in_flight_here || req.poison { Slot::Poisoned } else { Slot::Free };
+            if !(in_flight_here || req.poison) {
                 st.free.push(req.slot);
             }
             continue;
         }
         let mut slot = req.slot;
-        if req.submitted.is_some() {
+        if in_flight_here || req.poison {
             st.slots[slot] = Slot::Poisoned;
             match alloc_slot(st) {
                 Some(s) => slot = s,
@@ -138,17 +163,21 @@ fn give_up_drive(sh: &Shared, d: usize, msg: &str) {
                 }
             }
         }
-        retry_or_fail(sh, st, req, slot, d, msg);
+        retry_or_fail(sh, st, req, slot, d, true, msg);
     }
     sh.done_cv.notify_all();
 }
 
-/// Retries `req` on another holder (into `slot`), or marks its key failed.
-fn retry_or_fail(sh: &Shared, st: &mut State, req: Req, slot: usize, d: usize, msg: &str) {
+/// Retries `req` on another holder (into `slot`), or marks its key failed. `blame`: drive `d`
+/// failed it and is not tried again; otherwise (a split read whose checksum failed: no one drive
+/// to blame) it is read again whole from one drive.
+fn retry_or_fail(sh: &Shared, st: &mut State, req: Req, slot: usize, d: usize, blame: bool, msg: &str) {
     let mut tried = req.tried.clone();
-    tried.push(d as u16);
+    if blame {
+        tried.push(d as u16);
+    }
     let prefetch = req.prefetch && req.waiters == 0;
-    if start_read(sh, st, req.key, slot, prefetch, &tried) {
+    if start_read_as(sh, st, req.key, slot, prefetch, &tried, !blame) {
         if let Some(KeyState::Loading { req: nr }) = st.keys.get(&req.key)
             && let Some(newreq) = st.reqs[*nr].as_mut()
         {
@@ -175,13 +204,13 @@ fn fail_key(sh: &Shared, st: &mut State, key: Key, waiters: u32, d: usize, msg: 
     }
 }
 
-/// Checks a finished read and moves its expert to Ready, or fails over.
+/// Checks a finished part; with the request's last part, checks the expert and moves it to Ready,
+/// or fails over.
 fn complete(sh: &Shared, d: usize, c: Done) {
-    let r = (c.tag >> PART_BITS) as usize;
-    let part = (c.tag & ((1 << PART_BITS) - 1)) as usize;
+    let (r, part) = untag(c.tag as usize);
     let len = sh.spec.layout.len;
-    // Each piece is checked as it lands; the request completes with its last piece.
-    let (key, slot, start, submitted, op_len, parts, first_error, bytes_got) = {
+    // Each part is checked as it lands; the request completes with its last part.
+    let (key, slot, start, parts, first_error, bytes_got) = {
         let mut st = lock(sh);
         let fault = st.faults.iter_mut().find(|f| f.drive == d && f.times > 0).and_then(|f| {
             if f.skip > 0 {
@@ -193,10 +222,14 @@ fn complete(sh: &Shared, d: usize, c: Done) {
             }
         });
         let st = &mut *st;
+        let now = Instant::now();
         let dr = &mut st.drives[d];
         dr.in_flight = dr.in_flight.saturating_sub(1);
         let Some(req) = st.reqs[r].as_mut() else { return };
-        let Some(&p) = req.parts.get(part) else { return };
+        let Some(p) = req.parts.get(part).copied().filter(|p| !p.done && p.drive as usize == d) else { return };
+        let dr = &mut st.drives[d];
+        dr.flight_bytes = dr.flight_bytes.saturating_sub(p.op_len);
+        dr.queued_bytes = dr.queued_bytes.saturating_sub(p.op_len);
         let result = match (fault, c.result) {
             (Some(FaultKind::Eio), _) => Err(std::io::Error::from_raw_os_error(libc::EIO)),
             (Some(FaultKind::Short), Ok(_)) => Ok((p.skip + p.len / 2) as usize),
@@ -204,37 +237,51 @@ fn complete(sh: &Shared, d: usize, c: Done) {
         };
         match result {
             Err(e) => {
-                req.part_error.get_or_insert(format!("I/O error: {e}"));
+                req.part_error.get_or_insert((d as u16, format!("I/O error: {e}")));
             }
             Ok(n) if (n as u64) < p.skip + p.len => {
-                req.part_error.get_or_insert(format!(
-                    "short read: got {} of {} bytes",
-                    (n as u64).saturating_sub(p.skip),
-                    p.len
-                ));
+                let got = (n as u64).saturating_sub(p.skip);
+                req.part_error.get_or_insert((d as u16, format!("short read: got {got} of {} bytes", p.len)));
             }
-            Ok(n) => req.bytes_got += n as u64,
+            Ok(n) => {
+                let n = n as u64;
+                req.bytes_got += n;
+                if let Some(t0) = p.at {
+                    dr.counters.latency.record((now - t0).as_secs_f64());
+                    let busy_since = dr.last_completion.map_or(t0, |l| l.max(t0));
+                    if let Some(rate) = dr.samples.record(n, (now - busy_since).as_secs_f64()) {
+                        dr.rate = rate;
+                    }
+                }
+                dr.last_completion = Some(now);
+                dr.counters.bytes_read += n;
+                dr.counters.reads += 1;
+                if req.prefetch {
+                    dr.counters.prefetch_reads += 1;
+                }
+                st.read += n;
+            }
         }
+        req.parts[part].done = true;
         req.parts_left = req.parts_left.saturating_sub(1);
         if req.parts_left > 0 {
             return;
         }
-        (
-            req.key,
-            req.slot,
-            req.start as usize,
-            req.submitted,
-            req.op_len,
-            req.parts.clone(),
-            req.part_error.clone(),
-            req.bytes_got,
-        )
+        let parts = req.parts.clone();
+        let (key, slot, start, error, got) =
+            (req.key, req.slot, req.start as usize, req.part_error.clone(), req.bytes_got);
+        if st.hedges.lost.contains(&r) {
+            // Its twin landed first (and parts of it may never have been read): nothing to check.
+            (key, slot, start, Vec::new(), None, 0)
+        } else {
+            (key, slot, start, parts, error, got)
+        }
     };
     // Assemble and verify outside the lock: the slot is still Loading and owned by this read.
     if first_error.is_none() && parts.len() > 1 {
         // Pieces sit in image order at aligned positions >= their destinations, so moving each
-        // left in order never overwrites a piece not yet moved.
-        for p in &parts {
+        // left in order never overwrites a piece not yet moved (split ranges are in place).
+        for p in parts.iter().filter(|p| p.pos + p.skip != p.dest) {
             // SAFETY: every read into this slot has completed; both ranges lie inside the slot.
             unsafe {
                 let base = sh.slab.slot_ptr(slot);
@@ -242,8 +289,11 @@ fn complete(sh: &Shared, d: usize, c: Done) {
             }
         }
     }
-    let verdict: Result<u64, String> = match first_error {
-        Some(e) => Err(e),
+    // A checksum mismatch names a drive only when one drive read every part.
+    let one_drive = parts.first().map(|p0| p0.drive).filter(|&d0| parts.iter().all(|p| p.drive == d0));
+    let verdict: Result<u64, (Option<u16>, String)> = match first_error {
+        Some((bad, e)) => Err((Some(bad), e)),
+        None if parts.is_empty() => Ok(0),
         None => {
             let n = bytes_got;
             let want =
@@ -256,7 +306,7 @@ fn complete(sh: &Shared, d: usize, c: Done) {
                     if got == w {
                         Ok(n)
                     } else {
-                        Err(format!("checksum mismatch (xxh3 {got:016x}, expected {w:016x})"))
+                        Err((one_drive, format!("checksum mismatch (xxh3 {got:016x}, expected {w:016x})")))
                     }
                 }
                 None => Ok(n),
@@ -266,8 +316,6 @@ fn complete(sh: &Shared, d: usize, c: Done) {
     let now = Instant::now();
     let mut st = lock(sh);
     let st = &mut *st;
-    let dr = &mut st.drives[d];
-    dr.queued_bytes = dr.queued_bytes.saturating_sub(op_len);
     let Some(req) = st.reqs[r].take() else { return };
     st.free_reqs.push(r);
     let (twin, lost) = st.hedges.forget(r);
@@ -278,21 +326,7 @@ fn complete(sh: &Shared, d: usize, c: Done) {
     // The key's read (the first one issued) holds the waiters; a hedge that wins takes them.
     let primary = matches!(st.keys.get(&key), Some(KeyState::Loading { req }) if *req == r);
     match verdict {
-        Ok(n) => {
-            let dr = &mut st.drives[d];
-            if let Some(t0) = submitted {
-                dr.counters.latency.record((now - t0).as_secs_f64());
-                let busy_since = dr.last_completion.map_or(t0, |l| l.max(t0));
-                let dt = (now - busy_since).as_secs_f64().max(1e-6);
-                dr.rate = 0.8 * dr.rate + 0.2 * (n as f64 / dt);
-            }
-            dr.last_completion = Some(now);
-            dr.counters.bytes_read += n;
-            dr.counters.reads += 1;
-            if req.prefetch {
-                dr.counters.prefetch_reads += 1;
-            }
-            st.read += n;
+        Ok(_) => {
             if lost {
                 // Its twin landed first: these bytes are not used.
                 st.slots[slot] = Slot::Free;
@@ -318,25 +352,34 @@ fn complete(sh: &Shared, d: usize, c: Done) {
                 cache_slot(st, slot);
             }
         }
-        Err(msg) => {
-            let dr = &mut st.drives[d];
-            dr.counters.failures += 1;
-            if dr.failed.is_none() {
-                tracing::warn!(
-                    "drive {d} ({}): expert {} of layer {}: {msg}; avoiding this drive",
-                    sh.spec.drives[d].root.display(),
-                    key.1,
-                    key.0
-                );
-                dr.failed = Some(format!("expert {} of layer {}: {msg}", key.1, key.0));
+        Err((bad, msg)) => {
+            if let Some(b) = bad {
+                let dr = &mut st.drives[b as usize];
+                dr.counters.failures += 1;
+                if dr.failed.is_none() {
+                    tracing::warn!(
+                        "drive {b} ({}): expert {} of layer {}: {msg}; avoiding this drive",
+                        sh.spec.drives[b as usize].root.display(),
+                        key.1,
+                        key.0
+                    );
+                    dr.failed = Some(format!("expert {} of layer {}: {msg}", key.1, key.0));
+                }
+            }
+            // A part lost in flight on a drive given up may still write the slot.
+            let mut slot = slot;
+            if req.poison {
+                st.slots[slot] = Slot::Poisoned;
             }
             if lost || twin.is_some() {
                 // A hedged read: the other copy serves (or served) the expert.
                 if let Some(t) = twin.filter(|_| !lost) {
                     hedge::hand_over(st, &req, r, t);
                 }
-                st.slots[slot] = Slot::Free;
-                st.free.push(slot);
+                if !req.poison {
+                    st.slots[slot] = Slot::Free;
+                    st.free.push(slot);
+                }
                 sh.done_cv.notify_all();
                 return;
             }
@@ -344,7 +387,20 @@ fn complete(sh: &Shared, d: usize, c: Done) {
                 // Counted again by start_read's retry only if it stays a prefetch.
                 st.prefetch_outstanding += usize::from(req.waiters == 0);
             }
-            retry_or_fail(sh, st, req, slot, d, &msg);
+            if req.poison {
+                match alloc_slot(st) {
+                    Some(s) => slot = s,
+                    None => {
+                        st.prefetch_outstanding =
+                            st.prefetch_outstanding.saturating_sub(usize::from(req.prefetch && req.waiters == 0));
+                        fail_key(sh, st, req.key, req.waiters, bad.unwrap_or(req.drive) as usize, &msg);
+                        sh.done_cv.notify_all();
+                        return;
+                    }
+                }
+            }
+            let blamed = bad.unwrap_or(req.drive) as usize;
+            retry_or_fail(sh, st, req, slot, blamed, bad.is_some(), &msg);
         }
     }
     sh.done_cv.notify_all();

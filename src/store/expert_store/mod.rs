@@ -6,16 +6,20 @@
 //!   arrival order; bytes are verified against the placement checksum when one is known.
 //! - A read already in flight for an expert is joined, never issued twice.
 //! - Each read goes to the holder with the earliest expected completion (bytes queued on its
-//!   drive / the drive's measured rate, plus this read); rates follow completions. An expert is
-//!   read whole from one drive.
+//!   drive / the drive's measured rate, plus this read); rates follow completions (bytes over busy
+//!   time). A demanded expert with copies on several drives is split into page-aligned byte ranges
+//!   across them, sized so every drive finishes its queue at the same moment (`split`); an idle
+//!   drive takes queued ranges off a drive that would finish them later. The expert is checked
+//!   whole once every range has landed.
 //! - A failed read (I/O error, short read, checksum mismatch) names the drive and the expert; the
 //!   drive is then avoided and the read retried on another holder. With no holder left the fetch
 //!   fails with a clear error; no bytes of a failed read are ever delivered.
 //!
 //! Here: the store's types, its shared state and its public methods. Beside it: `fetch.rs`
-//! ([`ExpertSource::fetch`]), `balance.rs` (which holder serves a read), `policy.rs` (the cache:
-//! slots, eviction ranks, reads ahead) and `drive.rs` (one reader thread per drive: submission,
-//! completion, verification, failover).
+//! ([`ExpertSource::fetch`]), `balance.rs` (which holder serves a read), `split.rs` (split reads,
+//! stealing, the drives' rates), `hedge.rs` (hedged reads), `policy.rs` (the cache: slots,
+//! eviction ranks, reads ahead), `drive.rs` (one reader thread per drive: submission, completion,
+//! verification, failover) and `report.rs` (the counters).
 
 use super::cache::{EvictionOrder, Slab};
 use super::counters::{DriveCounters, DriveReport, SourceReport};
@@ -32,9 +36,12 @@ mod drive;
 mod fetch;
 mod hedge;
 mod policy;
+mod report;
+mod split;
+pub use split::SPLIT_MIN;
 
 use super::replay::RouteReplay;
-use balance::{choose_holder, join_read, start_read};
+use balance::{choose_holder, join_read, start_read, start_read_as};
 use drive::drive_loop;
 use policy::{SureSlot, add_uses, alloc_slot, cache_slot, demote_read_ahead, pin_ready, read_ahead, unpin};
 use std::thread::JoinHandle;
@@ -111,6 +118,9 @@ pub struct StoreOptions {
     /// Hedged reads: a demanded read late on its drive is issued again on another copy's drive
     /// (see `hedge`).
     pub hedge: bool,
+    /// Split reads: a demanded expert held on several drives is read as byte ranges of at least
+    /// this many bytes across them (see `split`); None reads every expert whole from one drive.
+    pub split_min: Option<u64>,
 }
 
 impl Default for StoreOptions {
@@ -122,6 +132,7 @@ impl Default for StoreOptions {
             record_reads: false,
             heat: None,
             hedge: true,
+            split_min: Some(split::SPLIT_MIN),
         }
     }
 }
@@ -156,6 +167,7 @@ enum KeyState {
 struct Req {
     key: Key,
     slot: usize,
+    /// The drive of its first part (a prefetch's only drive).
     drive: u16,
     /// Drives already tried (failed) for this read.
     tried: Vec<u16>,
@@ -172,14 +184,24 @@ struct Req {
     parts: Vec<Part>,
     /// Reads still in flight or queued.
     parts_left: usize,
-    part_error: Option<String>,
+    /// The first failed part's drive and what failed.
+    part_error: Option<(u16, String)>,
     bytes_got: u64,
+    /// Parts may move between drives holding the expert at the same page offset (`split`).
+    movable: bool,
+    /// A part was lost in flight on a drive given up: the slot may still be written, never reuse it.
+    poison: bool,
 }
 
-/// One read of a request: `op_len` bytes at `offset` of `file` into the slot at `pos`; the wanted
-/// `len` bytes start `skip` into it and belong at `dest` of the image.
+/// One read of a request: `op_len` bytes at `offset` of `file` (on `drive`) into the slot at
+/// `pos`; the wanted `len` bytes start `skip` into it and belong at `dest` of the image.
 #[derive(Clone, Copy, Debug)]
 struct Part {
+    drive: u16,
+    /// When it was submitted (None: queued), and when its drive's queue and rate said it would land.
+    at: Option<Instant>,
+    due: Option<Instant>,
+    done: bool,
     file: u32,
     offset: u64,
     op_len: u64,
@@ -189,8 +211,16 @@ struct Part {
     len: u64,
 }
 
-/// Request index and part index packed into a reader tag.
-const PART_BITS: u32 = 3;
+/// Request index and part index packed into a reader tag (and a drive queue's entry).
+const PART_BITS: u32 = 6;
+
+fn tag(r: usize, part: usize) -> usize {
+    (r << PART_BITS) | part
+}
+
+fn untag(t: usize) -> (usize, usize) {
+    (t >> PART_BITS, t & ((1 << PART_BITS) - 1))
+}
 
 impl StoreSpec {
     /// The most pieces any holder of any expert has.
@@ -200,11 +230,15 @@ impl StoreSpec {
 }
 
 struct DriveState {
+    /// Queued parts (`tag`s), demanded and prefetched.
     demand: VecDeque<usize>,
     prefetch: VecDeque<usize>,
+    /// Bytes of the parts queued or in flight, and of those in flight.
     queued_bytes: u64,
-    /// Bytes per second.
+    flight_bytes: u64,
+    /// Bytes per second: bytes over busy time of the last completions (`split::Rate`).
     rate: f64,
+    samples: split::Rate,
     failed: Option<String>,
     in_flight: usize,
     last_completion: Option<Instant>,
@@ -278,6 +312,7 @@ struct Shared {
     /// Cap on prefetch reads queued or in flight over all drives.
     prefetch_cap: usize,
     hedge: bool,
+    split_min: Option<u64>,
 }
 
 pub struct ExpertStore {
@@ -341,7 +376,9 @@ impl ExpertStore {
                 demand: VecDeque::new(),
                 prefetch: VecDeque::new(),
                 queued_bytes: 0,
+                flight_bytes: 0,
                 rate: (d.gbps.max(0.01)) * 1e9,
+                samples: split::Rate::default(),
                 failed: None,
                 in_flight: 0,
                 last_completion: None,
@@ -421,6 +458,7 @@ impl ExpertStore {
             prefetch_depth: opts.prefetch_depth,
             prefetch_cap,
             hedge: opts.hedge,
+            split_min: opts.split_min,
         });
         // Threads are owned by the store as they start, so an error below still shuts them down.
         let mut store = ExpertStore { shared, threads: Vec::new(), heat: Mutex::new(heat) };
@@ -480,13 +518,19 @@ impl ExpertStore {
         let mut freed = false;
         for d in 0..st.drives.len() {
             let queued: Vec<usize> = st.drives[d].prefetch.iter().copied().collect();
-            for r in queued {
+            for t in queued {
+                let r = untag(t).0;
                 let Some(req) = st.reqs[r].as_ref() else { continue };
-                if req.key.0 != layer as u32 || keep.contains(&req.key.1) || req.waiters > 0 || !req.prefetch {
+                if req.key.0 != layer as u32
+                    || keep.contains(&req.key.1)
+                    || req.waiters > 0
+                    || !req.prefetch
+                    || req.parts.iter().any(|p| p.at.is_some())
+                {
                     continue;
                 }
                 let (key, slot, len) = (req.key, req.slot, req.op_len);
-                st.drives[d].prefetch.retain(|&x| x != r);
+                st.drives[d].prefetch.retain(|&x| untag(x).0 != r);
                 st.drives[d].queued_bytes = st.drives[d].queued_bytes.saturating_sub(len);
                 st.keys.remove(&key);
                 st.slots[slot] = Slot::Free;
@@ -522,55 +566,6 @@ impl ExpertStore {
     /// Runs folded into the heat this store was seeded with (None without heat).
     pub fn heat_runs(&self) -> Option<u64> {
         self.heat.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|h| h.runs)
-    }
-
-    pub fn report(&self) -> SourceReport {
-        let sh = &*self.shared;
-        let st = lock(sh);
-        SourceReport {
-            expert_bytes_requested: st.requested,
-            expert_bytes_read: Some(st.read),
-            cache_hits: Some(st.hits),
-            cache_misses: Some(st.misses),
-            inflight_joins: Some(st.joins),
-            cache_slots: Some(sh.cache_slots),
-            prefetch_issued: st.prefetch_issued,
-            prefetch_used: st.prefetch_used,
-            hedged_reads: Some(st.hedges.issued),
-            hedge_wins: Some(st.hedges.wins),
-            drives: st
-                .drives
-                .iter()
-                .enumerate()
-                .map(|(i, d)| DriveReport {
-                    drive: i,
-                    root: sh.spec.drives[i].root.display().to_string(),
-                    reader: d.reader.map_or("none", ReaderKind::name).to_string(),
-                    direct_io: sh
-                        .spec
-                        .files
-                        .iter()
-                        .zip(&sh.files)
-                        .any(|((fd, _), f)| *fd as usize == i && f.as_ref().is_some_and(|f| f.direct)),
-                    bytes_read: d.counters.bytes_read,
-                    reads: d.counters.reads,
-                    read_ms_p50: d.counters.latency.quantile_ms(0.5),
-                    read_ms_p99: d.counters.latency.quantile_ms(0.99),
-                    read_ms_max: d.counters.latency.max_ms(),
-                    lands_last: d.counters.lands_last,
-                    failures: d.counters.failures,
-                    failed: d.failed.clone(),
-                    rate_gbps: d.rate / 1e9,
-                })
-                .collect(),
-        }
-    }
-
-    /// Reads issued so far as (path, offset, length), when `record_reads` was set.
-    pub fn read_log(&self) -> Vec<(PathBuf, u64, u64)> {
-        let sh = &*self.shared;
-        let st = lock(sh);
-        st.read_log.iter().flatten().map(|&(f, o, l)| (sh.spec.files[f as usize].1.clone(), o, l)).collect()
     }
 
     /// Makes future reads fail as `plan` says (fault drills and tests of failover).
