@@ -217,6 +217,8 @@ fn drafts_in_a_running_batch_answer_each_stream_as_alone_on_the_demo_model() {
     }
     let peak = b.iter().map(|x| x["batch"].as_u64().unwrap()).max().unwrap();
     assert_eq!(peak, 8, "{batched}");
+    let accepted: u64 = b.iter().map(|x| x["drafts_accepted"].as_u64().unwrap()).sum();
+    assert!(accepted > 0, "no draft accepted in the batch: {batched}");
 }
 
 #[test]

@@ -367,6 +367,13 @@ impl Engine {
         let secs = t0.elapsed().as_secs_f64();
         reads_between(&src0, &self.source_report(), &mut stats);
         let mut outs = outs.into_iter();
+        // Each lane keeps the forward's counters but not its per-layer traces: those go to the
+        // batch's total once (a lane holding every shared step's trace would repeat it N times).
+        let trace = (
+            std::mem::take(&mut stats.fetch_trace),
+            std::mem::take(&mut stats.layer_fetch_s),
+            std::mem::take(&mut stats.fetch_rows),
+        );
         let mut failed = None;
         for (i, (l, f)) in lanes.iter_mut().zip(feeds).enumerate() {
             let Some(f) = f else { continue };
@@ -378,6 +385,7 @@ impl Engine {
                 failed.get_or_insert(e);
             }
         }
+        (stats.fetch_trace, stats.layer_fetch_s, stats.fetch_rows) = trace;
         add_forward(total, &stats);
         failed.map_or(Ok(()), Err)
     }

@@ -230,7 +230,9 @@ def stream_one(req):
         if ch.usage is not None:
             ext = ch.model_extra.get("deltafin")
     assert finish in ("stop", "length"), finish
-    return {"text": text, "finish": finish, "logprobs": lps, "batch": (ext or {}).get("batch", 1)}
+    ext = ext or {}
+    return {"text": text, "finish": finish, "logprobs": lps, "batch": ext.get("batch", 1),
+            "drafts_accepted": ext.get("drafts_accepted", 0)}
 
 
 def parallel():
