@@ -216,7 +216,10 @@ fn run_with_several_prompts_prints_each_answer_alone() {
     let lines_file = tmp.path().join("prompts.txt");
     std::fs::write(&lines_file, format!("{}\n\n{}\n{}\n", texts[0], texts[1], texts[2])).unwrap();
     let by_lines = run(&["--prompt-lines", lines_file.to_str().unwrap(), "--seed", "3", "--temperature", "0.7"]);
-    for out in [run(&args), by_lines] {
+    // Two at a time: the third prompt joins when one of the first two finishes; drafting too.
+    let mut two = args.clone();
+    two.extend(["--parallel", "2", "--draft", "ngram"]);
+    for out in [run(&args), by_lines, run(&two)] {
         let lines: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         assert_eq!(lines.len(), texts.len() + 1, "{out}");
         for (got, want) in lines.iter().zip(&alone) {
