@@ -20,12 +20,16 @@
 //! draft only changes how many tokens one step emits). A failed forward leaves every session as
 //! it was before the step (the tokens picked in it were already emitted).
 //!
+//! A drafting lane's cost model judges its drafts by its share of each step (`step_cost`): the
+//! step's fixed part split among the lanes plus its own rows at the fitted per-row rate.
+//!
 //! Counters: a lane's `session.stats` holds only what is its own (prompt and generated tokens,
 //! its prefill and decode time, its drafts); the counters of the shared forwards it took part in
 //! (expert bytes, reads, cache hits and misses — the other lanes' too) go to `Lane::shared`, and
 //! each forward's once to the `total` the caller passes.
 
 use super::session::emit;
+use super::step_cost::StepCost;
 use super::{Engine, GenerateOptions, Generation, Session, StopReason};
 use crate::backend::BackendError;
 use crate::k3::ForwardError;
@@ -76,6 +80,8 @@ pub struct Lane {
     /// Counters of the forwards this lane took part in, shared with the lanes beside it
     /// (`expert_bytes_read`, `cache_hits`, `cache_misses` from the source over those forwards).
     pub shared: Stats,
+    /// What its rows cost in the shared steps (its drafter's cost model reads its share).
+    cost: StepCost,
 }
 
 /// What a lane feeds in a step.
@@ -113,6 +119,7 @@ impl Lane {
             decode: None,
             peak_batch: 0,
             shared: Stats::default(),
+            cost: StepCost::default(),
         })
     }
 
@@ -198,7 +205,7 @@ impl Lane {
         e: &Engine,
         feed: Feed,
         out: RowsOut,
-        secs: f64,
+        (secs, lanes): (f64, usize),
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<(), ForwardError> {
         let start = self.session.pos();
@@ -224,7 +231,7 @@ impl Lane {
                     if !d.taps().is_empty() {
                         d.observe(start, &out, 1)?;
                     }
-                    d.stepped(secs + draft_s);
+                    d.stepped(self.cost.share(1, lanes, secs) + draft_s);
                 }
             }
             Feed::Decode { rows, draft_s } => {
@@ -258,7 +265,7 @@ impl Lane {
                     if !d.taps().is_empty() {
                         d.observe(start, &out, keep)?;
                     }
-                    d.verified(drafts.len(), accepted, secs + draft_s);
+                    d.verified(drafts.len(), accepted, self.cost.share(rows.len(), lanes, secs) + draft_s);
                 }
                 if let Some(r) = ended {
                     self.picked = None;
@@ -380,8 +387,9 @@ impl Engine {
             let out = outs.next().unwrap_or_default();
             l.peak_batch = l.peak_batch.max(running);
             add_forward(&mut l.shared, &stats);
+            l.cost.observe(used, secs);
             // Every lane settles (keeping the others' rows) even when one cannot.
-            if let Err(e) = l.settle(self, f, out, secs, &mut |t| on_token(i, t)) {
+            if let Err(e) = l.settle(self, f, out, (secs, running), &mut |t| on_token(i, t)) {
                 failed.get_or_insert(e);
             }
         }

@@ -16,6 +16,7 @@ mod kernel_rate;
 mod lanes;
 pub mod perplexity;
 pub(crate) mod session;
+mod step_cost;
 pub mod trunk;
 
 pub use batch::{BatchSeq, prefill_passes};
