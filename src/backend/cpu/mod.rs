@@ -470,8 +470,10 @@ pub fn matmul_mxfp4_isa(isa: Isa, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
 /// ([`matmul_mxfp4_regs`]); above, a band decoded once into f32 serves the rows
 /// ([`matmul_decoded`]): a decode step's few rows of an expert. Each quad of inputs decodes the
 /// weights again, so past a few quads the band decoded once wins.
+#[cfg(target_arch = "x86_64")]
 const REG_MAX_ROWS: usize = 8;
 /// Weight rows per task of [`matmul_mxfp4_regs`].
+#[cfg(target_arch = "x86_64")]
 const REG_WROWS: usize = 64;
 
 /// out[i, r] = W[r] . xds[i] for a few input rows (a decode step's rows of one expert): each

@@ -19,7 +19,7 @@
 //! ([`staging_bytes`]).
 
 use super::GpuBackend;
-use super::device::{Chunk, Gpu, GpuError, Kind, MatvecJob, OUTPUT, READBACK, Resident, STAGED, Stamp, f32_bytes};
+use super::device::{Chunk, Gpu, GpuError, Kind, MatvecJob, OUTPUT, READBACK, Resident, STAGED, Stamp};
 use super::expert_cache::Place;
 use crate::backend::{BackendError, ExpertBatch, ExpertLayout, Situ};
 use std::collections::VecDeque;
@@ -59,7 +59,8 @@ struct Image {
 
 struct Queued {
     image: Image,
-    zd: Vec<f32>,
+    /// Floats of its input rows (they are in the group's `xs`, after the experts queued ahead).
+    floats: usize,
     index: usize,
 }
 
@@ -83,6 +84,11 @@ pub(super) struct GpuExperts<'a> {
     offs: [usize; 6],
     slot_bytes: usize,
     group: Vec<Queued>,
+    /// The group's input rows, expert after expert, as the little-endian bytes the upload takes:
+    /// each expert's rows are converted once, as they are queued (a prompt's group is hundreds of
+    /// MB: converted again at the flush, or gathered through iterator chains, it cost more than
+    /// the products).
+    xs: Vec<u8>,
     /// The group's staging arenas (the last one is being filled) and the slots used in the last.
     staging: Vec<wgpu::Buffer>,
     staged_in_last: usize,
@@ -109,6 +115,7 @@ impl<'a> GpuExperts<'a> {
             offs,
             slot_bytes,
             group: Vec::new(),
+            xs: Vec::new(),
             staging: Vec::new(),
             staged_in_last: 0,
             per_arena,
@@ -166,7 +173,7 @@ impl<'a> GpuExperts<'a> {
     ) {
         let (inter, lat) = (self.layout.inter, self.layout.latent);
         let g = self.gpu();
-        let rows = |k: usize| group[k].zd.len() / lat;
+        let rows = |k: usize| group[k].floats / lat;
         let total = before.last().map_or(0, |&b| b + rows(group.len() - 1));
         let one_row = (0..group.len()).all(|k| rows(k) == 1);
         let mut buffers: Vec<&wgpu::Buffer> = Vec::new();
@@ -226,6 +233,7 @@ impl<'a> GpuExperts<'a> {
     /// order, w2, one readback.
     fn flush(&mut self) -> Result<(), GpuError> {
         let group = std::mem::take(&mut self.group);
+        let xs = std::mem::take(&mut self.xs);
         if group.is_empty() {
             return Ok(());
         }
@@ -235,10 +243,10 @@ impl<'a> GpuExperts<'a> {
         let mut total = 0;
         for q in &group {
             before.push(total);
-            total += q.zd.len() / lat;
+            total += q.floats / lat;
         }
-        let xs: Vec<f32> = group.iter().flat_map(|q| q.zd.iter().copied()).collect();
-        let x = g.staged(&f32_bytes(&xs));
+        let x = g.staged_words(&xs);
+        drop(xs);
         let bufs = [g.output(2 * total * inter), g.output(total * inter), g.output(total * lat)];
         let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("experts") });
         let stamp = g.stamp();
@@ -254,7 +262,7 @@ impl<'a> GpuExperts<'a> {
         g.stamp_resolve(&mut enc, &stamp);
         g.traffic.submitted((total * lat * 4) as u64);
         let submission = g.queue.submit([enc.finish()]);
-        let parts = group.iter().map(|q| (q.index, q.zd.len())).collect();
+        let parts = group.iter().map(|q| (q.index, q.floats)).collect();
         let mut temps: Vec<(wgpu::BufferUsages, wgpu::Buffer)> = vec![(STAGED, x)];
         temps.extend(bufs.into_iter().map(|b| (OUTPUT, b)));
         // The staging arenas go back to the pool when the group has run.
@@ -295,7 +303,11 @@ impl<'a> GpuExperts<'a> {
     fn queue(&mut self, image: Image, zd: &[f32]) -> Result<(), GpuError> {
         let index = self.outs.len();
         self.outs.push(Vec::new());
-        self.group.push(Queued { image, zd: zd.to_vec(), index });
+        self.xs.reserve(zd.len() * 4);
+        for f in zd {
+            self.xs.extend_from_slice(&f.to_le_bytes());
+        }
+        self.group.push(Queued { image, floats: zd.len(), index });
         if self.group.len() >= GROUP {
             self.flush()?;
         }

@@ -310,6 +310,19 @@ impl Gpu {
         b
     }
 
+    /// `bytes` (whole words) in a pooled storage buffer, uploaded through the queue without a
+    /// padded copy: for large inputs (a group of experts' rows), where [`Gpu::staged`]'s copy
+    /// costs. Falls back to it when `bytes` is not whole 16-byte units.
+    pub(in crate::backend::gpu) fn staged_words(&self, bytes: &[u8]) -> wgpu::Buffer {
+        if bytes.is_empty() || !bytes.len().is_multiple_of(16) {
+            return self.staged(bytes);
+        }
+        let b = self.take(STAGED, bytes.len() as u64);
+        self.traffic.uploaded(bytes.len() as u64);
+        self.queue.write_buffer(&b, 0, bytes);
+        b
+    }
+
     pub(super) fn storage(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
         self.traffic.uploaded(bytes.len() as u64);
         self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
