@@ -1,7 +1,9 @@
 //! `bench run --batch N`: N prompts prefilled in shared expert-major passes and decoded in
 //! lockstep, timed, bounded, and checked against each prompt run alone.
 //!
-//! Contract: [`run`] opens one engine, prefills the N prompts together
+//! Contract: [`run`] opens one engine (its shared passes cut to fewer rows while the N
+//! sequences' states do not fit the memory budget beside their activations; the record's
+//! `engine_config.prefill_rows` is what ran), prefills the N prompts together
 //! (`Engine::prefill_sessions`), decodes them greedily together for `decode` tokens each
 //! (`Engine::generate_sessions`), then runs each prompt alone on a fresh session of the same
 //! engine and compares (`ids_identical`: every sequence's prefill logits bit for bit and its
@@ -96,10 +98,9 @@ pub fn run(
         return Err(BatchBenchError::NoPrompts);
     }
     let n = prompts.len();
-    let engine = Engine::open(config)?;
     let max_new = decode.max(1);
     let lens: Vec<usize> = prompts.iter().map(|p| p.len() + max_new).collect();
-    engine.sequences_fit(&lens)?;
+    let engine = open_fitting(config, &lens)?;
     let mut sessions: Vec<Session> = (0..n).map(|_| engine.new_session()).collect();
     let lists: Vec<&[u32]> = prompts.iter().map(|p| &p[..]).collect();
     let m = |measure: &mut dyn FnMut() -> Result<Option<f64>, String>| measure().map_err(BatchBenchError::Ceiling);
@@ -272,6 +273,28 @@ fn reset_peak_rss() -> Option<u64> {
     // Where the kernel refuses, VmHWM stays the process's peak so far: still an upper bound.
     let _ = std::fs::write("/proc/self/clear_refs", "5");
     proc_status_bytes("VmRSS:")
+}
+
+/// Fewest rows a shared prefill pass is cut down to so that the sequences' states fit.
+const MIN_PASS_ROWS: usize = 256;
+
+/// The engine of `config`, with its shared prefill passes cut to half their rows (and the
+/// activations the memory plan reserves with them) while the states of sequences of `lens`
+/// tokens do not fit beside them, down to [`MIN_PASS_ROWS`]; then the plan's error, which names
+/// the budget.
+fn open_fitting(mut config: EngineConfig, lens: &[usize]) -> Result<Arc<Engine>, BatchBenchError> {
+    loop {
+        let engine = Engine::open(config.clone())?;
+        match engine.sequences_fit(lens) {
+            Ok(()) => return Ok(engine),
+            Err(e) if config.prefill_rows / 2 < MIN_PASS_ROWS => return Err(e.into()),
+            Err(_) => {
+                drop(engine);
+                config.prefill_rows /= 2;
+                config.batch_rows = config.batch_rows.map(|r| r.min(config.prefill_rows));
+            }
+        }
+    }
 }
 
 /// The number of shared prefill passes `prompts` take on `engine`.
