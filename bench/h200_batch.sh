@@ -7,7 +7,10 @@
 set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
+# On 2026-12-03 the NVIDIA ICD also needed libegl1, libopengl0, libgl1, libglx0, libgles2 in .gl/
+# and the EGL vendor file (else: no adapter, vkCreateInstance not found in libGLX_nvidia).
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
 [ -e .dev/deltafin ] || gunzip -k .dev/deltafin.gz
 chmod +x .dev/deltafin
 B=$PWD/.dev/deltafin
