@@ -6,13 +6,17 @@
 # published drives' ratio 13.6 : 7.1 : 7.1 : 5.7 GB/s, scaled to what this disk sustains (with
 # margin), plus a per-read latency through dm-delay where the kernel has device-mapper. Synthesizes
 # a K3-shaped model (real 17.55 MB experts, top-16) larger than the memory cgroup the runs are held
-# to, places it with each policy (mirror, spread by measured rate, and the naive baseline: spread
+# to, places it with each policy (mirror: every drive a copy, reads split across them; hot: the
+# most-routed experts on the fastest drive by a route trace recorded here with `run
+# --trace-routes`, the rest spread by rate; spread by measured rate; and the naive baseline: spread
 # with equal shares, i.e. experts striped round-robin with no regard to speed) and runs
-# `deltafin bench run` (cold: no expert cache, page cache dropped; a 512-token prompt, then decode)
-# on 1, 2, 3 and 4 drives. Then, on the 4-drive mirror: a straggler (one drive throttled to a tenth
-# for part of the run) with hedged reads on and off, and a drive lost mid-run (its file system shut
-# down so every read fails, then its loop device detached) -- with mirrors (ids must be identical)
-# and without a copy (the run must stop with an error naming the drive).
+# `deltafin bench run` (cold: no expert cache, page cache dropped) on 1, 2, 3 and 4 drives: the
+# single drive and the mirror rungs after a 512-token prompt (LADDER_PROMPT), the other policies'
+# after a short one (LADDER_SHORT_PROMPT: decode is what they are compared on). Then, on the
+# 4-drive mirror: a straggler (one drive throttled to a tenth for part of the run) with hedged
+# reads on and off, and a drive lost mid-run (its file system shut down so every read fails, then
+# its loop device detached) -- with mirrors (ids must be identical) and without a copy (the naive
+# stripe: the run must stop with an error naming the drive).
 #
 # Writes every `bench run` record, the ladder record, ladder.svg and ladder.txt under
 # bench/results/DATE-ladder/ (LADDER_OUT). The last stdout line is the record:
@@ -27,8 +31,9 @@
 # for the next run. Knobs (environment): DELTAFIN_BIN, LADDER_DIR (/var/tmp/ladder-work),
 # LADDER_OUT, LADDER_TOTAL_MBPS (sum of the four throttles; default 40% of the disk, at most 340),
 # LADDER_MEM (memory cgroup, 2G), LADDER_LAYERS (3: a dense layer and 2 MoE layers),
-# LADDER_EXPERTS (32), LADDER_PROMPT (512), LADDER_DECODE (5), LADDER_POLICIES ("mirror spread"),
-# LADDER_DELAY_MS (1, dm-delay's per-read latency).
+# LADDER_EXPERTS (32), LADDER_PROMPT (512), LADDER_SHORT_PROMPT (16), LADDER_DECODE (8),
+# LADDER_POLICIES ("mirror hot"; any of mirror hot spread), LADDER_DELAY_MS (1, dm-delay's
+# per-read latency).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -45,8 +50,9 @@ mem=${LADDER_MEM:-2G}
 layers=${LADDER_LAYERS:-3}
 experts=${LADDER_EXPERTS:-32}
 prompt=${LADDER_PROMPT:-512}
-decode=${LADDER_DECODE:-5}
-policies=${LADDER_POLICIES:-mirror spread}
+short_prompt=${LADDER_SHORT_PROMPT:-16}
+decode=${LADDER_DECODE:-8}
+policies=${LADDER_POLICIES:-mirror hot}
 delay_ms=${LADDER_DELAY_MS:-1}
 ratios=(13.6 7.1 7.1 5.7)
 tag=ladder-$$
@@ -56,12 +62,15 @@ runs=$out/runs.jsonl
 
 # ---- cleanup, on any exit ----
 loops=() mnts=() dms=() cgs=() imgs=() pids=()
+# A child that has exited (a zombie until waited for) counts as gone.
+alive() { [ -e "/proc/$1" ] && ! grep -q '^[0-9]* (.*) Z' "/proc/$1/stat" 2>/dev/null; }
 cleanup() {
   trap - EXIT INT TERM
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do pkill -TERM -P "$p" 2>/dev/null || true; kill -TERM "$p" 2>/dev/null || true; done
   for p in "${pids[@]}"; do
-    for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.2; done
+    for _ in $(seq 50); do alive "$p" || break; sleep 0.2; done
     kill -KILL "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
   done
   for m in "${mnts[@]}"; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; rmdir "$m" 2>/dev/null || true; done
   for d in "${dms[@]}"; do dmsetup remove --retry "$d" 2>/dev/null || true; done
@@ -167,6 +176,7 @@ place() {
   local name=$1 policy=$2 k=$3
   shift 3
   local args=() i
+  [ "$policy" = hot ] && args+=(--trace "$work/routes.json")
   for ((i = 0; i < k; i++)); do
     if [ $# -gt 0 ]; then args+=(--drive "${roots[$i]}/$name=$1"); shift; else args+=(--drive "${roots[$i]}/$name"); fi
   done
@@ -177,8 +187,16 @@ place() {
 place mirror4 mirror 4
 mapfile -t ceil < <(python3 -c "import json,sys; [print(d['gbps']) for d in json.load(open(sys.argv[1]))['drives']]" "$work/mirror4.json")
 say "drive ceilings through the throttles (GB/s): ${ceil[*]}"
+case " $policies " in *" hot "*)
+  # The route trace `hot` places by: a short greedy decode of this model, read from its shards.
+  say "recording a route trace"
+  dfin nomem run --model "$model" --prompt-ids "$(seq -s, 1 16)" --max-new 24 --ignore-eos --format json \
+    --trace-routes "$work/routes.json" > /dev/null
+  ;;
+esac
 for k in 2 3 4; do
   case " $policies " in *" spread "*) place "spread$k" spread "$k" "${ceil[@]:0:$k}" ;; esac
+  case " $policies " in *" hot "*) place "hot$k" hot "$k" "${ceil[@]:0:$k}" ;; esac
   place "naive$k" spread "$k" 1 1 1 1
 done
 
@@ -193,13 +211,14 @@ bench() {
   tail -1 "$work/$name.out" | python3 -c "import json,sys; r=json.load(sys.stdin); r['ladder_run']='$name'; print(json.dumps(r))" >> "$runs"
 }
 ladder_args=(--prompt-tokens "$prompt" --decode "$decode" --ceiling-seconds 1)
+short_args=(--prompt-tokens "$short_prompt" --decode "$decode" --ceiling-seconds 0)
 bench rung1 mirror4 0 "${ladder_args[@]}"
 for k in 2 3 4; do
   drives=$(seq -s, 0 $((k - 1)))
   for p in $policies; do
-    if [ "$p" = mirror ]; then bench "rung$k-mirror" mirror4 "$drives" "${ladder_args[@]}"; else bench "rung$k-$p" "$p$k" "$drives" "${ladder_args[@]}"; fi
+    if [ "$p" = mirror ]; then bench "rung$k-mirror" mirror4 "$drives" "${ladder_args[@]}"; else bench "rung$k-$p" "$p$k" "$drives" "${short_args[@]}"; fi
   done
-  bench "rung$k-naive" "naive$k" "$drives" "${ladder_args[@]}"
+  bench "rung$k-naive" "naive$k" "$drives" "${short_args[@]}"
 done
 
 # ---- the straggler: drive 0 (the fastest) at a tenth from FROM to TO seconds into the run ----
@@ -246,15 +265,12 @@ lost_run() { # lost_run NAME PLACEMENT DRIVES LOST
   pids+=("$t")
   bench "$name" "$2" "$3" "${fault_args[@]}" 2> "$work/$name.err" || rc=$?
   waitfor "$t" || true
-  echo "{\"ladder_run\": \"$name-status\", \"rc\": $rc, \"lost_drive\": $4, \"other_drives_sectors_written\": $(($(writes "$4") - before)), \"stderr_tail\": $(tail -3 "$work/$name.err" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}" >> "$runs"
+  echo "{\"ladder_run\": \"$name-status\", \"placement\": \"$2\", \"rc\": $rc, \"lost_drive\": $4, \"other_drives_sectors_written\": $(($(writes "$4") - before)), \"stderr_tail\": $(tail -3 "$work/$name.err" | python3 -c 'import json,sys; print(json.dumps(sys.stdin.read()))')}" >> "$runs"
   cat "$work/$name.err" >&2
 }
-if case " $policies " in *" spread "*) true ;; *) false ;; esac; then
-  lost_run lost-spread spread4 0,1,2,3 2
-  lost_run lost-mirror mirror4 0,1,3 3
-else
-  lost_run lost-mirror mirror4 0,1,2,3 3
-fi
+# Without a copy (the naive stripe), then on the mirror (the drive lost first stays lost).
+lost_run lost-single naive4 0,1,2,3 2
+lost_run lost-mirror mirror4 0,1,3 3
 
 # ---- the record and the plots ----
 python3 "$repo/bench/drive_ladder_record.py" "$runs" "$out" "$disk_mbps" "$total_mbps" "$latency" "$mem" \

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 PUBLISHED = {1: 52, 2: 73, 3: 90, 4: 100}
+POLICIES = ["mirror", "hot", "spread", "naive"]
 
 
 def load(path):
@@ -65,8 +66,8 @@ def rung(rec, run, policy, k, ceilings):
 
 def svg(rungs, path):
     w, h, pad = 640, 360, 50
-    pols = sorted({r["policy"] for r in rungs}, key=["mirror", "spread", "naive"].index)
-    colors = {"mirror": "#1f77b4", "spread": "#2ca02c", "naive": "#d62728"}
+    pols = sorted({r["policy"] for r in rungs}, key=POLICIES.index)
+    colors = {"mirror": "#1f77b4", "hot": "#ff7f0e", "spread": "#2ca02c", "naive": "#d62728"}
     top = max((r["decode_tok_s"] or 0) for r in rungs) * 1.15 or 1.0
     x = lambda k: pad + (k - 0.5) * (w - 2 * pad) / 4
     y = lambda v: h - pad - v / top * (h - 2 * pad)
@@ -103,13 +104,13 @@ def svg(rungs, path):
 
 def text_plot(rungs):
     top = max((r["decode_tok_s"] or 0) for r in rungs) or 1.0
-    lines = ["drives policy   tok/s   % of 4  published  bound ratio",]
+    lines = ["drives policy   prompt   tok/s   % of 4  published  bound ratio",]
     fours = {r["policy"]: r["decode_tok_s"] for r in rungs if r["drives"] == 4}
     for r in rungs:
         t = r["decode_tok_s"] or 0
         pct = 100 * t / fours[r["policy"]] if fours.get(r["policy"]) else float("nan")
         bar = "#" * round(40 * t / top)
-        lines.append(f"{r['drives']:>6} {r['policy']:<7} {t:6.3f}  {pct:6.1f}%  {PUBLISHED[r['drives']]:>8}%  "
+        lines.append(f"{r['drives']:>6} {r['policy']:<7} {r['prompt_tokens']:>6} {t:7.3f}  {pct:6.1f}%  {PUBLISHED[r['drives']]:>8}%  "
                      f"{(r['bound_ratio'] or 0):10.3f}  {bar}")
     return "\n".join(lines)
 
@@ -129,7 +130,7 @@ def main():
     runs = load(runs_path)
     ceilings = [float(c) for c in ceil_arg.split(",") if c]
     rungs = []
-    policies = ["mirror", "spread", "naive"]
+    policies = POLICIES
     for p in policies:
         if any(n.endswith("-" + p) for n in runs) and "rung1" in runs:
             rungs.append(rung(runs["rung1"], "rung1", p, 1, ceilings))
@@ -142,7 +143,10 @@ def main():
         for r in (r for r in rungs if r["policy"] == p):
             r["pct_of_four"] = 100 * r["decode_tok_s"] / four["decode_tok_s"] if four and r["decode_tok_s"] else None
             r["published_pct_of_four"] = PUBLISHED[r["drives"]]
-    ids = [r["output_ids"] for r in rungs]
+    # Runs after the same prompt must give the same ids (the rungs' prompts differ in length).
+    ids = {}
+    for r in rungs:
+        ids.setdefault(r["prompt_tokens"], []).append(r["output_ids"])
     straggler = None
     son, soff = runs.get("straggler-hedge-on"), runs.get("straggler-hedge-off")
     if son and soff:
@@ -161,12 +165,13 @@ def main():
             "layer_s_max_unhedged": soff["decode"]["layer_s_max"],
         }
 
-    def lost(name, policy, reference):
+    def lost(name, reference):
         st = runs.get(name + "-status")
         if st is None:
             return None
         rec = runs.get(name)
         ok = st["rc"] == 0 and rec is not None
+        policy = st.get("placement", "").rstrip("0123456789") or None
         return {
             "policy": policy,
             "ids_identical": bool(ok and reference and rec["output_ids"] == reference["output_ids"]),
@@ -189,10 +194,10 @@ def main():
         "per_read_latency_ms": None if latency == "null" else float(latency),
         "memory_cgroup": mem,
         "rungs": rungs,
-        "ladder_ids_identical": all(i == ids[0] for i in ids) if ids else None,
+        "ladder_ids_identical": all(all(i == g[0] for i in g) for g in ids.values()) if ids else None,
         "straggler": straggler,
-        "detached": lost("lost-mirror", "mirror", soff),
-        "detached_no_copy": lost("lost-spread", "spread", soff),
+        "detached": lost("lost-mirror", soff),
+        "detached_no_copy": lost("lost-single", soff) or lost("lost-spread", soff),
     }
     for r in rungs:
         del r["output_ids"]
