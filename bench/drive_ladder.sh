@@ -33,7 +33,7 @@
 # LADDER_MEM (memory cgroup, 2G), LADDER_LAYERS (3: a dense layer and 2 MoE layers),
 # LADDER_EXPERTS (32), LADDER_PROMPT (512), LADDER_SHORT_PROMPT (16), LADDER_DECODE (8),
 # LADDER_POLICIES ("mirror hot"; any of mirror hot spread), LADDER_DELAY_MS (1, dm-delay's
-# per-read latency).
+# per-read latency), LADDER_ONLY (`straggler`: the mirror placement and the straggler runs only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -54,6 +54,8 @@ short_prompt=${LADDER_SHORT_PROMPT:-16}
 decode=${LADDER_DECODE:-8}
 policies=${LADDER_POLICIES:-mirror hot}
 delay_ms=${LADDER_DELAY_MS:-1}
+only=${LADDER_ONLY:-}
+[ "$only" = straggler ] && policies=mirror
 ratios=(13.6 7.1 7.1 5.7)
 tag=ladder-$$
 mkdir -p "$work" "$out"
@@ -194,7 +196,7 @@ case " $policies " in *" hot "*)
     --trace-routes "$work/routes.json" > /dev/null
   ;;
 esac
-for k in 2 3 4; do
+[ "$only" = straggler ] || for k in 2 3 4; do
   case " $policies " in *" spread "*) place "spread$k" spread "$k" "${ceil[@]:0:$k}" ;; esac
   case " $policies " in *" hot "*) place "hot$k" hot "$k" "${ceil[@]:0:$k}" ;; esac
   place "naive$k" spread "$k" 1 1 1 1
@@ -212,8 +214,8 @@ bench() {
 }
 ladder_args=(--prompt-tokens "$prompt" --decode "$decode" --ceiling-seconds 1)
 short_args=(--prompt-tokens "$short_prompt" --decode "$decode" --ceiling-seconds 0)
-bench rung1 mirror4 0 "${ladder_args[@]}"
-for k in 2 3 4; do
+[ "$only" = straggler ] || bench rung1 mirror4 0 "${ladder_args[@]}"
+[ "$only" = straggler ] || for k in 2 3 4; do
   drives=$(seq -s, 0 $((k - 1)))
   for p in $policies; do
     if [ "$p" = mirror ]; then bench "rung$k-mirror" mirror4 "$drives" "${ladder_args[@]}"; else bench "rung$k-$p" "$p$k" "$drives" "${short_args[@]}"; fi
@@ -230,11 +232,15 @@ straggle() {
   sleep $((to - from))
   throttle "$(majmin $slow)" "${bps[$slow]}"
 }
-for h in on off; do
+# Hedging on and off with split reads (the store as it runs), and `whole`: neither hedged nor split
+# reads (each expert read whole from one copy, the store before 18fa516): what reading the other
+# copies buys against a straggler.
+for h in on off whole; do
   straggle &
   timer=$!
   pids+=("$timer")
-  bench "straggler-hedge-$h" mirror4 0,1,2,3 "${fault_args[@]}" --hedge "$h"
+  if [ "$h" = whole ]; then copies=(--hedge off --split-reads off); else copies=(--hedge "$h"); fi
+  bench "straggler-hedge-$h" mirror4 0,1,2,3 "${fault_args[@]}" "${copies[@]}"
   kill "$timer" 2>/dev/null || true
   waitfor "$timer" || true
   throttle "$(majmin $slow)" "${bps[$slow]}"
@@ -269,8 +275,10 @@ lost_run() { # lost_run NAME PLACEMENT DRIVES LOST
   cat "$work/$name.err" >&2
 }
 # Without a copy (the naive stripe), then on the mirror (the drive lost first stays lost).
-lost_run lost-single naive4 0,1,2,3 2
-lost_run lost-mirror mirror4 0,1,3 3
+if [ "$only" != straggler ]; then
+  lost_run lost-single naive4 0,1,2,3 2
+  lost_run lost-mirror mirror4 0,1,3 3
+fi
 
 # ---- the record and the plots ----
 python3 "$repo/bench/drive_ladder_record.py" "$runs" "$out" "$disk_mbps" "$total_mbps" "$latency" "$mem" \

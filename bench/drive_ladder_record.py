@@ -164,6 +164,14 @@ def main():
             "layer_s_max_hedged": son["decode"]["layer_s_max"],
             "layer_s_max_unhedged": soff["decode"]["layer_s_max"],
         }
+        whole = runs.get("straggler-hedge-whole")
+        if whole:
+            # Neither hedged nor split reads: what reading the other copies (split, steal, hedge) buys.
+            w = whole["decode"]["layer_s_p99"]
+            straggler["p99_layer_s_whole_reads"] = w
+            straggler["p99_cut_vs_whole_reads"] = 1 - a / w if a is not None and w else None
+            straggler["ids_identical_whole_reads"] = son["output_ids"] == whole["output_ids"]
+            straggler["decode_s_per_token_whole_reads"] = whole["decode"]["seconds_per_token"]
 
     def lost(name, reference):
         st = runs.get(name + "-status")
@@ -203,11 +211,12 @@ def main():
         del r["output_ids"]
     with open(os.path.join(out, "record.json"), "w") as f:
         json.dump(record, f, indent=1)
-    svg(rungs, os.path.join(out, "ladder.svg"))
-    plot = text_plot(rungs)
-    with open(os.path.join(out, "ladder.txt"), "w") as f:
-        f.write(plot + "\n")
-    print(plot, file=sys.stderr)
+    if rungs:  # LADDER_ONLY=straggler runs no rungs
+        svg(rungs, os.path.join(out, "ladder.svg"))
+        plot = text_plot(rungs)
+        with open(os.path.join(out, "ladder.txt"), "w") as f:
+            f.write(plot + "\n")
+        print(plot, file=sys.stderr)
     print(json.dumps(record))
 
 
