@@ -102,13 +102,7 @@ fn a_failed_range_or_a_corrupt_copy_fails_over_with_the_same_bytes() {
     // One byte flipped in every record of drive 0's layer-1 pack: a split read's checksum fails
     // (no one drive to blame), it is read again whole, and drive 0 is avoided once a whole read
     // of it fails.
-    let path = man.pack_path(0, 1);
-    let h = deltafin::store::pack::read_header(&path).unwrap();
-    let mut bytes = std::fs::read(&path).unwrap();
-    for e in &h.entries {
-        bytes[e.offset as usize + 7] ^= 0x55;
-    }
-    std::fs::write(&path, &bytes).unwrap();
+    corrupt_pack(&man, 0, 1);
     let st = store(&m, &man, MIN);
     assert_eq!(all_experts(&m, &*st), want_bytes, "a corrupt copy's bytes were delivered");
     assert_eq!(all_experts(&m, &*st), want_bytes);

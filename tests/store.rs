@@ -125,13 +125,7 @@ fn a_corrupt_copy_fails_over_with_identical_output() {
     let drives = drive_dirs(tmp.path(), 2);
     let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
     // Flip one byte in every record of drive 0's layer-1 pack.
-    let path = man.pack_path(0, 1);
-    let h = deltafin::store::pack::read_header(&path).unwrap();
-    let mut bytes = std::fs::read(&path).unwrap();
-    for e in &h.entries {
-        bytes[e.offset as usize + 7] ^= 0x55;
-    }
-    std::fs::write(&path, &bytes).unwrap();
+    corrupt_pack(&man, 0, 1);
     for reader in [ReaderKind::Uring, ReaderKind::Pread] {
         // Drive 1 is slower (given 2 GB/s vs 1) but the balancer sends the first reads to drive 0.
         let store = open_store(&m, &man, 0, reader);

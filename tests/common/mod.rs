@@ -411,6 +411,17 @@ pub fn shard_store_with_heat(
 }
 
 /// `n` drive directories `ROOT/d0 .. ROOT/d{n-1}` (created by `place`).
+/// Flips one byte in every record of `drive`'s pack of `layer`: a copy whose checksums fail.
+pub fn corrupt_pack(man: &Manifest, drive: usize, layer: usize) {
+    let path = man.pack_path(drive, layer);
+    let h = deltafin::store::pack::read_header(&path).unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    for e in &h.entries {
+        bytes[e.offset as usize + 7] ^= 0x55;
+    }
+    std::fs::write(&path, &bytes).unwrap();
+}
+
 pub fn drive_dirs(root: &Path, n: usize) -> Vec<PathBuf> {
     (0..n).map(|i| root.join(format!("d{i}"))).collect()
 }
