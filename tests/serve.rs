@@ -511,13 +511,7 @@ fn chat_page_streams_an_answer_in_headless_chromium() {
     // Chromium's virtual clock can run out before a loaded machine has answered; the page is
     // loaded again (fresh profile, longer budget) up to three times before the test fails.
     let mut dom = String::new();
-    let mut before = 0.0;
     for budget in [20_000, 60_000, 120_000] {
-        if !dom.is_empty() {
-            // The dropped load's request stops at its next token once Chromium has gone.
-            std::thread::sleep(std::time::Duration::from_secs(2));
-        }
-        before = s.metric("deltafin_generated_tokens_total");
         let profile = tempfile::tempdir().unwrap();
         let o = Command::new(&browser)
             .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
@@ -542,6 +536,5 @@ fn chat_page_streams_an_answer_in_headless_chromium() {
     let ttft = dom.split("id=\"ttft\">TTFT ").nth(1).and_then(|t| t.split(' ').next());
     assert!(ttft.is_some_and(|t| t.parse::<f64>().is_ok()), "TTFT shown: {dom}");
     assert!(dom.contains("MB/s"), "per-drive read rate shown: {dom}");
-    // The page's request (the load that finished) generated its max_tokens.
-    assert_eq!(s.metric("deltafin_generated_tokens_total") - before, 6.0);
+    assert_eq!(s.metric("deltafin_generated_tokens_total"), 6.0);
 }
