@@ -1,28 +1,16 @@
 #!/usr/bin/env bash
 # The README table of issue 31: `bench run --batch N` on an over-RAM K3-shaped synthetic model in a
-# memory cgroup (v1 or v2, named batch-table, removed after): prefill of N = 1, 4, 16 prompts of
+# memory cgroup (v1 or v2, one per run via bench/in_cgroup.sh): prefill of N = 1, 4, 16 prompts of
 # 512 tokens, decode of N = 1, 8, 32 sequences (32-token prompts, 8 steps). Cold: each run drops
 # the page cache. Needs root. One JSON record per run appended to OUT.
 #   bench/batch_table.sh BIN MODEL OUT [LIMIT] [all|prefill|decode|short16]   (model: synth --preset k3-experts --layers 8
 #   --experts 128 --hidden 1024 --expert-latent 1024 --expert-inter 2048, 3.1 GiB; limit 1536M)
 set -euo pipefail
 bin=$1 model=$2 out=$3 limit=${4:-1536M}
-# The cgroup's name (CG=NAME to run two tables side by side).
-name=${CG:-batch-table}
-if [ -d /sys/fs/cgroup/memory ]; then
-  cg=/sys/fs/cgroup/memory/$name
-  mkdir -p "$cg"
-  echo "$limit" > "$cg/memory.limit_in_bytes"
-else
-  cg=/sys/fs/cgroup/$name
-  mkdir -p "$cg"
-  echo "$limit" > "$cg/memory.max"
-fi
-cleanup() { rmdir "$cg" 2>/dev/null || true; }
-trap cleanup EXIT
+# Each run in its own memory cgroup of LIMIT, through bench/in_cgroup.sh.
+here=$(dirname "$0")
 run() {
-  sh -c 'echo $$ > "$1/cgroup.procs"; shift; exec "$@"' sh "$cg" "$bin" bench run --model "$model" "$@" --out "$out" \
-    | cut -c1-300
+  bash "$here/in_cgroup.sh" "$limit" "$bin" bench run --model "$model" "$@" --out "$out" | cut -c1-300
 }
 what=${5:-all}
 if [ "$what" = all ] || [ "$what" = prefill ]; then

@@ -84,6 +84,14 @@ pub fn sampling(dir: &Path, demo: bool, temperature: Option<f64>, top_p: Option<
     Ok(s)
 }
 
+/// The "sampling: ..." startup line (`each`: one line for several prompts), None when greedy.
+pub fn sampling_line(s: &crate::sample::SamplingParams, each: bool) -> Option<String> {
+    (!s.is_greedy()).then(|| {
+        let each = if each { " (each prompt)" } else { "" };
+        format!("deltafin: sampling: temperature {} top-p {} seed {}{each}", s.temperature, s.top_p, s.seed)
+    })
+}
+
 /// The "RANDOM weights" note for a model `synth` wrote (its config.json says so), whatever the
 /// model directory; None for any other model.
 pub fn random_weights_note(dir: &Path) -> Option<String> {

@@ -125,11 +125,8 @@ pub fn run(mut a: RunArgs) -> Result<()> {
             };
             eprintln!("deltafin: drafting: {} | {memory}", s.describe());
         }
-        if !sampling.is_greedy() {
-            eprintln!(
-                "deltafin: sampling: temperature {} top-p {} seed {}",
-                sampling.temperature, sampling.top_p, sampling.seed
-            );
+        if let Some(line) = load::sampling_line(&sampling, false) {
+            eprintln!("{line}");
         }
     }
     if let Some(note) = load::random_weights_note(&dir) {

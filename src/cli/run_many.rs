@@ -119,11 +119,8 @@ pub(super) fn run_many(
     if !a.quiet {
         eprintln!("{}", engine.startup_line());
         eprintln!("deltafin: {} prompts ({total} tokens), {parallel} at a time", prompts.len());
-        if !sampling.is_greedy() {
-            eprintln!(
-                "deltafin: sampling: temperature {} top-p {} seed {} (each prompt)",
-                sampling.temperature, sampling.top_p, sampling.seed
-            );
+        if let Some(line) = load::sampling_line(&sampling, true) {
+            eprintln!("{line}");
         }
     }
     if let Some(note) = load::random_weights_note(&dir) {
