@@ -69,6 +69,8 @@ pub struct DriveReport {
     pub reader: String,
     pub direct_io: bool,
     pub bytes_read: u64,
+    /// Read operations completed on this drive: an expert split across drives, or stored in
+    /// pieces (one spanning two safetensors files), counts one per piece.
     pub reads: u64,
     pub read_ms_p50: Option<f64>,
     pub read_ms_p99: Option<f64>,
