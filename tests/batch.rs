@@ -90,6 +90,19 @@ fn lines_errors_and_reruns() {
     let (_, err) = run_ok(&mut batch(&dir, &input, &out));
     assert!(err.contains("0 done, 0 errors, 6 already in the output"), "{err}");
     assert_eq!(records(&out).len(), 6);
+    // A second run on an output another run is writing (it holds the lock) refuses, touching nothing.
+    let before = std::fs::read(&out).unwrap();
+    let holder = std::fs::OpenOptions::new().append(true).open(&out).unwrap();
+    holder.try_lock().unwrap();
+    std::fs::write(tmp.path().join("more.jsonl"), r#"{"id": "new", "prompt": "Hi", "max_tokens": 2}"#).unwrap();
+    let o = batch(&dir, &tmp.path().join("more.jsonl"), &out).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("is being written by another `deltafin batch` run"), "{err}");
+    assert_eq!(std::fs::read(&out).unwrap(), before);
+    drop(holder);
+    let (_, err) = run_ok(&mut batch(&dir, &tmp.path().join("more.jsonl"), &out));
+    assert!(err.contains("1 done, 0 errors, 0 already"), "{err}");
 }
 
 #[test]

@@ -5,7 +5,8 @@
 //! names (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`, `logprobs`, `reasoning_effort`,
 //! ...). Each result is one line appended with a single write (and synced) as soon as it is done,
 //! so a batch killed at any moment leaves only whole lines — at worst one torn last line, which the
-//! next run cuts off. A rerun skips the ids already in the output (resumable after kill -9). A bad
+//! next run cuts off. A rerun skips the ids already in the output (resumable after kill -9); the
+//! output is locked while a run writes it, so a second run on it refuses instead of repeating. A bad
 //! line gets an error record (`{"id", "line", "error": {...}}`) and the batch goes on. `-` is
 //! standard input / standard output. Progress (done, rate, ETA) goes to stderr.
 //!
@@ -79,11 +80,29 @@ fn is_std(p: &Path) -> bool {
     p.as_os_str() == "-"
 }
 
-/// Ids (and id-less line numbers) already in `out`; cuts a torn last line first.
-fn already_done(out: &Path) -> Result<(HashSet<String>, HashSet<u64>)> {
+/// Opens `out` for appending, locked against a second run appending the same results.
+fn open_locked(out: &Path) -> Result<std::fs::File> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .append(true)
+        .create(true)
+        .open(out)
+        .with_context(|| format!("cannot open {} for appending", out.display()))?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
+            "{} is being written by another `deltafin batch` run: wait for it to finish (this run would repeat its \
+             requests), or choose another --out",
+            out.display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => Err(e).with_context(|| format!("cannot lock {}", out.display())),
+    }
+}
+
+/// Ids (and id-less line numbers) already in `f` (the output `out`); cuts a torn last line first.
+fn already_done(f: &mut std::fs::File, out: &Path) -> Result<(HashSet<String>, HashSet<u64>)> {
     let mut ids = HashSet::new();
     let mut lines = HashSet::new();
-    let Ok(mut f) = std::fs::OpenOptions::new().read(true).write(true).open(out) else { return Ok((ids, lines)) };
     let mut bytes = Vec::new();
     f.read_to_end(&mut bytes).with_context(|| format!("cannot read {}", out.display()))?;
     let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
@@ -150,7 +169,11 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     } else {
         std::fs::read_to_string(&a.input).with_context(|| format!("cannot read {}", a.input.display()))?
     };
-    let (done_ids, done_lines) = if is_std(&a.output) { Default::default() } else { already_done(&a.output)? };
+    let mut file = if is_std(&a.output) { None } else { Some(open_locked(&a.output)?) };
+    let (done_ids, done_lines) = match &mut file {
+        Some(f) => already_done(f, &a.output)?,
+        None => Default::default(),
+    };
     if a.parallel as usize > a.engine.prefill_rows.max(1) {
         anyhow::bail!(
             "--parallel {} decodes {} rows a step, more than --prefill-rows {}: raise --prefill-rows",
@@ -159,17 +182,6 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
             a.engine.prefill_rows
         );
     }
-    let file = if is_std(&a.output) {
-        None
-    } else {
-        Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&a.output)
-                .with_context(|| format!("cannot open {} for appending", a.output.display()))?,
-        )
-    };
     let rows = a.engine.prefill_rows.max(8);
     let mut config = a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0);
     config.sequences = a.parallel as usize;
