@@ -10,7 +10,8 @@ use common::*;
 use deltafin::engine::{BatchSeq, Engine, EngineConfig, GenerateOptions, Lane, Session, prefill_passes};
 use deltafin::k3::KdaMode;
 use deltafin::sample::{Sampler, SamplingParams};
-use deltafin::store::expert_store::ExpertStore;
+use deltafin::store::expert_store::{ExpertStore, StoreOptions};
+use deltafin::store::placement::{Policy, ShardUse};
 use deltafin::store::{ExpertSink, ExpertSource, StoreError};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -139,6 +140,63 @@ fn lockstep_decode_equals_each_sequence_alone_as_they_leave() {
     // The longest runs every step; each step is one forward (one pass per MoE layer).
     let steps = gens.iter().map(|g| g.tokens.len()).max().unwrap() as u64 - 1;
     assert_eq!(stats.layer_passes, steps * open_model(&dir).cfg.moe_layers() as u64);
+}
+
+#[test]
+fn a_decode_step_of_several_rows_reads_ahead_and_reads_nothing_twice() {
+    // A copy: the placement is written beside the model.
+    let copy = copy_fixture("k3-tiny-a");
+    let dir = copy.path().to_path_buf();
+    let m = open_model(&dir);
+    let ps = prompts(&reference("k3-tiny-a"));
+    let greedy = SamplingParams::new(0.0, 1.0, 0).unwrap();
+    let plain = Engine::open(config(&fixture("k3-tiny-a"), 64)).unwrap();
+    // One decode step (the prefill gives the first token), then several.
+    for max_new in [2, 5] {
+        let opts = GenerateOptions { max_new, stop: vec![] };
+        let want: Vec<Vec<u32>> = ps.iter().map(|p| generate_alone(&plain, p, &opts, greedy)).collect();
+        // Placed in a pack (each expert at its own page-aligned offset, so a read names its
+        // expert); no cache: a step's experts are read (ahead or on demand) into the read slots.
+        let tmp = tempfile::tempdir().unwrap();
+        let man = place_model(&m, &drive_dirs(tmp.path(), 1), |_| 1.0, Policy::Spread, ShardUse::Off, None);
+        let layout = m.roster.expert_layout.clone().unwrap();
+        let spec = deltafin::store::placement::manifest_spec(&man, &m.ck, &m.roster, layout).unwrap();
+        let so = StoreOptions { cache_bytes: 0, prefetch_depth: 0, record_reads: true, ..Default::default() };
+        let store = Arc::new(ExpertStore::open(spec, so).unwrap());
+        let e = Engine::open_with_source(config(&dir, 64), store.clone()).unwrap();
+        let mut sessions: Vec<Session> = ps.iter().map(|_| e.new_session()).collect();
+        {
+            let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+            let lists: Vec<&[u32]> = ps.iter().map(Vec::as_slice).collect();
+            e.prefill_sessions(&mut refs, &lists).unwrap();
+        }
+        let before = store.report();
+        let logged = store.read_log().len();
+        let mut samplers: Vec<Sampler> = ps.iter().map(|_| Sampler::new(greedy)).collect();
+        let mut each: Vec<fn(u32) -> bool> = vec![|_| true; ps.len()];
+        let mut seqs: Vec<BatchSeq> = sessions
+            .iter_mut()
+            .zip(samplers.iter_mut())
+            .zip(each.iter_mut())
+            .map(|((session, sampler), on_token)| BatchSeq { session, opts: opts.clone(), sampler, on_token })
+            .collect();
+        let (gens, _) = e.generate_sessions(&mut seqs).unwrap();
+        for (i, g) in gens.iter().enumerate() {
+            assert_eq!(g.tokens, want[i], "sequence {i}: reading ahead changed its tokens");
+        }
+        let after = store.report();
+        let (issued, used) =
+            (after.prefetch_issued - before.prefetch_issued, after.prefetch_used - before.prefetch_used);
+        assert!(issued > 0 && used > 0, "a decode step of {} rows read nothing ahead ({used} of {issued})", ps.len());
+        if max_new == 2 {
+            // One step reads each (layer, expert) at most once, ahead or on demand.
+            let mut step: Vec<_> = store.read_log()[logged..].to_vec();
+            let n = step.len();
+            step.sort();
+            step.dedup();
+            assert_eq!(step.len(), n, "a decode step read something twice ({used} of {issued} ahead used)");
+        }
+    }
 }
 
 /// Fails every fetch of `layer` from the `fail_from`-th on.

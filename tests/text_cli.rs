@@ -226,14 +226,21 @@ fn stats_are_printed_and_written() {
     let moe_layers = deltafin::model::K3Config::load(&demo_dir(cache.path())).unwrap().moe_layers();
     assert_eq!(j["layer_passes"], moe_layers * 5, "each MoE layer: prompt pass + 4 decode steps");
     assert!(j["expert_bytes_unique"].as_u64().unwrap() > 0);
-    // With memory to spare the cache holds every expert: each is read once, later uses are hits.
+    // With memory to spare the cache holds every expert: each is read once, later uses are hits;
+    // the prompt's rows also read ahead the next layer's predicted experts, and those no fetch
+    // demanded are read beside the demanded ones (one read ahead and demanded later is a hit).
     let eb = m_expert_bytes(cache.path());
     let unique = j["expert_bytes_unique"].as_u64().unwrap();
-    assert_eq!(j["cache_misses"].as_u64().unwrap() * eb, unique);
+    let wasted = j["prefetch_issued"].as_u64().unwrap() - j["prefetch_used"].as_u64().unwrap();
+    assert!(j["cache_misses"].as_u64().unwrap() * eb <= unique, "an expert missed twice");
     assert_eq!(j["cache_hits"].as_u64().unwrap() + j["cache_misses"].as_u64().unwrap(), j["experts_fetched"]);
     // Drive reads are operations: one expert of the demo spans two safetensors files (two reads).
     let reads: u64 = j["drives"].as_array().unwrap().iter().map(|d| d["reads"].as_u64().unwrap()).sum();
-    assert!(reads * eb >= unique && reads * eb <= unique + eb, "reads {reads} for {unique} unique bytes");
+    let once = unique + wasted * eb;
+    assert!(
+        reads * eb >= once && reads * eb <= once + eb,
+        "reads {reads} for {unique} unique bytes, {wasted} ahead unused"
+    );
     assert!(j["expert_bytes_read"].as_u64().unwrap() >= unique);
 }
 

@@ -529,7 +529,8 @@ impl Engine {
     }
 
     pub(crate) fn sched_options(&self) -> sched::Options {
-        sched::Options { kda_mode: self.config.kda, prefetch: self.config.prefetch }
+        let queue_depth = self.store.as_ref().map_or(self.config.qd, |s| s.queue_depth());
+        sched::Options { kda_mode: self.config.kda, prefetch: self.config.prefetch, queue_depth }
     }
 
     /// Checks that a tokenizer fits this model's vocabulary.

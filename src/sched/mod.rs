@@ -28,6 +28,9 @@ pub struct Options {
     pub kda_mode: KdaMode,
     /// Predict and prefetch the next MoE layer's experts.
     pub prefetch: bool,
+    /// Reads the expert source keeps in flight, all drives together (sizes a decode step's reads
+    /// ahead: [`moe::read_ahead_depth`]).
+    pub queue_depth: usize,
 }
 
 /// Runs every sequence's rows through the model; see the module contract. `device` is the

@@ -3,7 +3,10 @@
 //! runs on all of its rows as soon as it lands (`k3::moe::RoutedExperts` puts its outputs in
 //! router order). Lookahead: the next MoE layer's router on this layer's input predicts its
 //! experts, which are prefetched into idle drive capacity once every demanded read of this layer
-//! is queued (a large batch reads the surest of them ahead, with the fetch itself).
+//! is queued. A batch of several rows reads them ahead with the fetch itself, most-named first: a
+//! large batch every expert named for two rows or more, a decode step of a few rows the first
+//! [`read_ahead_depth`] of them (enough to keep the drives busy while the step computes attention
+//! and the next router, little to waste on a wrong guess).
 //!
 //! Contract: the schedule changes what is read and when, never a result; it counts every layer
 //! pass, expert, row and byte, and times the phases (`Stats`).
@@ -23,8 +26,18 @@ use std::time::Instant;
 /// reads the batch needs anyway (prefill stays one read per expert), and the drives do not idle.
 pub const READ_AHEAD_ROWS: usize = 128;
 
-/// Experts the next layer's router names for at least this many rows are read ahead.
+/// Experts the next layer's router names for at least this many rows are read ahead by a batch of
+/// [`READ_AHEAD_ROWS`] rows or more.
 const READ_AHEAD_MIN_ROWS: usize = 2;
+
+/// Experts a batch of fewer than [`READ_AHEAD_ROWS`] rows (but two or more: a decode step of
+/// several sequences) reads ahead, most-named first: two reads per slot of the drives' queues
+/// (`queue_depth`, all drives together), what the drives get through while the step runs attention,
+/// norms and the router of the next layer. A wrong guess costs one read of the drive's time and
+/// never delays a demanded read by more than these.
+pub fn read_ahead_depth(queue_depth: usize) -> usize {
+    2 * queue_depth.max(1)
+}
 
 /// The schedule of one forward: its expert source, the device's expert cache, the lookahead
 /// carried from one MoE layer to the next, and the counters and phase clock.
@@ -85,23 +98,29 @@ impl Schedule for StoreSchedule<'_> {
             self.stats.record_prediction(layer, pred.len(), union.len(), hit);
             src.cancel_prefetch(layer, &union);
         }
-        let next = if self.opts.prefetch || self.rows >= READ_AHEAD_ROWS { model.next_moe(layer) } else { None };
+        let next = if self.opts.prefetch || self.rows >= 2 { model.next_moe(layer) } else { None };
         let next_routes = match next {
             Some((nl, nw)) => Some((nl, moe::route(&*model.be, c, nw, xn)?)),
             None => None,
         };
         let predicted_next = next_routes.as_ref().map(|(nl, r)| (*nl, r.union()));
-        // A large batch reads ahead the next layer's experts its router names for several rows, the
-        // most-named first.
+        // A batch reads ahead the next layer's experts its router names, the most-named first: a
+        // large one those named for several rows, a decode step of a few rows the first few.
         let read_ahead: Option<(usize, Vec<u32>)> = match (&next_routes, &predicted_next) {
-            (Some((_, r)), Some((nl, pred))) if n >= READ_AHEAD_ROWS => {
+            (Some((_, r)), Some((nl, pred))) if n >= 2 => {
                 let mut count = vec![0usize; c.experts];
                 for &e in &r.experts {
                     count[e as usize] += 1;
                 }
                 let mut sure = self.not_held(*nl, pred);
-                sure.retain(|&e| count[e as usize] >= READ_AHEAD_MIN_ROWS);
+                if n >= READ_AHEAD_ROWS {
+                    sure.retain(|&e| count[e as usize] >= READ_AHEAD_MIN_ROWS);
+                }
+                // Ties keep the union's order (stable sort): the same list every run.
                 sure.sort_by_key(|&e| std::cmp::Reverse(count[e as usize]));
+                if n < READ_AHEAD_ROWS {
+                    sure.truncate(read_ahead_depth(self.opts.queue_depth));
+                }
                 Some((*nl, sure))
             }
             _ => None,

@@ -585,6 +585,11 @@ impl ExpertStore {
     pub fn slots(&self) -> usize {
         self.shared.slab.slots
     }
+
+    /// Reads kept in flight, all drives together (each drive's queue depth).
+    pub fn queue_depth(&self) -> usize {
+        self.shared.spec.drives.iter().map(|d| d.qd.max(1)).sum()
+    }
 }
 
 impl Drop for ExpertStore {

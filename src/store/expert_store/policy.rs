@@ -18,7 +18,8 @@ use super::*;
 /// next layer, predicted by its router on all rows), once every read of the current fetch has
 /// been started: they run while the batch computes attention, so the drives do not idle. Each
 /// takes a free slot or the least-used cached one (never one of `layer`'s own, never a pinned
-/// one), at most half of the cache, and ranks above every demanded expert until `layer` is
+/// one), at most half of the cache or the read slots beside it (without a cache, a decode step's
+/// reads ahead stream through those), and ranks above every demanded expert until `layer` is
 /// fetched ([`demote_read_ahead`]). Counted as prefetches (`prefetch_issued` / `prefetch_used`).
 /// Returns where to resume when slots free up (the experts before it are started or skipped).
 pub(super) fn read_ahead(
@@ -35,7 +36,8 @@ pub(super) fn read_ahead(
     // Only reads still ahead count against the cap (a demanded one is no longer ahead).
     let slots = std::mem::take(&mut st.sure_slots);
     st.sure_slots = slots.into_iter().filter(|s| still_ahead(&st.slots[s.slot])).collect();
-    let cap = (sh.cache_slots / 2).saturating_sub(st.sure_slots.len());
+    let staging = st.slots.len().saturating_sub(sh.cache_slots);
+    let cap = (sh.cache_slots / 2).max(staging).saturating_sub(st.sure_slots.len());
     let mut started = 0;
     for (i, &e) in experts.iter().enumerate().skip(from) {
         if started >= cap {
