@@ -8,7 +8,10 @@
 //! (`Engine::generate_sessions`), then runs each prompt alone on a fresh session of the same
 //! engine and compares (`ids_identical`: every sequence's prefill logits bit for bit and its
 //! tokens). The disk ceiling is measured by the caller's `measure` before prefill, between the
-//! phases and after decode; each phase's bound uses the mean of the two probes around it.
+//! phases (right before decode) and right after decode. Prefill's bound uses the mean of the two
+//! probes around it; decode's the conservative ceiling (below), since a shared or bursting disk's
+//! probes move by 2x within a run and the mean of two slow ones can sit below what decode itself
+//! read at.
 //! - prefill: `bound_s` = max(union bytes / ceiling, compute), where union bytes are the distinct
 //!   experts the shared passes touched and compute is the work of every prompt at the rate the
 //!   kernels run on this machine, measured in the same run apart from any read: each (pass,
@@ -18,7 +21,11 @@
 //!   and combine, the output head: phases that never wait for a read, timed as they ran;
 //!   `trunk_s`). Not the wall minus the read waits, which is the bound by construction;
 //! - decode: `bound_s` = the union-read bound summed over steps: each step's per-layer union of
-//!   the active sequences' experts (the recorded routes) x expert bytes / ceiling.
+//!   the active sequences' experts (the recorded routes) x expert bytes / ceiling, where the
+//!   ceiling is the fastest of the run's three probes or the rate decode's own reads reached
+//!   (bytes read / decode wall), whichever is higher ([`decode_ceiling`]): a ceiling no probe or
+//!   read of the run exceeded. `bound_s_mean_ceiling` is the bound at the mean of the two probes
+//!   around decode (the definition before 2026-12-03's session 5, looser), for comparison.
 //!
 //! Ratios: `prefill.ratio` = wall / bound (goal <= 1.1), `decode.bound_over_wall` = bound / wall
 //! (goal >= 0.9). Timings of the alone runs come after the batch on a warm engine, so they are
@@ -75,11 +82,22 @@ pub fn runs(
 /// A disk-ceiling probe: GB/s, or None when probes are off.
 pub type Measure<'a> = &'a mut dyn FnMut() -> Result<Option<f64>, String>;
 
+/// Whether any probe ran (with probes off, decode's own rate is no ceiling either: no bound).
+fn probes_on(a: Option<f64>, b: Option<f64>, c: Option<f64>) -> bool {
+    a.is_some() || b.is_some() || c.is_some()
+}
+
 fn mean(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     match (a, b) {
         (Some(a), Some(b)) => Some((a + b) / 2.0),
         (x, None) | (None, x) => x,
     }
+}
+
+/// The ceiling decode's bound divides by (GB/s): the fastest of `probes` or `own_gbps` (the rate
+/// decode's own reads reached over its wall), whichever is higher; None when nothing was measured.
+pub fn decode_ceiling(probes: &[Option<f64>], own_gbps: Option<f64>) -> Option<f64> {
+    probes.iter().flatten().chain(own_gbps.iter()).copied().filter(|g| g.is_finite() && *g > 0.0).reduce(f64::max)
 }
 
 /// Distinct experts per MoE layer pass of `trace` (one entry per pass, in order).
@@ -116,7 +134,8 @@ pub fn run(
     let peak_rss = proc_status_bytes("VmHWM:");
     // A device backend's operations during the prefill (empty on the CPU).
     let prefill_ops = engine.op_times();
-    let read1 = engine.source_report().expert_bytes_read.unwrap_or(0);
+    let rep1 = engine.source_report();
+    let read1 = rep1.expert_bytes_read.unwrap_or(0);
     let first_logits: Vec<Vec<f32>> =
         sessions.iter().map(|s| s.logits().map(<[f32]>::to_vec).unwrap_or_default()).collect();
     let c1 = m(measure)?;
@@ -135,7 +154,8 @@ pub fn run(
         engine.generate_sessions(&mut seqs)?
     };
     let decode_wall = t1.elapsed().as_secs_f64();
-    let read2 = engine.source_report().expert_bytes_read.unwrap_or(0);
+    let rep2 = engine.source_report();
+    let read2 = rep2.expert_bytes_read.unwrap_or(0);
     let c2 = m(measure)?;
     let alone = alone_runs(&engine, prompts, &opts)?;
     let ids_identical = alone.iter().enumerate().all(|(i, (logits, toks, _, _))| {
@@ -145,7 +165,11 @@ pub fn run(
     });
     let expert_bytes = pre.expert_bytes.max(dec.expert_bytes);
     let prefill_ceiling = mean(c0, c1);
-    let decode_ceiling = mean(c1, c2);
+    let decode_mean_ceiling = mean(c1, c2);
+    let decode_read_gbps = (probes_on(c0, c1, c2) && decode_wall > 0.0)
+        .then(|| read2.saturating_sub(read1) as f64 / decode_wall / 1e9)
+        .filter(|g| *g > 0.0);
+    let decode_ceiling = decode_ceiling(&[c0, c1, c2], decode_read_gbps);
     let union_bytes = pre.expert_bytes_unique();
     let rate = kernel_rate(&engine, &pre.fetch_rows)?;
     // Phases of the trunk (none waits for a read); the expert phases less the kernels themselves
@@ -162,6 +186,10 @@ pub fn run(
     let dec_unions = union_sizes(&dec.fetch_trace);
     let dec_union_bytes = dec_unions.iter().sum::<usize>() as u64 * expert_bytes;
     let decode_bound = decode_ceiling.map(|c| dec_union_bytes as f64 / (c * 1e9));
+    let decode_bound_mean = decode_mean_ceiling.map(|c| dec_union_bytes as f64 / (c * 1e9));
+    let trunk = |s: &crate::stats::Stats| {
+        s.attention_s + s.dense_mlp_s + s.router_s + s.other_s + (s.expert_kernel_s - s.moe_experts_s).max(0.0)
+    };
     let moe_layers = pre.layer_passes.checked_div(prefill_passes(&engine, prompts)).unwrap_or(0).max(1);
     let per_layer_mean = |u: &[usize]| if u.is_empty() { 0.0 } else { u.iter().sum::<usize>() as f64 / u.len() as f64 };
     let generated: usize = gens.iter().map(|g| g.tokens.len()).sum();
@@ -206,6 +234,16 @@ pub fn run(
                 "wall_s": decode_wall,
                 "bound_s": decode_bound,
                 "bound_over_wall": decode_bound.map(|b| b / decode_wall),
+                "ceiling_gbps": decode_ceiling,
+                "read_gbps": decode_read_gbps,
+                "bound_s_mean_ceiling": decode_bound_mean,
+                "bound_over_wall_mean_ceiling": decode_bound_mean.map(|b| b / decode_wall),
+                "expert_kernel_s": dec.moe_experts_s,
+                "trunk_s": trunk(&dec),
+                "reads_ahead": rep2.prefetch_issued.saturating_sub(rep1.prefetch_issued),
+                "reads_ahead_used": rep2.prefetch_used.saturating_sub(rep1.prefetch_used),
+                "prediction_recall": dec.prediction_quality().map(|q| q.0),
+                "prediction_precision": dec.prediction_quality().map(|q| q.1),
                 "steps": steps,
                 "generated_tokens": generated,
                 "union_expert_bytes": dec_union_bytes,
@@ -323,4 +361,18 @@ fn alone_runs(
         out.push((logits, g.tokens, wall, trace));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::decode_ceiling;
+
+    #[test]
+    fn the_decode_ceiling_is_the_fastest_probe_or_the_runs_own_rate() {
+        assert_eq!(decode_ceiling(&[Some(1.0), Some(2.0), Some(1.5)], Some(1.7)), Some(2.0));
+        // Decode read faster than every probe: its own rate is the ceiling.
+        assert_eq!(decode_ceiling(&[Some(1.0), None, Some(0.9)], Some(1.7)), Some(1.7));
+        assert_eq!(decode_ceiling(&[None, None, None], None), None);
+        assert_eq!(decode_ceiling(&[Some(f64::NAN), Some(0.0)], None), None);
+    }
 }
