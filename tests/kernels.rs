@@ -157,6 +157,49 @@ fn f32_dot_matches_f64() {
     }
 }
 
+/// SiTU's vector kernels against the scalar loop: a fine grid over every branch of its `tanh`,
+/// `sigmoid` and `exp` (the thresholds at ln2/2, 9, -80, -87 and 88.7 included), the values next to
+/// each threshold, zeros, subnormals, infinities, NaNs and random bit patterns, at lengths that
+/// leave every tail; with and without the linear beta. NaN must stay NaN (payloads may differ).
+#[test]
+fn situ_is_bit_identical_across_isas() {
+    use deltafin::backend::Situ;
+    let mut rng = Rng(5);
+    let mut vals: Vec<f32> = (0..=40_000).map(|i| -200.0 + i as f32 * 0.01).collect();
+    // tanh's series / exp switch at g = beta ln2 / 4 (betas 4 and 0.75), exp's overflow at 88.72.
+    let ln2 = std::f32::consts::LN_2;
+    for t in [0.0f32, ln2, ln2 * 0.1875, 9.0, 36.0, 80.0, 87.0, f32::from_bits(0x42b1_70a4), 225.0, 1e-30, 1e-3] {
+        for v in [t, -t] {
+            let b = v.to_bits();
+            vals.extend((b.saturating_sub(4)..=b.saturating_add(4)).map(f32::from_bits));
+        }
+    }
+    vals.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN, f32::MIN_POSITIVE, 1e-40, -1e-40, f32::MAX]);
+    vals.extend((0..20_000).map(|_| f32::from_bits(rng.next_u64() as u32)));
+    vals.extend((0..20_000).map(|_| rng.f32() * 120.0));
+    // The up values: the gate values in another order (every pair of kinds meets).
+    let ups: Vec<f32> = (0..vals.len()).map(|i| vals[(i * 7919) % vals.len()]).collect();
+    for situ in [
+        Situ { beta: 4.0, linear_beta: 25.0 },
+        Situ { beta: 4.0, linear_beta: 0.0 },
+        Situ { beta: 0.75, linear_beta: 3.0 },
+    ] {
+        for len in [vals.len(), 1, 15, 16, 17, 33, 1000] {
+            let (g, u) = (&vals[vals.len() - len..], &ups[..len]);
+            let mut want = vec![0f32; len];
+            ops::situ_rows_isa(Isa::Scalar, situ, g, u, &mut want);
+            for isa in Isa::available() {
+                let mut got = vec![0f32; len];
+                ops::situ_rows_isa(isa, situ, g, u, &mut got);
+                for i in 0..len {
+                    let same = got[i].to_bits() == want[i].to_bits() || (got[i].is_nan() && want[i].is_nan());
+                    assert!(same, "situ {situ:?} on {isa:?}: ({}, {}) -> {} vs {}", g[i], u[i], got[i], want[i]);
+                }
+            }
+        }
+    }
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }

@@ -18,6 +18,8 @@ pub mod ops;
 pub mod peak;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
+mod situ_x86;
+#[cfg(target_arch = "x86_64")]
 mod x86;
 
 use crate::backend::types::{Bf16Mat, MXFP4_BLOCK, MatStore, Mxfp4Mat};

@@ -4,7 +4,7 @@
 //! and every product that feeds an addition is a `mul_add`, so that the GPU kernels
 //! (`kernels/norm.wgsl` and the others) can repeat each operation exactly.
 
-use super::dot_f32;
+use super::{Isa, dot_f32, isa};
 use crate::backend::detmath;
 use crate::backend::types::{RouteRule, Situ};
 
@@ -94,8 +94,21 @@ impl Situ {
 
     /// out[i] = situ(gate[i], up[i]).
     pub fn apply_rows(self, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        situ_rows(self, gate, up, out)
+        situ_rows_isa(isa(), self, gate, up, out)
     }
+}
+
+/// out[i] = s.apply(gate[i], up[i]) with the kernels of `isa`: the same bits on every one (the
+/// scalar loop is the definition; AVX-512 runs the same operations sixteen elements at a time).
+pub fn situ_rows_isa(isa: Isa, s: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == out.len() && up.len() == out.len(), "situ operands of different lengths");
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 {
+        // SAFETY: Isa::Avx512 is only chosen when avx512f was detected; lengths checked above.
+        return unsafe { super::situ_x86::situ_rows_avx512(s, gate, up, out) };
+    }
+    let _ = isa;
+    situ_rows(s, gate, up, out)
 }
 
 detmath::fma_fn! {
