@@ -254,6 +254,28 @@ pub trait Backend: Send + Sync {
     /// (`cpu::ops::attn_res_mix`).
     fn attn_res_mix(&self, sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f32]) -> Result<(), BackendError>;
 
+    /// [`Backend::attn_res_mix`] of every row in one call: `sources[s]` and `out` are [n, h] (h =
+    /// `score_w.len()`), row r mixes row r of each source. The default runs the rows across
+    /// threads (rows are independent: the same bits as one call per row).
+    fn attn_res_mix_rows(
+        &self,
+        sources: &[&[f32]],
+        score_w: &[f32],
+        eps: f32,
+        out: &mut [f32],
+    ) -> Result<(), BackendError> {
+        let h = score_w.len().max(1);
+        let mix_row = |(r, o): (usize, &mut [f32])| {
+            let src: Vec<&[f32]> = sources.iter().map(|s| &s[r * h..(r + 1) * h]).collect();
+            self.attn_res_mix(&src, score_w, eps, o)
+        };
+        if out.len() > h {
+            out.par_chunks_mut(h).enumerate().try_for_each(mix_row)
+        } else {
+            out.chunks_mut(h).enumerate().try_for_each(mix_row)
+        }
+    }
+
     /// The top-k choice for rows of router logits [n, e] by `rule` (`cpu::ops::route_rows`:
     /// experts in selection order and their weights, [n, k] each).
     fn route_top_k(
@@ -412,6 +434,11 @@ impl Backend for CpuBackend {
     }
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), BackendError> {
+        // Rows are independent: across threads (a prefill's rows), the same bits.
+        if x.len() >= 1 << 16 && !w.is_empty() {
+            x.par_chunks_exact_mut(w.len()).for_each(|r| cpu::ops::rms_norm_inplace(r, w, eps));
+            return Ok(());
+        }
         for r in x.chunks_exact_mut(w.len()) {
             cpu::ops::rms_norm_inplace(r, w, eps);
         }

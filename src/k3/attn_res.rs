@@ -4,7 +4,6 @@
 //! RMS-normalised sources, the sum uses the raw ones).
 
 use crate::backend::{Backend, BackendError};
-use rayon::prelude::*;
 
 /// The residual state of a batch of rows through the layer stack (rows are [n, hidden]).
 pub struct Residual {
@@ -25,26 +24,17 @@ impl Residual {
         Residual { hidden, blocks: Vec::new(), prefix: Some(embeddings) }
     }
 
-    /// Mixes blocks + prefix for every row (the backend's `attn_res_mix`, sources oldest block
+    /// Mixes blocks + prefix for every row (the backend's `attn_res_mix_rows`, sources oldest block
     /// first, then the prefix). With no blocks yet, the input is the prefix itself.
     pub fn mixed(&self, be: &dyn Backend, score_w: &[f32], eps: f32) -> Result<Vec<f32>, BackendError> {
         let prefix = self.prefix.as_ref().expect("mix needs a prefix");
         if self.blocks.is_empty() {
             return Ok(prefix.clone());
         }
-        let h = self.hidden;
-        let n = prefix.len() / h;
-        let mut out = vec![0f32; n * h];
-        let mix_row = |(r, o): (usize, &mut [f32])| {
-            let mut src: Vec<&[f32]> = self.blocks.iter().map(|b| &b[r * h..(r + 1) * h]).collect();
-            src.push(&prefix[r * h..(r + 1) * h]);
-            be.attn_res_mix(&src, score_w, eps, o)
-        };
-        if n > 1 {
-            out.par_chunks_mut(h).enumerate().try_for_each(mix_row)?;
-        } else {
-            out.chunks_mut(h).enumerate().try_for_each(mix_row)?;
-        }
+        let mut out = vec![0f32; prefix.len()];
+        let mut src: Vec<&[f32]> = self.blocks.iter().map(|b| &b[..]).collect();
+        src.push(prefix);
+        be.attn_res_mix_rows(&src, score_w, eps, &mut out)?;
         Ok(out)
     }
 

@@ -203,13 +203,13 @@ pub fn forward(
     let mut o_heads = vec![0f32; nh * n * dv];
     be.kda_update(&st.s, &mut s_after, &heads, dk, dv, &mut o_heads, mode == KdaMode::Chunked)?;
 
-    // Per-head RMSNorm, output gate, o_proj.
+    // Per-head RMSNorm (every head's every row in one call), output gate, o_proj.
+    be.rms_norm_rows(&mut o_heads, &w.o_norm, c.rms_eps)?;
     let mut o = vec![0f32; n * p];
     for t in 0..n {
         for hd in 0..nh {
             let dst = &mut o[t * p + hd * dv..t * p + (hd + 1) * dv];
             dst.copy_from_slice(&o_heads[hd * n * dv + t * dv..][..dv]);
-            be.rms_norm_rows(dst, &w.o_norm, c.rms_eps)?;
             for (x, &gv) in dst.iter_mut().zip(&gate[t * p + hd * dv..t * p + (hd + 1) * dv]) {
                 *x *= sigmoid(gv);
             }

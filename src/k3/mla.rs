@@ -42,14 +42,15 @@ pub fn forward(
     let mut ckv = vec![0f32; n * lat];
     let mut gate = vec![0f32; n * nh * vd];
     be.matmul_bf16_many(&[&w.q_a, &w.kv_a, &w.g_proj], xn, &mut [&mut qa, &mut ckv, &mut gate])?;
-    for r in qa.chunks_exact_mut(c.q_lora) {
-        be.rms_norm_rows(r, &w.q_a_norm, c.mla_norm_eps)?;
-    }
+    be.rms_norm_rows(&mut qa, &w.q_a_norm, c.mla_norm_eps)?;
     let mut q = vec![0f32; n * nh * qd];
     be.matmul_bf16(&w.q_b, &qa, &mut q)?;
 
-    for r in ckv.chunks_exact_mut(lat) {
-        be.rms_norm_rows(&mut r[..lora], &w.kv_a_norm, c.mla_norm_eps)?;
+    // The latent part of every row in one call (gathered: each row's rope part stays as it is).
+    let mut c_kv: Vec<f32> = ckv.chunks_exact(lat).flat_map(|r| &r[..lora]).copied().collect();
+    be.rms_norm_rows(&mut c_kv, &w.kv_a_norm, c.mla_norm_eps)?;
+    for (r, cn) in ckv.chunks_exact_mut(lat).zip(c_kv.chunks_exact(lora)) {
+        r[..lora].copy_from_slice(cn);
     }
     let past = st.latent.len() / lat;
     st.latent.extend_from_slice(&ckv);

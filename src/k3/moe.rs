@@ -17,6 +17,7 @@ use super::weights::{MlpWeights, MoeWeights};
 use crate::backend::{Backend, BackendError, ExpertBatch, ExpertLayout, RouteRule, Situ};
 use crate::cpu::deinterleave_mxfp4_input;
 use crate::model::K3Config;
+use rayon::prelude::*;
 
 /// Dense SiTU-GLU MLP on rows `xn` [n, hidden].
 pub fn mlp(be: &dyn Backend, w: &MlpWeights, situ: Situ, xn: &[f32]) -> Result<Vec<f32>, BackendError> {
@@ -128,10 +129,11 @@ impl<'a> RoutedExperts<'a> {
     /// The rows of union expert `u`, gathered.
     fn rows_in(&self, u: usize) -> Vec<f32> {
         let lat = self.latent;
-        let mut v = Vec::with_capacity(self.targets_of[u].len() * lat);
-        for &(r, _) in &self.targets_of[u] {
-            v.extend_from_slice(&self.zd[r * lat..(r + 1) * lat]);
-        }
+        let mut v = vec![0f32; self.targets_of[u].len() * lat];
+        // A prefill expert's rows are MBs: gathered across threads.
+        v.par_chunks_mut(lat.max(1))
+            .zip(self.targets_of[u].par_iter())
+            .for_each(|(d, &(r, _))| d.copy_from_slice(&self.zd[r * lat..(r + 1) * lat]));
         v
     }
 
@@ -162,12 +164,21 @@ impl<'a> RoutedExperts<'a> {
     /// Every queued expert's outputs in their slots [n][k][latent] (router order).
     pub fn finish(self) -> Result<Vec<f32>, BackendError> {
         let lat = self.latent;
-        let mut slots = vec![0f32; self.rows * self.k * lat];
-        for (u, y) in self.queued.into_iter().zip(self.batch.finish()?) {
+        let outs = self.batch.finish()?;
+        // Where each slot's row comes from: (queued output, its row); slots no expert filled stay 0.
+        let mut from = vec![None; self.rows * self.k];
+        for (q, &u) in self.queued.iter().enumerate() {
             for (i, &(r, j)) in self.targets_of[u].iter().enumerate() {
-                slots[(r * self.k + j) * lat..][..lat].copy_from_slice(&y[i * lat..(i + 1) * lat]);
+                from[r * self.k + j] = Some((q, i));
             }
         }
+        // A prefill's slots are GBs: copied across threads (each slot is written once).
+        let mut slots = vec![0f32; self.rows * self.k * lat];
+        slots.par_chunks_mut(lat.max(1)).zip(from.par_iter()).for_each(|(dst, f)| {
+            if let Some((q, i)) = *f {
+                dst.copy_from_slice(&outs[q][i * lat..(i + 1) * lat]);
+            }
+        });
         Ok(slots)
     }
 }
@@ -218,14 +229,14 @@ pub fn combine(
     let (k, lat) = (routes.k, c.expert_latent);
     let n = input.zd.len() / lat.max(1);
     let mut routed = vec![0f32; n * lat];
-    for r in 0..n {
-        let acc = &mut routed[r * lat..(r + 1) * lat];
+    // Rows are independent (each its own sum in router order): across threads, same bits.
+    routed.par_chunks_mut(lat.max(1)).enumerate().for_each(|(r, acc)| {
         for j in 0..k {
             crate::cpu::ops::axpy(acc, routes.weights[r * k + j], &slots[(r * k + j) * lat..][..lat]);
         }
-        if let Some(norm) = &w.routed_norm {
-            be.rms_norm_rows(acc, norm, c.rms_eps)?;
-        }
+    });
+    if let Some(norm) = &w.routed_norm {
+        be.rms_norm_rows(&mut routed, norm, c.rms_eps)?;
     }
     let mut out = vec![0f32; n * c.hidden];
     match (&w.shared, input.shared_gate_up) {

@@ -48,7 +48,7 @@ fn arena_images(slot_bytes: usize, max_binding: u64) -> usize {
 pub(super) fn staging_bytes(l: &ExpertLayout, max_binding: u64) -> u64 {
     let slot = slot_layout(l).1;
     let per = arena_images(slot, max_binding);
-    2 * (GROUP.div_ceil(per) * per * slot) as u64
+    2 * GROUP.div_ceil(per) as u64 * super::device::pool_size((per * slot) as u64, max_binding)
 }
 
 /// Where a queued expert's image is, and the device cache slot it pins (None: staged).
@@ -245,7 +245,7 @@ impl<'a> GpuExperts<'a> {
             before.push(total);
             total += q.floats / lat;
         }
-        let x = g.staged_words(&xs);
+        let x = g.staged(&xs);
         drop(xs);
         let bufs = [g.output(2 * total * inter), g.output(total * inter), g.output(total * lat)];
         let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("experts") });
@@ -303,10 +303,7 @@ impl<'a> GpuExperts<'a> {
     fn queue(&mut self, image: Image, zd: &[f32]) -> Result<(), GpuError> {
         let index = self.outs.len();
         self.outs.push(Vec::new());
-        self.xs.reserve(zd.len() * 4);
-        for f in zd {
-            self.xs.extend_from_slice(&f.to_le_bytes());
-        }
+        self.xs.extend_from_slice(&super::device::f32_bytes(zd));
         self.group.push(Queued { image, floats: zd.len(), index });
         if self.group.len() >= GROUP {
             self.flush()?;

@@ -40,6 +40,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// upload, submission and readback cost more than the work); `DELTAFIN_GPU_OPS_MIN` or
 /// [`set_ops_min`] change it for backends opened afterwards (0: every operation on the GPU).
 pub const DEFAULT_OPS_MIN: usize = 1 << 16;
+/// Elements from which RMSNorm runs on the host's threads instead: a prefill's rows (a few
+/// operations per element) normalise there faster than they go up and come back (on the H200,
+/// 8192 rows of 7168 took 0.3 s a call on the GPU, almost all of it transfers).
+const HOST_NORM_FROM: usize = 1 << 22;
+
 static OPS_MIN: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 /// Sets the size threshold of [`DEFAULT_OPS_MIN`] for GPU backends opened after the call.
@@ -383,7 +388,7 @@ impl Backend for GpuBackend {
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), BackendError> {
         self.profile.time("rms_norm_rows", &self.gpu.traffic, || {
-            if !self.on_gpu(x.len()) || w.is_empty() || !self.fits(x.len()) {
+            if !self.on_gpu(x.len()) || w.is_empty() || !self.fits(x.len()) || x.len() > HOST_NORM_FROM {
                 return self.cpu.rms_norm_rows(x, w, eps);
             }
             Ok(self.ops.rms_norm_rows(&self.gpu, x, w, eps)?)
@@ -505,6 +510,22 @@ impl Backend for GpuBackend {
             }
             Ok(self.ops.attn_res_mix(&self.gpu, sources, score_w, eps, out)?)
         })
+    }
+
+    fn attn_res_mix_rows(
+        &self,
+        sources: &[&[f32]],
+        score_w: &[f32],
+        eps: f32,
+        out: &mut [f32],
+    ) -> Result<(), BackendError> {
+        if out.len() <= score_w.len() {
+            return self.attn_res_mix(sources, score_w, eps, out);
+        }
+        // Many rows mix on the host's cores, timed as one call: the mix is a few operations per
+        // element, less than a round trip of every source's rows would cost.
+        self.profile
+            .time("attn_res_mix_rows", &self.gpu.traffic, || self.cpu.attn_res_mix_rows(sources, score_w, eps, out))
     }
 
     fn route_top_k(

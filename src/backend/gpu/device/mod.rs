@@ -173,6 +173,29 @@ fn rank(t: wgpu::DeviceType) -> u8 {
     }
 }
 
+/// Bytes of one queued write of [`Gpu::staged`] (a multiple of 16).
+const UPLOAD_PIECE: usize = 8 << 20;
+
+/// The size a pooled buffer of at least `size` bytes is made with: powers of two up to 16 MiB;
+/// larger in eighths of their power of two (at least whole MiB), so that a pool of expert-sized
+/// buffers wastes at most an eighth of its memory, while a prefill's activation buffers, whose
+/// sizes move a little from call to call, still find one of their size class in the pool (a new
+/// buffer of hundreds of MB each call, mapped ones above all, cost more than the kernels).
+pub(in crate::backend::gpu) fn pool_size(size: u64, max_binding: u64) -> u64 {
+    let pow2 = size.max(256).next_power_of_two();
+    if pow2 <= 16 << 20 && pow2 <= max_binding {
+        return pow2;
+    }
+    let step = (pow2 / 16).max(1 << 20);
+    if size.div_ceil(step) * step <= max_binding {
+        size.div_ceil(step) * step
+    } else if size.div_ceil(1 << 20) << 20 <= max_binding {
+        size.div_ceil(1 << 20) << 20
+    } else {
+        size.div_ceil(16) * 16
+    }
+}
+
 /// Bytes padded to whole vec4 words (storage bindings are arrays of u32 or vec4).
 fn padded(b: &[u8]) -> Vec<u8> {
     let mut v = b.to_vec();
@@ -270,16 +293,7 @@ impl Gpu {
 
     /// A pooled buffer of at least `size` bytes with `usage`.
     pub(super) fn take(&self, usage: wgpu::BufferUsages, size: u64) -> wgpu::Buffer {
-        // Powers of two up to 16 MiB; larger (an expert's image) in whole MiB, so that a pool of
-        // expert-sized buffers does not waste up to half of its device memory.
-        let pow2 = size.max(256).next_power_of_two();
-        let size = if pow2 <= 16 << 20 && pow2 <= self.summary.max_binding {
-            pow2
-        } else if size.div_ceil(1 << 20) << 20 <= self.summary.max_binding {
-            size.div_ceil(1 << 20) << 20
-        } else {
-            size.div_ceil(16) * 16
-        };
+        let size = pool_size(size, self.summary.max_binding);
         let key = (usage.bits(), size);
         if let Some(b) = self.pool.free.lock().ok().and_then(|mut m| m.get_mut(&key).and_then(|v| v.pop())) {
             return b;
@@ -303,23 +317,23 @@ impl Gpu {
     }
 
     /// `bytes` in a pooled storage buffer (uploaded through the queue).
+    /// Padded to whole 16-byte words with zeros; the bulk goes up without a padded copy (a
+    /// prefill's activations are hundreds of MB), only the last partial word is copied.
     pub(super) fn staged(&self, bytes: &[u8]) -> wgpu::Buffer {
         let b = self.take(STAGED, bytes.len() as u64);
         self.traffic.uploaded(bytes.len() as u64);
-        self.queue.write_buffer(&b, 0, &padded(bytes));
-        b
-    }
-
-    /// `bytes` (whole words) in a pooled storage buffer, uploaded through the queue without a
-    /// padded copy: for large inputs (a group of experts' rows), where [`Gpu::staged`]'s copy
-    /// costs. Falls back to it when `bytes` is not whole 16-byte units.
-    pub(in crate::backend::gpu) fn staged_words(&self, bytes: &[u8]) -> wgpu::Buffer {
-        if bytes.is_empty() || !bytes.len().is_multiple_of(16) {
-            return self.staged(bytes);
+        let whole = bytes.len() / 16 * 16;
+        // In pieces of at most UPLOAD_PIECE: each queued write takes a host staging buffer, and
+        // one larger than the allocator's blocks (64 MB) would be a dedicated host allocation
+        // made and freed per write. (On the H200 this changed no measured time: a prefill's
+        // 100-200 MB round trips still average about 1 GB/s; bench/results/2026-12-03-batch-gpu.)
+        for at in (0..whole).step_by(UPLOAD_PIECE) {
+            let end = (at + UPLOAD_PIECE).min(whole);
+            self.queue.write_buffer(&b, at as u64, &bytes[at..end]);
         }
-        let b = self.take(STAGED, bytes.len() as u64);
-        self.traffic.uploaded(bytes.len() as u64);
-        self.queue.write_buffer(&b, 0, bytes);
+        if whole < bytes.len() || bytes.is_empty() {
+            self.queue.write_buffer(&b, whole as u64, &padded(&bytes[whole..]));
+        }
         b
     }
 

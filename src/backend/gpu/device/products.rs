@@ -113,9 +113,14 @@ impl Params {
     }
 }
 
-/// Little-endian bytes of floats.
-pub(in crate::backend::gpu) fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|f| f.to_le_bytes()).collect()
+/// Little-endian bytes of floats: the floats' own memory on a little-endian host (activations of
+/// a batched prefill are hundreds of MB a call: a per-float copy cost more than the kernels).
+pub(in crate::backend::gpu) fn f32_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(v))
+    } else {
+        std::borrow::Cow::Owned(v.iter().flat_map(|f| f.to_le_bytes()).collect())
+    }
 }
 
 impl Gpu {
@@ -347,11 +352,11 @@ impl Gpu {
 
     /// The input rows `xs` (`cols` each) as the product kernels read them: for `n == 1` padded
     /// with zeros to `stride`.
-    pub(in crate::backend::gpu) fn input_bytes(xs: &[f32], cols: usize, stride: usize) -> Vec<u8> {
+    pub(in crate::backend::gpu) fn input_bytes(xs: &[f32], cols: usize, stride: usize) -> std::borrow::Cow<'_, [u8]> {
         if xs.len() == cols && stride > cols {
             let mut v = xs.to_vec();
             v.resize(stride, 0.0);
-            return f32_bytes(&v);
+            return std::borrow::Cow::Owned(f32_bytes(&v).into_owned());
         }
         f32_bytes(xs)
     }

@@ -85,6 +85,14 @@ pub(in crate::backend::gpu) fn map_words(
         return Err(readback(msg));
     }
     let v = match read.get_mapped_range(..) {
+        // One copy of the mapped words on a little-endian host (a prefill's readbacks are
+        // hundreds of MB: word by word they cost more than the kernels).
+        Ok(view) if cfg!(target_endian = "little") => {
+            let bytes = &view[..(floats * 4).min(view.len() / 4 * 4)];
+            let mut v = vec![0u32; bytes.len() / 4];
+            bytemuck::cast_slice_mut::<u32, u8>(&mut v).copy_from_slice(bytes);
+            v
+        }
         Ok(view) => {
             view.chunks_exact(4).take(floats).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<_>>()
         }
