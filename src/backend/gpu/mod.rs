@@ -40,10 +40,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// upload, submission and readback cost more than the work); `DELTAFIN_GPU_OPS_MIN` or
 /// [`set_ops_min`] change it for backends opened afterwards (0: every operation on the GPU).
 pub const DEFAULT_OPS_MIN: usize = 1 << 16;
-/// Elements from which RMSNorm runs on the host's threads instead: a prefill's rows (a few
-/// operations per element) normalise there faster than they go up and come back (on the H200,
-/// 8192 rows of 7168 took 0.3 s a call on the GPU, almost all of it transfers).
-const HOST_NORM_FROM: usize = 1 << 22;
+/// Elements from which RMSNorm and SiTU run on the host's threads instead: a prefill's rows (a
+/// few to a few dozen operations per element) are done there before they would have gone up and
+/// come back (on the H200, 8192 rows of 7168 took 0.3 s a norm on the GPU and a shared-expert
+/// SiTU of 8192 x 6144 about 0.6 s, almost all of it transfers; the host's SiTU takes ~3 ns an
+/// element on one core).
+const HOST_FROM: usize = 1 << 22;
 
 static OPS_MIN: AtomicUsize = AtomicUsize::new(usize::MAX);
 
@@ -388,7 +390,7 @@ impl Backend for GpuBackend {
 
     fn rms_norm_rows(&self, x: &mut [f32], w: &[f32], eps: f32) -> Result<(), BackendError> {
         self.profile.time("rms_norm_rows", &self.gpu.traffic, || {
-            if !self.on_gpu(x.len()) || w.is_empty() || !self.fits(x.len()) || x.len() > HOST_NORM_FROM {
+            if !self.on_gpu(x.len()) || w.is_empty() || !self.fits(x.len()) || x.len() > HOST_FROM {
                 return self.cpu.rms_norm_rows(x, w, eps);
             }
             Ok(self.ops.rms_norm_rows(&self.gpu, x, w, eps)?)
@@ -397,7 +399,7 @@ impl Backend for GpuBackend {
 
     fn situ(&self, situ: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<(), BackendError> {
         self.profile.time("situ", &self.gpu.traffic, || {
-            if !self.on_gpu(out.len()) || !self.fits(out.len()) {
+            if !self.on_gpu(out.len()) || !self.fits(out.len()) || out.len() > HOST_FROM {
                 return self.cpu.situ(situ, gate, up, out);
             }
             Ok(self.ops.situ(&self.gpu, situ.beta, situ.linear_beta, gate, up, out)?)
