@@ -108,8 +108,9 @@ fn mxfp4_products_are_bit_identical_across_isas_and_match_f64() {
             let mut got = vec![0f32; rows];
             matvec_mxfp4_isa(isa, &m, &xd, &mut got);
             assert_eq!(bits(&got), bits(&want), "matvec mxfp4 {rows}x{cols} on {isa:?}");
-            // 2..=8 rows: weights decoded in registers (AVX-512); more: a band decoded to f32.
-            for n in [2usize, 3, 4, 5, 7, 8, 9, 13] {
+            // 2..=8 rows: weights decoded in registers (AVX-512); more: a band decoded to f32,
+            // its inputs a block of 32 rows at a time (67: three blocks, the last short).
+            for n in [2usize, 3, 4, 5, 7, 8, 9, 13, 32, 33, 67] {
                 let mut xs = vec![0f32; n * cols];
                 for i in 0..n {
                     deinterleave_mxfp4_input(&rng.vec(cols), &mut xs[i * cols..(i + 1) * cols]);

@@ -409,31 +409,46 @@ const TILED_MIN_ROWS: usize = 8;
 /// Columns per tile: 4 weight rows and 4 input rows of a tile (16 KB) stay in L1 while every
 /// input quad passes over the weight quad, instead of streaming whole rows from L2.
 const COL_TILE: usize = 512;
+/// Input quads per block of [`tiled_band_avx512`]: a block's inputs over one column tile (64 KiB),
+/// its accumulators against the band (64 KiB) and the band's tile (64 KiB) stay in L2 while the
+/// block runs; a band against all of a batched pass's rows at once (hundreds to thousands) spilled
+/// both to L3 and ran 1.2-1.6x slower (this 2-core VM, loaded).
+const X_BLOCK_QUADS: usize = 8;
 
-/// One band of `nr` decoded weight rows against all `n` input rows, tiled over the columns (the
-/// lane accumulators carried from tile to tile), into `res` [nr, n]: bit-identical to the untiled
-/// 4x4 kernel, which computes every element in the same order.
+/// One band of `nr` decoded weight rows against all `n` input rows, [`X_BLOCK_QUADS`] input quads
+/// at a time, tiled over the columns (the lane accumulators carried from tile to tile), into `res`
+/// [nr, n]: bit-identical to the untiled 4x4 kernel, which computes every element in the same order.
 #[cfg(target_arch = "x86_64")]
 fn tiled_band_avx512(wdec: &[f32], nr: usize, cols: usize, xs: &[f32], n: usize, res: &mut [f32]) {
     let (nwq, nxq) = (nr.div_ceil(4), n.div_ceil(4));
-    let mut acc = vec![[[0f32; LANES]; 16]; nwq * nxq];
-    for k0 in (0..cols).step_by(COL_TILE) {
-        let k1 = (k0 + COL_TILE).min(cols);
-        for wq in 0..nwq {
-            let wrows: [&[f32]; 4] = std::array::from_fn(|a| &wdec[(4 * wq + a).min(nr - 1) * cols..][..cols][k0..k1]);
-            for xq in 0..nxq {
-                let xrows: [&[f32]; 4] = std::array::from_fn(|k| &xs[(4 * xq + k).min(n - 1) * cols..][..cols][k0..k1]);
-                // SAFETY: Isa::Avx512 is only chosen when avx512f was detected; equal lengths.
-                unsafe { x86::dot4x4_tile_avx512(wrows, xrows, &mut acc[wq * nxq + xq]) };
+    let xqb = X_BLOCK_QUADS;
+    let mut acc = vec![[[0f32; LANES]; 16]; nwq * xqb.min(nxq)];
+    // Input rows a block at a time, so that the block's tiles and accumulators stay in L2 while
+    // every weight quad passes over them (all of the inputs would not fit beside the band).
+    for xq0 in (0..nxq).step_by(xqb) {
+        let xq1 = (xq0 + xqb).min(nxq);
+        let bq = xq1 - xq0;
+        acc[..nwq * bq].fill([[0f32; LANES]; 16]);
+        for k0 in (0..cols).step_by(COL_TILE) {
+            let k1 = (k0 + COL_TILE).min(cols);
+            for wq in 0..nwq {
+                let wrows: [&[f32]; 4] =
+                    std::array::from_fn(|a| &wdec[(4 * wq + a).min(nr - 1) * cols..][..cols][k0..k1]);
+                for xq in xq0..xq1 {
+                    let xrows: [&[f32]; 4] =
+                        std::array::from_fn(|k| &xs[(4 * xq + k).min(n - 1) * cols..][..cols][k0..k1]);
+                    // SAFETY: Isa::Avx512 is only chosen when avx512f was detected; equal lengths.
+                    unsafe { x86::dot4x4_tile_avx512(wrows, xrows, &mut acc[wq * bq + xq - xq0]) };
+                }
             }
         }
-    }
-    for wq in 0..nwq {
-        for xq in 0..nxq {
-            let blk = &acc[wq * nxq + xq];
-            for a in 0..4.min(nr - 4 * wq) {
-                for k in 0..4.min(n - 4 * xq) {
-                    res[(4 * wq + a) * n + 4 * xq + k] = reduce16(&blk[a * 4 + k]);
+        for wq in 0..nwq {
+            for xq in xq0..xq1 {
+                let blk = &acc[wq * bq + xq - xq0];
+                for a in 0..4.min(nr - 4 * wq) {
+                    for k in 0..4.min(n - 4 * xq) {
+                        res[(4 * wq + a) * n + 4 * xq + k] = reduce16(&blk[a * 4 + k]);
+                    }
                 }
             }
         }
