@@ -235,6 +235,11 @@ pub fn run(
                 "bound_s": decode_bound,
                 "bound_over_wall": decode_bound.map(|b| b / decode_wall),
                 "ceiling_gbps": decode_ceiling,
+                "ceiling_is": match (decode_ceiling, decode_read_gbps) {
+                    (None, _) => None,
+                    (Some(c), Some(r)) if c == r => Some("decode's own read rate (above every probe)"),
+                    _ => Some("the run's fastest probe"),
+                },
                 "read_gbps": decode_read_gbps,
                 "bound_s_mean_ceiling": decode_bound_mean,
                 "bound_over_wall_mean_ceiling": decode_bound_mean.map(|b| b / decode_wall),
