@@ -19,6 +19,10 @@ use crate::cpu::deinterleave_mxfp4_input;
 use crate::model::K3Config;
 use rayon::prelude::*;
 
+/// Rows from which the gathers and sums around the experts run across threads: below it (a decode
+/// step) the work is a few KB, less than handing it to the thread pool costs.
+const PAR_MIN_ROWS: usize = 64;
+
 /// Dense SiTU-GLU MLP on rows `xn` [n, hidden].
 pub fn mlp(be: &dyn Backend, w: &MlpWeights, situ: Situ, xn: &[f32]) -> Result<Vec<f32>, BackendError> {
     let (inter, h) = (w.gate.rows, w.down.rows);
@@ -129,11 +133,15 @@ impl<'a> RoutedExperts<'a> {
     /// The rows of union expert `u`, gathered.
     fn rows_in(&self, u: usize) -> Vec<f32> {
         let lat = self.latent;
-        let mut v = vec![0f32; self.targets_of[u].len() * lat];
-        // A prefill expert's rows are MBs: gathered across threads.
-        v.par_chunks_mut(lat.max(1))
-            .zip(self.targets_of[u].par_iter())
-            .for_each(|(d, &(r, _))| d.copy_from_slice(&self.zd[r * lat..(r + 1) * lat]));
+        let targets = &self.targets_of[u];
+        let mut v = vec![0f32; targets.len() * lat];
+        let gather = |(d, &(r, _)): (&mut [f32], &(usize, usize))| d.copy_from_slice(&self.zd[r * lat..(r + 1) * lat]);
+        // A prefill expert's rows are MBs: gathered across threads; a decode step's few in place.
+        if targets.len() >= PAR_MIN_ROWS {
+            v.par_chunks_mut(lat.max(1)).zip(targets.par_iter()).for_each(gather);
+        } else {
+            v.chunks_mut(lat.max(1)).zip(targets.iter()).for_each(gather);
+        }
         v
     }
 
@@ -174,11 +182,16 @@ impl<'a> RoutedExperts<'a> {
         }
         // A prefill's slots are GBs: copied across threads (each slot is written once).
         let mut slots = vec![0f32; self.rows * self.k * lat];
-        slots.par_chunks_mut(lat.max(1)).zip(from.par_iter()).for_each(|(dst, f)| {
+        let fill = |(dst, f): (&mut [f32], &Option<(usize, usize)>)| {
             if let Some((q, i)) = *f {
                 dst.copy_from_slice(&outs[q][i * lat..(i + 1) * lat]);
             }
-        });
+        };
+        if self.rows >= PAR_MIN_ROWS {
+            slots.par_chunks_mut(lat.max(1)).zip(from.par_iter()).for_each(fill);
+        } else {
+            slots.chunks_mut(lat.max(1)).zip(from.iter()).for_each(fill);
+        }
         Ok(slots)
     }
 }
@@ -230,11 +243,16 @@ pub fn combine(
     let n = input.zd.len() / lat.max(1);
     let mut routed = vec![0f32; n * lat];
     // Rows are independent (each its own sum in router order): across threads, same bits.
-    routed.par_chunks_mut(lat.max(1)).enumerate().for_each(|(r, acc)| {
+    let sum_row = |(r, acc): (usize, &mut [f32])| {
         for j in 0..k {
             crate::cpu::ops::axpy(acc, routes.weights[r * k + j], &slots[(r * k + j) * lat..][..lat]);
         }
-    });
+    };
+    if n >= PAR_MIN_ROWS {
+        routed.par_chunks_mut(lat.max(1)).enumerate().for_each(sum_row);
+    } else {
+        routed.chunks_mut(lat.max(1)).enumerate().for_each(sum_row);
+    }
     if let Some(norm) = &w.routed_norm {
         be.rms_norm_rows(&mut routed, norm, c.rms_eps)?;
     }
