@@ -2,7 +2,8 @@
 //! trunk, the expert cache, per-sequence state and activations, and the context length that fits.
 //!
 //! Contract: [`MemoryPlan::new`] fails with a clear message when the trunk and fixed state do not fit;
-//! otherwise `context_bound` tokens of cache fit in what is left. The plan is computed before any
+//! otherwise `context_bound` tokens of cache fit in what is left, at most the context reserved per
+//! sequence ([`MemoryPlan::with_context`]: no sequence grows past it). The plan is computed before any
 //! work starts and printed on the startup line.
 
 use crate::k3::state::SeqState;
@@ -21,8 +22,15 @@ pub struct MemoryPlan {
     pub state_fixed: u64,
     pub state_per_token: u64,
     pub activations: u64,
-    /// Tokens of context that fit (also capped by the model's maximum).
+    /// Tokens of context one sequence may hold: the context reserved per sequence, or fewer
+    /// where less fits (also capped by the model's maximum).
     pub context_bound: usize,
+    /// Tokens of context reserved per sequence (`EngineConfig::context`; see [`Self::with_context`]).
+    pub context: usize,
+    /// Sequences the plan reserves state for (`EngineConfig::sequences`).
+    pub sequences: usize,
+    /// The model's maximum context.
+    pub max_context: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -108,6 +116,20 @@ fn cgroup_limit() -> Option<u64> {
     best
 }
 
+/// Tokens of context a sequence may hold by default: the model's maximum, up to this.
+pub const DEFAULT_CONTEXT: usize = 32_768;
+
+/// The context reserved per sequence: `asked`, checked against the model's maximum (Err: what is
+/// wrong with it), or [`DEFAULT_CONTEXT`] capped by the maximum.
+pub fn reserved_context(c: &K3Config, asked: Option<usize>) -> Result<usize, String> {
+    match asked {
+        None => Ok(c.max_context.clamp(1, DEFAULT_CONTEXT)),
+        Some(0) => Err("give the tokens of context each sequence may hold (>= 1)".into()),
+        Some(n) if n > c.max_context => Err(format!("the model holds at most {} tokens of context", c.max_context)),
+        Some(n) => Ok(n),
+    }
+}
+
 /// Bytes of f32 activations for a batch of `rows` rows (generous: the widest intermediates of
 /// one layer, the MoE slots, and logits for one row).
 pub fn activation_bytes(c: &K3Config, rows: usize) -> u64 {
@@ -162,7 +184,31 @@ impl MemoryPlan {
             state_per_token,
             activations,
             context_bound,
+            context: context_bound,
+            sequences: 1,
+            max_context: c.max_context,
         })
+    }
+
+    /// The plan with `context` tokens reserved for each of `sequences` sequences: no sequence
+    /// may grow past it (`context_bound` is the smaller of it and what fits).
+    pub fn with_context(mut self, context: usize, sequences: usize) -> Self {
+        self.context = context;
+        self.sequences = sequences.max(1);
+        self.context_bound = self.context_bound.min(context);
+        self
+    }
+
+    /// What caps `context_bound`, for messages: the setting, or the memory budget when less fits.
+    pub fn context_limit(&self) -> String {
+        use crate::setting::Setting;
+        if self.context_bound >= self.max_context {
+            "the model's maximum".into()
+        } else if self.context_bound >= self.context {
+            format!("the context reserved per sequence: raise {}", Setting::Context)
+        } else {
+            format!("what the memory budget leaves; raise {} or lower {}", Setting::MemoryGb, Setting::ExpertCacheGb)
+        }
     }
 
     /// Checks that sequences of `lens` tokens each fit beside the rest of the plan, all at once

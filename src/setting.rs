@@ -15,6 +15,8 @@ use std::sync::OnceLock;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Setting {
     MemoryGb,
+    /// Tokens of context reserved for each sequence.
+    Context,
     ExpertCacheGb,
     GpuCacheGb,
     Backend,
@@ -66,6 +68,7 @@ impl Setting {
         use Setting::*;
         match self {
             MemoryGb => "memory_gb",
+            Context => "context",
             ExpertCacheGb => "expert_cache_gb",
             GpuCacheGb => "gpu_cache_gb",
             Backend => "backend",

@@ -21,6 +21,8 @@ fn the_batch_record_bounds_prefill_by_the_measured_kernel_rate() {
     let r: serde_json::Value = serde_json::from_str(line).expect("the record is JSON");
     assert_eq!(r["batch"], 3);
     assert_eq!(r["ids_identical"], true, "{line}");
+    // The sequences' context: 12 prompt + 3 decode tokens, in whole 64s.
+    assert_eq!(r["engine_config"]["context"], 64, "{line}");
     let p = &r["prefill"];
     let points = p["expert_rate_points"].as_array().expect("rate points");
     assert!(!points.is_empty(), "{line}");

@@ -8,6 +8,7 @@ pub fn flag(s: Setting) -> &'static str {
     use Setting::*;
     match s {
         MemoryGb => "--memory-gb",
+        Context => "--context",
         ExpertCacheGb => "--expert-cache-gb",
         GpuCacheGb => "--gpu-cache-gb",
         Backend => "--backend",

@@ -110,10 +110,11 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let bound = engine.context_bound();
     if prompt.len().checked_add(a.max_new).is_none_or(|n| n > bound) {
         bail!(
-            "the prompt ({} tokens) plus --max-new {} exceeds the usable context of {} tokens",
+            "the prompt ({} tokens) plus --max-new {} exceeds the usable context of {} tokens ({})",
             prompt.len(),
             a.max_new,
-            bound
+            bound,
+            engine.context_limit()
         );
     }
     if !a.quiet {

@@ -105,10 +105,11 @@ pub(super) fn run_many(
     for (i, p) in prompts.iter().enumerate() {
         if p.len().checked_add(a.max_new).is_none_or(|n| n > bound) {
             bail!(
-                "prompt {} ({} tokens) plus --max-new {} exceeds the usable context of {bound} tokens",
+                "prompt {} ({} tokens) plus --max-new {} exceeds the usable context of {bound} tokens ({})",
                 i + 1,
                 p.len(),
-                a.max_new
+                a.max_new,
+                engine.context_limit()
             );
         }
     }

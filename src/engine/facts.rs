@@ -12,9 +12,16 @@ use crate::stats::Stats;
 use crate::store::placement::RouteTrace;
 
 impl Engine {
-    /// Tokens of context that fit the memory budget (also capped by the model's maximum).
+    /// Tokens of context one sequence may hold: the context reserved per sequence, or fewer where
+    /// the memory budget holds less (also capped by the model's maximum); no session grows past it.
     pub fn context_bound(&self) -> usize {
         self.plan.context_bound
+    }
+
+    /// What caps [`Engine::context_bound`], for a front end's message: the context reserved per
+    /// sequence (naming its setting) or the memory budget.
+    pub fn context_limit(&self) -> String {
+        self.plan.context_limit()
     }
 
     /// The model's vocabulary size: token ids are below it.

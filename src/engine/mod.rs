@@ -132,6 +132,10 @@ pub struct EngineConfig {
     /// leaves room for this many sequence states.
     #[serde(default)]
     pub sequences: usize,
+    /// Tokens of context reserved for each sequence (what llama.cpp calls `-c`; default
+    /// min(the model's maximum, 32768)): the memory plan holds `sequences` x this many tokens of
+    /// state and gives the rest to the expert cache, and no sequence grows past it.
+    pub context: Option<usize>,
     /// How the trunk's bf16 matrices are held (`--trunk`; default coded when packed, else bf16).
     pub trunk: Trunk,
 }
@@ -159,6 +163,7 @@ impl Default for EngineConfig {
             hedge: true,
             split_reads: true,
             sequences: 1,
+            context: None,
             trunk: Trunk::Auto,
         }
     }
@@ -386,6 +391,10 @@ impl Engine {
             st.check_complete()?;
         }
         let cfg = K3Config::load(&dir)?;
+        let context = crate::memory::reserved_context(&cfg, config.context).map_err(|problem| {
+            let value = config.context.unwrap_or_default().to_string();
+            EngineError::Setting { setting: Setting::Context, value, problem }
+        })?;
         let ck = Arc::new(Checkpoint::open(&dir)?);
         let roster = Roster::build(&cfg, &ck)?;
         let trunk = trunk::resolve(&config, &dir)?;
@@ -457,7 +466,7 @@ impl Engine {
             (Some(_), Some(g)) => (g * 1e9) as u64,
             (Some(_), None) => {
                 let (fixed, per_token) = crate::k3::state::SeqState::footprint(c);
-                let one = fixed as u64 + per_token as u64 * c.max_context.min(32_768) as u64;
+                let one = fixed as u64 + per_token as u64 * context as u64;
                 let reserve = one * config.sequences.max(1) as u64;
                 let committed =
                     trunk_bytes + draft_bytes + staging + reserve + activation_bytes(c, rows) + config.output_bytes;
@@ -466,7 +475,8 @@ impl Engine {
         };
         // Whole slots only, and never more than every expert.
         let cache = cache.checked_div(slot).map_or(0, |n| n.min(n_experts) * slot);
-        let plan = MemoryPlan::new(c, budget, trunk_bytes, draft_bytes, cache, staging, rows, config.output_bytes)?;
+        let plan = MemoryPlan::new(c, budget, trunk_bytes, draft_bytes, cache, staging, rows, config.output_bytes)?
+            .with_context(context, config.sequences);
         let (source, store): (Option<Arc<dyn ExpertSource>>, Option<Arc<ExpertStore>>) = match spec {
             None if given.is_some() => (given, None),
             None => match ShardExperts::new(Arc::clone(&ck), &roster) {
@@ -569,7 +579,7 @@ impl Engine {
         let random = if crate::model::synth::is_synthetic(&self.dir) { " [RANDOM WEIGHTS]" } else { "" };
         let source = self.source.as_ref().map_or_else(|| "no routed experts".to_string(), |s| s.describe());
         format!(
-            "deltafin: {}{random} | {} layers ({kda} KDA + {} MLA, {dense} dense + {} MoE), {} experts/layer top-{} + {} shared, hidden {}, vocab {} | experts {} on disk, {source} | {} | memory: {} | context <= {} tokens | prefill rows {} | {}{}",
+            "deltafin: {}{random} | {} layers ({kda} KDA + {} MLA, {dense} dense + {} MoE), {} experts/layer top-{} + {} shared, hidden {}, vocab {} | experts {} on disk, {source} | {} | memory: {} | context <= {} tokens{} | prefill rows {} | {}{}",
             self.dir.display(),
             c.layers,
             c.layers - kda,
@@ -583,6 +593,10 @@ impl Engine {
             self.trunk_label(),
             self.plan.summary(),
             self.plan.context_bound,
+            match self.plan.sequences {
+                1 => String::new(),
+                n => format!(" x {n} sequences"),
+            },
             self.config.prefill_rows,
             self.device.describe(),
             if self.config.prefetch { " | prefetch on" } else { "" },

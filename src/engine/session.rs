@@ -61,7 +61,9 @@ pub struct Generation {
 
 impl Session {
     pub(super) fn new(engine: Arc<Engine>) -> Self {
-        let state = engine.model.new_state();
+        let mut state = engine.model.new_state();
+        // The context reserved for a sequence is its cap: the forward refuses rows past it.
+        state.cap = engine.plan.context_bound;
         let stats = Stats { trunk: Some((engine.trunk.name(), engine.trunk.exact())), ..Stats::default() };
         Session { engine, state, tokens: Vec::new(), last_logits: None, verifying: None, stats }
     }

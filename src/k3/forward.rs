@@ -94,8 +94,9 @@ pub fn forward(
             return Err(ForwardError::Empty);
         }
         let have = s.state.pos;
-        if have.saturating_add(s.tokens.len()) > c.max_context {
-            return Err(ForwardError::ContextFull { have, new: s.tokens.len(), max: c.max_context });
+        let max = s.state.cap.min(c.max_context);
+        if have.saturating_add(s.tokens.len()) > max {
+            return Err(ForwardError::ContextFull { have, new: s.tokens.len(), max });
         }
         if let Some((i, &id)) = s.tokens.iter().enumerate().find(|(_, id)| **id as usize >= c.vocab) {
             return Err(ForwardError::TokenOutOfRange { id, pos: have + i, vocab: c.vocab });

@@ -31,7 +31,10 @@ use weights::{Ffn, MoeWeights, Weights};
 pub enum ForwardError {
     #[error("token id {id} at position {pos} is outside the vocabulary (size {vocab})")]
     TokenOutOfRange { id: u32, pos: usize, vocab: usize },
-    #[error("context is full: {have} + {new} tokens exceeds the usable {max}")]
+    #[error(
+        "context is full: {have} + {new} tokens exceed the {max} a sequence may hold (its context: {}, at most the model's maximum)",
+        crate::setting::Setting::Context
+    )]
     ContextFull { have: usize, new: usize, max: usize },
     #[error("the model has MoE layers but no expert source was configured")]
     NoExpertSource,

@@ -41,6 +41,9 @@ pub enum LayerPending {
 pub struct SeqState {
     /// Tokens committed so far.
     pub pos: usize,
+    /// Tokens this sequence may hold (its reserved context; the model's maximum by default): a
+    /// forward past it is refused.
+    pub cap: usize,
     pub layers: Vec<LayerState>,
     /// Pending results of the last forward (empty when none), per layer.
     pub pending: Vec<Option<LayerPending>>,
@@ -59,13 +62,14 @@ impl SeqState {
                 AttnKind::Mla => LayerState::Mla(MlaState { latent: Default::default() }),
             })
             .collect();
-        Self::of(0, layers)
+        Self::of(0, c.max_context, layers)
     }
 
-    fn of(pos: usize, layers: Vec<LayerState>) -> Self {
+    fn of(pos: usize, cap: usize, layers: Vec<LayerState>) -> Self {
         let n = layers.len();
         SeqState {
             pos,
+            cap,
             layers,
             pending: (0..n).map(|_| None).collect(),
             pending_rows: 0,
@@ -84,7 +88,7 @@ impl SeqState {
             }
             layers.push(l);
         }
-        Ok(Self::of(self.pos, layers))
+        Ok(Self::of(self.pos, self.cap, layers))
     }
 
     /// Bytes of fixed state (KDA, twice: committed and pending) plus bytes per cached token (MLA).
