@@ -6,7 +6,9 @@ summed over the traces (each trace starts cold, as each `bench run` does):
 
 `--fractions` sizes the cache to that share of every MoE layer's experts (the trace names the
 layers; --experts gives their count, 64 on the demo model). Policies:
-- `store`: the store's policy, exactly (src/store/expert_store/policy.rs with src/store/replay.rs):
+- `store`: the store's policy (src/store/expert_store/policy.rs with src/store/replay.rs; a miss
+  that cannot take a free read slot evicts only what it outranks, within a few misses of the store
+  in thousands, which decides that at the moment each read starts):
   route replay's forecast first, then weighted request counts, a prompt weighing as 8 fetches. It
   gives the store's own `cache_misses` on the same trace (the traces carry each prompt pass's
   rows per expert, `rows_of`, which the store's ranks count);
@@ -116,7 +118,7 @@ class Replay:
 
 def store_policy(trace, rows_of, cap, replay=True):
     """The store's cache, pass by pass as `fetch` runs it: hits pinned, misses take a free slot or
-    evict the victim, then each expert (hits first, then misses in order) stays cached if there is
+    evict the victim they outrank (else wait for a read slot), then each expert (hits first, then misses in order) stays cached if there is
     room or it outranks the victim. replay=False: the policy before route replay (LFU, a prompt's
     rows counted in full, admission above the least used)."""
     layers = len({l for l, _ in trace})
@@ -163,9 +165,16 @@ def store_policy(trace, rows_of, cap, replay=True):
         miss = [k for k in keys if k not in hit_set]
         misses += len(miss)
         in_use = len(hits)
-        for _ in miss:
+        for k in miss:
             if len(order) + in_use >= cap + STAGING:
-                del order[victim()]
+                # No free slot: a miss evicts the victim only if it outranks it (or, with no read
+                # of its fetch in flight yet, to make progress); else it streams through the
+                # read slots its fetch's earlier misses free (policy.rs alloc_demand_slot). The
+                # policy before route replay evicted for every miss.
+                v = victim()
+                if replay and in_use > len(hits) and not standing(k) > standing(v):
+                    continue
+                del order[v]
             in_use += 1
         for k in hits + miss:
             if len(order) < cap:

@@ -80,3 +80,46 @@ fn a_continuation_that_does_not_repeat_stays_within_its_bound() {
     check("heldout-9.json", 0.25, 1.48);
     check("heldout-9.json", 0.5, 1.70);
 }
+
+/// Cache hits and misses of `store` so far.
+fn counts(store: &deltafin::store::expert_store::ExpertStore) -> (u64, u64) {
+    let r = store.report();
+    (r.cache_hits.unwrap_or(0), r.cache_misses.unwrap_or(0))
+}
+
+#[test]
+fn a_decode_step_of_many_sequences_keeps_the_cache_it_cannot_hold_the_step_in() {
+    // Many sequences in lockstep name every expert of every MoE layer each step (124.6 of 128 at
+    // N = 32 on the bench's synth): a cache of C slots can only keep C of them. It must save C
+    // reads a step (misses that do not outrank a cached expert stream through the read slots,
+    // and reads ahead of the next layer take no cached expert of the step) rather than cycle the
+    // cache through the bank, each expert evicted before its next use (0 hits).
+    let m = open_model(&fixture("k3-tiny-a"));
+    let moe: Vec<usize> =
+        (0..m.cfg.layers).filter(|&l| m.cfg.ffn[l] == deltafin::model::config::FfnKind::Moe).collect();
+    let all: Vec<u32> = (0..m.cfg.experts as u32).collect();
+    let bank = (moe.len() * all.len()) as u64;
+    let spec = deltafin::store::placement::shard_spec(&m.ck, &m.roster, &m.dir, 2, 1.0).unwrap();
+    let slot = deltafin::store::expert_store::slot_size_for(&spec) as u64;
+    let cached = bank / 4;
+    let store = shard_store(&m, cached * slot, 2, 0);
+    let ahead: Vec<u32> = all.iter().rev().take(4).copied().collect();
+    let step = |store: &deltafin::store::expert_store::ExpertStore| {
+        for (i, &l) in moe.iter().enumerate() {
+            let then = moe.get(i + 1).map(|&nl| (nl, &ahead[..]));
+            store.fetch_then(l, &all, then, &mut |_e: u32, _b: Landed<'_>| Ok(Flow::Continue)).unwrap();
+        }
+    };
+    for _ in 0..2 {
+        step(&store);
+    }
+    let before = counts(&store);
+    let steps = 4;
+    for _ in 0..steps {
+        step(&store);
+    }
+    let (hits, misses) = (counts(&store).0 - before.0, counts(&store).1 - before.1);
+    assert_eq!(hits + misses, steps * bank);
+    eprintln!("{steps} steps of {bank} experts, cache of {cached}: {hits} hits, {misses} misses");
+    assert!(hits >= steps * (cached - 2), "{hits} hits in {steps} steps with {cached} cached (misses {misses})");
+}

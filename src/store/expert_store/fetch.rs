@@ -62,6 +62,9 @@ impl ExpertSource for ExpertStore {
                 let mut st = lock(sh);
                 loop {
                     let st_ref = &mut *st;
+                    // Whether a read of this fetch is still to land (its slot then comes back, or
+                    // the cache's order changes): else a miss may evict to make progress.
+                    let mut in_flight = !ready.is_empty() || wants.iter().any(|(_, w)| matches!(w, Want::Waiting));
                     // Hits are pinned (and reads in flight joined) before any miss may allocate.
                     for phase in [0, 1] {
                         for (e, w) in wants.iter_mut() {
@@ -115,7 +118,7 @@ impl ExpertSource for ExpertStore {
                                         if first_pass {
                                             st_ref.misses += 1;
                                         }
-                                        if let Some(slot) = alloc_slot(st_ref) {
+                                        if let Some(slot) = alloc_demand_slot(st_ref, key, !in_flight) {
                                             if start_read(sh, st_ref, key, slot, false, &[]) {
                                                 if let Some(KeyState::Loading { req }) = st_ref.keys.get(&key) {
                                                     let r = *req;
@@ -125,6 +128,7 @@ impl ExpertSource for ExpertStore {
                                                 }
                                                 started.push(*e);
                                                 *w = Want::Waiting;
+                                                in_flight = true;
                                             } else {
                                                 st_ref.free.push(slot);
                                                 error = Some(no_holder(sh, st_ref, layer, *e));

@@ -43,7 +43,9 @@ pub use split::SPLIT_MIN;
 use super::replay::RouteReplay;
 use balance::{choose_holder, join_read, start_read, start_read_as};
 use drive::drive_loop;
-use policy::{SureSlot, add_uses, alloc_slot, cache_slot, demote_read_ahead, pin_ready, read_ahead, unpin};
+use policy::{
+    SureSlot, add_uses, alloc_demand_slot, alloc_slot, cache_slot, demote_read_ahead, pin_ready, read_ahead, unpin,
+};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 

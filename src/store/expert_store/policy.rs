@@ -47,10 +47,15 @@ pub(super) fn read_ahead(
         if st.keys.contains_key(&key) || choose_holder(sh, st, key, &[]).is_none() {
             continue;
         }
+        // A free slot, else a cached expert it outranks (not one of `layer`'s own): reads ahead
+        // must not evict experts the cache ranks as high, which the step's later layers need.
         let slot = match st.free.pop() {
             Some(s) => s,
             None => match st.lru.first() {
-                Some((_, v)) if !matches!(st.slots[v], Slot::Ready { key: k, sure, .. } if k.0 == key.0 || sure) => {
+                Some((_, v))
+                    if !matches!(st.slots[v], Slot::Ready { key: k, sure, .. } if k.0 == key.0 || sure)
+                        && outranks(st, key, v) =>
+                {
                     evict_slot(st, v);
                     v
                 }
@@ -233,9 +238,27 @@ pub(super) fn evict_victim(st: &mut State) -> Option<usize> {
     Some(slot)
 }
 
-/// A slot for a demanded read: a free one, else the cached one [`victim`] names.
+/// A slot for a read that must get one (a retry of a failed read): a free one, else the cached one
+/// [`victim`] names.
 pub(super) fn alloc_slot(st: &mut State) -> Option<usize> {
     st.free.pop().or_else(|| evict_victim(st))
+}
+
+/// A slot for a demanded read of `key`: a free one, else the cached one [`victim`] names if `key`
+/// [`outranks`] it (the same test its release will make), else none: the read waits for a read
+/// slot to come free instead of evicting an expert the cache ranks as high (a decode step of many
+/// sequences names nearly every expert of each layer, and misses evicting the least-requested
+/// would cycle the cache through the bank, each expert gone before its next use). `force`: the
+/// caller has nothing in flight that could free a slot, so it evicts anyway.
+pub(super) fn alloc_demand_slot(st: &mut State, key: Key, force: bool) -> Option<usize> {
+    if let Some(s) = st.free.pop() {
+        return Some(s);
+    }
+    let v = victim(st)?;
+    (force || outranks(st, key, v)).then(|| {
+        evict_slot(st, v);
+        v
+    })
 }
 
 /// Pins a Ready slot for a fetcher.
