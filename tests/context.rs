@@ -60,7 +60,7 @@ fn the_cache_gets_what_a_small_context_frees_for_the_sequences_run_together() {
     let open = |context: Option<usize>| {
         Engine::open(EngineConfig {
             experts_from: ExpertsFrom::Store,
-            memory_gb: Some(0.0117),
+            memory_gb: Some(0.0119),
             sequences: 8,
             prefill_rows: 8,
             ..config(context)
@@ -80,6 +80,21 @@ fn the_cache_gets_what_a_small_context_frees_for_the_sequences_run_together() {
     wide.sequences_fit(&[wide.context_bound(); 8]).unwrap();
     assert_eq!((narrow.plan.context, narrow.plan.sequences), (8, 8));
     assert!(narrow.startup_line().contains("context <= 8 tokens x 8 sequences"), "{}", narrow.startup_line());
+    // Several sequences read the next layer's experts ahead into read slots of their own (the
+    // plan counts them), not into the cache's.
+    let one =
+        Engine::open(EngineConfig { experts_from: ExpertsFrom::Store, prefill_rows: 8, ..config(Some(8)) }).unwrap();
+    let m = open_model(&fixture("k3-tiny-a"));
+    let spec = deltafin::store::placement::shard_spec(&m.ck, &m.roster, &m.dir, 4, 1.0).unwrap();
+    let slot = deltafin::store::expert_store::slot_size_for(&spec) as u64;
+    let ahead = deltafin::sched::moe::read_ahead_depth(4, 8) as u64;
+    assert_eq!(
+        narrow.plan.staging - one.plan.staging,
+        ahead * slot,
+        "{} vs {}",
+        narrow.plan.summary(),
+        one.plan.summary()
+    );
 }
 
 #[test]

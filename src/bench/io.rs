@@ -110,6 +110,7 @@ pub fn io(files: &ModelFiles, o: &IoOptions) -> Result<IoOutcome, BenchError> {
                 hedge: false,
                 // Whole experts, as fio reads them.
                 split_min: None,
+                read_ahead_slots: 0,
             },
         )?;
         let t0 = Instant::now();

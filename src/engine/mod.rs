@@ -458,8 +458,9 @@ impl Engine {
             (None, Some(l)) => expert_store::slot_size(l.len) as u64,
             (None, None) => 0,
         };
-        let staging =
-            spec.as_ref().map_or(0, |sp| expert_store::staging_slots(&sp.drives, prefetch_depth) as u64 * slot);
+        let read_ahead_slots = spec.as_ref().map_or(0, |sp| sched::moe::read_ahead_slots(&sp.drives, config.sequences));
+        let staging = spec.as_ref().map_or(0, |sp| expert_store::staging_slots(&sp.drives, prefetch_depth) as u64);
+        let staging = (staging + read_ahead_slots as u64) * slot;
         let n_experts = (c.moe_layers() * c.experts) as u64;
         let cache = match (&spec, config.expert_cache_gb) {
             (None, _) => 0,
@@ -500,6 +501,7 @@ impl Engine {
                     heat,
                     hedge: config.hedge,
                     split_min: config.split_reads.then_some(crate::store::expert_store::SPLIT_MIN),
+                    read_ahead_slots,
                 };
                 let store = Arc::new(ExpertStore::open(spec, opts)?);
                 let source: Arc<dyn ExpertSource> = match stream {

@@ -30,13 +30,23 @@ pub const READ_AHEAD_ROWS: usize = 128;
 /// [`READ_AHEAD_ROWS`] rows or more.
 const READ_AHEAD_MIN_ROWS: usize = 2;
 
-/// Experts a batch of fewer than [`READ_AHEAD_ROWS`] rows (but two or more: a decode step of
-/// several sequences) reads ahead, most-named first: two reads per slot of the drives' queues
-/// (`queue_depth`, all drives together), what the drives get through while the step runs attention,
-/// norms and the router of the next layer. A wrong guess costs one read of the drive's time and
-/// never delays a demanded read by more than these.
-pub fn read_ahead_depth(queue_depth: usize) -> usize {
-    2 * queue_depth.max(1)
+/// Experts a batch of `rows` rows, fewer than [`READ_AHEAD_ROWS`] (but two or more: a decode step
+/// of several sequences), reads ahead, most-named first: two reads per slot of the drives' queues
+/// (`queue_depth`, all drives together) and one more for every two rows, what the drives get
+/// through while the step runs attention, norms and the next layer's router, which grow with the
+/// rows (on the bench's K3-shaped synth, 2 cores: ~12 ms between MoE layers at 8 rows, ~40 ms at
+/// 32, where an expert read takes ~2.4 ms). With several sequences the router's guess is nearly
+/// always needed; a wrong one costs one read of the drive's time. The engine reserves read slots
+/// for them ([`crate::store::expert_store::StoreOptions::read_ahead_slots`]).
+pub fn read_ahead_depth(queue_depth: usize, rows: usize) -> usize {
+    2 * queue_depth.max(1) + rows / 2
+}
+
+/// Read slots a store on `drives` keeps for the reads ahead of `sequences` sequences decoding
+/// together (none for one sequence: it reads nothing ahead unless `--prefetch`).
+pub fn read_ahead_slots(drives: &[crate::store::expert_store::DriveSpec], sequences: usize) -> usize {
+    let qd = drives.iter().map(|d| d.qd.max(1)).sum();
+    if sequences >= 2 { read_ahead_depth(qd, sequences.min(READ_AHEAD_ROWS - 1)) } else { 0 }
 }
 
 /// The schedule of one forward: its expert source, the device's expert cache, the lookahead
@@ -119,7 +129,7 @@ impl Schedule for StoreSchedule<'_> {
                 // Ties keep the union's order (stable sort): the same list every run.
                 sure.sort_by_key(|&e| std::cmp::Reverse(count[e as usize]));
                 if n < READ_AHEAD_ROWS {
-                    sure.truncate(read_ahead_depth(self.opts.queue_depth));
+                    sure.truncate(read_ahead_depth(self.opts.queue_depth, n));
                 }
                 Some((*nl, sure))
             }

@@ -123,6 +123,10 @@ pub struct StoreOptions {
     /// Split reads: a demanded expert held on several drives is read as byte ranges of at least
     /// this many bytes across them (see `split`); None reads every expert whole from one drive.
     pub split_min: Option<u64>,
+    /// Read slots beyond [`staging_slots`] for a batch's reads ahead of its next MoE layer (a
+    /// decode step of several sequences: `sched::moe::read_ahead_depth`), so they need not evict
+    /// cached experts; 0: none.
+    pub read_ahead_slots: usize,
 }
 
 impl Default for StoreOptions {
@@ -135,6 +139,7 @@ impl Default for StoreOptions {
             heat: None,
             hedge: true,
             split_min: Some(split::SPLIT_MIN),
+            read_ahead_slots: 0,
         }
     }
 }
@@ -366,7 +371,7 @@ impl ExpertStore {
             )));
         }
         let slot_size = slot_size_for(&spec);
-        let staging = staging_slots(&spec.drives, opts.prefetch_depth);
+        let staging = staging_slots(&spec.drives, opts.prefetch_depth) + opts.read_ahead_slots;
         let cache_slots = (opts.cache_bytes / slot_size as u64) as usize;
         let slab =
             Slab::new(cache_slots + staging, slot_size).map_err(|e| StoreError::Setup(format!("expert cache: {e}")))?;
