@@ -100,6 +100,8 @@ pub fn run(g: &Gpu, a: &GpuKernelOptions) -> Result<serde_json::Value, BenchErro
         g.matmul_bf16(&w, &x, &mut o)?;
     }
     put("round_trip_us", (t.elapsed().as_secs_f64() / calls as f64 * 1e6).into());
+    // Host <-> device rates of a prefill's activation size (a K3 MoE layer's 8192 latent rows).
+    put("transfer", serde_json::to_value(g.transfer_rates(8192 * 3584 * 4)).unwrap_or_default());
     if let Some(dir) = &a.matvec_variants {
         for v in variant_timings(dir, g.time_matvec_variants(dir, mr, mc, reps)) {
             let n = &v.name;

@@ -4,6 +4,11 @@
 //! RMS-normalised sources, the sum uses the raw ones).
 
 use crate::backend::{Backend, BackendError};
+use rayon::prelude::*;
+
+/// Floats from which the element-wise work here runs across threads (a prefill's rows are
+/// hundreds of MB; a decode step's a few KB stay on the calling thread).
+const PAR_MIN: usize = 1 << 18;
 
 /// The residual state of a batch of rows through the layer stack (rows are [n, hidden]).
 pub struct Residual {
@@ -29,7 +34,12 @@ impl Residual {
     pub fn mixed(&self, be: &dyn Backend, score_w: &[f32], eps: f32) -> Result<Vec<f32>, BackendError> {
         let prefix = self.prefix.as_ref().expect("mix needs a prefix");
         if self.blocks.is_empty() {
-            return Ok(prefix.clone());
+            if prefix.len() < PAR_MIN {
+                return Ok(prefix.clone());
+            }
+            let mut out = vec![0f32; prefix.len()];
+            out.par_chunks_mut(PAR_MIN).zip(prefix.par_chunks(PAR_MIN)).for_each(|(d, s)| d.copy_from_slice(s));
+            return Ok(out);
         }
         let mut out = vec![0f32; prefix.len()];
         let mut src: Vec<&[f32]> = self.blocks.iter().map(|b| &b[..]).collect();
@@ -50,8 +60,11 @@ impl Residual {
         match &mut self.prefix {
             None => self.prefix = Some(delta),
             Some(p) => {
-                for (a, b) in p.iter_mut().zip(&delta) {
-                    *a += b;
+                let add = |(a, b): (&mut [f32], &[f32])| a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
+                if p.len() < PAR_MIN {
+                    add((p, &delta));
+                } else {
+                    p.par_chunks_mut(PAR_MIN).zip(delta.par_chunks(PAR_MIN)).for_each(add);
                 }
             }
         }

@@ -20,6 +20,7 @@ use super::weights::{Attn, Ffn, LayerWeights, MoeWeights};
 use super::{ForwardError, K3, KdaMode, kda, mla, situ};
 use crate::backend::Backend;
 use crate::model::K3Config;
+use rayon::prelude::*;
 use std::ops::Range;
 
 /// Which rows of a sequence get logits.
@@ -206,8 +207,10 @@ fn attention(
     kda_mode: KdaMode,
 ) -> Result<Vec<f32>, ForwardError> {
     let (be, c, h) = (&*model.be, &model.cfg, model.cfg.hidden);
-    let mut a = Vec::with_capacity(x.len());
-    for (s, r) in batch.iter_mut().zip(ranges) {
+    // Each sequence on its own state: several at once across threads (each one's ops are the
+    // same whichever thread runs them, so the bits are too; a batched prefill's host-side
+    // attention work was one sequence after another).
+    let one = |(s, r): (&mut SeqRows, &Range<usize>)| -> Result<Vec<f32>, ForwardError> {
         let xs = &x[r.start * h..r.end * h];
         let st = &mut *s.state;
         // The state's layer kinds are built from the same config as the weights.
@@ -228,8 +231,25 @@ fn attention(
                 mla::forward(be, c, w, ms, xs)?
             }
         };
-        a.extend_from_slice(&out);
+        Ok(out)
+    };
+    let outs: Vec<Vec<f32>> = if batch.len() > 1 {
+        batch.par_iter_mut().zip(ranges.par_iter()).map(one).collect::<Result<_, _>>()?
+    } else {
+        batch.iter_mut().zip(ranges).map(one).collect::<Result<_, _>>()?
+    };
+    if outs.len() == 1 {
+        return Ok(outs.into_iter().next().unwrap_or_default());
     }
+    let mut a = vec![0f32; x.len()];
+    let mut rest = &mut a[..];
+    let mut parts = Vec::with_capacity(outs.len());
+    for o in &outs {
+        let (head, tail) = rest.split_at_mut(o.len());
+        parts.push((head, &o[..]));
+        rest = tail;
+    }
+    parts.into_par_iter().for_each(|(d, s)| d.copy_from_slice(s));
     Ok(a)
 }
 

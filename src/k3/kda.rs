@@ -19,6 +19,11 @@ use crate::backend::{Backend, BackendError, HeadIn, StateBuf};
 use crate::cpu::ops::{l2_norm_inplace, sigmoid, silu};
 use crate::model::K3Config;
 use crate::model::config::KDA_L2_EPS;
+use rayon::prelude::*;
+
+/// Rows from which a layer's element-wise work runs across threads (a prompt's; a decode step's
+/// few rows stay on the calling thread). Rows are independent: the bits are the same either way.
+const PAR_MIN_ROWS: usize = 64;
 
 /// One sequence's committed state of one KDA layer.
 pub struct KdaState {
@@ -109,8 +114,7 @@ fn conv_silu(x: &[f32], tail: &[f32], taps: &[f32], p: usize, width: usize) -> V
     ext.extend_from_slice(tail);
     ext.extend_from_slice(x);
     let mut out = vec![0f32; n * p];
-    for t in 0..n {
-        let row = &mut out[t * p..(t + 1) * p];
+    let row = |(t, row): (usize, &mut [f32])| {
         for (c, y) in row.iter_mut().enumerate() {
             let w = &taps[c * width..(c + 1) * width];
             let mut acc = 0f32;
@@ -119,6 +123,12 @@ fn conv_silu(x: &[f32], tail: &[f32], taps: &[f32], p: usize, width: usize) -> V
             }
             *y = silu(acc);
         }
+    };
+    // Rows are independent: a prompt's across threads (same bits).
+    if n >= PAR_MIN_ROWS {
+        out.par_chunks_mut(p.max(1)).enumerate().for_each(row);
+    } else {
+        out.chunks_mut(p.max(1)).enumerate().for_each(row);
     }
     out
 }
@@ -170,34 +180,39 @@ pub fn forward(
     let mut g = vec![0f32; n * p];
     be.matmul_bf16(&w.f_b, &fa, &mut g)?;
     let lb = c.kda_gate_lower_bound;
-    for row in g.chunks_exact_mut(p) {
+    let gate_row = |row: &mut [f32]| {
         for (ch, gv) in row.iter_mut().enumerate() {
             *gv = lb * sigmoid(w.a_exp[ch / dk] * (*gv + w.dt_bias[ch]));
         }
+    };
+    if n >= PAR_MIN_ROWS {
+        g.par_chunks_exact_mut(p).for_each(gate_row);
+    } else {
+        g.chunks_exact_mut(p).for_each(gate_row);
     }
     beta.iter_mut().for_each(|b| *b = sigmoid(*b));
 
     // Gather per-head inputs; normalise q and k per head.
     let q_scale = 1.0 / (dk as f32).sqrt();
-    let heads: Vec<HeadIn> = (0..nh)
-        .map(|hd| {
-            let gather = |src: &[f32]| -> Vec<f32> {
-                let mut out = Vec::with_capacity(n * dk);
-                for t in 0..n {
-                    out.extend_from_slice(&src[t * p + hd * dk..t * p + (hd + 1) * dk]);
-                }
-                out
-            };
-            let mut q = gather(&proj[0]);
-            let mut k = gather(&proj[1]);
-            for (qt, kt) in q.chunks_exact_mut(dk).zip(k.chunks_exact_mut(dk)) {
-                l2_norm_inplace(qt, KDA_L2_EPS);
-                qt.iter_mut().for_each(|x| *x *= q_scale);
-                l2_norm_inplace(kt, KDA_L2_EPS);
+    let head = |hd: usize| {
+        let gather = |src: &[f32]| -> Vec<f32> {
+            let mut out = Vec::with_capacity(n * dk);
+            for t in 0..n {
+                out.extend_from_slice(&src[t * p + hd * dk..t * p + (hd + 1) * dk]);
             }
-            HeadIn { q, k, v: gather(&proj[2]), g: gather(&g), beta: (0..n).map(|t| beta[t * nh + hd]).collect() }
-        })
-        .collect();
+            out
+        };
+        let mut q = gather(&proj[0]);
+        let mut k = gather(&proj[1]);
+        for (qt, kt) in q.chunks_exact_mut(dk).zip(k.chunks_exact_mut(dk)) {
+            l2_norm_inplace(qt, KDA_L2_EPS);
+            qt.iter_mut().for_each(|x| *x *= q_scale);
+            l2_norm_inplace(kt, KDA_L2_EPS);
+        }
+        HeadIn { q, k, v: gather(&proj[2]), g: gather(&g), beta: (0..n).map(|t| beta[t * nh + hd]).collect() }
+    };
+    let heads: Vec<HeadIn> =
+        if n >= PAR_MIN_ROWS { (0..nh).into_par_iter().map(head).collect() } else { (0..nh).map(head).collect() };
 
     let mut s_after = spare.filter(|s| s.len() == st.s.len()).unwrap_or_else(|| StateBuf::zeros(st.s.len()));
     let mut o_heads = vec![0f32; nh * n * dv];
@@ -206,14 +221,19 @@ pub fn forward(
     // Per-head RMSNorm (every head's every row in one call), output gate, o_proj.
     be.rms_norm_rows(&mut o_heads, &w.o_norm, c.rms_eps)?;
     let mut o = vec![0f32; n * p];
-    for t in 0..n {
+    let out_row = |(t, row): (usize, &mut [f32])| {
         for hd in 0..nh {
-            let dst = &mut o[t * p + hd * dv..t * p + (hd + 1) * dv];
+            let dst = &mut row[hd * dv..(hd + 1) * dv];
             dst.copy_from_slice(&o_heads[hd * n * dv + t * dv..][..dv]);
             for (x, &gv) in dst.iter_mut().zip(&gate[t * p + hd * dv..t * p + (hd + 1) * dv]) {
                 *x *= sigmoid(gv);
             }
         }
+    };
+    if n >= PAR_MIN_ROWS {
+        o.par_chunks_mut(p.max(1)).enumerate().for_each(out_row);
+    } else {
+        o.chunks_mut(p.max(1)).enumerate().for_each(out_row);
     }
     let mut out = vec![0f32; n * h];
     be.matmul_bf16(&w.o_proj, &o, &mut out)?;

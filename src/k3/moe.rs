@@ -222,8 +222,14 @@ pub fn expert_input(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) 
         }
     };
     let mut zd = vec![0f32; n * lat];
-    for (src_row, dst) in z.chunks_exact(lat).zip(zd.chunks_exact_mut(lat)) {
-        deinterleave_mxfp4_input(src_row, dst);
+    if n >= PAR_MIN_ROWS {
+        zd.par_chunks_exact_mut(lat)
+            .zip(z.par_chunks_exact(lat))
+            .for_each(|(dst, src)| deinterleave_mxfp4_input(src, dst));
+    } else {
+        for (src_row, dst) in z.chunks_exact(lat).zip(zd.chunks_exact_mut(lat)) {
+            deinterleave_mxfp4_input(src_row, dst);
+        }
     }
     Ok(ExpertInput { zd, shared_gate_up })
 }
@@ -263,8 +269,11 @@ pub fn combine(
             be.situ(situ(c), &g, &u, &mut a)?;
             let mut s = vec![0f32; n * sh.down.rows];
             be.matmul_bf16_each(&[&w.up_proj, &sh.down], &[&routed, &a], &mut [&mut out, &mut s])?;
-            for (o, v) in out.iter_mut().zip(&s) {
-                *o += v;
+            let add = |(o, v): (&mut [f32], &[f32])| o.iter_mut().zip(v).for_each(|(o, v)| *o += v);
+            if n >= PAR_MIN_ROWS {
+                out.par_chunks_mut(c.hidden.max(1)).zip(s.par_chunks(c.hidden.max(1))).for_each(add);
+            } else {
+                add((&mut out, &s));
             }
         }
         (None, _) => be.matmul_bf16(&w.up_proj, &routed, &mut out)?,

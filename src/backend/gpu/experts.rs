@@ -19,7 +19,9 @@
 //! ([`staging_bytes`]).
 
 use super::GpuBackend;
-use super::device::{Chunk, Gpu, GpuError, Kind, MatvecJob, OUTPUT, READBACK, Resident, STAGED, Stamp};
+use super::device::{
+    Chunk, Gpu, GpuError, Kind, MatvecJob, OUTPUT, READBACK, Resident, STAGED, Stamp, floats_of, map_read, write_mapped,
+};
 use super::expert_cache::Place;
 use crate::backend::{BackendError, ExpertBatch, ExpertLayout, Situ};
 use std::collections::VecDeque;
@@ -59,8 +61,10 @@ struct Image {
 
 struct Queued {
     image: Image,
-    /// Floats of its input rows (they are in the group's `xs`, after the experts queued ahead).
+    /// Floats of its input rows, and the mapped staging buffer they were written into (copied
+    /// into the group's input after the experts queued ahead, at the flush).
     floats: usize,
+    rows: wgpu::Buffer,
     index: usize,
 }
 
@@ -84,11 +88,6 @@ pub(super) struct GpuExperts<'a> {
     offs: [usize; 6],
     slot_bytes: usize,
     group: Vec<Queued>,
-    /// The group's input rows, expert after expert, as the little-endian bytes the upload takes:
-    /// each expert's rows are converted once, as they are queued (a prompt's group is hundreds of
-    /// MB: converted again at the flush, or gathered through iterator chains, it cost more than
-    /// the products).
-    xs: Vec<u8>,
     /// The group's staging arenas (the last one is being filled) and the slots used in the last.
     staging: Vec<wgpu::Buffer>,
     staged_in_last: usize,
@@ -115,7 +114,6 @@ impl<'a> GpuExperts<'a> {
             offs,
             slot_bytes,
             group: Vec::new(),
-            xs: Vec::new(),
             staging: Vec::new(),
             staged_in_last: 0,
             per_arena,
@@ -233,7 +231,6 @@ impl<'a> GpuExperts<'a> {
     /// order, w2, one readback.
     fn flush(&mut self) -> Result<(), GpuError> {
         let group = std::mem::take(&mut self.group);
-        let xs = std::mem::take(&mut self.xs);
         if group.is_empty() {
             return Ok(());
         }
@@ -245,10 +242,15 @@ impl<'a> GpuExperts<'a> {
             before.push(total);
             total += q.floats / lat;
         }
-        let x = g.staged(&xs);
-        drop(xs);
-        let bufs = [g.output(2 * total * inter), g.output(total * inter), g.output(total * lat)];
+        // Each expert's rows, staged as it was queued, copied into place on the device; the last
+        // with its zero padding to whole 16-byte words (the bindings are vec4 arrays).
+        let x = g.take(STAGED, (total * lat * 4).max(16) as u64);
         let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("experts") });
+        for (k, q) in group.iter().enumerate() {
+            let len = if k + 1 == group.len() { (q.floats * 4).div_ceil(16) * 16 } else { q.floats * 4 };
+            enc.copy_buffer_to_buffer(&q.rows, 0, &x, (before[k] * lat * 4) as u64, len as u64);
+        }
+        let bufs = [g.output(2 * total * inter), g.output(total * inter), g.output(total * lat)];
         let stamp = g.stamp();
         {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
@@ -262,6 +264,9 @@ impl<'a> GpuExperts<'a> {
         g.stamp_resolve(&mut enc, &stamp);
         g.traffic.submitted((total * lat * 4) as u64);
         let submission = g.queue.submit([enc.finish()]);
+        for q in &group {
+            g.remap(q.rows.clone());
+        }
         let parts = group.iter().map(|q| (q.index, q.floats)).collect();
         let mut temps: Vec<(wgpu::BufferUsages, wgpu::Buffer)> = vec![(STAGED, x)];
         temps.extend(bufs.into_iter().map(|b| (OUTPUT, b)));
@@ -282,17 +287,28 @@ impl<'a> GpuExperts<'a> {
         let Some(f) = self.flying.pop_front() else { return Ok(()) };
         let g = &self.be.gpu;
         let total = f.parts.iter().map(|&(_, n)| n).sum();
-        let words = g.read_back(f.read, total, Some(f.submission.clone()));
+        // Each expert's outputs copied out of the mapping into its own vector (across threads).
+        let parts = &f.parts;
+        let outs = map_read(&g.device, &g.traffic, &f.read, total, Some(f.submission.clone()), |bytes| {
+            let mut at = 0;
+            parts
+                .iter()
+                .map(|&(index, n)| {
+                    let v = floats_of(&bytes[at * 4..(at + n) * 4]);
+                    at += n;
+                    (index, v)
+                })
+                .collect::<Vec<_>>()
+        });
         for slot in f.images.iter().filter_map(|i| i.slot) {
             self.be.with_cache(|c| c.unpin(slot));
         }
-        let words = words?;
+        let outs = outs?;
+        g.give(READBACK, f.read);
         // Only this group's submission: the next group may still be running.
         g.stamp_read(f.stamp, Some(f.submission));
-        let mut at = 0;
-        for &(index, n) in &f.parts {
-            self.outs[index] = words[at..at + n].iter().map(|&w| f32::from_bits(w)).collect();
-            at += n;
+        for (index, v) in outs {
+            self.outs[index] = v;
         }
         for (usage, b) in f.temps {
             g.give(usage, b);
@@ -303,8 +319,8 @@ impl<'a> GpuExperts<'a> {
     fn queue(&mut self, image: Image, zd: &[f32]) -> Result<(), GpuError> {
         let index = self.outs.len();
         self.outs.push(Vec::new());
-        self.xs.extend_from_slice(&super::device::f32_bytes(zd));
-        self.group.push(Queued { image, floats: zd.len(), index });
+        let (rows, _) = self.be.gpu.fill(&super::device::f32_bytes(zd), 16);
+        self.group.push(Queued { image, floats: zd.len(), rows, index });
         if self.group.len() >= GROUP {
             self.flush()?;
         }
@@ -366,24 +382,28 @@ impl ExpertBatch for GpuExperts<'_> {
             };
             let g = &self.be.gpu;
             let (buf, base) = (&image.place.buf, image.place.at);
-            for (&(o, len), &at) in self.layout.parts.iter().zip(&self.offs) {
-                let part = &bytes[o..o + len];
-                // Queue writes must be whole words: the last partial word goes padded.
-                let whole = len / 4 * 4;
-                if whole > 0 {
-                    g.queue.write_buffer(buf, base + at as u64, &part[..whole]);
+            // The image is laid out in a mapped staging buffer (each record zero-padded to its
+            // 16-byte slot, written across threads) and copied into place on the device at once:
+            // a group's worth (16 x 17.55 MB for K3) held in host staging would be host memory
+            // outside the budget.
+            let staging = g.mapped(self.slot_bytes as u64);
+            match staging.get_mapped_range_mut(..self.slot_bytes as u64) {
+                Ok(mut view) => {
+                    for (&(o, len), &at) in self.layout.parts.iter().zip(&self.offs) {
+                        write_mapped(&mut view, at, &bytes[o..o + len]);
+                        let pad = len.div_ceil(16) * 16 - len;
+                        write_mapped(&mut view, at + len, &[0u8; 16][..pad]);
+                    }
                 }
-                if whole < len {
-                    let mut tail = [0u8; 4];
-                    tail[..len - whole].copy_from_slice(&part[whole..]);
-                    g.queue.write_buffer(buf, base + (at + whole) as u64, &tail);
-                }
+                Err(e) => g.traffic.record_failure(format!("mapping a staging buffer for expert {expert}: {e}")),
             }
-            // Hand the writes to the GPU now: queued writes sit in host staging memory until a submit,
-            // and a group's worth (16 x 17.55 MB for K3) would be host memory outside the budget.
+            staging.unmap();
+            let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
+            enc.copy_buffer_to_buffer(&staging, 0, buf, base, self.slot_bytes as u64);
             g.traffic.uploaded(self.layout.parts.iter().map(|&(_, len)| len as u64).sum());
             g.traffic.submitted(0);
-            g.queue.submit([]);
+            g.queue.submit([enc.finish()]);
+            g.remap(staging);
             // Only to let the device start; a failure of the device shows at the readback.
             let _ = g.device.poll(wgpu::PollType::Poll);
             let r = self.queue(image, zd);

@@ -27,9 +27,13 @@ mod kernels;
 mod ops;
 mod profile;
 mod state;
+#[cfg(feature = "gpu-bench")]
+mod transfer_bench;
 
 #[cfg(feature = "gpu-bench")]
 pub use bench::VariantTiming;
+#[cfg(feature = "gpu-bench")]
+pub use transfer_bench::TransferRates;
 
 pub use device::{AdapterSummary, GpuError, fail_readback_in, set_timestamps};
 use ops::{Dst, Limits, Ops, Src};
@@ -235,6 +239,12 @@ impl GpuBackend {
     #[cfg(feature = "gpu-bench")]
     pub fn fma_peak(&self, reps: usize) -> f64 {
         self.gpu.fma_peak(reps)
+    }
+
+    /// [`Gpu::transfer_rates`] (for `bench kernels`).
+    #[cfg(feature = "gpu-bench")]
+    pub fn transfer_rates(&self, bytes: usize) -> TransferRates {
+        self.gpu.transfer_rates(bytes)
     }
 
     /// [`Gpu::time_matvec_variants`] (for `bench kernels --matvec-variants`).

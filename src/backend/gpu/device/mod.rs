@@ -18,6 +18,7 @@ use wgpu::util::DeviceExt;
 mod pipeline;
 mod products;
 mod readback;
+mod staging;
 mod timing;
 
 use pipeline::product_shader;
@@ -26,7 +27,8 @@ pub(super) use products::{Chunk, MatvecJob, f32_bytes};
 pub use products::{Kind, Resident};
 use readback::SPIN_WAIT;
 pub use readback::fail_readback_in;
-pub(super) use readback::{fail_readback_wanted, map_words};
+pub(super) use readback::{fail_readback_wanted, map_read, map_words};
+pub(super) use staging::{floats_of, par_copy, write_mapped};
 pub(super) use timing::Stamp;
 
 // The kernel microbench's view of the product kernels' layout.
@@ -108,8 +110,13 @@ impl Traffic {
 
     /// Records a device error reported outside an error scope (the first until one is taken).
     pub fn record_error(&self, e: wgpu::Error) {
-        tracing::error!("GPU error: {e}");
-        self.uncaptured.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(|| e.to_string());
+        self.record_failure(e.to_string());
+    }
+
+    /// A failure outside a readback (a mapping for an upload): the next readback fails with it.
+    pub fn record_failure(&self, msg: String) {
+        tracing::error!("GPU error: {msg}");
+        self.uncaptured.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(msg);
     }
 
     /// The device error recorded since the last check, as an error (taken: reported once).
@@ -139,6 +146,7 @@ pub struct Gpu {
     /// Nanoseconds per timestamp tick when passes are timed ([`Stamp`]).
     timestamp_period: Option<f32>,
     pool: Pool,
+    mapped_pool: staging::MappedPool,
     pub(super) traffic: std::sync::Arc<Traffic>,
     /// Tells this device's buffers from another's (each `Gpu` gets its own).
     pub(super) id: u64,
@@ -172,9 +180,6 @@ fn rank(t: wgpu::DeviceType) -> u8 {
         wgpu::DeviceType::Cpu => 4,
     }
 }
-
-/// Bytes of one queued write of [`Gpu::staged`] (a multiple of 16).
-const UPLOAD_PIECE: usize = 8 << 20;
 
 /// The size a pooled buffer of at least `size` bytes is made with: powers of two up to 16 MiB;
 /// larger in eighths of their power of two (at least whole MiB), so that a pool of expert-sized
@@ -276,6 +281,7 @@ impl Gpu {
         Ok(Gpu {
             timestamp_period,
             pool: Pool::default(),
+            mapped_pool: staging::MappedPool::default(),
             traffic,
             id: NEXT_GPU_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             device,
@@ -316,20 +322,24 @@ impl Gpu {
         }
     }
 
-    /// `bytes` in a pooled storage buffer (uploaded through the queue).
-    /// Padded to whole 16-byte words with zeros; the bulk goes up without a padded copy (a
-    /// prefill's activations are hundreds of MB), only the last partial word is copied.
+    /// `bytes` in a pooled storage buffer, padded to whole 16-byte words with zeros. Large ones go
+    /// through a mapped staging buffer filled across threads and one copy on the device (a
+    /// prefill's activations are hundreds of MB: a queued write of them ran at 3.7 GB/s on the
+    /// H200 host, the mapped path at 31 GB/s; `staging.rs`); small ones through the queue.
     pub(super) fn staged(&self, bytes: &[u8]) -> wgpu::Buffer {
         let b = self.take(STAGED, bytes.len() as u64);
         self.traffic.uploaded(bytes.len() as u64);
+        if bytes.len() >= staging::PAR_MIN {
+            let (staging, len) = self.fill(bytes, 16);
+            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("upload") });
+            enc.copy_buffer_to_buffer(&staging, 0, &b, 0, len);
+            self.queue.submit([enc.finish()]);
+            self.remap(staging);
+            return b;
+        }
         let whole = bytes.len() / 16 * 16;
-        // In pieces of at most UPLOAD_PIECE: each queued write takes a host staging buffer, and
-        // one larger than the allocator's blocks (64 MB) would be a dedicated host allocation
-        // made and freed per write. (On the H200 this changed no measured time: a prefill's
-        // 100-200 MB round trips still average about 1 GB/s; bench/results/2026-12-03-batch-gpu.)
-        for at in (0..whole).step_by(UPLOAD_PIECE) {
-            let end = (at + UPLOAD_PIECE).min(whole);
-            self.queue.write_buffer(&b, at as u64, &bytes[at..end]);
+        if whole > 0 {
+            self.queue.write_buffer(&b, 0, &bytes[..whole]);
         }
         if whole < bytes.len() || bytes.is_empty() {
             self.queue.write_buffer(&b, whole as u64, &padded(&bytes[whole..]));

@@ -388,7 +388,7 @@ impl Gpu {
             let mut at = 0;
             for (out, r) in outs.iter_mut().zip(rs) {
                 let k = nb * r.rows;
-                out[b0 * r.rows..(b0 + nb) * r.rows].copy_from_slice(&all[at..at + k]);
+                super::par_copy(&mut out[b0 * r.rows..(b0 + nb) * r.rows], &all[at..at + k]);
                 at += k;
             }
         }
@@ -430,7 +430,7 @@ impl Gpu {
         let mut at = 0;
         for &i in &live {
             let k = rows(i) * rs[i].rows;
-            outs[i][..k].copy_from_slice(&all[at..at + k]);
+            super::par_copy(&mut outs[i][..k], &all[at..at + k]);
             at += k;
         }
         Ok(())

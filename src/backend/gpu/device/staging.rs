@@ -1,0 +1,132 @@
+//! Host <-> device copies of a prefill's sizes: uploads through pooled, persistently mapped
+//! staging buffers filled across threads, and readbacks copied out of the mapping across threads.
+//!
+//! Why: on the H200 host (`bench kernels --backend gpu`, `transfer` in its record) a queued write
+//! moved 3.7 GB/s and a one-thread copy out of a mapping, or into a freshly allocated vector
+//! (page faults), 1.8 GB/s, while a mapped staging buffer filled by 16 threads took 31 GB/s and a
+//! threaded copy-out 17-44 GB/s: batched prefill moves GBs a layer, so these copies were most of
+//! its wall time.
+//!
+//! Contract: [`Gpu::mapped`] hands out a MAP_WRITE | COPY_SRC buffer that is mapped now;
+//! [`Gpu::remap`] takes it back once the copies reading it are submitted (it is mapped again when
+//! the device is done with it and only then handed out again; one whose mapping fails is dropped).
+//! Copies below [`PAR_MIN`] bytes stay on the calling thread. Bytes are copied as they are (the
+//! device's words are little-endian, as is every host this runs on; others convert).
+
+use super::Gpu;
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Bytes from which a copy is split across threads (below, the hand-off costs more).
+pub(in crate::backend::gpu) const PAR_MIN: usize = 1 << 20;
+/// Bytes each thread copies at a time.
+const PIECE: usize = 1 << 20;
+/// Mapped buffers kept per size class.
+const KEEP: usize = 32;
+
+pub(in crate::backend::gpu) const MAPPED: wgpu::BufferUsages =
+    wgpu::BufferUsages::MAP_WRITE.union(wgpu::BufferUsages::COPY_SRC);
+
+/// Mapped staging buffers ready to be written, by size.
+#[derive(Default)]
+pub(super) struct MappedPool {
+    free: Arc<Mutex<HashMap<u64, Vec<wgpu::Buffer>>>>,
+}
+
+/// `src` copied into `dst` (at least as long) at byte `at`, across threads when large.
+pub(in crate::backend::gpu) fn write_mapped(dst: &mut wgpu::BufferViewMut, at: usize, src: &[u8]) {
+    let mut view = dst.slice(at..at + src.len());
+    if src.len() < PAR_MIN {
+        view.copy_from_slice(src);
+        return;
+    }
+    let base = view.as_raw_ptr().cast::<u8>().as_ptr() as usize;
+    src.par_chunks(PIECE).enumerate().for_each(|(i, s)| {
+        // SAFETY: piece i writes only bytes [i * PIECE, i * PIECE + s.len()) of `view`, which is
+        // `src.len()` bytes long (the slice above checked it against the mapping) and borrowed
+        // exclusively by this call until every piece is written; pieces are disjoint.
+        unsafe { std::ptr::copy_nonoverlapping(s.as_ptr(), (base as *mut u8).add(i * PIECE), s.len()) }
+    });
+}
+
+/// `src` copied into `dst` (same length), across threads when large.
+pub(in crate::backend::gpu) fn par_copy<T: Copy + Send + Sync>(dst: &mut [T], src: &[T]) {
+    let bytes = std::mem::size_of_val(src);
+    if bytes < PAR_MIN {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let n = (PIECE / std::mem::size_of::<T>().max(1)).max(1);
+    dst.par_chunks_mut(n).zip(src.par_chunks(n)).for_each(|(d, s)| d.copy_from_slice(s));
+}
+
+/// The little-endian words of `bytes` as floats in a new vector (a mapped readback's copy-out).
+pub(in crate::backend::gpu) fn floats_of(bytes: &[u8]) -> Vec<f32> {
+    let n = bytes.len() / 4;
+    let mut v = vec![0f32; n];
+    if cfg!(target_endian = "little") {
+        par_copy(bytemuck::cast_slice_mut::<f32, u8>(&mut v), &bytes[..n * 4]);
+    } else {
+        for (o, c) in v.iter_mut().zip(bytes.chunks_exact(4)) {
+            *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+    }
+    v
+}
+
+impl Gpu {
+    /// A staging buffer of at least `size` bytes, mapped for writing now.
+    pub(in crate::backend::gpu) fn mapped(&self, size: u64) -> wgpu::Buffer {
+        let size = super::pool_size(size.max(16), self.summary.max_binding).div_ceil(16) * 16;
+        let ready = self.mapped_pool.free.lock().ok().and_then(|mut m| m.get_mut(&size).and_then(|v| v.pop()));
+        ready.unwrap_or_else(|| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("staging"),
+                size,
+                usage: MAPPED,
+                mapped_at_creation: true,
+            })
+        })
+    }
+
+    /// Takes back a buffer of [`Gpu::mapped`] whose copies have been submitted: mapped again once
+    /// the device has run them, then handed out again.
+    pub(in crate::backend::gpu) fn remap(&self, b: wgpu::Buffer) {
+        let free = Arc::clone(&self.mapped_pool.free);
+        let again = b.clone();
+        b.map_async(wgpu::MapMode::Write, .., move |r| {
+            if r.is_ok()
+                && let Ok(mut m) = free.lock()
+            {
+                let v = m.entry(again.size()).or_default();
+                if v.len() < KEEP {
+                    v.push(again);
+                }
+            }
+        });
+    }
+
+    /// `bytes` in a staging buffer of [`Gpu::mapped`], zero-padded to a multiple of `pad` bytes
+    /// (4 or 16), and unmapped: copy its first `padded` bytes (the second value) on the device,
+    /// then give it to [`Gpu::remap`]. A mapping that fails is recorded as a device error (the
+    /// next readback fails with it; the copy then carries stale bytes nobody reads).
+    pub(in crate::backend::gpu) fn fill(&self, bytes: &[u8], pad: usize) -> (wgpu::Buffer, u64) {
+        let len = bytes.len().div_ceil(pad).max(1) * pad;
+        let staging = self.mapped(len as u64);
+        match staging.get_mapped_range_mut(..len as u64) {
+            Ok(mut view) => {
+                let whole = bytes.len() / pad * pad;
+                write_mapped(&mut view, 0, &bytes[..whole]);
+                if whole < len {
+                    let mut tail = [0u8; 16];
+                    tail[..bytes.len() - whole].copy_from_slice(&bytes[whole..]);
+                    write_mapped(&mut view, whole, &tail[..len - whole]);
+                }
+            }
+            Err(e) => self.traffic.record_failure(format!("mapping a staging buffer for an upload: {e}")),
+        }
+        staging.unmap();
+        (staging, len as u64)
+    }
+}
