@@ -14,16 +14,13 @@
 //! state — and [`commit`] (infallible) swaps it in and advances the conv tail. Replaying j rows
 //! runs the very operations that feeding those j tokens one by one runs, so the bits are the same.
 
+use super::PAR_MIN_ROWS;
 use super::weights::KdaWeights;
 use crate::backend::{Backend, BackendError, HeadIn, StateBuf};
 use crate::cpu::ops::{l2_norm_inplace, sigmoid, silu};
 use crate::model::K3Config;
 use crate::model::config::KDA_L2_EPS;
 use rayon::prelude::*;
-
-/// Rows from which a layer's element-wise work runs across threads (a prompt's; a decode step's
-/// few rows stay on the calling thread). Rows are independent: the bits are the same either way.
-const PAR_MIN_ROWS: usize = 64;
 
 /// One sequence's committed state of one KDA layer.
 pub struct KdaState {

@@ -25,6 +25,11 @@ use crate::store::StoreError;
 pub use kda::KdaMode;
 pub use state::SeqState;
 use std::sync::Arc;
+
+/// Rows of a pass from which the model's element-wise and gather work runs across threads (a
+/// prompt's; a decode step's few rows stay on the calling thread, where handing them to the pool
+/// costs more than the work). Rows are independent there: the bits are the same either way.
+const PAR_MIN_ROWS: usize = 64;
 use weights::{Ffn, MoeWeights, Weights};
 
 #[derive(Debug, thiserror::Error)]

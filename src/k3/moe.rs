@@ -12,16 +12,12 @@
 //! [`RoutedExperts::finish`] puts every output in its (row, router slot), so the layer's result
 //! does not depend on the order the experts arrived in.
 
-use super::situ;
 use super::weights::{MlpWeights, MoeWeights};
+use super::{PAR_MIN_ROWS, situ};
 use crate::backend::{Backend, BackendError, ExpertBatch, ExpertLayout, RouteRule, Situ};
 use crate::cpu::deinterleave_mxfp4_input;
 use crate::model::K3Config;
 use rayon::prelude::*;
-
-/// Rows from which the gathers and sums around the experts run across threads: below it (a decode
-/// step) the work is a few KB, less than handing it to the thread pool costs.
-const PAR_MIN_ROWS: usize = 64;
 
 /// Dense SiTU-GLU MLP on rows `xn` [n, hidden].
 pub fn mlp(be: &dyn Backend, w: &MlpWeights, situ: Situ, xn: &[f32]) -> Result<Vec<f32>, BackendError> {

@@ -386,18 +386,13 @@ impl ExpertBatch for GpuExperts<'_> {
             // 16-byte slot, written across threads) and copied into place on the device at once:
             // a group's worth (16 x 17.55 MB for K3) held in host staging would be host memory
             // outside the budget.
-            let staging = g.mapped(self.slot_bytes as u64);
-            match staging.get_mapped_range_mut(..self.slot_bytes as u64) {
-                Ok(mut view) => {
-                    for (&(o, len), &at) in self.layout.parts.iter().zip(&self.offs) {
-                        write_mapped(&mut view, at, &bytes[o..o + len]);
-                        let pad = len.div_ceil(16) * 16 - len;
-                        write_mapped(&mut view, at + len, &[0u8; 16][..pad]);
-                    }
+            let staging = g.fill_with(self.slot_bytes, |view| {
+                for (&(o, len), &at) in self.layout.parts.iter().zip(&self.offs) {
+                    write_mapped(view, at, &bytes[o..o + len]);
+                    let pad = len.div_ceil(16) * 16 - len;
+                    write_mapped(view, at + len, &[0u8; 16][..pad]);
                 }
-                Err(e) => g.traffic.record_failure(format!("mapping a staging buffer for expert {expert}: {e}")),
-            }
-            staging.unmap();
+            });
             let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
             enc.copy_buffer_to_buffer(&staging, 0, buf, base, self.slot_bytes as u64);
             g.traffic.uploaded(self.layout.parts.iter().map(|&(_, len)| len as u64).sum());

@@ -113,20 +113,31 @@ impl Gpu {
     /// next readback fails with it; the copy then carries stale bytes nobody reads).
     pub(in crate::backend::gpu) fn fill(&self, bytes: &[u8], pad: usize) -> (wgpu::Buffer, u64) {
         let len = bytes.len().div_ceil(pad).max(1) * pad;
+        let staging = self.fill_with(len, |view| {
+            let whole = bytes.len() / pad * pad;
+            write_mapped(view, 0, &bytes[..whole]);
+            if whole < len {
+                let mut tail = [0u8; 16];
+                tail[..bytes.len() - whole].copy_from_slice(&bytes[whole..]);
+                write_mapped(view, whole, &tail[..len - whole]);
+            }
+        });
+        (staging, len as u64)
+    }
+
+    /// A staging buffer of [`Gpu::mapped`] whose first `len` bytes `write` fills (through
+    /// [`write_mapped`]), unmapped; a mapping that fails is recorded as [`Gpu::fill`] says.
+    pub(in crate::backend::gpu) fn fill_with(
+        &self,
+        len: usize,
+        write: impl FnOnce(&mut wgpu::BufferViewMut),
+    ) -> wgpu::Buffer {
         let staging = self.mapped(len as u64);
         match staging.get_mapped_range_mut(..len as u64) {
-            Ok(mut view) => {
-                let whole = bytes.len() / pad * pad;
-                write_mapped(&mut view, 0, &bytes[..whole]);
-                if whole < len {
-                    let mut tail = [0u8; 16];
-                    tail[..bytes.len() - whole].copy_from_slice(&bytes[whole..]);
-                    write_mapped(&mut view, whole, &tail[..len - whole]);
-                }
-            }
+            Ok(mut view) => write(&mut view),
             Err(e) => self.traffic.record_failure(format!("mapping a staging buffer for an upload: {e}")),
         }
         staging.unmap();
-        (staging, len as u64)
+        staging
     }
 }
