@@ -355,49 +355,73 @@ fn matmul_decoded<M: RowDecode>(isa: Isa, w: &M, xs: &[f32], out: &mut [f32]) {
     if n == 0 || rows == 0 {
         return;
     }
-    // Each task owns a band of weight rows and writes a column band of `out`; results are gathered
-    // per task, then scattered, so no two tasks write the same memory.
-    let bands: Vec<(usize, Vec<f32>)> = (0..rows.div_ceil(MM_WROWS))
+    // Each task owns a band of weight rows and writes that column band of `out` itself (no
+    // serial scatter after the tasks: it ran on one thread while the other cores idled).
+    let dst = OutColumns(out.as_mut_ptr());
+    (0..rows.div_ceil(MM_WROWS))
         .into_par_iter()
         .with_min_len(if rows * cols * n < PAR_MIN_WORK { usize::MAX } else { 1 })
-        // The decoded band is reused across a worker's bands (no fresh large allocation each time).
-        .map_init(Vec::new, |wdec: &mut Vec<f32>, band| {
-            let r0 = band * MM_WROWS;
-            let nr = MM_WROWS.min(rows - r0);
-            wdec.resize(nr * cols, 0.0);
-            for (i, dst) in wdec.chunks_exact_mut(cols).enumerate() {
-                w.decode(r0 + i, dst);
-            }
-            let mut res = vec![0f32; nr * n];
-            #[cfg(target_arch = "x86_64")]
-            if isa == Isa::Avx512 && n >= TILED_MIN_ROWS {
-                tiled_band_avx512(&wdec[..nr * cols], nr, cols, xs, n, &mut res);
-                return (r0, res);
-            }
-            // 4 input rows x 4 weight rows per step; missing rows repeat the last one (their
-            // results are discarded), so every computed element follows the reference order.
-            for i in (0..n).step_by(4) {
-                let nx = 4.min(n - i);
-                let xrows: [&[f32]; 4] = std::array::from_fn(|k| &xs[(i + k.min(nx - 1)) * cols..][..cols]);
-                for r in (0..nr).step_by(4) {
-                    let nw = 4.min(nr - r);
-                    let wrows: [&[f32]; 4] = std::array::from_fn(|k| &wdec[(r + k.min(nw - 1)) * cols..][..cols]);
-                    let d = dot4x4_f32(isa, wrows, xrows);
-                    for a in 0..nw {
-                        for k in 0..nx {
-                            res[(r + a) * n + i + k] = d[a][k];
-                        }
+        // The decoded band and its results are reused across a worker's bands (no fresh large
+        // allocation each time).
+        .for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(wdec, res): &mut (Vec<f32>, Vec<f32>), band| {
+                let r0 = band * MM_WROWS;
+                let nr = MM_WROWS.min(rows - r0);
+                wdec.resize(nr * cols, 0.0);
+                for (i, dst) in wdec.chunks_exact_mut(cols).enumerate() {
+                    w.decode(r0 + i, dst);
+                }
+                res.resize(nr * n, 0.0);
+                band_product(isa, &wdec[..nr * cols], nr, cols, xs, n, &mut res[..nr * n]);
+                for i in 0..n {
+                    for rr in 0..nr {
+                        // SAFETY: `out` holds n * rows elements (asserted above) and outlives the
+                        // tasks; this task alone writes columns r0..r0 + nr of each output row
+                        // (bands do not overlap), so no element is written twice or read.
+                        unsafe { dst.at(i * rows + r0 + rr).write(res[rr * n + i]) };
                     }
                 }
-            }
-            (r0, res)
-        })
-        .collect();
-    for (r0, res) in bands {
-        let nr = res.len() / n;
-        for rr in 0..nr {
-            for i in 0..n {
-                out[i * rows + r0 + rr] = res[rr * n + i];
+            },
+        );
+}
+
+/// `out`'s start, shared by the tasks of [`matmul_decoded`], each of which writes its own columns.
+#[derive(Clone, Copy)]
+struct OutColumns(*mut f32);
+// SAFETY: the tasks write disjoint elements of one live buffer (see matmul_decoded).
+unsafe impl Send for OutColumns {}
+// SAFETY: as above; no task reads through it.
+unsafe impl Sync for OutColumns {}
+
+impl OutColumns {
+    /// Element `i` (a method, so closures capture the whole wrapper, not its raw field).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// One band of `nr` decoded weight rows `wdec` against all `n` input rows `xs`, into `res`
+/// [nr, n]; every element in the reference order.
+fn band_product(isa: Isa, wdec: &[f32], nr: usize, cols: usize, xs: &[f32], n: usize, res: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && n >= TILED_MIN_ROWS {
+        tiled_band_avx512(wdec, nr, cols, xs, n, res);
+        return;
+    }
+    // 4 input rows x 4 weight rows per step; missing rows repeat the last one (their results are
+    // discarded), so every computed element follows the reference order.
+    for i in (0..n).step_by(4) {
+        let nx = 4.min(n - i);
+        let xrows: [&[f32]; 4] = std::array::from_fn(|k| &xs[(i + k.min(nx - 1)) * cols..][..cols]);
+        for r in (0..nr).step_by(4) {
+            let nw = 4.min(nr - r);
+            let wrows: [&[f32]; 4] = std::array::from_fn(|k| &wdec[(r + k.min(nw - 1)) * cols..][..cols]);
+            let d = dot4x4_f32(isa, wrows, xrows);
+            for a in 0..nw {
+                for k in 0..nx {
+                    res[(r + a) * n + i + k] = d[a][k];
+                }
             }
         }
     }
