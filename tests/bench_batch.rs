@@ -35,4 +35,9 @@ fn the_batch_record_bounds_prefill_by_the_measured_kernel_rate() {
     assert!(k > 0.0 && t >= 0.0);
     assert!((c - (k + t)).abs() <= 1e-9 * c.max(1.0), "compute {c} = kernels {k} + trunk {t}");
     assert!(p["expert_rows"].as_u64().is_some_and(|n| n > 0));
+    // The bound at each count's mean timing is never below the one at its fastest.
+    let kf = p["expert_kernel_bound_fastest_s"].as_f64().expect("fastest kernel bound");
+    assert!(kf > 0.0 && kf <= k * (1.0 + 1e-12), "fastest {kf} vs mean {k}");
+    let fastest = p["expert_rate_points_fastest"].as_array().expect("fastest points");
+    assert_eq!(fastest.len(), points.len(), "{line}");
 }

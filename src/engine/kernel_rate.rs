@@ -5,9 +5,10 @@
 //! Contract: [`Engine::expert_seconds`] runs one expert of the model's shipped layout (fixed
 //! pseudo-random codes, every scale 2^-6, so values stay normal) through the engine's backend
 //! exactly as a MoE layer composes it (`backend::run_expert`: w1 and w3, SiTU, w2), resident in
-//! memory, on `m` rows for each `m` asked, and returns the fastest of `reps` timings of each (the
-//! kernels' own cost on a machine that other work may slow: a bound takes the least; None when
-//! the engine has no routed experts). It reads nothing and changes no engine state.
+//! memory, on `m` rows for each `m` asked, `reps` times each, and returns every timing (None when
+//! the engine has no routed experts). The repetitions run in rounds, each round timing every row
+//! count once, so a slow spell of a shared machine falls on all counts alike rather than on one.
+//! It reads nothing and changes no engine state.
 
 use super::Engine;
 use crate::backend::{BackendError, run_expert};
@@ -17,8 +18,9 @@ use std::time::Instant;
 const SCALE: u8 = 121;
 
 impl Engine {
-    /// Seconds of one routed expert on `m` rows, for each `m` of `rows` (see the module contract).
-    pub fn expert_seconds(&self, rows: &[usize], reps: usize) -> Result<Option<Vec<f64>>, BackendError> {
+    /// Seconds of one routed expert on `m` rows, `reps` timings for each `m` of `rows` (see the
+    /// module contract).
+    pub fn expert_seconds(&self, rows: &[usize], reps: usize) -> Result<Option<Vec<Vec<f64>>>, BackendError> {
         let Some(src) = self.source.as_ref() else { return Ok(None) };
         let layout = src.layout().clone();
         let mut rng = crate::util::XorShift(0x9E37_79B9_7F4A_7C15);
@@ -31,16 +33,14 @@ impl Engine {
         let situ = crate::k3::situ(&self.cfg);
         let most = rows.iter().copied().max().unwrap_or(0);
         let zd: Vec<f32> = (0..most * layout.latent).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
-        let mut out = Vec::with_capacity(rows.len());
-        for &m in rows {
-            let z = &zd[..m * layout.latent];
-            let mut times = Vec::with_capacity(reps.max(1));
-            for _ in 0..reps.max(1) {
+        let mut out = vec![Vec::with_capacity(reps.max(1)); rows.len()];
+        for _ in 0..reps.max(1) {
+            for (&m, times) in rows.iter().zip(out.iter_mut()) {
+                let z = &zd[..m * layout.latent];
                 let t = Instant::now();
                 run_expert(&*self.model.be, &layout, &bytes, situ, z)?;
                 times.push(t.elapsed().as_secs_f64());
             }
-            out.push(times.into_iter().fold(f64::INFINITY, f64::min));
         }
         Ok(Some(out))
     }
