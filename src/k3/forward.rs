@@ -73,8 +73,8 @@ pub enum Phase {
 pub trait Schedule {
     /// The routed experts of MoE layer `layer` for rows whose router chose `routes`, on their
     /// deinterleaved latent inputs `zd` [n, latent]: every expert of the routes' union run (with
-    /// [`moe::RoutedExperts`]) on the rows routed to it, the outputs in slots [n][k][latent] in
-    /// router order. `xn` is the layer's input [n, hidden] (a schedule may run the next MoE
+    /// [`moe::RoutedExperts`]) on the rows routed to it, each row's outputs weighted and summed in
+    /// router order ([n, latent]). `xn` is the layer's input [n, hidden] (a schedule may run the next MoE
     /// layer's router on it to read ahead).
     fn routed(&mut self, layer: usize, xn: &[f32], routes: &Routes, zd: &[f32]) -> Result<Vec<f32>, ForwardError>;
 
@@ -190,9 +190,9 @@ fn moe_layer(
     let routes = moe::route(be, c, w, xn)?;
     sched.phase(Phase::Experts);
     let input = moe::expert_input(be, c, w, xn)?;
-    let slots = sched.routed(layer, xn, &routes, &input.zd)?;
+    let routed = sched.routed(layer, xn, &routes, &input.zd)?;
     sched.phase(Phase::Combine);
-    Ok(moe::combine(be, c, w, &routes, &slots, input)?)
+    Ok(moe::combine(be, c, w, routed, input)?)
 }
 
 /// Layer `l`'s attention for every sequence's rows of `x` (normalised), each on its own state,

@@ -9,7 +9,7 @@
 //! Contract: the layer is [`route`], [`expert_input`], the routed experts and [`combine`] (put
 //! together in `forward`); the routed experts come from the forward's schedule, which decides which
 //! bytes to read and when and feeds them to [`RoutedExperts`] in any order;
-//! [`RoutedExperts::finish`] puts every output in its (row, router slot), so the layer's result
+//! [`RoutedExperts::finish`] sums each row's outputs in router order, so the layer's result
 //! does not depend on the order the experts arrived in.
 
 use super::weights::{MlpWeights, MoeWeights};
@@ -165,30 +165,38 @@ impl<'a> RoutedExperts<'a> {
         self.rows_run += self.targets_of[u].len();
     }
 
-    /// Every queued expert's outputs in their slots [n][k][latent] (router order).
-    pub fn finish(self) -> Result<Vec<f32>, BackendError> {
-        let lat = self.latent;
+    /// Each row's routed sum [n, latent]: its experts' outputs weighted by `weights` [n, k] and
+    /// added in router order (slot 0 first), straight from the experts' outputs — no
+    /// [n][k][latent] slot buffer (a 2048-row pass's was 128 MB, allocated zeroed and read back).
+    /// A slot no queued expert filled adds a weighted zero, as a zeroed slot did.
+    pub fn finish(self, weights: &[f32]) -> Result<Vec<f32>, BackendError> {
+        let (lat, k) = (self.latent, self.k);
         let outs = self.batch.finish()?;
-        // Where each slot's row comes from: (queued output, its row); slots no expert filled stay 0.
-        let mut from = vec![None; self.rows * self.k];
+        // Where each slot's row comes from: (queued output, its row).
+        let mut from = vec![None; self.rows * k];
         for (q, &u) in self.queued.iter().enumerate() {
             for (i, &(r, j)) in self.targets_of[u].iter().enumerate() {
-                from[r * self.k + j] = Some((q, i));
+                from[r * k + j] = Some((q, i));
             }
         }
-        // A prefill's slots are GBs: copied across threads (each slot is written once).
-        let mut slots = vec![0f32; self.rows * self.k * lat];
-        let fill = |(dst, f): (&mut [f32], &Option<(usize, usize)>)| {
-            if let Some((q, i)) = *f {
-                dst.copy_from_slice(&outs[q][i * lat..(i + 1) * lat]);
+        let zero = vec![0f32; lat];
+        let mut routed = vec![0f32; self.rows * lat];
+        // Rows are independent (each its own sum in router order): across threads, same bits.
+        let sum_row = |(r, acc): (usize, &mut [f32])| {
+            for j in 0..k {
+                let x = match from[r * k + j] {
+                    Some((q, i)) => &outs[q][i * lat..(i + 1) * lat],
+                    None => &zero[..],
+                };
+                crate::cpu::ops::axpy(acc, weights[r * k + j], x);
             }
         };
         if self.rows >= PAR_MIN_ROWS {
-            slots.par_chunks_mut(lat.max(1)).zip(from.par_iter()).for_each(fill);
+            routed.par_chunks_mut(lat.max(1)).enumerate().for_each(sum_row);
         } else {
-            slots.chunks_mut(lat.max(1)).zip(from.iter()).for_each(fill);
+            routed.chunks_mut(lat.max(1)).enumerate().for_each(sum_row);
         }
-        Ok(slots)
+        Ok(routed)
     }
 }
 
@@ -230,31 +238,18 @@ pub fn expert_input(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) 
     Ok(ExpertInput { zd, shared_gate_up })
 }
 
-/// The layer's output from the expert slots [n][k][latent]: per row the weighted sum in router
-/// order, the latent norm, the up-projection, plus the shared experts (from `input`'s gate and
-/// up projections; their down projection goes with the up-projection: one call).
+/// The layer's output from the routed sum [n, latent] ([`RoutedExperts::finish`]): the latent
+/// norm, the up-projection, plus the shared experts (from `input`'s gate and up projections;
+/// their down projection goes with the up-projection: one call).
 pub fn combine(
     be: &dyn Backend,
     c: &K3Config,
     w: &MoeWeights,
-    routes: &Routes,
-    slots: &[f32],
+    mut routed: Vec<f32>,
     input: ExpertInput,
 ) -> Result<Vec<f32>, BackendError> {
-    let (k, lat) = (routes.k, c.expert_latent);
+    let lat = c.expert_latent;
     let n = input.zd.len() / lat.max(1);
-    let mut routed = vec![0f32; n * lat];
-    // Rows are independent (each its own sum in router order): across threads, same bits.
-    let sum_row = |(r, acc): (usize, &mut [f32])| {
-        for j in 0..k {
-            crate::cpu::ops::axpy(acc, routes.weights[r * k + j], &slots[(r * k + j) * lat..][..lat]);
-        }
-    };
-    if n >= PAR_MIN_ROWS {
-        routed.par_chunks_mut(lat.max(1)).enumerate().for_each(sum_row);
-    } else {
-        routed.chunks_mut(lat.max(1)).enumerate().for_each(sum_row);
-    }
     if let Some(norm) = &w.routed_norm {
         be.rms_norm_rows(&mut routed, norm, c.rms_eps)?;
     }

@@ -188,8 +188,11 @@ impl Schedule for StoreSchedule<'_> {
         }
         let expert_rows = work.rows_run();
         let t = Instant::now();
-        let slots = work.finish()?;
-        kernel_s += t.elapsed().as_secs_f64();
+        let routed = work.finish(&routes.weights)?;
+        // The weighted sum is the combine's work (it never waits for a read): expert phase, not
+        // expert kernels.
+        let sum_s = t.elapsed().as_secs_f64();
+        kernel_s += sum_s;
         let fetch_s = t_fetch.elapsed().as_secs_f64();
         let stats = &mut *self.stats;
         stats.layer_passes += 1;
@@ -206,10 +209,10 @@ impl Schedule for StoreSchedule<'_> {
         stats.fetch_rows.push(rows_of);
         // Setting up the experts counts as expert work, as the experts themselves do.
         stats.expert_kernel_s += kernel_s + (t_fetch - t_routed).as_secs_f64();
-        stats.moe_experts_s += kernel_s;
+        stats.moe_experts_s += kernel_s - sum_s;
         self.predicted = predicted_next.map(|(_, p)| p);
         // Everything since the routed input was counted above.
         self.clock.restart(Phase::Experts);
-        Ok(slots)
+        Ok(routed)
     }
 }
