@@ -374,30 +374,34 @@ fn matmul_decoded<M: RowDecode>(isa: Isa, w: &M, xs: &[f32], out: &mut [f32]) {
                 }
                 res.resize(nr * n, 0.0);
                 band_product(isa, &wdec[..nr * cols], nr, cols, xs, n, &mut res[..nr * n]);
-                for i in 0..n {
-                    for rr in 0..nr {
-                        // SAFETY: `out` holds n * rows elements (asserted above) and outlives the
-                        // tasks; this task alone writes columns r0..r0 + nr of each output row
-                        // (bands do not overlap), so no element is written twice or read.
-                        unsafe { dst.at(i * rows + r0 + rr).write(res[rr * n + i]) };
-                    }
-                }
+                dst.put_band(&res[..nr * n], r0, rows, n);
             },
         );
 }
 
-/// `out`'s start, shared by the tasks of [`matmul_decoded`], each of which writes its own columns.
+/// `out`'s start, shared by the band tasks of [`matmul_decoded`] and `matmul_mxfp4_regs`, each of
+/// which writes its own columns.
 #[derive(Clone, Copy)]
 struct OutColumns(*mut f32);
-// SAFETY: the tasks write disjoint elements of one live buffer (see matmul_decoded).
+// SAFETY: the tasks write disjoint elements of one live buffer (see `put_band`).
 unsafe impl Send for OutColumns {}
 // SAFETY: as above; no task reads through it.
 unsafe impl Sync for OutColumns {}
 
 impl OutColumns {
-    /// Element `i` (a method, so closures capture the whole wrapper, not its raw field).
-    fn at(self, i: usize) -> *mut f32 {
-        self.0.wrapping_add(i)
+    /// Writes a band's results `res` [nr, n] (weight row r0 + rr, input row i) to columns
+    /// r0..r0 + nr of the [n, rows] output. A method, so closures capture the whole wrapper.
+    fn put_band(self, res: &[f32], r0: usize, rows: usize, n: usize) {
+        let nr = res.len() / n.max(1);
+        assert!(r0 + nr <= rows);
+        for i in 0..n {
+            for rr in 0..nr {
+                // SAFETY: the output holds n * rows elements (the callers assert it) and outlives
+                // the tasks; one task alone writes columns r0..r0 + nr of each output row (bands
+                // do not overlap), so no element is written twice or read.
+                unsafe { self.0.add(i * rows + r0 + rr).write(res[rr * n + i]) };
+            }
+        }
     }
 }
 
@@ -531,10 +535,11 @@ fn matmul_mxfp4_regs(w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
     if n == 0 || rows == 0 {
         return;
     }
+    let dst = OutColumns(out.as_mut_ptr());
     let band = |b: usize| {
         let r0 = b * REG_WROWS;
         let nr = REG_WROWS.min(rows - r0);
-        // [nr, n]: this band's outputs, scattered into `out` below.
+        // [nr, n]: this band's outputs, written to its columns of `out` below.
         let mut res = vec![0f32; nr * n];
         for q in (0..nr).step_by(4) {
             let nw = 4.min(nr - q);
@@ -562,20 +567,13 @@ fn matmul_mxfp4_regs(w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
                 }
             }
         }
-        (r0, res)
+        dst.put_band(&res, r0, rows, n);
     };
     let nb = rows.div_ceil(REG_WROWS);
-    let bands: Vec<(usize, Vec<f32>)> = if rows * cols * n < PAR_MIN_WORK {
-        (0..nb).map(band).collect()
+    if rows * cols * n < PAR_MIN_WORK {
+        (0..nb).for_each(band);
     } else {
-        (0..nb).into_par_iter().map(band).collect()
-    };
-    for (r0, res) in bands {
-        for (rr, vals) in res.chunks_exact(n).enumerate() {
-            for (i, &v) in vals.iter().enumerate() {
-                out[i * rows + r0 + rr] = v;
-            }
-        }
+        (0..nb).into_par_iter().for_each(band);
     }
 }
 
