@@ -40,4 +40,9 @@ fn the_batch_record_bounds_prefill_by_the_measured_kernel_rate() {
     assert!(kf > 0.0 && kf <= k * (1.0 + 1e-12), "fastest {kf} vs mean {k}");
     let fastest = p["expert_rate_points_fastest"].as_array().expect("fastest points");
     assert_eq!(fastest.len(), points.len(), "{line}");
+    // The rate is timed on both sides of the prefill; their ratio is recorded.
+    let drift = p["expert_rate_after_over_before"].as_f64().expect("the rate's drift");
+    assert!(drift.is_finite() && drift > 0.0, "{line}");
+    // The timed counts reach the largest pass (3 x 12 rows in one pass).
+    assert_eq!(rows.last(), Some(&36), "{rows:?}");
 }

@@ -16,8 +16,9 @@
 //!   experts the shared passes touched and compute is the work of every prompt at the rate the
 //!   kernels run on this machine, measured in the same run apart from any read: each (pass,
 //!   expert) of the shared passes at its row count, timed by `Engine::expert_seconds` on a
-//!   resident expert (a few row counts spanning the run's, interpolated between them; the mean
-//!   of [`RATE_REPS`] timings each, `expert_kernel_bound_s`; at the fastest timing of each,
+//!   resident expert (powers of two up to a pass's rows, interpolated between them; the mean
+//!   of [`RATE_REPS`] timings each, half taken right before the prefill and half right after,
+//!   `expert_kernel_bound_s`, their drift `expert_rate_after_over_before`; at the fastest timing of each,
 //!   `expert_kernel_bound_fastest_s` and `ratio_at_fastest_rate`), plus the trunk (attention, dense layers, routers, the routed input
 //!   and combine, the output head: phases that never wait for a read, timed as they ran;
 //!   `trunk_s`). Not the wall minus the read waits, which is the bound by construction;
@@ -125,6 +126,10 @@ pub fn run(
     let m = |measure: &mut dyn FnMut() -> Result<Option<f64>, String>| measure().map_err(BatchBenchError::Ceiling);
     let c0 = m(measure)?;
     let read0 = engine.source_report().expert_bytes_read.unwrap_or(0);
+    // The kernels' rate is timed on both sides of the prefill (half the rounds each): a shared
+    // VM's speed drifts by ~17% over minutes, and one moment's timing follows the drift.
+    let grid = rate_grid(engine.config.prefill_rows.min(prompts.iter().map(Vec::len).sum()));
+    let rate_before = engine.expert_seconds(&grid, RATE_REPS / 2).map_err(ForwardError::from)?;
     let rss_before = reset_peak_rss();
     let t0 = Instant::now();
     let pre = {
@@ -133,6 +138,7 @@ pub fn run(
     };
     let prefill_wall = t0.elapsed().as_secs_f64();
     let peak_rss = proc_status_bytes("VmHWM:");
+    let rate_after = engine.expert_seconds(&grid, RATE_REPS - RATE_REPS / 2).map_err(ForwardError::from)?;
     // A device backend's operations during the prefill (empty on the CPU).
     let prefill_ops = engine.op_times();
     let rep1 = engine.source_report();
@@ -172,7 +178,7 @@ pub fn run(
         .filter(|g| *g > 0.0);
     let decode_ceiling = decode_ceiling(&[c0, c1, c2], decode_read_gbps);
     let union_bytes = pre.expert_bytes_unique();
-    let rate = kernel_rate(&engine, &pre.fetch_rows)?;
+    let rate = kernel_rate(&grid, rate_before, rate_after, &pre.fetch_rows);
     // Phases of the trunk (none waits for a read); the expert phases less the kernels themselves
     // are the routed input, the setup of each layer's experts and the combine.
     let trunk_s = pre.attention_s
@@ -220,6 +226,7 @@ pub fn run(
                 "expert_rate_points": rate.as_ref().map(|r| &r.points),
                 "expert_kernel_bound_fastest_s": rate.as_ref().map(|r| r.bound_fastest_s),
                 "expert_rate_points_fastest": rate.as_ref().map(|r| &r.fastest),
+                "expert_rate_after_over_before": rate.as_ref().map(|r| r.after_over_before),
                 "ratio_at_fastest_rate": bound_fastest.map(|b| prefill_wall / b),
                 "expert_rows": pre.expert_rows,
                 "peak_rss_bytes": peak_rss,
@@ -282,38 +289,65 @@ pub fn run(
 
 /// The expert kernels' measured time for a run's passes: `points` (rows, mean seconds of one
 /// expert) and `bound_s`, every (pass, expert) at its rows; `fastest` and `bound_fastest_s` the
-/// same at each count's fastest timing.
+/// same at each count's fastest timing; `after_over_before` the bound at the timings taken after
+/// the prefill over the bound at those taken before (the machine's drift across the run).
 struct KernelRate {
     points: Vec<(usize, f64)>,
     bound_s: f64,
     fastest: Vec<(usize, f64)>,
     bound_fastest_s: f64,
+    after_over_before: f64,
 }
 
-/// Timings of each row count (in rounds over the counts; see `Engine::expert_seconds`). The
-/// bound takes their mean: the run's thousands of streamed experts are a sum over the same
-/// machine's ups and downs, and on a shared VM one count's fastest of a few timings swung the
-/// bound by 15% from run to run (2026-12-03: 28.1 vs 33.1 ms at 256 rows, same binary) while
-/// the streamed experts' median matched the resident median within 4%.
+/// Timings of each row count (in rounds over the counts; see `Engine::expert_seconds`), half
+/// before the prefill and half after. The bound takes their mean: the run's thousands of
+/// streamed experts are a sum over the same machine's ups and downs, and on a shared VM one
+/// count's fastest of a few timings swung the bound by 15% from run to run (2026-12-03: 28.1 vs
+/// 33.1 ms at 256 rows, same binary) while the streamed experts' median matched the resident
+/// median within 4%; a mean of 12 taken at one moment still moved 17% between two runs
+/// (2026-12-04: 86.6 vs 101.8 s for the same streamed 101 s), hence both sides of the run.
 const RATE_REPS: usize = 12;
 
-/// Times one expert at row counts spanning `fetch_rows` (the rows of each expert of each pass):
-/// powers of two from the fewest to the most rows, and the most; every (pass, expert) then costs
-/// the time interpolated linearly between the two nearest counts. None without routed experts.
-fn kernel_rate(engine: &Engine, fetch_rows: &[Vec<u32>]) -> Result<Option<KernelRate>, BatchBenchError> {
+/// The row counts an expert is timed at for passes of at most `rows` rows: powers of two up to
+/// it, and it (an expert of a pass serves at most every row of the pass).
+fn rate_grid(rows: usize) -> Vec<usize> {
+    let rows = rows.max(1);
+    let mut grid: Vec<usize> = std::iter::successors(Some(1usize), |m| Some(m * 2)).take_while(|&m| m < rows).collect();
+    grid.push(rows);
+    grid
+}
+
+/// The bound of every (pass, expert) of `fetch_rows` (the rows of each expert of each pass) at
+/// the timings of `grid` taken before and after the run, interpolated linearly between the two
+/// nearest counts. None without routed experts or timings.
+fn kernel_rate(
+    grid: &[usize],
+    before: Option<Vec<Vec<f64>>>,
+    after: Option<Vec<Vec<f64>>>,
+    fetch_rows: &[Vec<u32>],
+) -> Option<KernelRate> {
     let all: Vec<usize> = fetch_rows.iter().flatten().map(|&m| m as usize).filter(|&m| m > 0).collect();
-    let (Some(&lo), Some(&hi)) = (all.iter().min(), all.iter().max()) else { return Ok(None) };
-    let mut grid: Vec<usize> =
-        std::iter::successors(Some(1usize), |m| Some(m * 2)).take_while(|&m| m < hi).filter(|&m| 2 * m > lo).collect();
-    grid.push(hi);
-    let Some(times) = engine.expert_seconds(&grid, RATE_REPS).map_err(ForwardError::from)? else { return Ok(None) };
-    let mean_of = |t: &Vec<f64>| t.iter().sum::<f64>() / t.len().max(1) as f64;
-    let least = |t: &Vec<f64>| t.iter().copied().fold(f64::INFINITY, f64::min);
-    let points: Vec<(usize, f64)> = grid.iter().copied().zip(times.iter().map(mean_of)).collect();
-    let fastest: Vec<(usize, f64)> = grid.iter().copied().zip(times.iter().map(least)).collect();
-    let bound_s = all.iter().map(|&m| interpolate(&points, m)).sum();
-    let bound_fastest_s = all.iter().map(|&m| interpolate(&fastest, m)).sum();
-    Ok(Some(KernelRate { points, bound_s, fastest, bound_fastest_s }))
+    let (before, after) = (before?, after?);
+    if all.is_empty() {
+        return None;
+    }
+    let mean_of = |t: &[f64]| t.iter().sum::<f64>() / t.len().max(1) as f64;
+    let least = |t: &[f64]| t.iter().copied().fold(f64::INFINITY, f64::min);
+    let at = |times: &[Vec<f64>], f: &dyn Fn(&[f64]) -> f64| -> Vec<(usize, f64)> {
+        grid.iter().copied().zip(times.iter().map(|t| f(t))).collect()
+    };
+    let bound = |points: &[(usize, f64)]| all.iter().map(|&m| interpolate(points, m)).sum::<f64>();
+    let both: Vec<Vec<f64>> = before.iter().zip(&after).map(|(b, a)| b.iter().chain(a).copied().collect()).collect();
+    let points = at(&both, &mean_of);
+    let fastest = at(&both, &least);
+    let (b, a) = (bound(&at(&before, &mean_of)), bound(&at(&after, &mean_of)));
+    Some(KernelRate {
+        bound_s: bound(&points),
+        bound_fastest_s: bound(&fastest),
+        points,
+        fastest,
+        after_over_before: if b > 0.0 { a / b } else { 1.0 },
+    })
 }
 
 /// Seconds at `m` rows, linear between the two nearest of `points` (ascending rows).
@@ -398,7 +432,20 @@ fn alone_runs(
 
 #[cfg(test)]
 mod tests {
-    use super::decode_ceiling;
+    use super::{decode_ceiling, interpolate, rate_grid};
+
+    #[test]
+    fn the_rate_grid_spans_every_row_count_of_a_pass() {
+        assert_eq!(rate_grid(0), vec![1]);
+        assert_eq!(rate_grid(1), vec![1]);
+        assert_eq!(rate_grid(8), vec![1, 2, 4, 8]);
+        assert_eq!(rate_grid(36), vec![1, 2, 4, 8, 16, 32, 36]);
+        let points: Vec<(usize, f64)> = rate_grid(36).iter().map(|&m| (m, m as f64 * 2.0)).collect();
+        // Linear in the rows between the timed counts, exact at them.
+        for m in 1..=36 {
+            assert!((interpolate(&points, m) - m as f64 * 2.0).abs() < 1e-12, "{m}");
+        }
+    }
 
     #[test]
     fn the_decode_ceiling_is_the_fastest_probe_or_the_runs_own_rate() {
