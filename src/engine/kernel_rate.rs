@@ -7,7 +7,8 @@
 //! exactly as a MoE layer composes it (`backend::run_expert`: w1 and w3, SiTU, w2), resident in
 //! memory, on `m` rows for each `m` asked, `reps` times each, and returns every timing (None when
 //! the engine has no routed experts). The repetitions run in rounds, each round timing every row
-//! count once, so a slow spell of a shared machine falls on all counts alike rather than on one.
+//! count once, so a slow spell of a shared machine falls on all counts alike rather than on one;
+//! one untimed round comes first (warm-up).
 //! It reads nothing and changes no engine state.
 
 use super::Engine;
@@ -34,12 +35,16 @@ impl Engine {
         let most = rows.iter().copied().max().unwrap_or(0);
         let zd: Vec<f32> = (0..most * layout.latent).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
         let mut out = vec![Vec::with_capacity(reps.max(1)); rows.len()];
-        for _ in 0..reps.max(1) {
+        // Round 0 is not kept: the first products of a process pay for its thread pool's start
+        // and the allocator's first pages (a bench run's first round timed 1.4x its last).
+        for round in 0..=reps.max(1) {
             for (&m, times) in rows.iter().zip(out.iter_mut()) {
                 let z = &zd[..m * layout.latent];
                 let t = Instant::now();
                 run_expert(&*self.model.be, &layout, &bytes, situ, z)?;
-                times.push(t.elapsed().as_secs_f64());
+                if round > 0 {
+                    times.push(t.elapsed().as_secs_f64());
+                }
             }
         }
         Ok(Some(out))
