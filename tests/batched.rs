@@ -347,3 +347,44 @@ fn lanes_that_join_and_leave_a_running_batch_equal_each_sequence_alone() {
     }
     assert!(peak >= 3, "sequences shared steps (peak {peak})");
 }
+
+#[test]
+fn run_with_more_prompts_than_fit_names_the_parallel_that_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = (0..40).map(|i| format!("Prompt number {i} about the sea")).collect();
+    let file = tmp.path().join("prompts.txt");
+    std::fs::write(&file, lines.join("\n")).unwrap();
+    let run = |extra: &[&str]| {
+        let mut c = deltafin_cmd();
+        c.args([
+            "run",
+            "--demo",
+            "--temperature",
+            "0",
+            "--max-new",
+            "4",
+            "-q",
+            "--memory-gb",
+            "0.04",
+            "--prompt-lines",
+        ]);
+        c.arg(&file).args(extra);
+        c.output().unwrap()
+    };
+    let out = run(&[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("memory budget"), "{err}");
+    let k: u32 = err
+        .rsplit("--parallel ")
+        .next()
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no --parallel suggested: {err}"));
+    assert!((1..40).contains(&k), "{err}");
+    // What it names runs.
+    let out = run(&["--parallel", &k.to_string()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let answers = String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.is_empty()).count();
+    assert!(answers >= 40, "{answers} lines for 40 prompts");
+}

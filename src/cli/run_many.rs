@@ -116,7 +116,13 @@ pub(super) fn run_many(
     let mut lens: Vec<usize> = prompts.iter().map(|p| p.len() + a.max_new).collect();
     lens.sort_unstable_by(|x, y| y.cmp(x));
     lens.truncate(parallel);
-    engine.sequences_fit(&lens)?;
+    if let Err(e) = engine.sequences_fit(&lens) {
+        // Name the widest batch that fits, when one does: the longest prompts were checked.
+        match (1..lens.len()).rev().find(|&k| engine.sequences_fit(&lens[..k]).is_ok()) {
+            Some(k) => bail!("{e}; --parallel {k} fits"),
+            None => return Err(e.into()),
+        }
+    }
     if !a.quiet {
         eprintln!("{}", engine.startup_line());
         eprintln!("deltafin: {} prompts ({total} tokens), {parallel} at a time", prompts.len());
