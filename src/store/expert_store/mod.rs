@@ -19,7 +19,8 @@
 //! ([`ExpertSource::fetch`]), `balance.rs` (which holder serves a read), `split.rs` (split reads,
 //! stealing, the drives' rates), `hedge.rs` (hedged reads), `policy.rs` (the cache: slots,
 //! eviction ranks, reads ahead), `drive.rs` (one reader thread per drive: submission, completion,
-//! verification, failover) and `report.rs` (the counters).
+//! verification, failover), `report.rs` (the counters) and `spec.rs` (what a store is opened
+//! from: holders, drives, options).
 
 use super::cache::{EvictionOrder, Slab};
 use super::counters::{DriveCounters, DriveReport, SourceReport};
@@ -37,7 +38,9 @@ mod fetch;
 mod hedge;
 mod policy;
 mod report;
+mod spec;
 mod split;
+pub use spec::{DriveSpec, Holder, HolderExtent, StoreOptions, StoreSpec};
 pub use split::SPLIT_MIN;
 
 use super::replay::RouteReplay;
@@ -48,101 +51,6 @@ use policy::{
 };
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// One place an expert's bytes can be read.
-#[derive(Clone, Debug)]
-pub struct Holder {
-    pub drive: u16,
-    pub file: u32,
-    /// Offset of the expert's first byte in the file.
-    pub offset: u64,
-    /// 0 = primary; 1 = fallback, used only when no primary holder is usable.
-    pub tier: u8,
-    /// When the expert is not one range of `file`: its pieces (files of the same drive), which
-    /// are read separately and assembled into the expert's image.
-    pub extents: Option<Arc<[HolderExtent]>>,
-}
-
-/// One piece of an expert held in several ranges.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HolderExtent {
-    pub file: u32,
-    pub offset: u64,
-    pub len: u64,
-    /// Offset of the piece in the expert's image.
-    pub dest: u64,
-}
-
-impl Holder {
-    /// A holder of the whole expert in one range.
-    pub fn whole(drive: u16, file: u32, offset: u64, tier: u8) -> Self {
-        Holder { drive, file, offset, tier, extents: None }
-    }
-
-    /// Number of reads this holder takes.
-    pub fn pieces(&self) -> usize {
-        self.extents.as_ref().map_or(1, |x| x.len())
-    }
-}
-
-#[derive(Clone, Debug)]
-pub struct DriveSpec {
-    pub root: PathBuf,
-    /// Expected read rate in GB/s (measured by `place`, or a default).
-    pub gbps: f64,
-    pub qd: usize,
-}
-
-/// Everything the store needs to know about where experts are.
-pub struct StoreSpec {
-    pub layout: ExpertLayout,
-    pub drives: Vec<DriveSpec>,
-    /// (drive, path) of every file holding experts.
-    pub files: Vec<(u16, PathBuf)>,
-    /// [layer] -> [expert] -> holders (None for layers without routed experts).
-    pub holders: Vec<Option<Vec<Vec<Holder>>>>,
-    /// [layer] -> [expert] -> xxh3 of the expert's bytes, when known.
-    pub checksums: Option<Vec<Option<Vec<u64>>>>,
-}
-
-#[derive(Clone, Debug)]
-pub struct StoreOptions {
-    /// Bytes of expert cache kept across layers and tokens (0 = keep nothing).
-    pub cache_bytes: u64,
-    pub reader: ReaderKind,
-    /// Maximum prefetch reads in flight per drive (0 disables prefetch).
-    pub prefetch_depth: usize,
-    /// Keep a log of every read issued (file, offset, length), for replaying with fio.
-    pub record_reads: bool,
-    /// Route heat kept across runs ([`super::heat`]): seeds the cache's request counts at open and
-    /// is rewritten with this run folded in when the store closes. None: no heat.
-    pub heat: Option<PathBuf>,
-    /// Hedged reads: a demanded read late on its drive is issued again on another copy's drive
-    /// (see `hedge`).
-    pub hedge: bool,
-    /// Split reads: a demanded expert held on several drives is read as byte ranges of at least
-    /// this many bytes across them (see `split`); None reads every expert whole from one drive.
-    pub split_min: Option<u64>,
-    /// Read slots beyond [`staging_slots`] for a batch's reads ahead of its next MoE layer (a
-    /// decode step of several sequences: `sched::moe::read_ahead_depth`), so they need not evict
-    /// cached experts; 0: none.
-    pub read_ahead_slots: usize,
-}
-
-impl Default for StoreOptions {
-    fn default() -> Self {
-        StoreOptions {
-            cache_bytes: 0,
-            reader: ReaderKind::Auto,
-            prefetch_depth: 1,
-            record_reads: false,
-            heat: None,
-            hedge: true,
-            split_min: Some(split::SPLIT_MIN),
-            read_ahead_slots: 0,
-        }
-    }
-}
 
 type Key = (u32, u32);
 
@@ -227,13 +135,6 @@ fn tag(r: usize, part: usize) -> usize {
 
 fn untag(t: usize) -> (usize, usize) {
     (t >> PART_BITS, t & ((1 << PART_BITS) - 1))
-}
-
-impl StoreSpec {
-    /// The most pieces any holder of any expert has.
-    pub fn max_pieces(&self) -> usize {
-        self.holders.iter().flatten().flatten().flatten().map(Holder::pieces).max().unwrap_or(1)
-    }
 }
 
 struct DriveState {
