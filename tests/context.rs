@@ -118,3 +118,30 @@ fn run_names_the_context_when_a_prompt_and_its_new_tokens_do_not_fit() {
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("--context 0"), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+#[test]
+fn run_reserves_the_context_its_prompts_need_unless_told() {
+    let run = |extra: &[&str]| {
+        let o = deltafin_cmd()
+            .args(["run", "--demo", "--temperature", "0", "--max-new", "6", "--format", "json", "--prompt", "Hello"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{err}");
+        // One JSON line a prompt (and a summary line with several): the first is "Hello"'s.
+        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+        let out: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap_or_default()).unwrap();
+        (err, out["output_ids"].clone())
+    };
+    // The prompt and its new tokens in whole 64s; with several prompts, the longest.
+    let (sized, ids) = run(&[]);
+    assert!(sized.contains("context <= 64 tokens |"), "{sized}");
+    let (many, many_ids) = run(&["--prompt", &"the sea ".repeat(40)]);
+    assert!(many.contains("context <= 128 tokens x 2 sequences"), "{many}");
+    assert_eq!(ids, many_ids);
+    // --context stands, and the tokens are the same.
+    let (told, told_ids) = run(&["--context", "4096"]);
+    assert!(told.contains("context <= 4096 tokens |"), "{told}");
+    assert_eq!(ids, told_ids);
+}

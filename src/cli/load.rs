@@ -37,6 +37,19 @@ pub fn open_engine(cfg: EngineConfig) -> Result<Arc<Engine>> {
     }
 }
 
+/// The context to reserve per sequence for a run whose longest sequence holds `longest` tokens
+/// (prompt + new tokens): `asked` (`--context`) when given, else `longest` in whole 64s, capped
+/// by the model's maximum. Reserving only what the run can use leaves the rest of the memory
+/// budget to the expert cache (the default, 32k tokens, is K3's ~1.7 GB of MLA cache a sequence).
+/// None (the engine's default) when the model's config cannot be read: opening names why.
+pub fn run_context(dir: &Path, asked: Option<usize>, longest: usize) -> Option<usize> {
+    if asked.is_some() {
+        return asked;
+    }
+    let cfg = crate::model::K3Config::load(dir).ok()?;
+    Some(longest.max(1).div_ceil(64).saturating_mul(64).min(cfg.max_context.max(1)))
+}
+
 /// The model directory of `--model DIR` or `--demo` (laid out on first use), checked to exist.
 pub fn model_dir(model: &Option<PathBuf>, demo: bool) -> Result<PathBuf> {
     let dir = match (model, demo) {

@@ -102,7 +102,9 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     }
     // A verify batch holds the pending token and up to `max` drafts.
     let rows = prompt.len().max(if a.draft == DraftKind::Off { 1 } else { WidthPolicy::default().max + 1 });
-    let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), rows, 0))?;
+    let mut config = a.engine.config(dir.clone(), a.kda.into(), rows, 0);
+    config.context = load::run_context(&dir, config.context, prompt.len().saturating_add(a.max_new));
+    let engine = load::open_engine(config)?;
     let mut spec = crate::spec::drafter_for(a.draft, &engine)?.map(Speculator::new);
     if let Some(t) = &tok {
         engine.check_tokenizer(t)?;

@@ -95,6 +95,8 @@ pub(super) fn run_many(
     }
     let mut config = a.engine.config(dir.clone(), a.kda.into(), rows, 0);
     config.sequences = parallel;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0).saturating_add(a.max_new);
+    config.context = load::run_context(&dir, config.context, longest);
     let engine = load::open_engine(config)?;
     if let Some(t) = &tok {
         engine.check_tokenizer(t)?;
