@@ -275,3 +275,41 @@ fn drafts_in_a_running_batch_give_each_answer_alone_on_the_demo_model() {
         }
     }
 }
+
+#[test]
+fn the_context_each_request_gets_is_what_the_longest_needs_unless_told() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in.jsonl");
+    // The longest: a chat message's template tokens plus its 100 new tokens (under 320); a bad
+    // line counts nothing and still gets its error record.
+    let lines = [
+        r#"{"id": "a", "prompt": "Hello there", "max_tokens": 20}"#,
+        r#"{"id": "b", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 100}"#,
+        r#"{"id": "c", "prompt": "x", "max_tokens": 0}"#,
+    ];
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let go = |name: &str, extra: &[&str]| {
+        let out = tmp.path().join(name);
+        let mut c = deltafin_cmd();
+        c.args(["batch", "--demo", "--temperature", "0", "--parallel", "2", "--in"]).arg(&input).arg("--out").arg(&out);
+        let err = run_ok(c.args(extra)).1;
+        (err, by_id(&records(&out)))
+    };
+    let (sized, got) = go("sized.jsonl", &[]);
+    let ctx: usize = sized
+        .split("context <= ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no context in the startup line: {sized}"));
+    let b = &got[r#""b""#]["usage"];
+    let need = b["prompt_tokens"].as_u64().unwrap() as usize + 100;
+    assert!(ctx >= need && ctx < need + 64 && ctx % 64 == 0, "context {ctx} for a request of {need} tokens");
+    assert!(got[r#""c""#].get("error").is_some(), "{:?}", got[r#""c""#]);
+    // --context stands; the answers are the same.
+    let (told, same) = go("told.jsonl", &["--context", "4096"]);
+    assert!(told.contains("context <= 4096 tokens x 2 sequences"), "{told}");
+    for id in [r#""a""#, r#""b""#] {
+        assert_eq!(got[id]["text"], same[id]["text"], "{id}");
+    }
+}

@@ -20,7 +20,7 @@
 
 use super::load;
 use crate::serve::api::{self, ApiError, ParseContext};
-use crate::serve::generator::{GenConfig, GenError, Generator};
+use crate::serve::generator::{GenConfig, GenError, Generator, PromptCodec, template_takes_tools};
 use crate::serve::records::{Line, Waiting, error_record, result_record, run_lanes};
 use crate::spec::DraftKind;
 use anyhow::{Context, Result};
@@ -158,6 +158,23 @@ impl Results {
     }
 }
 
+/// Tokens the longest request of `input` needs (its prompt plus its `max_tokens`, else
+/// `max_tokens`), up to the model's maximum context: the context each sequence is given when
+/// `--context` is not, so the rest of the memory budget goes to the expert cache. A prompt past
+/// the maximum is not tokenised (its size says enough); lines that do not parse or encode count
+/// nothing (they get their error record later). None where the model's config or tokenizer
+/// cannot be read (opening the engine names why).
+fn longest_request(dir: &Path, input: &str, ctx: &ParseContext, max_tokens: usize) -> Option<usize> {
+    let most = crate::model::K3Config::load(dir).ok()?.max_context;
+    let codec = PromptCodec::load(dir).ok()?;
+    let need = |line: &str| -> Option<usize> {
+        let v: Value = serde_json::from_str(line).ok()?;
+        let req = api::parse_batch_line(&v, ctx).1.ok()?;
+        codec.prompt_len(&req, most)?.checked_add(req.max_tokens.unwrap_or(max_tokens))
+    };
+    Some(input.lines().filter(|l| !l.trim().is_empty()).filter_map(need).max().unwrap_or(1).min(most))
+}
+
 pub fn run(mut a: BatchArgs) -> Result<()> {
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
@@ -185,6 +202,13 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     let rows = a.engine.prefill_rows.max(8);
     let mut config = a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0);
     config.sequences = a.parallel as usize;
+    let model_id = dir.file_name().map_or("deltafin".into(), |n| n.to_string_lossy().into_owned());
+    let ctx = ParseContext { model_id: &model_id, template_takes_tools: template_takes_tools(&dir), sampling };
+    if config.context.is_none()
+        && let Some(longest) = longest_request(&dir, &input, &ctx, a.max_tokens)
+    {
+        config.context = load::run_context(&dir, None, longest);
+    }
     let engine = load::open_engine(config)?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
     crate::spec::drafter_for(a.draft, &engine)?;
@@ -194,9 +218,7 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     if let Some(note) = load::random_weights_note(&dir) {
         eprintln!("{note}");
     }
-    let model_id = dir.file_name().map_or("deltafin".into(), |n| n.to_string_lossy().into_owned());
     let mut generator = Generator::new(engine, GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: 64 })?;
-    let ctx = ParseContext { model_id: &model_id, template_takes_tools: generator.template_takes_tools(), sampling };
     let todo: Vec<(u64, &str)> =
         input.lines().enumerate().map(|(i, l)| (i as u64 + 1, l)).filter(|(_, l)| !l.trim().is_empty()).collect();
     let bar = if a.quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(todo.len() as u64) };

@@ -26,8 +26,9 @@ pub struct EngineArgs {
     /// Memory budget in GB (default: what the machine, or its memory cgroup, has available).
     #[arg(long, value_parser = super::parse_gb_positive)]
     pub memory_gb: Option<f64>,
-    /// Tokens of context reserved for each sequence (prompt + generated; default: for `run` and
-    /// `bench run` what the prompts and new tokens need, else the model's maximum, up to 32768).
+    /// Tokens of context reserved for each sequence (prompt + generated; default: for `run`,
+    /// `batch` and `bench run` what the longest prompt and its new tokens need, else the model's
+    /// maximum, up to 32768).
     /// The memory budget holds this much state for every sequence run together and gives the
     /// rest to the expert cache: a small context leaves a bigger cache.
     #[arg(long, value_name = "TOKENS")]

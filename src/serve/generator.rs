@@ -86,6 +86,12 @@ pub(super) type MemoKey = (Vec<u32>, Kind, usize, Vec<String>, Option<usize>, Op
 /// request on its HTTP threads before it queues.
 pub struct Encoder {
     engine: Arc<Engine>,
+    codec: PromptCodec,
+}
+
+/// A model's tokenizer and chat template: a request's prompt into ids, without an engine (so a
+/// batch can size its sequences' context from its requests before the engine opens).
+pub struct PromptCodec {
     tok: Option<Tokenizer>,
     chat: Option<ChatTemplate>,
 }
@@ -114,9 +120,8 @@ fn ms(s: f64) -> Value {
 impl Generator {
     pub fn new(engine: Arc<Engine>, cfg: GenConfig) -> Result<Self, crate::engine::EngineError> {
         let tok = if engine.dir().join("tiktoken.model").exists() { Some(engine.tokenizer()?) } else { None };
-        let chat = tok.as_ref().and_then(|t| ChatTemplate::load(engine.dir(), t).ok());
         let stops = engine.stop_tokens(tok.as_ref());
-        let enc = Arc::new(Encoder { engine: Arc::clone(&engine), tok, chat });
+        let enc = Arc::new(Encoder { engine: Arc::clone(&engine), codec: PromptCodec::new(engine.dir(), tok) });
         Ok(Generator { engine, enc, stops, cfg, kept: Vec::new(), memo: VecDeque::new(), totals: Totals::default() })
     }
 
@@ -140,37 +145,41 @@ impl Generator {
     }
 }
 
-impl Encoder {
-    /// The model's tokenizer (None for a model given token ids only).
-    pub fn tokenizer(&self) -> Option<&Tokenizer> {
-        self.tok.as_ref()
+/// The chat template of the model in `dir` can take tool definitions (it mentions `tools`).
+pub fn template_takes_tools(dir: &std::path::Path) -> bool {
+    std::fs::read_to_string(dir.join("chat_template.jinja")).is_ok_and(|s| s.contains("tools"))
+}
+
+impl PromptCodec {
+    /// The tokenizer and chat template of the model in `dir` (none where it has none).
+    pub fn load(dir: &std::path::Path) -> Result<Self, crate::engine::EngineError> {
+        let tok = if dir.join("tiktoken.model").exists() { Some(crate::engine::load_tokenizer(dir)?) } else { None };
+        Ok(PromptCodec::new(dir, tok))
     }
 
-    /// The chat template can take tool definitions.
-    pub fn template_takes_tools(&self) -> bool {
-        self.engine.dir().join("chat_template.jinja").exists()
-            && std::fs::read_to_string(self.engine.dir().join("chat_template.jinja")).is_ok_and(|s| s.contains("tools"))
+    fn new(dir: &std::path::Path, tok: Option<Tokenizer>) -> Self {
+        let chat = tok.as_ref().and_then(|t| ChatTemplate::load(dir, t).ok());
+        PromptCodec { tok, chat }
     }
 
-    /// The prompt's token ids.
-    pub fn encode(&self, req: &GenRequest) -> Result<Vec<u32>, ApiError> {
-        self.encode_at_most(req, usize::MAX).map_err(|least| {
-            ApiError::invalid(self.prompt_param(req), format!("the prompt is at least {least} tokens"))
-        })?
+    /// The prompt's length in tokens, or past `most` the fewest tokens its size implies (found
+    /// without tokenising it); None where it cannot be encoded (its error comes when the request
+    /// is prepared).
+    pub fn prompt_len(&self, req: &GenRequest, most: usize) -> Option<usize> {
+        match self.encode_at_most(req, most) {
+            Ok(ids) => Some(ids.ok()?.len()),
+            Err(least) => Some(least),
+        }
     }
 
-    /// The request field that holds the prompt.
-    fn prompt_param(&self, req: &GenRequest) -> &'static str {
-        if req.kind == Kind::Chat { "messages" } else { "prompt" }
-    }
-
-    /// The prompt's token ids, unless its size alone shows it is more than `most` tokens: then
-    /// the outer `Err` holds the fewest tokens it can be, found without tokenising it.
+    /// The prompt's token ids (unchecked against the vocabulary), unless its size alone shows it
+    /// is more than `most` tokens: then the outer `Err` holds the fewest tokens it can be, found
+    /// without tokenising it.
     fn encode_at_most(&self, req: &GenRequest, most: usize) -> Result<Result<Vec<u32>, ApiError>, usize> {
         let Some(tok) = self.tok.as_ref() else {
             return match &req.prompt {
                 Prompt::Ids(ids) if ids.len() > most => Err(ids.len()),
-                Prompt::Ids(ids) => Ok(self.checked_ids(req, ids.clone())),
+                Prompt::Ids(ids) => Ok(Ok(ids.clone())),
                 _ => Ok(Err(ApiError::invalid("prompt", "this model has no tokenizer: give token ids"))),
             };
         };
@@ -200,7 +209,37 @@ impl Encoder {
                 }
             }
         };
-        Ok(self.checked_ids(req, ids))
+        Ok(Ok(ids))
+    }
+}
+
+impl Encoder {
+    /// The model's tokenizer (None for a model given token ids only).
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.codec.tok.as_ref()
+    }
+
+    /// The chat template can take tool definitions.
+    pub fn template_takes_tools(&self) -> bool {
+        template_takes_tools(self.engine.dir())
+    }
+
+    /// The prompt's token ids.
+    pub fn encode(&self, req: &GenRequest) -> Result<Vec<u32>, ApiError> {
+        self.encode_at_most(req, usize::MAX).map_err(|least| {
+            ApiError::invalid(self.prompt_param(req), format!("the prompt is at least {least} tokens"))
+        })?
+    }
+
+    /// The request field that holds the prompt.
+    fn prompt_param(&self, req: &GenRequest) -> &'static str {
+        if req.kind == Kind::Chat { "messages" } else { "prompt" }
+    }
+
+    /// The prompt's checked token ids, unless its size alone shows it is more than `most` tokens:
+    /// then the outer `Err` holds the fewest tokens it can be, found without tokenising it.
+    fn encode_at_most(&self, req: &GenRequest, most: usize) -> Result<Result<Vec<u32>, ApiError>, usize> {
+        Ok(self.codec.encode_at_most(req, most)?.and_then(|ids| self.checked_ids(req, ids)))
     }
 
     /// `ids` if they are a prompt: not empty, every id in the vocabulary.
@@ -219,7 +258,7 @@ impl Encoder {
 
     /// The printable text of one token (specials by name).
     pub fn token_text(&self, id: u32) -> String {
-        match &self.tok {
+        match &self.codec.tok {
             Some(t) => t.token_bytes(id).map(|b| String::from_utf8_lossy(b).into_owned()).unwrap_or_default(),
             None => id.to_string(),
         }
@@ -480,6 +519,6 @@ impl Reads {
 
 impl Tokens for Encoder {
     fn tokenizer(&self) -> Option<&Tokenizer> {
-        self.tok.as_ref()
+        self.codec.tok.as_ref()
     }
 }
