@@ -16,7 +16,9 @@
 //! rows in the same forward as the running ones' decode rows (and, with `--draft`, their verify
 //! rows). Every answer is the one it gets alone. Results come in the order requests finish; a kill
 //! loses only the running requests (a rerun redoes them). A request whose sequence state cannot
-//! fit the memory budget even alone stops the batch with a message naming the budget.
+//! fit the memory budget even alone stops the batch with a message naming the budget. Without
+//! `--context`, each sequence's context is what the input's longest request needs
+//! ([`longest_request`]), so the rest of the budget goes to the expert cache.
 
 use super::load;
 use crate::serve::api::{self, ApiError, ParseContext};
