@@ -304,7 +304,7 @@ fn the_context_each_request_gets_is_what_the_longest_needs_unless_told() {
         .unwrap_or_else(|| panic!("no context in the startup line: {sized}"));
     let b = &got[r#""b""#]["usage"];
     let need = b["prompt_tokens"].as_u64().unwrap() as usize + 100;
-    assert!(ctx >= need && ctx < need + 64 && ctx % 64 == 0, "context {ctx} for a request of {need} tokens");
+    assert!(ctx >= need && ctx < need + 64 && ctx.is_multiple_of(64), "context {ctx} for a request of {need} tokens");
     assert!(got[r#""c""#].get("error").is_some(), "{:?}", got[r#""c""#]);
     // --context stands; the answers are the same.
     let (told, same) = go("told.jsonl", &["--context", "4096"]);
