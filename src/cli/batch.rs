@@ -18,12 +18,12 @@
 //! loses only the running requests (a rerun redoes them). A request whose sequence state cannot
 //! fit the memory budget even alone stops the batch with a message naming the budget. Without
 //! `--context`, each sequence's context is what the input's longest request needs
-//! ([`longest_request`]), so the rest of the budget goes to the expert cache.
+//! (`serve::records::longest_request`), so the rest of the budget goes to the expert cache.
 
 use super::load;
 use crate::serve::api::{self, ApiError, ParseContext};
-use crate::serve::generator::{GenConfig, GenError, Generator, PromptCodec, template_takes_tools};
-use crate::serve::records::{Line, Waiting, error_record, result_record, run_lanes};
+use crate::serve::generator::{GenConfig, GenError, Generator, template_takes_tools};
+use crate::serve::records::{Line, Waiting, done_records, error_record, longest_request, result_record, run_lanes};
 use crate::spec::DraftKind;
 use anyhow::{Context, Result};
 use clap::Args;
@@ -103,8 +103,6 @@ fn open_locked(out: &Path) -> Result<std::fs::File> {
 
 /// Ids (and id-less line numbers) already in `f` (the output `out`); cuts a torn last line first.
 fn already_done(f: &mut std::fs::File, out: &Path) -> Result<(HashSet<String>, HashSet<u64>)> {
-    let mut ids = HashSet::new();
-    let mut lines = HashSet::new();
     let mut bytes = Vec::new();
     f.read_to_end(&mut bytes).with_context(|| format!("cannot read {}", out.display()))?;
     let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
@@ -114,23 +112,7 @@ fn already_done(f: &mut std::fs::File, out: &Path) -> Result<(HashSet<String>, H
         f.seek(std::io::SeekFrom::End(0))?;
         eprintln!("deltafin: batch: cut a torn last line ({} bytes) from {}", bytes.len() - whole, out.display());
     }
-    for line in bytes[..whole].split(|&b| b == b'\n') {
-        let Ok(v) = serde_json::from_slice::<Value>(line) else { continue };
-        match v.get("id") {
-            Some(Value::String(s)) => {
-                ids.insert(s.clone());
-            }
-            Some(Value::Number(n)) => {
-                ids.insert(n.to_string());
-            }
-            _ => {
-                if let Some(n) = v.get("line").and_then(Value::as_u64) {
-                    lines.insert(n);
-                }
-            }
-        }
-    }
-    Ok((ids, lines))
+    Ok(done_records(&bytes[..whole]))
 }
 
 /// Where result records go: the output file (one synced write each) or standard output.
@@ -158,23 +140,6 @@ impl Results {
             }
         }
     }
-}
-
-/// Tokens the longest request of `input` needs (its prompt plus its `max_tokens`, else
-/// `max_tokens`), up to the model's maximum context: the context each sequence is given when
-/// `--context` is not, so the rest of the memory budget goes to the expert cache. A prompt past
-/// the maximum is not tokenised (its size says enough); lines that do not parse or encode count
-/// nothing (they get their error record later). None where the model's config or tokenizer
-/// cannot be read (opening the engine names why).
-fn longest_request(dir: &Path, input: &str, ctx: &ParseContext, max_tokens: usize) -> Option<usize> {
-    let most = crate::model::K3Config::load(dir).ok()?.max_context;
-    let codec = PromptCodec::load(dir).ok()?;
-    let need = |line: &str| -> Option<usize> {
-        let v: Value = serde_json::from_str(line).ok()?;
-        let req = api::parse_batch_line(&v, ctx).1.ok()?;
-        codec.prompt_len(&req, most)?.checked_add(req.max_tokens.unwrap_or(max_tokens))
-    };
-    Some(input.lines().filter(|l| !l.trim().is_empty()).filter_map(need).max().unwrap_or(1).min(most))
 }
 
 pub fn run(mut a: BatchArgs) -> Result<()> {

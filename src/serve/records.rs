@@ -7,14 +7,18 @@
 //! (`Engine::drive_lanes`, each request a lane: `Generator::start_lane`): when one finishes its
 //! record is written and the next request joins at the next step, its prompt's rows in the same
 //! forward as the running ones' decode rows; records come in the order requests finish.
+//! [`longest_request`] is the context the longest line of an input needs; [`done_records`] what
+//! an output already holds.
 
-use super::api::{ApiError, GenRequest};
-use super::generator::{GenError, Generator, Output, Prepared};
+use super::api::{ApiError, GenRequest, ParseContext};
+use super::generator::{GenError, Generator, Output, Prepared, PromptCodec};
 use super::parallel::{LaneRequest, Started};
 use crate::engine::{Lane, LaneError, LaneHost};
 use crate::memory::SequencesError;
 use crate::stats::Stats;
 use serde_json::{Value, json};
+use std::collections::HashSet;
+use std::path::Path;
 
 /// A line waiting for its group: its id as given, its line number, the request and its prompt.
 pub struct Waiting {
@@ -22,6 +26,47 @@ pub struct Waiting {
     pub line: u64,
     pub req: GenRequest,
     pub prepared: Prepared,
+}
+
+/// Tokens the longest request of `input` needs (its prompt plus its `max_tokens`, else
+/// `max_tokens`), up to the model's maximum context: the context each sequence is given when
+/// `--context` is not, so the rest of the memory budget goes to the expert cache. A prompt past
+/// the maximum is not tokenised (its size says enough); lines that do not parse or encode count
+/// nothing (they get their error record later). None where the model's config or tokenizer
+/// cannot be read (opening the engine names why).
+pub fn longest_request(dir: &Path, input: &str, ctx: &ParseContext, max_tokens: usize) -> Option<usize> {
+    let most = crate::model::K3Config::load(dir).ok()?.max_context;
+    let codec = PromptCodec::load(dir).ok()?;
+    let need = |line: &str| -> Option<usize> {
+        let v: Value = serde_json::from_str(line).ok()?;
+        let req = super::api::parse_batch_line(&v, ctx).1.ok()?;
+        codec.prompt_len(&req, most)?.checked_add(req.max_tokens.unwrap_or(max_tokens))
+    };
+    Some(input.lines().filter(|l| !l.trim().is_empty()).filter_map(need).max().unwrap_or(1).min(most))
+}
+
+/// The ids of the records in `bytes` (whole lines of a batch output), and the line numbers of
+/// id-less ones: what a rerun skips.
+pub fn done_records(bytes: &[u8]) -> (HashSet<String>, HashSet<u64>) {
+    let mut ids = HashSet::new();
+    let mut lines = HashSet::new();
+    for line in bytes.split(|&b| b == b'\n') {
+        let Ok(v) = serde_json::from_slice::<Value>(line) else { continue };
+        match v.get("id") {
+            Some(Value::String(s)) => {
+                ids.insert(s.clone());
+            }
+            Some(Value::Number(n)) => {
+                ids.insert(n.to_string());
+            }
+            _ => {
+                if let Some(n) = v.get("line").and_then(Value::as_u64) {
+                    lines.insert(n);
+                }
+            }
+        }
+    }
+    (ids, lines)
 }
 
 pub fn error_record(id: &Value, line: u64, e: &ApiError) -> Value {
