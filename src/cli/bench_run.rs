@@ -98,9 +98,9 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         let n = n as usize;
         let mut config = a.engine.config(a.model.clone(), KdaMode::Recurrent, a.prompt_tokens * n, 0);
         config.sequences = n;
-        // Each sequence holds its prompt and its decode tokens (a little more, in whole 64s): the
-        // rest of the budget is the expert cache's. An explicit --context stands.
-        config.context = config.context.or(Some((a.prompt_tokens + a.decode.max(1)).div_ceil(64) * 64));
+        // Each sequence holds its prompt and its decode tokens (in whole 64s, as `run`): the rest
+        // of the budget is the expert cache's. An explicit --context stands.
+        config.context = super::load::run_context(&a.model, config.context, a.prompt_tokens + a.decode.max(1));
         let rec = crate::bench::batch::runs(&files, config, a.prompt_tokens, n, a.decode, a.ceiling_seconds)?;
         println!("{rec}");
         if let Some(p) = &a.out {

@@ -119,9 +119,12 @@ fn ms(s: f64) -> Value {
 
 impl Generator {
     pub fn new(engine: Arc<Engine>, cfg: GenConfig) -> Result<Self, crate::engine::EngineError> {
-        let tok = if engine.dir().join("tiktoken.model").exists() { Some(engine.tokenizer()?) } else { None };
-        let stops = engine.stop_tokens(tok.as_ref());
-        let enc = Arc::new(Encoder { engine: Arc::clone(&engine), codec: PromptCodec::new(engine.dir(), tok) });
+        let codec = PromptCodec::load(engine.dir())?;
+        if let Some(t) = &codec.tok {
+            engine.check_tokenizer(t)?;
+        }
+        let stops = engine.stop_tokens(codec.tok.as_ref());
+        let enc = Arc::new(Encoder { engine: Arc::clone(&engine), codec });
         Ok(Generator { engine, enc, stops, cfg, kept: Vec::new(), memo: VecDeque::new(), totals: Totals::default() })
     }
 
@@ -154,12 +157,8 @@ impl PromptCodec {
     /// The tokenizer and chat template of the model in `dir` (none where it has none).
     pub fn load(dir: &std::path::Path) -> Result<Self, crate::engine::EngineError> {
         let tok = if dir.join("tiktoken.model").exists() { Some(crate::engine::load_tokenizer(dir)?) } else { None };
-        Ok(PromptCodec::new(dir, tok))
-    }
-
-    fn new(dir: &std::path::Path, tok: Option<Tokenizer>) -> Self {
         let chat = tok.as_ref().and_then(|t| ChatTemplate::load(dir, t).ok());
-        PromptCodec { tok, chat }
+        Ok(PromptCodec { tok, chat })
     }
 
     /// The prompt's length in tokens, or past `most` the fewest tokens its size implies (found

@@ -29,11 +29,11 @@ pub struct Waiting {
 }
 
 /// Tokens the longest request of `input` needs (its prompt plus its `max_tokens`, else
-/// `max_tokens`), up to the model's maximum context: the context each sequence is given when
-/// `--context` is not, so the rest of the memory budget goes to the expert cache. A prompt past
-/// the maximum is not tokenised (its size says enough); lines that do not parse or encode count
-/// nothing (they get their error record later). None where the model's config or tokenizer
-/// cannot be read (opening the engine names why).
+/// `max_tokens`): the context each sequence is given when `--context` is not (capped by the
+/// model's maximum, `cli::load::run_context`), so the rest of the memory budget goes to the
+/// expert cache. A prompt past the maximum is not tokenised (its size says enough); lines that
+/// do not parse or encode count nothing (they get their error record later). None where the
+/// model's config or tokenizer cannot be read (opening the engine names why).
 pub fn longest_request(dir: &Path, input: &str, ctx: &ParseContext, max_tokens: usize) -> Option<usize> {
     let most = crate::model::K3Config::load(dir).ok()?.max_context;
     let codec = PromptCodec::load(dir).ok()?;
@@ -42,7 +42,7 @@ pub fn longest_request(dir: &Path, input: &str, ctx: &ParseContext, max_tokens: 
         let req = super::api::parse_batch_line(&v, ctx).1.ok()?;
         codec.prompt_len(&req, most)?.checked_add(req.max_tokens.unwrap_or(max_tokens))
     };
-    Some(input.lines().filter(|l| !l.trim().is_empty()).filter_map(need).max().unwrap_or(1).min(most))
+    Some(input.lines().filter(|l| !l.trim().is_empty()).filter_map(need).max().unwrap_or(1))
 }
 
 /// The ids of the records in `bytes` (whole lines of a batch output), and the line numbers of
