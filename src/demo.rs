@@ -154,13 +154,6 @@ fn mismatch(dir: &Path, expected: Option<&[Entry]>) -> Option<String> {
     None
 }
 
-fn sync_dir(dir: &Path) {
-    // Directory fsync makes the entries durable; where a platform refuses it there is nothing better.
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-}
-
 /// Fsyncs every file in `dir`, writes the manifest of them last (fsynced) and syncs `dir`.
 fn seal(dir: &Path) -> Result<(), DemoError> {
     let mut names = Vec::new();
@@ -174,7 +167,7 @@ fn seal(dir: &Path) -> Result<(), DemoError> {
     let mut entries = Vec::new();
     for name in names.into_iter().filter(|n| n != MANIFEST) {
         let p = dir.join(&name);
-        std::fs::File::open(&p).and_then(|f| f.sync_all()).map_err(io(&p))?;
+        std::fs::File::open(&p).and_then(|f| crate::util::sync_file(&f)).map_err(io(&p))?;
         let (bytes, xxh3_128) = hash_file(&p).map_err(io(&p))?;
         entries.push(Entry { name, bytes, xxh3_128 });
     }
@@ -182,8 +175,8 @@ fn seal(dir: &Path) -> Result<(), DemoError> {
     let body = serde_json::to_vec_pretty(&serde_json::json!({"format": 1, "files": entries}))
         .map_err(|e| DemoError::Io { path: p.clone(), source: e.into() })?;
     let mut f = std::fs::File::create(&p).map_err(io(&p))?;
-    f.write_all(&body).and_then(|()| f.sync_all()).map_err(io(&p))?;
-    sync_dir(dir);
+    f.write_all(&body).and_then(|()| crate::util::sync_file(&f)).map_err(io(&p))?;
+    crate::util::sync_dir(dir);
     Ok(())
 }
 
@@ -249,7 +242,7 @@ fn lay_out(
         remove_any(&old);
         match placed {
             Ok(()) => {
-                sync_dir(cache);
+                crate::util::sync_dir(cache);
                 return Ok(target);
             }
             // Lost the race: the winner's directory is there; check it on the next round.

@@ -62,22 +62,64 @@ pub struct SequencesError {
     pub budget: u64,
 }
 
-/// Memory this machine can give us: MemAvailable, capped by the limit of our memory cgroup
-/// (v1 or v2) when there is one; 8 GiB where neither can be read.
+/// Where the machine's memory cannot be read at all: a budget most machines can give.
+const UNKNOWN_AVAILABLE: u64 = 8 << 30;
+
+/// Memory this machine can give us (the default budget). Linux: MemAvailable, capped by the limit
+/// of our memory cgroup (v1 or v2) when there is one. macOS: what `vm_stat` counts as free,
+/// inactive, purgeable and speculative pages, at most `hw.memsize` (3/4 of `hw.memsize` where the
+/// page counts cannot be read). 8 GiB where neither can be read.
+#[cfg(target_os = "macos")]
 pub fn machine_available() -> u64 {
-    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
-    });
-    match (avail, cgroup_limit()) {
+    match (crate::util::machine_memory(), reclaimable_pages()) {
+        (Some(total), Some(free)) => free.min(total),
+        (Some(total), None) => total / 4 * 3,
+        (None, free) => free.unwrap_or(UNKNOWN_AVAILABLE),
+    }
+}
+
+/// macOS: bytes of free, inactive, purgeable and speculative pages (`host_statistics64`, as
+/// `vm_stat` reads them): what can be had without paging anything out.
+#[cfg(target_os = "macos")]
+fn reclaimable_pages() -> Option<u64> {
+    // SAFETY: an all-zero vm_statistics64 is a valid value of the plain integer struct.
+    let mut v: libc::vm_statistics64 = unsafe { std::mem::zeroed() };
+    let mut count = libc::HOST_VM_INFO64_COUNT;
+    // SAFETY: host_statistics64 writes at most `count` integers into `v`, which is that large;
+    // mach_host_self returns this task's send right to its host (deprecated in libc in favour of
+    // the mach2 crate, the same call).
+    #[allow(deprecated)]
+    let r = unsafe {
+        libc::host_statistics64(
+            libc::mach_host_self(),
+            libc::HOST_VM_INFO64,
+            (&raw mut v).cast::<libc::integer_t>(),
+            &mut count,
+        )
+    };
+    if r != libc::KERN_SUCCESS {
+        return None;
+    }
+    // SAFETY: sysconf reads a system constant.
+    let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok()?;
+    let pages = [v.free_count, v.inactive_count, v.purgeable_count, v.speculative_count];
+    Some(pages.iter().map(|&n| u64::from(n)).sum::<u64>() * page)
+}
+
+/// Memory this machine can give us (the default budget). Linux: MemAvailable, capped by the limit
+/// of our memory cgroup (v1 or v2) when there is one; 8 GiB where neither can be read.
+#[cfg(not(target_os = "macos"))]
+pub fn machine_available() -> u64 {
+    match (crate::util::meminfo("MemAvailable:"), cgroup_limit()) {
         (Some(a), Some(l)) => a.min(l),
         (Some(a), None) => a,
         (None, Some(l)) => l,
-        (None, None) => 8 << 30,
+        (None, None) => UNKNOWN_AVAILABLE,
     }
 }
 
 /// The tightest memory limit on this process's cgroup or any of its ancestors (v1 or v2), if any.
+#[cfg(not(target_os = "macos"))]
 fn cgroup_limit() -> Option<u64> {
     let cg = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     let read = |p: &str| std::fs::read_to_string(p).ok().and_then(|t| t.trim().parse::<u64>().ok());

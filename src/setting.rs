@@ -47,6 +47,8 @@ pub enum Setting {
     Drive,
     /// `bench run` over drive subsets of the placement.
     Ladder,
+    /// A benchmark's page cache was purged just before it (macOS: `sudo purge`).
+    AssumePurged,
 }
 
 /// An action a message may suggest.
@@ -95,6 +97,7 @@ impl Setting {
             Repo => "repo",
             Drive => "drives",
             Ladder => "ladder",
+            AssumePurged => "assume_purged",
         }
     }
 }

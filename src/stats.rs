@@ -357,32 +357,35 @@ fn fmt_ms(v: &Value) -> String {
 
 /// Machine facts for benchmark records: CPU model, cores, kernel, memory.
 pub fn machine_info() -> serde_json::Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|s| s.trim().to_string())
-        })
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    let kernel =
-        std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_string()).unwrap_or_default();
-    let mem = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-        })
-        .map(|kb| kb * 1024);
     serde_json::json!({
-        "cpu": cpu,
+        "cpu": cpu_model().unwrap_or_else(|| std::env::consts::ARCH.to_string()),
         "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
-        "kernel": kernel,
-        "mem_bytes": mem,
+        "kernel": kernel_release().unwrap_or_default(),
+        "os": std::env::consts::OS,
+        "mem_bytes": crate::util::machine_memory(),
         "isa": crate::backend::cpu::isa().name(),
     })
+}
+
+#[cfg(target_os = "macos")]
+fn cpu_model() -> Option<String> {
+    crate::util::sysctl_string("machdep.cpu.brand_string")
+}
+
+#[cfg(not(target_os = "macos"))]
+fn cpu_model() -> Option<String> {
+    let c = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string())
+}
+
+#[cfg(target_os = "macos")]
+fn kernel_release() -> Option<String> {
+    crate::util::sysctl_string("kern.osrelease")
+}
+
+#[cfg(not(target_os = "macos"))]
+fn kernel_release() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").ok().map(|s| s.trim().to_string())
 }
 
 /// The fields every benchmark record starts with: kind, date, machine, git revision, command.

@@ -1,6 +1,7 @@
-//! Small shared helpers: atomic file writes (never through a non-regular file) and output-path
-//! checks, f32 safetensors output, stale temp cleanup, cache directory, byte formatting, dates,
-//! free space on a file system, and the eviction order of cache slots (the store's RAM cache and
+//! Small shared helpers: durable writes ([`sync_file`], [`sync_dir`]: the one place a file is made
+//! durable, `F_FULLFSYNC` on macOS), atomic file writes (never through a non-regular file) and
+//! output-path checks, f32 safetensors output, stale temp cleanup, cache directory, byte formatting, dates,
+//! free space on a file system, macOS `sysctl` values, and the eviction order of cache slots (the store's RAM cache and
 //! the GPU's device cache).
 //!
 //! Contract: the lowest floor of the crate — it imports nothing of it, so every module may use it.
@@ -107,17 +108,57 @@ pub fn write_atomic_parts(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
         if let Ok(m) = std::fs::metadata(&target) {
             f.set_permissions(m.permissions())?;
         }
-        f.sync_all()?;
+        sync_file(&f)?;
         std::fs::rename(&tmp, &target)?;
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
+        sync_dir(dir);
         Ok(())
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// Makes `f`'s bytes and metadata durable: on the drive's media, not only handed to the drive.
+/// Linux: `fsync`. macOS: `fcntl(F_FULLFSYNC)`, because there `fsync` leaves the data in the
+/// drive's own volatile cache; a file system that refuses F_FULLFSYNC (some network and FAT
+/// volumes) gets `fsync`, the best it offers. Every durable write of the crate ends here.
+pub fn sync_file(f: &std::fs::File) -> std::io::Result<()> {
+    if full_fsync(f) {
+        return Ok(());
+    }
+    f.sync_all()
+}
+
+/// [`sync_file`] for a file whose size and other metadata need not be durable yet (appended
+/// records): `fdatasync` on Linux; on macOS F_FULLFSYNC, which flushes everything.
+pub fn sync_data(f: &std::fs::File) -> std::io::Result<()> {
+    if full_fsync(f) {
+        return Ok(());
+    }
+    f.sync_data()
+}
+
+/// Makes the entries of `dir` durable after files were created or renamed in it. Best effort:
+/// where a platform or file system refuses to sync a directory there is nothing better to do.
+pub fn sync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = sync_file(&d);
+    }
+}
+
+/// F_FULLFSYNC on `f`: true when the file system did it.
+#[cfg(target_os = "macos")]
+fn full_fsync(f: &std::fs::File) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fcntl on an open descriptor we borrow, with no pointer argument.
+    unsafe { libc::fcntl(f.as_raw_fd(), libc::F_FULLFSYNC) != -1 }
+}
+
+/// No F_FULLFSYNC outside macOS: `fsync` reaches the media there.
+#[cfg(not(target_os = "macos"))]
+fn full_fsync(_: &std::fs::File) -> bool {
+    false
 }
 
 /// True when process `pid` exists (signal 0 probes without delivering anything).
@@ -325,6 +366,62 @@ pub fn free_bytes(path: &Path) -> std::io::Result<u64> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(s.f_bavail as u64 * s.f_frsize as u64)
+}
+
+/// Bytes of memory this machine has: `MemTotal` (Linux), `hw.memsize` (macOS); None where it
+/// cannot be read. What a process may use of it is `memory::machine_available`'s.
+pub fn machine_memory() -> Option<u64> {
+    #[cfg(target_os = "macos")]
+    {
+        sysctl_u64("hw.memsize")
+    }
+    #[cfg(not(target_os = "macos"))]
+    {
+        meminfo("MemTotal:")
+    }
+}
+
+/// A field of `/proc/meminfo` (e.g. "MemAvailable:") in bytes.
+#[cfg(not(target_os = "macos"))]
+pub fn meminfo(field: &str) -> Option<u64> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = m.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+}
+
+/// macOS: the integer sysctl `name` (4 or 8 bytes, e.g. `hw.memsize`), None where it cannot be read.
+#[cfg(target_os = "macos")]
+pub fn sysctl_u64(name: &str) -> Option<u64> {
+    let c = std::ffi::CString::new(name).ok()?;
+    let mut buf = [0u8; 8];
+    let mut len: libc::size_t = buf.len();
+    // SAFETY: sysctlbyname writes at most `len` bytes into `buf` and stores the length it wrote;
+    // the name is NUL-terminated; no new value is set.
+    let r = unsafe { libc::sysctlbyname(c.as_ptr(), buf.as_mut_ptr().cast(), &mut len, std::ptr::null_mut(), 0) };
+    match (r, len) {
+        (0, 4) => Some(u64::from(u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]))),
+        (0, 8) => Some(u64::from_ne_bytes(buf)),
+        _ => None,
+    }
+}
+
+/// macOS: the string sysctl `name` (e.g. `machdep.cpu.brand_string`), None where it cannot be read.
+#[cfg(target_os = "macos")]
+pub fn sysctl_string(name: &str) -> Option<String> {
+    let c = std::ffi::CString::new(name).ok()?;
+    let mut len: libc::size_t = 0;
+    // SAFETY: a null buffer asks only for the length, stored in `len`.
+    if unsafe { libc::sysctlbyname(c.as_ptr(), std::ptr::null_mut(), &mut len, std::ptr::null_mut(), 0) } != 0 {
+        return None;
+    }
+    let mut buf = vec![0u8; len];
+    // SAFETY: as in sysctl_u64: at most `len` bytes into a buffer of that size.
+    if unsafe { libc::sysctlbyname(c.as_ptr(), buf.as_mut_ptr().cast(), &mut len, std::ptr::null_mut(), 0) } != 0 {
+        return None;
+    }
+    buf.truncate(len);
+    let text = String::from_utf8_lossy(&buf);
+    Some(text.trim_end_matches('\0').trim().to_string())
 }
 
 #[cfg(test)]

@@ -37,7 +37,7 @@ fn eio_and_short_reads_fail_over_to_another_copy_with_identical_output() {
     let r = reference("k3-tiny-a");
     let prompt = &r.prompt[..40];
     for (kind, why) in [(FaultKind::Eio, "I/O error"), (FaultKind::Short, "short read")] {
-        for reader in [ReaderKind::Uring, ReaderKind::Pread] {
+        for &reader in readers() {
             let tmp = copy_fixture("k3-tiny-a");
             let m = open_model(tmp.path());
             let want = generate(&engine(tmp.path()), prompt).unwrap();
@@ -62,15 +62,17 @@ fn eio_with_no_other_copy_is_a_clear_error_and_the_session_is_unchanged() {
     let r = reference("k3-tiny-a");
     let drives = vec![tmp.path().join("d0")];
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off);
-    let store = open_store(&m, &man, ReaderKind::Uring);
-    let e = engine_with(tmp.path(), store.clone());
-    let mut s = e.new_session();
-    s.prefill(&r.prompt[..30]).unwrap();
-    let (pos, logits) = (s.pos(), bits(s.logits().unwrap()));
-    store.inject_fault(FaultPlan { drive: 0, kind: FaultKind::Eio, skip: 0, times: 1 });
-    let err = s.step(deltafin::k3::argmax(s.logits().unwrap())).unwrap_err().to_string();
-    assert!(err.contains("no holder left") || err.contains("no usable holder"), "{err}");
-    assert!(err.contains("I/O error") || err.contains("d0"), "{err}");
-    assert_eq!(s.pos(), pos);
-    assert_eq!(bits(s.logits().unwrap()), logits);
+    for &reader in readers() {
+        let store = open_store(&m, &man, reader);
+        let e = engine_with(tmp.path(), store.clone());
+        let mut s = e.new_session();
+        s.prefill(&r.prompt[..30]).unwrap();
+        let (pos, logits) = (s.pos(), bits(s.logits().unwrap()));
+        store.inject_fault(FaultPlan { drive: 0, kind: FaultKind::Eio, skip: 0, times: 1 });
+        let err = s.step(deltafin::k3::argmax(s.logits().unwrap())).unwrap_err().to_string();
+        assert!(err.contains("no holder left") || err.contains("no usable holder"), "{reader:?}: {err}");
+        assert!(err.contains("I/O error") || err.contains("d0"), "{reader:?}: {err}");
+        assert_eq!(s.pos(), pos);
+        assert_eq!(bits(s.logits().unwrap()), logits);
+    }
 }

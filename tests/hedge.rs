@@ -1,5 +1,5 @@
 //! Hedged reads (issue 32): a read late on a slow drive is issued again on another drive holding a
-//! copy; the first copy to land is used. The slow drive is real files read with O_DIRECT whose
+//! copy; the first copy to land is used, with each of `readers()`. The slow drive is real files read with O_DIRECT whose
 //! completions the store hands over late (`delay_drive`), so the late read really is in flight
 //! when its hedge lands. Output bits never change; only the counters say what happened.
 
@@ -15,11 +15,11 @@ use std::time::Duration;
 /// How late the slow drive's completions arrive: far past any p95 of reads of a few KB.
 const SLOW: Duration = Duration::from_millis(120);
 
-fn store(m: &Model, man: &Manifest, hedge: bool) -> Arc<ExpertStore> {
+fn store(m: &Model, man: &Manifest, hedge: bool, reader: ReaderKind) -> Arc<ExpertStore> {
     let spec =
         deltafin::store::placement::manifest_spec(man, &m.ck, &m.roster, m.roster.expert_layout.clone().unwrap())
             .unwrap();
-    let opts = StoreOptions { reader: ReaderKind::Uring, prefetch_depth: 0, hedge, ..Default::default() };
+    let opts = StoreOptions { reader, prefetch_depth: 0, hedge, ..Default::default() };
     Arc::new(ExpertStore::open(spec, opts).unwrap())
 }
 
@@ -52,23 +52,25 @@ fn late_reads_are_hedged_on_the_mirror_with_the_same_bytes_and_output() {
     let want_ids = greedy(&engine(tmp.path()), prompt, 4);
     let want_bytes = all_experts(&m, &m.mmap_source());
     let man = place_model(&m, &drive_dirs(tmp.path(), 2), |_| 1.0, Policy::Mirror, ShardUse::Off, None);
-    let st = store(&m, &man, true);
-    // Each drive learns its read times first.
-    assert_eq!(all_experts(&m, &*st), want_bytes);
-    assert_eq!(all_experts(&m, &*st), want_bytes);
-    assert!(st.report().drives[..2].iter().all(|d| d.reads >= 16), "{:?}", st.report().drives);
-    let before = hedges(&st.report());
-    st.delay_drive(0, Some(SLOW));
-    assert_eq!(all_experts(&m, &*st), want_bytes, "hedged bytes differ");
-    let (issued, wins) = hedges(&st.report());
-    assert!(
-        issued > before.0 && wins > before.1,
-        "a read late on drive 0 was not hedged and won: {issued} hedged, {wins} wins (before: {before:?})"
-    );
-    assert_eq!(greedy(&engine_with(tmp.path(), st.clone()), prompt, 4), want_ids);
-    // The losers land later and give their slots back: the store still serves everything.
-    st.delay_drive(0, None);
-    assert_eq!(all_experts(&m, &*st), want_bytes);
+    for &reader in readers() {
+        let st = store(&m, &man, true, reader);
+        // Each drive learns its read times first.
+        assert_eq!(all_experts(&m, &*st), want_bytes);
+        assert_eq!(all_experts(&m, &*st), want_bytes);
+        assert!(st.report().drives[..2].iter().all(|d| d.reads >= 16), "{:?}", st.report().drives);
+        let before = hedges(&st.report());
+        st.delay_drive(0, Some(SLOW));
+        assert_eq!(all_experts(&m, &*st), want_bytes, "{reader:?}: hedged bytes differ");
+        let (issued, wins) = hedges(&st.report());
+        assert!(
+            issued > before.0 && wins > before.1,
+            "{reader:?}: a read late on drive 0 was not hedged and won: {issued} hedged, {wins} wins (before: {before:?})"
+        );
+        assert_eq!(greedy(&engine_with(tmp.path(), st.clone()), prompt, 4), want_ids);
+        // The losers land later and give their slots back: the store still serves everything.
+        st.delay_drive(0, None);
+        assert_eq!(all_experts(&m, &*st), want_bytes);
+    }
 }
 
 #[test]
@@ -79,12 +81,14 @@ fn no_hedge_without_a_second_copy_or_with_hedging_off() {
     for (policy, hedge) in [(Policy::Spread, true), (Policy::Mirror, false)] {
         let drives = drive_dirs(&tmp.path().join(format!("{policy:?}")), 2);
         let man = place_model(&m, &drives, |_| 1.0, policy, ShardUse::Off, None);
-        let st = store(&m, &man, hedge);
-        all_experts(&m, &*st);
-        all_experts(&m, &*st);
-        st.delay_drive(0, Some(SLOW / 4));
-        assert_eq!(all_experts(&m, &*st), want_bytes, "{policy:?} hedge {hedge}");
-        assert_eq!(hedges(&st.report()), (0, 0), "{policy:?} hedge {hedge}");
+        for &reader in readers() {
+            let st = store(&m, &man, hedge, reader);
+            all_experts(&m, &*st);
+            all_experts(&m, &*st);
+            st.delay_drive(0, Some(SLOW / 4));
+            assert_eq!(all_experts(&m, &*st), want_bytes, "{policy:?} hedge {hedge} {reader:?}");
+            assert_eq!(hedges(&st.report()), (0, 0), "{policy:?} hedge {hedge} {reader:?}");
+        }
     }
 }
 
@@ -94,14 +98,16 @@ fn a_failed_copy_of_a_hedged_read_leaves_the_other_to_serve_it() {
     let m = open_model(tmp.path());
     let want_bytes = all_experts(&m, &m.mmap_source());
     let man = place_model(&m, &drive_dirs(tmp.path(), 2), |_| 1.0, Policy::Mirror, ShardUse::Off, None);
-    let st = store(&m, &man, true);
-    all_experts(&m, &*st);
-    all_experts(&m, &*st);
-    // Drive 0 is slow, so its reads are hedged on drive 1, whose reads then fail: every expert
-    // still lands, from drive 0, with its checked bytes.
-    st.delay_drive(0, Some(SLOW / 2));
-    st.inject_fault(FaultPlan { drive: 1, kind: FaultKind::Eio, skip: 0, times: 1000 });
-    assert_eq!(all_experts(&m, &*st), want_bytes);
-    let r = st.report();
-    assert!(r.drives[1].failed.is_some(), "{:?}", r.drives[1]);
+    for &reader in readers() {
+        let st = store(&m, &man, true, reader);
+        all_experts(&m, &*st);
+        all_experts(&m, &*st);
+        // Drive 0 is slow, so its reads are hedged on drive 1, whose reads then fail: every expert
+        // still lands, from drive 0, with its checked bytes.
+        st.delay_drive(0, Some(SLOW / 2));
+        st.inject_fault(FaultPlan { drive: 1, kind: FaultKind::Eio, skip: 0, times: 1000 });
+        assert_eq!(all_experts(&m, &*st), want_bytes, "{reader:?}");
+        let r = st.report();
+        assert!(r.drives[1].failed.is_some(), "{reader:?}: {:?}", r.drives[1]);
+    }
 }

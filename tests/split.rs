@@ -1,5 +1,5 @@
 //! Split reads (issue 32): an expert held on several drives is read as page-aligned byte ranges
-//! across them (real files read with O_DIRECT) into one slot and checked whole. The bytes and the
+//! across them (real files read with O_DIRECT, by each of `readers()`) into one slot and checked whole. The bytes and the
 //! greedy ids are those of whole reads whatever the split; a range that fails or a copy that is
 //! corrupt fails over to the other copies with the same bytes.
 
@@ -24,17 +24,11 @@ fn model() -> tempfile::TempDir {
     tmp
 }
 
-fn store(m: &Model, man: &Manifest, split_min: Option<u64>) -> Arc<ExpertStore> {
+fn store(m: &Model, man: &Manifest, split_min: Option<u64>, reader: ReaderKind) -> Arc<ExpertStore> {
     let spec =
         deltafin::store::placement::manifest_spec(man, &m.ck, &m.roster, m.roster.expert_layout.clone().unwrap())
             .unwrap();
-    let opts = StoreOptions {
-        reader: ReaderKind::Uring,
-        prefetch_depth: 0,
-        record_reads: true,
-        split_min,
-        ..Default::default()
-    };
+    let opts = StoreOptions { reader, prefetch_depth: 0, record_reads: true, split_min, ..Default::default() };
     Arc::new(ExpertStore::open(spec, opts).unwrap())
 }
 
@@ -67,18 +61,20 @@ fn experts_split_across_mirrors_land_whole_with_the_same_bytes_and_output() {
     let len = m.roster.expert_layout.as_ref().unwrap().len as u64;
     assert!(len >= 3 * 4096, "experts of {len} bytes are too small to split in three");
     let man = mirrors(&m, tmp.path());
-    let st = store(&m, &man, MIN);
-    assert_eq!(all_experts(&m, &*st), want_bytes, "split reads changed the bytes");
-    let log = st.read_log();
-    let ranges = log.iter().filter(|(_, _, l)| *l < len).count();
-    assert!(ranges * 2 >= log.len(), "{ranges} of {} reads are ranges of an expert ({len} bytes)", log.len());
-    let r = st.report();
-    assert!(r.drives[..3].iter().all(|d| d.reads > 0 && d.failed.is_none()), "{:?}", r.drives);
-    assert_eq!(greedy(&engine_with(&dir, st.clone()), &prompt, 4), want_ids);
-    // Split reads off: every read is a whole expert, same bytes.
-    let whole = store(&m, &man, None);
-    assert_eq!(all_experts(&m, &*whole), want_bytes);
-    assert!(whole.read_log().iter().all(|(_, _, l)| *l >= len));
+    for &reader in readers() {
+        let st = store(&m, &man, MIN, reader);
+        assert_eq!(all_experts(&m, &*st), want_bytes, "{reader:?}: split reads changed the bytes");
+        let log = st.read_log();
+        let ranges = log.iter().filter(|(_, _, l)| *l < len).count();
+        assert!(ranges * 2 >= log.len(), "{ranges} of {} reads are ranges of an expert ({len} bytes)", log.len());
+        let r = st.report();
+        assert!(r.drives[..3].iter().all(|d| d.reads > 0 && d.failed.is_none()), "{:?}", r.drives);
+        assert_eq!(greedy(&engine_with(&dir, st.clone()), &prompt, 4), want_ids);
+        // Split reads off: every read is a whole expert, same bytes.
+        let whole = store(&m, &man, None, reader);
+        assert_eq!(all_experts(&m, &*whole), want_bytes);
+        assert!(whole.read_log().iter().all(|(_, _, l)| *l >= len));
+    }
 }
 
 #[test]
@@ -87,23 +83,27 @@ fn a_failed_range_or_a_corrupt_copy_fails_over_with_the_same_bytes() {
     let m = open_model(&tmp.path().join("m"));
     let want_bytes = all_experts(&m, &m.mmap_source());
     let man = mirrors(&m, tmp.path());
-    // Drive 1's reads fail after two: its ranges are read again from the other copies.
-    let st = store(&m, &man, MIN);
-    st.inject_fault(FaultPlan { drive: 1, kind: FaultKind::Eio, skip: 2, times: 1000 });
-    assert_eq!(all_experts(&m, &*st), want_bytes);
     let len = m.roster.expert_layout.as_ref().unwrap().len as u64;
-    assert!(st.read_log().iter().any(|(_, _, l)| *l < len), "no read was split");
-    let r = st.report();
-    assert!(r.drives[1].failed.is_some() && r.drives[0].failed.is_none(), "{:?}", r.drives);
-    // A short range on drive 2: the same.
-    let st = store(&m, &man, MIN);
-    st.inject_fault(FaultPlan { drive: 2, kind: FaultKind::Short, skip: 1, times: 1 });
-    assert_eq!(all_experts(&m, &*st), want_bytes);
+    for &reader in readers() {
+        // Drive 1's reads fail after two: its ranges are read again from the other copies.
+        let st = store(&m, &man, MIN, reader);
+        st.inject_fault(FaultPlan { drive: 1, kind: FaultKind::Eio, skip: 2, times: 1000 });
+        assert_eq!(all_experts(&m, &*st), want_bytes, "{reader:?}");
+        assert!(st.read_log().iter().any(|(_, _, l)| *l < len), "{reader:?}: no read was split");
+        let r = st.report();
+        assert!(r.drives[1].failed.is_some() && r.drives[0].failed.is_none(), "{reader:?}: {:?}", r.drives);
+        // A short range on drive 2: the same.
+        let st = store(&m, &man, MIN, reader);
+        st.inject_fault(FaultPlan { drive: 2, kind: FaultKind::Short, skip: 1, times: 1 });
+        assert_eq!(all_experts(&m, &*st), want_bytes, "{reader:?}");
+    }
     // One byte flipped in every record of drive 0's layer-1 pack: a split read's checksum fails
     // (no one drive to blame), it is read again whole, and drive 0 is avoided once a whole read
     // of it fails.
     corrupt_pack(&man, 0, 1);
-    let st = store(&m, &man, MIN);
-    assert_eq!(all_experts(&m, &*st), want_bytes, "a corrupt copy's bytes were delivered");
-    assert_eq!(all_experts(&m, &*st), want_bytes);
+    for &reader in readers() {
+        let st = store(&m, &man, MIN, reader);
+        assert_eq!(all_experts(&m, &*st), want_bytes, "{reader:?}: a corrupt copy's bytes were delivered");
+        assert_eq!(all_experts(&m, &*st), want_bytes, "{reader:?}");
+    }
 }

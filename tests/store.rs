@@ -1,5 +1,5 @@
 //! The expert store against the in-memory path: every placement (1, 2, 3 directory drives;
-//! spread, mirror, hot), cache size (0, small, large) and reader (io_uring, pread) must give
+//! spread, mirror, hot), cache size (0, small, large) and reader (io_uring, pread; `readers()`) must give
 //! bit-identical logits; faults (corrupt, truncated or missing copies, short reads, packs cut
 //! before the run or between two forward calls, missing drives) fail over to other holders with
 //! identical output, or fail loudly when no holder is left, never with a wrong output.
@@ -69,7 +69,7 @@ fn every_placement_cache_and_reader_gives_identical_bits() {
             let drives: Vec<PathBuf> = (0..n).map(|i| tmp.path().join(format!("drives-{n}-{policy:?}/d{i}"))).collect();
             let man = do_place(&m, &drives, policy, ShardUse::Off, Some(trace.clone()));
             for cache in [0, 3 * expert, 1 << 30] {
-                for reader in [ReaderKind::Uring, ReaderKind::Pread] {
+                for &reader in readers() {
                     let store = open_store(&m, &man, cache, reader);
                     let got = logits_with(&m, store.clone()).unwrap();
                     assert!(
@@ -99,7 +99,7 @@ fn every_placement_cache_and_reader_gives_identical_bits() {
             }
         }
     }
-    assert_eq!(combos, 54);
+    assert_eq!(combos, 27 * readers().len());
 }
 
 #[test]
@@ -126,7 +126,7 @@ fn a_corrupt_copy_fails_over_with_identical_output() {
     let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
     // Flip one byte in every record of drive 0's layer-1 pack.
     corrupt_pack(&man, 0, 1);
-    for reader in [ReaderKind::Uring, ReaderKind::Pread] {
+    for &reader in readers() {
         // Drive 1 is slower (given 2 GB/s vs 1) but the balancer sends the first reads to drive 0.
         let store = open_store(&m, &man, 0, reader);
         let got = logits_with(&m, store.clone()).unwrap();
@@ -144,17 +144,19 @@ fn a_copy_truncated_mid_run_fails_over() {
     let m = open(tmp.path());
     let want = reference_logits(&m);
     let drives = drive_dirs(tmp.path(), 2);
-    let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
-    let store = open_store(&m, &man, 0, ReaderKind::Uring);
-    // The files are open; now the drive "loses" data.
-    for l in 1..6 {
-        let f = std::fs::OpenOptions::new().write(true).open(man.pack_path(1, l)).unwrap();
-        f.set_len(4096).unwrap();
+    for &reader in readers() {
+        let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
+        let store = open_store(&m, &man, 0, reader);
+        // The files are open; now the drive "loses" data.
+        for l in 1..6 {
+            let f = std::fs::OpenOptions::new().write(true).open(man.pack_path(1, l)).unwrap();
+            f.set_len(4096).unwrap();
+        }
+        let got = logits_with(&m, store.clone()).unwrap();
+        assert!(bits_equal(&got, &want), "{reader:?}");
+        let r = store.report();
+        assert!(r.drives[1].failed.as_ref().is_some_and(|w| w.contains("short read")), "{reader:?}: {:?}", r.drives[1]);
     }
-    let got = logits_with(&m, store.clone()).unwrap();
-    assert!(bits_equal(&got, &want));
-    let r = store.report();
-    assert!(r.drives[1].failed.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[1]);
 }
 
 /// Prefill, then `fault()`, then 6 greedy decode steps: the logits so far and the first error.
@@ -205,7 +207,7 @@ fn a_short_read_mid_record_fails_over_with_identical_output() {
     let tmp = copy_fixture("k3-tiny-a");
     let m = open(tmp.path());
     let want = reference_logits(&m);
-    for reader in [ReaderKind::Uring, ReaderKind::Pread] {
+    for &reader in readers() {
         let drives: Vec<PathBuf> = (0..2).map(|i| tmp.path().join(format!("{reader:?}/d{i}"))).collect();
         let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
         let store = open_store(&m, &man, 0, reader);
@@ -224,21 +226,23 @@ fn a_pack_truncated_before_the_run_is_not_used() {
     let m = open(tmp.path());
     let want = reference_logits(&m);
     let drives = drive_dirs(tmp.path(), 2);
-    // Mirror: the truncated packs' header check drops drive 0's copies; drive 1 serves everything.
-    let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
-    truncate_packs(&man, 0, mid_first_record);
-    let store = open_store(&m, &man, 0, ReaderKind::Uring);
-    assert!(bits_equal(&logits_with(&m, store.clone()).unwrap(), &want));
-    let r = store.report();
-    assert_eq!(r.drives[0].reads, 0, "the truncated packs are never read");
-    assert!(r.drives[1].reads > 0);
-    // Spread without shards: the experts only drive 0 held have no holder left, a clear error.
-    let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
-    truncate_packs(&man, 0, mid_first_record);
-    let store = open_store(&m, &man, 0, ReaderKind::Uring);
-    let err = logits_with(&m, store.clone()).unwrap_err();
-    assert!(matches!(err, deltafin::k3::ForwardError::Store(StoreError::NoHolderLeft(_))), "{err}");
-    assert!(err.to_string().contains("no usable holder"), "{err}");
+    for &reader in readers() {
+        // Mirror: the truncated packs' header check drops drive 0's copies; drive 1 serves everything.
+        let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
+        truncate_packs(&man, 0, mid_first_record);
+        let store = open_store(&m, &man, 0, reader);
+        assert!(bits_equal(&logits_with(&m, store.clone()).unwrap(), &want), "{reader:?}");
+        let r = store.report();
+        assert_eq!(r.drives[0].reads, 0, "{reader:?}: the truncated packs are never read");
+        assert!(r.drives[1].reads > 0);
+        // Spread without shards: the experts only drive 0 held have no holder left, a clear error.
+        let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
+        truncate_packs(&man, 0, mid_first_record);
+        let store = open_store(&m, &man, 0, reader);
+        let err = logits_with(&m, store.clone()).unwrap_err();
+        assert!(matches!(err, deltafin::k3::ForwardError::Store(StoreError::NoHolderLeft(_))), "{reader:?}: {err}");
+        assert!(err.to_string().contains("no usable holder"), "{reader:?}: {err}");
+    }
 }
 
 #[test]
@@ -247,32 +251,34 @@ fn a_pack_truncated_between_forward_calls_fails_over_or_stops() {
     let m = open(tmp.path());
     let want = reference_logits(&m);
     let drives = drive_dirs(tmp.path(), 2);
-    // Mirror: the other drive's copy.
-    let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
-    let store = open_store(&m, &man, 0, ReaderKind::Uring);
-    let (got, err) = logits_with_fault(&m, store.clone(), || truncate_packs(&man, 0, |h| h.header_len), &want);
-    assert!(err.is_none(), "{err:?}");
-    assert_eq!(got.len(), want.len());
-    // Spread with the shards as fallback: the shards.
-    let man = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
-    let store = open_store(&m, &man, 0, ReaderKind::Pread);
-    let shard_reads = store.report().drives[2].reads;
-    let (got, err) = logits_with_fault(&m, store.clone(), || truncate_packs(&man, 0, |h| h.header_len), &want);
-    assert!(err.is_none(), "{err:?}");
-    assert_eq!(got.len(), want.len());
-    let r = store.report();
-    assert!(r.drives[0].failed.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[0]);
-    assert!(r.drives[2].reads > shard_reads, "the shards served drive 0's experts");
-    // Spread, no shards: no holder is left, and the run stops with a clear error.
-    let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
-    let store = open_store(&m, &man, 0, ReaderKind::Uring);
-    let (got, err) = logits_with_fault(&m, store.clone(), || truncate_packs(&man, 0, |h| h.header_len), &want);
-    assert!(got.len() < want.len());
-    let err = err.expect("no holder left must be an error");
-    assert!(matches!(err, deltafin::k3::ForwardError::Store(StoreError::NoHolderLeft(_))), "{err}");
-    let msg = err.to_string();
-    let clear = msg.contains("of layer") && msg.contains("short read") && msg.contains("d0");
-    assert!(clear && (msg.contains("no holder left") || msg.contains("no usable holder")), "{msg}");
+    for &reader in readers() {
+        // Mirror: the other drive's copy.
+        let man = do_place(&m, &drives, Policy::Mirror, ShardUse::Off, None);
+        let store = open_store(&m, &man, 0, reader);
+        let (got, err) = logits_with_fault(&m, store.clone(), || truncate_packs(&man, 0, |h| h.header_len), &want);
+        assert!(err.is_none(), "{err:?}");
+        assert_eq!(got.len(), want.len());
+        // Spread with the shards as fallback: the shards.
+        let man = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
+        let store = open_store(&m, &man, 0, reader);
+        let shard_reads = store.report().drives[2].reads;
+        let (got, err) = logits_with_fault(&m, store.clone(), || truncate_packs(&man, 0, |h| h.header_len), &want);
+        assert!(err.is_none(), "{err:?}");
+        assert_eq!(got.len(), want.len());
+        let r = store.report();
+        assert!(r.drives[0].failed.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[0]);
+        assert!(r.drives[2].reads > shard_reads, "the shards served drive 0's experts");
+        // Spread, no shards: no holder is left, and the run stops with a clear error.
+        let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
+        let store = open_store(&m, &man, 0, reader);
+        let (got, err) = logits_with_fault(&m, store.clone(), || truncate_packs(&man, 0, |h| h.header_len), &want);
+        assert!(got.len() < want.len());
+        let err = err.expect("no holder left must be an error");
+        assert!(matches!(err, deltafin::k3::ForwardError::Store(StoreError::NoHolderLeft(_))), "{err}");
+        let msg = err.to_string();
+        let clear = msg.contains("of layer") && msg.contains("short read") && msg.contains("d0");
+        assert!(clear && (msg.contains("no holder left") || msg.contains("no usable holder")), "{msg}");
+    }
 }
 
 #[test]
@@ -306,10 +312,13 @@ fn a_drive_directory_removed_mid_run_changes_nothing() {
     let want = reference_logits(&m);
     let drives = drive_dirs(tmp.path(), 2);
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Fallback, None);
-    let store = open_store(&m, &man, 0, ReaderKind::Uring);
+    // One store per reader, both open before the directory goes.
+    let stores: Vec<_> = readers().iter().map(|&reader| (reader, open_store(&m, &man, 0, reader))).collect();
     // The files are open: their data stays readable after the directory is gone.
     std::fs::remove_dir_all(&drives[0]).unwrap();
-    assert!(bits_equal(&logits_with(&m, store.clone()).unwrap(), &want));
+    for (reader, store) in stores {
+        assert!(bits_equal(&logits_with(&m, store.clone()).unwrap(), &want), "{reader:?}");
+    }
 }
 
 #[test]
@@ -319,11 +328,13 @@ fn no_holder_left_is_a_clear_error() {
     let drives = drive_dirs(tmp.path(), 2);
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
     std::fs::remove_dir_all(&drives[1]).unwrap();
-    let store = open_store(&m, &man, 0, ReaderKind::Uring);
-    let err = logits_with(&m, store.clone()).unwrap_err();
-    let msg = err.to_string();
-    assert!(matches!(err, deltafin::k3::ForwardError::Store(StoreError::NoHolderLeft(_))), "{msg}");
-    assert!(msg.contains("of layer 1") && msg.contains("no usable holder") && msg.contains("d1"), "{msg}");
+    for &reader in readers() {
+        let store = open_store(&m, &man, 0, reader);
+        let err = logits_with(&m, store.clone()).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, deltafin::k3::ForwardError::Store(StoreError::NoHolderLeft(_))), "{reader:?}: {msg}");
+        assert!(msg.contains("of layer 1") && msg.contains("no usable holder") && msg.contains("d1"), "{msg}");
+    }
 }
 
 #[test]
@@ -332,28 +343,30 @@ fn concurrent_fetches_share_reads_and_get_the_right_bytes() {
     let m = open(tmp.path());
     let drives = drive_dirs(tmp.path(), 2);
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
-    let store = open_store(&m, &man, 1 << 20, ReaderKind::Uring);
-    let mmap = m.mmap_source();
-    let want: std::collections::HashMap<u32, Vec<u8>> =
-        fetch_all(&mmap, 2, &(0..16).collect::<Vec<u32>>()).into_iter().collect();
-    std::thread::scope(|s| {
-        for t in 0..4 {
-            let (store, want) = (&store, &want);
-            s.spawn(move || {
-                let ids: Vec<u32> = (0..16).map(|i| (i + t * 3) % 16).collect();
-                let mut seen = 0;
-                fetch_each(&**store, 2, &ids, |e, b| {
-                    assert_eq!(b, want[&e].as_slice(), "thread {t}: expert {e} bytes differ");
-                    seen += 1;
+    for &reader in readers() {
+        let store = open_store(&m, &man, 1 << 20, reader);
+        let mmap = m.mmap_source();
+        let want: std::collections::HashMap<u32, Vec<u8>> =
+            fetch_all(&mmap, 2, &(0..16).collect::<Vec<u32>>()).into_iter().collect();
+        std::thread::scope(|s| {
+            for t in 0..4 {
+                let (store, want) = (&store, &want);
+                s.spawn(move || {
+                    let ids: Vec<u32> = (0..16).map(|i| (i + t * 3) % 16).collect();
+                    let mut seen = 0;
+                    fetch_each(&**store, 2, &ids, |e, b| {
+                        assert_eq!(b, want[&e].as_slice(), "thread {t}: expert {e} bytes differ");
+                        seen += 1;
+                    });
+                    assert_eq!(seen, 16);
                 });
-                assert_eq!(seen, 16);
-            });
-        }
-    });
-    let r = store.report();
-    let reads: u64 = r.drives.iter().map(|d| d.reads).sum();
-    assert_eq!(reads, 16, "each expert read once across 4 concurrent fetches");
-    assert_eq!(r.cache_hits.unwrap() + r.inflight_joins.unwrap() + r.cache_misses.unwrap(), 64);
+            }
+        });
+        let r = store.report();
+        let reads: u64 = r.drives.iter().map(|d| d.reads).sum();
+        assert_eq!(reads, 16, "{reader:?}: each expert read once across 4 concurrent fetches");
+        assert_eq!(r.cache_hits.unwrap() + r.inflight_joins.unwrap() + r.cache_misses.unwrap(), 64);
+    }
 }
 
 #[test]

@@ -596,3 +596,23 @@ fn the_flag_check_sees_flags_in_literals_only() {
     let flags: Vec<String> = lits.iter().flat_map(|l| flags_in(l)).collect();
     assert_eq!(flags, ["--memory-gb", "--draft"]);
 }
+
+#[test]
+fn every_durable_write_goes_through_the_util_helpers() {
+    // util::sync_file / sync_data / sync_dir: F_FULLFSYNC on macOS, where fsync leaves the data in
+    // the drive's cache. A direct call elsewhere would be durable on Linux only.
+    let mut direct = Vec::new();
+    for (rel, text) in sources().into_iter().filter(|(rel, _)| rel != "util.rs") {
+        let code = code_of(&text);
+        for call in [".sync_all()", ".sync_data()", "libc::fsync", "libc::fdatasync"] {
+            if code.contains(call) {
+                direct.push(format!("{rel}: {call}"));
+            }
+        }
+    }
+    assert!(
+        direct.is_empty(),
+        "make these durable with util::sync_file (or sync_data, sync_dir):\n{}",
+        direct.join("\n")
+    );
+}

@@ -57,7 +57,8 @@ pub enum BatchBenchError {
 
 /// `bench run --batch N`: N prompts of `prompt_tokens` from different places of the fixed text,
 /// the disk ceiling probed on the run's own expert holders (page cache dropped first, where
-/// permitted); the record gets `page_cache_dropped`.
+/// permitted; `assume_purged`: the caller purged it just before); the record gets
+/// `page_cache_dropped`, and `cold` as [`super::cold`] judges it.
 pub fn runs(
     files: &crate::model::ModelFiles,
     config: EngineConfig,
@@ -65,19 +66,20 @@ pub fn runs(
     n: usize,
     decode: usize,
     ceiling_seconds: f64,
+    assume_purged: bool,
 ) -> Result<Value, BatchBenchError> {
-    use super::ceiling::{CeilingProbe, drop_page_cache};
+    use super::ceiling::CeilingProbe;
     use crate::store::placement::{Manifest, manifest_path};
     let all = super::prompt::tokens(files, prompt_tokens * n)?;
     let prompts: Vec<Vec<u32>> = all.chunks(prompt_tokens.max(1)).map(<[u32]>::to_vec).collect();
     let mp = manifest_path(config.placement.as_deref(), &config.model);
     let manifest = mp.as_ref().map(|p| Manifest::load(p)).transpose().map_err(super::BenchError::from)?;
     let qd = manifest.as_ref().map_or(config.qd, |m| m.drives.iter().map(|d| d.qd).sum());
-    let dropped = drop_page_cache();
+    let emptied = super::cold::empty_page_cache(assume_purged);
     let probe = CeilingProbe::new(files, manifest.as_ref(), config.use_drives.as_deref(), qd, ceiling_seconds)?;
     let mut measure = || probe.measure().map(|c| c.map(|c| c.gbps)).map_err(|e| e.to_string());
-    let mut rec = run(config, &prompts, decode, &mut measure)?;
-    rec["page_cache_dropped"] = json!(dropped);
+    let mut rec = run(config, &prompts, decode, &mut measure, emptied)?;
+    rec["page_cache_dropped"] = json!(emptied == super::cold::Emptied::Dropped);
     Ok(rec)
 }
 
@@ -107,12 +109,14 @@ fn union_sizes(trace: &[(u32, Vec<u32>)]) -> Vec<usize> {
     trace.iter().map(|(_, u)| u.len()).collect()
 }
 
-/// Runs the batch and returns its record (see the module contract).
+/// Runs the batch and returns its record (see the module contract); `emptied`: what emptied the
+/// page cache before it, for its `cold` label.
 pub fn run(
     config: EngineConfig,
     prompts: &[Vec<u32>],
     decode: usize,
     measure: Measure,
+    emptied: super::cold::Emptied,
 ) -> Result<Value, BatchBenchError> {
     if prompts.is_empty() {
         return Err(BatchBenchError::NoPrompts);
@@ -202,6 +206,7 @@ pub fn run(
     let moe_layers = pre.layer_passes.checked_div(prefill_passes(&engine, prompts)).unwrap_or(0).max(1);
     let per_layer_mean = |u: &[usize]| if u.is_empty() { 0.0 } else { u.iter().sum::<usize>() as f64 / u.len() as f64 };
     let generated: usize = gens.iter().map(|g| g.tokens.len()).sum();
+    let cold = super::cold::is_cold(emptied, &rep2.drives);
     Ok(crate::stats::bench_record(
         "run",
         json!({
@@ -211,6 +216,9 @@ pub fn run(
             "expert_bytes_total": engine.expert_bytes_total(),
             "memory_budget": engine.plan.budget,
             "expert_cache_bytes": engine.plan.expert_cache,
+            "page_cache": emptied,
+            "cold": cold,
+            "cold_note": super::cold::warm_note(cold, emptied, &rep2.drives),
             "batch": n,
             "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
             "ids_identical": ids_identical,

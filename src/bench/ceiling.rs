@@ -15,13 +15,6 @@ use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Tries to empty the page cache (root only); true when it worked.
-pub fn drop_page_cache() -> bool {
-    // SAFETY: sync has no preconditions.
-    unsafe { libc::sync() };
-    std::fs::write("/proc/sys/vm/drop_caches", "3\n").is_ok()
-}
-
 /// The read ceiling of the drives a run uses, measured on its expert holders (random whole-expert
 /// O_DIRECT reads at the store's total queue depth); the holders are listed once for the three
 /// probes of a run.

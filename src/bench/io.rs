@@ -1,11 +1,14 @@
 //! `bench io`: one expert set read through the expert store, and through fio replaying exactly the
-//! same reads (same files, offsets, lengths, total queue depth, O_DIRECT, io_uring) in the same
-//! run; the record holds both rates and their ratio.
+//! same reads (same files, offsets, lengths, total queue depth, uncached: O_DIRECT with io_uring on
+//! Linux, F_NOCACHE with posixaio on macOS) in the same run; the record holds both rates and their
+//! ratio.
 //!
 //! Contract: [`io`] alternates the two sides `repeat` times so drift in the device (or the
 //! host's cache) hits both alike, and reports the best and the median of each. The store reads
 //! with no cache and no compute. fio missing or failing is not an error: the record then has no
-//! fio rate, and [`IoOutcome::fio_error`] says why.
+//! fio rate, and [`IoOutcome::fio_error`] says why. The page cache is emptied first where this
+//! process may; the record's `cold` is true only when every run's reads were cold
+//! ([`super::cold`]: never on macOS unless the cache was purged), and `cold_note` says why not.
 
 use super::BenchError;
 use crate::model::ModelFiles;
@@ -32,6 +35,8 @@ pub struct IoOptions {
     pub repeat: usize,
     /// Label added to the record.
     pub label: Option<String>,
+    /// The caller purged the page cache just before (macOS: `sudo purge`); see [`super::cold`].
+    pub assume_purged: bool,
 }
 
 /// A `bench io` record, and why fio gave no rate when it did not.
@@ -49,7 +54,7 @@ pub enum FioError {
     Whitespace(PathBuf),
     #[error("{}: {source}", path.display())]
     Io { path: PathBuf, source: std::io::Error },
-    #[error("cannot run `{fio}` (install fio, e.g. apt-get install fio): {source}")]
+    #[error("cannot run `{fio}` (install fio, e.g. {FIO_INSTALL}): {source}")]
     Run { fio: String, source: std::io::Error },
     #[error("fio failed: {stderr}")]
     Failed { stderr: String },
@@ -97,6 +102,9 @@ pub fn io(files: &ModelFiles, o: &IoOptions) -> Result<IoOutcome, BenchError> {
     let mut reader_name = String::new();
     let mut bytes_read = 0u64;
     let mut fio_error = None;
+    let emptied = super::cold::empty_page_cache(o.assume_purged);
+    let mut cold = true;
+    let mut cold_note = None;
     for _ in 0..o.repeat.max(1) {
         // Ours: the store with no cache, reading every expert of the set once, no compute.
         let store = ExpertStore::open(
@@ -122,6 +130,9 @@ pub fn io(files: &ModelFiles, o: &IoOptions) -> Result<IoOutcome, BenchError> {
         bytes_read = r.expert_bytes_read.unwrap_or(0);
         ours.push(bytes_read as f64 / secs / 1e9);
         reader_name = r.drives.first().map(|d| d.reader.clone()).unwrap_or_default();
+        let this_cold = super::cold::is_cold(emptied, &r.drives);
+        cold &= this_cold;
+        cold_note = cold_note.or_else(|| super::cold::warm_note(this_cold, emptied, &r.drives));
         let log = store.read_log();
         drop(store);
         // fio: replay the exact reads, same total queue depth.
@@ -144,6 +155,9 @@ pub fn io(files: &ModelFiles, o: &IoOptions) -> Result<IoOutcome, BenchError> {
             "drives": drives,
             "qd_total": qd_total,
             "reader": reader_name,
+            "page_cache": emptied,
+            "cold": cold,
+            "cold_note": cold_note,
             "experts": all.len(),
             "expert_bytes": layout.len,
             "bytes_read": bytes_read,
@@ -158,7 +172,13 @@ pub fn io(files: &ModelFiles, o: &IoOptions) -> Result<IoOutcome, BenchError> {
     Ok(IoOutcome { record, fio_error })
 }
 
-/// Replays `reads` with fio (io_uring, O_DIRECT, `iodepth`); returns GB/s.
+/// How a user of this platform installs fio.
+const FIO_INSTALL: &str = if cfg!(target_os = "macos") { "brew install fio" } else { "apt-get install fio" };
+
+/// fio's engine for the replay: the one the store's reader matches on each platform.
+const FIO_ENGINE: &str = if cfg!(target_os = "linux") { "io_uring" } else { "posixaio" };
+
+/// Replays `reads` with fio (uncached, [`FIO_ENGINE`], `iodepth`); returns GB/s.
 fn fio_replay(fio: &str, reads: &[(PathBuf, u64, u64)], iodepth: usize) -> Result<f64, FioError> {
     if reads.is_empty() {
         return Err(FioError::NoReads);
@@ -177,7 +197,9 @@ fn fio_run(fio: &str, reads: &[(PathBuf, u64, u64)], iodepth: usize, dir: &Path)
     let log_path = dir.join("replay.iolog");
     write_iolog(&log_path, reads).map_err(|source| FioError::Io { path: log_path.clone(), source })?;
     let out = std::process::Command::new(fio)
-        .args(["--name=replay", "--ioengine=io_uring", "--direct=1", "--output-format=json"])
+        // --direct=1: O_DIRECT on Linux, F_NOCACHE on macOS (as the store opens its files).
+        .args(["--name=replay", "--direct=1", "--output-format=json"])
+        .arg(format!("--ioengine={FIO_ENGINE}"))
         .arg(format!("--read_iolog={}", log_path.display()))
         .arg(format!("--iodepth={iodepth}"))
         .output()

@@ -8,10 +8,12 @@
 //! `kernels` the CPU kernels at K3's shapes (`kernels_gpu`: the GPU's, development only); `run`
 //! one cold prompt and its decode steps against the disk ceiling that `ceiling` measures on the
 //! run's own expert holders; `batch` N prompts run together (`bench run --batch N`); `prompt` the
-//! prompts they use.
+//! prompts they use; `cold` empties the page cache and labels whether a run's reads were cold
+//! (never a warm macOS run: F_NOCACHE serves cached pages).
 
 pub mod batch;
 pub mod ceiling;
+pub mod cold;
 pub mod io;
 pub mod kernels;
 pub mod kernels_gpu;

@@ -10,10 +10,12 @@
 //! page cache is dropped (where root may), and hands each record to the caller's sink as it is
 //! made. The ceiling is probed ([`super::ceiling`]) before the prompt, between prompt and decode,
 //! and after decode; each phase's bound uses the mean of the two probes around it. Drafting
-//! changes no output token (the record shows acceptance).
+//! changes no output token (the record shows acceptance). Each record says whether its reads were
+//! cold (`cold`, `page_cache`; [`super::cold`]) and, when not, why (`cold_note`).
 
 use super::BenchError;
-use super::ceiling::{CeilingProbe, ceiling_json, drop_page_cache, mean_gbps};
+use super::ceiling::{CeilingProbe, ceiling_json, mean_gbps};
+use super::cold::{self, Emptied};
 use crate::engine::{Engine, EngineConfig, EngineError, GenerateOptions};
 use crate::model::ModelFiles;
 use crate::spec::{DraftKind, OracleDrafter, Speculator};
@@ -57,6 +59,9 @@ pub struct RunOptions {
     /// Write the run's expert fetch trace (one [layer, [experts...]] per MoE layer pass, prefill
     /// then decode, with `rows_of`: each pass's rows per expert, empty for one row) here as JSON.
     pub fetch_trace: Option<PathBuf>,
+    /// The caller purged the page cache just before (macOS: `sudo purge`), so uncached reads are
+    /// cold there; see [`super::cold`].
+    pub assume_purged: bool,
 }
 
 /// A record sink: prints it, keeps it; an error stops the runs.
@@ -93,11 +98,11 @@ pub fn runs(
                 .map(|(_, d)| d.qd)
                 .sum()
         });
-        let dropped = drop_page_cache();
+        let emptied = cold::empty_page_cache(a.assume_purged);
         let probe = CeilingProbe::new(files, manifest.as_ref(), subset.as_deref(), qd_total, a.ceiling_seconds)?;
         for &pf in &prefetch {
             let config = EngineConfig { use_drives: subset.clone(), prefetch: pf, ..config.clone() };
-            let rec = one_run(files, a, &config, prompt, &probe, dropped)?;
+            let rec = one_run(files, a, &config, prompt, &probe, emptied)?;
             sink(&rec).map_err(BenchError::Sink)?;
             records.push(rec);
         }
@@ -122,7 +127,7 @@ fn one_run(
     config: &EngineConfig,
     prompt: &[u32],
     probe: &CeilingProbe,
-    dropped: bool,
+    emptied: Emptied,
 ) -> Result<Value, BenchError> {
     let opts = GenerateOptions { max_new: a.decode.max(1), stop: Vec::new() };
     // A verify batch holds the pending token and up to 7 drafts.
@@ -142,7 +147,7 @@ fn one_run(
         }
         _ => None,
     };
-    let dropped = drop_page_cache() || dropped;
+    let emptied = if cold::drop_page_cache() { Emptied::Dropped } else { emptied };
     let engine = open_engine(config)?;
     let mut spec = match a.draft {
         BenchDraft::Off => None,
@@ -225,6 +230,7 @@ fn one_run(
     // Our cache against the optimal one of the same size on the same fetch trace (cold start);
     // with a device expert cache in front, the optimum has the slots of both.
     let report = engine.source_report();
+    let cold = cold::is_cold(emptied, &report.drives);
     let device_slots = engine.device_expert_slots();
     let cache_opt =
         report.cache_slots.map(|slots| crate::store::cache::belady_misses(&stats.fetch_trace, slots + device_slots));
@@ -258,7 +264,7 @@ fn one_run(
     });
     let layers_moe = files.cfg.moe_layers() as u64;
     let chunks = prompt.len().div_ceil(engine.config.prefill_rows.max(1)) as u64;
-    Ok(crate::stats::bench_record(
+    let mut record = crate::stats::bench_record(
         "run",
         json!({
             "model": files.dir.display().to_string(),
@@ -268,7 +274,7 @@ fn one_run(
             "moe_layers": layers_moe,
             "drives_used": engine.config.use_drives,
             "prefetch": engine.config.prefetch,
-            "page_cache_dropped": dropped,
+            "page_cache_dropped": emptied == Emptied::Dropped,
             "memory_budget": plan.budget,
             "expert_cache_bytes": plan.expert_cache,
             "ceiling_gbps": ceiling_before.as_ref().map(|c| c.gbps),
@@ -350,5 +356,10 @@ fn one_run(
             "output_ids": out_ids,
             "stats": stats.to_json(),
         }),
-    ))
+    );
+    // Beside the rest (one json! of them all would pass the macro's recursion limit).
+    record["page_cache"] = json!(emptied);
+    record["cold"] = json!(cold);
+    record["cold_note"] = json!(cold::warm_note(cold, emptied, &report.drives));
+    Ok(record)
 }

@@ -133,7 +133,7 @@ impl Results {
         let mut text = record.to_string();
         text.push('\n');
         match &mut self.file {
-            Some(f) => f.write_all(text.as_bytes()).and_then(|_| f.sync_data()),
+            Some(f) => f.write_all(text.as_bytes()).and_then(|_| crate::util::sync_data(f)),
             None => {
                 let mut o = std::io::stdout().lock();
                 o.write_all(text.as_bytes()).and_then(|_| o.flush())

@@ -88,6 +88,8 @@ pub struct IoArgs {
     /// Label added to the record (e.g. "3 dirs").
     #[arg(long)]
     label: Option<String>,
+    #[command(flatten)]
+    cold: super::bench_run::ColdArgs,
 }
 
 impl BenchArgs {
@@ -119,11 +121,13 @@ fn bench_io(a: IoArgs) -> Result<()> {
         fio: a.fio,
         repeat: a.repeat,
         label: a.label,
+        assume_purged: a.cold.assume_purged,
     };
     let out = io::io(&files, &o)?;
     if let Some(e) = &out.fio_error {
         eprintln!("deltafin bench io: fio comparison unavailable: {e}");
     }
+    super::bench_run::note_warm("bench io", &out.record);
     println!("{}", out.record);
     Ok(())
 }

@@ -64,6 +64,8 @@ pub struct RunBenchArgs {
     #[arg(long, value_name = "FILE")]
     fetch_trace: Option<PathBuf>,
     #[command(flatten)]
+    cold: ColdArgs,
+    #[command(flatten)]
     engine: EngineArgs,
     #[command(flatten)]
     pub threads: super::Threads,
@@ -101,7 +103,16 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         // Each sequence holds its prompt and its decode tokens (in whole 64s, as `run`): the rest
         // of the budget is the expert cache's. An explicit --context stands.
         config.context = super::load::run_context(&a.model, config.context, a.prompt_tokens + a.decode.max(1));
-        let rec = crate::bench::batch::runs(&files, config, a.prompt_tokens, n, a.decode, a.ceiling_seconds)?;
+        let rec = crate::bench::batch::runs(
+            &files,
+            config,
+            a.prompt_tokens,
+            n,
+            a.decode,
+            a.ceiling_seconds,
+            a.cold.assume_purged,
+        )?;
+        note_warm("bench run", &rec);
         println!("{rec}");
         if let Some(p) = &a.out {
             let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p);
@@ -118,6 +129,7 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         prefetch_runs: a.prefetch_runs,
         ceiling_seconds: a.ceiling_seconds,
         fetch_trace: a.fetch_trace.clone(),
+        assume_purged: a.cold.assume_purged,
     };
     let mut out = match &a.out {
         Some(p) => Some(
@@ -130,6 +142,7 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         None => None,
     };
     let records = crate::bench::run::runs(&files, &config, &prompt, &o, &mut |rec| {
+        note_warm("bench run", rec);
         println!("{rec}");
         match &mut out {
             Some(f) => writeln!(f, "{rec}"),
@@ -143,4 +156,22 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         eprintln!("deltafin bench: wrote {}/ladder.svg and {}/read_wait.svg", dir.display(), dir.display());
     }
     Ok(())
+}
+
+/// How a benchmark that reads cold knows the page cache was emptied.
+#[derive(Args)]
+pub struct ColdArgs {
+    /// The page cache was purged just before this command (macOS: `sudo purge`). macOS has no
+    /// O_DIRECT: its uncached reads (F_NOCACHE) still serve pages already cached, so without this
+    /// (or root, which purges itself) a Mac's record says "cold": false. Linux needs none: its
+    /// reads are O_DIRECT.
+    #[arg(long)]
+    pub assume_purged: bool,
+}
+
+/// Says on stderr why a record is not cold (its `cold_note`).
+pub fn note_warm(command: &str, record: &serde_json::Value) {
+    if let Some(note) = record.get("cold_note").and_then(|n| n.as_str()) {
+        eprintln!("deltafin {command}: not a cold figure: {note}");
+    }
 }

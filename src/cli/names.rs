@@ -36,6 +36,7 @@ pub fn flag(s: Setting) -> &'static str {
         Repo => "--repo",
         Drive => "--drive",
         Ladder => "--ladder",
+        AssumePurged => "--assume-purged",
     }
 }
 

@@ -100,7 +100,11 @@ pub fn run(a: PlaceArgs) -> Result<()> {
         eprintln!(
             "deltafin place:   {:.2} GB/s{}",
             c.gbps,
-            if c.direct { "" } else { " (no O_DIRECT on this file system)" }
+            if c.direct {
+                String::new()
+            } else {
+                format!(" (no {} on this file system)", crate::store::reader::UNCACHED)
+            }
         );
         Ok(c.gbps)
     };

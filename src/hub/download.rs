@@ -131,10 +131,8 @@ fn partial_path(partial_dir: &Path, f: &RepoFile) -> PathBuf {
 }
 
 fn fsync_dir(p: &Path) {
-    if let Some(d) = p.parent()
-        && let Ok(f) = File::open(d)
-    {
-        let _ = f.sync_all();
+    if let Some(d) = p.parent() {
+        crate::util::sync_dir(d);
     }
 }
 
@@ -144,7 +142,9 @@ fn publish(part: &Path, dest: &Path) -> Result<(), HubError> {
     if let Some(d) = dest.parent() {
         std::fs::create_dir_all(d).map_err(io)?;
     }
-    File::open(part).and_then(|f| f.sync_all()).map_err(|source| HubError::Io { path: part.to_path_buf(), source })?;
+    File::open(part)
+        .and_then(|f| crate::util::sync_file(&f))
+        .map_err(|source| HubError::Io { path: part.to_path_buf(), source })?;
     std::fs::rename(part, dest).map_err(io)?;
     fsync_dir(dest);
     Ok(())
@@ -469,5 +469,5 @@ fn receive(
         r?;
         joined.map_err(|_| HubError::Stopped { file: f.path.clone(), why: "the hashing thread panicked" })
     })?;
-    out.sync_all().map_err(|e| if is_disk_full(&e) { disk_full(got) } else { pio(e) })
+    crate::util::sync_file(&out).map_err(|e| if is_disk_full(&e) { disk_full(got) } else { pio(e) })
 }

@@ -280,10 +280,8 @@ fn write_shard(
     }
     // The header bytes again: a window range above may have covered them with the same bytes.
     f.write_all_at(&p.header, 0).map_err(io)?;
-    f.sync_all().map_err(io)?;
+    crate::util::sync_file(&f).map_err(io)?;
     std::fs::rename(&tmp, &dest).map_err(|source| HubError::Io { path: dest.clone(), source })?;
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
+    crate::util::sync_dir(dir);
     Ok(p.ranges.len() as u64)
 }

@@ -1,5 +1,6 @@
-//! The expert cache's memory: one 4 KiB-aligned slab of fixed-size slots (each holds one expert
-//! read, widened for O_DIRECT), and the optimal (Belady) cache the store is judged against. The
+//! The expert cache's memory: one page-aligned slab of fixed-size slots (each holds one expert
+//! read, widened for O_DIRECT; pages of at least 4 KiB, Apple Silicon's 16 KiB there, so an
+//! F_NOCACHE read lands in whole pages and a slot can be shared with the GPU as it is), and the optimal (Belady) cache the store is judged against. The
 //! eviction order of cached slots is [`EvictionOrder`] (shared with the GPU's device cache).
 //!
 //! Contract: slot memory is only written by the reader that owns the slot's in-flight read and only
@@ -22,15 +23,16 @@ unsafe impl Send for Slab {}
 unsafe impl Sync for Slab {}
 
 impl Slab {
-    /// `slots` slots of `slot_size` bytes (rounded up to 4 KiB), 4 KiB-aligned. Pages are committed
-    /// lazily by the OS as reads land.
+    /// `slots` slots of `slot_size` bytes (rounded up to whole pages), page-aligned ([`page`]).
+    /// Pages are committed lazily by the OS as reads land.
     pub fn new(slots: usize, slot_size: usize) -> std::io::Result<Self> {
-        let slot_size = slot_size.div_ceil(4096) * 4096;
+        let page = page();
+        let slot_size = slot_size.div_ceil(page) * page;
         let bytes = slots.checked_mul(slot_size).ok_or_else(|| std::io::Error::other("expert cache size overflows"))?;
         if bytes == 0 {
             return Ok(Slab { ptr: std::ptr::null_mut(), layout: None, slot_size, slots });
         }
-        let layout = Layout::from_size_align(bytes, 4096).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let layout = Layout::from_size_align(bytes, page).map_err(|e| std::io::Error::other(e.to_string()))?;
         // SAFETY: the layout has non-zero size.
         let ptr = unsafe { alloc_zeroed(layout) };
         if ptr.is_null() {
@@ -62,6 +64,14 @@ impl Slab {
     pub fn iovecs(&self) -> Vec<(*mut u8, usize)> {
         (0..self.slots).map(|i| (self.slot_ptr(i), self.slot_size)).collect()
     }
+}
+
+/// The alignment and size unit of slab slots: the VM page (4 KiB on x86 Linux, 16 KiB on Apple
+/// Silicon), at least the 4 KiB O_DIRECT needs.
+pub fn page() -> usize {
+    // SAFETY: sysconf reads a system constant.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p).ok().filter(|p| p.is_power_of_two()).unwrap_or(4096).max(4096)
 }
 
 impl Drop for Slab {
@@ -151,9 +161,10 @@ mod tests {
     #[test]
     fn slab_alignment() {
         let s = Slab::new(3, 5000).unwrap();
-        assert_eq!(s.slot_size, 8192);
+        assert_eq!(s.slot_size, 5000usize.div_ceil(page()) * page());
+        assert!(page() >= 4096 && page().is_power_of_two());
         for i in 0..3 {
-            assert_eq!(s.slot_ptr(i) as usize % 4096, 0);
+            assert_eq!(s.slot_ptr(i) as usize % page(), 0);
         }
     }
 }

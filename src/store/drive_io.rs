@@ -69,6 +69,11 @@ impl ReaderKind {
 /// io_uring ring larger than the kernel allows, for no gain on any SSD.
 pub const MAX_QD: usize = 1024;
 
+/// The most bytes one read syscall (or io_uring read) asks for: 1 GiB, a multiple of every O_DIRECT
+/// alignment and below `INT_MAX`, past which Darwin refuses a read with EINVAL (Linux shortens it).
+/// A longer read is several, each resubmitting the remainder.
+pub const MAX_SYSCALL_READ: usize = 1 << 30;
+
 /// Descriptors of the files a reader reads, indexed by `ReadOp::file` (-1: not open).
 pub type FileTable = std::sync::Arc<[RawFd]>;
 

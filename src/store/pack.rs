@@ -115,11 +115,9 @@ pub fn write_pack_named<'a>(
         let header = encode_header(model, layer as u32, expert_len, hlen, &entries);
         f.seek(SeekFrom::Start(0)).map_err(io)?;
         f.write_all(&header).map_err(io)?;
-        f.sync_all().map_err(io)?;
+        crate::util::sync_file(&f).map_err(io)?;
         std::fs::rename(&tmp, &final_path).map_err(|source| PackError::Io { path: final_path.clone(), source })?;
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
+        crate::util::sync_dir(dir);
         Ok(())
     })();
     if let Err(e) = result {

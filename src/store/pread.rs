@@ -1,7 +1,14 @@
-//! pread thread-pool reader: `qd` threads per drive, each doing positional reads into the slab slot
-//! it was given. Used where io_uring is unavailable (and on macOS, with F_NOCACHE files).
+//! pread thread-pool reader: `qd` threads per drive, each reading one whole expert (or one part of
+//! a split expert) with positional reads into the slab slot it was given. Used where io_uring is
+//! unavailable, on Linux with `--reader pread`, and on macOS, where the files are opened with
+//! `F_NOCACHE` (`reader::DirectFile`): the pattern Apple's SSDs serve fastest (parallel `pread` of
+//! whole experts into page-aligned buffers; mmap and dispatch_io were slower there).
+//!
+//! Contract: each syscall asks for at most [`MAX_SYSCALL_READ`] bytes (Darwin refuses a single read
+//! over `INT_MAX` with EINVAL, where Linux shortens it); a short read resubmits the remainder, and a
+//! read that reaches end-of-file completes with the bytes it got.
 
-use super::drive_io::{Done, DriveIo, FileTable, ReadOp, ReaderKind, fd_of};
+use super::drive_io::{Done, DriveIo, FileTable, MAX_SYSCALL_READ, ReadOp, ReaderKind, fd_of};
 use std::io;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -15,11 +22,17 @@ pub struct PreadPool {
 }
 
 fn read_fully(op: &ReadOp, files: &FileTable) -> io::Result<usize> {
+    read_in_syscalls(op, files, MAX_SYSCALL_READ)
+}
+
+/// `op` in `pread`s of at most `max` bytes each (see the module contract).
+fn read_in_syscalls(op: &ReadOp, files: &FileTable, max: usize) -> io::Result<usize> {
     let fd = fd_of(files, op.file)?;
     let mut done = 0usize;
     while done < op.len {
-        let want = op.len - done;
-        // SAFETY: the store guarantees `buf[..len]` is valid and exclusively ours until completion.
+        let want = (op.len - done).min(max);
+        // SAFETY: the store guarantees `buf[..len]` is valid and exclusively ours until completion,
+        // and `done + want <= len`.
         let r = unsafe { libc::pread(fd, op.buf.add(done).cast(), want, (op.offset + done as u64) as libc::off_t) };
         if r < 0 {
             let e = io::Error::last_os_error();
@@ -111,5 +124,42 @@ impl Drop for PreadPool {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    #[test]
+    fn a_read_is_split_into_syscalls_of_at_most_the_cap_and_stops_at_end_of_file() {
+        let bytes: Vec<u8> = (0..40_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let dir = std::env::temp_dir().join(format!("deltafin-pread-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f");
+        std::fs::write(&path, &bytes).unwrap();
+        let f = std::fs::File::open(&path).unwrap();
+        let files: FileTable = std::sync::Arc::from(vec![f.as_raw_fd()]);
+        let mut buf = vec![0u8; 40_000];
+        let op = |offset: u64, len: usize, buf: &mut [u8]| ReadOp {
+            tag: 1,
+            file: 0,
+            offset,
+            len,
+            buf: buf.as_mut_ptr(),
+            buf_index: None,
+        };
+        // 30_000 bytes from 5_000 in syscalls of at most 4096: every byte in place.
+        assert_eq!(read_in_syscalls(&op(5_000, 30_000, &mut buf), &files, 4096).unwrap(), 30_000);
+        assert_eq!(&buf[..30_000], &bytes[5_000..35_000]);
+        // Past the end: the bytes that exist.
+        assert_eq!(read_in_syscalls(&op(36_000, 10_000, &mut buf), &files, 4096).unwrap(), 4_000);
+        assert_eq!(&buf[..4_000], &bytes[36_000..]);
+        // A file index with no open file is an error of the read, not a panic.
+        let bad = ReadOp { file: 3, ..op(0, 10, &mut buf) };
+        assert!(read_in_syscalls(&bad, &files, 4096).is_err());
+        drop(f);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -72,6 +72,8 @@ pub fn measure_dir(
     let size = size.max(PROBE_READ * 2) / PROBE_READ * PROBE_READ;
     {
         let mut f = std::fs::File::create(&path).map_err(io)?;
+        // macOS: cached pages of the probe file would be what its F_NOCACHE reads measure.
+        super::reader::keep_writes_uncached(&f);
         // Incompressible, non-zero content so no layer can shortcut the reads.
         let mut rng = crate::util::XorShift(0x9E37_79B9_7F4A_7C15);
         let chunk: Vec<u8> = (0..(1 << 20)).map(|_| rng.next_u64() as u8).collect();
@@ -85,7 +87,7 @@ pub fn measure_dir(
             }
             left -= n as u64;
         }
-        f.sync_all().map_err(io)?;
+        crate::util::sync_file(&f).map_err(io)?;
     }
     let ranges: Vec<(PathBuf, u64)> = (0..size / PROBE_READ).map(|i| (path.clone(), i * PROBE_READ)).collect();
     let r = measure_ranges(&ranges, PROBE_READ, qd, reader, time);

@@ -4,11 +4,14 @@
 //! resubmitting the remainder; a read that ends early at end-of-file completes with the bytes it
 //! got. [`new_reader`] picks one; [`DirectFile`] opens a file for uncached reads.
 
-pub use super::drive_io::{Done, DriveIo, FileTable, MAX_QD, ReadOp, ReaderKind};
+pub use super::drive_io::{Done, DriveIo, FileTable, MAX_QD, MAX_SYSCALL_READ, ReadOp, ReaderKind};
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
+
+/// What an uncached open is called on this platform, for reports.
+pub const UNCACHED: &str = if cfg!(target_os = "macos") { "F_NOCACHE" } else { "O_DIRECT" };
 
 /// O_DIRECT needs offsets, lengths and buffers aligned to the logical block size; 4 KiB is safe.
 pub const DIRECT_ALIGN: u64 = 4096;
@@ -77,6 +80,19 @@ impl DirectFile {
     pub fn fd(&self) -> RawFd {
         self.file.as_raw_fd()
     }
+}
+
+/// Keeps what is written through `f` out of the page cache where uncached reads would be served
+/// from it (macOS: `F_NOCACHE` on the writer too), so a file written to be measured is read from
+/// the drive. Elsewhere nothing: O_DIRECT reads never see the page cache. Best effort.
+pub fn keep_writes_uncached(f: &File) {
+    #[cfg(target_os = "macos")]
+    // SAFETY: fcntl on an open descriptor we borrow, with a plain integer argument.
+    unsafe {
+        libc::fcntl(f.as_raw_fd(), libc::F_NOCACHE, 1);
+    }
+    #[cfg(not(target_os = "macos"))]
+    let _ = f;
 }
 
 /// Reads `[offset, offset+len)` widened to `DIRECT_ALIGN`: returns (aligned offset, aligned length,

@@ -1,7 +1,7 @@
 //! io_uring reader (Linux): one ring per drive, reads straight into slab slots, using registered
 //! (fixed) buffers when the kernel accepts them. Short reads are resubmitted for the remainder.
 
-use super::drive_io::{Done, DriveIo, FileTable, ReadOp, ReaderKind, fd_of};
+use super::drive_io::{Done, DriveIo, FileTable, MAX_SYSCALL_READ, ReadOp, ReaderKind, fd_of};
 use io_uring::{IoUring, opcode, types};
 use std::collections::HashMap;
 use std::io;
@@ -44,7 +44,7 @@ impl Uring {
         let op = p.op;
         // SAFETY: `done < len`, so the pointer stays inside the caller's buffer.
         let buf = unsafe { op.buf.add(p.done) };
-        let len = (op.len - p.done).min(u32::MAX as usize) as u32;
+        let len = (op.len - p.done).min(MAX_SYSCALL_READ) as u32;
         let off = op.offset + p.done as u64;
         let fd = fd_of(&self.files, op.file)?;
         let sqe = match (self.registered, op.buf_index) {

@@ -180,9 +180,22 @@ pub fn bin() -> &'static str {
 /// `~/.cache/deltafin` (route heat, converted tokenizers, the demo) or reads what is there; a test
 /// that needs a fresh cache sets `DELTAFIN_CACHE` again. tests/hermetic.rs checks that every test
 /// starts the binary this way.
+///
+/// Where the tests themselves run under an emulator (`.ci/aarch64.sh`: aarch64 tests under
+/// qemu-user, with no binfmt_misc to start an aarch64 binary directly), `DELTAFIN_TEST_RUNNER`
+/// names the program and arguments, split at whitespace, that start the binary the same way.
 pub fn deltafin_cmd() -> std::process::Command {
     let home = test_home();
-    let mut c = std::process::Command::new(bin());
+    let runner = std::env::var("DELTAFIN_TEST_RUNNER").unwrap_or_default();
+    let mut runner = runner.split_whitespace();
+    let mut c = match runner.next() {
+        Some(program) => {
+            let mut c = std::process::Command::new(program);
+            c.args(runner).arg(bin());
+            c
+        }
+        None => std::process::Command::new(bin()),
+    };
     c.env("HOME", home).env("DELTAFIN_CACHE", home.join("deltafin-cache")).env_remove("XDG_CACHE_HOME");
     c
 }
@@ -380,6 +393,12 @@ pub fn manifest_store(
     )
 }
 
+/// The readers a store test runs each case with: io_uring and the pread pool on Linux, the pread
+/// pool elsewhere (io_uring is Linux-only; macOS reads with pread and F_NOCACHE).
+pub fn readers() -> &'static [ReaderKind] {
+    if cfg!(target_os = "linux") { &[ReaderKind::Uring, ReaderKind::Pread] } else { &[ReaderKind::Pread] }
+}
+
 /// The store over the model's own shards (one drive).
 pub fn shard_store(m: &Model, cache_bytes: u64, qd: usize, prefetch_depth: usize) -> Arc<ExpertStore> {
     shard_store_with_heat(m, cache_bytes, qd, prefetch_depth, None)
@@ -410,7 +429,6 @@ pub fn shard_store_with_heat(
     )
 }
 
-/// `n` drive directories `ROOT/d0 .. ROOT/d{n-1}` (created by `place`).
 /// Flips one byte in every record of `drive`'s pack of `layer`: a copy whose checksums fail.
 pub fn corrupt_pack(man: &Manifest, drive: usize, layer: usize) {
     let path = man.pack_path(drive, layer);
@@ -422,6 +440,7 @@ pub fn corrupt_pack(man: &Manifest, drive: usize, layer: usize) {
     std::fs::write(&path, &bytes).unwrap();
 }
 
+/// `n` drive directories `ROOT/d0 .. ROOT/d{n-1}` (created by `place`).
 pub fn drive_dirs(root: &Path, n: usize) -> Vec<PathBuf> {
     (0..n).map(|i| root.join(format!("d{i}"))).collect()
 }

@@ -355,6 +355,6 @@ pub(crate) fn write_safetensors(
         }
     }
     let f = w.into_inner().map_err(|e| SynthError::Io { path: path.to_path_buf(), source: e.into_error() })?;
-    f.sync_all().map_err(io(path))?;
+    crate::util::sync_file(&f).map_err(io(path))?;
     Ok(())
 }

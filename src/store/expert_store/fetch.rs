@@ -256,7 +256,14 @@ impl ExpertSource for ExpertStore {
         let drives: Vec<String> = r
             .drives
             .iter()
-            .map(|d| format!("{} ({}{})", d.root, d.reader, if d.direct_io { ", O_DIRECT" } else { "" }))
+            .map(|d| {
+                format!(
+                    "{} ({}{})",
+                    d.root,
+                    d.reader,
+                    if d.direct_io { format!(", {}", crate::store::reader::UNCACHED) } else { String::new() }
+                )
+            })
             .collect();
         format!("experts via store: {} drive(s) [{}], {} slots", r.drives.len(), drives.join(", "), self.slots())
     }
