@@ -1,7 +1,7 @@
 //! Hedged reads (issue 32): a read late on a slow drive is issued again on another drive holding a
-//! copy; the first copy to land is used, with each of `readers()`. The slow drive is real files read with O_DIRECT whose
-//! completions the store hands over late (`delay_drive`), so the late read really is in flight
-//! when its hedge lands. Output bits never change; only the counters say what happened.
+//! copy; the first copy to land is used (with each of `readers()`). The slow drive is real files
+//! read with O_DIRECT whose completions the store hands over late (`delay_drive`), so the late
+//! read really is in flight when its hedge lands. Output bits never change; only the counters say what happened.
 
 mod common;
 use common::*;
@@ -64,7 +64,8 @@ fn late_reads_are_hedged_on_the_mirror_with_the_same_bytes_and_output() {
         let (issued, wins) = hedges(&st.report());
         assert!(
             issued > before.0 && wins > before.1,
-            "{reader:?}: a read late on drive 0 was not hedged and won: {issued} hedged, {wins} wins (before: {before:?})"
+            "{reader:?}: a read late on drive 0 was not hedged and won: {issued} hedged, {wins} wins \
+             (before: {before:?})"
         );
         assert_eq!(greedy(&engine_with(tmp.path(), st.clone()), prompt, 4), want_ids);
         // The losers land later and give their slots back: the store still serves everything.

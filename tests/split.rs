@@ -1,7 +1,7 @@
 //! Split reads (issue 32): an expert held on several drives is read as page-aligned byte ranges
-//! across them (real files read with O_DIRECT, by each of `readers()`) into one slot and checked whole. The bytes and the
-//! greedy ids are those of whole reads whatever the split; a range that fails or a copy that is
-//! corrupt fails over to the other copies with the same bytes.
+//! across them (real files read with O_DIRECT, by each of `readers()`) into one slot and checked
+//! whole. The bytes and the greedy ids are those of whole reads whatever the split; a range that
+//! fails or a copy that is corrupt fails over to the other copies with the same bytes.
 
 mod common;
 use common::*;

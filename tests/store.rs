@@ -1,6 +1,6 @@
 //! The expert store against the in-memory path: every placement (1, 2, 3 directory drives;
-//! spread, mirror, hot), cache size (0, small, large) and reader (io_uring, pread; `readers()`) must give
-//! bit-identical logits; faults (corrupt, truncated or missing copies, short reads, packs cut
+//! spread, mirror, hot), cache size (0, small, large) and reader (`readers()`: io_uring and pread)
+//! must give bit-identical logits; faults (corrupt, truncated or missing copies, short reads, packs cut
 //! before the run or between two forward calls, missing drives) fail over to other holders with
 //! identical output, or fail loudly when no holder is left, never with a wrong output.
 
