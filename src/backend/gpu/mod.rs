@@ -28,12 +28,16 @@ mod experts;
 mod kernels;
 mod ops;
 mod profile;
+#[cfg(feature = "gpu-bench")]
+mod residency;
 mod state;
 #[cfg(feature = "gpu-bench")]
 mod transfer_bench;
 
 #[cfg(feature = "gpu-bench")]
 pub use bench::VariantTiming;
+#[cfg(feature = "gpu-bench")]
+pub use residency::ResidencyPoint;
 #[cfg(feature = "gpu-bench")]
 pub use transfer_bench::TransferRates;
 

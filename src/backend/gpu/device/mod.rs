@@ -30,8 +30,8 @@ use readback::SPIN_WAIT;
 pub use readback::fail_readback_in;
 pub(super) use readback::{fail_readback_wanted, map_read, map_words};
 pub(super) use staging::{UMA_ARENA, floats_of, par_copy, write_mapped};
-pub use uma::{UMA_ENV, UmaMode};
 pub(super) use timing::Stamp;
+pub use uma::{UMA_ENV, UmaMode};
 
 // The kernel microbench's view of the product kernels' layout.
 #[cfg(feature = "gpu-bench")]

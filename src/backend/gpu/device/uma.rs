@@ -63,7 +63,9 @@ pub fn in_place(mode: UmaMode, device_type: wgpu::DeviceType, mappable: bool) ->
         UmaMode::On if mappable => (true, None),
         UmaMode::On => (
             false,
-            Some(format!("{UMA_ENV}=on: the adapter cannot map storage buffers (MAPPABLE_PRIMARY_BUFFERS); experts are staged")),
+            Some(format!(
+                "{UMA_ENV}=on: the adapter cannot map storage buffers (MAPPABLE_PRIMARY_BUFFERS); experts are staged"
+            )),
         ),
     }
 }
