@@ -65,7 +65,8 @@ fn shipped(l: &ExpertLayout) -> u64 {
     l.parts.iter().map(|&(_, n)| n as u64).sum()
 }
 
-/// Runs `experts` on `inputs` as one batch of `g`; the outputs and the (staged, in place) bytes.
+/// Runs `experts` on `inputs` as one batch of `g`; the outputs, the (staged, in place) bytes and
+/// the submissions.
 fn batch(g: &GpuBackend, layout: &ExpertLayout, situ: Situ, experts: &[Vec<u8>], inputs: &[Vec<f32>]) -> Out {
     let before = g.device_traffic();
     let mut b = g.expert_batch(3, layout, situ);
@@ -74,10 +75,10 @@ fn batch(g: &GpuBackend, layout: &ExpertLayout, situ: Situ, experts: &[Vec<u8>],
     }
     let outs = b.finish().unwrap();
     let t = g.device_traffic().since(before);
-    (outs, t.expert_staged_bytes, t.expert_in_place_bytes)
+    (outs, t.expert_staged_bytes, t.expert_in_place_bytes, t.submissions)
 }
 
-type Out = (Vec<Vec<f32>>, u64, u64);
+type Out = (Vec<Vec<f32>>, u64, u64, u64);
 
 #[test]
 fn experts_written_in_place_give_the_staged_bits_and_the_cpus_and_stage_no_byte() {
@@ -99,10 +100,14 @@ fn experts_written_in_place_give_the_staged_bits_and_the_cpus_and_stage_no_byte(
             let inputs: Vec<Vec<f32>> = (0..37).map(|i| rows_input(&mut rng, rows[i % 4], latent)).collect();
             let run = inputs.iter().filter(|x| !x.is_empty()).count() as u64;
             let what = format!("{inter}x{latent}, rows {rows:?}, round {round}");
-            let (got, staged, in_place) = batch(&on, &layout, situ, &bytes, &inputs);
+            // Groups of 16 queued experts (those without rows are not queued): one submission each.
+            let groups = run.div_ceil(16);
+            let (got, staged, in_place, subs) = batch(&on, &layout, situ, &bytes, &inputs);
             assert_eq!((staged, in_place), (0, run * shipped(&layout)), "{what}: in place, nothing staged");
-            let (want, staged, in_place) = batch(&off, &layout, situ, &bytes, &inputs);
+            assert_eq!(subs, groups, "{what}: in place, no copy submitted per expert");
+            let (want, staged, in_place, subs) = batch(&off, &layout, situ, &bytes, &inputs);
             assert_eq!((staged, in_place), (run * shipped(&layout), 0), "{what}: all staged");
+            assert_eq!(subs, groups + run, "{what}: staged, a copy submitted per expert");
             let (mut same_cpu, mut total) = (0, 0);
             for (i, (b, zd)) in bytes.iter().zip(&inputs).enumerate() {
                 assert_eq!(bits(&got[i]), bits(&want[i]), "{what}, expert {i}: in place differs from staged");
