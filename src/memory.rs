@@ -371,3 +371,137 @@ pub fn plan_encodings(c: &K3Config, p: &PlanInputs) -> Vec<PlanRow> {
         })
         .collect()
 }
+
+// The wired limit (macOS): memory the GPU may keep wired. Metal's working set on Apple silicon is
+// bounded by it; model memory past it is paged, and decoded 40-150x slower in peers' measurements.
+
+/// macOS's wired limit for the GPU: `iogpu.wired_limit_mb` when set, else macOS's default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WiredLimit {
+    pub bytes: u64,
+    /// The machine's memory (`hw.memsize`).
+    pub ram: u64,
+    /// `iogpu.wired_limit_mb` as set (0: not set, `bytes` is macOS's default, estimated).
+    pub sysctl_mb: u64,
+}
+
+/// Memory a raised limit leaves to macOS and everything else.
+const WIRED_OS_RESERVE: u64 = 8 << 30;
+
+impl WiredLimit {
+    /// The limit on a machine of `ram` bytes with `iogpu.wired_limit_mb` = `sysctl_mb`. Unset (0),
+    /// macOS's default: two thirds of memory up to 32 GiB, three quarters above (what Metal's
+    /// `recommendedMaxWorkingSetSize` reports on such Macs; recent macOS has been reported to
+    /// give more, so the estimate errs low).
+    pub fn new(ram: u64, sysctl_mb: u64) -> Self {
+        let bytes = if sysctl_mb > 0 {
+            sysctl_mb << 20
+        } else if ram <= 32 << 30 {
+            ram / 3 * 2
+        } else {
+            ram / 4 * 3
+        };
+        WiredLimit { bytes, ram, sysctl_mb }
+    }
+
+    /// None when `gpu_bytes` of GPU memory fit under the limit; else what to tell the user: the
+    /// numbers and the `sysctl` that raises the limit, or, when even a raised one leaves macOS too
+    /// little, to use less GPU memory.
+    pub fn check(&self, gpu_bytes: u64) -> Option<String> {
+        use crate::setting::Setting;
+        if gpu_bytes <= self.bytes {
+            return None;
+        }
+        let limit = match self.sysctl_mb {
+            0 => format!("macOS's default, about {} (iogpu.wired_limit_mb is 0)", human_bytes(self.bytes)),
+            mb => format!("{} (iogpu.wired_limit_mb={mb})", human_bytes(self.bytes)),
+        };
+        let most = self.ram.saturating_sub(WIRED_OS_RESERVE);
+        // The need plus 1 GiB, in whole GiB.
+        let want_mb = (gpu_bytes + (1 << 30)).div_ceil(1 << 30) * 1024;
+        let lower = format!("lower {} or {}", Setting::GpuCacheGb, Setting::MemoryGb);
+        let fix = if want_mb << 20 <= most {
+            format!(
+                "raise it with `sudo sysctl iogpu.wired_limit_mb={want_mb}` (until the next reboot; it leaves {} to macOS), or {lower}",
+                human_bytes(self.ram.saturating_sub(want_mb << 20))
+            )
+        } else {
+            format!("a higher limit would leave macOS less than {}: {lower}", human_bytes(WIRED_OS_RESERVE))
+        };
+        Some(format!(
+            "the GPU would hold about {} of this Mac's {}, more than macOS keeps wired for it, {limit}; the rest is paged and runs many times slower: {fix}",
+            human_bytes(gpu_bytes),
+            human_bytes(self.ram)
+        ))
+    }
+
+    /// This Mac's limit (None where the sysctls cannot be read).
+    #[cfg(target_os = "macos")]
+    pub fn read() -> Option<Self> {
+        Some(WiredLimit::new(sysctl_u64(c"hw.memsize")?, sysctl_u64(c"iogpu.wired_limit_mb").unwrap_or(0)))
+    }
+}
+
+/// What to tell the user when `gpu_bytes` of GPU memory exceed the wired limit (only on macOS,
+/// where GPU memory is the machine's memory; elsewhere None).
+pub fn wired_limit_warning(gpu_bytes: u64) -> Option<String> {
+    #[cfg(target_os = "macos")]
+    {
+        WiredLimit::read()?.check(gpu_bytes)
+    }
+    #[cfg(not(target_os = "macos"))]
+    {
+        let _ = gpu_bytes;
+        None
+    }
+}
+
+/// An integer sysctl of 4 or 8 bytes.
+#[cfg(target_os = "macos")]
+fn sysctl_u64(name: &std::ffi::CStr) -> Option<u64> {
+    let mut buf = [0u8; 8];
+    let mut len = buf.len();
+    // SAFETY: `buf` is valid for `len` bytes, which sysctlbyname writes at most (and updates);
+    // no new value is set (null, 0).
+    let r = unsafe { libc::sysctlbyname(name.as_ptr(), buf.as_mut_ptr().cast(), &mut len, std::ptr::null_mut(), 0) };
+    match (r, len) {
+        (0, 4) => Some(u64::from(u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]))),
+        (0, 8) => Some(u64::from_ne_bytes(buf)),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod wired_tests {
+    use super::WiredLimit;
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn the_default_limit_is_two_thirds_of_a_small_mac_and_three_quarters_of_a_large_one() {
+        assert_eq!(WiredLimit::new(16 * GIB, 0).bytes, 16 * GIB / 3 * 2);
+        assert_eq!(WiredLimit::new(32 * GIB, 0).bytes, 32 * GIB / 3 * 2);
+        assert_eq!(WiredLimit::new(128 * GIB, 0).bytes, 96 * GIB);
+        // Set: exactly what it says, above or below the default.
+        assert_eq!(WiredLimit::new(128 * GIB, 114_688).bytes, 112 * GIB);
+        assert_eq!(WiredLimit::new(128 * GIB, 4096).bytes, 4 * GIB);
+    }
+
+    #[test]
+    fn a_plan_over_the_limit_names_the_sysctl_that_raises_it() {
+        let mac = WiredLimit::new(128 * GIB, 0);
+        assert_eq!(mac.check(96 * GIB), None);
+        let msg = mac.check(100 * GIB + 5).unwrap();
+        let cache = crate::setting::Setting::GpuCacheGb.to_string();
+        // 100 GiB and 5 bytes, plus 1 GiB, in whole GiB.
+        assert!(msg.contains("sudo sysctl iogpu.wired_limit_mb=104448"), "{msg}");
+        assert!(msg.contains("iogpu.wired_limit_mb is 0") && msg.contains(&cache), "{msg}");
+        let set = WiredLimit::new(128 * GIB, 65_536);
+        let msg = set.check(70 * GIB).unwrap();
+        assert!(msg.contains("iogpu.wired_limit_mb=65536)") && msg.contains("wired_limit_mb=72704"), "{msg}");
+        // More than a raised limit could give while leaving macOS its 8 GiB: no sysctl to suggest.
+        let msg = mac.check(121 * GIB).unwrap();
+        assert!(!msg.contains("sudo sysctl") && msg.contains(&cache), "{msg}");
+        let small = WiredLimit::new(16 * GIB, 0).check(11 * GIB).unwrap();
+        assert!(!small.contains("sudo sysctl"), "{small}");
+    }
+}

@@ -28,6 +28,11 @@ pub struct Stats {
     pub cache_misses: Option<u64>,
     /// Experts the backend ran from its own device memory (`--gpu-cache-gb`), not fetched.
     pub device_expert_hits: u64,
+    /// Routed-expert bytes a GPU backend got through a staging buffer and a copy on the device,
+    /// and those it wrote once, straight into device-visible memory (unified memory: the staging
+    /// copy avoided), while this run's layers ran.
+    pub device_expert_staged_bytes: u64,
+    pub device_expert_in_place_bytes: u64,
     /// Distinct (layer, expert) pairs used over the whole run.
     pub distinct_experts: HashSet<(u32, u32)>,
     pub expert_bytes: u64,
@@ -96,6 +101,8 @@ impl Stats {
         self.expert_rows += o.expert_rows;
         self.expert_bytes_requested += o.expert_bytes_requested;
         self.device_expert_hits += o.device_expert_hits;
+        self.device_expert_staged_bytes += o.device_expert_staged_bytes;
+        self.device_expert_in_place_bytes += o.device_expert_in_place_bytes;
         self.distinct_experts.extend(o.distinct_experts.iter().copied());
         self.expert_bytes = self.expert_bytes.max(o.expert_bytes);
         self.read_wait_s += o.read_wait_s;
@@ -247,6 +254,8 @@ impl Stats {
             let src = self.source.as_ref();
             m.insert("hedged_reads".into(), json!(src.and_then(|s| s.hedged_reads)));
             m.insert("hedge_wins".into(), json!(src.and_then(|s| s.hedge_wins)));
+            m.insert("device_expert_staged_bytes".into(), json!(self.device_expert_staged_bytes));
+            m.insert("device_expert_in_place_bytes".into(), json!(self.device_expert_in_place_bytes));
         }
         v
     }

@@ -848,5 +848,18 @@ fn bench_kernels_on_the_gpu_gives_each_kernel_against_its_reference() {
     assert_eq!(j["matmul_variant_same_bits_equal"], true, "{j}");
     assert_eq!(j["matmul_variant_half_bits_equal"], false, "{j}");
     assert_eq!(j["matmul_variant_shipped_bits_equal"], true, "{j}");
+    // The residency ladder: both layouts at each size; one buffer per slot references a buffer
+    // per expert of a group, the arenas a few.
+    let ladder = j["residency"].as_array().unwrap_or_else(|| panic!("residency missing: {j}"));
+    assert_eq!(ladder.len(), 10, "{j}");
+    for p in ladder {
+        let f = |k: &str| p[k].as_f64().unwrap_or_else(|| panic!("{k}: {p}"));
+        assert!(f("group_us") > 0.0 && f("submit_us") > 0.0 && f("groups") >= 20.0, "{p}");
+        if p["layout"] == "per_expert" {
+            assert_eq!((f("buffers"), f("buffers_per_group")), (f("slots"), 16.0_f64.min(f("slots"))), "{p}");
+        } else {
+            assert!(f("buffers_per_group") <= 2.0 && f("buffers") < f("slots").max(2.0), "{p}");
+        }
+    }
     std::fs::remove_dir_all(&variants).ok();
 }

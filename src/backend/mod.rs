@@ -113,6 +113,12 @@ pub struct DeviceTraffic {
     /// latent caches mirrored from [`AppendBuf`]s) at the time of the reading (a level, not a
     /// count: [`DeviceTraffic::since`] keeps the later one).
     pub resident_state_bytes: u64,
+    /// Routed-expert bytes that reached device memory through a staging buffer and a copy on the
+    /// device (a discrete GPU; on any GPU an expert admitted to the device cache).
+    pub expert_staged_bytes: u64,
+    /// Routed-expert bytes written once, straight into device-visible memory that the kernels read
+    /// (unified memory: the copy through a staging buffer avoided).
+    pub expert_in_place_bytes: u64,
     /// Seconds the host spent blocked until the device had finished a submission.
     pub wait_s: f64,
     /// Seconds the device spent in compute passes, from its timestamps (only with
@@ -128,6 +134,8 @@ impl DeviceTraffic {
             upload_bytes: self.upload_bytes.saturating_sub(earlier.upload_bytes),
             readback_bytes: self.readback_bytes.saturating_sub(earlier.readback_bytes),
             resident_state_bytes: self.resident_state_bytes,
+            expert_staged_bytes: self.expert_staged_bytes.saturating_sub(earlier.expert_staged_bytes),
+            expert_in_place_bytes: self.expert_in_place_bytes.saturating_sub(earlier.expert_in_place_bytes),
             wait_s: (self.wait_s - earlier.wait_s).max(0.0),
             device_s: (self.device_s - earlier.device_s).max(0.0),
         }
@@ -325,6 +333,13 @@ pub trait Device: Backend {
     /// Bytes of device memory the backend uses for routed experts (its cache and staging), for
     /// the memory plan's line; 0 for the CPU.
     fn device_expert_bytes(&self) -> u64 {
+        0
+    }
+
+    /// Bytes of device memory the backend holds now (trunk, expert cache and staging, sequence
+    /// state kept there): what counts against a unified-memory machine's wired limit; 0 for the
+    /// CPU.
+    fn device_memory_bytes(&self) -> u64 {
         0
     }
 

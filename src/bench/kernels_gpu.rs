@@ -32,6 +32,10 @@ pub struct GpuKernelOptions {
     pub matmul_variants: Option<PathBuf>,
 }
 
+/// Cache sizes (experts) of the residency ladder.
+#[cfg(feature = "gpu-bench")]
+const RESIDENCY_SLOTS: [usize; 5] = [16, 256, 1024, 4096, 16384];
+
 /// The GPU kernels at K3's shapes: the MXFP4 matvec over one MoE layer's 16 routed w1 matrices
 /// (49152 x 3584, larger than any GPU's L2; `--matvec-rows` for other heights) and the bf16
 /// trunk matvec (12288 x 7168), each against a plain read of the same bytes; one expert's w1 alone (3072 x 3584); the `rows`-row MXFP4
@@ -102,6 +106,10 @@ pub fn run(g: &Gpu, a: &GpuKernelOptions) -> Result<serde_json::Value, BenchErro
     put("round_trip_us", (t.elapsed().as_secs_f64() / calls as f64 * 1e6).into());
     // Host <-> device rates of a prefill's activation size (a K3 MoE layer's 8192 latent rows).
     put("transfer", serde_json::to_value(g.transfer_rates(8192 * 3584 * 4)).unwrap_or_default());
+    // What one decode group's submission costs as the device expert cache grows, its slots in
+    // arenas (deltafin's) or one buffer each (backend/gpu/residency.rs).
+    put("experts_in_place", g.experts_in_place().into());
+    put("residency", serde_json::to_value(g.residency(&RESIDENCY_SLOTS, (5 * reps).max(20))?).unwrap_or_default());
     if let Some(dir) = &a.matvec_variants {
         for v in variant_timings(dir, g.time_matvec_variants(dir, mr, mc, reps)) {
             let n = &v.name;

@@ -354,6 +354,16 @@ impl Engine {
         let cache = cache.checked_div(slot).map_or(0, |n| n.min(n_experts) * slot);
         let plan = MemoryPlan::new(c, budget, trunk_bytes, draft_bytes, cache, staging, rows, config.output_bytes)?
             .with_context(context, config.sequences);
+        // On a Mac the GPU's memory (what it holds now, and at most every sequence's state and the
+        // activations) must stay wired: say so when the plan passes the limit.
+        let on_gpu = backend.device_memory_bytes();
+        if on_gpu > 0 {
+            let per_seq = plan.state_fixed + plan.state_per_token * plan.context as u64;
+            let gpu = on_gpu + plan.sequences as u64 * per_seq + plan.activations;
+            if let Some(msg) = crate::memory::wired_limit_warning(gpu) {
+                tracing::warn!("{msg}");
+            }
+        }
         let (source, store): (Option<Arc<dyn ExpertSource>>, Option<Arc<ExpertStore>>) = match spec {
             None if given.is_some() => (given, None),
             None => match ShardExperts::new(Arc::clone(&ck), &roster) {

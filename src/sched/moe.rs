@@ -162,6 +162,7 @@ impl Schedule for StoreSchedule<'_> {
             src.prefetch(nl, &pred);
         }
         let t_fetch = Instant::now();
+        let traffic = self.device.device_traffic();
         let then = read_ahead.as_ref().map(|(nl, sure)| (*nl, sure.as_slice()));
         // A backend failure stops the fetch (reads in flight complete and are released) and is
         // the layer's error.
@@ -194,9 +195,12 @@ impl Schedule for StoreSchedule<'_> {
         let sum_s = t.elapsed().as_secs_f64();
         kernel_s += sum_s;
         let fetch_s = t_fetch.elapsed().as_secs_f64();
+        let uploaded = self.device.device_traffic().since(traffic);
         let stats = &mut *self.stats;
         stats.layer_passes += 1;
         stats.device_expert_hits += held_n as u64;
+        stats.device_expert_staged_bytes += uploaded.expert_staged_bytes;
+        stats.device_expert_in_place_bytes += uploaded.expert_in_place_bytes;
         stats.experts_fetched += union.len() as u64;
         stats.expert_rows += expert_rows as u64;
         stats.expert_bytes_requested += ((union.len() - held_n) * layout.len) as u64;

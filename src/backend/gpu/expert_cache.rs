@@ -42,6 +42,8 @@ struct Slot {
 
 pub(super) struct DeviceCache {
     budget: u64,
+    /// Bytes of one arena at most ([`ARENA_BYTES`]; the residency bench also times one slot each).
+    arena_bytes: u64,
     slot_bytes: u64,
     arenas: Vec<wgpu::Buffer>,
     slots: Vec<Slot>,
@@ -63,6 +65,7 @@ impl DeviceCache {
     pub fn new(budget: u64) -> Self {
         DeviceCache {
             budget,
+            arena_bytes: ARENA_BYTES,
             slot_bytes: 0,
             arenas: Vec::new(),
             slots: Vec::new(),
@@ -73,6 +76,20 @@ impl DeviceCache {
             since_decay: 0,
             max_slots: None,
         }
+    }
+
+    /// The same cache with arenas of at most `bytes` (at least one slot each): one buffer per
+    /// expert when `bytes` is a slot's, the layout the residency bench compares the arenas with.
+    #[cfg(feature = "gpu-bench")]
+    pub fn with_arena_bytes(mut self, bytes: u64) -> Self {
+        self.arena_bytes = bytes;
+        self
+    }
+
+    /// Device buffers holding the slots.
+    #[cfg(feature = "gpu-bench")]
+    pub fn buffers(&self) -> usize {
+        self.arenas.len()
     }
 
     /// Device memory held by allocated slots.
@@ -157,7 +174,7 @@ impl DeviceCache {
                 crate::util::human_bytes(self.slot_bytes)
             );
         }
-        let per_arena = (ARENA_BYTES.min(max_binding) / self.slot_bytes.max(1)).max(1) as usize;
+        let per_arena = (self.arena_bytes.min(max_binding) / self.slot_bytes.max(1)).max(1) as usize;
         while self.slots.len() < wanted {
             let n = per_arena.min(wanted - self.slots.len());
             match self.allocate(device, n as u64 * self.slot_bytes) {

@@ -14,13 +14,18 @@
 //! the experts were queued. An expert's bytes are copied before `add` returns (the store may
 //! reuse its buffer at once): its six records at 16-byte-aligned offsets of one image, in a slot
 //! of the device expert cache when it is admitted there (`expert_cache.rs`), else in a slot of
-//! the group's pooled staging arena; the copy is submitted at once, so host staging memory stays
-//! about one expert. Device memory besides the cache: at most two groups' staging arenas
-//! ([`staging_bytes`]).
+//! the group's arena. How they get there: on unified memory (`device/uma.rs`) an arena slot is
+//! written once, straight from the store's bytes into the arena's mapping, which the kernels then
+//! read (no staging buffer, no copy on the device, no submission per expert; the arena is unmapped
+//! when its group is submitted); otherwise, and for a cache slot, the image is written into a
+//! mapped staging buffer and copied into place on the device, submitted at once, so host staging
+//! memory stays about one expert. The traffic counters say which way each byte went. Device
+//! memory besides the cache: at most two groups' arenas ([`staging_bytes`]).
 
 use super::GpuBackend;
 use super::device::{
-    Chunk, Gpu, GpuError, Kind, MatvecJob, OUTPUT, READBACK, Resident, STAGED, Stamp, floats_of, map_read, write_mapped,
+    Chunk, Gpu, GpuError, Kind, MatvecJob, OUTPUT, READBACK, Resident, STAGED, Stamp, UMA_ARENA, floats_of, map_read,
+    write_mapped,
 };
 use super::expert_cache::Place;
 use crate::backend::{BackendError, ExpertBatch, ExpertLayout, Situ};
@@ -88,7 +93,8 @@ pub(super) struct GpuExperts<'a> {
     offs: [usize; 6],
     slot_bytes: usize,
     group: Vec<Queued>,
-    /// The group's staging arenas (the last one is being filled) and the slots used in the last.
+    /// The group's arenas (the last one is being filled) and the slots used in the last; on
+    /// unified memory of [`UMA_ARENA`] usage and mapped until the group is submitted.
     staging: Vec<wgpu::Buffer>,
     staged_in_last: usize,
     /// Images per staging arena: a group's worth, or fewer where a binding holds fewer.
@@ -123,11 +129,18 @@ impl<'a> GpuExperts<'a> {
         }
     }
 
-    /// A free slot of the group's staging arena (a new arena when the last is full).
+    /// The usage of the group's arenas.
+    fn arena_usage(&self) -> wgpu::BufferUsages {
+        if self.be.gpu.in_place { UMA_ARENA } else { STAGED }
+    }
+
+    /// A free slot of the group's arena (a new arena when the last is full: mapped on unified
+    /// memory).
     fn staging_slot(&mut self) -> Place {
         if self.staging.is_empty() || self.staged_in_last == self.per_arena {
             let size = (self.per_arena * self.slot_bytes) as u64;
-            self.staging.push(self.be.gpu.take(STAGED, size));
+            let g = &self.be.gpu;
+            self.staging.push(if g.in_place { g.mapped_as(UMA_ARENA, size) } else { g.take(STAGED, size) });
             self.staged_in_last = 0;
         }
         let at = (self.staged_in_last * self.slot_bytes) as u64;
@@ -263,15 +276,23 @@ impl<'a> GpuExperts<'a> {
         enc.copy_buffer_to_buffer(&bufs[2], 0, &read, 0, (total * lat * 4) as u64);
         g.stamp_resolve(&mut enc, &stamp);
         g.traffic.submitted((total * lat * 4) as u64);
+        let usage = self.arena_usage();
+        if usage == UMA_ARENA {
+            // Written in place: the kernels may read them once they are unmapped.
+            self.staging.iter().for_each(wgpu::Buffer::unmap);
+        }
+        let t = std::time::Instant::now();
         let submission = g.queue.submit([enc.finish()]);
+        let submit_ns = t.elapsed().as_nanos() as u64;
+        g.traffic.expert_submit_ns.fetch_add(submit_ns, std::sync::atomic::Ordering::Relaxed);
         for q in &group {
             g.remap(q.rows.clone());
         }
         let parts = group.iter().map(|q| (q.index, q.floats)).collect();
         let mut temps: Vec<(wgpu::BufferUsages, wgpu::Buffer)> = vec![(STAGED, x)];
         temps.extend(bufs.into_iter().map(|b| (OUTPUT, b)));
-        // The staging arenas go back to the pool when the group has run.
-        temps.extend(std::mem::take(&mut self.staging).into_iter().map(|b| (STAGED, b)));
+        // The arenas go back to their pool when the group has run.
+        temps.extend(std::mem::take(&mut self.staging).into_iter().map(|b| (usage, b)));
         let images = group.into_iter().map(|q| q.image).collect();
         self.flying.push_back(InFlight { submission, read, parts, images, temps, stamp });
         // Keep one group running while the next is filled; older ones are read back now.
@@ -311,7 +332,12 @@ impl<'a> GpuExperts<'a> {
             self.outs[index] = v;
         }
         for (usage, b) in f.temps {
-            g.give(usage, b);
+            if usage == UMA_ARENA {
+                // Mapped again for the next group's writes once the device lets go of it.
+                g.remap(b);
+            } else {
+                g.give(usage, b);
+            }
         }
         Ok(())
     }
@@ -382,25 +408,37 @@ impl ExpertBatch for GpuExperts<'_> {
             };
             let g = &self.be.gpu;
             let (buf, base) = (&image.place.buf, image.place.at);
-            // The image is laid out in a mapped staging buffer (each record zero-padded to its
-            // 16-byte slot, written across threads) and copied into place on the device at once:
-            // a group's worth (16 x 17.55 MB for K3) held in host staging would be host memory
-            // outside the budget.
-            let staging = g.fill_with(self.slot_bytes, |view| {
+            // Each record zero-padded to its 16-byte slot, written across threads.
+            let write_image = |view: &mut wgpu::BufferViewMut| {
                 for (&(o, len), &at) in self.layout.parts.iter().zip(&self.offs) {
                     write_mapped(view, at, &bytes[o..o + len]);
                     let pad = len.div_ceil(16) * 16 - len;
                     write_mapped(view, at + len, &[0u8; 16][..pad]);
                 }
-            });
-            let mut enc = g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
-            enc.copy_buffer_to_buffer(&staging, 0, buf, base, self.slot_bytes as u64);
-            g.traffic.uploaded(self.layout.parts.iter().map(|&(_, len)| len as u64).sum());
-            g.traffic.submitted(0);
-            g.queue.submit([enc.finish()]);
-            g.remap(staging);
-            // Only to let the device start; a failure of the device shows at the readback.
-            let _ = g.device.poll(wgpu::PollType::Poll);
+            };
+            let expert_bytes = self.layout.parts.iter().map(|&(_, len)| len as u64).sum();
+            if image.slot.is_none() && g.in_place {
+                // Unified memory: straight into the group's mapped arena, where the kernels read it.
+                match buf.get_mapped_range_mut(base..base + self.slot_bytes as u64) {
+                    Ok(mut view) => write_image(&mut view),
+                    Err(e) => g.traffic.record_failure(format!("mapping an expert arena for an upload: {e}")),
+                }
+                g.traffic.expert_uploaded(expert_bytes, true);
+            } else {
+                // Laid out in a mapped staging buffer and copied into place on the device at once:
+                // a group's worth (16 x 17.55 MB for K3) held in host staging would be host
+                // memory outside the budget.
+                let staging = g.fill_with(self.slot_bytes, write_image);
+                let mut enc =
+                    g.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("expert") });
+                enc.copy_buffer_to_buffer(&staging, 0, buf, base, self.slot_bytes as u64);
+                g.traffic.expert_uploaded(expert_bytes, false);
+                g.traffic.submitted(0);
+                g.queue.submit([enc.finish()]);
+                g.remap(staging);
+                // Only to let the device start; a failure of the device shows at the readback.
+                let _ = g.device.poll(wgpu::PollType::Poll);
+            }
             let r = self.queue(image, zd);
             self.failed(r)
         })
@@ -432,8 +470,14 @@ impl Drop for GpuExperts<'_> {
         for slot in std::mem::take(&mut self.group).iter().filter_map(|q| q.image.slot) {
             self.be.with_cache(|c| c.unpin(slot));
         }
+        let usage = self.arena_usage();
         for b in std::mem::take(&mut self.staging) {
-            self.be.gpu.give(STAGED, b);
+            if usage == UMA_ARENA {
+                // Never submitted: still mapped.
+                self.be.gpu.keep_mapped(b);
+            } else {
+                self.be.gpu.give(STAGED, b);
+            }
         }
     }
 }

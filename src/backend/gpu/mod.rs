@@ -8,7 +8,9 @@
 //! use) and kept resident, split into bindings no larger than the adapter allows; expert bytes are
 //! uploaded from the store's buffers (decoded in the kernel, never re-encoded): per call for
 //! `matmul_mxfp4`, or a layer's experts in groups of one submission per phase through
-//! [`Backend::expert_batch`] (`experts.rs`). RMSNorm, SiTU, the AttnRes mix, routing top-k,
+//! [`Backend::expert_batch`] (`experts.rs`); on unified memory (Apple silicon, integrated GPUs,
+//! lavapipe: `device/uma.rs`, [`UmaMode`]) the batch writes each expert once, straight into
+//! device-visible memory, with no staging buffer and no copy on the device. RMSNorm, SiTU, the AttnRes mix, routing top-k,
 //! argmax, the KDA recurrence (update and replay) and the MLA core run on the GPU too (`ops`), with
 //! the same rule (CPU order, `detmath` for transcendentals and division, explicit fma), from
 //! [`DEFAULT_OPS_MIN`] elements of work (smaller calls, the chunked KDA form and calls past
@@ -26,6 +28,8 @@ mod experts;
 mod kernels;
 mod ops;
 mod profile;
+#[cfg(feature = "gpu-bench")]
+mod residency;
 mod state;
 #[cfg(feature = "gpu-bench")]
 mod transfer_bench;
@@ -33,9 +37,11 @@ mod transfer_bench;
 #[cfg(feature = "gpu-bench")]
 pub use bench::VariantTiming;
 #[cfg(feature = "gpu-bench")]
+pub use residency::ResidencyPoint;
+#[cfg(feature = "gpu-bench")]
 pub use transfer_bench::TransferRates;
 
-pub use device::{AdapterSummary, GpuError, fail_readback_in, set_timestamps};
+pub use device::{AdapterSummary, GpuError, UMA_ENV, UmaMode, fail_readback_in, set_timestamps};
 use ops::{Dst, Limits, Ops, Src};
 use state::{DeviceState, LatentMirror};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -100,9 +106,15 @@ pub struct GpuBackend {
 
 impl GpuBackend {
     /// The first adapter wgpu offers (a discrete or integrated GPU before a CPU one), or an error
-    /// saying why there is none. `allow_cpu`: accept a software adapter (lavapipe) too.
+    /// saying why there is none. `allow_cpu`: accept a software adapter (lavapipe) too. Experts
+    /// reach it as `DELTAFIN_GPU_UMA` says ([`UmaMode::from_env`]).
     pub fn new(allow_cpu: bool) -> Result<Self, GpuError> {
-        let gpu = Gpu::new(allow_cpu)?;
+        Self::open(allow_cpu, UmaMode::from_env())
+    }
+
+    /// [`GpuBackend::new`] with the way experts reach the device given (`uma`).
+    pub fn open(allow_cpu: bool, uma: UmaMode) -> Result<Self, GpuError> {
+        let gpu = Gpu::new(allow_cpu, uma)?;
         let fused = gpu.fma_is_fused()?;
         if let Some(n) = device::fail_readback_wanted() {
             fail_readback_in(n);
@@ -192,6 +204,12 @@ impl GpuBackend {
 
     pub fn adapter(&self) -> &AdapterSummary {
         &self.gpu.summary
+    }
+
+    /// True when routed experts are written in place, into device-visible memory (unified
+    /// memory), instead of staged and copied.
+    pub fn experts_in_place(&self) -> bool {
+        self.gpu.in_place
     }
 
     /// True when the adapter's `fma` rounds once (then the products give the CPU's bits).
@@ -291,12 +309,13 @@ impl Device for GpuBackend {
         let seq_part =
             if per_seq.is_empty() { String::new() } else { format!("; per sequence {}", per_seq.join(" + ")) };
         format!(
-            "gpu {} ({:?}, {}, fma {}{}, device memory: trunk {}{cache_part}{staging_part} = {}{seq_part}) + {}",
+            "gpu {} ({:?}, {}, fma {}{}{}, device memory: trunk {}{cache_part}{staging_part} = {}{seq_part}) + {}",
             a.name,
             a.device_type,
             a.backend,
             if self.fused { "fused" } else { "not fused" },
             if self.gpu.timed() { ", passes timed" } else { "" },
+            if a.experts_in_place { ", unified memory: experts written in place" } else { "" },
             hb(trunk),
             hb(trunk + cache + staging),
             self.cpu.describe()
@@ -339,6 +358,12 @@ impl Device for GpuBackend {
 
     fn device_expert_bytes(&self) -> u64 {
         self.with_cache(|c| c.bytes()) + self.staging.load(Ordering::Relaxed) as u64
+    }
+
+    fn device_memory_bytes(&self) -> u64 {
+        let staging = self.staging.load(Ordering::Relaxed) as u64;
+        let state = self.gpu.traffic.resident_state_bytes.load(Ordering::Relaxed);
+        self.resident_bytes() + self.with_cache(|c| c.bytes()) + staging + state
     }
 
     fn op_times(&self) -> Vec<crate::backend::OpTime> {
@@ -384,6 +409,9 @@ impl Backend for GpuBackend {
     fn matmul_mxfp4(&self, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) -> Result<(), BackendError> {
         self.profile.time("matmul_mxfp4", &self.gpu.traffic, || {
             let r = self.gpu.upload_mxfp4(w, false);
+            // An expert's matrix, staged (counted as uploaded by the upload itself).
+            let bytes = (w.packed.len() + w.scales.len()) as u64;
+            self.gpu.traffic.expert_staged_bytes.fetch_add(bytes, Ordering::Relaxed);
             let done = self.gpu.matmul(&r, Kind::Mxfp4, xds, out);
             self.gpu.release(r);
             Ok(done?)

@@ -20,6 +20,7 @@ mod products;
 mod readback;
 mod staging;
 mod timing;
+mod uma;
 
 use pipeline::product_shader;
 pub(super) use pipeline::{ComputeLayout, bind_group, shader};
@@ -28,8 +29,9 @@ pub use products::{Kind, Resident};
 use readback::SPIN_WAIT;
 pub use readback::fail_readback_in;
 pub(super) use readback::{fail_readback_wanted, map_read, map_words};
-pub(super) use staging::{floats_of, par_copy, write_mapped};
+pub(super) use staging::{UMA_ARENA, floats_of, par_copy, write_mapped};
 pub(super) use timing::Stamp;
+pub use uma::{UMA_ENV, UmaMode};
 
 // The kernel microbench's view of the product kernels' layout.
 #[cfg(feature = "gpu-bench")]
@@ -66,6 +68,9 @@ pub struct AdapterSummary {
     pub backend: String,
     pub driver: String,
     pub max_binding: u64,
+    /// Routed experts are written once, straight into device-visible memory the kernels read
+    /// (unified memory, `uma.rs`), instead of staged and copied on the device.
+    pub experts_in_place: bool,
 }
 
 /// Buffers of one call kept for the next (creating device buffers per product costs more than
@@ -84,6 +89,13 @@ pub(super) struct Traffic {
     /// Device memory of the sequence state kept resident (`state.rs`: KDA states, MLA cache
     /// mirrors), now.
     pub resident_state_bytes: std::sync::atomic::AtomicU64,
+    /// Routed-expert bytes that reached device memory through a staging buffer and a copy on the
+    /// device, and those written once straight into device-visible memory (unified memory).
+    pub expert_staged_bytes: std::sync::atomic::AtomicU64,
+    pub expert_in_place_bytes: std::sync::atomic::AtomicU64,
+    /// Nanoseconds the host spent inside `queue.submit` for the expert groups (what a submission
+    /// costs the host, growing with what it references; `bench kernels --residency`).
+    pub expert_submit_ns: std::sync::atomic::AtomicU64,
     /// Nanoseconds blocked in [`map_words`] until the device had finished.
     pub wait_ns: std::sync::atomic::AtomicU64,
     /// Nanoseconds the device spent in timed compute passes ([`Stamp`], with
@@ -106,6 +118,13 @@ impl Traffic {
 
     pub fn uploaded(&self, bytes: u64) {
         self.upload_bytes.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// `bytes` of a routed expert uploaded: written in place (`in_place`) or staged.
+    pub fn expert_uploaded(&self, bytes: u64, in_place: bool) {
+        self.uploaded(bytes);
+        let c = if in_place { &self.expert_in_place_bytes } else { &self.expert_staged_bytes };
+        c.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Records a device error reported outside an error scope (the first until one is taken).
@@ -134,6 +153,8 @@ impl Traffic {
             upload_bytes: self.upload_bytes.load(Relaxed),
             readback_bytes: self.readback_bytes.load(Relaxed),
             resident_state_bytes: self.resident_state_bytes.load(Relaxed),
+            expert_staged_bytes: self.expert_staged_bytes.load(Relaxed),
+            expert_in_place_bytes: self.expert_in_place_bytes.load(Relaxed),
             wait_s: self.wait_ns.load(Relaxed) as f64 * 1e-9,
             device_s: self.device_ns.load(Relaxed) as f64 * 1e-9,
         }
@@ -165,6 +186,8 @@ pub struct Gpu {
     pub(super) matmul_module: wgpu::ShaderModule,
     pub(super) empty: wgpu::Buffer,
     pub summary: AdapterSummary,
+    /// [`AdapterSummary::experts_in_place`]: buffers of [`UMA_ARENA`] usage can be made.
+    pub(super) in_place: bool,
 }
 
 pub(super) const STAGED: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE.union(wgpu::BufferUsages::COPY_DST);
@@ -209,7 +232,9 @@ fn padded(b: &[u8]) -> Vec<u8> {
 }
 
 impl Gpu {
-    pub fn new(allow_cpu: bool) -> Result<Self, GpuError> {
+    /// The best-ranked adapter whose limits fit the kernels (a CPU one only with `allow_cpu`),
+    /// opened; `uma` chooses how routed experts reach it (`uma.rs`).
+    pub fn new(allow_cpu: bool, uma: UmaMode) -> Result<Self, GpuError> {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
         desc.backends = wgpu::Backends::VULKAN | wgpu::Backends::METAL;
         let instance = wgpu::Instance::new(desc);
@@ -242,9 +267,18 @@ impl Gpu {
         if wanted && !timed {
             tracing::warn!("DELTAFIN_GPU_TIMESTAMPS: {} has no timestamp queries; passes are not timed", info.name);
         }
+        let mappable = adapter.features().contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
+        let (in_place, why) = uma::in_place(uma, info.device_type, mappable);
+        if let Some(why) = why {
+            tracing::warn!("{why}");
+        }
+        let mut features = wgpu::Features::empty();
+        features.set(wgpu::Features::TIMESTAMP_QUERY, timed);
+        // Only where it is used: wgpu warns about it on a discrete GPU.
+        features.set(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS, in_place);
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("deltafin"),
-            required_features: if timed { wgpu::Features::TIMESTAMP_QUERY } else { wgpu::Features::empty() },
+            required_features: features,
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -268,6 +302,7 @@ impl Gpu {
             backend: format!("{:?}", info.backend).to_lowercase(),
             driver: format!("{} {}", info.driver, info.driver_info).trim().to_string(),
             max_binding: limits.max_storage_buffer_binding_size.min(limits.max_buffer_size),
+            experts_in_place: in_place,
         };
         let timestamp_period = timed.then(|| queue.get_timestamp_period());
         let traffic = std::sync::Arc::new(Traffic::default());
@@ -294,6 +329,7 @@ impl Gpu {
             matmul_module: module,
             empty,
             summary,
+            in_place,
         })
     }
 

@@ -7,9 +7,12 @@
 //! threaded copy-out 17-44 GB/s: batched prefill moves GBs a layer, so these copies were most of
 //! its wall time.
 //!
-//! Contract: [`Gpu::mapped`] hands out a MAP_WRITE | COPY_SRC buffer that is mapped now;
-//! [`Gpu::remap`] takes it back once the copies reading it are submitted (it is mapped again when
-//! the device is done with it and only then handed out again; one whose mapping fails is dropped).
+//! Contract: [`Gpu::mapped`] hands out a MAP_WRITE | COPY_SRC buffer that is mapped now
+//! ([`Gpu::mapped_as`]: of another mappable usage, such as the unified-memory expert arenas of
+//! [`UMA_ARENA`], which the kernels read where the host wrote them); [`Gpu::remap`] takes it back
+//! once the submissions using it are submitted (it is mapped again when the device is done with
+//! it and only then handed out again; one whose mapping fails is dropped), [`Gpu::keep_mapped`]
+//! one that no submission used.
 //! Copies below [`PAR_MIN`] bytes stay on the calling thread. Bytes are copied as they are (the
 //! device's words are little-endian, as is every host this runs on; others convert).
 
@@ -22,16 +25,38 @@ use std::sync::{Arc, Mutex};
 pub(in crate::backend::gpu) const PAR_MIN: usize = 1 << 20;
 /// Bytes each thread copies at a time.
 const PIECE: usize = 1 << 20;
-/// Mapped buffers kept per size class.
+/// Mapped buffers kept per size class (of large ones, no more than [`KEEP_BYTES`] together).
 const KEEP: usize = 32;
+const KEEP_BYTES: u64 = 1 << 30;
 
 pub(in crate::backend::gpu) const MAPPED: wgpu::BufferUsages =
     wgpu::BufferUsages::MAP_WRITE.union(wgpu::BufferUsages::COPY_SRC);
 
-/// Mapped staging buffers ready to be written, by size.
+/// A storage buffer the host writes through a mapping (`MAPPABLE_PRIMARY_BUFFERS`): on unified
+/// memory the expert images of a group are written straight into one and the kernels read them
+/// there (Metal: shared storage; Vulkan: host-visible memory).
+pub(in crate::backend::gpu) const UMA_ARENA: wgpu::BufferUsages =
+    wgpu::BufferUsages::MAP_WRITE.union(wgpu::BufferUsages::STORAGE);
+
+/// Mapped buffers ready to be written, by usage and size.
 #[derive(Default)]
 pub(super) struct MappedPool {
-    free: Arc<Mutex<HashMap<u64, Vec<wgpu::Buffer>>>>,
+    free: Arc<Mutex<HashMap<(u32, u64), Vec<wgpu::Buffer>>>>,
+}
+
+/// Buffers of `size` bytes a pool keeps.
+fn keep(size: u64) -> usize {
+    ((KEEP_BYTES / size.max(1)) as usize).clamp(2, KEEP)
+}
+
+/// Puts mapped `b` back into `free` (dropped when its class is full).
+fn put_back(free: &Mutex<HashMap<(u32, u64), Vec<wgpu::Buffer>>>, b: wgpu::Buffer) {
+    if let Ok(mut m) = free.lock() {
+        let v = m.entry((b.usage().bits(), b.size())).or_default();
+        if v.len() < keep(b.size()) {
+            v.push(b);
+        }
+    }
 }
 
 /// `src` copied into `dst` (at least as long) at byte `at`, across threads when large.
@@ -78,33 +103,49 @@ pub(in crate::backend::gpu) fn floats_of(bytes: &[u8]) -> Vec<f32> {
 impl Gpu {
     /// A staging buffer of at least `size` bytes, mapped for writing now.
     pub(in crate::backend::gpu) fn mapped(&self, size: u64) -> wgpu::Buffer {
+        self.mapped_as(MAPPED, size)
+    }
+
+    /// A buffer of `usage` (which includes MAP_WRITE) of at least `size` bytes, mapped for
+    /// writing now: one the pool holds, else (after letting the device hand back those it is
+    /// done with) a new one.
+    pub(in crate::backend::gpu) fn mapped_as(&self, usage: wgpu::BufferUsages, size: u64) -> wgpu::Buffer {
         let size = super::pool_size(size.max(16), self.summary.max_binding).div_ceil(16) * 16;
-        let ready = self.mapped_pool.free.lock().ok().and_then(|mut m| m.get_mut(&size).and_then(|v| v.pop()));
-        ready.unwrap_or_else(|| {
-            self.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("staging"),
-                size,
-                usage: MAPPED,
-                mapped_at_creation: true,
-            })
+        let key = (usage.bits(), size);
+        let ready = || self.mapped_pool.free.lock().ok().and_then(|mut m| m.get_mut(&key).and_then(|v| v.pop()));
+        if let Some(b) = ready() {
+            return b;
+        }
+        // A large buffer the device finished with may only wait for its mapping's callback.
+        if size >= PAR_MIN as u64 {
+            let _ = self.device.poll(wgpu::PollType::Poll);
+            if let Some(b) = ready() {
+                return b;
+            }
+        }
+        self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(if usage == UMA_ARENA { "expert arena (unified memory)" } else { "staging" }),
+            size,
+            usage,
+            mapped_at_creation: true,
         })
     }
 
-    /// Takes back a buffer of [`Gpu::mapped`] whose copies have been submitted: mapped again once
-    /// the device has run them, then handed out again.
+    /// Takes back a buffer of [`Gpu::mapped_as`] whose submissions have been submitted: mapped
+    /// again once the device has run them, then handed out again.
     pub(in crate::backend::gpu) fn remap(&self, b: wgpu::Buffer) {
         let free = Arc::clone(&self.mapped_pool.free);
         let again = b.clone();
         b.map_async(wgpu::MapMode::Write, .., move |r| {
-            if r.is_ok()
-                && let Ok(mut m) = free.lock()
-            {
-                let v = m.entry(again.size()).or_default();
-                if v.len() < KEEP {
-                    v.push(again);
-                }
+            if r.is_ok() {
+                put_back(&free, again);
             }
         });
+    }
+
+    /// Takes back a buffer of [`Gpu::mapped_as`] that is still mapped (no submission used it).
+    pub(in crate::backend::gpu) fn keep_mapped(&self, b: wgpu::Buffer) {
+        put_back(&self.mapped_pool.free, b);
     }
 
     /// `bytes` in a staging buffer of [`Gpu::mapped`], zero-padded to a multiple of `pad` bytes
