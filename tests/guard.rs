@@ -212,7 +212,8 @@ fn a_stop_string_in_the_reasoning_ends_the_answer_there() {
     let s = start(&[]);
     let chat = |stop: Option<&str>| {
         let stop = stop.map(|x| format!(r#","stop":{}"#, serde_json::json!(x))).unwrap_or_default();
-        let body = format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":24{stop}}}"#);
+        let body =
+            format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":24{stop}}}"#);
         let (status, out) = s.post("/v1/chat/completions", &body);
         assert_eq!(status, 200, "{out}");
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();

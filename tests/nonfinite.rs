@@ -202,7 +202,11 @@ fn run_and_score_exit_with_the_error_and_print_no_result() {
     assert!(out.trim().is_empty(), "no ids printed: {out:?}");
     let logits = m.path().join("logits.safetensors");
     fails(
-        deltafin_cmd().args(["score", "--model"]).arg(m.path()).args(["--prompt-ids", &ids, "--logits-out"]).arg(&logits),
+        deltafin_cmd()
+            .args(["score", "--model"])
+            .arg(m.path())
+            .args(["--prompt-ids", &ids, "--logits-out"])
+            .arg(&logits),
         &["layer 1's routed expert 8"],
     );
     assert!(!logits.exists(), "no logits written");
@@ -216,17 +220,21 @@ fn run_and_score_exit_with_the_error_and_print_no_result() {
         &["layer 0's attention", "non-finite"],
     );
     assert!(!out.to_lowercase().contains("nan") && !out.contains("perplexity"), "{out}\n{err}");
-    fails(deltafin_cmd().args(["run", "--model"]).arg(&dir).args(["--prompt", "Hello", "--max-new", "3"]), &[
-        "non-finite",
-    ]);
+    fails(
+        deltafin_cmd().args(["run", "--model"]).arg(&dir).args(["--prompt", "Hello", "--max-new", "3"]),
+        &["non-finite"],
+    );
 }
 
 #[test]
 fn batch_writes_an_error_record_for_each_request() {
     let o = overflowing_model();
     let (input, output) = (o.path().join("in.jsonl"), o.path().join("out.jsonl"));
-    std::fs::write(&input, "{\"id\": \"a\", \"prompt\": \"Hi\", \"max_tokens\": 3}\n{\"id\": 2, \"prompt\": [1, 2, 3]}\n")
-        .unwrap();
+    std::fs::write(
+        &input,
+        "{\"id\": \"a\", \"prompt\": \"Hi\", \"max_tokens\": 3}\n{\"id\": 2, \"prompt\": [1, 2, 3]}\n",
+    )
+    .unwrap();
     let _ = deltafin_cmd()
         .args(["batch", "--model"])
         .arg(o.path().join("m"))
@@ -267,7 +275,7 @@ fn serve_answers_500_and_streams_end_with_an_error_event() {
         let (status, events) = s.post(path, body);
         assert_eq!(status, 200, "{events}");
         assert!(!events.contains("\\u0000") && !events.contains("[DONE]"), "{events}");
-        let last = events.lines().filter(|l| l.starts_with("data: ")).last().unwrap_or_else(|| panic!("{events}"));
+        let last = events.lines().rfind(|l| l.starts_with("data: ")).unwrap_or_else(|| panic!("{events}"));
         let v: serde_json::Value = serde_json::from_str(&last["data: ".len()..]).unwrap();
         assert!(v["error"]["message"].as_str().unwrap().contains("non-finite"), "{v}");
     }

@@ -63,7 +63,7 @@ fn any_non_finite(xs: &[f32]) -> bool {
 /// The index of the first NaN or infinity in `xs`.
 pub fn first_non_finite(xs: &[f32]) -> Option<usize> {
     let chunk = if xs.len() >= PAR_MIN {
-        xs.par_chunks(CHUNK).position_first(|c| any_non_finite(c))?
+        xs.par_chunks(CHUNK).position_first(any_non_finite)?
     } else {
         xs.chunks(CHUNK).position(any_non_finite)?
     };

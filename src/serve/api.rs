@@ -119,15 +119,18 @@ impl Default for SamplingDefaults {
     }
 }
 
-/// A request's JSON document: owned (the server's, taken apart without a copy) or borrowed (a
-/// test's or a batch line's, copied first).
+/// A request's JSON document: borrowed (a test's or a batch line's, copied first) or [`Owned`]
+/// (the server's, taken apart without a copy).
 pub trait JsonBody {
     fn into_value(self) -> Value;
 }
 
-impl JsonBody for Value {
+/// A document the parser may take apart.
+pub struct Owned(pub Value);
+
+impl JsonBody for Owned {
     fn into_value(self) -> Value {
-        self
+        self.0
     }
 }
 
@@ -278,7 +281,7 @@ fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError
                 "'stream_options' is only allowed when 'stream' is true",
             ));
         }
-        let mut so = Fields::new(o, &f.name("stream_options."))?;
+        let mut so = Fields::new(Owned(o), &f.name("stream_options."))?;
         r.include_usage = so.bool("include_usage")?.unwrap_or(false);
         so.finish()?;
     }
@@ -331,7 +334,7 @@ fn messages(v: Value, prefix: &str) -> Result<Value, ApiError> {
     let mut out = Vec::with_capacity(list.len());
     for (i, m) in list.into_iter().enumerate() {
         let at = format!("{prefix}messages[{i}]");
-        let mut f = Fields::new(m, &format!("{at}."))?;
+        let mut f = Fields::new(Owned(m), &format!("{at}."))?;
         let role =
             f.string("role")?.ok_or_else(|| ApiError::invalid(format!("{at}.role"), "each message needs a 'role'"))?;
         let role = match role.as_str() {
@@ -346,7 +349,7 @@ fn messages(v: Value, prefix: &str) -> Result<Value, ApiError> {
             Some(Value::Array(parts)) => {
                 let mut text = String::new();
                 for (j, p) in parts.into_iter().enumerate() {
-                    let mut pf = Fields::new(p, &format!("{at}.content[{j}]."))?;
+                    let mut pf = Fields::new(Owned(p), &format!("{at}.content[{j}]."))?;
                     match pf.string("type")?.as_deref() {
                         Some("text") => {}
                         Some(t) => {

@@ -360,8 +360,8 @@ async fn parse(st: &AppState, kind: Kind, body: Result<Bytes, ApiError>) -> Resu
         drop(body);
         let ctx = ParseContext { model_id: &model_id, template_takes_tools, sampling };
         match kind {
-            Kind::Chat => api::parse_chat(v, &ctx),
-            Kind::Completion => api::parse_completion(v, &ctx),
+            Kind::Chat => api::parse_chat(api::Owned(v), &ctx),
+            Kind::Completion => api::parse_completion(api::Owned(v), &ctx),
         }
     });
     parsed.await.unwrap_or_else(|_| Err(failed()))
