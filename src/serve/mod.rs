@@ -411,10 +411,15 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, ApiError>) 
     };
     // Tokenising (the chat template may take a while) runs off the async threads, and every
     // request error is known before the request queues.
-    let (enc, r) = (Arc::clone(&st.encoder), req.clone());
-    let prepared = match tokio::task::spawn_blocking(move || enc.prepare(&r)).await {
-        Ok(Ok(p)) => p,
-        Ok(Err(e)) => {
+    let enc = Arc::clone(&st.encoder);
+    let (req, prepared) = match tokio::task::spawn_blocking(move || {
+        let p = enc.prepare(&req);
+        (req, p)
+    })
+    .await
+    {
+        Ok((req, Ok(p))) => (req, p),
+        Ok((_, Err(e))) => {
             st.metrics.request(endpoint, e.status);
             return error_response(&e);
         }
