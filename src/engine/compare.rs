@@ -20,6 +20,8 @@
 //! one engine is open at a time, so two trunks never need RAM together); the judged side then
 //! runs window by window against it. The result depends only on the two models, the text and the
 //! window (fixed-order sums; the logits are the same bits whatever the threads, cache or backend).
+//! Every figure is finite or the comparison is an error naming the position
+//! ([`PerplexityError::NotFinite`]): no NaN is printed as a result.
 
 use super::Engine;
 use super::perplexity::{self, PerplexityError};
@@ -208,7 +210,12 @@ pub fn judged_pass(
         let base: Vec<f32> = buf.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         for (row, &target) in ids[s + 1..=e].iter().enumerate() {
             let span = row * vocab..(row + 1) * vocab;
-            out.push(token_compare(&base[span.clone()], &logits[span], target));
+            let t = token_compare(&base[span.clone()], &logits[span], target);
+            let pos = s + 1 + row;
+            for v in [t.kl, t.nll, t.nll_base] {
+                perplexity::finite(v, pos)?;
+            }
+            out.push(t);
         }
         progress(out.len());
     }

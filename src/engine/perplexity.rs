@@ -11,7 +11,9 @@
 //! `bits_per_byte = nll / ln 2 / (UTF-8 bytes of the text)`.
 //!
 //! Contract: the result depends only on the model, the text and `W` (the logits are the same bits
-//! whatever the threads, cache or backend, and the sums run in a fixed order).
+//! whatever the threads, cache or backend, and the sums run in a fixed order). It is finite or an
+//! error: the forward refuses non-finite logits, and a token's log-likelihood that still is not
+//! finite is [`PerplexityError::NotFinite`], never a NaN printed as a result.
 
 use super::Engine;
 use crate::k3::ForwardError;
@@ -27,8 +29,15 @@ pub enum PerplexityError {
     Empty,
     #[error("the window must hold at least one token")]
     Window,
+    #[error("the log-likelihood of the token at position {pos} is {value}: its logits give it no probability")]
+    NotFinite { pos: usize, value: f64 },
     #[error(transparent)]
     Forward(#[from] ForwardError),
+}
+
+/// `value`, the log-likelihood term of the token at `pos`, if it is finite.
+pub fn finite(value: f64, pos: usize) -> Result<f64, PerplexityError> {
+    if value.is_finite() { Ok(value) } else { Err(PerplexityError::NotFinite { pos, value }) }
 }
 
 /// The summed negative log-likelihood of a text and what it was over.
@@ -97,7 +106,7 @@ pub fn score_ids(
     for &(s, e) in &spans {
         let logits = engine.new_session().score(&ids[s..e])?;
         for (row, &target) in ids[s + 1..=e].iter().enumerate() {
-            nll += token_nll(&logits[row * vocab..(row + 1) * vocab], target);
+            nll += finite(token_nll(&logits[row * vocab..(row + 1) * vocab], target), s + 1 + row)?;
         }
         tokens += e - s;
         progress(tokens);
@@ -133,5 +142,8 @@ mod tests {
         }
         // Large logits do not overflow.
         assert!((token_nll(&[1000.0, 1000.0], 0) - std::f64::consts::LN_2).abs() < 1e-12);
+        // Nor do the largest finite ones; only a non-finite term is refused.
+        assert!(finite(token_nll(&[f32::MAX, f32::MIN, 0.0], 1), 1).is_ok_and(f64::is_finite));
+        assert!(matches!(finite(token_nll(&[f32::NAN, 0.0], 1), 4), Err(PerplexityError::NotFinite { pos: 4, .. })));
     }
 }

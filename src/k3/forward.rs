@@ -11,9 +11,12 @@
 //! implements it with the expert store), which is also told when each [`Phase`] starts. The
 //! forward leaves its rows *pending* in each sequence's state (see `state`); the caller commits
 //! them (all, or the first j after a verification). If it fails, every sequence is rolled back:
-//! exactly as before the call.
+//! exactly as before the call. Every layer's outputs and the logits are checked for NaN and
+//! infinities as they are made (`finite`): one is an error naming the layer and its tensors and
+//! the position, never a value passed on.
 
 use super::attn_res::Residual;
+use super::finite::{Site, first_non_finite};
 use super::moe::{self, Routes};
 use super::state::{LayerPending, LayerState, SeqState};
 use super::weights::{Attn, Ffn, LayerWeights, MoeWeights};
@@ -75,7 +78,8 @@ pub trait Schedule {
     /// deinterleaved latent inputs `zd` [n, latent]: every expert of the routes' union run (with
     /// [`moe::RoutedExperts`]) on the rows routed to it, each row's outputs weighted and summed in
     /// router order ([n, latent]). `xn` is the layer's input [n, hidden] (a schedule may run the next MoE
-    /// layer's router on it to read ahead).
+    /// layer's router on it to read ahead). A non-finite sum is [`ForwardError::NonFinite`] with
+    /// the row of the pass as its `pos` ([`moe::RoutedExperts::finish`] gives it).
     fn routed(&mut self, layer: usize, xn: &[f32], routes: &Routes, zd: &[f32]) -> Result<Vec<f32>, ForwardError>;
 
     /// The forward enters `phase` (until the next call).
@@ -103,10 +107,11 @@ pub fn forward(
             return Err(ForwardError::TokenOutOfRange { id, pos: have + i, vocab: c.vocab });
         }
     }
+    let places = Places::of(batch);
     for s in batch.iter_mut() {
         s.state.begin(s.tokens.len());
     }
-    let result = layers(model, batch, kda_mode, sched);
+    let result = layers(model, batch, &places, kda_mode, sched);
     if result.is_err() {
         for s in batch.iter_mut() {
             s.state.rollback();
@@ -115,30 +120,71 @@ pub fn forward(
     result
 }
 
+/// Where each row of a pass is: its sequence and position, to name where a value went wrong.
+struct Places {
+    /// Row ranges of each sequence in the concatenated batch.
+    ranges: Vec<Range<usize>>,
+    /// Each sequence's committed length before the pass.
+    starts: Vec<usize>,
+}
+
+impl Places {
+    fn of(batch: &[SeqRows]) -> Self {
+        let (mut ranges, mut total) = (Vec::with_capacity(batch.len()), 0usize);
+        for s in batch {
+            ranges.push(total..total + s.tokens.len());
+            total += s.tokens.len();
+        }
+        Places { ranges, starts: batch.iter().map(|s| s.state.pos).collect() }
+    }
+
+    /// The error for a non-finite value at row `row` of the pass.
+    fn at(&self, site: Site, row: usize, value: f32) -> ForwardError {
+        let seq = self.ranges.iter().position(|r| r.contains(&row)).unwrap_or(0);
+        let start = self.ranges.get(seq).map_or(0, |r| r.start);
+        let pos = self.starts.get(seq).copied().unwrap_or(0) + row.saturating_sub(start);
+        ForwardError::NonFinite { site, value, pos, seq }
+    }
+
+    /// Rows `xs` ([rows, width], rows of the pass) are all finite, else the error at the first.
+    fn check(&self, site: Site, xs: &[f32], width: usize) -> Result<(), ForwardError> {
+        match first_non_finite(xs) {
+            None => Ok(()),
+            Some(i) => Err(self.at(site, i / width.max(1), xs[i])),
+        }
+    }
+
+    /// A non-finite error of the routed experts (`moe::RoutedExperts::finish`) names a row of
+    /// the pass in `pos`: the sequence's position instead.
+    fn place(&self, e: ForwardError) -> ForwardError {
+        match e {
+            ForwardError::NonFinite { site, value, pos: row, .. } => self.at(site, row, value),
+            e => e,
+        }
+    }
+}
+
 /// The pass itself, once the batch is checked and its states are ready for pending rows.
 fn layers(
     model: &K3,
     batch: &mut [SeqRows],
+    places: &Places,
     kda_mode: KdaMode,
     sched: &mut dyn Schedule,
 ) -> Result<Vec<RowsOut>, ForwardError> {
     let be: &dyn Backend = &*model.be;
     let (c, w) = (&model.cfg, &model.w);
     let h = c.hidden;
-    // Row ranges of each sequence in the concatenated batch.
-    let mut ranges = Vec::with_capacity(batch.len());
-    let mut total = 0usize;
-    for s in batch.iter() {
-        ranges.push(total..total + s.tokens.len());
-        total += s.tokens.len();
-    }
+    let ranges = &places.ranges;
+    let total = ranges.last().map_or(0, |r| r.end);
     // The embedding: each token's row of embed_tokens starts the residual.
     let mut embeds = vec![0f32; total * h];
-    for (s, r) in batch.iter().zip(&ranges) {
+    for (s, r) in batch.iter().zip(ranges) {
         for (i, &id) in s.tokens.iter().enumerate() {
             w.embed.decode_row(id as usize, &mut embeds[(r.start + i) * h..][..h]);
         }
     }
+    places.check(Site::Embedding, &embeds, h)?;
     let mut res = Residual::new(embeds, h);
     let mut outs: Vec<RowsOut> = batch.iter().map(|_| RowsOut::default()).collect();
     for (l, lw) in w.layers.iter().enumerate() {
@@ -150,19 +196,27 @@ fn layers(
             res.push_block();
         }
         be.rms_norm_rows(&mut x, &lw.input_norm, c.rms_eps)?;
-        res.add(attention(model, l, lw, batch, &ranges, &x, kda_mode)?);
+        let a = attention(model, l, lw, batch, ranges, &x, kda_mode)?;
+        places.check(Site::Attention(l), &a, h)?;
+        res.add(a);
         // The FFN on its own mix of the same sources.
         let mut x = res.mixed(be, &lw.mlp_res_score, c.rms_eps)?;
         be.rms_norm_rows(&mut x, &lw.post_attn_norm, c.rms_eps)?;
         let f = match &lw.ffn {
             Ffn::Dense(mw) => {
                 sched.phase(Phase::DenseMlp);
-                moe::mlp(be, mw, situ(c), &x)?
+                let f = moe::mlp(be, mw, situ(c), &x)?;
+                places.check(Site::Mlp(l), &f, h)?;
+                f
             }
-            Ffn::Moe(mw) => moe_layer(be, c, mw, l, &x, sched)?,
+            Ffn::Moe(mw) => {
+                let f = moe_layer(be, c, mw, l, &x, places, sched)?;
+                places.check(Site::Moe(l), &f, h)?;
+                f
+            }
         };
         res.add(f);
-        for ((s, r), o) in batch.iter().zip(&ranges).zip(outs.iter_mut()) {
+        for ((s, r), o) in batch.iter().zip(ranges).zip(outs.iter_mut()) {
             if s.taps.contains(&l)
                 && let Some(p) = res.prefix()
             {
@@ -172,7 +226,7 @@ fn layers(
     }
     sched.phase(Phase::Output);
     let out = res.mixed(be, &w.output_res_score, c.rms_eps)?;
-    logits(model, batch, &ranges, &out, &mut outs)?;
+    logits(model, batch, places, &out, &mut outs)?;
     Ok(outs)
 }
 
@@ -184,13 +238,14 @@ fn moe_layer(
     w: &MoeWeights,
     layer: usize,
     xn: &[f32],
+    places: &Places,
     sched: &mut dyn Schedule,
 ) -> Result<Vec<f32>, ForwardError> {
     sched.phase(Phase::Router);
     let routes = moe::route(be, c, w, xn)?;
     sched.phase(Phase::Experts);
     let input = moe::expert_input(be, c, w, xn)?;
-    let routed = sched.routed(layer, xn, &routes, &input.zd)?;
+    let routed = sched.routed(layer, xn, &routes, &input.zd).map_err(|e| places.place(e))?;
     sched.phase(Phase::Combine);
     Ok(moe::combine(be, c, w, routed, input)?)
 }
@@ -257,14 +312,14 @@ fn attention(
 fn logits(
     model: &K3,
     batch: &[SeqRows],
-    ranges: &[Range<usize>],
+    places: &Places,
     out: &[f32],
     outs: &mut [RowsOut],
 ) -> Result<(), ForwardError> {
     let (be, c, h) = (&*model.be, &model.cfg, model.cfg.hidden);
     let mut rows: Vec<usize> = Vec::new();
     let mut counts = Vec::with_capacity(batch.len());
-    for (s, r) in batch.iter().zip(ranges) {
+    for (s, r) in batch.iter().zip(&places.ranges) {
         let before = rows.len();
         match s.logits {
             LogitRows::None => {}
@@ -284,6 +339,9 @@ fn logits(
     }
     if c.logit_scale != 1.0 {
         logits.iter_mut().for_each(|x| *x *= c.logit_scale);
+    }
+    if let Some(i) = first_non_finite(&logits) {
+        return Err(places.at(Site::Logits, rows[i / c.vocab.max(1)], logits[i]));
     }
     let mut at = 0;
     for (o, n) in outs.iter_mut().zip(counts) {

@@ -11,6 +11,7 @@
 
 pub mod attn_res;
 pub mod dspark;
+pub mod finite;
 pub mod forward;
 pub mod kda;
 pub mod mla;
@@ -51,6 +52,11 @@ pub enum ForwardError {
     ForeignSession,
     #[error("cannot commit {want} rows: only {have} are pending")]
     NothingPending { want: usize, have: usize },
+    #[error(
+        "{site} gave a non-finite value ({value}) at position {pos}: a weight it reads is NaN or infinite, or its \
+         values overflow (a damaged model file, or a model that cannot run this input); nothing of this step was kept"
+    )]
+    NonFinite { site: finite::Site, value: f32, pos: usize, seq: usize },
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]

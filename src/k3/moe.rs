@@ -12,8 +12,9 @@
 //! [`RoutedExperts::finish`] sums each row's outputs in router order, so the layer's result
 //! does not depend on the order the experts arrived in.
 
+use super::finite::{Site, first_non_finite};
 use super::weights::{MlpWeights, MoeWeights};
-use super::{PAR_MIN_ROWS, situ};
+use super::{ForwardError, PAR_MIN_ROWS, situ};
 use crate::backend::{Backend, BackendError, ExpertBatch, ExpertLayout, RouteRule, Situ};
 use crate::cpu::deinterleave_mxfp4_input;
 use crate::model::K3Config;
@@ -79,6 +80,7 @@ pub struct RoutedExperts<'a> {
     /// Union indices in the order they were queued (the batch's output order).
     queued: Vec<usize>,
     rows_run: usize,
+    layer: usize,
 }
 
 impl<'a> RoutedExperts<'a> {
@@ -102,7 +104,7 @@ impl<'a> RoutedExperts<'a> {
         }
         let rows = zd.len() / latent.max(1);
         let batch = be.expert_batch(layer, layout, situ(c));
-        RoutedExperts { union, targets_of, zd, latent, k, rows, batch, queued: Vec::new(), rows_run: 0 }
+        RoutedExperts { union, targets_of, zd, latent, k, rows, batch, queued: Vec::new(), rows_run: 0, layer }
     }
 
     /// The distinct experts routed to, ascending.
@@ -168,8 +170,11 @@ impl<'a> RoutedExperts<'a> {
     /// Each row's routed sum [n, latent]: its experts' outputs weighted by `weights` [n, k] and
     /// added in router order (slot 0 first), straight from the experts' outputs — no
     /// [n][k][latent] slot buffer (a 2048-row pass's was 128 MB, allocated zeroed and read back).
-    /// A slot no queued expert filled adds a weighted zero, as a zeroed slot did.
-    pub fn finish(self, weights: &[f32]) -> Result<Vec<f32>, BackendError> {
+    /// A slot no queued expert filled adds a weighted zero, as a zeroed slot did. A non-finite
+    /// sum is an error naming the expert whose output made it ([`Site::Expert`]; the router's
+    /// weight or the sum itself: [`Site::Moe`]), its `pos` the row of the pass (the forward
+    /// turns it into the sequence's position).
+    pub fn finish(self, weights: &[f32]) -> Result<Vec<f32>, ForwardError> {
         let (lat, k) = (self.latent, self.k);
         let outs = self.batch.finish()?;
         // Where each slot's row comes from: (queued output, its row).
@@ -195,6 +200,16 @@ impl<'a> RoutedExperts<'a> {
             routed.par_chunks_mut(lat.max(1)).enumerate().for_each(sum_row);
         } else {
             routed.chunks_mut(lat.max(1)).enumerate().for_each(sum_row);
+        }
+        if let Some(i) = first_non_finite(&routed) {
+            let r = i / lat.max(1);
+            // The first slot in router order whose output is not finite names the expert.
+            let expert = (0..k).find_map(|j| {
+                let (q, i) = from[r * k + j]?;
+                first_non_finite(&outs[q][i * lat..(i + 1) * lat]).map(|_| self.union[self.queued[q]])
+            });
+            let site = expert.map_or(Site::Moe(self.layer), |e| Site::Expert(self.layer, e));
+            return Err(ForwardError::NonFinite { site, value: routed[i], pos: r, seq: 0 });
         }
         Ok(routed)
     }

@@ -5,7 +5,10 @@
 //! Contract: [`Answer::token`] takes each emitted token in order and hands its visible text to
 //! the sink (false from the sink: cancelled, the generation ends at that token; a stop string
 //! ends it too); [`Answer::finish`] drops an unfinished character and shows text held back for a
-//! stop string that never came. The same tokens give the same text whether the answer was
+//! stop string that never came. Stop strings apply to the whole generated text, the thinking
+//! channel included (as vLLM applies them): a stop string in the reasoning ends the answer there.
+//! Each channel's text is held back on its own (a stop string does not span the two); text held in
+//! one is shown once the other speaks. The same tokens give the same text whether the answer was
 //! generated alone or in a batch.
 
 use super::api::{GenRequest, Kind};
@@ -38,6 +41,8 @@ pub struct Answer {
     lp_sink: Option<Arc<Mutex<Vec<TokenLogprob>>>>,
     channels: Channels,
     stop_text: StopText,
+    /// The stop strings in the thinking channel.
+    stop_reasoning: StopText,
     decoder: StreamDecoder,
     n: usize,
     pub content: String,
@@ -74,6 +79,7 @@ impl Answer {
             lp_sink,
             channels,
             stop_text: StopText { stops: req.stop.clone(), held: String::new(), hit: false },
+            stop_reasoning: StopText { stops: req.stop.clone(), held: String::new(), hit: false },
             decoder: StreamDecoder::default(),
             n: 0,
             content: String::new(),
@@ -107,8 +113,13 @@ impl Answer {
                 None => format!("{}{id}", if n > 1 { "," } else { "" }),
             };
             let (c, r) = if self.is_chat { self.channels.route(id, piece, special) } else { (piece, String::new()) };
-            d.content = self.stop_text.push(&c);
-            d.reasoning = r;
+            if !r.is_empty() {
+                d.content = self.stop_text.release();
+                d.reasoning = self.stop_reasoning.push(&r);
+            } else if !c.is_empty() {
+                d.reasoning = self.stop_reasoning.release();
+                d.content = self.stop_text.push(&c);
+            }
         }
         self.content.push_str(&d.content);
         self.reasoning.push_str(&d.reasoning);
@@ -117,17 +128,18 @@ impl Answer {
             return false;
         }
         // A stop string ends the answer at this token.
-        !self.stop_text.hit
+        !self.stop_text.hit && !self.stop_reasoning.hit
     }
 
     /// The generation has ended: an unfinished UTF-8 character at the end is dropped (it would
     /// show as U+FFFD); text held back for a stop string that never came is shown.
     pub fn finish(&mut self, sink: &mut dyn FnMut(&Delta) -> bool) {
         self.decoder.finish();
-        let tail = if self.stop_text.hit { String::new() } else { self.stop_text.finish() };
-        if !tail.is_empty() {
-            self.content.push_str(&tail);
-            sink(&Delta { content: tail, reasoning: String::new(), logprobs: None });
+        let (content, reasoning) = (self.stop_text.release(), self.stop_reasoning.release());
+        if !content.is_empty() || !reasoning.is_empty() {
+            self.content.push_str(&content);
+            self.reasoning.push_str(&reasoning);
+            sink(&Delta { content, reasoning, logprobs: None });
         }
     }
 }
@@ -217,7 +229,8 @@ impl StopText {
         out
     }
 
-    fn finish(&mut self) -> String {
+    /// The text held back, to show now (none once a stop string appeared).
+    fn release(&mut self) -> String {
         std::mem::take(&mut self.held)
     }
 }
@@ -236,6 +249,50 @@ mod tests {
         assert!(s.hit);
         let mut s = StopText { stops: vec![], held: String::new(), hit: false };
         assert_eq!(s.push("free"), "free");
+    }
+
+    struct NoTokenizer;
+    impl Tokens for NoTokenizer {
+        fn tokenizer(&self) -> Option<&Tokenizer> {
+            None
+        }
+    }
+
+    /// The text of a chat answer (thinking on) to tokens 1, 2, ... with `stop`, and where it ended.
+    fn thinking_answer(stop: &[&str]) -> (String, String, u32) {
+        let req = GenRequest {
+            kind: Kind::Chat,
+            prompt: crate::serve::api::Prompt::Ids(vec![1]),
+            max_tokens: None,
+            stop: stop.iter().map(|s| s.to_string()).collect(),
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: None,
+            logprobs: None,
+            stream: false,
+            include_usage: false,
+            thinking: None,
+            tools: None,
+        };
+        let mut a = Answer::new(&req, Arc::new(NoTokenizer), vec![], Instant::now(), None);
+        let mut streamed = String::new();
+        let mut sink = |d: &Delta| {
+            streamed.push_str(&d.reasoning);
+            true
+        };
+        let ended = (1..=12).find(|&id| !a.token(id, &mut sink)).unwrap_or(13);
+        a.finish(&mut sink);
+        assert_eq!(streamed, a.reasoning, "the deltas add up to the answer");
+        (a.content, a.reasoning, ended)
+    }
+
+    #[test]
+    fn a_stop_string_in_the_thinking_channel_ends_the_answer() {
+        // Without a tokenizer a chat answer's tokens show as ids, all in the thinking channel.
+        assert_eq!(thinking_answer(&[]), (String::new(), "1,2,3,4,5,6,7,8,9,10,11,12".into(), 13));
+        assert_eq!(thinking_answer(&[",5,"]), (String::new(), "1,2,3,4".into(), 6));
+        // A stop string never completed is shown at the end.
+        assert_eq!(thinking_answer(&["12,"]).1, "1,2,3,4,5,6,7,8,9,10,11,12");
     }
 
     #[test]

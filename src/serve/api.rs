@@ -4,7 +4,8 @@
 //! [`GenRequest`] or an [`ApiError`] in OpenAI's error shape that names the offending field
 //! (`param`): unknown fields, wrong types, out-of-range values and unsupported features (`n > 1`,
 //! image parts, penalties, `echo`, tools when the chat template cannot take them) are all 400s.
-//! Nothing here panics on any input.
+//! Nothing here panics on any input. A body is taken apart, not copied: the server hands its
+//! parsed document over ([`JsonBody`]); how it was parsed within a memory bound is `json`'s.
 
 use crate::model::chat::Thinking;
 use serde_json::{Map, Value};
@@ -118,6 +119,27 @@ impl Default for SamplingDefaults {
     }
 }
 
+/// A request's JSON document: borrowed (a test's or a batch line's, copied first) or [`Owned`]
+/// (the server's, taken apart without a copy).
+pub trait JsonBody {
+    fn into_value(self) -> Value;
+}
+
+/// A document the parser may take apart.
+pub struct Owned(pub Value);
+
+impl JsonBody for Owned {
+    fn into_value(self) -> Value {
+        self.0
+    }
+}
+
+impl JsonBody for &Value {
+    fn into_value(self) -> Value {
+        self.clone()
+    }
+}
+
 /// A JSON object whose fields are taken one by one; whatever is left is an unknown field.
 struct Fields {
     map: Map<String, Value>,
@@ -125,9 +147,9 @@ struct Fields {
 }
 
 impl Fields {
-    fn new(v: &Value, prefix: &str) -> Result<Self, ApiError> {
-        match v {
-            Value::Object(m) => Ok(Fields { map: m.clone(), prefix: prefix.to_string() }),
+    fn new(v: impl JsonBody, prefix: &str) -> Result<Self, ApiError> {
+        match v.into_value() {
+            Value::Object(map) => Ok(Fields { map, prefix: prefix.to_string() }),
             _ => Err(ApiError::invalid(
                 if prefix.is_empty() { "body".to_string() } else { prefix.trim_end_matches('.').to_string() },
                 "expected a JSON object",
@@ -259,7 +281,7 @@ fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError
                 "'stream_options' is only allowed when 'stream' is true",
             ));
         }
-        let mut so = Fields::new(&o, &f.name("stream_options."))?;
+        let mut so = Fields::new(Owned(o), &f.name("stream_options."))?;
         r.include_usage = so.bool("include_usage")?.unwrap_or(false);
         so.finish()?;
     }
@@ -310,9 +332,9 @@ fn messages(v: Value, prefix: &str) -> Result<Value, ApiError> {
         return Err(ApiError::invalid(format!("{prefix}messages"), "'messages' must not be empty"));
     }
     let mut out = Vec::with_capacity(list.len());
-    for (i, m) in list.iter().enumerate() {
+    for (i, m) in list.into_iter().enumerate() {
         let at = format!("{prefix}messages[{i}]");
-        let mut f = Fields::new(m, &format!("{at}."))?;
+        let mut f = Fields::new(Owned(m), &format!("{at}."))?;
         let role =
             f.string("role")?.ok_or_else(|| ApiError::invalid(format!("{at}.role"), "each message needs a 'role'"))?;
         let role = match role.as_str() {
@@ -326,8 +348,8 @@ fn messages(v: Value, prefix: &str) -> Result<Value, ApiError> {
             Some(Value::String(s)) => s,
             Some(Value::Array(parts)) => {
                 let mut text = String::new();
-                for (j, p) in parts.iter().enumerate() {
-                    let mut pf = Fields::new(p, &format!("{at}.content[{j}]."))?;
+                for (j, p) in parts.into_iter().enumerate() {
+                    let mut pf = Fields::new(Owned(p), &format!("{at}.content[{j}]."))?;
                     match pf.string("type")?.as_deref() {
                         Some("text") => {}
                         Some(t) => {
@@ -426,7 +448,7 @@ fn chat_fields(f: &mut Fields, ctx: &ParseContext, r: &mut GenRequest) -> Result
 }
 
 /// `POST /v1/chat/completions`.
-pub fn parse_chat(body: &Value, ctx: &ParseContext) -> Result<GenRequest, ApiError> {
+pub fn parse_chat(body: impl JsonBody, ctx: &ParseContext) -> Result<GenRequest, ApiError> {
     let mut f = Fields::new(body, "")?;
     model(&mut f, ctx, true)?;
     let msgs = f.take("messages").ok_or_else(|| {
@@ -460,7 +482,7 @@ fn completion_prompt(v: Value, name: &str) -> Result<Prompt, ApiError> {
 }
 
 /// `POST /v1/completions`.
-pub fn parse_completion(body: &Value, ctx: &ParseContext) -> Result<GenRequest, ApiError> {
+pub fn parse_completion(body: impl JsonBody, ctx: &ParseContext) -> Result<GenRequest, ApiError> {
     let mut f = Fields::new(body, "")?;
     model(&mut f, ctx, true)?;
     let p = f.take("prompt").ok_or_else(|| {

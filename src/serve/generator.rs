@@ -196,6 +196,14 @@ impl PromptCodec {
                 let Some(chat) = self.chat.as_ref() else {
                     return Ok(Err(ApiError::invalid("messages", "this model has no chat template")));
                 };
+                // The template renders every message's content: refused by their size before the
+                // rendering copies them (a 50 MB message took the server's peak RSS to 315 MB).
+                let content: usize =
+                    m.as_array().map_or(0, |a| a.iter().filter_map(|x| x["content"].as_str()).map(str::len).sum());
+                let least = tok.min_tokens(content);
+                if least > most {
+                    return Err(least);
+                }
                 let opts = ChatOptions {
                     thinking: req.thinking.unwrap_or(Thinking::Max),
                     add_generation_prompt: true,

@@ -9,6 +9,9 @@
 //! the next token. A panic in a generation is a 500 for that request, never a dead server.
 //! A client that stalls or trickles its request head or body is closed after the read timeout
 //! ([`conn`]); a prompt whose size alone exceeds the context is refused before it is tokenised.
+//! A body is parsed off the async threads, a few at a time, within a budget of JSON values
+//! sized by the context ([`json`]): memory per request is bounded by what a request can use, and
+//! `/health` answers while large bodies are read and parsed.
 //! SIGINT/SIGTERM stop accepting connections, cancel the running generation at its next token,
 //! answer queued requests with 503, and return once connections are closed.
 
@@ -16,6 +19,7 @@ pub mod answer;
 pub mod api;
 pub mod conn;
 pub mod generator;
+pub mod json;
 pub mod metrics;
 pub mod parallel;
 pub mod records;
@@ -79,6 +83,9 @@ const KEEPALIVE: Duration = Duration::from_secs(15);
 /// How long connections may take to finish after SIGINT/SIGTERM.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
+/// Request bodies parsed at once (each on a blocking thread): their memory is this many budgets.
+const PARSERS: usize = 2;
+
 /// What the worker sends back for one request.
 enum Msg {
     Delta(Delta),
@@ -105,6 +112,8 @@ struct AppState {
     next_id: AtomicU64,
     /// Seconds the last generation took (for Retry-After).
     last_gen_s: Arc<std::sync::Mutex<f64>>,
+    /// Places for bodies being parsed ([`PARSERS`]).
+    parsers: Arc<tokio::sync::Semaphore>,
 }
 
 fn error_response(e: &ApiError) -> Response {
@@ -162,6 +171,7 @@ pub fn serve(engine: Arc<Engine>, opts: ServeOptions, ready: impl FnOnce(SocketA
         token_text,
         next_id: AtomicU64::new(1),
         last_gen_s,
+        parsers: Arc::new(tokio::sync::Semaphore::new(PARSERS)),
     });
     let result = rt.block_on(async {
         let addr = format!("{}:{}", opts.host, opts.port);
@@ -334,25 +344,27 @@ async fn completions(State(st): State<Arc<AppState>>, req: Request) -> Response 
     generate(st, Kind::Completion, body).await
 }
 
-fn parse(st: &AppState, kind: Kind, body: Result<Bytes, ApiError>) -> Result<GenRequest, ApiError> {
+/// The request in `body`, parsed on a blocking thread once one of the [`PARSERS`] places is free,
+/// within the value budget of the engine's context ([`json::value_budget`]).
+async fn parse(st: &AppState, kind: Kind, body: Result<Bytes, ApiError>) -> Result<GenRequest, ApiError> {
     let body = body?;
-    let v: Value = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(
-            400,
-            "invalid_request_error",
-            "invalid_json",
-            format!("We could not parse the JSON body of your request: {e}"),
-        )
-    })?;
-    let ctx = ParseContext {
-        model_id: &st.opts.model_id,
-        template_takes_tools: st.template_takes_tools,
-        sampling: st.opts.sampling,
-    };
-    match kind {
-        Kind::Chat => api::parse_chat(&v, &ctx),
-        Kind::Completion => api::parse_completion(&v, &ctx),
-    }
+    let failed = || ApiError::new(500, "server_error", "internal_error", "Parsing the request failed.");
+    let place = Arc::clone(&st.parsers).acquire_owned().await.map_err(|_| failed())?;
+    let (model_id, template_takes_tools, sampling) =
+        (st.opts.model_id.clone(), st.template_takes_tools, st.opts.sampling);
+    let budget = json::value_budget(st.engine.context_bound());
+    let parsed = tokio::task::spawn_blocking(move || {
+        let _place = place;
+        let v = json::parse(&body, budget)?;
+        // The raw bytes are not needed past here.
+        drop(body);
+        let ctx = ParseContext { model_id: &model_id, template_takes_tools, sampling };
+        match kind {
+            Kind::Chat => api::parse_chat(api::Owned(v), &ctx),
+            Kind::Completion => api::parse_completion(api::Owned(v), &ctx),
+        }
+    });
+    parsed.await.unwrap_or_else(|_| Err(failed()))
 }
 
 /// Counts the request in the queue, or says it is full.
@@ -385,13 +397,13 @@ fn enqueue(st: &AppState, job: Job) -> Result<(), ApiError> {
 async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, ApiError>) -> Response {
     let endpoint = if kind == Kind::Chat { "/v1/chat/completions" } else { "/v1/completions" };
     let arrived = Instant::now();
-    let req = match parse(&st, kind, body) {
+    let req = match parse(&st, kind, body).await {
         Ok(r) => r,
         Err(e) => {
             st.metrics.request(endpoint, e.status);
             let mut r = error_response(&e);
-            if matches!(e.status, 408 | 413) {
-                // The rest of the body is not read: the connection cannot carry another request.
+            if matches!(e.status, 408 | 413) || e.code == Some("invalid_body") {
+                // The body was not read to its end: the connection cannot carry another request.
                 r.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
             }
             return r;
@@ -399,10 +411,15 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, ApiError>) 
     };
     // Tokenising (the chat template may take a while) runs off the async threads, and every
     // request error is known before the request queues.
-    let (enc, r) = (Arc::clone(&st.encoder), req.clone());
-    let prepared = match tokio::task::spawn_blocking(move || enc.prepare(&r)).await {
-        Ok(Ok(p)) => p,
-        Ok(Err(e)) => {
+    let enc = Arc::clone(&st.encoder);
+    let (req, prepared) = match tokio::task::spawn_blocking(move || {
+        let p = enc.prepare(&req);
+        (req, p)
+    })
+    .await
+    {
+        Ok((req, Ok(p))) => (req, p),
+        Ok((_, Err(e))) => {
             st.metrics.request(endpoint, e.status);
             return error_response(&e);
         }

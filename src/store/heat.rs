@@ -6,9 +6,12 @@
 //! Contract: heat only decides which experts stay cached — never an output bit. A missing file
 //! starts from nothing; a malformed or mismatched one (other MoE layers or expert count) is ignored
 //! with a warning naming the file and the problem, and replaced at the end of the run. The file is
-//! written atomically (temp, fsync, rename).
+//! written atomically (temp, fsync, rename). A path that is not a regular file (a device such as
+//! `/dev/full`, a FIFO, a directory) is neither read nor replaced, with a warning; a file larger
+//! than any heat of the model could be ([`max_bytes`]) is not read into memory.
 
 use std::collections::HashMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// Weight of the earlier runs' heat against this run's counts when the file is rewritten.
@@ -35,16 +38,34 @@ pub struct Heat {
     /// Runs folded in so far.
     pub runs: u64,
     pub counts: HashMap<Key, f64>,
+    /// The path may be written at the end of the run (it is a regular file, or none yet).
+    keep: bool,
+}
+
+/// The largest heat file of a model with `layers` MoE layers of `experts` experts: at most 32
+/// bytes a count (a decayed count with two decimals and its comma), plus room for the rest.
+pub fn max_bytes(layers: usize, experts: usize) -> u64 {
+    (layers as u64).saturating_mul(experts as u64).saturating_mul(32).saturating_add(1 << 20)
 }
 
 impl Heat {
     /// The heat at `path` for a model whose MoE layers are `layers` with `experts` experts each.
     /// Never fails: a missing file gives empty heat, a bad one empty heat and a warning.
     pub fn open(path: &Path, layers: &[u32], experts: usize) -> Heat {
-        let empty =
-            Heat { path: path.to_path_buf(), layers: layers.to_vec(), experts, runs: 0, counts: HashMap::new() };
-        match std::fs::read(path) {
+        let empty = Heat {
+            path: path.to_path_buf(),
+            layers: layers.to_vec(),
+            experts,
+            runs: 0,
+            counts: HashMap::new(),
+            keep: true,
+        };
+        match Self::read(path, max_bytes(layers.len(), experts)) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => empty,
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+                tracing::warn!("{}: {e}: the expert heat is neither read nor kept", path.display());
+                Heat { keep: false, ..empty }
+            }
             Err(e) => {
                 tracing::warn!("{}: {e}; starting the expert heat afresh", path.display());
                 empty
@@ -57,6 +78,32 @@ impl Heat {
                 }
             },
         }
+    }
+
+    /// The bytes of the heat file at `path`: InvalidInput for a path that is not a regular file
+    /// (links followed) and for a file over `max` bytes.
+    fn read(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+        let m = std::fs::metadata(path)?;
+        if !m.is_file() {
+            let what = if m.is_dir() { "a directory" } else { "not a regular file (a device, FIFO or socket)" };
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("is {what}")));
+        }
+        let too_big = || {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("is over {max} bytes, more than this model's expert heat can be"),
+            )
+        };
+        if m.len() > max {
+            return Err(too_big());
+        }
+        // The file may grow between the look and the read: never more than `max`.
+        let mut bytes = Vec::with_capacity(m.len() as usize);
+        std::fs::File::open(path)?.take(max + 1).read_to_end(&mut bytes)?;
+        if bytes.len() as u64 > max {
+            return Err(too_big());
+        }
+        Ok(bytes)
     }
 
     fn parse(bytes: &[u8], path: &Path, layers: &[u32], experts: usize) -> Result<Heat, HeatError> {
@@ -90,7 +137,7 @@ impl Heat {
                 }
             }
         }
-        Ok(Heat { path: path.to_path_buf(), layers: layers.to_vec(), experts, runs, counts })
+        Ok(Heat { path: path.to_path_buf(), layers: layers.to_vec(), experts, runs, counts, keep: true })
     }
 
     /// Starting request counts for the store (rounded heat).
@@ -114,8 +161,12 @@ impl Heat {
         self.runs += 1;
     }
 
-    /// Writes the heat atomically (creating the directory if needed).
+    /// Writes the heat atomically (creating the directory if needed); nothing where the path is
+    /// not a regular file ([`Heat::open`] said so).
     pub fn save(&self) -> Result<(), HeatError> {
+        if !self.keep {
+            return Ok(());
+        }
         let io = |source| HeatError::Io { path: self.path.clone(), source };
         let layers: serde_json::Map<String, serde_json::Value> = self
             .layers
@@ -202,5 +253,29 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("layer 1: expected an array of 4"), "{e}");
+    }
+
+    #[test]
+    fn special_files_and_oversized_files_are_neither_read_nor_replaced() {
+        use std::os::unix::fs::FileTypeExt;
+        // /dev/zero and /dev/full read zeros without end: refused by their kind, not read.
+        for dev in ["/dev/full", "/dev/zero"] {
+            let h = Heat::open(Path::new(dev), &[1], 4);
+            assert!(h.counts.is_empty() && !h.keep, "{dev}");
+            h.save().unwrap();
+            assert!(std::fs::metadata(dev).unwrap().file_type().is_char_device(), "{dev} is still a device");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        assert!(!Heat::open(dir.path(), &[1], 4).keep, "a directory");
+        // A link to a device is the device.
+        let link = dir.path().join("to-full");
+        std::os::unix::fs::symlink("/dev/full", &link).unwrap();
+        assert!(!Heat::open(&link, &[1], 4).keep);
+        // A file larger than this model's heat can be is not read (and not kept).
+        let big = dir.path().join("big.json");
+        std::fs::write(&big, vec![b' '; max_bytes(1, 4) as usize + 1]).unwrap();
+        let h = Heat::open(&big, &[1], 4);
+        assert!(h.counts.is_empty() && !h.keep);
+        assert_eq!(std::fs::metadata(&big).unwrap().len(), max_bytes(1, 4) + 1, "left as it was");
     }
 }

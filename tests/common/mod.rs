@@ -485,3 +485,5 @@ pub fn edit_bf16_tensors(
     std::fs::write(path, b).unwrap();
     changed
 }
+
+pub mod served;
