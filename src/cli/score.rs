@@ -12,6 +12,7 @@ use crate::model::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, ValueEnum};
 use std::io::Read;
+use std::io::Write as _;
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -181,11 +182,13 @@ fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
             v["exact"] = serde_json::json!(judged_trunk.exact());
             v["window"] = serde_json::json!(a.window);
             v["windows"] = serde_json::json!(perplexity::windows(ids.len(), a.window).len());
-            println!("{v}");
+            writeln!(std::io::stdout(), "{v}")?;
         }
-        Format::Text => {
-            print!("{}", s.table(&format!("{} (trunk {})", dir.display(), judged_trunk.name()), &base_label))
-        }
+        Format::Text => write!(
+            std::io::stdout(),
+            "{}",
+            s.table(&format!("{} (trunk {})", dir.display(), judged_trunk.name()), &base_label)
+        )?,
     }
     Ok(())
 }
@@ -205,7 +208,8 @@ fn text_perplexity(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Resul
         .context("scoring failed")?;
     bar.finish_and_clear();
     match a.format {
-        Format::Json => println!(
+        Format::Json => writeln!(
+            std::io::stdout(),
             "{}",
             serde_json::json!({
                 "ppl": p.ppl(),
@@ -217,8 +221,9 @@ fn text_perplexity(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Resul
                 "windows": p.windows,
                 "model": dir,
             })
-        ),
-        Format::Text => println!(
+        )?,
+        Format::Text => writeln!(
+            std::io::stdout(),
             "perplexity {:.4}, {:.4} bits per byte: {} tokens predicted from {} bytes of text, in {} window{} of up to {} tokens ({})",
             p.ppl(),
             p.bits_per_byte(),
@@ -228,7 +233,7 @@ fn text_perplexity(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Resul
             if p.windows == 1 { "" } else { "s" },
             a.window,
             dir.display()
-        ),
+        )?,
     }
     Ok(())
 }

@@ -12,6 +12,13 @@
 //!   `Content-Range` must name exactly that range of a file of the expected size; 5xx, 429 and
 //!   dropped connections are retried with exponential backoff; 401/403 give a token hint, 404 names
 //!   the repo, revision and file.
+//! - Failing fast: a hub that cannot be reached (DNS failure, connection refused, no answer to the
+//!   connection within 10 s) is retried once, then [`HubError::Unreachable`] says what to check;
+//!   an endpoint that is not an http(s) URL, other 4xx answers and TLS failures are final at once.
+//!   Each retry is announced (a warning) with its wait.
+//! - `HF_HUB_OFFLINE=1` (as `huggingface_hub` reads it): no request is sent; [`Hub::repo_info`]
+//!   comes from the Hugging Face cache (`hfcache`), files only from there ([`HubError::Offline`]
+//!   names what is missing).
 
 use crate::setting::{Action, Setting};
 use serde::Deserialize;
@@ -36,6 +43,21 @@ pub enum HubError {
     Transport { url: String, msg: String, tries: u32 },
     #[error("{url}: {msg}")]
     Protocol { url: String, msg: String },
+    /// The hub cannot be reached at all (name, route, refusal): retried once, not for minutes.
+    #[error(
+        "cannot reach the hub: {url}: {msg}{}. Check the network and HF_ENDPOINT (default {DEFAULT_ENDPOINT}); with HF_HUB_OFFLINE=1, {} installs from the Hugging Face cache only",
+        if *.tries > 1 { format!(" (after {} tries)", .tries) } else { String::new() }, Action::Setup
+    )]
+    Unreachable { url: String, msg: String, tries: u32 },
+    /// HF_ENDPOINT is not a URL requests can go to.
+    #[error("HF_ENDPOINT {endpoint:?} is not a hub URL: {msg} (expected http://HOST[:PORT] or https://HOST[:PORT])")]
+    BadEndpoint { endpoint: String, msg: String },
+    /// HF_HUB_OFFLINE is set and what is needed is not in the Hugging Face cache.
+    #[error(
+        "HF_HUB_OFFLINE is set, and {what} is not in the Hugging Face cache ({}); unset HF_HUB_OFFLINE to download it",
+        cache.as_ref().map_or_else(|| "none found: set HF_HUB_CACHE or HF_HOME".to_string(), |c| c.display().to_string())
+    )]
+    Offline { what: String, cache: Option<std::path::PathBuf> },
     #[error("{}: {source}", path.display())]
     Io { path: std::path::PathBuf, source: std::io::Error },
     #[error(
@@ -101,15 +123,83 @@ pub enum HubError {
     Other(String),
 }
 
+/// Retries of a request to a hub that cannot be reached (see the module contract).
+const UNREACHABLE_RETRIES: u32 = 1;
+
 impl HubError {
     /// Worth retrying: the server or the connection failed, not the request.
     fn retryable(&self) -> bool {
         match self {
             HubError::Status { status, .. } => *status >= 500 || *status == 429 || *status == 408,
-            HubError::Transport { .. } => true,
+            HubError::Transport { .. } | HubError::Unreachable { .. } => true,
             _ => false,
         }
     }
+
+    /// How many retries this failure gets of the `budget` (`HubOptions::retries`).
+    fn retry_budget(&self, budget: u32) -> u32 {
+        match self {
+            HubError::Unreachable { .. } => budget.min(UNREACHABLE_RETRIES),
+            _ => budget,
+        }
+    }
+}
+
+/// Classifies a failed request: the hub cannot be reached, the URL is unusable, or the transfer
+/// broke (worth retrying).
+fn request_error(url: &str, e: ureq::Error) -> HubError {
+    use std::io::ErrorKind as K;
+    let unreachable = |msg: &str| HubError::Unreachable { url: url.to_string(), msg: msg.to_string(), tries: 1 };
+    match e {
+        ureq::Error::HostNotFound => unreachable("the host name does not resolve (DNS)"),
+        ureq::Error::ConnectionFailed => unreachable("the connection failed"),
+        ureq::Error::Timeout(ureq::Timeout::Connect | ureq::Timeout::Resolve) => {
+            unreachable("no answer to the connection (timed out)")
+        }
+        ureq::Error::Io(io)
+            if matches!(
+                io.kind(),
+                K::ConnectionRefused | K::HostUnreachable | K::NetworkUnreachable | K::AddrNotAvailable
+            ) =>
+        {
+            unreachable(&io.to_string())
+        }
+        ureq::Error::BadUri(m) => HubError::Protocol { url: url.to_string(), msg: format!("not a usable URL: {m}") },
+        e @ (ureq::Error::Tls(_) | ureq::Error::Rustls(_) | ureq::Error::Pem(_) | ureq::Error::InvalidProxyUrl) => {
+            HubError::Protocol { url: url.to_string(), msg: e.to_string() }
+        }
+        e => HubError::Transport { url: url.to_string(), msg: e.to_string(), tries: 1 },
+    }
+}
+
+/// `HF_HUB_OFFLINE` as `huggingface_hub` reads it: 1, true, yes or on (any case).
+pub fn offline_from_env() -> bool {
+    std::env::var("HF_HUB_OFFLINE")
+        .is_ok_and(|v| ["1", "true", "yes", "on"].contains(&v.trim().to_ascii_lowercase().as_str()))
+}
+
+/// Checks that `endpoint` is `http(s)://HOST[:PORT][/...]`.
+pub fn check_endpoint(endpoint: &str) -> Result<(), HubError> {
+    let bad = |msg: &str| HubError::BadEndpoint { endpoint: endpoint.to_string(), msg: msg.to_string() };
+    let (scheme, rest) = endpoint.split_once("://").ok_or_else(|| bad("no scheme"))?;
+    if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
+        return Err(bad(&format!("scheme {scheme:?} is not http or https")));
+    }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let (name, port) = match host.rsplit_once(':').filter(|_| !host.ends_with(']')) {
+        Some((n, p)) => (n, Some(p)),
+        None => (host, None),
+    };
+    if name.is_empty() || name.chars().any(|c| c.is_whitespace()) {
+        return Err(bad("no host"));
+    }
+    if let Some(p) = port
+        && p.parse::<u16>().is_err()
+    {
+        return Err(bad(&format!("port {p:?} is not a number up to 65535")));
+    }
+    Ok(())
 }
 
 /// Retry and timeout policy (environment overrides for tests: `DELTAFIN_HUB_RETRIES`,
@@ -146,10 +236,14 @@ impl HubOptions {
         o
     }
 
+    /// The wait before retry `n` (1-based): the backoff doubled per retry, at most 30 s.
+    pub fn delay(&self, n: u32) -> Duration {
+        self.backoff.saturating_mul(1u32 << (n.saturating_sub(1)).min(16)).min(Duration::from_secs(30))
+    }
+
     /// Sleep before retry `n` (1-based).
     pub fn pause(&self, n: u32) {
-        let d = self.backoff.saturating_mul(1u32 << (n.saturating_sub(1)).min(16));
-        std::thread::sleep(d.min(Duration::from_secs(30)));
+        std::thread::sleep(self.delay(n));
     }
 }
 
@@ -229,13 +323,17 @@ pub struct Hub {
     token: Option<String>,
     agent: ureq::Agent,
     pub opts: HubOptions,
+    /// `HF_HUB_OFFLINE`: send nothing (see the module contract).
+    pub offline: bool,
 }
 
 impl Hub {
     /// The endpoint and token from the environment.
     pub fn from_env() -> Self {
         let endpoint = std::env::var("HF_ENDPOINT").ok().filter(|s| !s.trim().is_empty());
-        Hub::new(endpoint.as_deref().unwrap_or(DEFAULT_ENDPOINT), env_token(), HubOptions::from_env())
+        let mut hub = Hub::new(endpoint.as_deref().unwrap_or(DEFAULT_ENDPOINT), env_token(), HubOptions::from_env());
+        hub.offline = offline_from_env();
+        hub
     }
 
     pub fn new(endpoint: &str, token: Option<String>, opts: HubOptions) -> Self {
@@ -246,12 +344,13 @@ impl Hub {
             .max_redirects(0)
             .accept_encoding("identity")
             .user_agent(concat!("deltafin/", env!("CARGO_PKG_VERSION")))
-            .timeout_connect(Some(Duration::from_secs(30)))
+            // A hub that does not answer a connection in 10 s is not there (see `Unreachable`).
+            .timeout_connect(Some(Duration::from_secs(10)))
             .timeout_recv_response(Some(opts.read_timeout))
             .timeout_per_read(Some(opts.read_timeout))
             .build()
             .new_agent();
-        Hub { origin: origin(&endpoint), endpoint, token, agent, opts }
+        Hub { origin: origin(&endpoint), endpoint, token, agent, opts, offline: false }
     }
 
     pub fn has_token(&self) -> bool {
@@ -265,6 +364,10 @@ impl Hub {
 
     /// One request (with redirects followed, the token only to the endpoint's origin); no retry.
     fn send(&self, url: &str, range: Option<(u64, Option<u64>)>) -> Result<Fetched, HubError> {
+        if self.offline {
+            let cache = super::hfcache::hub_cache_dir();
+            return Err(HubError::Offline { what: url.to_string(), cache });
+        }
         let mut url = url.to_string();
         let mut hub_etag = None;
         for hop in 0..10 {
@@ -277,8 +380,7 @@ impl Hub {
             if let Some((a, b)) = range {
                 req = req.header("Range", b.map_or(format!("bytes={a}-"), |b| format!("bytes={a}-{b}")));
             }
-            let resp =
-                req.call().map_err(|e| HubError::Transport { url: url.clone(), msg: e.to_string(), tries: 1 })?;
+            let resp = req.call().map_err(|e| request_error(&url, e))?;
             let status = resp.status().as_u16();
             let header = |k: &str| resp.headers().get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
             if hop == 0 {
@@ -323,12 +425,14 @@ impl Hub {
                 s => Err(HubError::Status { url: f.url, status: s, tries }),
             });
             match r {
-                Err(e) if e.retryable() && tries <= self.opts.retries => {
-                    tracing::info!("{e}; retrying");
-                    self.opts.pause(tries);
+                Err(e) if e.retryable() && tries <= e.retry_budget(self.opts.retries) => {
+                    let d = self.opts.delay(tries);
+                    tracing::warn!("{e}; retrying in {:.1} s", d.as_secs_f64());
+                    std::thread::sleep(d);
                 }
                 Err(HubError::Status { url, status, .. }) => return Err(HubError::Status { url, status, tries }),
                 Err(HubError::Transport { url, msg, .. }) => return Err(HubError::Transport { url, msg, tries }),
+                Err(HubError::Unreachable { url, msg, .. }) => return Err(HubError::Unreachable { url, msg, tries }),
                 r => return r,
             }
         }
@@ -337,6 +441,14 @@ impl Hub {
     /// Resolves `revision` to a commit and lists that commit's files.
     pub fn repo_info(&self, repo: &str, revision: &str) -> Result<RepoInfo, HubError> {
         check_repo(repo)?;
+        if self.offline {
+            let cache = super::hfcache::hub_cache_dir();
+            let cached = cache.as_deref().and_then(|h| super::hfcache::HfRepoCache::open(h, repo));
+            return cached
+                .and_then(|c| c.repo_info(repo, revision))
+                .ok_or_else(|| HubError::Offline { what: format!("repo {repo} at revision {revision}"), cache });
+        }
+        check_endpoint(&self.endpoint)?;
         let url = format!("{}/api/models/{repo}/revision/{}?blobs=true", self.endpoint, encode_segment(revision));
         let what = format!("repo {repo} at revision {revision}");
         let mut tries = 0;

@@ -51,6 +51,9 @@ pub enum ForwardError {
     ForeignSession,
     #[error("cannot commit {want} rows: only {have} are pending")]
     NothingPending { want: usize, have: usize },
+    /// The caller's watcher stopped the forward (e.g. Ctrl-C during a long prefill).
+    #[error("stopped at the caller's request")]
+    Cancelled,
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
