@@ -13,27 +13,31 @@ pub struct EngineArgs {
     /// Memory budget in GB (default: what the machine, or its memory cgroup, has available).
     #[arg(long, value_parser = super::parse_gb_positive, help_heading = "Engine")]
     pub memory_gb: Option<f64>,
-    /// Tokens of context reserved for each sequence (prompt + generated; default: for `run`,
-    /// `batch` and `bench run` what the longest prompt and its new tokens need, else the model's
-    /// maximum, up to 32768).
-    /// The memory budget holds this much state for every sequence run together and gives the
+    /// Tokens of context reserved for each sequence (prompt + generated).
+    ///
+    /// Default: for `run`, `batch` and `bench run` what the longest prompt and its new tokens
+    /// need, else the model's maximum, up to 32768. The memory budget holds this much state for every sequence run together and gives the
     /// rest to the expert cache: a small context leaves a bigger cache.
     #[arg(long, value_name = "TOKENS", help_heading = "Engine")]
     pub context: Option<usize>,
     /// Backend: cpu, gpu (any Vulkan/Metal adapter, lavapipe included), or auto (a real GPU if present).
     #[arg(long, value_enum, ignore_case = true, default_value_t = BackendKind::Cpu, help_heading = "Engine")]
     pub backend: BackendKind,
-    /// How the trunk (everything but the routed experts) is held: auto (coded when `deltafin
-    /// pack-trunk` has coded it, else bf16), bf16 (as shipped), coded (lossless, bit-identical
-    /// output in about 3/4 of the memory), or int8 (per-row absmax: NOT exact, labelled so).
+    /// How the trunk (everything but the routed experts) is held.
+    ///
+    /// auto (coded when `deltafin pack-trunk` has coded it, else bf16), bf16 (as shipped), coded
+    /// (lossless, bit-identical output in about 3/4 of the memory), or int8 (per-row absmax: NOT
+    /// exact, labelled so).
     #[arg(long, value_enum, default_value_t = Trunk::Auto, help_heading = "Engine")]
     pub trunk: Trunk,
     /// Expert cache size in GB (default: what the memory budget leaves, up to all experts).
     #[arg(long, value_parser = super::parse_gb, help_heading = "Engine")]
     pub expert_cache_gb: Option<f64>,
-    /// Device memory in GB for routed experts kept on the GPU across layers and tokens, in front
-    /// of the RAM expert cache (0: none). Experts it holds are neither read nor uploaded again.
-    /// Worth it on a discrete GPU; on unified memory (Apple) it would hold a second copy.
+    /// Device memory in GB for routed experts kept on the GPU (0: none).
+    ///
+    /// Kept across layers and tokens, in front of the RAM expert cache: experts it holds are
+    /// neither read nor uploaded again. Worth it on a discrete GPU; on unified memory (Apple) it
+    /// would hold a second copy.
     #[arg(long, value_parser = super::parse_gb, value_name = "GB", help_heading = "Engine")]
     pub gpu_cache_gb: Option<f64>,
     /// Placement manifest (default: MODEL/placement.json if present, else read the shards).

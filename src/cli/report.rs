@@ -20,24 +20,7 @@ pub fn startup(e: &Engine, verbose: bool) -> String {
     if verbose {
         return e.startup_line();
     }
-    let random = if crate::model::synth::is_synthetic(&e.dir) { " [RANDOM WEIGHTS]" } else { "" };
-    let seqs = match e.plan.sequences {
-        1 => String::new(),
-        n => format!(" x {n} sequences"),
-    };
-    let prefetch = if e.config.prefetch { " | prefetch on" } else { "" };
-    format!(
-        "deltafin: {}{random} | {} layers ({} MoE x {} experts) | {} | memory {}, expert cache {} | context <= {} tokens{seqs} | {}{prefetch} (-v: details)",
-        e.dir.display(),
-        e.cfg.layers,
-        e.cfg.moe_layers(),
-        e.cfg.experts,
-        e.trunk_label(),
-        crate::util::human_bytes(e.plan.budget),
-        crate::util::human_bytes(e.plan.expert_cache),
-        e.plan.context_bound,
-        e.backend_used(),
-    )
+    format!("{} (-v: details)", e.startup_brief())
 }
 
 /// A prefill watcher showing tokens, layers, expert bytes, rate and ETA (when `mode` shows

@@ -93,7 +93,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             .map_or("deltafin".into(), |n| n.to_string_lossy().into_owned())
     });
     if !a.quiet {
-        eprintln!("{}", engine.startup_line());
+        eprintln!("{}", super::report::startup(&engine, super::report::verbose(false)));
     }
     if let Some(note) = load::random_weights_note(&dir) {
         eprintln!("{note}");

@@ -18,8 +18,8 @@ pub fn long() -> String {
         features.push("gpu-bench");
     }
     let features = if features.is_empty() { "none (CPU only)".to_string() } else { features.join(", ") };
-    let isa = crate::backend::cpu::isa().name();
-    let all: Vec<&str> = crate::backend::cpu::Isa::available().iter().map(|i| i.name()).collect();
+    let isa = crate::cpu::isa().name();
+    let all: Vec<&str> = crate::cpu::Isa::available().iter().map(|i| i.name()).collect();
     format!(
         "{SHORT}\nfeatures: {features}\ncpu kernels: {isa} (this machine supports {}; DELTAFIN_ISA chooses)\ntarget: {}-{}",
         all.join(", "),

@@ -164,6 +164,10 @@ fn request_error(url: &str, e: ureq::Error) -> HubError {
         {
             unreachable(&io.to_string())
         }
+        // The system resolver's failure reaches us as an uncategorised I/O error.
+        ureq::Error::Io(io) if io.to_string().contains("failed to lookup address") => {
+            unreachable(&format!("the host name does not resolve (DNS: {io})"))
+        }
         ureq::Error::BadUri(m) => HubError::Protocol { url: url.to_string(), msg: format!("not a usable URL: {m}") },
         e @ (ureq::Error::Tls(_) | ureq::Error::Rustls(_) | ureq::Error::Pem(_) | ureq::Error::InvalidProxyUrl) => {
             HubError::Protocol { url: url.to_string(), msg: e.to_string() }
@@ -427,7 +431,11 @@ impl Hub {
             match r {
                 Err(e) if e.retryable() && tries <= e.retry_budget(self.opts.retries) => {
                     let d = self.opts.delay(tries);
-                    tracing::warn!("{e}; retrying in {:.1} s", d.as_secs_f64());
+                    let what = match &e {
+                        HubError::Unreachable { url, msg, .. } => format!("cannot reach the hub: {url}: {msg}"),
+                        e => e.to_string(),
+                    };
+                    tracing::warn!("{what}; retrying in {:.1} s", d.as_secs_f64());
                     std::thread::sleep(d);
                 }
                 Err(HubError::Status { url, status, .. }) => return Err(HubError::Status { url, status, tries }),
@@ -444,9 +452,9 @@ impl Hub {
         if self.offline {
             let cache = super::hfcache::hub_cache_dir();
             let cached = cache.as_deref().and_then(|h| super::hfcache::HfRepoCache::open(h, repo));
-            return cached
-                .and_then(|c| c.repo_info(repo, revision))
-                .ok_or_else(|| HubError::Offline { what: format!("repo {repo} at revision {revision}"), cache });
+            let listed = cached
+                .map_or_else(|| Err(format!("repo {repo} at revision {revision}")), |c| c.repo_info(repo, revision));
+            return listed.map_err(|what| HubError::Offline { what, cache });
         }
         check_endpoint(&self.endpoint)?;
         let url = format!("{}/api/models/{repo}/revision/{}?blobs=true", self.endpoint, encode_segment(revision));

@@ -47,14 +47,15 @@ impl HfRepoCache {
 
     /// The snapshot of `revision` as the hub lists a commit: each file linked into `blobs/`, with
     /// its size and the checksum its blob is named by (a 64-hex sha256, or a 40-hex git blob id).
-    /// None when the cache has no such snapshot.
-    pub fn repo_info(&self, repo: &str, revision: &str) -> Option<RepoInfo> {
-        let snap = self.snapshot(revision)?;
-        let commit = snap.file_name()?.to_string_lossy().into_owned();
+    /// Err names what the cache lacks: the snapshot, or a file whose blob is gone.
+    pub fn repo_info(&self, repo: &str, revision: &str) -> Result<RepoInfo, String> {
+        let lacks = format!("repo {repo} at revision {revision}");
+        let snap = self.snapshot(revision).ok_or_else(|| lacks.clone())?;
+        let commit = snap.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| lacks.clone())?;
         let mut files = Vec::new();
         let mut dirs = vec![snap.clone()];
         while let Some(d) = dirs.pop() {
-            for e in std::fs::read_dir(&d).ok()?.flatten() {
+            for e in std::fs::read_dir(&d).map_err(|_| lacks.clone())?.flatten() {
                 let p = e.path();
                 if p.is_dir() {
                     dirs.push(p);
@@ -63,9 +64,11 @@ impl HfRepoCache {
                 let Ok(target) = std::fs::read_link(&p) else { continue };
                 let key = target.file_name().map(|n| n.to_string_lossy().to_ascii_lowercase()).unwrap_or_default();
                 let hex = |n: usize| key.len() == n && key.bytes().all(|b| b.is_ascii_hexdigit());
-                let Ok(m) = std::fs::metadata(&p) else { continue };
                 let Ok(rel) = p.strip_prefix(&snap) else { continue };
                 let path = rel.to_string_lossy().replace('\\', "/");
+                let Ok(m) = std::fs::metadata(&p) else {
+                    return Err(format!("file {path} of repo {repo} at commit {commit} (its blob {key} is gone)"));
+                };
                 let (sha256, blob_id) = match (hex(64), hex(40)) {
                     (true, _) => (Some(key.clone()), None),
                     (_, true) => (None, Some(key.clone())),
@@ -75,7 +78,7 @@ impl HfRepoCache {
             }
         }
         files.sort_by(|a, b| a.path.cmp(&b.path));
-        Some(RepoInfo { repo: repo.to_string(), revision: revision.to_string(), commit, files })
+        Ok(RepoInfo { repo: repo.to_string(), revision: revision.to_string(), commit, files })
     }
 
     /// A cached file with `f`'s content (by the snapshot of `commit`, else by blob name) whose

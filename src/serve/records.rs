@@ -90,7 +90,7 @@ pub fn read_output(bytes: &[u8]) -> Result<(Done, usize), NotAnOutput> {
     let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
     let mut done = Done::default();
     let mut n = 0u64;
-    for line in bytes[..whole].split(|&b| b == b'\n') {
+    for line in bytes[..whole].split_inclusive(|&b| b == b'\n') {
         n += 1;
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
@@ -255,4 +255,36 @@ impl LaneHost for Host<'_> {
 
 fn failed(e: &dyn std::fmt::Display) -> ApiError {
     ApiError::new(500, "server_error", "generation_failed", e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outputs_are_told_from_other_files_and_torn_lines_are_ours() {
+        let rec = br#"{"id":"a","line":1,"text":"t"}"#;
+        let mut ours = rec.to_vec();
+        ours.extend_from_slice(b"\n{\"id\":null,\"line\":2,\"error\":{}}\n");
+        let (done, torn) = read_output(&ours).unwrap();
+        assert_eq!((done.ids.get("a"), done.lines.get(&2), torn), (Some(&false), Some(&true), 0));
+        ours.extend_from_slice(br#"{"id":"b","li"#);
+        assert_eq!(read_output(&ours).unwrap().1, 12, "a torn record of ours is cut");
+        assert_eq!(read_output(b"{\"i").unwrap().1, 3);
+        assert_eq!(read_output(b"").unwrap().1, 0);
+        for (other, line) in [(&b"notes\n"[..], 1), (b"{\"id\":\"a\"}\n", 1), (b"[1]\n", 1), (b"hello", 1)] {
+            assert_eq!(read_output(other).unwrap_err().line, line, "{}", String::from_utf8_lossy(other));
+        }
+        let mut tail = rec.to_vec();
+        tail.extend_from_slice(b"\nsomething else");
+        assert_eq!(read_output(&tail).unwrap_err().line, 2);
+    }
+
+    #[test]
+    fn input_lines_number_every_line_and_mark_the_ones_that_are_not_utf8() {
+        let lines = input_lines(b"a\r\n\n\xff b\nc\n");
+        assert_eq!(lines, vec![(1, Ok("a")), (2, Ok("")), (3, Err(0)), (4, Ok("c"))]);
+        assert!(input_lines(b"").is_empty());
+        assert_eq!(input_lines(b"x"), vec![(1, Ok("x"))]);
+    }
 }
