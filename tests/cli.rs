@@ -322,12 +322,21 @@ fn version_names_the_commit_features_and_instruction_set() {
     assert!(v.contains(&format!("cpu kernels: {isa}")), "{v}");
     assert_eq!(v.contains("gpu (Vulkan, Metal)"), cfg!(feature = "gpu"), "{v}");
     let o = deltafin_cmd().arg("-V").output().unwrap();
-    assert_eq!(String::from_utf8(o.stdout).unwrap().trim(), format!("deltafin {} (commit {rev})", env!("CARGO_PKG_VERSION")));
+    assert_eq!(
+        String::from_utf8(o.stdout).unwrap().trim(),
+        format!("deltafin {} (commit {rev})", env!("CARGO_PKG_VERSION"))
+    );
 }
 
 #[test]
 fn completions_for_every_shell() {
-    for (shell, mark) in [("bash", "complete -F"), ("zsh", "#compdef deltafin"), ("fish", "complete -c deltafin"), ("elvish", "deltafin"), ("powershell", "deltafin")] {
+    for (shell, mark) in [
+        ("bash", "complete -F"),
+        ("zsh", "#compdef deltafin"),
+        ("fish", "complete -c deltafin"),
+        ("elvish", "deltafin"),
+        ("powershell", "deltafin"),
+    ] {
         let (out, _) = run_ok(deltafin_cmd().args(["completions", shell]));
         assert!(out.contains(mark) && out.contains("prompt-lines"), "{shell}: {}", &out[..out.len().min(300)]);
     }
@@ -337,7 +346,16 @@ fn completions_for_every_shell() {
 
 #[test]
 fn demo_is_taken_wherever_a_model_is() {
-    for words in [&["run"][..], &["score"], &["batch"], &["serve"], &["place"], &["pack-trunk"], &["bench", "run"], &["bench", "io"]] {
+    for words in [
+        &["run"][..],
+        &["score"],
+        &["batch"],
+        &["serve"],
+        &["place"],
+        &["pack-trunk"],
+        &["bench", "run"],
+        &["bench", "io"],
+    ] {
         assert!(help(words).contains("--demo"), "{words:?} takes --model but not --demo");
     }
 }
@@ -368,7 +386,10 @@ fn plan_says_plainly_when_k3_cannot_fit_and_what_would() {
     }
     assert!(plan("16").contains("alone is"), "16 GB: the trunk alone does not fit");
     let out = plan("100");
-    assert!(out.contains("runs only with the coded or int8 (not exact) trunk") && out.matches("DOES NOT FIT").count() == 1, "{out}");
+    assert!(
+        out.contains("runs only with the coded or int8 (not exact) trunk") && out.matches("DOES NOT FIT").count() == 1,
+        "{out}"
+    );
     let out = plan("256");
     assert!(!out.contains("DOES NOT FIT") && !out.contains("CANNOT") && out.matches(" / ").count() >= 9, "{out}");
     let (j, _) = run_ok(deltafin_cmd().args(["plan", "--memory-gb", "100", "--json"]));
@@ -381,7 +402,17 @@ fn plan_says_plainly_when_k3_cannot_fit_and_what_would() {
 /// `run --demo` with a long generation, stdout piped.
 fn long_run(extra: &[&str]) -> std::process::Command {
     let mut c = deltafin_cmd();
-    c.args(["run", "--demo", "--prompt", "Once upon a time", "--max-new", "3000", "--ignore-eos", "--temperature", "0"]);
+    c.args([
+        "run",
+        "--demo",
+        "--prompt",
+        "Once upon a time",
+        "--max-new",
+        "3000",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+    ]);
     c.args(extra).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
     c
 }
@@ -433,8 +464,7 @@ fn interrupt_when(child: &mut std::process::Child, ready: impl Fn(&str) -> bool)
     // SAFETY: signalling our own child.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
     reader.join().unwrap();
-    let err = seen.lock().unwrap().clone();
-    err
+    seen.lock().unwrap().clone()
 }
 
 #[test]
@@ -449,7 +479,10 @@ fn ctrl_c_on_run_prints_what_was_done() {
     let n = v["output_ids"].as_array().unwrap().len();
     assert!(n > 0 && n < 3000, "{n} tokens");
     assert_eq!(v["stats"]["generated_tokens"].as_u64().unwrap() as usize, n, "the counters cover what was printed");
-    assert!(err.contains(&format!("interrupted (Ctrl-C) after {n} generated tokens")) && err.contains("stats:"), "{err}");
+    assert!(
+        err.contains(&format!("interrupted (Ctrl-C) after {n} generated tokens")) && err.contains("stats:"),
+        "{err}"
+    );
     // Text: the text so far, then the summary.
     let mut child = long_run(&[]).spawn().unwrap();
     let err = interrupt_when(&mut child, |e| e.contains("context <="));
@@ -461,10 +494,23 @@ fn ctrl_c_on_run_prints_what_was_done() {
 #[test]
 fn a_run_ends_with_a_summary_and_counters_that_mean_something() {
     let (_, err) = run_ok(deltafin_cmd().args([
-        "run", "--demo", "--prompt", "Hello", "--max-new", "8", "--ignore-eos", "--temperature", "0", "--stats",
+        "run",
+        "--demo",
+        "--prompt",
+        "Hello",
+        "--max-new",
+        "8",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--stats",
     ]));
-    let summary = err.lines().find(|l| l.contains("prompt tokens, first token after")).unwrap_or_else(|| panic!("{err}"));
-    assert!(summary.contains("tok/s prefill") && summary.contains("8 tokens at") && summary.contains("of experts read"), "{summary}");
+    let summary =
+        err.lines().find(|l| l.contains("prompt tokens, first token after")).unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        summary.contains("tok/s prefill") && summary.contains("8 tokens at") && summary.contains("of experts read"),
+        "{summary}"
+    );
     // The startup line is short; -v gives the engine's full one.
     let start = err.lines().find(|l| l.contains("context <=")).unwrap_or_else(|| panic!("{err}"));
     assert!(start.len() < 250 && start.contains("context <=") && start.contains("(-v: details)"), "{start}");
@@ -473,7 +519,18 @@ fn a_run_ends_with_a_summary_and_counters_that_mean_something() {
         assert!(!err.lines().any(|l| l.split_whitespace().next() == Some(key)), "{key} shown:\n{err}");
     }
     assert!(err.contains("read_amplification") && err.contains("prefill_tok_s"), "{err}");
-    let (_, err) = run_ok(deltafin_cmd().args(["run", "--demo", "--prompt", "Hello", "--max-new", "8", "-v", "--stats", "--draft", "dspark"]));
+    let (_, err) = run_ok(deltafin_cmd().args([
+        "run",
+        "--demo",
+        "--prompt",
+        "Hello",
+        "--max-new",
+        "8",
+        "-v",
+        "--stats",
+        "--draft",
+        "dspark",
+    ]));
     assert!(err.contains("memory: trunk") && err.contains("prefill rows"), "-v: the full startup line\n{err}");
     assert!(err.lines().any(|l| l.split_whitespace().next() == Some("drafts_proposed")), "drafting: shown\n{err}");
     // -q: nothing but the answer.
@@ -503,8 +560,53 @@ fn prefill_progress_shows_when_asked_and_never_in_pipes() {
 #[test]
 fn several_prompts_answers_come_under_separators() {
     let (out, _) = run_ok(deltafin_cmd().args([
-        "run", "--demo", "--temperature", "0", "--max-new", "6", "-q", "--prompt", "The ship", "--prompt", "In the beginning",
+        "run",
+        "--demo",
+        "--temperature",
+        "0",
+        "--max-new",
+        "6",
+        "-q",
+        "--prompt",
+        "The ship",
+        "--prompt",
+        "In the beginning",
     ]));
     let heads: Vec<&str> = out.lines().filter(|l| l.starts_with("--- ")).collect();
     assert_eq!(heads, ["--- 1/2: The ship ---", "--- 2/2: In the beginning ---"], "{out}");
+}
+
+#[test]
+fn ctrl_c_on_synth_removes_its_temporary_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("m");
+    let mut child = deltafin_cmd()
+        .args(["synth", "--preset", "k3-experts", "--layers", "2", "--experts", "16", "--out"])
+        .arg(&out)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once its hidden temporary directory holds part of a shard.
+    let writing = || {
+        std::fs::read_dir(tmp.path()).unwrap().flatten().any(|e| {
+            e.file_name().to_string_lossy().contains(".synth-tmp-")
+                && std::fs::read_dir(e.path()).into_iter().flatten().flatten().any(|f| {
+                    f.file_name().to_string_lossy().ends_with(".safetensors") && f.metadata().is_ok_and(|m| m.len() > 0)
+                })
+        })
+    };
+    let t0 = std::time::Instant::now();
+    while !writing() {
+        assert!(child.try_wait().unwrap().is_none(), "synth ended before it could be interrupted");
+        assert!(t0.elapsed().as_secs() < 120, "synth never started writing");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted: the partly written model was removed"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
 }

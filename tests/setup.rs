@@ -537,7 +537,12 @@ fn an_unreachable_hub_or_a_bad_endpoint_fails_fast_and_says_what_to_check() {
     let err = go("http://hub.invalid");
     assert!(err.contains("cannot reach the hub") && err.contains("does not resolve"), "{err}");
     // Not a URL at all: final at once, nothing retried.
-    for (bad, says) in [("ftp://example.org", "scheme \"ftp\" is not http or https"), ("huggingface.co", "no scheme"), ("http://:80", "no host"), ("http://h:99999", "port")] {
+    for (bad, says) in [
+        ("ftp://example.org", "scheme \"ftp\" is not http or https"),
+        ("huggingface.co", "no scheme"),
+        ("http://:80", "no host"),
+        ("http://h:99999", "port"),
+    ] {
         let err = go(bad);
         assert!(err.contains(&format!("HF_ENDPOINT {bad:?} is not a hub URL")) && err.contains(says), "{bad}: {err}");
         assert!(!err.contains("retrying"), "{err}");
@@ -579,10 +584,16 @@ fn hf_hub_offline_installs_from_the_cache_alone_or_names_what_is_missing() {
     assert!(err.contains("--stream fetches routed experts from the hub") && err.contains("HF_HUB_OFFLINE"), "{err}");
     // Not in the cache: the repo, or one of its files.
     let err = fail(offline(&tmp.path().join("empty")).arg("--dir").arg(tmp.path().join("k3b")));
-    assert!(err.contains("HF_HUB_OFFLINE is set, and repo org/tiny at revision main is not in the Hugging Face cache"), "{err}");
+    assert!(
+        err.contains("HF_HUB_OFFLINE is set, and repo org/tiny at revision main is not in the Hugging Face cache"),
+        "{err}"
+    );
     let shard = "model-00002-of-00002.safetensors";
     std::fs::remove_file(repo.join("blobs").join(info.file(shard).unwrap().content_key())).unwrap();
     let err = fail(offline(&cache).arg("--dir").arg(tmp.path().join("k3c")));
-    assert!(err.contains(shard) && err.contains("is not in the Hugging Face cache") && err.contains("unset HF_HUB_OFFLINE"), "{err}");
+    assert!(
+        err.contains(shard) && err.contains("is not in the Hugging Face cache") && err.contains("unset HF_HUB_OFFLINE"),
+        "{err}"
+    );
     assert!(s.log().is_empty(), "{:?}", s.log());
 }

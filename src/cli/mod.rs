@@ -136,8 +136,12 @@ pub fn main() -> ExitCode {
     names::install();
     let args: Vec<String> = std::env::args().collect();
     use clap::{CommandFactory, FromArgMatches};
-    let long: &'static str = Box::leak(version::long().into_boxed_str());
-    let parsed = Cli::command().long_version(long).try_get_matches().and_then(|m| Cli::from_arg_matches(&m));
+    // `--version` says more than `-V` (built only when asked: it looks at the machine).
+    let mut cmd = Cli::command();
+    if args.iter().any(|a| a == "--version") {
+        cmd = cmd.long_version(&*Box::leak(version::long().into_boxed_str()));
+    }
+    let parsed = cmd.try_get_matches().and_then(|m| Cli::from_arg_matches(&m));
     let cli = match parsed {
         Ok(c) => c,
         Err(mut e) => {

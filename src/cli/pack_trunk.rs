@@ -36,17 +36,12 @@ pub struct PackTrunkArgs {
 
 pub fn run(a: PackTrunkArgs) -> Result<()> {
     let dir = load::model_dir(&a.model, a.demo)?;
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} files {elapsed} eta {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let mut bar = super::progress::Progress::new(super::progress::mode(false), "coding the trunk");
     let sum = crate::engine::trunk::pack(&dir, &mut |done, all| {
-        bar.set_length(all as u64);
-        bar.set_position(done as u64);
+        bar.update(done as u64, all as u64, |d, t, _| format!("{d}/{t} files"))
     })
     .with_context(|| format!("cannot write the coded trunk of {}", dir.display()))?;
-    bar.finish_and_clear();
+    bar.finish();
     let report = &sum.report;
     let mf = &report.manifest;
     let bits = 8.0 * mf.coded_bytes as f64 / mf.values.max(1) as f64;

@@ -57,6 +57,12 @@ pub fn prefill_watcher(mode: Mode) -> Box<PrefillWatcher> {
 /// One line after a run: "12 prompt tokens in 0.4 s (30.1 tok/s), 64 tokens at 5.2 tok/s,
 /// 1.2 GB of experts read (1.02x)". `wall_s`: the whole run, when several prompts overlap.
 pub fn summary(s: &Stats) -> String {
+    let read = |b: u64| format!("{} of experts read", fmt_bytes(b as f64));
+    if s.prompt_tokens == 0 {
+        // Stopped during the prompt (Ctrl-C): its work is rolled back, only the reads remain.
+        let reads = s.bytes_read().map(|b| format!(", {}", read(b))).unwrap_or_default();
+        return format!("deltafin: stopped during the prompt after {:.2} s{reads}", s.ttft_s);
+    }
     let mut out = format!(
         "deltafin: {} prompt tokens, first token after {:.2} s ({:.1} tok/s prefill)",
         s.prompt_tokens,
@@ -70,7 +76,7 @@ pub fn summary(s: &Stats) -> String {
     }
     if let Some(b) = s.bytes_read() {
         let amp = s.read_amplification().map(|a| format!(" ({a:.2}x the distinct experts)")).unwrap_or_default();
-        out.push_str(&format!(", {} of experts read{amp}", fmt_bytes(b as f64)));
+        out.push_str(&format!(", {}{amp}", read(b)));
     }
     out
 }

@@ -228,7 +228,10 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         }
     };
     if interrupted {
-        eprintln!("deltafin: interrupted (Ctrl-C) after {} generated tokens", ids.len());
+        match stats.prompt_tokens {
+            0 => eprintln!("deltafin: interrupted (Ctrl-C) during the prompt; nothing generated"),
+            _ => eprintln!("deltafin: interrupted (Ctrl-C) after {} generated tokens", ids.len()),
+        }
     }
     if !a.quiet {
         eprintln!("{}", report::summary(&stats));

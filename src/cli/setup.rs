@@ -84,8 +84,7 @@ pub fn run(a: SetupArgs) -> Result<()> {
     } else {
         eprintln!("deltafin setup: asking {} for {} at {} ...", hub.endpoint, a.repo, a.revision);
     }
-    let info = hub
-        .repo_info(&a.repo, &a.revision)
+    let info = crate::hub::hfcache::list(&hub, &a.repo, &a.revision)
         .with_context(|| format!("cannot list {} at revision {} on {}", a.repo, a.revision, hub.endpoint))?;
     let total: u64 = info.files.iter().map(|f| f.size).sum();
     eprintln!(
@@ -246,8 +245,7 @@ fn choose_mode(a: &SetupArgs, info: &RepoInfo) -> Result<bool> {
 
 /// The DSpark checkpoint (`config.json`, `model.safetensors`) into DIR/dspark.
 fn install_draft(hub: &Hub, a: &SetupArgs, dl: &DownloadOptions) -> Result<download::DownloadReport> {
-    let info = hub
-        .repo_info(&a.draft_repo, &a.draft_revision)
+    let info = crate::hub::hfcache::list(hub, &a.draft_repo, &a.draft_revision)
         .with_context(|| format!("cannot list the draft {} at {}", a.draft_repo, a.draft_revision))?;
     let dir = a.dir.join(DRAFT_DIR);
     let mut jobs = Vec::new();

@@ -18,11 +18,11 @@ pub fn long() -> String {
         features.push("gpu-bench");
     }
     let features = if features.is_empty() { "none (CPU only)".to_string() } else { features.join(", ") };
-    let isa = crate::cpu::isa().name();
-    let all: Vec<&str> = crate::cpu::Isa::available().iter().map(|i| i.name()).collect();
+    // The instruction set the kernels chose here (the best this CPU has, or DELTAFIN_ISA's).
+    let machine = crate::stats::machine_info();
+    let isa = machine["isa"].as_str().unwrap_or("unknown");
     format!(
-        "{SHORT}\nfeatures: {features}\ncpu kernels: {isa} (this machine supports {}; DELTAFIN_ISA chooses)\ntarget: {}-{}",
-        all.join(", "),
+        "{SHORT}\nfeatures: {features}\ncpu kernels: {isa} (DELTAFIN_ISA=scalar|avx2|avx512|neon chooses another)\ntarget: {}-{}",
         std::env::consts::ARCH,
         std::env::consts::OS,
     )

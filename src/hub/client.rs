@@ -16,9 +16,9 @@
 //!   connection within 10 s) is retried once, then [`HubError::Unreachable`] says what to check;
 //!   an endpoint that is not an http(s) URL, other 4xx answers and TLS failures are final at once.
 //!   Each retry is announced (a warning) with its wait.
-//! - `HF_HUB_OFFLINE=1` (as `huggingface_hub` reads it): no request is sent; [`Hub::repo_info`]
-//!   comes from the Hugging Face cache (`hfcache`), files only from there ([`HubError::Offline`]
-//!   names what is missing).
+//! - `HF_HUB_OFFLINE=1` (as `huggingface_hub` reads it): no request is sent ([`HubError::Offline`]
+//!   names what was needed); listings and files come from the Hugging Face cache (`hfcache::list`).
+//!   How failures are classified and URLs handled is `net`'s.
 
 use crate::setting::{Action, Setting};
 use serde::Deserialize;
@@ -53,11 +53,8 @@ pub enum HubError {
     #[error("HF_ENDPOINT {endpoint:?} is not a hub URL: {msg} (expected http://HOST[:PORT] or https://HOST[:PORT])")]
     BadEndpoint { endpoint: String, msg: String },
     /// HF_HUB_OFFLINE is set and what is needed is not in the Hugging Face cache.
-    #[error(
-        "HF_HUB_OFFLINE is set, and {what} is not in the Hugging Face cache ({}); unset HF_HUB_OFFLINE to download it",
-        cache.as_ref().map_or_else(|| "none found: set HF_HUB_CACHE or HF_HOME".to_string(), |c| c.display().to_string())
-    )]
-    Offline { what: String, cache: Option<std::path::PathBuf> },
+    #[error("HF_HUB_OFFLINE is set, and {what} is not in the Hugging Face cache; unset HF_HUB_OFFLINE to download it")]
+    Offline { what: String },
     #[error("{}: {source}", path.display())]
     Io { path: std::path::PathBuf, source: std::io::Error },
     #[error(
@@ -123,6 +120,9 @@ pub enum HubError {
     Other(String),
 }
 
+use super::net::{Failure, check_endpoint};
+pub use super::net::{check_file_path, encode_path, encode_segment, join_url, origin};
+
 /// Retries of a request to a hub that cannot be reached (see the module contract).
 const UNREACHABLE_RETRIES: u32 = 1;
 
@@ -143,67 +143,6 @@ impl HubError {
             _ => budget,
         }
     }
-}
-
-/// Classifies a failed request: the hub cannot be reached, the URL is unusable, or the transfer
-/// broke (worth retrying).
-fn request_error(url: &str, e: ureq::Error) -> HubError {
-    use std::io::ErrorKind as K;
-    let unreachable = |msg: &str| HubError::Unreachable { url: url.to_string(), msg: msg.to_string(), tries: 1 };
-    match e {
-        ureq::Error::HostNotFound => unreachable("the host name does not resolve (DNS)"),
-        ureq::Error::ConnectionFailed => unreachable("the connection failed"),
-        ureq::Error::Timeout(ureq::Timeout::Connect | ureq::Timeout::Resolve) => {
-            unreachable("no answer to the connection (timed out)")
-        }
-        ureq::Error::Io(io)
-            if matches!(
-                io.kind(),
-                K::ConnectionRefused | K::HostUnreachable | K::NetworkUnreachable | K::AddrNotAvailable
-            ) =>
-        {
-            unreachable(&io.to_string())
-        }
-        // The system resolver's failure reaches us as an uncategorised I/O error.
-        ureq::Error::Io(io) if io.to_string().contains("failed to lookup address") => {
-            unreachable(&format!("the host name does not resolve (DNS: {io})"))
-        }
-        ureq::Error::BadUri(m) => HubError::Protocol { url: url.to_string(), msg: format!("not a usable URL: {m}") },
-        e @ (ureq::Error::Tls(_) | ureq::Error::Rustls(_) | ureq::Error::Pem(_) | ureq::Error::InvalidProxyUrl) => {
-            HubError::Protocol { url: url.to_string(), msg: e.to_string() }
-        }
-        e => HubError::Transport { url: url.to_string(), msg: e.to_string(), tries: 1 },
-    }
-}
-
-/// `HF_HUB_OFFLINE` as `huggingface_hub` reads it: 1, true, yes or on (any case).
-pub fn offline_from_env() -> bool {
-    std::env::var("HF_HUB_OFFLINE")
-        .is_ok_and(|v| ["1", "true", "yes", "on"].contains(&v.trim().to_ascii_lowercase().as_str()))
-}
-
-/// Checks that `endpoint` is `http(s)://HOST[:PORT][/...]`.
-pub fn check_endpoint(endpoint: &str) -> Result<(), HubError> {
-    let bad = |msg: &str| HubError::BadEndpoint { endpoint: endpoint.to_string(), msg: msg.to_string() };
-    let (scheme, rest) = endpoint.split_once("://").ok_or_else(|| bad("no scheme"))?;
-    if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
-        return Err(bad(&format!("scheme {scheme:?} is not http or https")));
-    }
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    let (name, port) = match host.rsplit_once(':').filter(|_| !host.ends_with(']')) {
-        Some((n, p)) => (n, Some(p)),
-        None => (host, None),
-    };
-    if name.is_empty() || name.chars().any(|c| c.is_whitespace()) {
-        return Err(bad("no host"));
-    }
-    if let Some(p) = port
-        && p.parse::<u16>().is_err()
-    {
-        return Err(bad(&format!("port {p:?} is not a number up to 65535")));
-    }
-    Ok(())
 }
 
 /// Retry and timeout policy (environment overrides for tests: `DELTAFIN_HUB_RETRIES`,
@@ -336,7 +275,7 @@ impl Hub {
     pub fn from_env() -> Self {
         let endpoint = std::env::var("HF_ENDPOINT").ok().filter(|s| !s.trim().is_empty());
         let mut hub = Hub::new(endpoint.as_deref().unwrap_or(DEFAULT_ENDPOINT), env_token(), HubOptions::from_env());
-        hub.offline = offline_from_env();
+        hub.offline = super::net::offline_from_env();
         hub
     }
 
@@ -369,8 +308,7 @@ impl Hub {
     /// One request (with redirects followed, the token only to the endpoint's origin); no retry.
     fn send(&self, url: &str, range: Option<(u64, Option<u64>)>) -> Result<Fetched, HubError> {
         if self.offline {
-            let cache = super::hfcache::hub_cache_dir();
-            return Err(HubError::Offline { what: url.to_string(), cache });
+            return Err(HubError::Offline { what: url.to_string() });
         }
         let mut url = url.to_string();
         let mut hub_etag = None;
@@ -384,7 +322,11 @@ impl Hub {
             if let Some((a, b)) = range {
                 req = req.header("Range", b.map_or(format!("bytes={a}-"), |b| format!("bytes={a}-{b}")));
             }
-            let resp = req.call().map_err(|e| request_error(&url, e))?;
+            let resp = req.call().map_err(|e| match super::net::classify(e) {
+                Failure::Unreachable(msg) => HubError::Unreachable { url: url.clone(), msg, tries: 1 },
+                Failure::Final(msg) => HubError::Protocol { url: url.clone(), msg },
+                Failure::Transient(msg) => HubError::Transport { url: url.clone(), msg, tries: 1 },
+            })?;
             let status = resp.status().as_u16();
             let header = |k: &str| resp.headers().get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
             if hop == 0 {
@@ -414,6 +356,9 @@ impl Hub {
         repo: &str,
         what: &str,
     ) -> Result<Fetched, HubError> {
+        if self.offline {
+            return Err(HubError::Offline { what: what.to_string() });
+        }
         let mut tries = 0u32;
         loop {
             tries += 1;
@@ -449,14 +394,7 @@ impl Hub {
     /// Resolves `revision` to a commit and lists that commit's files.
     pub fn repo_info(&self, repo: &str, revision: &str) -> Result<RepoInfo, HubError> {
         check_repo(repo)?;
-        if self.offline {
-            let cache = super::hfcache::hub_cache_dir();
-            let cached = cache.as_deref().and_then(|h| super::hfcache::HfRepoCache::open(h, repo));
-            let listed = cached
-                .map_or_else(|| Err(format!("repo {repo} at revision {revision}")), |c| c.repo_info(repo, revision));
-            return listed.map_err(|what| HubError::Offline { what, cache });
-        }
-        check_endpoint(&self.endpoint)?;
+        check_endpoint(&self.endpoint).map_err(|msg| HubError::BadEndpoint { endpoint: self.endpoint.clone(), msg })?;
         let url = format!("{}/api/models/{repo}/revision/{}?blobs=true", self.endpoint, encode_segment(revision));
         let what = format!("repo {repo} at revision {revision}");
         let mut tries = 0;
@@ -609,58 +547,6 @@ fn unquote_etag(e: &str) -> String {
     e.trim().trim_start_matches("W/").trim_matches('"').to_string()
 }
 
-/// `scheme://host:port`, lowercase, with the default port filled in.
-pub fn origin(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("http", url));
-    let scheme = scheme.to_ascii_lowercase();
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h).to_ascii_lowercase();
-    let has_port =
-        host.rsplit_once(':').is_some_and(|(_, p)| p.bytes().all(|b| b.is_ascii_digit()) && !host.ends_with(']'));
-    if has_port {
-        format!("{scheme}://{host}")
-    } else {
-        let port = if scheme == "https" { 443 } else { 80 };
-        format!("{scheme}://{host}:{port}")
-    }
-}
-
-/// Resolves a `Location` against the URL it came from.
-pub fn join_url(base: &str, loc: &str) -> String {
-    if loc.contains("://") {
-        return loc.to_string();
-    }
-    let (scheme, rest) = base.split_once("://").unwrap_or(("http", base));
-    if let Some(l) = loc.strip_prefix("//") {
-        return format!("{scheme}://{l}");
-    }
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    if loc.starts_with('/') {
-        return format!("{scheme}://{authority}{loc}");
-    }
-    let path = rest[authority.len()..].split(['?', '#']).next().unwrap_or("");
-    let dir = path.rsplit_once('/').map_or("", |(d, _)| d);
-    format!("{scheme}://{authority}{dir}/{loc}")
-}
-
-/// Percent-encodes a path, keeping `/`.
-pub fn encode_path(p: &str) -> String {
-    p.split('/').map(encode_segment).collect::<Vec<_>>().join("/")
-}
-
-/// Percent-encodes one path segment (a revision like `refs/pr/1` becomes one segment).
-pub fn encode_segment(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
 /// `ORG/NAME` with plain characters.
 pub fn check_repo(repo: &str) -> Result<(), HubError> {
     let ok = repo.split('/').count() == 2
@@ -671,17 +557,6 @@ pub fn check_repo(repo: &str) -> Result<(), HubError> {
                 && p.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b))
         });
     if ok { Ok(()) } else { Err(HubError::BadRepo { repo: repo.to_string() }) }
-}
-
-/// A repo file path must stay inside the directory it is written to.
-pub fn check_file_path(p: &str) -> Result<(), String> {
-    if p.is_empty() || p.starts_with('/') || p.contains('\\') || p.contains('\0') {
-        return Err("not a relative path".into());
-    }
-    if p.split('/').any(|s| s.is_empty() || s == "." || s == "..") {
-        return Err("has an empty, `.` or `..` component".into());
-    }
-    Ok(())
 }
 
 #[cfg(test)]

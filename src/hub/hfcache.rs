@@ -9,7 +9,7 @@
 //! snapshot as the hub would (for `HF_HUB_OFFLINE`): each file's checksum is the name of the blob
 //! its link points to, so a file that is not such a link is left out (and so never trusted).
 
-use super::client::{RepoFile, RepoInfo};
+use super::client::{Hub, HubError, RepoFile, RepoInfo};
 use std::path::{Path, PathBuf};
 
 /// The hub cache root, if one can be named.
@@ -19,6 +19,18 @@ pub fn hub_cache_dir() -> Option<PathBuf> {
         .or_else(|| env("HF_HOME").map(|h| h.join("hub")))
         .or_else(|| env("XDG_CACHE_HOME").map(|c| c.join("huggingface/hub")))
         .or_else(|| env("HOME").map(|h| h.join(".cache/huggingface/hub")))
+}
+
+/// `repo` at `revision` as [`Hub::repo_info`] lists it, or, with `HF_HUB_OFFLINE` set, as the
+/// Hugging Face cache holds it ([`HfRepoCache::repo_info`]; what it lacks is the error).
+pub fn list(hub: &Hub, repo: &str, revision: &str) -> Result<RepoInfo, HubError> {
+    if !hub.offline {
+        return hub.repo_info(repo, revision);
+    }
+    let cached = hub_cache_dir().and_then(|h| HfRepoCache::open(&h, repo));
+    let listed =
+        cached.map_or_else(|| Err(format!("repo {repo} at revision {revision}")), |c| c.repo_info(repo, revision));
+    listed.map_err(|what| HubError::Offline { what })
 }
 
 /// One repo's directory in the cache.

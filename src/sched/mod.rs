@@ -46,6 +46,10 @@ pub fn forward(
     forward_watched(model, device, source, opts, batch, stats, &mut |_, _, _| true)
 }
 
+/// Told after each MoE layer of a forward: (MoE layers done, MoE layers, counters so far); false
+/// stops the forward ([`forward_watched`]).
+pub type LayerWatch<'a> = dyn FnMut(usize, usize, &Stats) -> bool + 'a;
+
 /// [`forward`] calling `watch(MoE layers done, MoE layers, counters so far)` after each MoE
 /// layer (a long prefill's progress); `watch` returning false fails the forward there with
 /// [`ForwardError::Cancelled`] (every sequence as it was, as for any failure).
@@ -56,7 +60,7 @@ pub fn forward_watched(
     opts: Options,
     batch: &mut [SeqRows],
     stats: &mut Stats,
-    watch: &mut dyn FnMut(usize, usize, &Stats) -> bool,
+    watch: &mut LayerWatch<'_>,
 ) -> Result<Vec<RowsOut>, ForwardError> {
     let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
     let mut sched = moe::StoreSchedule::new(model, device, source, opts, rows, stats).watched(watch);

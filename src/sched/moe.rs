@@ -63,7 +63,7 @@ pub struct StoreSchedule<'a> {
     stats: &'a mut Stats,
     clock: PhaseClock,
     /// Told after each MoE layer (`super::forward_watched`); false stops the forward.
-    watch: Option<&'a mut dyn FnMut(usize, usize, &Stats) -> bool>,
+    watch: Option<&'a mut super::LayerWatch<'a>>,
     moe_done: usize,
 }
 
@@ -91,7 +91,7 @@ impl<'a> StoreSchedule<'a> {
     }
 
     /// The schedule telling `watch` after each MoE layer (see `super::forward_watched`).
-    pub fn watched(mut self, watch: &'a mut dyn FnMut(usize, usize, &Stats) -> bool) -> Self {
+    pub fn watched(mut self, watch: &'a mut super::LayerWatch<'a>) -> Self {
         self.watch = Some(watch);
         self
     }

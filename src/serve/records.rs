@@ -269,7 +269,7 @@ mod tests {
         let (done, torn) = read_output(&ours).unwrap();
         assert_eq!((done.ids.get("a"), done.lines.get(&2), torn), (Some(&false), Some(&true), 0));
         ours.extend_from_slice(br#"{"id":"b","li"#);
-        assert_eq!(read_output(&ours).unwrap().1, 12, "a torn record of ours is cut");
+        assert_eq!(read_output(&ours).unwrap().1, 13, "a torn record of ours is cut");
         assert_eq!(read_output(b"{\"i").unwrap().1, 3);
         assert_eq!(read_output(b"").unwrap().1, 0);
         for (other, line) in [(&b"notes\n"[..], 1), (b"{\"id\":\"a\"}\n", 1), (b"[1]\n", 1), (b"hello", 1)] {
