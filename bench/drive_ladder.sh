@@ -180,6 +180,7 @@ place() {
   local args=() i
   [ "$policy" = hot ] && args+=(--trace "$work/routes.json")
   for ((i = 0; i < k; i++)); do
+    mkdir -p "${roots[$i]}/$name"
     if [ $# -gt 0 ]; then args+=(--drive "${roots[$i]}/$name=$1"); shift; else args+=(--drive "${roots[$i]}/$name"); fi
   done
   say "placing $name ($policy on $k drives)"

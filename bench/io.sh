@@ -25,7 +25,7 @@ model=$work/k3x
 for n in 1 2 3; do
   rm -rf "$work"/drive* "$model/placement.json"
   drives=()
-  for i in $(seq 1 "$n"); do drives+=(--drive "$work/drive$i"); done
+  for i in $(seq 1 "$n"); do mkdir -p "$work/drive$i"; drives+=(--drive "$work/drive$i"); done
   $bin place --model "$model" "${drives[@]}" --policy spread --probe-mb 512 >&2
   # shellcheck disable=SC2046 # cold_flags prints zero or one flag
   $bin bench io --model "$model" --gb 1.5 --label "$n dir(s), spread" $(cold_flags)

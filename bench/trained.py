@@ -213,6 +213,8 @@ def main():
             "--max-new", "1", "--temperature", "0", "--trace-routes", routes_file])
         for policy in ("spread", "hot"):
             fast, slow = os.path.join(work, f"{policy}-fast"), os.path.join(work, f"{policy}-slow")
+            for d in (fast, slow):
+                os.makedirs(d, exist_ok=True)  # place never creates a drive directory
             # place writes MODEL/placement.json, which bench run then reads.
             args = [a.bin, "place", "--model", a.model, "--drive", f"{fast}=1.0", "--drive", f"{slow}=0.5",
                     "--policy", policy]

@@ -320,6 +320,14 @@ pub struct PlanRow {
     /// Expected hit rate of the expert cache: the fraction of all experts it holds (routes taken
     /// as uniform; skewed real routes hit more, so this is the pessimistic end).
     pub hit_rate: f64,
+    /// Slots for the reads in flight of one drive at queue depth 4 (besides the cache).
+    pub read_slot_bytes: u64,
+    /// The least memory this encoding runs in: trunk, state, activations, read slots and the OS's
+    /// share, with no expert cache.
+    pub min_memory_bytes: u64,
+    /// Whether `min_memory_bytes` fits the machine's memory: when false, the model cannot run
+    /// here with this trunk and the decode bounds are not reachable.
+    pub fits: bool,
     /// Decode lower bound in seconds per token for 1, 2, 4 and 8 drives: the routed bytes a token
     /// misses, read at the drives' combined rate.
     pub decode_s_per_token: Vec<(usize, f64)>,
@@ -346,10 +354,13 @@ pub fn plan_encodings(c: &K3Config, p: &PlanInputs) -> Vec<PlanRow> {
     let expert = c.expert_bytes() as u64;
     let all_experts = (c.moe_layers() * c.experts) as u64;
     let token_bytes = (c.moe_layers() * c.top_k) as f64 * expert as f64;
+    // One drive at queue depth 4: its reads in flight and two spare (`staging_slots`).
+    let read_slots = 6 * crate::store::expert_store::slot_size(c.expert_bytes()) as u64;
     [("bf16", true, bf16), ("coded", true, coded), ("int8", false, int8)]
         .into_iter()
         .map(|(name, exact, trunk)| {
-            let cache = p.memory_bytes.saturating_sub(trunk + state + act + p.os_bytes);
+            let min_memory = trunk + state + act + read_slots + p.os_bytes;
+            let cache = p.memory_bytes.saturating_sub(min_memory);
             let cached = (cache / expert.max(1)).min(all_experts);
             let hit = cached as f64 / all_experts.max(1) as f64;
             let decode = [1usize, 2, 4, 8]
@@ -366,6 +377,9 @@ pub fn plan_encodings(c: &K3Config, p: &PlanInputs) -> Vec<PlanRow> {
                 expert_cache_bytes: cached * expert,
                 cached_experts: cached,
                 hit_rate: hit,
+                read_slot_bytes: read_slots,
+                min_memory_bytes: min_memory,
+                fits: min_memory <= p.memory_bytes,
                 decode_s_per_token: decode,
             }
         })

@@ -1,7 +1,9 @@
 //! Small shared helpers: durable writes ([`sync_file`], [`sync_dir`]: the one place a file is made
 //! durable, `F_FULLFSYNC` on macOS), atomic file writes (never through a non-regular file) and
-//! output-path checks, f32 safetensors output, stale temp cleanup, cache directory, byte formatting, dates,
-//! free space on a file system, macOS `sysctl` values, and the eviction order of cache slots (the store's RAM cache and
+//! output-path checks (also for a file appended to: a regular file, not the input), the process's
+//! cancel request (Ctrl-C), f32 safetensors output, stale temp cleanup, cache directory, byte
+//! formatting, dates, free space on a file system, macOS `sysctl` values, and the eviction order of
+//! cache slots (the store's RAM cache and
 //! the GPU's device cache).
 //!
 //! Contract: the lowest floor of the crate — it imports nothing of it, so every module may use it.
@@ -60,6 +62,70 @@ fn write_target(path: &Path) -> std::io::Result<PathBuf> {
         )),
         _ => Ok(target),
     }
+}
+
+/// The identity of the file `path` names (links followed): (device, inode). Two paths with the
+/// same identity are the same file, whatever links or hard links lead there.
+pub fn file_id(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// The identity of the file open as descriptor `fd` (standard input 0, output 1), if any.
+pub fn fd_id(fd: i32) -> Option<(u64, u64)> {
+    // SAFETY: fstat writes only into the zeroed struct we pass; a bad descriptor is an error.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev as u64, st.st_ino as u64))
+}
+
+/// Checks a file that results are appended to (and read back, to resume): it is a regular file
+/// or does not exist yet (links followed), in a directory that exists. A directory, FIFO, device
+/// or socket is refused (reading one back never ends or blocks; appending to one loses the
+/// results or fails late), saying what it is.
+pub fn check_append_path(path: &Path) -> std::io::Result<()> {
+    let target = resolve_links(path)?;
+    let via = if target == path { String::new() } else { format!("links to {} which ", target.display()) };
+    match std::fs::metadata(&target) {
+        Ok(m) if m.is_file() => Ok(()),
+        Ok(m) => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{via}is {}, not a regular file", file_kind(&m)),
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let dir = parent_dir(&target);
+            if dir.is_dir() {
+                Ok(())
+            } else {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("the directory {} does not exist", dir.display()),
+                ))
+            }
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// What kind of file `path` is when it is not a regular file or a directory (a FIFO, device or
+/// socket: what a tool that reads it to the end should not be given), links followed.
+pub fn special_file_kind(path: &Path) -> Option<&'static str> {
+    let m = std::fs::metadata(path).ok()?;
+    (!m.is_file() && !m.is_dir()).then(|| file_kind(&m))
+}
+
+/// Set once the user asked the process to stop (the CLI's Ctrl-C handler); long library work
+/// that can stop cleanly (e.g. `synth`, which then removes its temporary files) polls it.
+static CANCEL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Asks long work to stop at its next check (async-signal-safe: one atomic store).
+pub fn request_cancel() {
+    CANCEL.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// True once [`request_cancel`] was called.
+pub fn cancel_requested() -> bool {
+    CANCEL.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 fn parent_dir(path: &Path) -> &Path {

@@ -198,3 +198,54 @@ fn usage_errors_exit_with_2() {
     let out = deltafin_cmd().args(["run", "--bogus"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// `run` on `model` with a text prompt and with token ids: both must fail with the same first
+/// message (the fix one suggests must not lead to a second error), exit 1.
+fn run_both(model: &Path) -> String {
+    let mut first = None;
+    for prompt in [&["--prompt", "Hello"][..], &["--prompt-ids", "1,2,3"]] {
+        let o = deltafin_cmd().args(["run", "--model"]).arg(model).args(prompt).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(o.status.code(), Some(1), "{prompt:?}: {err}");
+        assert!(!err.contains("tiktoken.model: text prompts"), "{prompt:?}: {err}");
+        match &first {
+            None => first = Some(err),
+            Some(f) => assert_eq!(&err, f, "{prompt:?}"),
+        }
+    }
+    first.unwrap_or_default()
+}
+
+#[test]
+fn a_model_path_that_is_not_a_model_says_what_it_is() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Nothing there.
+    let err = run_both(&tmp.path().join("nope"));
+    assert!(err.contains("nope: no such directory") && err.contains("deltafin setup --dir"), "{err}");
+    // A file, and a model's own file: its directory is named.
+    let f = tmp.path().join("notes.txt");
+    std::fs::write(&f, "hi").unwrap();
+    let err = run_both(&f);
+    assert!(err.contains("notes.txt: is a file, not a model directory"), "{err}");
+    let m = copy_fixture(A);
+    let err = run_both(&m.path().join("config.json"));
+    assert!(err.contains(&format!("its directory is one: --model {}", m.path().display())), "{err}");
+    // A directory without config.json; one whose model is a level down.
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let err = run_both(&empty);
+    assert!(err.contains("empty: not a model directory: it has no config.json"), "{err}");
+    let outer = tmp.path().join("outer");
+    std::fs::create_dir(&outer).unwrap();
+    let err = run_both(&outer.join("..").join("outer"));
+    assert!(err.contains("no config.json"), "{err}");
+    std::os::unix::fs::symlink(m.path(), outer.join("k3")).unwrap();
+    let err = run_both(&outer);
+    assert!(err.contains(&format!("the model seems to be in {}", outer.join("k3").display())), "{err}");
+    // A config.json that is not K3's.
+    let other = tmp.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    std::fs::write(other.join("config.json"), r#"{"model_type": "llama", "hidden_size": 4096}"#).unwrap();
+    let err = run_both(&other);
+    assert!(err.contains("other: not a Kimi K3 model"), "{err}");
+}

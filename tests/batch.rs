@@ -1,6 +1,8 @@
 //! `deltafin batch`: prompts and messages with the server's option names, error records for bad
-//! lines while the batch goes on, the same text as `deltafin run`, resumable reruns (also after
-//! kill -9 and with a torn last line), and `-` for standard input and output.
+//! lines while the batch goes on (a line that is not UTF-8 included) and exit 1 naming them, the
+//! same text as `deltafin run`, resumable reruns (also after kill -9 and with a torn last line),
+//! `-` for standard input and output, and files never damaged: the output is never the input,
+//! a device, a FIFO or a file that is not a batch output.
 
 mod common;
 use common::*;
@@ -21,6 +23,14 @@ fn batch(dir: &Path, input: &Path, out: &Path) -> Command {
     c.args(["batch", "--model"]).arg(dir).arg("--in").arg(input).arg("--out").arg(out);
     c.args(["--prefill-rows", "256", "--memory-gb", "2", "-q"]);
     c
+}
+
+/// Runs a batch that must end with failed lines (exit 1); returns its stderr.
+fn run_failing(c: &mut Command) -> String {
+    let o = c.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(1), "expected exit 1 (failed lines):\n{err}");
+    err
 }
 
 fn records(p: &Path) -> Vec<Value> {
@@ -47,8 +57,9 @@ fn lines_errors_and_reruns() {
         .join("\n"),
     )
     .unwrap();
-    let (_, err) = run_ok(&mut batch(&dir, &input, &out));
-    assert!(err.contains("3 done, 3 errors"), "{err}");
+    let err = run_failing(&mut batch(&dir, &input, &out));
+    assert!(err.contains("3 done, 3 failed"), "{err}");
+    assert!(err.contains("3 of the batch's requests failed: lines 4, 5, 6"), "{err}");
     let r = records(&out);
     assert_eq!(r.len(), 6);
     assert_eq!(r.iter().map(|x| x["line"].as_u64().unwrap()).collect::<Vec<_>>(), vec![1, 2, 4, 5, 6, 7]);
@@ -86,9 +97,10 @@ fn lines_errors_and_reruns() {
     ]));
     let run: Value = serde_json::from_str(&run_out).unwrap();
     assert_eq!(r[5]["text"], run["text"], "sampling with a seed matches run");
-    // A rerun has nothing left to do.
-    let (_, err) = run_ok(&mut batch(&dir, &input, &out));
-    assert!(err.contains("0 done, 0 errors, 6 already in the output"), "{err}");
+    // A rerun has nothing left to do, and still says which lines failed (exit 1).
+    let err = run_failing(&mut batch(&dir, &input, &out));
+    assert!(err.contains("0 done, 0 failed, 6 already in the output"), "{err}");
+    assert!(err.contains("(3 of them recorded by an earlier run): lines 4, 5, 6"), "{err}");
     assert_eq!(records(&out).len(), 6);
     // A second run on an output another run is writing (it holds the lock) refuses, touching nothing.
     let before = std::fs::read(&out).unwrap();
@@ -102,7 +114,7 @@ fn lines_errors_and_reruns() {
     assert_eq!(std::fs::read(&out).unwrap(), before);
     drop(holder);
     let (_, err) = run_ok(&mut batch(&dir, &tmp.path().join("more.jsonl"), &out));
-    assert!(err.contains("1 done, 0 errors, 0 already"), "{err}");
+    assert!(err.contains("1 done, 0 failed, 0 already"), "{err}");
 }
 
 #[test]
@@ -156,7 +168,10 @@ fn dash_reads_stdin_and_writes_stdout() {
         .write_all(b"{\"id\": 1, \"prompt\": \"Hi\", \"max_tokens\": 2}\n{\"id\": 2}\n")
         .unwrap();
     let o = child.wait_with_output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Line 2 failed (no prompt): exit 1, its record on standard output with the other's.
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("line 2 (their error records are in standard output)"), "{err}");
     let lines: Vec<Value> =
         String::from_utf8(o.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(lines.len(), 2);
@@ -196,12 +211,12 @@ fn parallel_answers_equal_serial_ones_and_resume_after_kill_9() {
     lines.push(r#"{"id": "st", "prompt": "Prompt number 3", "max_tokens": 50, "stop": [" "]}"#.into());
     std::fs::write(&input, lines.join("\n")).unwrap();
     let serial = tmp.path().join("serial.jsonl");
-    run_ok(&mut batch(&dir, &input, &serial));
+    run_failing(&mut batch(&dir, &input, &serial));
     let want = by_id(&records(&serial));
     // Together, in groups of 4: the same answers, counters showing the shared group.
     let par = tmp.path().join("par.jsonl");
-    let (_, err) = run_ok(batch(&dir, &input, &par).args(["--parallel", "4"]));
-    assert!(err.contains("12 done, 1 errors"), "{err}");
+    let err = run_failing(batch(&dir, &input, &par).args(["--parallel", "4"]));
+    assert!(err.contains("12 done, 1 failed"), "{err}");
     let got = by_id(&records(&par));
     assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
     for (id, w) in &want {
@@ -224,7 +239,7 @@ fn parallel_answers_equal_serial_ones_and_resume_after_kill_9() {
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(records(&out).len() < 13, "killed before the end");
-    run_ok(batch(&dir, &input, &out).args(["--parallel", "3"]));
+    run_failing(batch(&dir, &input, &out).args(["--parallel", "3"]));
     let got = records(&out);
     assert_eq!(got.len(), 13, "each line once");
     let got = by_id(&got);
@@ -258,7 +273,7 @@ fn drafts_in_a_running_batch_give_each_answer_alone_on_the_demo_model() {
     for n in ["1", "3", "8"] {
         let out = tmp.path().join(format!("p{n}.jsonl"));
         let err = demo(&out, &["--parallel", n, "--draft", "dspark"]);
-        assert!(err.contains("10 done, 0 errors"), "{err}");
+        assert!(err.contains("10 done, 0 failed"), "{err}");
         let got = by_id(&records(&out));
         assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
         for (id, w) in &want {
@@ -292,7 +307,8 @@ fn the_context_each_request_gets_is_what_the_longest_needs_unless_told() {
         let out = tmp.path().join(name);
         let mut c = deltafin_cmd();
         c.args(["batch", "--demo", "--temperature", "0", "--parallel", "2", "--in"]).arg(&input).arg("--out").arg(&out);
-        let err = run_ok(c.args(extra)).1;
+        // Line c fails (max_tokens 0): exit 1.
+        let err = run_failing(c.args(extra));
         (err, by_id(&records(&out)))
     };
     let (sized, got) = go("sized.jsonl", &[]);
@@ -312,4 +328,84 @@ fn the_context_each_request_gets_is_what_the_longest_needs_unless_told() {
     for id in [r#""a""#, r#""b""#] {
         assert_eq!(got[id]["text"], same[id]["text"], "{id}");
     }
+}
+
+#[test]
+fn the_output_is_never_the_input_a_device_a_fifo_or_someone_elses_file() {
+    let tmp = model();
+    let dir = tmp.path().join("m");
+    let t = tmp.path();
+    let input = t.join("in.jsonl");
+    let requests = "{\"id\": \"a\", \"prompt\": \"Hi\", \"max_tokens\": 2}\n";
+    std::fs::write(&input, requests).unwrap();
+    std::os::unix::fs::symlink(&input, t.join("link.jsonl")).unwrap();
+    std::fs::hard_link(&input, t.join("hard.jsonl")).unwrap();
+    std::fs::create_dir(t.join("sub")).unwrap();
+    let precious = t.join("precious.txt");
+    std::fs::write(&precious, "my notes\nnot results").unwrap();
+    let torn_other = t.join("other.jsonl");
+    std::fs::write(&torn_other, "{\"id\": \"x\", \"line\": 1, \"text\": \"t\"}\nsomething else").unwrap();
+    let fifo = t.join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let refused = |out: &Path, stdin: Option<&Path>, want: &str| {
+        let mut c = batch(&dir, if stdin.is_some() { Path::new("-") } else { &input }, out);
+        if let Some(f) = stdin {
+            c.stdin(std::fs::File::open(f).unwrap());
+        }
+        // A FIFO or device must be refused at once, not read (it would block or never end).
+        let mut child = c.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let t0 = Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            assert!(t0.elapsed() < Duration::from_secs(120), "--out {} hangs", out.display());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let o = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(o.status.code(), Some(1), "--out {}: {err}", out.display());
+        assert!(err.contains(want), "--out {}: expected {want:?} in\n{err}", out.display());
+    };
+    for same in ["in.jsonl", "link.jsonl", "hard.jsonl", "sub/../in.jsonl"] {
+        refused(&t.join(same), None, "is the same file as --in");
+    }
+    refused(&input, Some(&input), "is the same file as standard input");
+    refused(&precious, None, "is not a batch output (line 1 is not JSON); refusing to append");
+    refused(&torn_other, None, "is not a batch output (line 2 is not a result record");
+    refused(&fifo, None, "is a FIFO, not a regular file");
+    for dev in ["/dev/full", "/dev/null"] {
+        refused(Path::new(dev), None, "is a character device, not a regular file");
+    }
+    refused(&t.join("sub"), None, "is a directory");
+    refused(&t.join("no/such/dir/out.jsonl"), None, "does not exist");
+    // Nothing was touched.
+    assert_eq!(std::fs::read_to_string(&input).unwrap(), requests);
+    assert_eq!(std::fs::read_to_string(&precious).unwrap(), "my notes\nnot results");
+    assert!(std::fs::read_to_string(&torn_other).unwrap().ends_with("something else"));
+    // An input that never ends is refused too; standard output stays open to `--out -`.
+    let o = batch(&dir, Path::new("/dev/zero"), &t.join("out.jsonl")).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--in /dev/zero: is a character device"));
+    assert!(!t.join("out.jsonl").exists());
+    let o = batch(&dir, &input, Path::new("-")).output().unwrap();
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("\"id\":\"a\""));
+}
+
+#[test]
+fn a_line_that_is_not_utf8_is_that_lines_error_record() {
+    let tmp = model();
+    let dir = tmp.path().join("m");
+    let input = tmp.path().join("in.jsonl");
+    let mut bytes = b"{\"id\": \"a\", \"prompt\": \"Hi\", \"max_tokens\": 2}\n".to_vec();
+    bytes.extend_from_slice(b"{\"id\": \"b\", \"prompt\": \"caf\xe9\", \"max_tokens\": 2}\r\n");
+    bytes.extend_from_slice(b"{\"id\": \"c\", \"prompt\": \"Yo\", \"max_tokens\": 2}");
+    std::fs::write(&input, &bytes).unwrap();
+    let out = tmp.path().join("out.jsonl");
+    let err = run_failing(&mut batch(&dir, &input, &out));
+    assert!(err.contains("2 done, 1 failed") && err.contains(": line 2 ("), "{err}");
+    let r = by_id(&records(&out));
+    let bad = &r["line 2"]["error"];
+    assert_eq!(bad["code"], "invalid_utf8", "{bad}");
+    assert!(bad["message"].as_str().unwrap().contains("line 2 is not UTF-8 text (invalid bytes at byte 27"), "{bad}");
+    assert!(r[r#""a""#].get("text").is_some() && r[r#""c""#].get("text").is_some());
+    // A rerun skips it (it has its record) and still exits 1.
+    let err = run_failing(&mut batch(&dir, &input, &out));
+    assert!(err.contains("0 done, 0 failed, 3 already in the output"), "{err}");
 }

@@ -1,6 +1,9 @@
 //! The `run` and `score` subcommands end to end (real binary, real files), including bit-identical
-//! results whatever instruction set and thread count the kernels use; and the help a new user
-//! meets: every option of every subcommand described, examples, tips on usage errors.
+//! results whatever instruction set and thread count the kernels use; the help a new user meets:
+//! every option of every subcommand described, examples, tips on usage errors, `run --help` under
+//! headings with a short `-h`, `--version`, shell completions, `--demo` wherever a model is taken;
+//! `plan` saying when K3 cannot fit; and how a run ends: `| head` quietly, Ctrl-C with what was
+//! done, a one-line summary, counters only when they mean something, prefill progress on request.
 
 mod common;
 use common::*;
@@ -190,6 +193,9 @@ const SUBCOMMANDS: &[&[&str]] = &[
     &["setup"],
     &["batch"],
     &["serve"],
+    &["plan"],
+    &["pack-trunk"],
+    &["completions"],
 ];
 
 fn help(words: &[&str]) -> String {
@@ -282,4 +288,325 @@ fn the_gpu_kernel_microbench_is_not_in_the_shipped_binary() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("feature gpu-bench"), "{err}");
+}
+
+#[test]
+fn run_help_is_grouped_common_options_first_and_short_help_is_short() {
+    let long = help(&["run"]);
+    let short = {
+        let o = deltafin_cmd().args(["run", "-h"]).output().unwrap();
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let at = |text: &str, s: &str| text.find(s).unwrap_or_else(|| panic!("no {s:?} in\n{text}"));
+    for text in [&long, &short] {
+        assert!(at(text, "Model:") < at(text, "Prompt:") && at(text, "Prompt:") < at(text, "Generation:"));
+        assert!(at(text, "Generation:") < at(text, "Output:") && at(text, "Output:") < at(text, "\nEngine:"));
+        assert!(at(text, "--prompt <PROMPT>") < at(text, "--memory-gb"), "common options first");
+    }
+    // The tuning knobs only in --help.
+    for knob in ["--split-reads", "--hedge", "--qd", "--reader", "--expert-heat", "Engine tuning:"] {
+        assert!(long.contains(knob) && !short.contains(knob), "{knob}");
+    }
+    assert!(short.lines().count() < 70, "run -h is {} lines:\n{short}", short.lines().count());
+}
+
+#[test]
+fn version_names_the_commit_features_and_instruction_set() {
+    let o = deltafin_cmd().arg("--version").output().unwrap();
+    let v = String::from_utf8(o.stdout).unwrap();
+    assert!(o.status.success());
+    let rev = deltafin::util::git_revision();
+    assert!(v.starts_with(&format!("deltafin {} (commit {rev})", env!("CARGO_PKG_VERSION"))), "{v}");
+    assert!(v.contains("\nfeatures: ") && v.contains("\ncpu kernels: ") && v.contains("\ntarget: "), "{v}");
+    let isa = deltafin::cpu::isa().name();
+    assert!(v.contains(&format!("cpu kernels: {isa}")), "{v}");
+    assert_eq!(v.contains("gpu (Vulkan, Metal)"), cfg!(feature = "gpu"), "{v}");
+    let o = deltafin_cmd().arg("-V").output().unwrap();
+    assert_eq!(
+        String::from_utf8(o.stdout).unwrap().trim(),
+        format!("deltafin {} (commit {rev})", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
+fn completions_for_every_shell() {
+    for (shell, mark) in [
+        ("bash", "complete -F"),
+        ("zsh", "#compdef deltafin"),
+        ("fish", "complete -c deltafin"),
+        ("elvish", "deltafin"),
+        ("powershell", "deltafin"),
+    ] {
+        let (out, _) = run_ok(deltafin_cmd().args(["completions", shell]));
+        assert!(out.contains(mark) && out.contains("prompt-lines"), "{shell}: {}", &out[..out.len().min(300)]);
+    }
+    let o = deltafin_cmd().args(["completions", "tcsh"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn demo_is_taken_wherever_a_model_is() {
+    for words in [
+        &["run"][..],
+        &["score"],
+        &["batch"],
+        &["serve"],
+        &["place"],
+        &["pack-trunk"],
+        &["bench", "run"],
+        &["bench", "io"],
+    ] {
+        assert!(help(words).contains("--demo"), "{words:?} takes --model but not --demo");
+    }
+}
+
+#[test]
+fn negative_sampling_values_are_range_errors_not_unknown_flags() {
+    for (args, says) in [
+        (&["--temperature", "-1"][..], "`-1` is not a temperature (expected a number from 0, greedy, to 2)"),
+        (&["--temperature", "2.5"], "`2.5` is not a temperature"),
+        (&["--top-p", "-0.5"], "`-0.5` is not a top-p"),
+    ] {
+        let o = deltafin_cmd().args(["run", "--demo", "--prompt", "hi"]).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says) && !err.contains("unexpected argument"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn plan_says_plainly_when_k3_cannot_fit_and_what_would() {
+    let plan = |gb: &str| run_ok(deltafin_cmd().args(["plan", "--memory-gb", gb])).0;
+    for gb in ["16", "64"] {
+        let out = plan(gb);
+        assert!(out.contains(&format!("Kimi K3 CANNOT RUN on {gb} GB")), "{out}");
+        assert_eq!(out.matches("DOES NOT FIT: needs").count(), 3, "{out}");
+        assert!(out.contains("The least memory that works, per trunk: bf16 "), "{out}");
+        assert_eq!(out.matches(" / ").count(), 3, "no decode bounds (only the header's) where it cannot run:\n{out}");
+    }
+    assert!(plan("16").contains("alone is"), "16 GB: the trunk alone does not fit");
+    let out = plan("100");
+    assert!(
+        out.contains("runs only with the coded or int8 (not exact) trunk") && out.matches("DOES NOT FIT").count() == 1,
+        "{out}"
+    );
+    let out = plan("256");
+    assert!(!out.contains("DOES NOT FIT") && !out.contains("CANNOT") && out.matches(" / ").count() >= 9, "{out}");
+    let (j, _) = run_ok(deltafin_cmd().args(["plan", "--memory-gb", "100", "--json"]));
+    let j: serde_json::Value = serde_json::from_str(&j).unwrap();
+    let fits: Vec<bool> = j["plans"].as_array().unwrap().iter().map(|p| p["fits"].as_bool().unwrap()).collect();
+    assert_eq!(fits, [false, true, true]);
+    assert!(j["plans"][0]["min_memory_bytes"].as_u64().unwrap() > 100_000_000_000);
+}
+
+/// `run --demo` with a long generation, stdout piped.
+fn long_run(extra: &[&str]) -> std::process::Command {
+    let mut c = deltafin_cmd();
+    c.args([
+        "run",
+        "--demo",
+        "--prompt",
+        "Once upon a time",
+        "--max-new",
+        "3000",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+    ]);
+    c.args(extra).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    c
+}
+
+#[test]
+fn a_reader_that_closes_the_pipe_ends_run_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let stats = tempfile::tempdir().unwrap();
+    let file = stats.path().join("stats.json");
+    let mut run = long_run(&["--stats"]).arg("--stats-json").arg(&file).spawn().unwrap();
+    let head = std::process::Command::new("head")
+        .args(["-c", "20"])
+        .stdin(std::process::Stdio::from(run.stdout.take().unwrap()))
+        .output()
+        .unwrap();
+    assert_eq!(head.stdout.len(), 20);
+    let o = run.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    // Killed by SIGPIPE as `cat` would be (the shell's 141), without a word about it.
+    assert_eq!(o.status.signal(), Some(libc::SIGPIPE), "{:?}: {err}", o.status);
+    assert!(!err.contains("rror") && !err.contains("Broken pipe"), "{err}");
+    // What goes elsewhere was still done: the summary and counters on stderr, the stats file.
+    assert!(err.contains("prompt tokens, first token after") && err.contains("stats:"), "{err}");
+    let j: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert!(j["generated_tokens"].as_u64().unwrap() < 3000, "generation stopped with the reader");
+}
+
+/// Sends SIGINT to `child` once `ready` holds for what it wrote to stderr so far (read by a thread).
+fn interrupt_when(child: &mut std::process::Child, ready: impl Fn(&str) -> bool) -> String {
+    use std::io::Read;
+    let mut stderr = child.stderr.take().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let s2 = seen.clone();
+    let reader = std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stderr.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            s2.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    let t0 = std::time::Instant::now();
+    while !ready(&seen.lock().unwrap()) {
+        assert!(t0.elapsed().as_secs() < 120, "never ready: {}", seen.lock().unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    reader.join().unwrap();
+    seen.lock().unwrap().clone()
+}
+
+#[test]
+fn ctrl_c_on_run_prints_what_was_done() {
+    // JSON: the object with what was generated, marked interrupted; stats to stderr; exit 130.
+    let mut child = long_run(&["--format", "json", "--stats"]).spawn().unwrap();
+    let err = interrupt_when(&mut child, |e| e.contains("context <="));
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["interrupted"], true);
+    let n = v["output_ids"].as_array().unwrap().len();
+    assert!(n > 0 && n < 3000, "{n} tokens");
+    assert_eq!(v["stats"]["generated_tokens"].as_u64().unwrap() as usize, n, "the counters cover what was printed");
+    assert!(
+        err.contains(&format!("interrupted (Ctrl-C) after {n} generated tokens")) && err.contains("stats:"),
+        "{err}"
+    );
+    // Text: the text so far, then the summary.
+    let mut child = long_run(&[]).spawn().unwrap();
+    let err = interrupt_when(&mut child, |e| e.contains("context <="));
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert!(!o.stdout.is_empty() && err.contains("prompt tokens, first token after"), "{err}");
+}
+
+#[test]
+fn a_run_ends_with_a_summary_and_counters_that_mean_something() {
+    let (_, err) = run_ok(deltafin_cmd().args([
+        "run",
+        "--demo",
+        "--prompt",
+        "Hello",
+        "--max-new",
+        "8",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--stats",
+    ]));
+    let summary =
+        err.lines().find(|l| l.contains("prompt tokens, first token after")).unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        summary.contains("tok/s prefill") && summary.contains("8 tokens at") && summary.contains("of experts read"),
+        "{summary}"
+    );
+    // The startup line is short; -v gives the engine's full one.
+    let start = err.lines().find(|l| l.contains("context <=")).unwrap_or_else(|| panic!("{err}"));
+    assert!(start.len() < 250 && start.contains("context <=") && start.contains("(-v: details)"), "{start}");
+    // No drafts, no second copies, no GPU: their counters are not shown.
+    for key in ["drafts_proposed", "draft_acceptance", "verify_s", "hedged_reads", "device_expert_hits"] {
+        assert!(!err.lines().any(|l| l.split_whitespace().next() == Some(key)), "{key} shown:\n{err}");
+    }
+    assert!(err.contains("read_amplification") && err.contains("prefill_tok_s"), "{err}");
+    let (_, err) = run_ok(deltafin_cmd().args([
+        "run",
+        "--demo",
+        "--prompt",
+        "Hello",
+        "--max-new",
+        "8",
+        "-v",
+        "--stats",
+        "--draft",
+        "dspark",
+    ]));
+    assert!(err.contains("memory: trunk") && err.contains("prefill rows"), "-v: the full startup line\n{err}");
+    assert!(err.lines().any(|l| l.split_whitespace().next() == Some("drafts_proposed")), "drafting: shown\n{err}");
+    // -q: nothing but the answer.
+    let (_, err) = run_ok(deltafin_cmd().args(["run", "--demo", "--prompt", "Hello", "--max-new", "4", "-q"]));
+    assert!(!err.contains("context <=") && !err.contains("first token after"), "{err}");
+}
+
+#[test]
+fn prefill_progress_shows_when_asked_and_never_in_pipes() {
+    let prompt = "The sea was calm and the ship sailed on. ".repeat(12);
+    let run = |progress: Option<&str>| {
+        let mut c = deltafin_cmd();
+        c.args(["run", "--demo", "--prompt", &prompt, "--max-new", "2", "--temperature", "0"]);
+        match progress {
+            Some(p) => c.env("DELTAFIN_PROGRESS", p),
+            None => c.env_remove("DELTAFIN_PROGRESS"),
+        };
+        run_ok(&mut c).1
+    };
+    let shown = run(Some("1"));
+    let line = shown.lines().find(|l| l.starts_with("deltafin: prefill: ")).unwrap_or_else(|| panic!("{shown}"));
+    assert!(line.contains(" tokens, layer ") && line.contains(" of experts"), "{line}");
+    assert!(!run(None).contains("deltafin: prefill:"), "stderr is a pipe: no progress");
+    assert!(!run(Some("0")).contains("deltafin: prefill:"));
+}
+
+#[test]
+fn several_prompts_answers_come_under_separators() {
+    let (out, _) = run_ok(deltafin_cmd().args([
+        "run",
+        "--demo",
+        "--temperature",
+        "0",
+        "--max-new",
+        "6",
+        "-q",
+        "--prompt",
+        "The ship",
+        "--prompt",
+        "In the beginning",
+    ]));
+    let heads: Vec<&str> = out.lines().filter(|l| l.starts_with("--- ")).collect();
+    assert_eq!(heads, ["--- 1/2: The ship ---", "--- 2/2: In the beginning ---"], "{out}");
+}
+
+#[test]
+fn ctrl_c_on_synth_removes_its_temporary_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("m");
+    let mut child = deltafin_cmd()
+        .args(["synth", "--preset", "k3-experts", "--layers", "2", "--experts", "16", "--out"])
+        .arg(&out)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once its hidden temporary directory holds part of a shard.
+    let writing = || {
+        std::fs::read_dir(tmp.path()).unwrap().flatten().any(|e| {
+            e.file_name().to_string_lossy().contains(".synth-tmp-")
+                && std::fs::read_dir(e.path()).into_iter().flatten().flatten().any(|f| {
+                    f.file_name().to_string_lossy().ends_with(".safetensors") && f.metadata().is_ok_and(|m| m.len() > 0)
+                })
+        })
+    };
+    let t0 = std::time::Instant::now();
+    while !writing() {
+        assert!(child.try_wait().unwrap().is_none(), "synth ended before it could be interrupted");
+        assert!(t0.elapsed().as_secs() < 120, "synth never started writing");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted: the partly written model was removed"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
 }

@@ -21,6 +21,11 @@ fn two_models() -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
 }
 
 fn place(model: &Path, args: &[&str]) -> Command {
+    // `place` never creates a drive directory (an unmounted drive must not fill another disk):
+    // the drives given here are made first, as a user would.
+    for w in args.windows(2).filter(|w| w[0] == "--drive") {
+        let _ = std::fs::create_dir_all(w[1].rsplit_once('=').map_or(w[1], |(p, _)| p));
+    }
     let mut c = deltafin_cmd();
     c.args(["place", "--model"]).arg(model).args(args);
     c
@@ -95,7 +100,7 @@ fn two_models_on_one_drive_keep_their_own_packs() {
     run_ok(&mut place(&a, &["--verify"]));
     run_ok(&mut place(&b, &["--verify"]));
     for m in [&a, &b] {
-        let (out, err) = run_ok(&mut run(m, &["--expert-cache-gb", "0"]));
+        let (out, err) = run_ok(&mut run(m, &["--expert-cache-gb", "0", "-v"]));
         assert!(err.contains("experts via store: 2 drive(s)"), "{err}");
         assert_eq!(out, reference_tokens(m));
     }

@@ -111,6 +111,7 @@ fn canonical_split_and_scattered_layouts_give_identical_bits() {
     }
     // A placement of the scattered model keeps every expert contiguous: one read per expert.
     let m = open_model(&c);
+    std::fs::create_dir_all(tmp.path().join("d0")).unwrap();
     run_ok(
         deltafin_cmd()
             .args(["place", "--model"])

@@ -18,6 +18,11 @@ fn model_dir_on(model: &Path, drive: &Path) -> std::path::PathBuf {
 }
 
 fn place(model: &Path, args: &[&str]) -> Command {
+    // `place` never creates a drive directory (an unmounted drive must not fill another disk):
+    // the drives given here are made first, as a user would.
+    for w in args.windows(2).filter(|w| w[0] == "--drive") {
+        let _ = std::fs::create_dir_all(w[1].rsplit_once('=').map_or(w[1], |(p, _)| p));
+    }
     let mut c = deltafin_cmd();
     c.args(["place", "--model"]).arg(model).args(["--probe-mb", "32", "--probe-seconds", "0.2"]).args(args);
     c
@@ -43,6 +48,7 @@ fn place_measure_run_verify() {
         "--stats",
         "--stats-json",
         sj.to_str().unwrap(),
+        "-v",
     ]));
     assert_eq!(out.trim(), ids_arg(&r.greedy));
     assert!(err.contains("experts via store: 3 drive(s)"), "{err}");
@@ -196,9 +202,10 @@ fn bad_place_arguments() {
     let o = place(tmp.path(), &[]).output().unwrap();
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("at least one --drive"));
-    let o = place(tmp.path(), &["--drive", "/tmp/x=fast"]).output().unwrap();
+    let x = tmp.path().join("x");
+    let o = place(tmp.path(), &["--drive", &format!("{}=fast", x.display())]).output().unwrap();
     assert!(String::from_utf8_lossy(&o.stderr).contains("not a speed in GB/s"));
-    let o = place(tmp.path(), &["--drive", "/tmp/x=1", "--policy", "hot"]).output().unwrap();
+    let o = place(tmp.path(), &["--drive", &format!("{}=1", x.display()), "--policy", "hot"]).output().unwrap();
     assert!(String::from_utf8_lossy(&o.stderr).contains("needs --trace"));
     let o = place(tmp.path(), &["--verify"]).output().unwrap();
     assert_eq!(o.status.code(), Some(1));
@@ -249,4 +256,47 @@ fn hot_placement_from_a_recorded_trace() {
         "--ignore-eos",
     ]));
     assert_eq!(out.trim(), ids_arg(&r.greedy));
+}
+
+#[test]
+fn a_drive_that_does_not_exist_is_refused_never_created() {
+    let tmp = copy_fixture("k3-tiny-a");
+    // As an unmounted /mnt/nvme1 would be: its packs must not silently fill another disk.
+    let missing = tmp.path().join("mnt/nvme1");
+    let mut c = deltafin_cmd();
+    c.args(["place", "--model"]).arg(tmp.path()).arg("--drive").arg(format!("{}=1", missing.display()));
+    let o = c.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("no such directory (nothing is created)"), "{err}");
+    assert!(err.contains("mount it first") && err.contains(&format!("mkdir -p {}", missing.display())), "{err}");
+    assert!(!missing.exists() && !tmp.path().join("mnt").exists(), "a drive directory was created");
+    assert!(!tmp.path().join("placement.json").exists());
+    // A file is not a drive either.
+    let file = tmp.path().join("afile");
+    std::fs::write(&file, "x").unwrap();
+    let mut c = deltafin_cmd();
+    c.args(["place", "--model"]).arg(tmp.path()).arg("--drive").arg(format!("{}=1", file.display()));
+    let err = String::from_utf8_lossy(&c.output().unwrap().stderr).into_owned();
+    assert!(err.contains("not a directory"), "{err}");
+    // An existing directory is placed on, as before.
+    std::fs::create_dir_all(&missing).unwrap();
+    let mut c = deltafin_cmd();
+    c.args(["place", "--model"]).arg(tmp.path()).arg("--drive").arg(format!("{}=1", missing.display()));
+    run_ok(&mut c);
+    assert!(tmp.path().join("placement.json").exists());
+}
+
+#[test]
+fn place_takes_the_demo() {
+    let cache = tempfile::tempdir().unwrap();
+    let d = cache.path().join("d0");
+    std::fs::create_dir(&d).unwrap();
+    let mut c = deltafin_cmd();
+    c.env("DELTAFIN_CACHE", cache.path()).args(["place", "--demo", "--drive"]).arg(format!("{}=1", d.display()));
+    let (_, err) = run_ok(&mut c);
+    assert!(err.contains("deltafin place: wrote") && err.contains("placement.json"), "{err}");
+    let mut c = deltafin_cmd();
+    c.env("DELTAFIN_CACHE", cache.path()).args(["place", "--demo", "--verify"]);
+    run_ok(&mut c);
 }

@@ -338,12 +338,10 @@ fn stream_install_is_bit_identical_and_its_second_run_fetches_nothing() {
     assert!(s.file_requests().is_empty(), "{:?}", s.file_requests());
 }
 
-#[test]
-fn hugging_face_cache_is_reused_and_works_as_model() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (s, src) = served(tmp.path());
-    // The cache as huggingface_hub lays it out: snapshot entries are links into blobs/.
-    let cache = tmp.path().join("hf");
+/// The served repo in a Hugging Face cache at `tmp/hf`, as huggingface_hub lays it out (snapshot
+/// entries are links into blobs/): (cache root, repo directory, snapshot, the repo's listing).
+fn hf_cache(s: &HubServer, src: &Path, tmp: &Path) -> (PathBuf, PathBuf, PathBuf, deltafin::hub::RepoInfo) {
+    let cache = tmp.join("hf");
     let repo = cache.join("models--org--tiny");
     let snap = repo.join("snapshots").join(COMMIT);
     std::fs::create_dir_all(repo.join("blobs")).unwrap();
@@ -357,6 +355,14 @@ fn hugging_face_cache_is_reused_and_works_as_model() {
         std::fs::copy(src.join(&f.path), &blob).unwrap();
         std::os::unix::fs::symlink(format!("../../blobs/{}", f.content_key()), snap.join(&f.path)).unwrap();
     }
+    (cache, repo, snap, info)
+}
+
+#[test]
+fn hugging_face_cache_is_reused_and_works_as_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (s, src) = served(tmp.path());
+    let (cache, repo, snap, info) = hf_cache(&s, &src, tmp.path());
     let dir = tmp.path().join("k3");
     s.clear_log();
     let (out, _) =
@@ -509,4 +515,85 @@ fn damaged_streamed_packs_are_caught() {
     s.clear_log();
     assert_eq!(outputs(&dir, tmp.path(), &[]), want);
     assert!(!s.file_requests().is_empty());
+}
+
+#[test]
+fn an_unreachable_hub_or_a_bad_endpoint_fails_fast_and_says_what_to_check() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("k3");
+    let go = |endpoint: &str| {
+        let mut c = deltafin_cmd();
+        c.arg("setup").env("HF_ENDPOINT", endpoint).env_remove("HF_HUB_OFFLINE").env("DELTAFIN_HUB_BACKOFF_MS", "5");
+        c.args(["--repo", REPO, "--full", "--dir"]).arg(&dir);
+        fail(&mut c)
+    };
+    // Connection refused: one retry, not six with backoff.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let err = go(&format!("http://127.0.0.1:{port}"));
+    assert!(err.contains("cannot reach the hub") && err.contains("(after 2 tries)"), "{err}");
+    assert!(err.contains("HF_ENDPOINT") && err.contains("HF_HUB_OFFLINE=1"), "{err}");
+    assert_eq!(err.matches("retrying in").count(), 1, "each retry announced, once:\n{err}");
+    // A name that does not resolve (RFC 6761's .invalid).
+    let err = go("http://hub.invalid");
+    assert!(err.contains("cannot reach the hub") && err.contains("does not resolve"), "{err}");
+    // Not a URL at all: final at once, nothing retried.
+    for (bad, says) in [
+        ("ftp://example.org", "scheme \"ftp\" is not http or https"),
+        ("huggingface.co", "no scheme"),
+        ("http://:80", "no host"),
+        ("http://h:99999", "port"),
+    ] {
+        let err = go(bad);
+        assert!(err.contains(&format!("HF_ENDPOINT {bad:?} is not a hub URL")) && err.contains(says), "{bad}: {err}");
+        assert!(!err.contains("retrying"), "{err}");
+    }
+    assert!(!dir.join("config.json").exists());
+}
+
+#[test]
+fn a_4xx_answer_is_final() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (s, _) = served(tmp.path());
+    let dir = tmp.path().join("k3");
+    s.fault("config.json", FaultKind::Status(410), 100);
+    s.clear_log();
+    let err = fail(setup(&s, tmp.path()).arg("--full").arg("--dir").arg(&dir));
+    assert!(err.contains("HTTP 410") && !err.contains("tries") && !err.contains("retrying"), "{err}");
+    let asked = s.log().iter().filter(|l| l.path.ends_with("/config.json")).count();
+    assert_eq!(asked, 1, "asked once: {:?}", s.log());
+}
+
+#[test]
+fn hf_hub_offline_installs_from_the_cache_alone_or_names_what_is_missing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (s, src) = served(tmp.path());
+    let (cache, repo, _, info) = hf_cache(&s, &src, tmp.path());
+    let offline = |cache: &Path| {
+        let mut c = setup(&s, tmp.path());
+        c.env("HF_HUB_OFFLINE", "1").env("HF_HUB_CACHE", cache);
+        c
+    };
+    s.clear_log();
+    let dir = tmp.path().join("k3");
+    let (_, err) = run_ok(offline(&cache).arg("--dir").arg(&dir));
+    assert!(err.contains("HF_HUB_OFFLINE is set: installing from the Hugging Face cache only"), "{err}");
+    assert!(s.log().is_empty(), "offline, yet the hub was asked: {:?}", s.log());
+    same_files(&src, &dir);
+    // --stream needs the hub.
+    let err = fail(offline(&cache).arg("--stream").arg("--dir").arg(tmp.path().join("st")));
+    assert!(err.contains("--stream fetches routed experts from the hub") && err.contains("HF_HUB_OFFLINE"), "{err}");
+    // Not in the cache: the repo, or one of its files.
+    let err = fail(offline(&tmp.path().join("empty")).arg("--dir").arg(tmp.path().join("k3b")));
+    assert!(
+        err.contains("HF_HUB_OFFLINE is set, and repo org/tiny at revision main is not in the Hugging Face cache"),
+        "{err}"
+    );
+    let shard = "model-00002-of-00002.safetensors";
+    std::fs::remove_file(repo.join("blobs").join(info.file(shard).unwrap().content_key())).unwrap();
+    let err = fail(offline(&cache).arg("--dir").arg(tmp.path().join("k3c")));
+    assert!(
+        err.contains(shard) && err.contains("is not in the Hugging Face cache") && err.contains("unset HF_HUB_OFFLINE"),
+        "{err}"
+    );
+    assert!(s.log().is_empty(), "{:?}", s.log());
 }

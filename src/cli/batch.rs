@@ -7,8 +7,12 @@
 //! so a batch killed at any moment leaves only whole lines — at worst one torn last line, which the
 //! next run cuts off. A rerun skips the ids already in the output (resumable after kill -9); the
 //! output is locked while a run writes it, so a second run on it refuses instead of repeating. A bad
-//! line gets an error record (`{"id", "line", "error": {...}}`) and the batch goes on. `-` is
-//! standard input / standard output. Progress (done, rate, ETA) goes to stderr.
+//! line (not JSON, not UTF-8, a bad field) gets an error record (`{"id", "line", "error": {...}}`)
+//! and the batch goes on; the run then exits 1, naming the failed lines (also those an earlier run
+//! recorded), so a script never takes a batch with failures for a clean one. `-` is standard
+//! input / standard output. The files are checked first (`batch_io`): the output is never the
+//! input, a device or FIFO, or a file that is not a batch output. Progress (done, rate, ETA) goes
+//! to stderr.
 //!
 //! `--parallel N` runs up to N requests as a running batch (`serve::records::run_lanes`, the
 //! engine's lane driver): each step reads each layer's experts once for all of them; when one
@@ -20,17 +24,18 @@
 //! `--context`, each sequence's context is what the input's longest request needs
 //! (`serve::records::longest_request`), so the rest of the budget goes to the expert cache.
 
+use super::batch_io::{self, Results, is_std, line_list};
 use super::load;
+use super::progress::{self, Progress};
 use crate::serve::api::{self, ApiError, ParseContext};
 use crate::serve::generator::{GenConfig, GenError, Generator, template_takes_tools};
-use crate::serve::records::{Line, Waiting, done_records, error_record, longest_request, result_record, run_lanes};
+use crate::serve::records::{Line, Waiting, error_record, input_lines, longest_request, result_record, run_lanes};
 use crate::spec::DraftKind;
 use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::Value;
 use std::collections::HashSet;
-use std::io::{Read, Seek, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 #[derive(Args)]
@@ -56,10 +61,10 @@ pub struct BatchArgs {
     pub draft: DraftKind,
     /// Temperature of lines that set none (default 0: greedy; with --demo, the demo's
     /// generation_config.json).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_temperature)]
     pub temperature: Option<f64>,
     /// top_p of lines that set none (default 1; with --demo, the demo's generation_config.json).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p)]
     pub top_p: Option<f64>,
     /// Do not reuse the previous request's session when a prompt extends it.
     #[arg(long)]
@@ -71,92 +76,26 @@ pub struct BatchArgs {
     pub parallel: u64,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
-    /// No startup line and no progress bar.
+    /// No startup line and no progress display.
     #[arg(long, short)]
     pub quiet: bool,
     #[command(flatten)]
     pub threads: super::Threads,
 }
 
-fn is_std(p: &Path) -> bool {
-    p.as_os_str() == "-"
-}
-
-/// Opens `out` for appending, locked against a second run appending the same results.
-fn open_locked(out: &Path) -> Result<std::fs::File> {
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .append(true)
-        .create(true)
-        .open(out)
-        .with_context(|| format!("cannot open {} for appending", out.display()))?;
-    match f.try_lock() {
-        Ok(()) => Ok(f),
-        Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
-            "{} is being written by another `deltafin batch` run: wait for it to finish (this run would repeat its \
-             requests), or choose another --out",
-            out.display()
-        ),
-        Err(std::fs::TryLockError::Error(e)) => Err(e).with_context(|| format!("cannot lock {}", out.display())),
-    }
-}
-
-/// Ids (and id-less line numbers) already in `f` (the output `out`); cuts a torn last line first.
-fn already_done(f: &mut std::fs::File, out: &Path) -> Result<(HashSet<String>, HashSet<u64>)> {
-    let mut bytes = Vec::new();
-    f.read_to_end(&mut bytes).with_context(|| format!("cannot read {}", out.display()))?;
-    let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-    if whole < bytes.len() {
-        // A run killed mid-write left part of a line: drop it, its request is redone.
-        f.set_len(whole as u64).with_context(|| format!("cannot repair {}", out.display()))?;
-        f.seek(std::io::SeekFrom::End(0))?;
-        eprintln!("deltafin: batch: cut a torn last line ({} bytes) from {}", bytes.len() - whole, out.display());
-    }
-    Ok(done_records(&bytes[..whole]))
-}
-
-/// Where result records go: the output file (one synced write each) or standard output.
-struct Results {
-    file: Option<std::fs::File>,
-    ok: u64,
-    errors: u64,
-}
-
-impl Results {
-    fn write(&mut self, record: &Value) -> std::io::Result<()> {
-        if record.get("error").is_some() {
-            self.errors += 1;
-        } else {
-            self.ok += 1;
-        }
-        // One write per record: a kill leaves whole lines (and at worst one torn last line).
-        let mut text = record.to_string();
-        text.push('\n');
-        match &mut self.file {
-            Some(f) => f.write_all(text.as_bytes()).and_then(|_| crate::util::sync_data(f)),
-            None => {
-                let mut o = std::io::stdout().lock();
-                o.write_all(text.as_bytes()).and_then(|_| o.flush())
-            }
-        }
-    }
-}
-
 pub fn run(mut a: BatchArgs) -> Result<()> {
+    batch_io::check_paths(&a.input, &a.output)?;
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
     let sampling = load::sampling(&dir, a.demo, a.temperature, a.top_p)?;
-    let input = if is_std(&a.input) {
-        let mut s = String::new();
-        std::io::stdin().read_to_string(&mut s).context("cannot read the batch from standard input")?;
-        s
-    } else {
-        std::fs::read_to_string(&a.input).with_context(|| format!("cannot read {}", a.input.display()))?
-    };
-    let mut file = if is_std(&a.output) { None } else { Some(open_locked(&a.output)?) };
-    let (done_ids, done_lines) = match &mut file {
-        Some(f) => already_done(f, &a.output)?,
-        None => Default::default(),
+    let input = batch_io::read_input(&a.input)?;
+    let lines = input_lines(&input);
+    let (file, done) = match is_std(&a.output) {
+        true => (None, Default::default()),
+        false => {
+            let (f, d) = batch_io::open_output(&a.output)?;
+            (Some(f), d)
+        }
     };
     if a.parallel as usize > a.engine.prefill_rows.max(1) {
         anyhow::bail!(
@@ -172,7 +111,8 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     let model_id = dir.file_name().map_or("deltafin".into(), |n| n.to_string_lossy().into_owned());
     let ctx = ParseContext { model_id: &model_id, template_takes_tools: template_takes_tools(&dir), sampling };
     if config.context.is_none()
-        && let Some(longest) = longest_request(&dir, &input, &ctx, a.max_tokens)
+        && let Some(longest) =
+            longest_request(&dir, &lines.iter().filter_map(|l| l.1.ok()).collect::<Vec<_>>(), &ctx, a.max_tokens)
     {
         config.context = load::run_context(&dir, None, longest);
     }
@@ -180,22 +120,25 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     // A drafter that cannot be built is a startup error, not a silent fallback.
     crate::spec::drafter_for(a.draft, &engine)?;
     if !a.quiet {
-        eprintln!("{}", engine.startup_line());
+        eprintln!("{}", super::report::startup(&engine, super::report::verbose(false)));
     }
     if let Some(note) = load::random_weights_note(&dir) {
         eprintln!("{note}");
     }
     let mut generator = Generator::new(engine, GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: 64 })?;
-    let todo: Vec<(u64, &str)> =
-        input.lines().enumerate().map(|(i, l)| (i as u64 + 1, l)).filter(|(_, l)| !l.trim().is_empty()).collect();
-    let bar = if a.quiet { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(todo.len() as u64) };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} lines, {per_sec}, ETA {eta} {msg}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let todo: Vec<_> = lines.into_iter().filter(|(_, l)| l.is_err() || l.is_ok_and(|l| !l.trim().is_empty())).collect();
     let t0 = Instant::now();
-    let mut out = Results { file, ok: 0, errors: 0 };
-    let mut skipped = 0u64;
+    let progress = Progress::new(progress::mode(a.quiet), "batch");
+    let mut out = Results { file, ok: 0, failed: Vec::new(), progress, lines: todo.len() as u64 };
+    let skipped = std::cell::Cell::new(0u64);
+    // Lines an earlier run recorded as failed (skipped now, still failed).
+    let mut failed_before: Vec<u64> = Vec::new();
+    let mut skip = |n: u64, error: bool| {
+        skipped.set(skipped.get() + 1);
+        if error {
+            failed_before.push(n);
+        }
+    };
     let parallel = a.parallel as usize;
     let mut seen: HashSet<String> = HashSet::new();
     let enc = generator.encoder();
@@ -204,19 +147,18 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     let mut walk = || -> Option<Line> {
         loop {
             let (n, line) = todo.next()?;
-            bar.inc(1);
-            let v = match serde_json::from_str::<Value>(line) {
-                Err(_) if done_lines.contains(&n) => {
-                    skipped += 1;
+            let parsed = match line {
+                Ok(l) => serde_json::from_str::<Value>(l).map_err(|e| format!("line {n} is not JSON: {e}")),
+                Err(at) => Err(format!("line {n} is not UTF-8 text (invalid bytes at byte {} of the line)", at + 1)),
+            };
+            let v = match parsed {
+                Err(_) if done.lines.contains_key(&n) => {
+                    skip(n, done.lines[&n]);
                     continue;
                 }
                 Err(e) => {
-                    let e = ApiError::new(
-                        400,
-                        "invalid_request_error",
-                        "invalid_json",
-                        format!("line {n} is not JSON: {e}"),
-                    );
+                    let code = if line.is_ok() { "invalid_json" } else { "invalid_utf8" };
+                    let e = ApiError::new(400, "invalid_request_error", code, e);
                     return Some(Line::Record(error_record(&Value::Null, n, &e)));
                 }
                 Ok(v) => v,
@@ -225,12 +167,12 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
             // Records carry the id as given (a string or a number).
             let id_val = v.get("id").filter(|_| id.is_some()).cloned().unwrap_or(Value::Null);
             let record = match (&id, req) {
-                (Some(id), _) if done_ids.contains(id) => {
-                    skipped += 1;
+                (Some(id), _) if done.ids.contains_key(id) => {
+                    skip(n, done.ids[id]);
                     continue;
                 }
-                (None, _) if done_lines.contains(&n) => {
-                    skipped += 1;
+                (None, _) if done.lines.contains_key(&n) => {
+                    skip(n, done.lines[&n]);
                     continue;
                 }
                 (_, Err(e)) => error_record(&id_val, n, &e),
@@ -252,7 +194,7 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     let stats = if parallel > 1 {
         let mut write = |r: &Value| {
             out.write(r)?;
-            bar.set_message(format!("{} errors", out.errors));
+            out.tick(skipped.get());
             Ok(())
         };
         Some(run_lanes(&mut generator, parallel, &mut walk, &mut write)?)
@@ -271,19 +213,33 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
                 },
             };
             out.write(&record).context("cannot write a result")?;
-            bar.set_message(format!("{} errors", out.errors));
+            out.tick(skipped.get());
         }
         None
     };
-    bar.finish_and_clear();
-    let (ok, errors) = (out.ok, out.errors);
+    out.progress.finish();
+    let skipped = skipped.get();
+    let (ok, errors) = (out.ok, out.failed.len());
     // A running batch's reads are shared by its requests: their total, once.
     let reads = stats
         .and_then(|s| s.expert_bytes_read)
         .map_or(String::new(), |b| format!(", expert reads {:.1} MB for the whole batch", b as f64 / 1e6));
     eprintln!(
-        "deltafin: batch: {ok} done, {errors} errors, {skipped} already in the output, in {:.1} s{reads}",
+        "deltafin: batch: {ok} done, {errors} failed, {skipped} already in the output, in {:.1} s{reads}",
         t0.elapsed().as_secs_f64()
     );
+    let mut failed = out.failed;
+    let earlier = failed_before.len();
+    failed.extend(failed_before);
+    if !failed.is_empty() {
+        let whose =
+            if earlier > 0 { format!(" ({earlier} of them recorded by an earlier run)") } else { String::new() };
+        let at = if is_std(&a.output) { "standard output".to_string() } else { a.output.display().to_string() };
+        anyhow::bail!(
+            "{} of the batch's requests failed{whose}: {} (their error records are in {at})",
+            failed.len(),
+            line_list(&failed)
+        );
+    }
     Ok(())
 }

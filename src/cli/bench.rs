@@ -10,6 +10,7 @@ use crate::engine::BackendKind;
 use crate::store::reader::ReaderKind;
 use anyhow::{Result, bail};
 use clap::{Args, Subcommand};
+use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Subcommand)]
@@ -65,8 +66,11 @@ pub struct BenchArgs {
 #[derive(Args)]
 pub struct IoArgs {
     /// Model directory (uses MODEL/placement.json when present, else the shards).
+    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    model: Option<PathBuf>,
+    /// Use the built-in demo model (laid out under deltafin's cache directory on first use).
     #[arg(long)]
-    model: PathBuf,
+    demo: bool,
     /// Placement manifest (default: MODEL/placement.json if present).
     #[arg(long)]
     placement: Option<PathBuf>,
@@ -112,7 +116,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
 }
 
 fn bench_io(a: IoArgs) -> Result<()> {
-    let files = load::open(&a.model)?;
+    let files = load::open(&load::model_dir(&a.model, a.demo)?)?;
     let o = io::IoOptions {
         placement: a.placement,
         gb: a.gb,
@@ -128,7 +132,7 @@ fn bench_io(a: IoArgs) -> Result<()> {
         eprintln!("deltafin bench io: fio comparison unavailable: {e}");
     }
     super::bench_run::note_warm("bench io", &out.record);
-    println!("{}", out.record);
+    writeln!(std::io::stdout(), "{}", out.record)?;
     Ok(())
 }
 
@@ -159,12 +163,12 @@ fn bench_kernels(a: KernelArgs) -> Result<()> {
             matvec_variants: a.matvec_variants,
             matmul_variants: a.matmul_variants,
         };
-        println!("{}", kernels_gpu::run(&g, &o)?);
+        writeln!(std::io::stdout(), "{}", kernels_gpu::run(&g, &o)?)?;
         return Ok(());
     }
     if a.matvec_variants.is_some() || a.matvec_rows.is_some() || a.matmul_variants.is_some() {
         bail!("--matvec-variants, --matvec-rows and --matmul-variants are for the GPU's kernels: add --backend gpu");
     }
-    println!("{}", kernels::cpu(a.rows, a.heads));
+    writeln!(std::io::stdout(), "{}", kernels::cpu(a.rows, a.heads))?;
     Ok(())
 }

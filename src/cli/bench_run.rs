@@ -22,8 +22,11 @@ use std::path::PathBuf;
 #[derive(Args)]
 pub struct RunBenchArgs {
     /// Model directory.
+    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    model: Option<PathBuf>,
+    /// Use the built-in demo model (laid out under deltafin's cache directory on first use).
     #[arg(long)]
-    model: PathBuf,
+    demo: bool,
     /// Prompt length in tokens.
     #[arg(long, default_value_t = 512, conflicts_with = "prompt_ids")]
     prompt_tokens: usize,
@@ -79,7 +82,8 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
     if a.draft == BenchDraft::Dspark && a.engine.draft_model.is_none() {
         bail!("--draft dspark needs --draft-model DIR");
     }
-    let files = load::open(&a.model)?;
+    let model = load::model_dir(&a.model, a.demo)?;
+    let files = load::open(&model)?;
     let prompt = match a.prompt_ids.as_deref() {
         Some(arg) => {
             let ids = match arg.strip_prefix('@') {
@@ -98,11 +102,11 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
     };
     if let Some(n) = a.batch {
         let n = n as usize;
-        let mut config = a.engine.config(a.model.clone(), KdaMode::Recurrent, a.prompt_tokens * n, 0);
+        let mut config = a.engine.config(model.clone(), KdaMode::Recurrent, a.prompt_tokens * n, 0);
         config.sequences = n;
         // Each sequence holds its prompt and its decode tokens (in whole 64s, as `run`): the rest
         // of the budget is the expert cache's. An explicit --context stands.
-        config.context = super::load::run_context(&a.model, config.context, a.prompt_tokens + a.decode.max(1));
+        config.context = super::load::run_context(&model, config.context, a.prompt_tokens + a.decode.max(1));
         let rec = crate::bench::batch::runs(
             &files,
             config,
@@ -113,7 +117,7 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
             a.cold.assume_purged,
         )?;
         note_warm("bench run", &rec);
-        println!("{rec}");
+        writeln!(std::io::stdout(), "{rec}")?;
         if let Some(p) = &a.out {
             let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p);
             writeln!(f.as_mut().map_err(|e| anyhow::anyhow!("cannot open {}: {e}", p.display()))?, "{rec}")?;
@@ -121,7 +125,7 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         return Ok(());
     }
     // The rows the engine holds at once are the run's to choose (the prompt, or a verify batch).
-    let config = a.engine.config(a.model.clone(), KdaMode::Recurrent, prompt.len(), 0);
+    let config = a.engine.config(model.clone(), KdaMode::Recurrent, prompt.len(), 0);
     let o = RunOptions {
         decode: a.decode,
         draft: a.draft,
@@ -143,7 +147,7 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
     };
     let records = crate::bench::run::runs(&files, &config, &prompt, &o, &mut |rec| {
         note_warm("bench run", rec);
-        println!("{rec}");
+        writeln!(std::io::stdout(), "{rec}")?;
         match &mut out {
             Some(f) => writeln!(f, "{rec}"),
             None => Ok(()),

@@ -21,6 +21,7 @@ pub const SYNTH: &str = "Examples:
   deltafin synth --dspark --target /tmp/k3-small --out /tmp/k3-small-dspark";
 
 pub const PLACE: &str = "Examples:
+  deltafin place --demo --drive /tmp/d0=1 --drive /tmp/d1=1  (the drives must exist: mkdir -p first)
   deltafin place --model DIR --drive /mnt/nvme0 --drive /mnt/nvme1
   deltafin place --model DIR --drive /mnt/nvme0=6.5 --drive /mnt/nvme1=6.5 --policy mirror
   deltafin place --model DIR --verify";
@@ -35,6 +36,7 @@ pub const PLAN: &str = "Examples:
 
 pub const BENCH: &str = "Examples:
   deltafin bench kernels                                   CPU kernels at K3's shapes
+  deltafin bench run --demo --prompt-tokens 64 --decode 8  the demo model, cold
   deltafin bench run --model DIR --prompt-tokens 512 --decode 16
   deltafin bench io --model DIR --gb 2";
 
@@ -50,6 +52,11 @@ A line is a JSON object with `id` and `prompt` (or `messages`), optionally `max_
 pub const SERVE: &str = "Examples:
   deltafin serve --demo                                    then open http://127.0.0.1:8000/
   deltafin serve --model DIR --port 8080 --api-key KEY --draft ngram";
+
+pub const COMPLETIONS: &str = "Examples:
+  deltafin completions bash > ~/.local/share/bash-completion/completions/deltafin
+  deltafin completions zsh > ~/.zfunc/_deltafin              (with fpath+=~/.zfunc in ~/.zshrc)
+  deltafin completions fish > ~/.config/fish/completions/deltafin.fish";
 
 /// Adds a tip to a usage error where clap gives none that helps.
 pub fn add_tips(e: &mut clap::Error, args: &[String]) {

@@ -1,7 +1,10 @@
-//! Opening a model for subcommands (an engine, or just its files), with the CLI's error context,
-//! the built-in demo model and what `--demo` changes (its drafter, its sampling defaults).
+//! Opening a model for subcommands (an engine, or just its files), with the CLI's error context
+//! (a path that is not a model directory is named as what it is: missing, a file, a directory
+//! without config.json), a spinner while it loads, the built-in demo model and what `--demo`
+//! changes (its drafter, its sampling defaults).
 
 use super::engine::EngineArgs;
+use super::progress::{self, Progress};
 use crate::engine::{Engine, EngineConfig};
 use crate::model::generation::GenerationDefaults;
 use crate::model::{Checkpoint, K3Config, Roster};
@@ -17,9 +20,7 @@ pub use crate::model::ModelFiles as Opened;
 
 /// Opens config, checkpoint and roster in that order, so the first error is the most fundamental.
 pub fn open(dir: &Path) -> Result<Opened> {
-    if !dir.is_dir() {
-        bail!("model directory {} does not exist", dir.display());
-    }
+    check_model_dir(dir)?;
     let cfg = K3Config::load(dir).with_context(|| format!("cannot load the model config in {}", dir.display()))?;
     let ck = Checkpoint::open(dir).with_context(|| format!("cannot open the checkpoint in {}", dir.display()))?;
     let roster = Roster::build(&cfg, &ck)?;
@@ -30,6 +31,8 @@ pub fn open(dir: &Path) -> Result<Opened> {
 /// each other (those say which options, and the model is not at fault).
 pub fn open_engine(cfg: EngineConfig) -> Result<Arc<Engine>> {
     let dir = cfg.model.clone();
+    let name = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let _wait = Progress::spinner(progress::mode(false), &format!("loading {name}"));
     match Engine::open(cfg) {
         Ok(e) => Ok(e),
         Err(e @ crate::engine::EngineError::Setting { .. }) => Err(e.into()),
@@ -57,10 +60,49 @@ pub fn model_dir(model: &Option<PathBuf>, demo: bool) -> Result<PathBuf> {
         (None, true) => demo_dir()?,
         (None, false) => anyhow::bail!("give --model DIR or --demo"),
     };
-    if !dir.is_dir() {
-        anyhow::bail!("model directory {} does not exist", dir.display());
-    }
+    check_model_dir(&dir)?;
     Ok(dir)
+}
+
+/// What a model directory holds, for messages.
+const HOLDS: &str = "config.json, the safetensors shards and tiktoken.model";
+
+/// Checks that `dir` is a K3 model directory, saying what was found instead and what to do: no
+/// such path, a file (a model's own file: its directory is meant), a directory without
+/// `config.json` (a model one level down is named), a `config.json` that is not K3's.
+pub fn check_model_dir(dir: &Path) -> Result<()> {
+    let has_config = |d: &Path| d.join("config.json").is_file();
+    let m = match std::fs::metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
+            "--model {}: no such directory (a model directory holds {HOLDS}; `deltafin setup --dir DIR` installs \
+             Kimi K3, --demo runs the built-in demo model)",
+            dir.display()
+        ),
+        Err(e) => bail!("--model {}: {e}", dir.display()),
+    };
+    if !m.is_dir() {
+        let parent = dir.parent().filter(|p| has_config(p));
+        let hint = parent.map(|p| format!("; its directory is one: --model {}", p.display())).unwrap_or_default();
+        bail!("--model {}: is a file, not a model directory (one holding {HOLDS}){hint}", dir.display());
+    }
+    if !has_config(dir) {
+        let mut below: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map(|rd| rd.flatten().map(|e| e.path()).filter(|p| p.is_dir() && has_config(p)).collect())
+            .unwrap_or_default();
+        below.sort();
+        let hint = match below.as_slice() {
+            [] => "; `deltafin setup --dir DIR` installs Kimi K3, --demo runs the built-in demo model".to_string(),
+            [one] => format!("; the model seems to be in {}", one.display()),
+            more => format!(
+                "; these directories in it hold one: {}",
+                more.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+            ),
+        };
+        bail!("--model {}: not a model directory: it has no config.json (expected {HOLDS}){hint}", dir.display());
+    }
+    K3Config::load(dir).with_context(|| format!("--model {}: not a Kimi K3 model", dir.display()))?;
+    Ok(())
 }
 
 fn say(m: &str) {
@@ -70,6 +112,8 @@ fn say(m: &str) {
 /// The built-in demo model under deltafin's cache directory (see `crate::demo`).
 pub fn demo_dir() -> Result<PathBuf> {
     let cache = crate::util::cache_dir();
+    // The first use writes (or synthesises) the model: a spinner while it does, where shown.
+    let _wait = Progress::spinner(progress::mode(false), "preparing the demo model");
     crate::demo::model_dir(&cache, &say)
         .with_context(|| format!("cannot lay out the demo model in {}", cache.display()))
 }

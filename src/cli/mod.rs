@@ -1,32 +1,45 @@
 //! Command-line interface: clap definitions and one file per subcommand. Errors are `anyhow` with
-//! context here at the edge; exit codes: 0 success, 1 runtime error, 2 usage error.
+//! context here at the edge; exit codes: 0 success, 1 runtime error (also a batch with failed
+//! lines), 2 usage error, 130 interrupted by Ctrl-C; a closed output pipe ends the process by
+//! SIGPIPE, quietly (`signals`).
 
 mod batch;
+mod batch_io;
 mod bench;
 mod bench_run;
 mod engine;
 mod help;
 mod load;
+mod log;
 mod names;
 mod pack_trunk;
+mod parse;
 mod place;
 mod plan;
 mod plot;
+mod progress;
+mod report;
 mod run;
 mod run_args;
 mod run_many;
 mod score;
 mod serve;
 mod setup;
+mod setup_routes;
+mod signals;
 mod synth;
+mod version;
 
 use clap::{Parser, Subcommand};
+pub(crate) use parse::{
+    parse_gb, parse_gb_positive, parse_qd, parse_seconds, parse_temperature, parse_threads, parse_top_p,
+};
 use std::process::ExitCode;
 
 #[derive(Parser)]
 #[command(
     name = "deltafin",
-    version,
+    version = version::SHORT,
     about = "Runs Kimi K3 exactly on one machine by streaming its MXFP4 experts from SSDs"
 )]
 pub struct Cli {
@@ -35,14 +48,15 @@ pub struct Cli {
 }
 
 /// The subcommands' names (for the tip on a mistyped one).
-const SUBCOMMANDS: &[&str] = &["run", "score", "synth", "place", "bench", "setup", "batch", "serve"];
+const SUBCOMMANDS: &[&str] =
+    &["run", "score", "synth", "place", "pack-trunk", "plan", "bench", "setup", "batch", "serve", "completions"];
 
 /// `--threads`, on the subcommands whose kernels run on the thread pool.
 #[derive(clap::Args, Clone, Copy, Debug, Default)]
 pub struct Threads {
     /// Worker threads for the kernels (default: all cores, or RAYON_NUM_THREADS). Results do not
     /// depend on it.
-    #[arg(long = "threads", value_parser = parse_threads)]
+    #[arg(long = "threads", value_parser = parse_threads, help_heading = "Engine")]
     pub threads: Option<usize>,
 }
 
@@ -78,6 +92,9 @@ enum Cmd {
     /// OpenAI-compatible HTTP server (chat, completions, streaming, metrics, a chat page at /).
     #[command(after_help = help::SERVE)]
     Serve(serve::ServeArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    #[command(after_help = help::COMPLETIONS)]
+    Completions(version::CompletionsArgs),
 }
 
 impl Cmd {
@@ -90,7 +107,7 @@ impl Cmd {
             Cmd::Bench(a) => a.threads(),
             Cmd::Batch(a) => a.threads.threads,
             Cmd::Serve(a) => a.threads.threads,
-            Cmd::Place(_) | Cmd::Setup(_) | Cmd::PackTrunk(_) | Cmd::Plan(_) => None,
+            Cmd::Place(_) | Cmd::Setup(_) | Cmd::PackTrunk(_) | Cmd::Plan(_) | Cmd::Completions(_) => None,
         }
     }
 }
@@ -113,39 +130,19 @@ impl From<KdaArg> for crate::engine::KdaMode {
     }
 }
 
-/// Diagnostics as "deltafin: warning: ..." lines on stderr.
-struct Prefixed;
-
-impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for Prefixed
-where
-    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
-    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
-{
-    fn format_event(
-        &self,
-        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
-        mut w: tracing_subscriber::fmt::format::Writer<'_>,
-        ev: &tracing::Event<'_>,
-    ) -> std::fmt::Result {
-        let level = match *ev.metadata().level() {
-            tracing::Level::ERROR => "error",
-            tracing::Level::WARN => "warning",
-            tracing::Level::INFO => "info",
-            tracing::Level::DEBUG => "debug",
-            tracing::Level::TRACE => "trace",
-        };
-        write!(w, "deltafin: {level}: ")?;
-        ctx.field_format().format_fields(w.by_ref(), ev)?;
-        writeln!(w)
-    }
-}
-
 /// Parses arguments, runs the subcommand and maps errors to exit codes.
 pub fn main() -> ExitCode {
     // Library messages name settings by the flags that set them.
     names::install();
     let args: Vec<String> = std::env::args().collect();
-    let cli = match Cli::try_parse() {
+    use clap::{CommandFactory, FromArgMatches};
+    // `--version` says more than `-V` (built only when asked: it looks at the machine).
+    let mut cmd = Cli::command();
+    if args.iter().any(|a| a == "--version") {
+        cmd = cmd.long_version(&*Box::leak(version::long().into_boxed_str()));
+    }
+    let parsed = cmd.try_get_matches().and_then(|m| Cli::from_arg_matches(&m));
+    let cli = match parsed {
         Ok(c) => c,
         Err(mut e) => {
             help::add_tips(&mut e, &args);
@@ -153,13 +150,7 @@ pub fn main() -> ExitCode {
             return if e.use_stderr() { ExitCode::from(2) } else { ExitCode::SUCCESS };
         }
     };
-    // Library diagnostics go through `tracing`; DELTAFIN_LOG (e.g. "debug", "deltafin::store=trace")
-    // picks what is shown, warnings by default.
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .event_format(Prefixed)
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("DELTAFIN_LOG").unwrap_or_else(|_| "warn".into()))
-        .init();
+    log::init();
     // rayon reads RAYON_NUM_THREADS itself when --threads is absent; hold it to the same bound so a
     // stray value is a clear usage error, not a panic when the pool first starts.
     let threads = match (cli.cmd.threads(), std::env::var("RAYON_NUM_THREADS")) {
@@ -190,13 +181,17 @@ pub fn main() -> ExitCode {
         Cmd::Setup(a) => setup::run(a),
         Cmd::Serve(a) => serve::run(a),
         Cmd::Batch(a) => batch::run(a),
+        Cmd::Completions(a) => version::completions(a),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        // The reader of our output closed the pipe (`| head`): end quietly, as `cat` does.
+        Err(e) if signals::is_broken_pipe(&e) => signals::die_of_sigpipe(),
         Err(e) => {
             eprintln!("error: {}", error_text(&e));
-            ExitCode::from(1)
+            ExitCode::from(if signals::interrupted() { signals::INTERRUPTED } else { 1 })
         }
+        Ok(()) if signals::interrupted() => ExitCode::from(signals::INTERRUPTED),
+        Ok(()) => ExitCode::SUCCESS,
     }
 }
 
@@ -215,56 +210,6 @@ pub(crate) fn error_text(e: &anyhow::Error) -> String {
         out.push_str(&t);
     }
     out
-}
-
-/// Most kernel threads accepted: far past any core count, short of exhausting the process's threads.
-pub(crate) const MAX_THREADS: usize = 1024;
-
-/// `--threads N`: 1..=MAX_THREADS.
-pub(crate) fn parse_threads(s: &str) -> Result<usize, String> {
-    let n: usize = s.parse().map_err(|_| format!("`{s}` is not a thread count (expected 1..={MAX_THREADS})"))?;
-    if !(1..=MAX_THREADS).contains(&n) {
-        return Err(format!("{n} threads is outside 1..={MAX_THREADS}"));
-    }
-    Ok(n)
-}
-
-/// `--qd N` (reads in flight per drive): 1..=MAX_QD.
-pub(crate) fn parse_qd(s: &str) -> Result<usize, String> {
-    use crate::store::reader::MAX_QD;
-    let n: usize = s.parse().map_err(|_| format!("`{s}` is not a queue depth (expected 1..={MAX_QD})"))?;
-    if !(1..=MAX_QD).contains(&n) {
-        return Err(format!("queue depth {n} is outside 1..={MAX_QD}"));
-    }
-    Ok(n)
-}
-
-/// A size in GB that must be a finite number > 0 (`--memory-gb`).
-pub(crate) fn parse_gb_positive(s: &str) -> Result<f64, String> {
-    let g = parse_gb(s)?;
-    if g == 0.0 {
-        return Err("must be > 0".into());
-    }
-    Ok(g)
-}
-
-/// A size in GB that must be a finite number >= 0 (`--expert-cache-gb`).
-pub(crate) fn parse_gb(s: &str) -> Result<f64, String> {
-    let g: f64 = s.parse().map_err(|_| format!("`{s}` is not a number of GB"))?;
-    // Far above any machine (1 EB), so that g * 1e9 stays exact enough and fits u64.
-    if !g.is_finite() || !(0.0..=1e9).contains(&g) {
-        return Err(format!("`{s}` is not a size in GB (expected a finite number from 0 to 1e9)"));
-    }
-    Ok(g)
-}
-
-/// A duration in seconds: a finite number > 0 and at most a day (`serve --read-timeout`).
-pub(crate) fn parse_seconds(s: &str) -> Result<f64, String> {
-    let t: f64 = s.parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
-    if !t.is_finite() || t <= 0.0 || t > 86_400.0 {
-        return Err(format!("`{s}` is not a duration (expected seconds above 0, at most 86400)"));
-    }
-    Ok(t)
 }
 
 /// Refuses, before any compute, an output path that `util::write_atomic` would refuse at the end.

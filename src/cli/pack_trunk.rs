@@ -5,6 +5,7 @@
 use super::load;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
+use std::io::Write as _;
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -35,17 +36,12 @@ pub struct PackTrunkArgs {
 
 pub fn run(a: PackTrunkArgs) -> Result<()> {
     let dir = load::model_dir(&a.model, a.demo)?;
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} files {elapsed} eta {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
+    let mut bar = super::progress::Progress::new(super::progress::mode(false), "coding the trunk");
     let sum = crate::engine::trunk::pack(&dir, &mut |done, all| {
-        bar.set_length(all as u64);
-        bar.set_position(done as u64);
+        bar.update(done as u64, all as u64, |d, t, _| format!("{d}/{t} files"))
     })
     .with_context(|| format!("cannot write the coded trunk of {}", dir.display()))?;
-    bar.finish_and_clear();
+    bar.finish();
     let report = &sum.report;
     let mf = &report.manifest;
     let bits = 8.0 * mf.coded_bytes as f64 / mf.values.max(1) as f64;
@@ -70,7 +66,8 @@ pub fn run(a: PackTrunkArgs) -> Result<()> {
         let t = crate::engine::trunk::time_products(&dir, r).context("timing the coded products")?;
         v["products"] = serde_json::to_value(&t)?;
         if !a.json {
-            println!(
+            writeln!(
+                std::io::stdout(),
                 "products with `{}` ({} x {}), coded / bf16, median of {r} interleaved rounds: matvec {:.3} ({:.2} vs {:.2} ms), 64-row matmul {:.3}",
                 t.tensor,
                 t.rows,
@@ -79,13 +76,14 @@ pub fn run(a: PackTrunkArgs) -> Result<()> {
                 1e3 * t.matvec_coded_s,
                 1e3 * t.matvec_bf16_s,
                 t.matmul64_ratio_median
-            );
+            )?;
         }
     }
     if a.json {
-        println!("{v}");
+        writeln!(std::io::stdout(), "{v}")?;
     } else {
-        println!(
+        writeln!(
+            std::io::stdout(),
             "coded trunk of {}: {} tensors, {} -> {} ({:.1}% of bf16, {:.2} bits per value, {} escapes); an entropy-coded exponent would take {:.2} bits per value ({:.1}%); {} file(s) written, {} kept",
             dir.display(),
             sum.tensors,
@@ -98,7 +96,7 @@ pub fn run(a: PackTrunkArgs) -> Result<()> {
             100.0 * v["huffman_bits_per_value"].as_f64().unwrap_or(0.0) / 16.0,
             report.files_written,
             report.files_kept,
-        );
+        )?;
     }
     Ok(())
 }

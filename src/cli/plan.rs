@@ -1,13 +1,16 @@
 //! `deltafin plan`: the memory plan of Kimi K3 itself (its real config, built in) on a machine of
 //! `--memory-gb`: the trunk under each encoding, what is left for the expert cache after state,
 //! activations and the OS, the cache's expected hit rate and the decode lower bound per number
-//! of drives. Arithmetic only: nothing is read (`crate::memory::plan_encodings`).
+//! of drives. Arithmetic only: nothing is read (`crate::memory::plan_encodings`). An encoding that
+//! cannot fit is marked so, with the memory it needs, and a closing sentence says plainly when the
+//! machine cannot hold K3 at all and why.
 
-use crate::memory::{PlanInputs, plan_encodings};
+use crate::memory::{PlanInputs, PlanRow, plan_encodings};
 use crate::model::K3Config;
 use crate::model::synth::SynthSpec;
 use anyhow::{Context, Result};
 use clap::Args;
+use std::io::Write;
 
 #[derive(Args)]
 pub struct PlanArgs {
@@ -47,12 +50,14 @@ pub fn run(a: PlanArgs) -> Result<()> {
         escape_fraction: a.escape_fraction.clamp(0.0, 1.0),
     };
     let rows = plan_encodings(&cfg, &inputs);
+    let mut out = std::io::stdout().lock();
     if a.json {
-        println!("{}", serde_json::json!({"model": "Kimi K3", "inputs": inputs, "plans": rows}));
+        writeln!(out, "{}", serde_json::json!({"model": "Kimi K3", "inputs": inputs, "plans": rows}))?;
         return Ok(());
     }
     let gb = |b: u64| b as f64 / 1e9;
-    println!(
+    writeln!(
+        out,
         "Kimi K3 on {:.0} GB: OS {:.0} GB, one sequence of {} tokens, {} prefill rows, {:.1} GB/s per drive; {} experts of {:.2} MB, {:.1} GB routed per token",
         a.memory_gb,
         a.os_gb,
@@ -62,26 +67,65 @@ pub fn run(a: PlanArgs) -> Result<()> {
         cfg.moe_layers() * cfg.experts,
         cfg.expert_bytes() as f64 / 1e6,
         (cfg.moe_layers() * cfg.top_k * cfg.expert_bytes()) as f64 / 1e9,
-    );
-    println!(
-        "{:<17} {:>9} {:>9} {:>11} {:>13} {:>9}   decode lower bound, s/token: 1 / 2 / 4 / 8 drives",
-        "trunk", "trunk GB", "state GB", "activ. GB", "expert cache", "hit rate"
-    );
+    )?;
+    writeln!(
+        out,
+        "{:<17} {:>9} {:>9} {:>11} {:>10} {:>13} {:>9}   decode lower bound, s/token: 1 / 2 / 4 / 8 drives",
+        "trunk", "trunk GB", "state GB", "activ. GB", "needs GB", "expert cache", "hit rate"
+    )?;
     for r in &rows {
         let label = if r.exact { r.trunk.to_string() } else { format!("{} (NOT EXACT)", r.trunk) };
-        let d: Vec<String> = r.decode_s_per_token.iter().map(|(_, s)| format!("{s:.2}")).collect();
-        println!(
-            "{label:<17} {:>9.1} {:>9.1} {:>11.1} {:>10.1} GB {:>8.1}%   {}",
+        let tail = if r.fits {
+            let d: Vec<String> = r.decode_s_per_token.iter().map(|(_, s)| format!("{s:.2}")).collect();
+            format!("{:>10.1} GB {:>8.1}%   {}", gb(r.expert_cache_bytes), 100.0 * r.hit_rate, d.join(" / "))
+        } else {
+            format!("DOES NOT FIT: needs {:.1} GB more", gb(r.min_memory_bytes - inputs.memory_bytes))
+        };
+        writeln!(
+            out,
+            "{label:<17} {:>9.1} {:>9.1} {:>11.1} {:>10.1} {tail}",
             gb(r.trunk_bytes),
             gb(r.state_bytes),
             gb(r.activation_bytes),
-            gb(r.expert_cache_bytes),
-            100.0 * r.hit_rate,
-            d.join(" / ")
-        );
+            gb(r.min_memory_bytes),
+        )?;
     }
-    println!(
-        "(hit rate = the fraction of all experts the cache holds, as for uniform routes: real routes are skewed and hit more, so the bounds are the pessimistic end)"
-    );
+    writeln!(
+        out,
+        "(needs = trunk + state + activations + read slots + the OS's {:.0} GB, with no expert cache; hit rate = the fraction of all experts the cache holds, as for uniform routes: real routes are skewed and hit more, so the bounds are the pessimistic end)",
+        a.os_gb
+    )?;
+    if let Some(w) = verdict(&rows, a.memory_gb, a.context) {
+        writeln!(out, "{w}")?;
+    }
     Ok(())
+}
+
+/// A plain sentence when some trunk encoding cannot run on the machine: which, why (its trunk
+/// alone, or with the rest, is more than the memory), and the least memory each needs.
+fn verdict(rows: &[PlanRow], memory_gb: f64, context: usize) -> Option<String> {
+    let gb = |b: u64| b as f64 / 1e9;
+    let name = |r: &PlanRow| if r.exact { r.trunk.to_string() } else { format!("{} (not exact)", r.trunk) };
+    let mins = rows.iter().map(|r| format!("{} {:.1} GB", name(r), gb(r.min_memory_bytes))).collect::<Vec<_>>();
+    let least = format!("The least memory that works, per trunk: {} (less with a smaller --context)", mins.join(", "));
+    let fit: Vec<String> = rows.iter().filter(|r| r.fits).map(name).collect();
+    if fit.len() == rows.len() {
+        return None;
+    }
+    let smallest = rows.iter().min_by_key(|r| r.min_memory_bytes)?;
+    let why = if smallest.trunk_bytes as f64 > memory_gb * 1e9 {
+        format!("its smallest trunk, {}, alone is {:.1} GB", name(smallest), gb(smallest.trunk_bytes))
+    } else {
+        format!(
+            "even its smallest trunk, {} at {:.1} GB, with one {context}-token sequence, activations, read slots and the OS needs {:.1} GB",
+            name(smallest),
+            gb(smallest.trunk_bytes),
+            gb(smallest.min_memory_bytes)
+        )
+    };
+    Some(if fit.is_empty() {
+        format!("Kimi K3 CANNOT RUN on {memory_gb:.0} GB: {why}. {least}.")
+    } else {
+        format!("On {memory_gb:.0} GB Kimi K3 runs only with the {} trunk. {least}.", fit.join(" or "))
+    })
 }

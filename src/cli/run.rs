@@ -1,10 +1,19 @@
 //! `deltafin run`: one-shot generation (greedy, or sampled with `--temperature`). Text streams to stdout as tokens are produced
-//! (held back only inside a UTF-8 character); diagnostics, the startup line and `--stats` go to
-//! stderr, so stdout can be piped. Several prompts (`--prompt` repeated, `--prompt-file`
-//! repeated, or `--prompt-lines FILE`) run together: see `run_many`.
+//! (held back only inside a UTF-8 character); diagnostics, the startup line, the prefill's
+//! progress, the one-line summary and `--stats` go to stderr, so stdout can be piped. Several
+//! prompts (`--prompt` repeated, `--prompt-file` repeated, or `--prompt-lines FILE`) run
+//! together: see `run_many`.
+//!
+//! Ending early: Ctrl-C stops the prefill or the generation where it is, and what was done is
+//! still printed (the text so far; with `--format json` the object with `"interrupted": true`;
+//! the summary, `--stats` and the files asked for), exit 130. A reader that closes the pipe
+//! (`run | head`) ends generation at once; stderr output and files are still written, then the
+//! process ends quietly by the SIGPIPE convention (`signals`).
 
-use super::load;
+use super::report;
 pub use super::run_args::{Format, RunArgs};
+use super::signals::{self, is_broken_pipe};
+use super::{load, progress};
 use crate::engine::GenerateOptions;
 use crate::model::chat::{ChatOptions, ChatTemplate};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
@@ -78,6 +87,8 @@ fn text_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>, text: &str) -> Res
 
 pub fn run(mut a: RunArgs) -> Result<()> {
     super::check_outputs([("--stats-json", a.stats_json.as_deref()), ("--trace-routes", a.trace_routes.as_deref())])?;
+    signals::catch_ctrl_c();
+    progress::set_quiet(a.quiet);
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
     let needs_tok = a.prompt_ids.is_none() || a.chat;
@@ -120,7 +131,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         );
     }
     if !a.quiet {
-        eprintln!("{}", engine.startup_line());
+        eprintln!("{}", report::startup(&engine, report::verbose(a.verbose)));
         if let Some(s) = &spec {
             let memory = match (engine.draft_model_description(), s.drafter.name()) {
                 (Some(d), "dspark") => d,
@@ -143,11 +154,15 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let mut decoder = StreamDecoder::default();
     let mut text = String::new();
     let t0 = Instant::now();
-    match &mut spec {
-        Some(sp) => sp.prefill(&mut session, &prompt),
-        None => session.prefill(&prompt),
+    session.watch_prefill(Some(report::prefill_watcher(progress::mode(a.quiet))));
+    let prefilled = match &mut spec {
+        Some(sp) => sp.prefill(&mut session, &prompt).map(|_| ()),
+        None => session.prefill(&prompt).map(|_| ()),
+    };
+    // Ctrl-C stops the prefill: nothing generated, what was measured still reported.
+    if !signals::interrupted() {
+        prefilled.context("prefill failed")?;
     }
-    .context("prefill failed")?;
     session.stats.ttft_s = t0.elapsed().as_secs_f64();
     let mut ids: Vec<u32> = Vec::with_capacity(a.max_new);
     let mut write_error: Option<anyhow::Error> = None;
@@ -175,34 +190,54 @@ pub fn run(mut a: RunArgs) -> Result<()> {
             write_error = Some(e.into());
             return false;
         }
-        true
+        // Ctrl-C: this token is the last.
+        !signals::interrupted()
     };
     let mut sampler = Sampler::new(sampling);
-    match &mut spec {
-        Some(sp) => session.generate_speculative_sampled(&opts, sp, &mut sampler, &mut on_token),
-        None => session.generate_sampled(&opts, &mut sampler, &mut on_token),
+    if !signals::interrupted() {
+        match &mut spec {
+            Some(sp) => session.generate_speculative_sampled(&opts, sp, &mut sampler, &mut on_token),
+            None => session.generate_sampled(&opts, &mut sampler, &mut on_token),
+        }
+        .context("decode failed")?;
     }
-    .context("decode failed")?;
-    if let Some(e) = write_error {
-        return Err(e);
-    }
+    // A closed pipe ends the output, not the rest (stats, files); any other write error is one.
+    let pipe_closed = match write_error {
+        Some(e) if is_broken_pipe(&e) => true,
+        Some(e) => return Err(e),
+        None => false,
+    };
     // An unfinished UTF-8 character at the end is dropped (it would print as U+FFFD).
     decoder.finish();
     let mut stats = session.stats.clone();
     stats.source = Some(engine.source_report());
+    let interrupted = signals::interrupted();
 
-    match a.format {
-        Format::Text => writeln!(out)?,
-        Format::Json => {
+    let written = match (a.format, pipe_closed) {
+        (_, true) => Ok(()),
+        (Format::Text, false) => writeln!(out).and_then(|_| out.flush()),
+        (Format::Json, false) => {
             let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config, "backend_used": engine.backend_used(), "sampling": sampling});
             if tok.is_some() {
                 obj["text"] = serde_json::Value::String(text);
             }
-            writeln!(out, "{obj}")?;
+            if interrupted {
+                obj["interrupted"] = serde_json::Value::Bool(true);
+            }
+            writeln!(out, "{obj}").and_then(|_| out.flush())
+        }
+    };
+    if interrupted {
+        match stats.prompt_tokens {
+            0 => eprintln!("deltafin: interrupted (Ctrl-C) during the prompt; nothing generated"),
+            _ => eprintln!("deltafin: interrupted (Ctrl-C) after {} generated tokens", ids.len()),
         }
     }
+    if !a.quiet {
+        eprintln!("{}", report::summary(&stats));
+    }
     if a.stats {
-        eprint!("{}", stats.to_text());
+        eprint!("{}", report::stats_text(&stats, engine.config.prefetch));
     }
     if let Some(p) = &a.trace_routes {
         let body = serde_json::to_vec(&engine.route_trace(&stats))?;
@@ -212,5 +247,8 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         let body = serde_json::to_vec_pretty(&stats.to_json())?;
         crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
     }
-    Ok(())
+    if pipe_closed {
+        signals::die_of_sigpipe();
+    }
+    Ok(written?)
 }

@@ -1,4 +1,6 @@
-//! The arguments of `deltafin run` (shared by `run` and `run_many`).
+//! The arguments of `deltafin run` (shared by `run` and `run_many`), under help headings with the
+//! common ones first: model, prompt, generation, output, then the engine's (its tuning knobs only
+//! in `--help`, not `-h`).
 
 use super::{KdaArg, TokenIds};
 use crate::model::chat::Thinking;
@@ -18,76 +20,92 @@ pub enum Format {
 #[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompt_lines", "prompt_ids"])))]
 pub struct RunArgs {
     /// Model directory (config.json, safetensors shards, tokenizer files).
-    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    #[arg(long, required_unless_present = "demo", conflicts_with = "demo", help_heading = "Model")]
     pub model: Option<PathBuf>,
-    /// Use the built-in demo model (K3's architecture and layout, laid out under deltafin's cache
-    /// directory on first use, no download; its generation_config.json gives the sampling defaults).
-    #[arg(long)]
+    /// Use the built-in demo model (no download).
+    ///
+    /// K3's architecture and layout, laid out under deltafin's cache directory on first use; its
+    /// generation_config.json gives the sampling defaults.
+    #[arg(long, help_heading = "Model")]
     pub demo: bool,
     /// Prompt text ("-" reads standard input); repeated, several prompts run together.
-    #[arg(long)]
+    #[arg(long, help_heading = "Prompt")]
     pub prompt: Vec<String>,
     /// Read the prompt text from a file ("-" for standard input); repeated, one prompt a file.
-    #[arg(long)]
+    #[arg(long, help_heading = "Prompt")]
     pub prompt_file: Vec<PathBuf>,
-    /// Several prompts, one a line of this file (empty lines skipped), run together as a running
-    /// batch: one read of each layer's experts per step for all of them.
-    #[arg(long, value_name = "FILE")]
+    /// Several prompts, one a line of this file, run together.
+    ///
+    /// Empty lines are skipped. The prompts run as a running batch: one read of each layer's
+    /// experts per step for all of them.
+    #[arg(long, value_name = "FILE", help_heading = "Prompt")]
     pub prompt_lines: Option<PathBuf>,
-    /// With several prompts: how many run at once (default: all); when one finishes the next
-    /// joins at the next step. Answers are identical whatever it is.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096))]
-    pub parallel: Option<u64>,
     /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
-    #[arg(long, value_parser = super::parse_ids)]
+    #[arg(long, value_parser = super::parse_ids, help_heading = "Prompt")]
     pub prompt_ids: Option<TokenIds>,
     /// Wrap the prompt as a user message in the model's chat template.
-    #[arg(long)]
+    #[arg(long, help_heading = "Prompt")]
     pub chat: bool,
     /// System message for --chat.
-    #[arg(long, requires = "chat")]
+    #[arg(long, requires = "chat", help_heading = "Prompt")]
     pub system: Option<String>,
     /// Thinking effort for --chat (the template's default is max; off answers directly).
-    #[arg(long, value_enum, default_value_t = Thinking::Max)]
+    #[arg(long, value_enum, default_value_t = Thinking::Max, help_heading = "Prompt")]
     pub thinking: Thinking,
+    /// With several prompts: how many run at once (default: all).
+    ///
+    /// When one finishes the next joins at the next step. Answers are identical whatever it is.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096), help_heading = "Prompt")]
+    pub parallel: Option<u64>,
     /// Maximum number of tokens to generate.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, help_heading = "Generation")]
     pub max_new: usize,
+    /// Sampling temperature, 0 to 2 (0 is greedy: K3's argmax).
+    ///
+    /// Default 0, or with --demo the demo's generation_config.json.
+    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_temperature, help_heading = "Generation")]
+    pub temperature: Option<f64>,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass (0 to 1).
+    ///
+    /// Default 1, or with --demo the demo's generation_config.json.
+    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p, help_heading = "Generation")]
+    pub top_p: Option<f64>,
+    /// Seed of the sampler (default: a fresh one, printed).
+    ///
+    /// The same seed gives the same output.
+    #[arg(long, help_heading = "Generation")]
+    pub seed: Option<u64>,
     /// Keep generating past the end-of-message token.
-    #[arg(long)]
+    #[arg(long, help_heading = "Generation")]
     pub ignore_eos: bool,
+    /// Draft tokens for K3 to verify in batches (output is identical; only speed changes).
+    #[arg(long, value_enum, default_value_t = DraftKind::Off, help_heading = "Generation")]
+    pub draft: DraftKind,
     /// Output format.
-    #[arg(long, value_enum, default_value_t = Format::Text)]
+    #[arg(long, value_enum, default_value_t = Format::Text, help_heading = "Output")]
     pub format: Format,
-    /// Print the counters (bytes read, read amplification, cache hits, phase timers, tokens/s) to
-    /// stderr at the end; --stats-json writes them as JSON.
-    #[arg(long)]
+    /// Print every counter to stderr at the end.
+    ///
+    /// Bytes read, read amplification, cache hits, phase timers, tokens/s; --stats-json writes
+    /// them as JSON. Without it a one-line summary is printed (unless -q).
+    #[arg(long, help_heading = "Output")]
     pub stats: bool,
     /// Write the counters as JSON to this file.
-    #[arg(long)]
+    #[arg(long, help_heading = "Output")]
     pub stats_json: Option<PathBuf>,
     /// Record how often each expert is routed (input for `place --policy hot`).
-    #[arg(long)]
+    #[arg(long, help_heading = "Output", hide_short_help = true)]
     pub trace_routes: Option<PathBuf>,
+    /// No startup line, progress or summary (errors and --stats still print).
+    #[arg(long, short, help_heading = "Output")]
+    pub quiet: bool,
+    /// The full startup line (layers, memory plan, expert source).
+    ///
+    /// As DELTAFIN_LOG=info shows it.
+    #[arg(long, short, help_heading = "Output", conflicts_with = "quiet")]
+    pub verbose: bool,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
-    /// Sampling temperature (0 is greedy: K3's argmax). Default 0, or with --demo the demo's
-    /// generation_config.json.
-    #[arg(long)]
-    pub temperature: Option<f64>,
-    /// Nucleus sampling: keep the most likely tokens up to this probability mass. Default 1, or
-    /// with --demo the demo's generation_config.json.
-    #[arg(long)]
-    pub top_p: Option<f64>,
-    /// Seed of the sampler (default: a fresh one, printed; the same seed gives the same output).
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Draft tokens for K3 to verify in batches (output is identical; only speed changes).
-    #[arg(long, value_enum, default_value_t = DraftKind::Off)]
-    pub draft: DraftKind,
-    /// No startup line.
-    #[arg(long, short)]
-    pub quiet: bool,
     /// How KDA processes the prompt.
     #[arg(long, value_enum, default_value_t = KdaArg::Auto, hide = true)]
     pub kda: KdaArg,

@@ -5,11 +5,13 @@
 //!
 //! Contract: each prompt's tokens and text are the ones `run` gives it alone with the same
 //! options (and `--seed`), drafts (`--draft`) on or off; the answers are printed when all are
-//! done, in prompt order — as text, one answer after another, each ended by a newline, or with
-//! `--format json` one JSON object a line (`prompt_ids`, `output_ids`, `text`) and the counters
-//! of the whole batch in a last line (`{"stats": ...}`: each shared forward counted once; prefill
-//! and decode overlap, so `prefill_s` is the time to the first token and `decode_s` the rest).
-//! `--stats`, `--stats-json` and `--trace-routes` cover the whole batch.
+//! done, in prompt order — as text, each under a `--- N/M: prompt ---` line and ended by a
+//! newline, or with `--format json` one JSON object a line (`prompt_ids`, `output_ids`, `text`)
+//! and the counters of the whole batch in a last line (`{"stats": ...}`: each shared forward
+//! counted once; prefill and decode overlap, so `prefill_s` is the time to the first token and
+//! `decode_s` the rest). `--stats`, `--stats-json` and `--trace-routes` cover the whole batch.
+//! Ctrl-C stops the batch (exit 130); a closed pipe ends the
+//! output quietly (`signals`).
 
 use super::load;
 use super::run_args::{Format, RunArgs};
@@ -61,6 +63,9 @@ impl LaneHost for Prompts<'_> {
 
     fn token(&mut self, _: &mut usize, _: u32) -> bool {
         self.first_token.get_or_insert_with(Instant::now);
+        if super::signals::interrupted() {
+            self.failed.get_or_insert_with(|| "interrupted (Ctrl-C)".into());
+        }
         self.failed.is_none()
     }
 
@@ -126,7 +131,7 @@ pub(super) fn run_many(
         }
     }
     if !a.quiet {
-        eprintln!("{}", engine.startup_line());
+        eprintln!("{}", super::report::startup(&engine, super::report::verbose(a.verbose)));
         eprintln!("deltafin: {} prompts ({total} tokens), {parallel} at a time", prompts.len());
         if let Some(line) = load::sampling_line(&sampling, true) {
             eprintln!("{line}");
@@ -159,13 +164,55 @@ pub(super) fn run_many(
     let gens: Vec<Generation> =
         host.gens.into_iter().map(|g| g.context("a prompt did not finish")).collect::<Result<_>>()?;
     stats.source = Some(engine.source_report());
+    let written = print_answers(a, &prompts, &gens, tok.as_ref(), &stops, &stats, &engine, sampling);
+    if !a.quiet {
+        eprintln!("{}", super::report::summary(&stats));
+    }
+    if a.stats {
+        eprint!("{}", super::report::stats_text(&stats, engine.config.prefetch));
+    }
+    if let Some(p) = &a.trace_routes {
+        let body = serde_json::to_vec(&engine.route_trace(&stats))?;
+        crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    if let Some(p) = &a.stats_json {
+        let body = serde_json::to_vec_pretty(&stats.to_json())?;
+        crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    written
+}
+
+/// The answers on stdout in prompt order (see the module contract).
+#[allow(clippy::too_many_arguments)]
+fn print_answers(
+    a: &RunArgs,
+    prompts: &[Vec<u32>],
+    gens: &[Generation],
+    tok: Option<&Tokenizer>,
+    stops: &[u32],
+    stats: &crate::stats::Stats,
+    engine: &Engine,
+    sampling: SamplingParams,
+) -> Result<()> {
     let mut out = std::io::stdout().lock();
-    for (p, g) in prompts.iter().zip(&gens) {
-        let text = tok.as_ref().map(|t| answer_text(t, &g.tokens, &stops)).transpose()?;
+    let n = prompts.len();
+    for (i, (p, g)) in prompts.iter().zip(gens).enumerate() {
+        let text = tok.map(|t| answer_text(t, &g.tokens, stops)).transpose()?;
         match a.format {
             Format::Text => {
+                // Which prompt: its first line, shortened (not with --chat: the template's text).
+                let head = match tok.filter(|_| !a.chat).map(|t| answer_text(t, p, stops)).transpose()? {
+                    Some(t) => {
+                        let line = t.lines().find(|l| !l.trim().is_empty()).unwrap_or("").trim();
+                        let short: String = line.chars().take(60).collect();
+                        let more = if short.len() < line.len() { "..." } else { "" };
+                        format!(": {short}{more}")
+                    }
+                    None => String::new(),
+                };
                 let ids = || g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
-                writeln!(out, "{}", text.unwrap_or_else(ids))?;
+                let gap = if i > 0 { "\n" } else { "" };
+                writeln!(out, "{gap}--- {}/{n}{head} ---\n{}", i + 1, text.unwrap_or_else(ids))?;
             }
             Format::Json => {
                 let mut obj = serde_json::json!({"prompt_ids": p, "output_ids": g.tokens});
@@ -183,17 +230,7 @@ pub(super) fn run_many(
             serde_json::json!({"stats": stats.to_json(), "engine_config": engine.config, "backend_used": engine.backend_used(), "sampling": sampling})
         )?;
     }
-    if a.stats {
-        eprint!("{}", stats.to_text());
-    }
-    if let Some(p) = &a.trace_routes {
-        let body = serde_json::to_vec(&engine.route_trace(&stats))?;
-        crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
-    }
-    if let Some(p) = &a.stats_json {
-        let body = serde_json::to_vec_pretty(&stats.to_json())?;
-        crate::util::write_atomic(p, &body).with_context(|| format!("cannot write {}", p.display()))?;
-    }
+    out.flush()?;
     Ok(())
 }
 

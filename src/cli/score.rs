@@ -6,12 +6,14 @@
 
 use super::KdaArg;
 use super::load;
+use super::progress::{self, Progress};
 use crate::engine::Trunk;
 use crate::engine::perplexity;
 use crate::model::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, ValueEnum};
 use std::io::Read;
+use std::io::Write as _;
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -114,13 +116,12 @@ fn ids_of(dir: &std::path::Path, text: &str) -> Result<(Vec<u32>, crate::model::
     Ok((ids, cfg, tok))
 }
 
-fn progress_bar(len: usize, visible: bool) -> indicatif::ProgressBar {
-    let bar = if visible { indicatif::ProgressBar::new(len as u64) } else { indicatif::ProgressBar::hidden() };
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{msg} {bar:40} {pos}/{len} tokens {per_sec} eta {eta}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar
+/// Scored tokens of `total`, with the rate (the ETA is the progress display's).
+fn tokens_done(bar: &mut Progress, phase: &str, done: usize, total: usize) {
+    bar.update(done as u64, total as u64, |d, t, r| {
+        let rate = r.map(|r| format!(", {r:.1} tok/s")).unwrap_or_default();
+        format!("{phase}: {d}/{t} tokens{rate}")
+    });
 }
 
 fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
@@ -150,7 +151,7 @@ fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
     let predicted = ids.len().saturating_sub(1);
     let window = a.window.min(predicted).max(1);
     let logits_bytes = (window * cfg.vocab * 4) as u64;
-    let bar = progress_bar(2 * predicted, true);
+    let mut bar = Progress::new(progress::mode(false), "score");
     let mut scratch = compare::scratch_file().context("cannot create a scratch file for the base's logits")?;
     // One engine at a time: the base's, then the judged one's.
     let base_vocab = {
@@ -158,19 +159,19 @@ fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
         config.trunk = base_trunk.unwrap_or(config.trunk);
         let engine = load::open_engine(config)?;
         engine.check_tokenizer(&base_tok)?;
-        bar.set_message("base");
-        compare::base_pass(&engine, &ids, a.window, &mut scratch, &mut |d| bar.set_position(d as u64))
-            .context("scoring the base failed")?
+        compare::base_pass(&engine, &ids, a.window, &mut scratch, &mut |d| {
+            tokens_done(&mut bar, "base", d, 2 * predicted)
+        })
+        .context("scoring the base failed")?
     };
     let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), window, logits_bytes))?;
     engine.check_tokenizer(&tok)?;
     let judged_trunk = engine.trunk;
-    bar.set_message("judged");
     let per_token = compare::judged_pass(&engine, &ids, a.window, &mut scratch, base_vocab, &mut |d| {
-        bar.set_position((predicted + d) as u64)
+        tokens_done(&mut bar, "judged", predicted + d, 2 * predicted)
     })
     .context("scoring failed")?;
-    bar.finish_and_clear();
+    bar.finish();
     let s = compare::summarize(&per_token);
     match a.format {
         Format::Json => {
@@ -181,11 +182,13 @@ fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
             v["exact"] = serde_json::json!(judged_trunk.exact());
             v["window"] = serde_json::json!(a.window);
             v["windows"] = serde_json::json!(perplexity::windows(ids.len(), a.window).len());
-            println!("{v}");
+            writeln!(std::io::stdout(), "{v}")?;
         }
-        Format::Text => {
-            print!("{}", s.table(&format!("{} (trunk {})", dir.display(), judged_trunk.name()), &base_label))
-        }
+        Format::Text => write!(
+            std::io::stdout(),
+            "{}",
+            s.table(&format!("{} (trunk {})", dir.display(), judged_trunk.name()), &base_label)
+        )?,
     }
     Ok(())
 }
@@ -199,13 +202,17 @@ fn text_perplexity(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Resul
     let logits_bytes = (window * cfg.vocab * 4) as u64;
     let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), window, logits_bytes))?;
     engine.check_tokenizer(&tok)?;
-    // A bar only when there are several windows (it draws only on a terminal).
-    let bar = progress_bar(predicted, predicted > a.window);
-    let p = perplexity::score_ids(&engine, &ids, text.len(), a.window, &mut |done| bar.set_position(done as u64))
-        .context("scoring failed")?;
-    bar.finish_and_clear();
+    // Progress only when there are several windows (and where it is shown at all).
+    let mode = if predicted > a.window { progress::mode(false) } else { progress::Mode::Off };
+    let mut bar = Progress::new(mode, "score");
+    let p = perplexity::score_ids(&engine, &ids, text.len(), a.window, &mut |done| {
+        tokens_done(&mut bar, "scoring", done, predicted)
+    })
+    .context("scoring failed")?;
+    bar.finish();
     match a.format {
-        Format::Json => println!(
+        Format::Json => writeln!(
+            std::io::stdout(),
             "{}",
             serde_json::json!({
                 "ppl": p.ppl(),
@@ -217,8 +224,9 @@ fn text_perplexity(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Resul
                 "windows": p.windows,
                 "model": dir,
             })
-        ),
-        Format::Text => println!(
+        )?,
+        Format::Text => writeln!(
+            std::io::stdout(),
             "perplexity {:.4}, {:.4} bits per byte: {} tokens predicted from {} bytes of text, in {} window{} of up to {} tokens ({})",
             p.ppl(),
             p.bits_per_byte(),
@@ -228,7 +236,7 @@ fn text_perplexity(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Resul
             if p.windows == 1 { "" } else { "s" },
             a.window,
             dir.display()
-        ),
+        )?,
     }
     Ok(())
 }

@@ -58,10 +58,10 @@ pub struct ServeArgs {
     pub memo: usize,
     /// Temperature of requests that set none (default 0: greedy; with --demo, the demo's
     /// generation_config.json).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_temperature)]
     pub temperature: Option<f64>,
     /// top_p of requests that set none (default 1; with --demo, the demo's generation_config.json).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p)]
     pub top_p: Option<f64>,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
@@ -93,7 +93,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             .map_or("deltafin".into(), |n| n.to_string_lossy().into_owned())
     });
     if !a.quiet {
-        eprintln!("{}", engine.startup_line());
+        eprintln!("{}", super::report::startup(&engine, super::report::verbose(false)));
     }
     if let Some(note) = load::random_weights_note(&dir) {
         eprintln!("{note}");

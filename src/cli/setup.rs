@@ -1,23 +1,20 @@
 //! `deltafin setup`: installs a model from a Hugging Face-compatible hub — `--full` (every file,
 //! verified) or `--stream` (everything but the routed experts, which are fetched on demand), the
 //! choice made by free disk space when neither is given — plus the DSpark draft with `--draft`,
-//! and `--fetch-routes` to stream ahead the experts a route trace used. See docs/setup.md.
+//! and `--fetch-routes` to stream ahead the experts a route trace used. `HF_HUB_OFFLINE=1`
+//! installs from the Hugging Face cache only (full mode; nothing is requested). See docs/setup.md.
 
 use crate::hub::client::{Hub, RepoInfo};
 use crate::hub::download::{self, DownloadOptions, Job};
 use crate::hub::hfcache::{HfRepoCache, hub_cache_dir};
 use crate::hub::layout::{self, StreamOptions};
-use crate::hub::stream::{self, StreamInstall, StreamSource};
-use crate::model::{Checkpoint, K3Config, Roster};
-use crate::store::expert_store::{ExpertStore, StoreOptions};
-use crate::store::placement::RouteTrace;
-use crate::store::{ExpertSource, Flow};
+use crate::hub::stream::StreamInstall;
 use crate::util::human_bytes;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::io::IsTerminal;
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 pub const DEFAULT_REPO: &str = "moonshotai/Kimi-K3";
 pub const DRAFT_REPO: &str = "Inferact/Kimi-K3-DSpark";
@@ -72,11 +69,22 @@ pub struct SetupArgs {
 
 pub fn run(a: SetupArgs) -> Result<()> {
     if let Some(trace) = &a.fetch_routes {
-        return fetch_routes(&a.dir, trace, a.json);
+        return super::setup_routes::fetch_routes(&a.dir, trace, a.json);
     }
     let hub = Hub::from_env();
-    let info = hub
-        .repo_info(&a.repo, &a.revision)
+    if hub.offline {
+        if a.stream {
+            bail!(
+                "--stream fetches routed experts from the hub when routes first need them, and HF_HUB_OFFLINE is set: \
+                 install --full from the Hugging Face cache, or unset HF_HUB_OFFLINE"
+            );
+        }
+        let cache = hub_cache_dir().map_or_else(|| "none found".into(), |c| c.display().to_string());
+        eprintln!("deltafin setup: HF_HUB_OFFLINE is set: installing from the Hugging Face cache only ({cache})");
+    } else {
+        eprintln!("deltafin setup: asking {} for {} at {} ...", hub.endpoint, a.repo, a.revision);
+    }
+    let info = crate::hub::hfcache::list(&hub, &a.repo, &a.revision)
         .with_context(|| format!("cannot list {} at revision {} on {}", a.repo, a.revision, hub.endpoint))?;
     let total: u64 = info.files.iter().map(|f| f.size).sum();
     eprintln!(
@@ -173,7 +181,7 @@ pub fn run(a: SetupArgs) -> Result<()> {
         out.insert("draft".into(), serde_json::to_value(&r)?);
     }
     if a.json {
-        println!("{}", serde_json::Value::Object(out));
+        writeln!(std::io::stdout(), "{}", serde_json::Value::Object(out))?;
     }
     Ok(())
 }
@@ -201,6 +209,10 @@ fn report_download(what: &str, dir: &Path, r: &download::DownloadReport) {
 fn choose_mode(a: &SetupArgs, info: &RepoInfo) -> Result<bool> {
     if a.full || a.stream {
         return Ok(a.stream);
+    }
+    // Offline, every file comes from the Hugging Face cache: a full install.
+    if Hub::from_env().offline {
+        return Ok(false);
     }
     if StreamInstall::load(&a.dir)?.is_some() {
         eprintln!("deltafin setup: {} is a stream install; continuing it (--stream)", a.dir.display());
@@ -233,8 +245,7 @@ fn choose_mode(a: &SetupArgs, info: &RepoInfo) -> Result<bool> {
 
 /// The DSpark checkpoint (`config.json`, `model.safetensors`) into DIR/dspark.
 fn install_draft(hub: &Hub, a: &SetupArgs, dl: &DownloadOptions) -> Result<download::DownloadReport> {
-    let info = hub
-        .repo_info(&a.draft_repo, &a.draft_revision)
+    let info = crate::hub::hfcache::list(hub, &a.draft_repo, &a.draft_revision)
         .with_context(|| format!("cannot list the draft {} at {}", a.draft_repo, a.draft_revision))?;
     let dir = a.dir.join(DRAFT_DIR);
     let mut jobs = Vec::new();
@@ -250,45 +261,4 @@ fn install_draft(hub: &Hub, a: &SetupArgs, dl: &DownloadOptions) -> Result<downl
     let _ = std::fs::remove_dir(&partial);
     report_download("draft: ", &dir, &r);
     Ok(r)
-}
-
-/// Streams every expert a route trace used that is not local yet.
-fn fetch_routes(dir: &Path, trace: &Path, json: bool) -> Result<()> {
-    let install = StreamInstall::load(dir)?
-        .with_context(|| format!("{} is not a stream install (no {})", dir.display(), stream::RECORD))?;
-    let cfg = K3Config::load(dir).with_context(|| format!("cannot load the model config in {}", dir.display()))?;
-    let ck =
-        Arc::new(Checkpoint::open(dir).with_context(|| format!("cannot open the checkpoint in {}", dir.display()))?);
-    let roster = Roster::build(&cfg, &ck)?;
-    let t = RouteTrace::load(trace)?;
-    t.check_model(&crate::model::fingerprint::fingerprint(&ck), dir)?;
-    let layout = roster.expert_layout.clone().context("the model has no routed experts")?;
-    let (spec, held) = stream::local_spec(&install, &ck, &roster, &layout)?;
-    let store = Arc::new(ExpertStore::open(spec, StoreOptions { cache_bytes: 0, ..Default::default() })?);
-    let src = StreamSource::new(install, store, held, Arc::clone(&ck), &roster)?;
-    let before = src.local_count();
-    let t0 = std::time::Instant::now();
-    let mut used = 0usize;
-    for (l, locs) in roster.experts.iter().enumerate() {
-        let (Some(locs), Some(counts)) = (locs, t.counts(l)) else { continue };
-        let ids: Vec<u32> =
-            (0..locs.len() as u32).filter(|&e| counts.get(e as usize).is_some_and(|&c| c > 0)).collect();
-        used += ids.len();
-        src.fetch(l, &ids, &mut |_e, _b| Ok(Flow::Continue)).with_context(|| format!("layer {l}"))?;
-    }
-    let (bytes, reqs) = src.http_counts();
-    let fetched = src.local_count() - before;
-    eprintln!(
-        "deltafin setup: the trace used {used} experts; {fetched} fetched now ({} in {reqs} requests, {:.1} s), {} local in all",
-        human_bytes(bytes),
-        t0.elapsed().as_secs_f64(),
-        src.local_count()
-    );
-    if json {
-        println!(
-            "{}",
-            serde_json::json!({"experts_used": used, "fetched": fetched, "http_bytes": bytes, "requests": reqs, "local": src.local_count()})
-        );
-    }
-    Ok(())
 }

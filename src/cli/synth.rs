@@ -1,10 +1,11 @@
 //! `deltafin synth`: writes a random-weight checkpoint in the exact shipped layout, with a tokenizer
-//! and chat template, so a rig can be tested without the 1.7 TB download.
+//! and chat template, so a rig can be tested without the 1.7 TB download. Ctrl-C stops it and
+//! removes what it wrote (exit 130).
 
+use super::progress::{self, Progress};
 use crate::model::synth::{self, SynthSpec};
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -130,10 +131,11 @@ fn run_dspark(a: &SynthArgs, target: &std::path::Path) -> Result<()> {
         crate::util::human_bytes(total),
         a.out.display()
     );
-    let bar = byte_bar(total);
-    ds::write(&s, &tc, &a.out, a.force, &|done, _| bar.set_position(done))
-        .with_context(|| format!("synth into {} failed", a.out.display()))?;
-    bar.finish_and_clear();
+    let bar = std::sync::Mutex::new(Progress::new(progress::mode(false), "writing"));
+    let wrote =
+        ds::write(&s, &tc, &a.out, a.force, &|done, t| bar.lock().map(|mut b| b.bytes(done, t)).unwrap_or_default());
+    drop(bar);
+    wrote.with_context(|| format!("synth into {} failed", a.out.display()))?;
     eprintln!(
         "deltafin synth: wrote {} (random weights; use with --draft dspark --draft-model {})",
         a.out.display(),
@@ -143,6 +145,8 @@ fn run_dspark(a: &SynthArgs, target: &std::path::Path) -> Result<()> {
 }
 
 pub fn run(a: SynthArgs) -> Result<()> {
+    // Ctrl-C stops the writing and removes the temporary directory (exit 130).
+    super::signals::catch_ctrl_c();
     if let (true, Some(t)) = (a.dspark, &a.target) {
         return run_dspark(&a, t);
     }
@@ -178,20 +182,11 @@ pub fn run(a: SynthArgs) -> Result<()> {
         crate::util::human_bytes(total),
         a.out.display()
     );
-    let bar = byte_bar(total);
-    synth::write(&s, &a.out, a.force, &|done, _| bar.set_position(done))
-        .with_context(|| format!("synth into {} failed", a.out.display()))?;
-    bar.finish_and_clear();
+    let bar = std::sync::Mutex::new(Progress::new(progress::mode(false), "writing"));
+    let wrote =
+        synth::write(&s, &a.out, a.force, &|done, t| bar.lock().map(|mut b| b.bytes(done, t)).unwrap_or_default());
+    drop(bar);
+    wrote.with_context(|| format!("synth into {} failed", a.out.display()))?;
     eprintln!("deltafin synth: wrote {} (random weights)", a.out.display());
     Ok(())
-}
-
-/// A progress bar of bytes written, with rate and ETA.
-fn byte_bar(total: u64) -> ProgressBar {
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar
 }

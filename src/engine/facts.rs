@@ -1,6 +1,6 @@
 //! What a front end may ask an opened engine beyond running sessions: the usable context, the
 //! vocabulary, the tokens that end a message, the draft model's description, whether more sequence
-//! states fit the memory budget, and a route trace of a run.
+//! states fit the memory budget, a route trace of a run, and the startup line's essentials.
 //!
 //! Contract: front ends (`cli`, `serve`) ask these methods, never the engine's parts (checkpoint,
 //! roster, trunk, backend, memory plan); each answer is a plain value computed from the opened
@@ -46,6 +46,29 @@ impl Engine {
         let p = &self.plan;
         let free = p.budget.saturating_sub(p.trunk + p.expert_cache + p.staging + p.activations);
         states.saturating_mul(p.state_fixed).saturating_add(p.state_per_token.saturating_mul(tokens)) <= free
+    }
+
+    /// The startup line's essentials (the full one is [`Engine::startup_line`]): the model, its
+    /// layers and experts, the trunk, the memory budget and expert cache, the context, the backend.
+    pub fn startup_brief(&self) -> String {
+        let random = if crate::model::synth::is_synthetic(&self.dir) { " [RANDOM WEIGHTS]" } else { "" };
+        let seqs = match self.plan.sequences {
+            1 => String::new(),
+            n => format!(" x {n} sequences"),
+        };
+        format!(
+            "deltafin: {}{random} | {} layers ({} MoE x {} experts) | {} | memory {}, expert cache {} | context <= {} tokens{seqs} | {}{}",
+            self.dir.display(),
+            self.cfg.layers,
+            self.cfg.moe_layers(),
+            self.cfg.experts,
+            self.trunk_label(),
+            crate::util::human_bytes(self.plan.budget),
+            crate::util::human_bytes(self.plan.expert_cache),
+            self.plan.context_bound,
+            self.backend_used(),
+            if self.config.prefetch { " | prefetch on" } else { "" },
+        )
     }
 
     /// The routes counted in `stats`, marked as recorded on this model (for `place --policy hot`).

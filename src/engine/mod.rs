@@ -24,7 +24,7 @@ pub use batch::{BatchSeq, prefill_passes};
 pub use config::{EngineConfig, ExpertHeat, ExpertsFrom};
 pub use drive::{LaneError, LaneHost};
 pub use lanes::{Lane, LaneDrafts};
-pub use session::{GenerateOptions, Generation, Session, StopReason};
+pub use session::{GenerateOptions, Generation, PrefillProgress, PrefillWatcher, Session, StopReason};
 // The settings and errors of the engine's API that are defined further down.
 pub use crate::backend::BackendKind;
 pub use crate::k3::weights::Trunk;

@@ -4,7 +4,10 @@
 //! all of its tokens or, when it fails (e.g. an expert read error in layer 40), leaves the session
 //! exactly as it was. `verify` runs rows without committing them and `commit(j)` keeps the first j
 //! (bit-identical to feeding those j tokens one by one). `truncate(pos)` goes back to an earlier
-//! position (by recomputing the prefix: KDA state cannot be run backwards).
+//! position (by recomputing the prefix: KDA state cannot be run backwards). A front end may watch
+//! a long `prefill` / `score` ([`Session::watch_prefill`]: called after every MoE layer of every
+//! chunk) and stop it there; a stopped prefill fails with `ForwardError::Cancelled`, all or
+//! nothing like any other failure.
 
 use super::Engine;
 use crate::k3::ForwardError;
@@ -24,6 +27,34 @@ pub struct Session {
     /// Tokens of a pending verification, with their logits.
     verifying: Option<(Vec<u32>, Vec<f32>)>,
     pub stats: Stats,
+    /// The prefill's watcher ([`Session::watch_prefill`]).
+    watcher: Option<Box<PrefillWatcher>>,
+}
+
+/// A prefill's watcher: told where the prefill is; returning false stops it.
+pub type PrefillWatcher = dyn FnMut(&PrefillProgress) -> bool + Send;
+
+/// Where a prefill (or `score`) is, after one MoE layer of one chunk.
+#[derive(Clone, Copy, Debug)]
+pub struct PrefillProgress {
+    /// Tokens of the call's chunks already committed.
+    pub tokens_done: usize,
+    /// Tokens of the chunk running.
+    pub chunk: usize,
+    /// Tokens of the whole call.
+    pub tokens: usize,
+    /// MoE layers of the running chunk done, of `layers`.
+    pub layers_done: usize,
+    pub layers: usize,
+    /// Routed expert bytes the call asked the expert source for so far.
+    pub expert_bytes: u64,
+}
+
+impl PrefillProgress {
+    /// Tokens' worth of work done: finished chunks plus the running chunk's share of its layers.
+    pub fn tokens_equivalent(&self) -> f64 {
+        self.tokens_done as f64 + self.chunk as f64 * self.layers_done as f64 / self.layers.max(1) as f64
+    }
 }
 
 /// A session's committed sequence as it was (see [`Session::checkpoint`]).
@@ -65,7 +96,14 @@ impl Session {
         // The context reserved for a sequence is its cap: the forward refuses rows past it.
         state.cap = engine.plan.context_bound;
         let stats = Stats { trunk: Some((engine.trunk.name(), engine.trunk.exact())), ..Stats::default() };
-        Session { engine, state, tokens: Vec::new(), last_logits: None, verifying: None, stats }
+        Session { engine, state, tokens: Vec::new(), last_logits: None, verifying: None, stats, watcher: None }
+    }
+
+    /// Calls `w` after every MoE layer of every chunk of the next prefills and scores (progress
+    /// displays); `w` returning false stops the call with `ForwardError::Cancelled`, the session
+    /// as before it. None removes the watcher.
+    pub fn watch_prefill(&mut self, w: Option<Box<PrefillWatcher>>) {
+        self.watcher = w;
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
@@ -129,10 +167,23 @@ impl Session {
 
     /// One forward of `tokens` on this session alone, committed on success.
     fn forward(&mut self, tokens: &[u32], logits: LogitRows, taps: &[usize]) -> Result<RowsOut, ForwardError> {
+        self.forward_watched(tokens, logits, taps, &mut |_, _, _| true)
+    }
+
+    /// [`Self::forward`] calling `watch(MoE layers done, MoE layers, counters)` after each MoE
+    /// layer (false stops the forward: `ForwardError::Cancelled`).
+    fn forward_watched(
+        &mut self,
+        tokens: &[u32],
+        logits: LogitRows,
+        taps: &[usize],
+        watch: &mut dyn FnMut(usize, usize, &Stats) -> bool,
+    ) -> Result<RowsOut, ForwardError> {
         let e = Arc::clone(&self.engine);
         self.verifying = None;
         let mut batch = [SeqRows { state: &mut self.state, tokens, logits, taps }];
-        let out = sched::forward(&e.model, &*e.device, e.source(), e.sched_options(), &mut batch, &mut self.stats)?;
+        let opts = e.sched_options();
+        let out = sched::forward_watched(&e.model, &*e.device, e.source(), opts, &mut batch, &mut self.stats, watch)?;
         let out = out.into_iter().next().unwrap_or_default();
         self.state.commit(&*e.model.be, &e.cfg, tokens.len())?;
         self.tokens.extend_from_slice(tokens);
@@ -159,9 +210,23 @@ impl Session {
             true => Some((self.state.try_clone()?, self.tokens.len(), self.last_logits.clone())),
             false => None,
         };
+        let (first, bytes0) = (self.pos(), self.stats.expert_bytes_requested);
+        let mut watcher = self.watcher.take();
         for chunk in tokens.chunks(rows) {
             let start = self.pos();
-            match self.forward(chunk, logits, taps) {
+            let mut watch = |layers_done: usize, layers: usize, stats: &Stats| {
+                let p = PrefillProgress {
+                    tokens_done: start - first,
+                    chunk: chunk.len(),
+                    tokens: tokens.len(),
+                    layers_done,
+                    layers,
+                    expert_bytes: stats.expert_bytes_requested - bytes0,
+                };
+                watcher.as_mut().is_none_or(|w| w(&p))
+            };
+            let ran = self.forward_watched(chunk, logits, taps, &mut watch);
+            match ran {
                 Ok(out) => {
                     self.last_logits = Some(out.logits[out.logits.len().saturating_sub(vocab)..].to_vec());
                     keep(start, out);
@@ -172,10 +237,12 @@ impl Session {
                         self.tokens.truncate(n);
                         self.last_logits = logits;
                     }
+                    self.watcher = watcher;
                     return Err(e);
                 }
             }
         }
+        self.watcher = watcher;
         Ok(())
     }
 
@@ -262,6 +329,7 @@ impl Session {
             last_logits: self.last_logits.clone(),
             verifying: None,
             stats: Stats::default(),
+            watcher: None,
         })
     }
 

@@ -12,6 +12,13 @@
 //!   `Content-Range` must name exactly that range of a file of the expected size; 5xx, 429 and
 //!   dropped connections are retried with exponential backoff; 401/403 give a token hint, 404 names
 //!   the repo, revision and file.
+//! - Failing fast: a hub that cannot be reached (DNS failure, connection refused, no answer to the
+//!   connection within 10 s) is retried once, then [`HubError::Unreachable`] says what to check;
+//!   an endpoint that is not an http(s) URL, other 4xx answers and TLS failures are final at once.
+//!   Each retry is announced (a warning) with its wait.
+//! - `HF_HUB_OFFLINE=1` (as `huggingface_hub` reads it): no request is sent ([`HubError::Offline`]
+//!   names what was needed); listings and files come from the Hugging Face cache (`hfcache::list`).
+//!   How failures are classified and URLs handled is `net`'s.
 
 use crate::setting::{Action, Setting};
 use serde::Deserialize;
@@ -36,6 +43,18 @@ pub enum HubError {
     Transport { url: String, msg: String, tries: u32 },
     #[error("{url}: {msg}")]
     Protocol { url: String, msg: String },
+    /// The hub cannot be reached at all (name, route, refusal): retried once, not for minutes.
+    #[error(
+        "cannot reach the hub: {url}: {msg}{}. Check the network and HF_ENDPOINT (default {DEFAULT_ENDPOINT}); with HF_HUB_OFFLINE=1, {} installs from the Hugging Face cache only",
+        if *.tries > 1 { format!(" (after {} tries)", .tries) } else { String::new() }, Action::Setup
+    )]
+    Unreachable { url: String, msg: String, tries: u32 },
+    /// HF_ENDPOINT is not a URL requests can go to.
+    #[error("HF_ENDPOINT {endpoint:?} is not a hub URL: {msg} (expected http://HOST[:PORT] or https://HOST[:PORT])")]
+    BadEndpoint { endpoint: String, msg: String },
+    /// HF_HUB_OFFLINE is set and what is needed is not in the Hugging Face cache.
+    #[error("HF_HUB_OFFLINE is set, and {what} is not in the Hugging Face cache; unset HF_HUB_OFFLINE to download it")]
+    Offline { what: String },
     #[error("{}: {source}", path.display())]
     Io { path: std::path::PathBuf, source: std::io::Error },
     #[error(
@@ -101,13 +120,27 @@ pub enum HubError {
     Other(String),
 }
 
+use super::net::{Failure, check_endpoint};
+pub use super::net::{check_file_path, encode_path, encode_segment, join_url, origin};
+
+/// Retries of a request to a hub that cannot be reached (see the module contract).
+const UNREACHABLE_RETRIES: u32 = 1;
+
 impl HubError {
     /// Worth retrying: the server or the connection failed, not the request.
     fn retryable(&self) -> bool {
         match self {
             HubError::Status { status, .. } => *status >= 500 || *status == 429 || *status == 408,
-            HubError::Transport { .. } => true,
+            HubError::Transport { .. } | HubError::Unreachable { .. } => true,
             _ => false,
+        }
+    }
+
+    /// How many retries this failure gets of the `budget` (`HubOptions::retries`).
+    fn retry_budget(&self, budget: u32) -> u32 {
+        match self {
+            HubError::Unreachable { .. } => budget.min(UNREACHABLE_RETRIES),
+            _ => budget,
         }
     }
 }
@@ -146,10 +179,14 @@ impl HubOptions {
         o
     }
 
+    /// The wait before retry `n` (1-based): the backoff doubled per retry, at most 30 s.
+    pub fn delay(&self, n: u32) -> Duration {
+        self.backoff.saturating_mul(1u32 << (n.saturating_sub(1)).min(16)).min(Duration::from_secs(30))
+    }
+
     /// Sleep before retry `n` (1-based).
     pub fn pause(&self, n: u32) {
-        let d = self.backoff.saturating_mul(1u32 << (n.saturating_sub(1)).min(16));
-        std::thread::sleep(d.min(Duration::from_secs(30)));
+        std::thread::sleep(self.delay(n));
     }
 }
 
@@ -229,13 +266,17 @@ pub struct Hub {
     token: Option<String>,
     agent: ureq::Agent,
     pub opts: HubOptions,
+    /// `HF_HUB_OFFLINE`: send nothing (see the module contract).
+    pub offline: bool,
 }
 
 impl Hub {
     /// The endpoint and token from the environment.
     pub fn from_env() -> Self {
         let endpoint = std::env::var("HF_ENDPOINT").ok().filter(|s| !s.trim().is_empty());
-        Hub::new(endpoint.as_deref().unwrap_or(DEFAULT_ENDPOINT), env_token(), HubOptions::from_env())
+        let mut hub = Hub::new(endpoint.as_deref().unwrap_or(DEFAULT_ENDPOINT), env_token(), HubOptions::from_env());
+        hub.offline = super::net::offline_from_env();
+        hub
     }
 
     pub fn new(endpoint: &str, token: Option<String>, opts: HubOptions) -> Self {
@@ -246,12 +287,13 @@ impl Hub {
             .max_redirects(0)
             .accept_encoding("identity")
             .user_agent(concat!("deltafin/", env!("CARGO_PKG_VERSION")))
-            .timeout_connect(Some(Duration::from_secs(30)))
+            // A hub that does not answer a connection in 10 s is not there (see `Unreachable`).
+            .timeout_connect(Some(Duration::from_secs(10)))
             .timeout_recv_response(Some(opts.read_timeout))
             .timeout_per_read(Some(opts.read_timeout))
             .build()
             .new_agent();
-        Hub { origin: origin(&endpoint), endpoint, token, agent, opts }
+        Hub { origin: origin(&endpoint), endpoint, token, agent, opts, offline: false }
     }
 
     pub fn has_token(&self) -> bool {
@@ -265,6 +307,9 @@ impl Hub {
 
     /// One request (with redirects followed, the token only to the endpoint's origin); no retry.
     fn send(&self, url: &str, range: Option<(u64, Option<u64>)>) -> Result<Fetched, HubError> {
+        if self.offline {
+            return Err(HubError::Offline { what: url.to_string() });
+        }
         let mut url = url.to_string();
         let mut hub_etag = None;
         for hop in 0..10 {
@@ -277,8 +322,11 @@ impl Hub {
             if let Some((a, b)) = range {
                 req = req.header("Range", b.map_or(format!("bytes={a}-"), |b| format!("bytes={a}-{b}")));
             }
-            let resp =
-                req.call().map_err(|e| HubError::Transport { url: url.clone(), msg: e.to_string(), tries: 1 })?;
+            let resp = req.call().map_err(|e| match super::net::classify(e) {
+                Failure::Unreachable(msg) => HubError::Unreachable { url: url.clone(), msg, tries: 1 },
+                Failure::Final(msg) => HubError::Protocol { url: url.clone(), msg },
+                Failure::Transient(msg) => HubError::Transport { url: url.clone(), msg, tries: 1 },
+            })?;
             let status = resp.status().as_u16();
             let header = |k: &str| resp.headers().get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
             if hop == 0 {
@@ -308,6 +356,9 @@ impl Hub {
         repo: &str,
         what: &str,
     ) -> Result<Fetched, HubError> {
+        if self.offline {
+            return Err(HubError::Offline { what: what.to_string() });
+        }
         let mut tries = 0u32;
         loop {
             tries += 1;
@@ -323,12 +374,18 @@ impl Hub {
                 s => Err(HubError::Status { url: f.url, status: s, tries }),
             });
             match r {
-                Err(e) if e.retryable() && tries <= self.opts.retries => {
-                    tracing::info!("{e}; retrying");
-                    self.opts.pause(tries);
+                Err(e) if e.retryable() && tries <= e.retry_budget(self.opts.retries) => {
+                    let d = self.opts.delay(tries);
+                    let what = match &e {
+                        HubError::Unreachable { url, msg, .. } => format!("cannot reach the hub: {url}: {msg}"),
+                        e => e.to_string(),
+                    };
+                    tracing::warn!("{what}; retrying in {:.1} s", d.as_secs_f64());
+                    std::thread::sleep(d);
                 }
                 Err(HubError::Status { url, status, .. }) => return Err(HubError::Status { url, status, tries }),
                 Err(HubError::Transport { url, msg, .. }) => return Err(HubError::Transport { url, msg, tries }),
+                Err(HubError::Unreachable { url, msg, .. }) => return Err(HubError::Unreachable { url, msg, tries }),
                 r => return r,
             }
         }
@@ -337,6 +394,7 @@ impl Hub {
     /// Resolves `revision` to a commit and lists that commit's files.
     pub fn repo_info(&self, repo: &str, revision: &str) -> Result<RepoInfo, HubError> {
         check_repo(repo)?;
+        check_endpoint(&self.endpoint).map_err(|msg| HubError::BadEndpoint { endpoint: self.endpoint.clone(), msg })?;
         let url = format!("{}/api/models/{repo}/revision/{}?blobs=true", self.endpoint, encode_segment(revision));
         let what = format!("repo {repo} at revision {revision}");
         let mut tries = 0;
@@ -489,58 +547,6 @@ fn unquote_etag(e: &str) -> String {
     e.trim().trim_start_matches("W/").trim_matches('"').to_string()
 }
 
-/// `scheme://host:port`, lowercase, with the default port filled in.
-pub fn origin(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("http", url));
-    let scheme = scheme.to_ascii_lowercase();
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h).to_ascii_lowercase();
-    let has_port =
-        host.rsplit_once(':').is_some_and(|(_, p)| p.bytes().all(|b| b.is_ascii_digit()) && !host.ends_with(']'));
-    if has_port {
-        format!("{scheme}://{host}")
-    } else {
-        let port = if scheme == "https" { 443 } else { 80 };
-        format!("{scheme}://{host}:{port}")
-    }
-}
-
-/// Resolves a `Location` against the URL it came from.
-pub fn join_url(base: &str, loc: &str) -> String {
-    if loc.contains("://") {
-        return loc.to_string();
-    }
-    let (scheme, rest) = base.split_once("://").unwrap_or(("http", base));
-    if let Some(l) = loc.strip_prefix("//") {
-        return format!("{scheme}://{l}");
-    }
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    if loc.starts_with('/') {
-        return format!("{scheme}://{authority}{loc}");
-    }
-    let path = rest[authority.len()..].split(['?', '#']).next().unwrap_or("");
-    let dir = path.rsplit_once('/').map_or("", |(d, _)| d);
-    format!("{scheme}://{authority}{dir}/{loc}")
-}
-
-/// Percent-encodes a path, keeping `/`.
-pub fn encode_path(p: &str) -> String {
-    p.split('/').map(encode_segment).collect::<Vec<_>>().join("/")
-}
-
-/// Percent-encodes one path segment (a revision like `refs/pr/1` becomes one segment).
-pub fn encode_segment(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
 /// `ORG/NAME` with plain characters.
 pub fn check_repo(repo: &str) -> Result<(), HubError> {
     let ok = repo.split('/').count() == 2
@@ -551,17 +557,6 @@ pub fn check_repo(repo: &str) -> Result<(), HubError> {
                 && p.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b))
         });
     if ok { Ok(()) } else { Err(HubError::BadRepo { repo: repo.to_string() }) }
-}
-
-/// A repo file path must stay inside the directory it is written to.
-pub fn check_file_path(p: &str) -> Result<(), String> {
-    if p.is_empty() || p.starts_with('/') || p.contains('\\') || p.contains('\0') {
-        return Err("not a relative path".into());
-    }
-    if p.split('/').any(|s| s.is_empty() || s == "." || s == "..") {
-        return Err("has an empty, `.` or `..` component".into());
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -5,9 +5,11 @@
 //! `snapshots/<commit>/<file>` (symbolic links into `blobs/`) and `blobs/<sha256 or git blob id>`.
 //! `HUB` is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`, else
 //! `~/.cache/huggingface/hub`. Contract: [`HfRepoCache::find`] only proposes a file of the right
-//! size; the caller verifies its checksum before using it.
+//! size; the caller verifies its checksum before using it. [`HfRepoCache::repo_info`] lists a
+//! snapshot as the hub would (for `HF_HUB_OFFLINE`): each file's checksum is the name of the blob
+//! its link points to, so a file that is not such a link is left out (and so never trusted).
 
-use super::client::RepoFile;
+use super::client::{Hub, HubError, RepoFile, RepoInfo};
 use std::path::{Path, PathBuf};
 
 /// The hub cache root, if one can be named.
@@ -17,6 +19,18 @@ pub fn hub_cache_dir() -> Option<PathBuf> {
         .or_else(|| env("HF_HOME").map(|h| h.join("hub")))
         .or_else(|| env("XDG_CACHE_HOME").map(|c| c.join("huggingface/hub")))
         .or_else(|| env("HOME").map(|h| h.join(".cache/huggingface/hub")))
+}
+
+/// `repo` at `revision` as [`Hub::repo_info`] lists it, or, with `HF_HUB_OFFLINE` set, as the
+/// Hugging Face cache holds it ([`HfRepoCache::repo_info`]; what it lacks is the error).
+pub fn list(hub: &Hub, repo: &str, revision: &str) -> Result<RepoInfo, HubError> {
+    if !hub.offline {
+        return hub.repo_info(repo, revision);
+    }
+    let cached = hub_cache_dir().and_then(|h| HfRepoCache::open(&h, repo));
+    let listed =
+        cached.map_or_else(|| Err(format!("repo {repo} at revision {revision}")), |c| c.repo_info(repo, revision));
+    listed.map_err(|what| HubError::Offline { what })
 }
 
 /// One repo's directory in the cache.
@@ -41,6 +55,42 @@ impl HfRepoCache {
         };
         let p = self.root.join("snapshots").join(commit);
         p.is_dir().then_some(p)
+    }
+
+    /// The snapshot of `revision` as the hub lists a commit: each file linked into `blobs/`, with
+    /// its size and the checksum its blob is named by (a 64-hex sha256, or a 40-hex git blob id).
+    /// Err names what the cache lacks: the snapshot, or a file whose blob is gone.
+    pub fn repo_info(&self, repo: &str, revision: &str) -> Result<RepoInfo, String> {
+        let lacks = format!("repo {repo} at revision {revision}");
+        let snap = self.snapshot(revision).ok_or_else(|| lacks.clone())?;
+        let commit = snap.file_name().map(|n| n.to_string_lossy().into_owned()).ok_or_else(|| lacks.clone())?;
+        let mut files = Vec::new();
+        let mut dirs = vec![snap.clone()];
+        while let Some(d) = dirs.pop() {
+            for e in std::fs::read_dir(&d).map_err(|_| lacks.clone())?.flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    dirs.push(p);
+                    continue;
+                }
+                let Ok(target) = std::fs::read_link(&p) else { continue };
+                let key = target.file_name().map(|n| n.to_string_lossy().to_ascii_lowercase()).unwrap_or_default();
+                let hex = |n: usize| key.len() == n && key.bytes().all(|b| b.is_ascii_hexdigit());
+                let Ok(rel) = p.strip_prefix(&snap) else { continue };
+                let path = rel.to_string_lossy().replace('\\', "/");
+                let Ok(m) = std::fs::metadata(&p) else {
+                    return Err(format!("file {path} of repo {repo} at commit {commit} (its blob {key} is gone)"));
+                };
+                let (sha256, blob_id) = match (hex(64), hex(40)) {
+                    (true, _) => (Some(key.clone()), None),
+                    (_, true) => (None, Some(key.clone())),
+                    _ => continue,
+                };
+                files.push(RepoFile { path, size: m.len(), sha256, blob_id });
+            }
+        }
+        files.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(RepoInfo { repo: repo.to_string(), revision: revision.to_string(), commit, files })
     }
 
     /// A cached file with `f`'s content (by the snapshot of `commit`, else by blob name) whose

@@ -7,6 +7,7 @@ pub mod client;
 pub mod download;
 pub mod hfcache;
 pub mod layout;
+pub mod net;
 pub mod stream;
 
 pub use client::{Hub, HubError, HubOptions, RepoFile, RepoInfo};

@@ -57,6 +57,9 @@ pub enum ForwardError {
          values overflow (a damaged model file, or a model that cannot run this input); nothing of this step was kept"
     )]
     NonFinite { site: finite::Site, value: f32, pos: usize, seq: usize },
+    /// The caller's watcher stopped the forward (e.g. Ctrl-C during a long prefill).
+    #[error("stopped at the caller's request")]
+    Cancelled,
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]

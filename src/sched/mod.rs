@@ -43,8 +43,27 @@ pub fn forward(
     batch: &mut [SeqRows],
     stats: &mut Stats,
 ) -> Result<Vec<RowsOut>, ForwardError> {
+    forward_watched(model, device, source, opts, batch, stats, &mut |_, _, _| true)
+}
+
+/// Told after each MoE layer of a forward: (MoE layers done, MoE layers, counters so far); false
+/// stops the forward ([`forward_watched`]).
+pub type LayerWatch<'a> = dyn FnMut(usize, usize, &Stats) -> bool + 'a;
+
+/// [`forward`] calling `watch(MoE layers done, MoE layers, counters so far)` after each MoE
+/// layer (a long prefill's progress); `watch` returning false fails the forward there with
+/// [`ForwardError::Cancelled`] (every sequence as it was, as for any failure).
+pub fn forward_watched(
+    model: &K3,
+    device: &dyn Device,
+    source: Option<&dyn ExpertSource>,
+    opts: Options,
+    batch: &mut [SeqRows],
+    stats: &mut Stats,
+    watch: &mut LayerWatch<'_>,
+) -> Result<Vec<RowsOut>, ForwardError> {
     let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
-    let mut sched = moe::StoreSchedule::new(model, device, source, opts, rows, stats);
+    let mut sched = moe::StoreSchedule::new(model, device, source, opts, rows, stats).watched(watch);
     let out = crate::k3::forward::forward(model, batch, opts.kda_mode, &mut sched);
     let stats = sched.close();
     if out.is_ok() {

@@ -62,6 +62,9 @@ pub struct StoreSchedule<'a> {
     predicted: Option<Vec<u32>>,
     stats: &'a mut Stats,
     clock: PhaseClock,
+    /// Told after each MoE layer (`super::forward_watched`); false stops the forward.
+    watch: Option<&'a mut super::LayerWatch<'a>>,
+    moe_done: usize,
 }
 
 impl<'a> StoreSchedule<'a> {
@@ -73,7 +76,24 @@ impl<'a> StoreSchedule<'a> {
         rows: usize,
         stats: &'a mut Stats,
     ) -> Self {
-        StoreSchedule { model, device, source, opts, rows, predicted: None, stats, clock: PhaseClock::new() }
+        StoreSchedule {
+            model,
+            device,
+            source,
+            opts,
+            rows,
+            predicted: None,
+            stats,
+            clock: PhaseClock::new(),
+            watch: None,
+            moe_done: 0,
+        }
+    }
+
+    /// The schedule telling `watch` after each MoE layer (see `super::forward_watched`).
+    pub fn watched(mut self, watch: &'a mut super::LayerWatch<'a>) -> Self {
+        self.watch = Some(watch);
+        self
     }
 
     /// Ends the last phase; the counters, for the caller's own.
@@ -217,6 +237,13 @@ impl Schedule for StoreSchedule<'_> {
         self.predicted = predicted_next.map(|(_, p)| p);
         // Everything since the routed input was counted above.
         self.clock.restart(Phase::Experts);
+        self.moe_done += 1;
+        let layers = c.moe_layers();
+        if let Some(w) = self.watch.as_mut()
+            && !w(self.moe_done, layers, self.stats)
+        {
+            return Err(ForwardError::Cancelled);
+        }
         Ok(routed)
     }
 }

@@ -7,8 +7,10 @@
 //! (`Engine::drive_lanes`, each request a lane: `Generator::start_lane`): when one finishes its
 //! record is written and the next request joins at the next step, its prompt's rows in the same
 //! forward as the running ones' decode rows; records come in the order requests finish.
-//! [`longest_request`] is the context the longest line of an input needs; [`done_records`] what
-//! an output already holds.
+//! [`longest_request`] is the context the longest line of an input needs; [`input_lines`] an
+//! input's lines (a line that is not UTF-8 is that line's error, not the batch's); [`read_output`]
+//! what an output already holds, and whether a file is a batch output at all (a run appends only
+//! to its own kind of file).
 
 use super::api::{ApiError, GenRequest, ParseContext};
 use super::generator::{GenError, Generator, Output, Prepared, PromptCodec};
@@ -17,7 +19,7 @@ use crate::engine::{Lane, LaneError, LaneHost};
 use crate::memory::SequencesError;
 use crate::stats::Stats;
 use serde_json::{Value, json};
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::path::Path;
 
 /// A line waiting for its group: its id as given, its line number, the request and its prompt.
@@ -28,13 +30,13 @@ pub struct Waiting {
     pub prepared: Prepared,
 }
 
-/// Tokens the longest request of `input` needs (its prompt plus its `max_tokens`, else
+/// Tokens the longest request of `lines` needs (its prompt plus its `max_tokens`, else
 /// `max_tokens`): the context each sequence is given when `--context` is not (capped by the
 /// model's maximum, `cli::load::run_context`), so the rest of the memory budget goes to the
 /// expert cache. A prompt past the maximum is not tokenised (its size says enough); lines that
 /// do not parse or encode count nothing (they get their error record later). None where the
 /// model's config or tokenizer cannot be read (opening the engine names why).
-pub fn longest_request(dir: &Path, input: &str, ctx: &ParseContext, max_tokens: usize) -> Option<usize> {
+pub fn longest_request(dir: &Path, lines: &[&str], ctx: &ParseContext, max_tokens: usize) -> Option<usize> {
     let most = crate::model::K3Config::load(dir).ok()?.max_context;
     let codec = PromptCodec::load(dir).ok()?;
     let need = |line: &str| -> Option<usize> {
@@ -42,31 +44,83 @@ pub fn longest_request(dir: &Path, input: &str, ctx: &ParseContext, max_tokens: 
         let req = super::api::parse_batch_line(&v, ctx).1.ok()?;
         codec.prompt_len(&req, most)?.checked_add(req.max_tokens.unwrap_or(max_tokens))
     };
-    Some(input.lines().filter(|l| !l.trim().is_empty()).filter_map(need).max().unwrap_or(1))
+    Some(lines.iter().filter(|l| !l.trim().is_empty()).filter_map(|l| need(l)).max().unwrap_or(1))
 }
 
-/// The ids of the records in `bytes` (whole lines of a batch output), and the line numbers of
-/// id-less ones: what a rerun skips.
-pub fn done_records(bytes: &[u8]) -> (HashSet<String>, HashSet<u64>) {
-    let mut ids = HashSet::new();
-    let mut lines = HashSet::new();
-    for line in bytes.split(|&b| b == b'\n') {
-        let Ok(v) = serde_json::from_slice::<Value>(line) else { continue };
-        match v.get("id") {
-            Some(Value::String(s)) => {
-                ids.insert(s.clone());
+/// The lines of a batch input, numbered from 1: each one's text, or (Err) the offset in the line
+/// where its bytes stop being UTF-8, so one bad line is that line's error record, not the whole
+/// batch's. A `\r` before the newline is dropped, as `str::lines` does.
+pub fn input_lines(bytes: &[u8]) -> Vec<(u64, Result<&str, usize>)> {
+    let body = bytes.strip_suffix(b"\n").unwrap_or(bytes);
+    if body.is_empty() {
+        return Vec::new();
+    }
+    body.split(|&b| b == b'\n')
+        .enumerate()
+        .map(|(i, l)| {
+            let l = l.strip_suffix(b"\r").unwrap_or(l);
+            (i as u64 + 1, std::str::from_utf8(l).map_err(|e| e.valid_up_to()))
+        })
+        .collect()
+}
+
+/// What a batch output already holds: the ids of its records and the line numbers of id-less
+/// ones (what a rerun skips), each with whether the record is an error.
+#[derive(Debug, Default)]
+pub struct Done {
+    pub ids: HashMap<String, bool>,
+    pub lines: HashMap<u64, bool>,
+}
+
+/// Why an existing file is not a batch output (so a run must not append to it or cut it).
+#[derive(Debug, thiserror::Error)]
+#[error("line {line} is {why}")]
+pub struct NotAnOutput {
+    pub line: u64,
+    pub why: String,
+}
+
+/// Reads an existing batch output: every whole line must be a record (a JSON object with an
+/// `id`, a numeric `line`, and `text` or `error`: what [`result_record`] and [`error_record`]
+/// write; blank lines pass), else the file is someone else's and `Err` names the first line that
+/// is not. A last line without its newline is a write of ours a kill tore when it starts as a
+/// record does (`{"id":`); its length is returned so the caller cuts it (its request is redone).
+/// Returns what is done and the bytes of the torn line (0 if none).
+pub fn read_output(bytes: &[u8]) -> Result<(Done, usize), NotAnOutput> {
+    let whole = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let mut done = Done::default();
+    let mut n = 0u64;
+    for line in bytes[..whole].split_inclusive(|&b| b == b'\n') {
+        n += 1;
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let bad = |why: &str| NotAnOutput { line: n, why: why.to_string() };
+        let v: Value = serde_json::from_slice(line).map_err(|_| bad("not JSON"))?;
+        let Value::Object(m) = &v else { return Err(bad("not a JSON object")) };
+        let is_error = m.contains_key("error");
+        if !m.contains_key("id") || !m.get("line").is_some_and(Value::is_u64) || !(is_error || m.contains_key("text")) {
+            return Err(bad("not a result record (expected `id`, `line` and `text` or `error`)"));
+        }
+        match &m["id"] {
+            Value::String(s) => {
+                done.ids.insert(s.clone(), is_error);
             }
-            Some(Value::Number(n)) => {
-                ids.insert(n.to_string());
+            Value::Number(x) => {
+                done.ids.insert(x.to_string(), is_error);
             }
             _ => {
-                if let Some(n) = v.get("line").and_then(Value::as_u64) {
-                    lines.insert(n);
-                }
+                done.lines.insert(m["line"].as_u64().unwrap_or(0), is_error);
             }
         }
     }
-    (ids, lines)
+    let torn = &bytes[whole..];
+    // Records are written compact, their id first: a torn one begins with (part of) this.
+    let head = &torn[..torn.len().min(6)];
+    if !br#"{"id":"#.starts_with(head) {
+        return Err(NotAnOutput { line: n + 1, why: "not a result record (and has no newline)".into() });
+    }
+    Ok((done, torn.len()))
 }
 
 pub fn error_record(id: &Value, line: u64, e: &ApiError) -> Value {
@@ -201,4 +255,36 @@ impl LaneHost for Host<'_> {
 
 fn failed(e: &dyn std::fmt::Display) -> ApiError {
     ApiError::new(500, "server_error", "generation_failed", e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outputs_are_told_from_other_files_and_torn_lines_are_ours() {
+        let rec = br#"{"id":"a","line":1,"text":"t"}"#;
+        let mut ours = rec.to_vec();
+        ours.extend_from_slice(b"\n{\"id\":null,\"line\":2,\"error\":{}}\n");
+        let (done, torn) = read_output(&ours).unwrap();
+        assert_eq!((done.ids.get("a"), done.lines.get(&2), torn), (Some(&false), Some(&true), 0));
+        ours.extend_from_slice(br#"{"id":"b","li"#);
+        assert_eq!(read_output(&ours).unwrap().1, 13, "a torn record of ours is cut");
+        assert_eq!(read_output(b"{\"i").unwrap().1, 3);
+        assert_eq!(read_output(b"").unwrap().1, 0);
+        for (other, line) in [(&b"notes\n"[..], 1), (b"{\"id\":\"a\"}\n", 1), (b"[1]\n", 1), (b"hello", 1)] {
+            assert_eq!(read_output(other).unwrap_err().line, line, "{}", String::from_utf8_lossy(other));
+        }
+        let mut tail = rec.to_vec();
+        tail.extend_from_slice(b"\nsomething else");
+        assert_eq!(read_output(&tail).unwrap_err().line, 2);
+    }
+
+    #[test]
+    fn input_lines_number_every_line_and_mark_the_ones_that_are_not_utf8() {
+        let lines = input_lines(b"a\r\n\n\xff b\nc\n");
+        assert_eq!(lines, vec![(1, Ok("a")), (2, Ok("")), (3, Err(0)), (4, Ok("c"))]);
+        assert!(input_lines(b"").is_empty());
+        assert_eq!(input_lines(b"x"), vec![(1, Ok("x"))]);
+    }
 }

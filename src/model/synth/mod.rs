@@ -6,7 +6,9 @@
 //!
 //! Contract: the output directory appears only when complete (written to a temporary sibling and
 //! renamed); content is a pure function of the spec (seeded per tensor and chunk, independent of
-//! thread count); writing streams in chunks, so memory use does not grow with the model.
+//! thread count); writing streams in chunks, so memory use does not grow with the model. A cancel
+//! request (`util::request_cancel`, the CLI's Ctrl-C) stops the writing at its next chunk and the
+//! temporary directory is removed ([`SynthError::Interrupted`]).
 
 //!
 //! Here: the spec (presets, validation, config.json) and writing a model directory; the tensors
@@ -39,6 +41,9 @@ pub enum SynthError {
     Trained { path: PathBuf, msg: String },
     #[error("{} has {} free but the model needs {}", dir.display(), crate::util::human_bytes(*have), crate::util::human_bytes(*need))]
     NoSpace { dir: PathBuf, have: u64, need: u64 },
+    /// Stopped at the user's request (`util::request_cancel`, Ctrl-C); nothing is left behind.
+    #[error("interrupted: the partly written model was removed")]
+    Interrupted,
 }
 
 /// Marker synth writes last into every model: the names of the files it wrote, so that `--force`

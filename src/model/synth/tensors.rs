@@ -352,6 +352,10 @@ pub(crate) fn write_safetensors(
                 *done += d.len() as u64;
             }
             progress(*done, total);
+            // Ctrl-C: stop here; the caller removes the temporary directory.
+            if crate::util::cancel_requested() {
+                return Err(SynthError::Interrupted);
+            }
         }
     }
     let f = w.into_inner().map_err(|e| SynthError::Io { path: path.to_path_buf(), source: e.into_error() })?;
