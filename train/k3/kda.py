@@ -33,9 +33,15 @@ def naive(q, k, v, g, beta, state=None):
     return torch.stack(out, dim=1), S
 
 
-def chunked(q, k, v, g, beta, chunk=16, state=None):
+def chunked(q, k, v, g, beta, chunk=16, state=None, g_bound=None):
     """The same map as `naive`, differentiable, in chunks of `chunk` tokens. float32 throughout
-    (float64 if given float64). T need not be a multiple of `chunk`."""
+    (float64 if given float64). T need not be a multiple of `chunk`.
+
+    `g_bound` (optional, < 0): a lower bound on every g (the model's gate_lower_bound). When it
+    makes exp(+-(G_t - G_m)) safe in the working precision (G_m the chunk's middle row), the
+    pairwise decays exp(G_t - G_j) enter factored, as (k_t exp(G_t - G_m)) . (k_j exp(G_m - G_j)),
+    two small matrix products instead of a [.., C, C, K] tensor per chunk; otherwise (or without a
+    bound) the pairwise form, where no exponent is ever positive."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -53,13 +59,24 @@ def chunked(q, k, v, g, beta, chunk=16, state=None):
     q, k, v, g = r(q), r(k), r(v), r(g)
     beta = beta.reshape(B, N, C, H).permute(0, 3, 1, 2)
     G = torch.cumsum(g, dim=3)                                   # G_t = sum_{s<=t} g_s
-    # Pairwise decays exp(G_t - G_j) for j <= t (masked elsewhere before the exp).
-    diff = G[:, :, :, :, None, :] - G[:, :, :, None, :, :]       # [B,H,N,C(t),C(j),K]
-    tri_incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
     tri_strict = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device), -1)
-    dec = torch.exp(torch.where(tri_incl[:, :, None], diff, torch.full_like(diff, -1e30)))
-    A = torch.einsum("bhntk,bhntjk,bhnjk->bhntj", k, dec, k) * tri_strict   # k_t.D k_j, j < t
-    Bm = torch.einsum("bhntk,bhntjk,bhnjk->bhntj", q, dec, k)                # q_t.D k_j, j <= t
+    m = C // 2 - 1 if C > 1 else 0
+    # The largest exponent the factored form meets is |g_bound| * max(m, C - 1 - m); keep it well
+    # inside the range of the working precision (fp32 overflows past exp(88)).
+    limit = 40.0 if dt == torch.float32 else 300.0
+    if g_bound is not None and -g_bound * max(m, C - 1 - m) <= limit:
+        Gm = G[:, :, :, m:m + 1, :]
+        kL, kR = k * torch.exp(G - Gm), k * torch.exp(Gm - G)
+        qL = q * torch.exp(G - Gm)
+        A = (kL @ kR.transpose(-1, -2)) * tri_strict                          # k_t.D k_j, j < t
+        Bm = (qL @ kR.transpose(-1, -2)) * torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
+    else:
+        # Pairwise decays exp(G_t - G_j) for j <= t (masked elsewhere before the exp).
+        diff = G[:, :, :, :, None, :] - G[:, :, :, None, :, :]       # [B,H,N,C(t),C(j),K]
+        tri_incl = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
+        dec = torch.exp(torch.where(tri_incl[:, :, None], diff, torch.full_like(diff, -1e30)))
+        A = torch.einsum("bhntk,bhntjk,bhnjk->bhntj", k, dec, k) * tri_strict   # k_t.D k_j, j < t
+        Bm = torch.einsum("bhntk,bhntjk,bhnjk->bhntj", q, dec, k)                # q_t.D k_j, j <= t
     eG = torch.exp(G)
     kG = k * eG                                                   # k_t * exp(G_t): reads S0
     qG = q * eG
