@@ -153,7 +153,7 @@ def train_target(a):
     hw = heldout_windows(held, a.seq, a.eval_windows)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     sched = Schedule(a.lr, a.warmup, decay=a.decay, floor=a.lr_floor, steps=a.steps, budget_s=a.time_budget_s,
-                     decay_start=a.decay_start)
+                     decay_start=a.decay_start, max_steps=int(a.max_passes * len(train) / (a.batch * a.seq)))
     if a.compile:
         k3_model.compile_pointwise()
     hist, curve = [], []
@@ -505,6 +505,8 @@ def main():
                         "spread over it; 0: --steps")
     p.add_argument("--steps", type=int, default=0, help="target: training steps (with --time-budget-s 0)")
     p.add_argument("--decay-start", type=int, default=0, help="with --steps: the step the decay begins (0: at 1 - --decay)")
+    p.add_argument("--max-passes", type=float, default=12.0,
+                   help="with --time-budget-s: stop after this many passes over the training tokens even if time is left")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=2.5e-3, help="peak learning rate")

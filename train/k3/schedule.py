@@ -9,7 +9,9 @@ With a budget the run's length is estimated from the measured seconds per step (
 every step until the decay starts, so the estimate includes the periodic evaluations); the decay
 starts at the estimated step (1 - decay) * N and its progress is the larger of the step share and
 the time share of what is left, so the LR reaches its floor by the budget even if steps slow down.
-The steps reached and the step the decay started at are recorded: `--steps N --decay-start D`
+`max_steps` caps the estimate (a run that would pass over the data too many times ends early,
+its decay placed as for a run of that length). The steps reached and the step the decay started
+at are recorded: `--steps N --decay-start D`
 reruns the same schedule by steps alone.
 """
 
@@ -17,7 +19,7 @@ import math
 
 
 class Schedule:
-    def __init__(self, peak, warmup, decay=0.25, floor=0.02, steps=0, budget_s=0.0, decay_start=0):
+    def __init__(self, peak, warmup, decay=0.25, floor=0.02, steps=0, budget_s=0.0, decay_start=0, max_steps=0):
         if steps <= 0 and budget_s <= 0:
             raise ValueError("a schedule needs a step count or a time budget")
         self.peak, self.warmup, self.decay, self.floor = peak, warmup, decay, floor * peak
@@ -26,12 +28,14 @@ class Schedule:
         self.decay_start = decay_start or (round((1 - decay) * steps) if steps > 0 else None)
         self.decay_t = None
         self.calib = None             # (step, elapsed) where timing starts (after the first steps)
+        self.max_steps = max_steps    # with a budget: never plan more steps than this (0: no cap)
 
     def estimate(self, step, elapsed):
         """Steps that fit in the budget, from the pace since the calibration point."""
         s0, t0 = self.calib
         per = (elapsed - t0) / max(1, step - s0)
-        return step + max(0, int((self.budget_s - elapsed) / per)) if per > 0 else step + 1
+        n = step + max(0, int((self.budget_s - elapsed) / per)) if per > 0 else step + 1
+        return min(n, self.max_steps) if self.max_steps else n
 
     def at(self, step, elapsed):
         """(learning rate, finished) for `step` (0-based) at `elapsed` seconds into the run."""
