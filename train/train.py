@@ -186,8 +186,13 @@ def train_target(a):
                    "tok_s": round(step * a.batch * a.seq / max(el, 1e-9)), "passes": it.passes}
             if want_eval:
                 rec["heldout_loss"] = round(heldout_loss(model, hw, a.batch, dev, dtype), 4)
+                best = min((p["heldout_loss"] for p in curve if p["step"] > a.warmup), default=None)
                 curve.append({k: rec[k] for k in ("step", "elapsed_s", "lr", "heldout_loss")} | {"tokens": step * a.batch * a.seq})
                 next_eval_t = el + (a.time_budget_s / a.curve_points if a.time_budget_s else 0)
+                # Flattened in the stable phase (less than --plateau nats better than the best so far
+                # over a curve interval): begin the decay now.
+                if best is not None and rec["heldout_loss"] > best - a.plateau and sched.start_decay(step, el):
+                    rec["decay_begins"] = "held-out loss flattened"
             hist.append(rec)
             log(json.dumps(rec))
     sync(dev)
@@ -505,6 +510,8 @@ def main():
                         "spread over it; 0: --steps")
     p.add_argument("--steps", type=int, default=0, help="target: training steps (with --time-budget-s 0)")
     p.add_argument("--decay-start", type=int, default=0, help="with --steps: the step the decay begins (0: at 1 - --decay)")
+    p.add_argument("--plateau", type=float, default=0.002,
+                   help="with --time-budget-s: begin the decay early when a curve point improves on the best by less than this")
     p.add_argument("--max-passes", type=float, default=12.0,
                    help="with --time-budget-s: stop after this many passes over the training tokens even if time is left")
     p.add_argument("--batch", type=int, default=128)

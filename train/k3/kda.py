@@ -33,7 +33,7 @@ def naive(q, k, v, g, beta, state=None):
     return torch.stack(out, dim=1), S
 
 
-def chunked(q, k, v, g, beta, chunk=16, state=None, g_bound=None):
+def chunked(q, k, v, g, beta, chunk=16, state=None, g_bound=None, scan=True):
     """The same map as `naive`, differentiable, in chunks of `chunk` tokens. float32 throughout
     (float64 if given float64). T need not be a multiple of `chunk`.
 
@@ -41,7 +41,11 @@ def chunked(q, k, v, g, beta, chunk=16, state=None, g_bound=None):
     makes exp(+-(G_t - G_m)) safe in the working precision (G_m the chunk's middle row), the
     pairwise decays exp(G_t - G_j) enter factored, as (k_t exp(G_t - G_m)) . (k_j exp(G_m - G_j)),
     two small matrix products instead of a [.., C, C, K] tensor per chunk; otherwise (or without a
-    bound) the pairwise form, where no exponent is ever positive."""
+    bound) the pairwise form, where no exponent is ever positive.
+
+    `scan`: the chunks' start states by an associative scan of their affine state maps (few ops,
+    for training on a GPU where a Python loop of launches per chunk is the cost), else by the
+    sequential loop over chunks."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -88,11 +92,37 @@ def chunked(q, k, v, g, beta, chunk=16, state=None, g_bound=None):
     kE = k * torch.exp(GC - G)                                    # k_j * exp(G_C - G_j)
     eGC = torch.exp(GC[:, :, :, 0, :])                            # [B,H,N,K]
     S = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if state is None else state.to(dt)
+    if scan and N > 1:
+        # Chunk n maps its start state affinely: S' = A_n S + b_n with A_n = diag(exp(G_C)) -
+        # kE_n^T W2_n and b_n = kE_n^T W1_n. An inclusive scan of these maps (log2 N levels of
+        # batched products; the maps contract, so their products stay bounded) gives every
+        # chunk's start state at once: a few dozen ops instead of a Python loop of N steps.
+        kEt = kE.transpose(-1, -2)                                # [B,H,N,K,C]
+        A = torch.diag_embed(eGC) - kEt @ W2                      # [B,H,N,K,K]
+        b = kEt @ W1                                              # [B,H,N,K,V]
+        d = 1
+        while d < N:
+            eye = torch.eye(K, dtype=dt, device=q.device).expand(B, H, d, K, K)
+            A_prev = torch.cat([eye, A[:, :, : N - d]], 2)
+            b_prev = torch.cat([b.new_zeros(B, H, d, K, V), b[:, :, : N - d]], 2)
+            A, b = A @ A_prev, A @ b_prev + b
+            d *= 2
+        S_end = A @ S[:, :, None] + b                             # state after each chunk
+        S_start = torch.cat([S[:, :, None], S_end[:, :, :-1]], 2)
+        U = W1 - W2 @ S_start
+        o = qG @ S_start + Bm @ U                                 # [B,H,N,C,V]
+        S = S_end[:, :, -1]
+        o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
+        return o, S
+    # Per-chunk pieces taken apart once (unbind's backward is one stack; indexing chunk n inside
+    # the loop would make each backward step write a zero-filled copy of the whole tensor).
+    W1s, W2s, qGs, Bms = W1.unbind(2), W2.unbind(2), qG.unbind(2), Bm.unbind(2)
+    kEs, eGCs = kE.transpose(-1, -2).unbind(2), eGC[..., None].unbind(2)
     outs = []
     for n in range(N):
-        U = W1[:, :, n] - W2[:, :, n] @ S                         # [B,H,C,V]
-        outs.append(qG[:, :, n] @ S + Bm[:, :, n] @ U)
-        S = eGC[:, :, n, :, None] * S + kE[:, :, n].transpose(-1, -2) @ U
+        U = W1s[n] - W2s[n] @ S                                   # [B,H,C,V]
+        outs.append(qGs[n] @ S + Bms[n] @ U)
+        S = eGCs[n] * S + kEs[n] @ U
     o = torch.stack(outs, dim=2)                                  # [B,H,N,C,V]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
     return o, S

@@ -9,7 +9,8 @@ With a budget the run's length is estimated from the measured seconds per step (
 every step until the decay starts, so the estimate includes the periodic evaluations); the decay
 starts at the estimated step (1 - decay) * N and its progress is the larger of the step share and
 the time share of what is left, so the LR reaches its floor by the budget even if steps slow down.
-`max_steps` caps the estimate (a run that would pass over the data too many times ends early,
+A budget run whose held-out loss stops improving in the stable phase begins its decay there
+(`start_decay`: WSD's stable phase can end at any step). `max_steps` caps the estimate (a run that would pass over the data too many times ends early,
 its decay placed as for a run of that length). The steps reached and the step the decay started
 at are recorded: `--steps N --decay-start D`
 reruns the same schedule by steps alone.
@@ -29,6 +30,7 @@ class Schedule:
         self.decay_t = None
         self.calib = None             # (step, elapsed) where timing starts (after the first steps)
         self.max_steps = max_steps    # with a budget: never plan more steps than this (0: no cap)
+        self.early = False            # the decay began early, the held-out loss having flattened
 
     def estimate(self, step, elapsed):
         """Steps that fit in the budget, from the pace since the calibration point."""
@@ -59,7 +61,17 @@ class Schedule:
             return self.floor, True
         return self.floor + (base - self.floor) * (1 - math.sqrt(p)), False
 
+    def start_decay(self, step, elapsed):
+        """Begins the decay now (a budget run whose held-out loss has flattened): it lasts the
+        share `decay` of the run so ended. No effect once the decay has begun or by step count."""
+        if self.budget_s and self.decay_start is None and step >= self.warmup:
+            self.decay_start, self.decay_t = step, elapsed
+            self.steps = step + max(1, round(step * self.decay / (1 - self.decay)))
+            self.early = True
+            return True
+        return False
+
     def record(self, steps_done):
         return {"kind": "wsd", "peak": self.peak, "warmup_steps": self.warmup, "decay_share": self.decay,
                 "floor": self.floor, "budget_s": self.budget_s, "decay_start": self.decay_start,
-                "planned_steps": self.steps, "steps": steps_done, "rerun": f"--steps {steps_done} --decay-start {self.decay_start}"}
+                "planned_steps": self.steps, "steps": steps_done, "decay_began_on_plateau": self.early, "rerun": f"--steps {steps_done} --decay-start {self.decay_start}"}
