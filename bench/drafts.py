@@ -7,7 +7,7 @@ the share of repeated 4-grams in the output, so a number made on looping text sh
         [--temperatures 0,0.7] [--cache resident,streamed] [--limit N] [--out DIR/drafts.jsonl]
 
 For every window, temperature and cache setting, `deltafin run --format json --stats-json` runs
-with `--draft off`, `ngram` and `dspark` (the same `--seed`, `--top-p 1`, `--ignore-eos`; output
+with `--draft off`, `ngram` and `dspark` (the same `--seed`, `--top-p` 1 unless given, `--ignore-eos`; output
 ids must be identical to drafts off). A window counts as prose ("no_loops") when its drafts-off
 output has fewer than 20% repeated 4-grams (positions whose 4-gram ending there occurred earlier in
 the output). Per temperature, cache and drafter, over all windows and over the no-loop windows:
@@ -50,7 +50,7 @@ def run(a, text, draft, temp, cache):
         with open(pf, "w", encoding="utf-8") as f:
             f.write(text)
         args = [a.bin, "run", "--model", a.model, "--prompt-file", pf, "--max-new", str(a.decode), "--ignore-eos",
-                "--temperature", repr(temp), "--top-p", "1", "--seed", str(a.seed), "--threads", str(a.threads),
+                "--temperature", repr(temp), "--top-p", repr(a.top_p), "--seed", str(a.seed), "--threads", str(a.threads),
                 "--expert-heat", "off", "--format", "json", "--stats-json", sf, "-q", "--draft", draft]
         if draft == "dspark":
             args += ["--draft-model", a.draft_model]
@@ -108,6 +108,7 @@ def main():
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--cache", default="resident", help="comma-separated: resident, streamed")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus for the sampled runs (1: plain temperature sampling)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--limit", type=int, default=0, help="the first N windows of every source")
@@ -149,7 +150,7 @@ def main():
                 results[key][d]["no_loops_by_source"] = {s: aggregate(*v) for s, v in sorted(by_src.items())}
     git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rec = {"bench": "drafts", "date": time.strftime("%Y-%m-%d"), "git": git, "model": a.model, "draft_model": a.draft_model,
-           "windows_file": os.path.relpath(a.windows, ROOT), "decode": a.decode, "seed": a.seed, "threads": a.threads,
+           "windows_file": os.path.relpath(a.windows, ROOT), "decode": a.decode, "seed": a.seed, "top_p": a.top_p, "threads": a.threads,
            "machine": os.uname().nodename, "cpus": os.cpu_count(), "seconds": round(time.time() - t0),
            "command": " ".join(sys.argv), "results": results}
     if a.out:

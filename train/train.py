@@ -360,6 +360,94 @@ def kl_block_loss(drafter, target, ids, anchors, taps, dtype, row_w):
     return (kl * row_w).sum(-1).mean(), accepted.mean().item(), agree.mean().item()
 
 
+MODES = (("greedy", 0.0), ("t0.7", 0.7))
+
+
+class ValSet:
+    """Held-out prompts and the target's continuations of them (greedy and at 0.7, fp32 without
+    TF32: the tokens deltafin computes), val_new tokens each plus a block's worth more so that
+    every one of the val_new positions anchors a full block. Prompts may differ in length."""
+
+    def __init__(self, prompts, sources, target, a, dev):
+        self.target, self.sources, self.n_new = target, sources, a.val_new
+        self.R = dspark_config().block
+        self.seqs = {}
+        exact(True)
+        by_len = {}
+        for i, p in enumerate(prompts):
+            by_len.setdefault(len(p), []).append(i)
+        for name, t in MODES:
+            g = torch.Generator(device=dev).manual_seed(a.seed + 4)
+            seqs = [None] * len(prompts)
+            for L, idx in sorted(by_len.items()):
+                for j in range(0, len(idx), 256):
+                    part = idx[j:j + 256]
+                    x = torch.stack([torch.as_tensor(prompts[i]) for i in part]).to(dev)
+                    out = generate(target, x, a.val_new + self.R, torch.full((len(part),), t), torch.float32, g)
+                    for i, row in zip(part, out):
+                        seqs[i] = row
+            self.seqs[name] = seqs
+        exact(False)
+        self.rep = {k: torch.tensor([repeated_4gram_share(s[len(p):len(p) + a.val_new].tolist())
+                                     for s, p in zip(v, prompts)]) for k, v in self.seqs.items()}
+        self.plen = [len(p) for p in prompts]
+
+    def acceptance(self, drafter, taps, full=False):
+        exact(True)
+        out = {}
+        for k, seqs in self.seqs.items():
+            corr = [None] * len(seqs)
+            by_len = {}
+            for i, L in enumerate(self.plen):
+                by_len.setdefault(L, []).append(i)
+            for L, idx in by_len.items():
+                c = block_acceptance(drafter, self.target, torch.stack([seqs[i] for i in idx]), L, taps, torch.float32)
+                for i, row in zip(idx, c):
+                    corr[i] = row
+            corr = torch.stack(corr)
+            clean = self.rep[k] < 0.2
+            out[k] = {"all": acceptance_report(corr), "no_loops": acceptance_report(corr, clean)}
+            if full:
+                out[k]["by_source"] = {s: acceptance_report(corr, torch.tensor([x == s for x in self.sources]) & clean)
+                                       for s in sorted(set(self.sources))}
+                out[k]["repeated_4gram_share"] = [round(x, 3) for x in self.rep[k].tolist()]
+        exact(False)
+        return out
+
+
+def eval_dspark(a):
+    """Held-out acceptance of an existing drafter (--draft-model), as the dspark stage reports it
+    for the one it trains; with --windows, also on those prompts (bench/drafts.py's windows: the
+    same prompts deltafin is measured on)."""
+    from k3.dspark import load as load_dspark
+
+    dev = a.device
+    target = export.load_model(os.path.join(a.out, "kimi-k3-demo") if not a.target else a.target, dev).eval()
+    drafter = load_dspark(a.draft_model, dev).eval()
+    taps = tuple(drafter.c.target_layers)
+    rep = {"draft_model": a.draft_model, "target": a.target or os.path.join(a.out, "kimi-k3-demo")}
+    docs, sources = heldout_docs(a.data)
+    vp, vsrc = val_prompts(docs, sources, a.val_prompts, a.prompt_len, a.val_new)
+    rep["heldout_prompts"] = ValSet(list(vp), vsrc, target, a, dev).acceptance(drafter, taps, full=True)
+    if a.windows:
+        enc = tokenizer(a.tokenizer)
+        wins = [json.loads(x) for x in open(a.windows, encoding="utf-8") if x.strip()]
+        ps = [torch.tensor(enc.encode_ordinary(w["text"])) for w in wins]
+        vs = ValSet(ps, [w["source"] for w in wins], target, a, dev)
+        rep["windows"] = {"file": a.windows, **vs.acceptance(drafter, taps, full=True)}
+        rep["windows"]["greedy_output_ids"] = [s[len(p):len(p) + a.val_new].tolist() for s, p in zip(vs.seqs["greedy"], ps)]
+    path = a.eval_out or os.path.join(a.out, "eval_dspark.json")
+    with open(path, "w") as f:
+        json.dump(rep, f, indent=1)
+    for k in ("heldout_prompts", "windows"):
+        if k in rep:
+            for m, x in rep[k].items():
+                if isinstance(x, dict) and "all" in x:
+                    log(k, m, json.dumps({q: x[q].get("policy_acceptance") for q in ("all", "no_loops")}),
+                        "chain", json.dumps({q: x[q].get("chain_acceptance") for q in ("all", "no_loops")}))
+    log(f"wrote {path}")
+
+
 def train_dspark(a):
     torch.manual_seed(a.seed + 1)
     dev = a.device
@@ -397,31 +485,14 @@ def train_dspark(a):
     #    (the tokens deltafin's greedy run gives).
     docs, sources = heldout_docs(a.data)
     vp, vsrc = val_prompts(docs, sources, a.val_prompts, a.prompt_len, a.val_new)
-    vp = vp.to(dev)
-    val = {}
-    exact(True)
-    for name, t in (("greedy", 0.0), ("t0.7", 0.7)):
-        g = torch.Generator(device=dev).manual_seed(a.seed + 4)
-        val[name] = torch.cat([generate(target, vp[i:i + 256], a.val_new, torch.full((len(vp[i:i + 256]),), t),
-                                        torch.float32, g) for i in range(0, len(vp), 256)])
-    exact(False)
-    val_rep = {k: torch.tensor([repeated_4gram_share(s[a.prompt_len:].tolist()) for s in v.cpu()])
-               for k, v in val.items()}
-    log(f"validation: {len(vp)} held-out prompts from {len(set(map(tuple, vp.tolist())))} windows; "
-        f"share with < 20% repeated 4-grams: " + ", ".join(f"{k} {(r < 0.2).float().mean():.2f}" for k, r in val_rep.items()))
+    vset = ValSet(list(vp), vsrc, target, a, dev)
+    log(f"validation: {len(vp)} held-out prompts; share with < 20% repeated 4-grams: "
+        + ", ".join(f"{k} {(r < 0.2).float().mean():.2f}" for k, r in vset.rep.items()))
     gen_s = time.time() - t0
 
     def validate(drafter, full=False):
         drafter.eval()
-        exact(True)
-        out = {}
-        for k, v in val.items():
-            corr = block_acceptance(drafter, target, v, a.prompt_len, taps, torch.float32)
-            out[k] = {"all": acceptance_report(corr), "no_loops": acceptance_report(corr, val_rep[k] < 0.2)}
-            if full:
-                out[k]["by_source"] = {s: acceptance_report(corr, torch.tensor([x == s for x in vsrc]) & (val_rep[k] < 0.2))
-                                       for s in sorted(set(vsrc))}
-        exact(False)
+        out = vset.acceptance(drafter, taps, full)
         drafter.train()
         return out
 
@@ -490,7 +561,7 @@ def train_dspark(a):
                    "continuations": gen_stats, "validation_prompts": len(vp),
                    "validation_sources": {s: vsrc.count(s) for s in sorted(set(vsrc))},
                    "validation_share_under_20pct_repeats": {k: round((r < 0.2).float().mean().item(), 4)
-                                                            for k, r in val_rep.items()},
+                                                            for k, r in vset.rep.items()},
                    "heldout_acceptance": final, "history": hist, "generation_seconds": round(gen_s, 1),
                    "train_seconds": round(train_s, 1), "seconds": round(time.time() - t0, 1),
                    "device": device_name(dev), "torch": torch.__version__}, f, indent=1)
@@ -499,7 +570,7 @@ def train_dspark(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["all", "target", "eval", "dspark"])
+    p.add_argument("stage", choices=["all", "target", "eval", "dspark", "dspark-eval"])
     p.add_argument("--data", default="train/data", help="directory with train.bin, heldout.bin, heldout.txt")
     p.add_argument("--tokenizer", default="train/tokenizer/out", help="tiktoken.model, tokenizer_config.json, chat_template.jinja")
     p.add_argument("--out", required=True, help="output directory")
@@ -549,6 +620,10 @@ def main():
     p.add_argument("--blocks-per-seq", type=int, default=16)
     p.add_argument("--draft-lr", type=float, default=2e-3)
     p.add_argument("--row-decay", type=float, default=4.0)
+    p.add_argument("--draft-model", help="dspark-eval: the drafter to evaluate")
+    p.add_argument("--target", help="dspark-eval: the target (default OUT/kimi-k3-demo)")
+    p.add_argument("--windows", help="dspark-eval: also these prompts (JSON lines with text, source)")
+    p.add_argument("--eval-out", help="dspark-eval: where the report goes (default OUT/eval_dspark.json)")
     p.add_argument("--tiny", action="store_true", help="a small configuration, for smoke tests of the pipeline")
     a = p.parse_args()
     global TINY
@@ -569,6 +644,8 @@ def main():
         run_eval(a)
     if a.stage in ("all", "dspark"):
         train_dspark(a)
+    if a.stage == "dspark-eval":
+        eval_dspark(a)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,45 @@ def block_acceptance(drafter, target, seqs, start, taps, dtype, batch=16):
     return torch.cat(out)
 
 
+# deltafin's width policy (src/spec/mod.rs, WidthPolicy::default), without the cost model.
+PROBE, MAX_WIDTH, PAUSE, MAX_PAUSE, GOOD_RECORD, EWMA = 2, 7, 8, 128, 0.5, 0.3
+
+
+def simulate_policy(runs, n_new):
+    """The verifies deltafin's width policy makes over one continuation of n_new tokens: runs[a] is
+    the accepted-run length of the full-width block anchored at the a-th generated token (drafts
+    do not depend on the width, so a narrower block accepts min(run, width)). Returns
+    (proposed by position, accepted by position, verifies)."""
+    width, paused, next_pause, rec = PROBE, 0, PAUSE, 0.0
+    prop, acc = [0] * MAX_WIDTH, [0] * MAX_WIDTH
+    verifies, emitted, a = 0, 1, 0                  # the first token comes from the prompt pass
+    while emitted < n_new:
+        w = 0 if paused > 0 else min(width, n_new - emitted - 1)
+        if w == 0:
+            paused = max(0, paused - 1)
+            emitted += 1
+            a += 1
+            continue
+        j = min(int(runs[a]), w)
+        verifies += 1
+        for r in range(w):
+            prop[r] += 1
+        for r in range(j):
+            acc[r] += 1
+        good = rec >= GOOD_RECORD
+        rec += EWMA * (j / w - rec)
+        if j == 0 and good:
+            width = PROBE
+        elif j == 0:
+            paused, next_pause, width = next_pause, min(max(next_pause * 2, 1), MAX_PAUSE), PROBE
+        else:
+            next_pause = PAUSE
+            width = MAX_WIDTH if j >= w else min(max(2 * j, PROBE), MAX_WIDTH)
+        emitted += j + 1
+        a += j + 1
+    return prop, acc, verifies
+
+
 def acceptance_report(correct, keep=None):
     """correct [N, anchors, R] from `block_acceptance` (anchor a at position start + a); `keep`
     [N] bool: the sequences that count. Returns, over every anchor at width R, the conditional
@@ -94,6 +133,12 @@ def acceptance_report(correct, keep=None):
             for r in range(j):
                 got[r] += 1
             a += j + 1
+    pp, pa, pv = [0] * R, [0] * R, 0
+    for n in range(N):
+        p, q, v = simulate_policy(runs[n].tolist() + [0] * R, A)
+        pp = [x + y for x, y in zip(pp, p)]
+        pa = [x + y for x, y in zip(pa, q)]
+        pv += v
     return {
         "sequences": N, "anchors": N * A,
         "per_position_conditional": [round(x, 4) for x in per_pos],
@@ -102,4 +147,10 @@ def acceptance_report(correct, keep=None):
         "chain_verifies": verifies, "chain_accepted_per_verify": round(accepted / max(1, verifies), 4),
         "chain_acceptance_by_position": [round(g / max(1, verifies), 4) for g in got],
         "chain_acceptance": round(accepted / max(1, verifies * R), 4),
+        # deltafin's width policy (probe 2, widen to 7, pause on misses), without its cost model:
+        # what `run --draft dspark` counts when the cost model never pauses.
+        "policy_proposed": sum(pp), "policy_accepted": sum(pa), "policy_verifies": pv,
+        "policy_acceptance": round(sum(pa) / max(1, sum(pp)), 4),
+        "policy_accepted_per_verify": round(sum(pa) / max(1, pv), 4),
+        "policy_acceptance_by_position": [round(a / p, 4) if p else None for a, p in zip(pa, pp)],
     }
