@@ -3,6 +3,7 @@
 # that derives from them. From the repository root:
 #
 #   bash train/install.sh OUTDIR RUN_NAME        # e.g. bash train/install.sh /tmp/k3-run 2026-12-05-h100
+#   bash train/install.sh --dry-run OUTDIR RUN_NAME   # only the load checks; says what it would do
 #
 # OUTDIR holds what train/device.sh brought back, untarred (`cat target.tar.part-* | tar x -C
 # OUTDIR`, the same for dspark.tar.part-*), plus the stage logs: kimi-k3-demo/,
@@ -30,7 +31,9 @@
 # Needs /opt/trainenv (train/requirements.txt; CPU torch is enough) or PYTHON=..., and train/data
 # (train/README.md) for the fixture. Nothing is committed; `git status` shows the changes.
 set -euo pipefail
-[ $# -eq 2 ] || { sed -n 2,30p "$0" >&2; exit 2; }
+dry=0
+if [ "${1:-}" = --dry-run ]; then dry=1; shift; fi
+[ $# -eq 2 ] || { sed -n 2,32p "$0" >&2; exit 2; }
 src=$(cd "$1" && pwd)
 run=$2
 PY=${PYTHON:-/opt/trainenv/bin/python}
@@ -49,6 +52,12 @@ if [ -d "$src/kimi-k3-demo-dspark" ]; then
     m=$src/kimi-k3-demo; [ -d "$m" ] || m=demo/kimi-k3-demo
     target/release/deltafin run --model "$m" --draft dspark --draft-model "$src/kimi-k3-demo-dspark" \
         --prompt "The" --max-new 8 --temperature 0 -q >/dev/null
+fi
+
+if [ $dry = 1 ]; then
+    echo "checks passed; would replace:$( [ -d "$src/kimi-k3-demo" ] && echo " demo/kimi-k3-demo")$( [ -d "$src/kimi-k3-demo-dspark" ] && echo " demo/kimi-k3-demo-dspark"),"
+    echo "write train/runs/$run/, regenerate tests/fixtures/trained/, rebuild, run the tests that read the demo"
+    exit 0
 fi
 
 # 2. Swap the files (whole directories: a different shard count leaves no stale shard behind).

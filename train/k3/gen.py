@@ -48,22 +48,31 @@ def repeated_4gram_share(ids):
 
 
 @torch.no_grad()
-def block_acceptance(drafter, target, seqs, start, taps, dtype, batch=16):
+def block_acceptance(drafter, target, seqs, start, taps, dtype, batch=16, temperature=0.0):
     """seqs [N, S] (prompt + the target's continuation from position `start`). For every anchor
-    L in [start, S - block - 1]: the drafts' correct flags [N, anchors, block] (teacher forced)."""
+    L in [start, S - block - 1]: the drafts' correct flags [N, anchors, block] (teacher forced).
+    With a temperature > 0 also [N, anchors, block] of sum_v min(p_T(v), q_T(v)), p_T and q_T the
+    target's and the drafter's distributions at that temperature: the chance that a drafter
+    *sampling* its drafts from q_T gets each accepted under the general speculative-sampling rule
+    (exact at position 1; later positions are teacher forced along the target's sample)."""
     R = drafter.c.block
     S = seqs.shape[1]
     anchors = torch.arange(start, S - R, device=seqs.device)
-    out = []
+    out, soft = [], []
     for i in range(0, len(seqs), batch):
         ids = seqs[i:i + batch]
-        _, t = target(ids, taps=set(taps), dtype=dtype)
+        lt, t = target(ids, taps=set(taps), dtype=dtype)
         x = torch.cat([t[l] for l in taps], -1).float()
         A = anchors[None].expand(len(ids), -1)
         logits = drafter.block_logits(x, ids, A, target.embed_tokens, target.lm_head)
-        tgt = torch.gather(ids, 1, (A[:, :, None] + 1 + torch.arange(R, device=ids.device)).reshape(len(ids), -1))
+        pos = (A[:, :, None] + torch.arange(R, device=ids.device)).reshape(len(ids), -1)
+        tgt = torch.gather(ids, 1, pos + 1)
         out.append(logits.argmax(-1) == tgt.reshape(len(ids), -1, R))
-    return torch.cat(out)
+        if temperature > 0:
+            lp = torch.gather(lt, 1, pos[..., None].expand(-1, -1, lt.shape[-1])).reshape(logits.shape)
+            p, q = torch.softmax(lp.float() / temperature, -1), torch.softmax(logits.float() / temperature, -1)
+            soft.append(torch.minimum(p, q).sum(-1))
+    return torch.cat(out), (torch.cat(soft) if soft else None)
 
 
 # deltafin's width policy (src/spec/mod.rs, WidthPolicy::default), without the cost model.
@@ -105,7 +114,7 @@ def simulate_policy(runs, n_new):
     return prop, acc, verifies
 
 
-def acceptance_report(correct, keep=None):
+def acceptance_report(correct, keep=None, soft=None):
     """correct [N, anchors, R] from `block_acceptance` (anchor a at position start + a); `keep`
     [N] bool: the sequences that count. Returns, over every anchor at width R, the conditional
     acceptance at each position (blocks accepted through r / through r - 1) and the mean accepted
@@ -114,6 +123,7 @@ def acceptance_report(correct, keep=None):
     per verify, drafts accepted / proposed at each position and overall."""
     if keep is not None:
         correct = correct[keep]
+        soft = soft[keep] if soft is not None else None
     if len(correct) == 0:
         return {"sequences": 0}
     acc = torch.cumprod(correct.int(), -1)                       # accepted through row r
@@ -153,4 +163,8 @@ def acceptance_report(correct, keep=None):
         "policy_acceptance": round(sum(pa) / max(1, sum(pp)), 4),
         "policy_accepted_per_verify": round(sum(pa) / max(1, pv), 4),
         "policy_acceptance_by_position": [round(a / p, 4) if p else None for a, p in zip(pa, pp)],
-    }
+    } | ({} if soft is None else {
+        # A drafter that samples its drafts (the general rule, accept with min(1, p/q)).
+        "sampling_drafter_expected_by_position": [round(x, 4) for x in soft.double().mean((0, 1)).tolist()],
+        "sampling_drafter_expected_per_block": round(torch.cumprod(soft.double(), -1).sum(-1).mean().item(), 4),
+    })

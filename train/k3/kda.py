@@ -13,6 +13,7 @@ whatever the gate. `tests` in train/check_kda.py hold the two to each other.
 """
 
 import torch
+import torch.utils.checkpoint
 
 
 def naive(q, k, v, g, beta, state=None):
@@ -31,6 +32,19 @@ def naive(q, k, v, g, beta, state=None):
         S = S + k[:, t][..., None] * d[:, :, None, :]
         out.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
     return torch.stack(out, dim=1), S
+
+
+def _scan(A, b):
+    """Inclusive scan of the affine maps x -> A_n x + b_n along dim 2 (Hillis-Steele: map n <-
+    map n o map n - d for n >= d, d = 1, 2, 4, ...): returns the composed maps."""
+    N = A.shape[2]
+    d = 1
+    while d < N:
+        A_tail = A[:, :, d:] @ A[:, :, : N - d]
+        b_tail = A[:, :, d:] @ b[:, :, : N - d] + b[:, :, d:]
+        A, b = torch.cat([A[:, :, :d], A_tail], 2), torch.cat([b[:, :, :d], b_tail], 2)
+        d *= 2
+    return A, b
 
 
 def chunked(q, k, v, g, beta, chunk=16, state=None, g_bound=None, scan=True):
@@ -100,13 +114,12 @@ def chunked(q, k, v, g, beta, chunk=16, state=None, g_bound=None, scan=True):
         kEt = kE.transpose(-1, -2)                                # [B,H,N,K,C]
         A = torch.diag_embed(eGC) - kEt @ W2                      # [B,H,N,K,K]
         b = kEt @ W1                                              # [B,H,N,K,V]
-        d = 1
-        while d < N:
-            eye = torch.eye(K, dtype=dt, device=q.device).expand(B, H, d, K, K)
-            A_prev = torch.cat([eye, A[:, :, : N - d]], 2)
-            b_prev = torch.cat([b.new_zeros(B, H, d, K, V), b[:, :, : N - d]], 2)
-            A, b = A @ A_prev, A @ b_prev + b
-            d *= 2
+        if torch.is_grad_enabled() and (A.requires_grad or b.requires_grad):
+            # Recomputed in the backward pass: the levels' [.., K, K] products are cheap to redo
+            # and would otherwise be kept, 5 levels of them, for every KDA layer.
+            A, b = torch.utils.checkpoint.checkpoint(_scan, A, b, use_reentrant=False)
+        else:
+            A, b = _scan(A, b)
         S_end = A @ S[:, :, None] + b                             # state after each chunk
         S_start = torch.cat([S[:, :, None], S_end[:, :, :-1]], 2)
         U = W1 - W2 @ S_start
