@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Trains deltafin's demo model (a small K3-architecture model) and its DSpark drafter.
 
-    python3 train/train.py all --out OUT --time-budget-s 480 --draft-time-budget-s 180
+    python3 train/train.py all --out OUT --time-budget-s 420 --draft-time-budget-s 150
 
-Stages (each can run alone: `target`, `eval`, `dspark`):
+Stages (`all` runs the first three; each can run alone):
   target  trains the K3 model (MXFP4 quantisation-aware routed experts, aux-loss-free expert
           balancing through e_score_correction_bias) for a step count or a wall-clock budget
           (WSD learning rate over that budget, k3/schedule.py), scoring held-out windows at
@@ -16,7 +16,9 @@ Stages (each can run alone: `target`, `eval`, `dspark`):
           training text and over the target's continuations of training-text prompts (sampled
           at temperatures 0.7-1.0, a quarter greedy); validates on the target's continuations of
           held-out documents, greedy and at temperature 0.7, with deltafin's accept rule
-          (k3/gen.py); writes OUT/kimi-k3-demo-dspark and OUT/train_dspark.json.
+          (k3/gen.py); writes OUT/kimi-k3-demo-dspark and OUT/train_dspark.json;
+  dspark-eval  the same held-out acceptance for an existing drafter (--draft-model), also on
+          --windows (bench/drafts.py's prompts, to hold against deltafin's own counts).
 Seeds are fixed. A budget run records the steps it reached and where its decay began; rerunning
 with `--steps N --decay-start D` (and `--draft-steps` likewise) repeats its schedule by steps.
 """
@@ -157,7 +159,7 @@ def train_target(a):
     if a.compile:
         k3_model.compile_pointwise()
     hist, curve = [], []
-    next_eval_t = 0.0
+    next_eval_t, flat = 0.0, 0
     sync(dev)
     t0 = time.time()
     step = 0
@@ -203,9 +205,11 @@ def train_target(a):
                 best = min((p["heldout_loss"] for p in curve if p["step"] > a.warmup), default=None)
                 curve.append({k: rec[k] for k in ("step", "elapsed_s", "lr", "heldout_loss")} | {"tokens": step * a.batch * a.seq})
                 next_eval_t = el + (a.time_budget_s / a.curve_points if a.time_budget_s else 0)
-                # Flattened in the stable phase (less than --plateau nats better than the best so far
-                # over a curve interval): begin the decay now.
-                if best is not None and rec["heldout_loss"] > best - a.plateau and sched.start_decay(step, el):
+                # Flattened in the stable phase (two curve points in a row less than --plateau nats
+                # better than the best before them; one could be the noise of a high LR): begin the
+                # decay now.
+                flat = flat + 1 if best is not None and rec["heldout_loss"] > best - a.plateau else 0
+                if flat >= 2 and sched.start_decay(step, el):
                     rec["decay_begins"] = "held-out loss flattened"
             hist.append(rec)
             log(json.dumps(rec))
@@ -609,7 +613,7 @@ def main():
     p.add_argument("--steps", type=int, default=0, help="target: training steps (with --time-budget-s 0)")
     p.add_argument("--decay-start", type=int, default=0, help="with --steps: the step the decay begins (0: at 1 - --decay)")
     p.add_argument("--plateau", type=float, default=0.002,
-                   help="with --time-budget-s: begin the decay early when a curve point improves on the best by less than this")
+                   help="with --time-budget-s: begin the decay early when two curve points in a row improve on the best by less than this")
     p.add_argument("--max-passes", type=float, default=12.0,
                    help="with --time-budget-s: stop after this many passes over the training tokens even if time is left")
     p.add_argument("--batch", type=int, default=128)

@@ -256,8 +256,21 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.randn(E, I, Z) * Z ** -0.5)
         self.w2 = nn.Parameter(torch.randn(E, Z, I) * out_std)
 
+    def train(self, mode=True):
+        self._qkey = None             # a mode switch (scoring between steps) re-quantises
+        return super().train(mode)
+
     def quantized(self):
-        return quantize_ste(self.w1), quantize_ste(self.w3), quantize_ste(self.w2)
+        if torch.is_grad_enabled():
+            return quantize_ste(self.w1), quantize_ste(self.w3), quantize_ste(self.w2)
+        # Without gradients (scoring, generation) the weights stand still between optimizer steps:
+        # quantise once per weight version, not once per forward (a decode step would otherwise
+        # re-quantise every expert).
+        key = tuple((w.data_ptr(), w._version) for w in (self.w1, self.w3, self.w2))
+        if getattr(self, "_qkey", None) != key:
+            self._q = tuple(quantize_ste(w).detach() for w in (self.w1, self.w3, self.w2))
+            self._qkey = key
+        return self._q
 
 
 class MoE(nn.Module):
