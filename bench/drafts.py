@@ -113,6 +113,10 @@ def main():
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--limit", type=int, default=0, help="the first N windows of every source")
     p.add_argument("--out", help="append the record to this file")
+    p.add_argument("--sequences-out", metavar="FILE",
+                   help="only write each window's drafts-off ids (prompt and --decode + 7 new tokens, so every one of "
+                        "the --decode positions anchors a full block) per temperature, for `train.py dspark-eval "
+                        "--sequences FILE`, and stop")
     a = p.parse_args()
     wins = [json.loads(x) for x in open(a.windows, encoding="utf-8") if x.strip()]
     if a.limit:
@@ -120,6 +124,26 @@ def main():
         wins = [w for w in wins if seen.setdefault(w["source"], []).append(w) or len(seen[w["source"]]) <= a.limit]
     temps = [float(t) for t in a.temperatures.split(",")]
     caches = a.cache.split(",")
+    if a.sequences_out:
+        n = a.decode
+        a.decode = n + 7
+        with open(a.sequences_out, "w") as f:
+            for t in temps:
+                for w in wins:
+                    with tempfile.TemporaryDirectory() as d:
+                        pf = os.path.join(d, "p.txt")
+                        with open(pf, "w", encoding="utf-8") as g:
+                            g.write(w["text"])
+                        r = subprocess.run([a.bin, "run", "--model", a.model, "--prompt-file", pf, "--max-new", str(a.decode),
+                                            "--ignore-eos", "--temperature", repr(t), "--top-p", repr(a.top_p), "--seed",
+                                            str(a.seed), "--threads", str(a.threads), "--expert-heat", "off", "--format",
+                                            "json", "-q"], capture_output=True, text=True, check=True)
+                    o = json.loads(r.stdout.strip().splitlines()[-1])
+                    f.write(json.dumps({"source": w["source"], "doc": w.get("doc"), "temperature": t, "top_p": a.top_p,
+                                        "seed": a.seed, "decode": n, "prompt_ids": o["prompt_ids"],
+                                        "output_ids": o["output_ids"]}) + "\n")
+        print(f"wrote {a.sequences_out}: {len(wins) * len(temps)} sequences", file=sys.stderr)
+        return
     t0 = time.time()
     results = {}
     for cache in caches:

@@ -17,8 +17,9 @@ Stages (`all` runs the first three; each can run alone):
           at temperatures 0.7-1.0, a quarter greedy); validates on the target's continuations of
           held-out documents, greedy and at temperature 0.7, with deltafin's accept rule
           (k3/gen.py); writes OUT/kimi-k3-demo-dspark and OUT/train_dspark.json;
-  dspark-eval  the same held-out acceptance for an existing drafter (--draft-model), also on
-          --windows (bench/drafts.py's prompts, to hold against deltafin's own counts).
+  dspark-eval  the same held-out acceptance for an existing drafter (--draft-model), or its
+          acceptance on deltafin's own outputs (--sequences, from bench/drafts.py
+          --sequences-out), to hold against deltafin's counts on the same runs.
 Seeds are fixed. A budget run records the steps it reached and where its decay began; rerunning
 with `--steps N --decay-start D` (and `--draft-steps` likewise) repeats its schedule by steps.
 """
@@ -386,10 +387,18 @@ class ValSet:
     TF32: the tokens deltafin computes), val_new tokens each plus a block's worth more so that
     every one of the val_new positions anchors a full block. Prompts may differ in length."""
 
-    def __init__(self, prompts, sources, target, a, dev):
+    def __init__(self, prompts, sources, target, a, dev, given=None):
+        """`given`: {mode: [full sequences]} already made (deltafin's own outputs), instead of
+        generating them."""
         self.target, self.sources, self.n_new = target, sources, a.val_new
         self.R = dspark_config().block
         self.seqs = {}
+        self.plen = [len(p) for p in prompts]
+        if given is not None:
+            self.seqs = {k: [torch.as_tensor(s).to(dev) for s in v] for k, v in given.items()}
+            self.rep = {k: torch.tensor([repeated_4gram_share(s[len(p):len(p) + a.val_new].tolist())
+                                         for s, p in zip(v, prompts)]) for k, v in self.seqs.items()}
+            return
         exact(True)
         by_len = {}
         for i, p in enumerate(prompts):
@@ -408,7 +417,6 @@ class ValSet:
         exact(False)
         self.rep = {k: torch.tensor([repeated_4gram_share(s[len(p):len(p) + a.val_new].tolist())
                                      for s, p in zip(v, prompts)]) for k, v in self.seqs.items()}
-        self.plen = [len(p) for p in prompts]
 
     def acceptance(self, drafter, taps, full=False):
         exact(True)
@@ -419,7 +427,7 @@ class ValSet:
             for i, L in enumerate(self.plen):
                 by_len.setdefault(L, []).append(i)
             soft = [None] * len(seqs)
-            temp = dict(MODES)[k]
+            temp = 0.0 if k == "greedy" else float(k[1:])
             for L, idx in by_len.items():
                 c, sf = block_acceptance(drafter, self.target, torch.stack([seqs[i] for i in idx]), L, taps,
                                          torch.float32, temperature=temp)
@@ -440,8 +448,8 @@ class ValSet:
 
 def eval_dspark(a):
     """Held-out acceptance of an existing drafter (--draft-model), as the dspark stage reports it
-    for the one it trains; with --windows, also on those prompts (bench/drafts.py's windows: the
-    same prompts deltafin is measured on)."""
+    for the one it trains; with --sequences, on deltafin's own drafts-off outputs instead (the
+    tokens deltafin emitted, so the counts can be held against deltafin's on the same runs)."""
     from k3.dspark import load as load_dspark
 
     dev = a.device
@@ -449,20 +457,28 @@ def eval_dspark(a):
     drafter = load_dspark(a.draft_model, dev).eval()
     taps = tuple(drafter.c.target_layers)
     rep = {"draft_model": a.draft_model, "target": a.target or os.path.join(a.out, "kimi-k3-demo")}
-    docs, sources = heldout_docs(a.data)
-    vp, vsrc = val_prompts(docs, sources, a.val_prompts, a.prompt_len, a.val_new)
-    rep["heldout_prompts"] = ValSet(list(vp), vsrc, target, a, dev).acceptance(drafter, taps, full=True)
-    if a.windows:
-        enc = tokenizer(a.tokenizer)
-        wins = [json.loads(x) for x in open(a.windows, encoding="utf-8") if x.strip()]
-        ps = [torch.tensor(enc.encode_ordinary(w["text"])) for w in wins]
-        vs = ValSet(ps, [w["source"] for w in wins], target, a, dev)
-        rep["windows"] = {"file": a.windows, **vs.acceptance(drafter, taps, full=True)}
-        rep["windows"]["greedy_output_ids"] = [s[len(p):len(p) + a.val_new].tolist() for s, p in zip(vs.seqs["greedy"], ps)]
+    if a.sequences:
+        # deltafin's own drafts-off outputs (bench/drafts.py --sequences-out): the acceptance of
+        # exactly the tokens deltafin emitted, to hold against its counts on the same runs.
+        recs = [json.loads(x) for x in open(a.sequences, encoding="utf-8") if x.strip()]
+        modes = {}
+        for r in recs:
+            modes.setdefault("greedy" if r["temperature"] == 0 else f"t{r['temperature']:g}", []).append(r)
+        rep["sequences"] = {"file": a.sequences}
+        for k, rs in modes.items():
+            a.val_new = rs[0]["decode"]
+            ps = [torch.tensor(r["prompt_ids"]) for r in rs]
+            vs = ValSet(ps, [r["source"] for r in rs], target, a, dev,
+                        given={k: [r["prompt_ids"] + r["output_ids"] for r in rs]})
+            rep["sequences"].update(vs.acceptance(drafter, taps, full=True))
+    else:
+        docs, sources = heldout_docs(a.data)
+        vp, vsrc = val_prompts(docs, sources, a.val_prompts, a.prompt_len, a.val_new)
+        rep["heldout_prompts"] = ValSet(list(vp), vsrc, target, a, dev).acceptance(drafter, taps, full=True)
     path = a.eval_out or os.path.join(a.out, "eval_dspark.json")
     with open(path, "w") as f:
         json.dump(rep, f, indent=1)
-    for k in ("heldout_prompts", "windows"):
+    for k in ("heldout_prompts", "sequences"):
         if k in rep:
             for m, x in rep[k].items():
                 if isinstance(x, dict) and "all" in x:
@@ -653,7 +669,8 @@ def main():
     p.add_argument("--row-decay", type=float, default=4.0)
     p.add_argument("--draft-model", help="dspark-eval: the drafter to evaluate")
     p.add_argument("--target", help="dspark-eval: the target (default OUT/kimi-k3-demo)")
-    p.add_argument("--windows", help="dspark-eval: also these prompts (JSON lines with text, source)")
+    p.add_argument("--sequences", help="dspark-eval: evaluate on these sequences (bench/drafts.py --sequences-out) "
+                                       "instead of generating held-out continuations")
     p.add_argument("--eval-out", help="dspark-eval: where the report goes (default OUT/eval_dspark.json)")
     p.add_argument("--tiny", action="store_true", help="a small configuration, for smoke tests of the pipeline")
     a = p.parse_args()
