@@ -200,3 +200,28 @@ def tensors(model: DSpark):
         n = name if name.endswith(".weight") else name + ".weight"
         out[n] = p.detach().to("cpu", torch.bfloat16).contiguous()
     return out
+
+
+def load(model_dir, device="cpu"):
+    """A DSpark holding a checkpoint's values (the inverse of `tensors` and `config_json`)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        j = json.load(f)
+    rs = j["rope_scaling"]
+    c = DSparkConfig(hidden=j["hidden_size"], intermediate=j["intermediate_size"], layers=j["num_hidden_layers"],
+                     heads=j["num_attention_heads"], q_lora=j["q_lora_rank"], kv_lora=j["kv_lora_rank"],
+                     nope=j["qk_nope_head_dim"], rope=j["qk_rope_head_dim"], v_head=j["v_head_dim"],
+                     rms_eps=j["rms_norm_eps"], target_layers=tuple(j["target_layer_ids"]),
+                     mask_token=j["mask_token_id"], markov_rank=j["markov_rank"], vocab=j["vocab_size"],
+                     block=j.get("block_size", 7), rope_theta=j["rope_theta"], yarn_factor=rs["factor"],
+                     yarn_original=rs["original_max_position_embeddings"], beta_fast=rs["beta_fast"],
+                     beta_slow=rs["beta_slow"], mscale=rs["mscale"], mscale_all_dim=rs["mscale_all_dim"])
+    model = DSpark(c, j["target_hidden_size"] * len(c.target_layers))
+    ts = load_file(os.path.join(model_dir, "model.safetensors"))
+    sd = {n: ts[n if n.endswith(".weight") else n + ".weight"].float() for n, _ in model.named_parameters()}
+    model.load_state_dict(sd, strict=False)
+    return model.to(device)

@@ -90,6 +90,16 @@ def attn_res_mix(sources, norm_w, proj_w, eps):
     return (p[..., None] * V).sum(0)
 
 
+def compile_pointwise():
+    """Replaces the pointwise helpers (chains of fp32 elementwise ops that eager mode runs as one
+    kernel each) with torch.compile'd versions, for training on a GPU. The maths is unchanged."""
+    global rmsnorm, situ, attn_res_mix
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    rmsnorm, situ, attn_res_mix = (torch.compile(f) for f in (rmsnorm, situ, attn_res_mix))
+
+
 class Linear(nn.Module):
     """A bias-free projection whose weight is stored [out, in] like the checkpoint."""
 
@@ -128,11 +138,21 @@ class KDA(nn.Module):
         self.o_norm = norm_weight(c.kda_head_dim)
         self.o_proj = Linear(P, H, std=out_std)
 
-    def conv(self, y, w):
-        """Causal depthwise conv of width W over time, then SiLU. y [B, T, P]."""
+    def conv(self, y, w, tail=None):
+        """Causal depthwise conv of width W over time, then SiLU. y [B, T, P]; `tail` the last
+        W - 1 inputs before y (zeros when None). Returns (output, the new tail). A sum of W shifted
+        products: the same map as a grouped conv1d, without cuDNN's slow deterministic depthwise
+        kernels."""
         W = w.shape[-1]
-        y = F.pad(y.transpose(1, 2), (W - 1, 0))
-        return F.silu(F.conv1d(y, w.to(y.dtype), groups=w.shape[0]).transpose(1, 2))
+        B, T, P = y.shape
+        if tail is None:
+            tail = y.new_zeros(B, W - 1, P)
+        yp = torch.cat([tail.to(y.dtype), y], 1)                   # [B, T + W - 1, P]
+        wt = w.to(y.dtype)[:, 0, :]                                # [P, W]
+        out = yp[:, 0:T] * wt[:, 0]
+        for i in range(1, W):
+            out = out + yp[:, i:i + T] * wt[:, i]
+        return F.silu(out), yp[:, T:].detach() if W > 1 else tail
 
     def gate(self, x):
         c = self.c
@@ -141,21 +161,26 @@ class KDA(nn.Module):
         a = torch.exp(self.A_log.float()[: c.kda_heads])
         return c.gate_lower_bound * torch.sigmoid(a[:, None] * f.reshape(B, T, c.kda_heads, c.kda_head_dim))
 
-    def forward(self, x, chunked=True):
+    def forward(self, x, chunked=True, cache=None):
+        """x [B, T, H]. `cache` (a dict, or None): the state after earlier tokens (`S`, the conv
+        tails), read and replaced, for decoding a sequence in pieces."""
         c = self.c
         B, T, _ = x.shape
         nh, dk = c.kda_heads, c.kda_head_dim
-        q = self.conv(self.q_proj(x), self.q_conv1d).float().reshape(B, T, nh, dk)
-        k = self.conv(self.k_proj(x), self.k_conv1d).float().reshape(B, T, nh, dk)
-        v = self.conv(self.v_proj(x), self.v_conv1d).float().reshape(B, T, nh, dk)
+        cache = {} if cache is None else cache
+        q, tq = self.conv(self.q_proj(x), self.q_conv1d, cache.get("q"))
+        k, tk = self.conv(self.k_proj(x), self.k_conv1d, cache.get("k"))
+        v, tv = self.conv(self.v_proj(x), self.v_conv1d, cache.get("v"))
+        q, k, v = (t.float().reshape(B, T, nh, dk) for t in (q, k, v))
         q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + KDA_L2_EPS) / math.sqrt(dk)
         k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + KDA_L2_EPS)
         g = self.gate(x)
         beta = torch.sigmoid(self.b_proj(x).float())
-        if chunked:
-            o, _ = kda_ops.chunked(q, k, v, g, beta, chunk=16)
+        if chunked and T >= 16:
+            o, S = kda_ops.chunked(q, k, v, g, beta, chunk=16, state=cache.get("S"), g_bound=c.gate_lower_bound)
         else:
-            o, _ = kda_ops.naive(q, k, v, g, beta)
+            o, S = kda_ops.naive(q, k, v, g, beta, state=cache.get("S"))
+        cache.update(q=tq, k=tk, v=tv, S=S.detach())
         o = rmsnorm(o, self.o_norm, c.rms_eps)
         gate = torch.sigmoid(self.g_proj(x).float()).reshape(B, T, nh, dk)
         return self.o_proj((o * gate).reshape(B, T, nh * dk).to(x.dtype))
@@ -175,7 +200,9 @@ class MLA(nn.Module):
         self.g_proj = Linear(H, nh * c.v_head)
         self.o_proj = Linear(nh * c.v_head, H, std=out_std)
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
+        """x [B, T, H]. `cache` (a dict, or None): the keys and values of earlier tokens, read and
+        extended, for decoding a sequence in pieces."""
         c = self.c
         B, T, _ = x.shape
         nh, nope, rope, vd = c.mla_heads, c.qk_nope, c.qk_rope, c.v_head
@@ -187,8 +214,18 @@ class MLA(nn.Module):
         kv = self.kv_b_proj(lat).reshape(B, T, nh, nope + vd)
         k = torch.cat([kv[..., :nope], kpe[:, :, None, :].expand(B, T, nh, rope)], dim=-1)
         v = kv[..., nope:]
+        mask, causal = None, True
+        if cache is not None:
+            if "k" in cache:
+                L0 = cache["k"].shape[1]
+                k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
+                # Row i (position L0 + i) sees keys j <= L0 + i.
+                mask = torch.arange(L0 + T, device=x.device)[None, :] <= (L0 + torch.arange(T, device=x.device))[:, None]
+                causal = False
+            cache.update(k=k.detach(), v=v.detach())
         att = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=(nope + rope) ** -0.5
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal,
+            scale=(nope + rope) ** -0.5,
         ).transpose(1, 2)
         gate = torch.sigmoid(self.g_proj(x).float()).reshape(B, T, nh, vd)
         return self.o_proj((att.float() * gate).reshape(B, T, nh * vd).to(x.dtype))
@@ -219,8 +256,21 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.randn(E, I, Z) * Z ** -0.5)
         self.w2 = nn.Parameter(torch.randn(E, Z, I) * out_std)
 
+    def train(self, mode=True):
+        self._qkey = None             # a mode switch (scoring between steps) re-quantises
+        return super().train(mode)
+
     def quantized(self):
-        return quantize_ste(self.w1), quantize_ste(self.w3), quantize_ste(self.w2)
+        if torch.is_grad_enabled():
+            return quantize_ste(self.w1), quantize_ste(self.w3), quantize_ste(self.w2)
+        # Without gradients (scoring, generation) the weights stand still between optimizer steps:
+        # quantise once per weight version, not once per forward (a decode step would otherwise
+        # re-quantise every expert).
+        key = tuple((w.data_ptr(), w._version) for w in (self.w1, self.w3, self.w2))
+        if getattr(self, "_qkey", None) != key:
+            self._q = tuple(quantize_ste(w).detach() for w in (self.w1, self.w3, self.w2))
+            self._qkey = key
+        return self._q
 
 
 class MoE(nn.Module):
@@ -308,8 +358,11 @@ class K3Model(nn.Module):
         self.output_attn_res_proj = nn.Parameter(torch.zeros(1, c.hidden))
         self.lm_head = nn.Parameter(torch.randn(c.vocab, c.hidden) * c.hidden ** -0.5)
 
-    def forward(self, ids, taps=(), chunked=True, dtype=torch.float32, return_hidden=False):
-        """ids [B, T] -> logits [B, T, vocab] (float32), and {layer: prefix rows} for `taps`."""
+    def forward(self, ids, taps=(), chunked=True, dtype=torch.float32, return_hidden=False, cache=None):
+        """ids [B, T] -> logits [B, T, vocab] (float32), and {layer: prefix rows} for `taps`.
+        `cache` (a dict from `new_cache()`, or None): the attention state after the tokens before
+        `ids`, read and extended, so that a sequence can be fed in pieces (prompt, then tokens one
+        at a time) with the logits of one whole forward."""
         c = self.c
         eps = c.rms_eps
         prefix = self.embed_tokens[ids].float()
@@ -324,7 +377,11 @@ class K3Model(nn.Module):
                 blocks.append(prefix)
                 prefix = None
             xin = rmsnorm(h, layer.input_layernorm, eps).to(dtype)
-            a = layer.self_attn(xin, chunked=chunked) if isinstance(layer.self_attn, KDA) else layer.self_attn(xin)
+            lc = None if cache is None else cache.setdefault(l, {})
+            if isinstance(layer.self_attn, KDA):
+                a = layer.self_attn(xin, chunked=chunked, cache=lc)
+            else:
+                a = layer.self_attn(xin, cache=lc)
             prefix = a.float() if prefix is None else prefix + a.float()
             h = attn_res_mix(blocks + [prefix], layer.mlp_res_norm, layer.mlp_res_proj, eps)
             xf = rmsnorm(h, layer.post_attention_layernorm, eps).to(dtype)
@@ -338,6 +395,10 @@ class K3Model(nn.Module):
             return out, got
         logits = F.linear(out.to(dtype), self.lm_head.to(dtype)).float()
         return (logits, got) if taps else logits
+
+    @staticmethod
+    def new_cache():
+        return {}
 
     def moe_layers(self):
         return [layer.block_sparse_moe for l, layer in enumerate(self.layers) if self.c.is_moe(l)]
