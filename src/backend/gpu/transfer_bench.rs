@@ -27,6 +27,7 @@ pub struct TransferRates {
     pub host_memcpy_fresh_gb_s: f64,
     pub host_memcpy_reused_gb_s: f64,
     pub host_memcpy_fresh_threads_gb_s: f64,
+    /// Into a fresh mapping advised to use transparent huge pages (Linux; elsewhere plain).
     pub host_memcpy_fresh_huge_gb_s: f64,
     pub mapped_write_copy_threads_gb_s: f64,
 }
@@ -134,6 +135,8 @@ impl Gpu {
                     0,
                 );
                 if p != libc::MAP_FAILED {
+                    // Transparent huge pages are Linux's (macOS: a plain fresh mapping).
+                    #[cfg(target_os = "linux")]
                     libc::madvise(p, len, libc::MADV_HUGEPAGE);
                     std::ptr::copy_nonoverlapping(src.as_ptr(), p as *mut u8, bytes);
                     best(&mut fh, t.elapsed().as_secs_f64());

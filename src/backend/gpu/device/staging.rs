@@ -38,10 +38,12 @@ pub(in crate::backend::gpu) const MAPPED: wgpu::BufferUsages =
 pub(in crate::backend::gpu) const UMA_ARENA: wgpu::BufferUsages =
     wgpu::BufferUsages::MAP_WRITE.union(wgpu::BufferUsages::STORAGE);
 
-/// Mapped buffers ready to be written, by usage and size.
+/// Mapped buffers ready to be written, by (usage bits, size).
+type Free = Mutex<HashMap<(u32, u64), Vec<wgpu::Buffer>>>;
+
 #[derive(Default)]
 pub(super) struct MappedPool {
-    free: Arc<Mutex<HashMap<(u32, u64), Vec<wgpu::Buffer>>>>,
+    free: Arc<Free>,
 }
 
 /// Buffers of `size` bytes a pool keeps.
@@ -50,7 +52,7 @@ fn keep(size: u64) -> usize {
 }
 
 /// Puts mapped `b` back into `free` (dropped when its class is full).
-fn put_back(free: &Mutex<HashMap<(u32, u64), Vec<wgpu::Buffer>>>, b: wgpu::Buffer) {
+fn put_back(free: &Free, b: wgpu::Buffer) {
     if let Ok(mut m) = free.lock() {
         let v = m.entry((b.usage().bits(), b.size())).or_default();
         if v.len() < keep(b.size()) {
