@@ -18,7 +18,7 @@ use super::ceiling::{CeilingProbe, ceiling_json, mean_gbps};
 use super::cold::{self, Emptied};
 use crate::engine::{Engine, EngineConfig, EngineError, GenerateOptions};
 use crate::model::ModelFiles;
-use crate::spec::{DraftKind, OracleDrafter, Speculator};
+use crate::draft::{DraftKind, OracleDrafter, Speculator};
 use crate::store::placement::{Manifest, manifest_path};
 use serde_json::{Value, json};
 use std::path::PathBuf;
@@ -151,8 +151,8 @@ fn one_run(
     let engine = open_engine(config)?;
     let mut spec = match a.draft {
         BenchDraft::Off => None,
-        BenchDraft::Ngram => crate::spec::drafter_for(DraftKind::Ngram, &engine)?.map(Speculator::new),
-        BenchDraft::Dspark => crate::spec::drafter_for(DraftKind::Dspark, &engine)?.map(Speculator::new),
+        BenchDraft::Ngram => engine.speculator(DraftKind::Ngram)?,
+        BenchDraft::Dspark => engine.speculator(DraftKind::Dspark)?,
         BenchDraft::Oracle => oracle.take(),
     };
     let plan = engine.plan.clone();
@@ -163,7 +163,7 @@ fn one_run(
     let prefill_start = unix();
     let t0 = Instant::now();
     match &mut spec {
-        Some(sp) => sp.prefill(&mut session, prompt),
+        Some(sp) => session.prefill_with(prompt, sp),
         None => session.prefill(prompt),
     }
     .map_err(prefill_failed)?;

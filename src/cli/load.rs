@@ -9,7 +9,7 @@ use crate::engine::{Engine, EngineConfig};
 use crate::model::generation::GenerationDefaults;
 use crate::model::{Checkpoint, K3Config, Roster};
 use crate::serve::api::SamplingDefaults;
-use crate::spec::DraftKind;
+use crate::draft::DraftKind;
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

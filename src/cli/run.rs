@@ -18,7 +18,7 @@ use crate::engine::GenerateOptions;
 use crate::model::chat::{ChatOptions, ChatTemplate};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::sample::{Sampler, SamplingParams};
-use crate::spec::{DraftKind, Speculator, WidthPolicy};
+use crate::draft::{DraftKind, WidthPolicy};
 use anyhow::{Context, Result, bail};
 use std::io::{Read, Write};
 use std::path::Path;
@@ -116,7 +116,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let mut config = a.engine.config(dir.clone(), a.kda.into(), rows, 0);
     config.context = load::run_context(&dir, config.context, prompt.len().saturating_add(a.max_new));
     let engine = load::open_engine(config)?;
-    let mut spec = crate::spec::drafter_for(a.draft, &engine)?.map(Speculator::new);
+    let mut spec = engine.speculator(a.draft)?;
     if let Some(t) = &tok {
         engine.check_tokenizer(t)?;
     }
@@ -156,7 +156,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let t0 = Instant::now();
     session.watch_prefill(Some(report::prefill_watcher(progress::mode(a.quiet))));
     let prefilled = match &mut spec {
-        Some(sp) => sp.prefill(&mut session, &prompt).map(|_| ()),
+        Some(sp) => session.prefill_with(&prompt, sp).map(|_| ()),
         None => session.prefill(&prompt).map(|_| ()),
     };
     // Ctrl-C stops the prefill: nothing generated, what was measured still reported.

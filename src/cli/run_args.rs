@@ -4,7 +4,7 @@
 
 use super::{KdaArg, TokenIds};
 use crate::model::chat::Thinking;
-use crate::spec::DraftKind;
+use crate::draft::DraftKind;
 use clap::{ArgGroup, Args, ValueEnum};
 use std::path::PathBuf;
 

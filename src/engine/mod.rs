@@ -5,25 +5,27 @@
 //! (`Arc`, memory-mapped), checked roster, resident trunk (loaded once), backend, expert source and
 //! memory plan — or a typed error naming the file and field; nothing is allocated past the memory
 //! budget. An `Engine` is `Send + Sync` and is shared across threads behind an `Arc`; all
-//! per-sequence state lives in [`Session`]s. [`Engine::forward_sessions`] runs rows of several
-//! sessions through one layer loop (one expert-union read per layer for all of them).
+//! per-sequence state lives in [`Session`]s. Every path that feeds rows — a session's prefill,
+//! score, generation with or without drafts, several sessions together, continuous batching —
+//! runs the one step core (`step.rs`): the rows of every active sequence through one layer loop
+//! (one expert-union read per layer for all of them), then each picks or accepts and commits.
 
-mod batch;
 pub mod compare;
 mod config;
-mod drive;
+mod continuous;
 mod facts;
 mod kernel_rate;
-mod lanes;
+mod lane;
 pub mod perplexity;
+mod run;
 pub(crate) mod session;
-mod step_cost;
+mod step;
 pub mod trunk;
 
-pub use batch::{BatchSeq, prefill_passes};
 pub use config::{EngineConfig, ExpertHeat, ExpertsFrom};
-pub use drive::{LaneError, LaneHost};
-pub use lanes::{Lane, LaneDrafts};
+pub use continuous::{LaneError, LaneHost};
+pub use lane::Lane;
+pub use run::{BatchSeq, prefill_passes};
 pub use session::{GenerateOptions, Generation, PrefillProgress, PrefillWatcher, Session, StopReason};
 // The settings and errors of the engine's API that are defined further down.
 pub use crate::backend::BackendKind;
@@ -31,6 +33,7 @@ pub use crate::k3::weights::Trunk;
 pub use crate::k3::{ForwardError, KdaMode};
 
 use crate::backend::{DeviceTraffic, OpTime, SequenceState};
+use crate::draft::{DraftError, DraftKind, Drafter, Speculator};
 use crate::k3::dspark::DSparkModel;
 use crate::k3::{K3, LoadError};
 use crate::memory::{BudgetError, MemoryPlan, activation_bytes, machine_available};
@@ -404,6 +407,17 @@ impl Engine {
             }
         };
         Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, trunk, device: backend, draft, source, store, plan }))
+    }
+
+    /// The drafter `kind` names (None for `Off`); DSpark drafts with this engine's draft model.
+    pub fn drafter(&self, kind: DraftKind) -> Result<Option<Box<dyn Drafter>>, DraftError> {
+        crate::draft::drafter_for(kind, self.draft.as_ref())
+    }
+
+    /// A sequence's drafter for `kind` with the width policy and the live cost model (None for
+    /// `Off`).
+    pub fn speculator(&self, kind: DraftKind) -> Result<Option<Speculator>, DraftError> {
+        Ok(self.drafter(kind)?.map(Speculator::new))
     }
 
     /// A new, empty sequence on this engine.

@@ -8,8 +8,8 @@
 
 use crate::backend::{AppendBuf, BackendError};
 use crate::k3::dspark::{DSparkModel, MAX_DRAFT_CONTEXT};
-use crate::sched::RowsOut;
-use crate::spec::Drafter;
+use crate::k3::forward::RowsOut;
+use super::Drafter;
 use std::sync::Arc;
 
 pub struct DSparkDrafter {
