@@ -31,9 +31,9 @@ pub async fn run(listener: TcpListener, app: Router, read_timeout: Duration, shu
     let (open, mut open_rx) = tokio::sync::mpsc::channel::<()>(1);
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
-                Ok((s, _)) => s,
+                Ok(s) => s,
                 Err(e) => {
                     // Out of descriptors and the like: wait rather than spin; the listener stays.
                     tracing::warn!("accepting a connection failed: {e}");
@@ -45,7 +45,8 @@ pub async fn run(listener: TcpListener, app: Router, read_timeout: Duration, shu
         };
         // Streamed tokens go out as they are written, not when a segment fills.
         let _ = stream.set_nodelay(true);
-        let svc = TowerToHyperService::new(app.clone());
+        // The client's address, for the access log.
+        let svc = TowerToHyperService::new(app.clone().layer(axum::Extension(axum::extract::ConnectInfo(peer))));
         let (mut close_rx, open) = (close_rx.clone(), open.clone());
         tokio::spawn(async move {
             let mut b = hyper::server::conn::http1::Builder::new();
