@@ -4,6 +4,7 @@
 mod batch;
 mod bench;
 mod bench_run;
+mod chat;
 mod engine;
 mod help;
 mod load;
@@ -20,6 +21,8 @@ mod serve;
 mod setup;
 mod synth;
 
+pub use run_args::{TokenIds, parse_ids};
+
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
@@ -35,7 +38,7 @@ pub struct Cli {
 }
 
 /// The subcommands' names (for the tip on a mistyped one).
-const SUBCOMMANDS: &[&str] = &["run", "score", "synth", "place", "bench", "setup", "batch", "serve"];
+const SUBCOMMANDS: &[&str] = &["run", "chat", "score", "synth", "place", "bench", "setup", "batch", "serve"];
 
 /// `--threads`, on the subcommands whose kernels run on the thread pool.
 #[derive(clap::Args, Clone, Copy, Debug, Default)]
@@ -51,6 +54,8 @@ enum Cmd {
     /// Generate from a prompt (greedy, or sampled with --temperature).
     #[command(after_help = help::RUN)]
     Run(run::RunArgs),
+    /// Chat with the model in the terminal (history, /commands; reads stdin when it is not a terminal).
+    Chat(chat::ChatArgs),
     /// Compute logits at every position of a prompt and write them to a safetensors file.
     #[command(after_help = help::SCORE)]
     Score(score::ScoreArgs),
@@ -85,6 +90,7 @@ impl Cmd {
     fn threads(&self) -> Option<usize> {
         match self {
             Cmd::Run(a) => a.threads.threads,
+            Cmd::Chat(a) => a.threads.threads,
             Cmd::Score(a) => a.threads.threads,
             Cmd::Synth(a) => a.threads.threads,
             Cmd::Bench(a) => a.threads(),
@@ -181,6 +187,7 @@ pub fn main() -> ExitCode {
     }
     let result = match cli.cmd {
         Cmd::Run(a) => run::run(a),
+        Cmd::Chat(a) => chat::run(a),
         Cmd::Score(a) => score::run(a),
         Cmd::Synth(a) => synth::run(a),
         Cmd::Place(a) => place::run(a),
@@ -278,21 +285,4 @@ pub(crate) fn check_outputs<'a>(
         }
     }
     Ok(())
-}
-
-/// Token ids given on the command line as "1,2,3".
-#[derive(Clone, Debug)]
-pub struct TokenIds(pub Vec<u32>);
-
-/// Parses "1,2,3" (spaces allowed) into token ids (public for the fuzz targets).
-pub fn parse_ids(s: &str) -> Result<TokenIds, String> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-        .map(|t| {
-            t.parse::<u32>()
-                .map_err(|_| format!("`{t}` is not a token id (expected comma-separated non-negative integers)"))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .and_then(|v| if v.is_empty() { Err("the prompt is empty".to_string()) } else { Ok(TokenIds(v)) })
 }

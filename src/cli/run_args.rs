@@ -1,6 +1,6 @@
 //! The arguments of `deltafin run` (shared by `run` and `run_many`).
 
-use super::{KdaArg, TokenIds};
+use super::KdaArg;
 use crate::model::chat::Thinking;
 use crate::spec::DraftKind;
 use clap::{ArgGroup, Args, ValueEnum};
@@ -47,9 +47,14 @@ pub struct RunArgs {
     /// System message for --chat.
     #[arg(long, requires = "chat")]
     pub system: Option<String>,
-    /// Thinking effort for --chat (the template's default is max; off answers directly).
-    #[arg(long, value_enum, default_value_t = Thinking::Max)]
-    pub thinking: Thinking,
+    /// Thinking effort for --chat (default: the model's, from its generation_config.json's
+    /// chat_template_kwargs, else the template's, max; off answers directly).
+    #[arg(long, value_enum)]
+    pub thinking: Option<Thinking>,
+    /// With --chat, do not show the model's reasoning (the thinking channel; shown dimmed on
+    /// stderr by default).
+    #[arg(long, requires = "chat")]
+    pub hide_reasoning: bool,
     /// Maximum number of tokens to generate.
     #[arg(long, default_value_t = 256)]
     pub max_new: usize,
@@ -79,6 +84,13 @@ pub struct RunArgs {
     /// with --demo the demo's generation_config.json.
     #[arg(long)]
     pub top_p: Option<f64>,
+    /// Keep only the K most likely tokens when sampling (default 0: off, or the demo's).
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+    /// Keep only tokens at least P times as likely as the most likely when sampling (0..=1;
+    /// default 0: off, or the demo's).
+    #[arg(long, value_name = "P")]
+    pub min_p: Option<f64>,
     /// Seed of the sampler (default: a fresh one, printed; the same seed gives the same output).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -93,4 +105,31 @@ pub struct RunArgs {
     pub kda: KdaArg,
     #[command(flatten)]
     pub threads: super::Threads,
+}
+
+impl RunArgs {
+    /// `--thinking`, else the model's default (its generation_config.json, else the template's).
+    pub fn thinking(&self, dir: &std::path::Path) -> anyhow::Result<Thinking> {
+        Ok(match self.thinking {
+            Some(t) => t,
+            None => crate::model::generation::default_thinking(dir)?,
+        })
+    }
+}
+
+/// Token ids given on the command line as "1,2,3".
+#[derive(Clone, Debug)]
+pub struct TokenIds(pub Vec<u32>);
+
+/// Parses "1,2,3" (spaces allowed) into token ids (public for the fuzz targets).
+pub fn parse_ids(s: &str) -> Result<TokenIds, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            t.parse::<u32>()
+                .map_err(|_| format!("`{t}` is not a token id (expected comma-separated non-negative integers)"))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(|v| if v.is_empty() { Err("the prompt is empty".to_string()) } else { Ok(TokenIds(v)) })
 }

@@ -160,8 +160,17 @@ pub(super) fn run_many(
         host.gens.into_iter().map(|g| g.context("a prompt did not finish")).collect::<Result<_>>()?;
     stats.source = Some(engine.source_report());
     let mut out = std::io::stdout().lock();
+    let tok = tok.map(Arc::new);
+    let thinking = if a.chat { Some(a.thinking(&dir)?) } else { None };
     for (p, g) in prompts.iter().zip(&gens) {
-        let text = tok.as_ref().map(|t| answer_text(t, &g.tokens, &stops)).transpose()?;
+        // A chat answer: its response channel, its reasoning apart, no tag (as `run` alone).
+        let (text, reasoning) = match (&tok, thinking) {
+            (Some(t), Some(th)) => {
+                let (c, r) = crate::serve::answer::Answer::chat_text(Arc::clone(t), &g.tokens, &stops, th);
+                (Some(c), Some(r))
+            }
+            _ => (tok.as_ref().map(|t| answer_text(t, &g.tokens, &stops)).transpose()?, None),
+        };
         match a.format {
             Format::Text => {
                 let ids = || g.tokens.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
@@ -171,6 +180,9 @@ pub(super) fn run_many(
                 let mut obj = serde_json::json!({"prompt_ids": p, "output_ids": g.tokens});
                 if let Some(t) = text {
                     obj["text"] = serde_json::Value::String(t);
+                }
+                if let Some(r) = reasoning {
+                    obj["reasoning"] = serde_json::Value::String(r);
                 }
                 writeln!(out, "{obj}")?;
             }
