@@ -7,6 +7,7 @@ mod batch;
 mod batch_io;
 mod bench;
 mod bench_run;
+mod chat;
 mod engine;
 mod help;
 mod load;
@@ -30,9 +31,11 @@ mod signals;
 mod synth;
 mod version;
 
+pub use run_args::{TokenIds, parse_ids};
+
 use clap::{Parser, Subcommand};
 pub(crate) use parse::{
-    parse_gb, parse_gb_positive, parse_qd, parse_seconds, parse_temperature, parse_threads, parse_top_p,
+    parse_gb, parse_gb_positive, parse_min_p, parse_qd, parse_seconds, parse_temperature, parse_threads, parse_top_p,
 };
 use std::process::ExitCode;
 
@@ -49,7 +52,7 @@ pub struct Cli {
 
 /// The subcommands' names (for the tip on a mistyped one).
 const SUBCOMMANDS: &[&str] =
-    &["run", "score", "synth", "place", "pack-trunk", "plan", "bench", "setup", "batch", "serve", "completions"];
+    &["run", "chat", "score", "synth", "place", "pack-trunk", "plan", "bench", "setup", "batch", "serve", "completions"];
 
 /// `--threads`, on the subcommands whose kernels run on the thread pool.
 #[derive(clap::Args, Clone, Copy, Debug, Default)]
@@ -65,6 +68,8 @@ enum Cmd {
     /// Generate from a prompt (greedy, or sampled with --temperature).
     #[command(after_help = help::RUN)]
     Run(run::RunArgs),
+    /// Chat with the model in the terminal (history, /commands; reads stdin when it is not a terminal).
+    Chat(chat::ChatArgs),
     /// Compute logits at every position of a prompt and write them to a safetensors file.
     #[command(after_help = help::SCORE)]
     Score(score::ScoreArgs),
@@ -102,6 +107,7 @@ impl Cmd {
     fn threads(&self) -> Option<usize> {
         match self {
             Cmd::Run(a) => a.threads.threads,
+            Cmd::Chat(a) => a.threads.threads,
             Cmd::Score(a) => a.threads.threads,
             Cmd::Synth(a) => a.threads.threads,
             Cmd::Bench(a) => a.threads(),
@@ -172,6 +178,7 @@ pub fn main() -> ExitCode {
     }
     let result = match cli.cmd {
         Cmd::Run(a) => run::run(a),
+        Cmd::Chat(a) => chat::run(a),
         Cmd::Score(a) => score::run(a),
         Cmd::Synth(a) => synth::run(a),
         Cmd::Place(a) => place::run(a),
@@ -223,21 +230,4 @@ pub(crate) fn check_outputs<'a>(
         }
     }
     Ok(())
-}
-
-/// Token ids given on the command line as "1,2,3".
-#[derive(Clone, Debug)]
-pub struct TokenIds(pub Vec<u32>);
-
-/// Parses "1,2,3" (spaces allowed) into token ids (public for the fuzz targets).
-pub fn parse_ids(s: &str) -> Result<TokenIds, String> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-        .map(|t| {
-            t.parse::<u32>()
-                .map_err(|_| format!("`{t}` is not a token id (expected comma-separated non-negative integers)"))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .and_then(|v| if v.is_empty() { Err("the prompt is empty".to_string()) } else { Ok(TokenIds(v)) })
 }
