@@ -42,7 +42,7 @@ pub fn decode_bf16(table: &[u8; 8], sm: &[u8], idx: &[u8], esc: &[u8], out: &mut
 }
 
 /// Byte `j` of `SPREAD[b]` is bit `j` of `b`: eight plane bits to eight index bytes at once.
-const SPREAD: [u64; 256] = {
+pub(super) const SPREAD: [u64; 256] = {
     let mut t = [0u64; 256];
     let mut b = 0;
     while b < 256 {

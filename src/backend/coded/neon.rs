@@ -1,29 +1,14 @@
 //! The coded block decoder with NEON (aarch64): one whole 64-value block of a row to the bf16 low
 //! and high bytes of its values, in registers — what `decode.rs`'s AVX-512 block decoder does with
-//! mask registers and byte expands, here with table lookups and shift-inserts. Used by
+//! mask registers and byte expands, here with the portable decoder's bit-spreading table on the
+//! general registers, one table lookup for the exponents and shift-inserts. Used by
 //! [`super::decode::decode_bf16`] and by the matrix-vector product that decodes straight into its
 //! FMAs (`backend/cpu/neon/coded.rs`). Gives the portable decoder's bytes exactly (unit test in
 //! `decode.rs`).
 
+use super::decode::SPREAD;
 use super::{BLOCK, BLOCK_BYTES};
 use std::arch::aarch64::*;
-
-/// Per lane of a quarter (16 values: two bytes of each plane), the plane byte it reads.
-const DUP: [[u8; 16]; 4] = {
-    let mut t = [[0u8; 16]; 4];
-    let mut k = 0;
-    while k < 4 {
-        let mut l = 0;
-        while l < 16 {
-            t[k][l] = (2 * k + l / 8) as u8;
-            l += 1;
-        }
-        k += 1;
-    }
-    t
-};
-/// Per lane, the left shift that brings its value's plane bit (bit `l % 8` of its byte) to bit 7.
-const TO_TOP: [i8; 16] = [7, 6, 5, 4, 3, 2, 1, 0, 7, 6, 5, 4, 3, 2, 1, 0];
 
 /// The exponent table in the register form [`block`] takes (indices 0..8 read its first bytes).
 ///
@@ -37,18 +22,19 @@ pub fn table(table: &[u8; 8]) -> uint8x16_t {
 }
 
 /// One whole block of a row in registers: the bf16 low bytes and high bytes of its 64 values,
-/// quarter `k` holding values 16k..16k+16. Each quarter's three plane bits per value come from a
-/// byte lookup (the plane byte to every lane of its value) and a per-lane shift (the value's bit to
-/// the top), stacked by two shift-inserts into the 3-bit index; a lookup in the table gives the
+/// quarter `k` holding values 16k..16k+16. The index bytes of eight values come from their three
+/// plane bytes as the portable decoder makes them (`SPREAD`: three table loads, shifts and ors on
+/// the general registers, which run beside the vector pipes); a lookup in the table gives the
 /// exponents. A block with escapes (index 7: rare on trained weights) has its exponent bytes
 /// replaced in column order from the row's escape list, `*used` advancing past them. Sign,
 /// exponent and mantissa are placed by one shift-insert each.
 ///
 /// # Safety
 /// `idx` has 24 readable bytes, `sm` 64, and `esc.add(*used)` as many as the block has escape
-/// indices (the row's parts are consistent: `CodedMat::check`).
-#[target_feature(enable = "neon")]
-#[inline]
+/// indices (the row's parts are consistent: `CodedMat::check`). Always inlined (so not a
+/// target-feature function: NEON is part of every aarch64 target): returned through the stack,
+/// its eight registers cost more than the block's work.
+#[inline(always)]
 pub unsafe fn block(
     tab: uint8x16_t,
     sm: *const u8,
@@ -58,20 +44,16 @@ pub unsafe fn block(
 ) -> ([uint8x16_t; 4], [uint8x16_t; 4]) {
     // SAFETY: the reads are the ones the caller vouches for.
     unsafe {
-        let p01 = vld1q_u8(idx);
-        let p2 = vcombine_u8(vld1_u8(idx.add(16)), vdup_n_u8(0));
-        let to_top = vld1q_s8(TO_TOP.as_ptr());
-        let mut e: [uint8x16_t; 4] = std::array::from_fn(|k| {
-            let d = vld1q_u8(DUP[k].as_ptr());
-            let b0 = vshlq_u8(vqtbl1q_u8(p01, d), to_top);
-            let b1 = vshlq_u8(vqtbl1q_u8(p01, vaddq_u8(d, vdupq_n_u8(8))), to_top);
-            let b2 = vshlq_u8(vqtbl1q_u8(p2, d), to_top);
-            // Bits 7, 6, 5 = index bits 2, 1, 0; the bits below are dropped by the shift.
-            let ix = vshrq_n_u8::<5>(vsriq_n_u8::<2>(vsriq_n_u8::<1>(b2, b1), b0));
-            vqtbl1q_u8(tab, ix)
-        });
         let pp = idx as *const u64;
-        let mut kesc = pp.read_unaligned() & pp.add(1).read_unaligned() & pp.add(2).read_unaligned();
+        let p = [pp.read_unaligned(), pp.add(1).read_unaligned(), pp.add(2).read_unaligned()];
+        // The index bytes of values 8g..8g+8.
+        let ids = |g: usize| {
+            let byte = |w: u64| SPREAD[(w >> (8 * g)) as u8 as usize];
+            byte(p[0]) | byte(p[1]) << 1 | byte(p[2]) << 2
+        };
+        let mut e: [uint8x16_t; 4] =
+            std::array::from_fn(|k| vqtbl1q_u8(tab, vcombine_u8(vcreate_u8(ids(2 * k)), vcreate_u8(ids(2 * k + 1)))));
+        let mut kesc = p[0] & p[1] & p[2];
         if kesc != 0 {
             let mut bytes = [0u8; BLOCK];
             for (k, v) in e.iter().enumerate() {
@@ -97,6 +79,7 @@ pub unsafe fn block(
 /// # Safety
 /// Requires neon; the parts are consistent (`CodedMat::check`) and hold `blocks` whole blocks.
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(super) unsafe fn decode_blocks(
     table_bytes: &[u8; 8],
     sm: &[u8],

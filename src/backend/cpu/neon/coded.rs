@@ -17,6 +17,7 @@ use std::arch::aarch64::*;
 /// Requires neon; `m` passed `CodedMat::check`; every row index is below `m.rows` and
 /// `x.len() == m.cols`.
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn dot4_coded(m: &CodedMat, rows: [usize; 4], x: &[f32]) -> [f32; 4] {
     let n = x.len();
     let whole = n / BLOCK_VALUES;

@@ -17,6 +17,7 @@ fn fma4(acc: &mut Q4, w: Q4, x: Q4) {
 /// # Safety
 /// Requires neon; each `w[r]` holds exactly `2 * x.len()` bytes.
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn dot4_bf16(w: [&[u8]; 4], x: &[f32]) -> [f32; 4] {
     let n = x.len();
     let full = n / LANES;
@@ -46,6 +47,7 @@ pub(in crate::backend::cpu) unsafe fn dot4_bf16(w: [&[u8]; 4], x: &[f32]) -> [f3
 /// # Safety
 /// Requires neon; every `b[r]` has `a.len()` elements.
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn dot4_f32(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
     let n = a.len();
     let full = n / LANES;
@@ -75,6 +77,7 @@ pub(in crate::backend::cpu) unsafe fn dot4_f32(a: &[f32], b: [&[f32]; 4]) -> [f3
 /// # Safety
 /// Requires neon; `a` and `b` have the same length.
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn dot1_f32(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len();
     let full = n / LANES;
@@ -91,32 +94,42 @@ pub(in crate::backend::cpu) unsafe fn dot1_f32(a: &[f32], b: &[f32]) -> f32 {
     reduce4q(acc)
 }
 
-/// Dots of four MXFP4 rows with one deinterleaved input. Per block the low-nibble values of all
-/// four rows meet the even inputs, then the high-nibble values the odd ones: every lane still
-/// takes its low value before its high one, block after block, as the reference does, and only
-/// four input registers are live beside the 16 accumulators.
+/// Dots of four MXFP4 rows with one deinterleaved input: two rows at a time ([`dot2_mxfp4`]).
 ///
 /// # Safety
 /// Requires neon; `xd.len()` is a multiple of 32 and matches every row (2 codes a byte, one scale
 /// per 32 inputs).
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn dot4_mxfp4(w: [(&[u8], &[u8]); 4], xd: &[f32]) -> [f32; 4] {
+    // SAFETY: the caller's promise, passed on.
+    let ([a, b], [c, d]) = unsafe { (dot2_mxfp4([w[0], w[1]], xd), dot2_mxfp4([w[2], w[3]], xd)) };
+    [a, b, c, d]
+}
+
+/// Dots of two MXFP4 rows with one deinterleaved input. Per block each row's low-nibble values
+/// meet the even inputs, then its high-nibble values the odd ones: every lane takes its low value
+/// before its high one, block after block, as the reference does. Two rows (8 accumulator
+/// registers, the block's inputs loaded once for both) keep every value in a register; four
+/// spilled accumulators to the stack.
+///
+/// # Safety
+/// As [`dot4_mxfp4`].
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn dot2_mxfp4(w: [(&[u8], &[u8]); 2], xd: &[f32]) -> [f32; 2] {
     let lut = E2m1Lut::new();
-    let mut acc = [zero4(); 4];
+    let mut acc = [zero4(); 2];
     for b in 0..xd.len() / 32 {
         // SAFETY: block b lies inside xd (32 floats) and inside each row (16 bytes, 1 scale).
         unsafe {
             let xp = xd.as_ptr().add(32 * b);
-            let codes: [(uint8x16_t, uint8x16_t); 4] =
-                std::array::from_fn(|r| mxfp4_codes(w[r].0.as_ptr().add(16 * b)));
-            let s: [float32x4_t; 4] = std::array::from_fn(|r| vdupq_n_f32(e8m0(*w[r].1.get_unchecked(b))));
-            let xe = load16(xp);
-            for r in 0..4 {
-                fma4(&mut acc[r], lut.values(codes[r].0, s[r]), xe);
-            }
-            let xo = load16(xp.add(16));
-            for r in 0..4 {
-                fma4(&mut acc[r], lut.values(codes[r].1, s[r]), xo);
+            let (xe, xo) = (load16(xp), load16(xp.add(16)));
+            for r in 0..2 {
+                let (lo, hi) = mxfp4_codes(w[r].0.as_ptr().add(16 * b));
+                let s = vdupq_n_f32(e8m0(w[r].1[b]));
+                fma4(&mut acc[r], lut.values(lo, s), xe);
+                fma4(&mut acc[r], lut.values(hi, s), xo);
             }
         }
     }
@@ -128,6 +141,7 @@ pub(in crate::backend::cpu) unsafe fn dot4_mxfp4(w: [(&[u8], &[u8]); 4], xd: &[f
 /// # Safety
 /// Requires neon; `out.len() == 2 * packed.len() == 32 * scales.len()`.
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn decode_mxfp4_row(packed: &[u8], scales: &[u8], out: &mut [f32]) {
     let lut = E2m1Lut::new();
     for (b, &scale) in scales.iter().enumerate() {
@@ -136,8 +150,10 @@ pub(in crate::backend::cpu) unsafe fn decode_mxfp4_row(packed: &[u8], scales: &[
             let (lo, hi) = mxfp4_codes(packed.as_ptr().add(16 * b));
             let s = vdupq_n_f32(e8m0(scale));
             let o = out.as_mut_ptr().add(32 * b);
-            for (k, v) in lut.values(lo, s).into_iter().chain(lut.values(hi, s)).enumerate() {
-                vst1q_f32(o.add(4 * k), v);
+            let (l, h) = (lut.values(lo, s), lut.values(hi, s));
+            for k in 0..4 {
+                vst1q_f32(o.add(4 * k), l[k]);
+                vst1q_f32(o.add(16 + 4 * k), h[k]);
             }
         }
     }
@@ -148,6 +164,7 @@ pub(in crate::backend::cpu) unsafe fn decode_mxfp4_row(packed: &[u8], scales: &[
 /// # Safety
 /// Requires neon; `row.len() == 2 * out.len()`.
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn decode_bf16_row(row: &[u8], out: &mut [f32]) {
     let n = out.len();
     let full = n / LANES;
@@ -155,7 +172,7 @@ pub(in crate::backend::cpu) unsafe fn decode_bf16_row(row: &[u8], out: &mut [f32
         // SAFETY: c * 16 + 16 <= n values of the row and of out.
         unsafe {
             let o = out.as_mut_ptr().add(c * LANES);
-            for (k, v) in load_bf16x16(row.as_ptr().add(c * 2 * LANES)).into_iter().enumerate() {
+            for (k, &v) in load_bf16x16(row.as_ptr().add(c * 2 * LANES)).iter().enumerate() {
                 vst1q_f32(o.add(4 * k), v);
             }
         }

@@ -26,6 +26,7 @@ unsafe fn scaled(p: *const i8, s: float32x4_t) -> Q4 {
 /// # Safety
 /// Requires neon; every `q[r]` has `x.len()` codes.
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn dot4_int8(q: [&[i8]; 4], s: [f32; 4], x: &[f32]) -> [f32; 4] {
     let n = x.len();
     let full = n / LANES;

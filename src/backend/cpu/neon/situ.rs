@@ -142,6 +142,7 @@ fn sigmoid(x: V) -> V {
 /// # Safety
 /// Requires neon; the three slices have the same length.
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn situ_rows(s: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
     let n = out.len();
     let full = n / 4 * 4;

@@ -18,6 +18,7 @@ use std::arch::aarch64::*;
 /// # Safety
 /// Requires neon; all eight slices have the same length.
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn dot4x4_tile(w: [&[f32]; 4], x: [&[f32]; 4], acc: &mut [[f32; LANES]; 16]) {
     let n = w[0].len();
     let full = n / LANES;
@@ -68,6 +69,7 @@ pub(in crate::backend::cpu) unsafe fn dot4x4_tile(w: [&[f32]; 4], x: [&[f32]; 4]
 /// # Safety
 /// Requires neon; all eight slices have the same length.
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn dot4x4_f32(w: [&[f32]; 4], x: [&[f32]; 4]) -> [[f32; 4]; 4] {
     // One tile over all columns from zero accumulators; the lane sums go through the same tree.
     let mut acc = [[0f32; LANES]; 16];
@@ -85,6 +87,7 @@ pub(in crate::backend::cpu) unsafe fn dot4x4_f32(w: [&[f32]; 4], x: [&[f32]; 4])
 /// Requires neon; every `x[i].len()` is the same multiple of 32 and matches every row (2 codes a
 /// byte, one scale per 32 inputs).
 #[target_feature(enable = "neon")]
+#[inline(never)]
 pub(in crate::backend::cpu) unsafe fn dot4xn_mxfp4<const NX: usize>(
     w: [(&[u8], &[u8]); 4],
     x: [&[f32]; NX],
