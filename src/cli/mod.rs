@@ -19,6 +19,7 @@ mod score;
 mod serve;
 mod setup;
 mod synth;
+mod verify;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -35,7 +36,7 @@ pub struct Cli {
 }
 
 /// The subcommands' names (for the tip on a mistyped one).
-const SUBCOMMANDS: &[&str] = &["run", "score", "synth", "place", "bench", "setup", "batch", "serve"];
+const SUBCOMMANDS: &[&str] = &["run", "score", "synth", "place", "bench", "setup", "batch", "serve", "verify"];
 
 /// `--threads`, on the subcommands whose kernels run on the thread pool.
 #[derive(clap::Args, Clone, Copy, Debug, Default)]
@@ -78,6 +79,8 @@ enum Cmd {
     /// OpenAI-compatible HTTP server (chat, completions, streaming, metrics, a chat page at /).
     #[command(after_help = help::SERVE)]
     Serve(serve::ServeArgs),
+    /// Check every byte of a model's files against their recorded checksums (records them first if none).
+    Verify(verify::VerifyArgs),
 }
 
 impl Cmd {
@@ -90,7 +93,7 @@ impl Cmd {
             Cmd::Bench(a) => a.threads(),
             Cmd::Batch(a) => a.threads.threads,
             Cmd::Serve(a) => a.threads.threads,
-            Cmd::Place(_) | Cmd::Setup(_) | Cmd::PackTrunk(_) | Cmd::Plan(_) => None,
+            Cmd::Place(_) | Cmd::Setup(_) | Cmd::PackTrunk(_) | Cmd::Plan(_) | Cmd::Verify(_) => None,
         }
     }
 }
@@ -190,6 +193,7 @@ pub fn main() -> ExitCode {
         Cmd::Setup(a) => setup::run(a),
         Cmd::Serve(a) => serve::run(a),
         Cmd::Batch(a) => batch::run(a),
+        Cmd::Verify(a) => verify::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

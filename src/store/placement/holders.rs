@@ -53,8 +53,15 @@ fn shard_holder(loc: &crate::model::roster::ExpertLoc, drive: u16, tier: u8) -> 
     h
 }
 
-/// Holder map for experts read straight from the shipped shards (no placement).
-pub fn shard_spec(ck: &Checkpoint, roster: &Roster, model_dir: &Path, qd: usize, gbps: f64) -> Option<StoreSpec> {
+/// Holder map for experts read straight from the shipped shards (no placement), each read checked
+/// against the checkpoint's recorded checksums of its records.
+pub fn shard_spec(
+    ck: &std::sync::Arc<Checkpoint>,
+    roster: &Roster,
+    model_dir: &Path,
+    qd: usize,
+    gbps: f64,
+) -> Option<StoreSpec> {
     let layout = roster.expert_layout.clone()?;
     let files: Vec<(u16, PathBuf)> = (0..ck.shards.len()).map(|s| (0u16, ck.shard_path(s).to_path_buf())).collect();
     let holders = roster
@@ -67,7 +74,7 @@ pub fn shard_spec(ck: &Checkpoint, roster: &Roster, model_dir: &Path, qd: usize,
         drives: vec![DriveSpec { root: model_dir.to_path_buf(), gbps, qd }],
         files,
         holders,
-        checksums: None,
+        checksums: crate::store::sums::ExpertSums::records(ck, roster),
     })
 }
 
@@ -150,5 +157,5 @@ pub fn manifest_spec(
         sums[ml.layer] = Some(ml.experts.iter().map(|x| u64::from_str_radix(&x.xxh3, 16).unwrap_or(0)).collect());
         holders[ml.layer] = Some(per);
     }
-    Ok(StoreSpec { layout, drives, files, holders, checksums: Some(sums) })
+    Ok(StoreSpec { layout, drives, files, holders, checksums: Some(crate::store::sums::ExpertSums::whole(sums)) })
 }
