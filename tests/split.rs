@@ -94,7 +94,7 @@ fn a_failed_range_or_a_corrupt_copy_fails_over_with_the_same_bytes() {
     let len = m.roster.expert_layout.as_ref().unwrap().len as u64;
     assert!(st.read_log().iter().any(|(_, _, l)| *l < len), "no read was split");
     let r = st.report();
-    assert!(r.drives[1].failed.is_some() && r.drives[0].failed.is_none(), "{:?}", r.drives);
+    assert!(r.drives[1].last_failure.is_some() && r.drives[0].last_failure.is_none(), "{:?}", r.drives);
     // A short range on drive 2: the same.
     let st = store(&m, &man, MIN);
     st.inject_fault(FaultPlan { drive: 2, kind: FaultKind::Short, skip: 1, times: 1 });

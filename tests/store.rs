@@ -133,7 +133,7 @@ fn a_corrupt_copy_fails_over_with_identical_output() {
         assert!(bits_equal(&got, &want), "{reader:?}: output changed after failover");
         let r = store.report();
         assert!(r.drives[0].failures >= 1, "{reader:?}: {:?}", r.drives[0]);
-        let why = r.drives[0].failed.clone().unwrap();
+        let why = r.drives[0].last_failure.clone().unwrap();
         assert!(why.contains("checksum mismatch") && why.contains("layer 1"), "{why}");
     }
 }
@@ -154,7 +154,7 @@ fn a_copy_truncated_mid_run_fails_over() {
     let got = logits_with(&m, store.clone()).unwrap();
     assert!(bits_equal(&got, &want));
     let r = store.report();
-    assert!(r.drives[1].failed.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[1]);
+    assert!(r.drives[1].last_failure.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[1]);
 }
 
 /// Prefill, then `fault()`, then 6 greedy decode steps: the logits so far and the first error.
@@ -214,7 +214,7 @@ fn a_short_read_mid_record_fails_over_with_identical_output() {
         let got = logits_with(&m, store.clone()).unwrap();
         assert!(bits_equal(&got, &want), "{reader:?}: output changed after a short read");
         let r = store.report();
-        assert!(r.drives[0].failed.as_ref().is_some_and(|w| w.contains("short read")), "{reader:?}: {:?}", r.drives[0]);
+        assert!(r.drives[0].last_failure.as_ref().is_some_and(|w| w.contains("short read")), "{reader:?}: {:?}", r.drives[0]);
     }
 }
 
@@ -261,7 +261,7 @@ fn a_pack_truncated_between_forward_calls_fails_over_or_stops() {
     assert!(err.is_none(), "{err:?}");
     assert_eq!(got.len(), want.len());
     let r = store.report();
-    assert!(r.drives[0].failed.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[0]);
+    assert!(r.drives[0].last_failure.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[0]);
     assert!(r.drives[2].reads > shard_reads, "the shards served drive 0's experts");
     // Spread, no shards: no holder is left, and the run stops with a clear error.
     let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);

@@ -33,7 +33,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 const INDEX: &str = "model.safetensors.index.json";
 /// Ranges closer than this are fetched as one (the gap's bytes are few; a request costs a round trip).
 const MERGE_GAP: u64 = 64 << 10;
-const CHUNK: u64 = 32 << 20;
 /// The fingerprint's sample window (model::fingerprint).
 const WINDOW: u64 = 4096;
 
@@ -89,15 +88,27 @@ fn plan_shard(hub: &Hub, info: &RepoInfo, file: &RepoFile) -> Result<ShardPlan, 
         return Err(bad(format!("header length {n} does not fit a {}-byte safetensors file", file.size)));
     }
     let json = hub.get_range(&info.repo, &info.commit, file, 8, 8 + n)?;
+    let mut header = n8;
+    header.extend_from_slice(&json);
+    let (ranges, expert_bytes) = kept_ranges(&header, file.size).map_err(bad)?;
+    Ok(ShardPlan { file: file.clone(), header, ranges, expert_bytes })
+}
+
+/// From a shard's header bytes (8-byte length + JSON): the ranges a stream install keeps (every
+/// tensor but the routed experts, and the fingerprint's windows; near ones merged), sorted, and
+/// the routed experts' bytes.
+fn kept_ranges(header: &[u8], size: u64) -> Result<(Vec<(u64, u64)>, u64), String> {
+    let n = header.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).ok_or("short header length")?;
+    let json = header.get(8..).filter(|j| j.len() as u64 == n).ok_or("header cut short")?;
     let meta: safetensors::tensor::Metadata =
-        serde_json::from_slice(&json).map_err(|e| bad(format!("malformed safetensors header: {e}")))?;
+        serde_json::from_slice(json).map_err(|e| format!("malformed safetensors header: {e}"))?;
     let data = 8 + n;
-    let mut ranges = vec![(0, WINDOW.min(file.size))];
+    let mut ranges = vec![(0, WINDOW.min(size))];
     let mut expert_bytes = 0;
     for (name, t) in meta.tensors() {
         let (a, b) = (data + t.data_offsets.0 as u64, data + t.data_offsets.1 as u64);
-        if b > file.size || a > b {
-            return Err(bad(format!("tensor {name} ({a}..{b}) lies outside the {}-byte file", file.size)));
+        if b > size || a > b {
+            return Err(format!("tensor {name} ({a}..{b}) lies outside the {size}-byte file"));
         }
         if is_routed_expert(&name) {
             expert_bytes += b - a;
@@ -105,10 +116,10 @@ fn plan_shard(hub: &Hub, info: &RepoInfo, file: &RepoFile) -> Result<ShardPlan, 
             ranges.push((a, b));
         }
     }
-    let half = file.size / 2;
-    ranges.push((half, (half + WINDOW).min(file.size)));
-    ranges.push((file.size.saturating_sub(WINDOW), file.size));
-    // The header itself is written from `json`; the first window covers its start only.
+    let half = size / 2;
+    ranges.push((half, (half + WINDOW).min(size)));
+    ranges.push((size.saturating_sub(WINDOW), size));
+    // The header itself is written whole at the end; the first window covers its start only.
     ranges.sort_unstable();
     let mut merged: Vec<(u64, u64)> = Vec::new();
     for (a, b) in ranges {
@@ -117,18 +128,7 @@ fn plan_shard(hub: &Hub, info: &RepoInfo, file: &RepoFile) -> Result<ShardPlan, 
             _ => merged.push((a, b)),
         }
     }
-    let mut chunks = Vec::new();
-    for (a, b) in merged {
-        let mut x = a;
-        while x < b {
-            let y = (x + CHUNK).min(b);
-            chunks.push((x, y));
-            x = y;
-        }
-    }
-    let mut header = n8;
-    header.extend_from_slice(&json);
-    Ok(ShardPlan { file: file.clone(), header, ranges: chunks, expert_bytes })
+    Ok((merged, expert_bytes))
 }
 
 /// Options of a stream install.
@@ -161,7 +161,7 @@ pub fn install_stream(
     let small: Vec<Job> = info
         .files
         .iter()
-        .filter(|f| !is_shard_name(&f.path))
+        .filter(|f| !is_shard_name(&f.path) && f.path != checksums::SIDECAR)
         .map(|f| Job { file: f.clone(), dest: dir.join(&f.path) })
         .collect();
     let partial = dir.join(download::PARTIAL_DIR);
@@ -289,10 +289,13 @@ fn write_shard(hub: &Hub, info: &RepoInfo, dir: &Path, p: &ShardPlan, bar: &Prog
     let size = p.file.size;
     let mut requests = 0u64;
     let mut bad_sums = 0u32;
-    let result = (|| -> Result<checksums::ShardDigest, HubError> {
+    let result = (|| -> Result<(checksums::ShardDigest, Vec<u8>), HubError> {
         loop {
             let mut sha = sha2::Sha256::new();
             let mut tensors = TensorHasher::new();
+            // The header as this (verified) stream has it, and the ranges kept, from it.
+            let mut head: Vec<u8> = Vec::new();
+            let mut keep: Option<Vec<(u64, u64)>> = None;
             let (mut got, mut tries, mut shown) = (0u64, 0u32, 0u64);
             let mut buf = vec![0u8; 1 << 20];
             while got < size {
@@ -325,7 +328,23 @@ fn write_shard(hub: &Hub, info: &RepoInfo, dir: &Path, p: &ShardPlan, bar: &Prog
                             let b = &buf[..n];
                             sha.update(b);
                             tensors.update(b);
-                            write_kept(&f, &p.ranges, got, b).map_err(io)?;
+                            // Until the header is whole, every byte is the header's.
+                            let hdr_len = |h: &[u8]| {
+                                8 + u64::from_le_bytes(h[..8].try_into().unwrap_or_default()).min(100 << 20) as usize
+                            };
+                            let mut off = 0;
+                            while keep.is_none() && off < b.len() {
+                                let need = if head.len() < 8 { 8 } else { hdr_len(&head) };
+                                let take = (need - head.len()).min(b.len() - off);
+                                head.extend_from_slice(&b[off..off + take]);
+                                off += take;
+                                if head.len() >= 8 && head.len() == hdr_len(&head) {
+                                    keep = Some(kept_ranges(&head, size).map_err(&proto)?.0);
+                                }
+                            }
+                            if let Some(k) = &keep {
+                                write_kept(&f, k, got, b).map_err(io)?;
+                            }
                             got += n as u64;
                             if got > shown {
                                 bar.inc(got - shown);
@@ -359,20 +378,29 @@ fn write_shard(hub: &Hub, info: &RepoInfo, dir: &Path, p: &ShardPlan, bar: &Prog
                         });
                     }
                 }
-                Some(_) => return tensors.finish().map_err(|e| proto(format!("shard {}: {e}", p.file.path))),
+                Some(_) => {
+                    if head != p.header {
+                        tracing::warn!(
+                            "{}: the header fetched to plan the install was not the file's (only the space check used it)",
+                            p.file.path
+                        );
+                    }
+                    let d = tensors.finish().map_err(|e| proto(format!("shard {}: {e}", p.file.path)))?;
+                    return Ok((d, head));
+                }
                 None => return Err(HubError::NoChecksum(p.file.path.clone())),
             }
         }
     })();
-    let digest = match result {
+    let (digest, head) = match result {
         Ok(d) => d,
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
     };
-    // The header bytes again: exactly what was planned from (the hash above covered them too).
-    f.write_all_at(&p.header, 0).map_err(io)?;
+    // The header as the verified stream had it (the kept ranges cover only its first window).
+    f.write_all_at(&head, 0).map_err(io)?;
     f.sync_all().map_err(io)?;
     std::fs::rename(&tmp, &dest).map_err(|source| HubError::Io { path: dest.clone(), source })?;
     if let Ok(d) = std::fs::File::open(dir) {

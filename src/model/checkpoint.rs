@@ -278,17 +278,27 @@ impl Checkpoint {
 
     /// The error for bytes of shard `shard` (`what`) that hash to `got`, not the recorded `want`.
     pub fn mismatch(&self, shard: usize, what: String, got: u64, want: u64) -> ModelError {
-        let st = self.state_mut();
-        let how = st[shard].record.as_ref().map_or("recorded", |r| r.source.describe());
-        let changed = if st[shard].touched { "; the file was modified or replaced since" } else { "" };
         ModelError::Checksum {
             path: self.shards[shard].path.clone(),
             what,
             got,
             want,
-            how: format!("{how}{changed}"),
+            how: self.how_recorded(shard),
             hint: checksums::mismatch_hint(&self.dir),
         }
+    }
+
+    /// Where shard `shard`'s checksums came from, and whether the file changed since.
+    pub fn how_recorded(&self, shard: usize) -> String {
+        let st = self.state_mut();
+        let how = st.get(shard).and_then(|x| x.record.as_ref()).map_or("recorded", |r| r.source.describe());
+        let changed = if st.get(shard).is_some_and(|x| x.touched) { "; the file was modified or replaced since" } else { "" };
+        format!("{how}{changed}")
+    }
+
+    /// The shard holding tensor `id`.
+    pub fn shard_of(&self, id: u32) -> Option<usize> {
+        self.shards.iter().position(|s| (s.first_id..s.first_id + s.tensors).contains(&id))
     }
 
     /// Reads `buf.len()` bytes of shard `shard` at `offset` (in parallel pieces when large).

@@ -201,7 +201,8 @@ impl ShardExperts {
             Some(sums::Verdict::Bad(what)) => {
                 let shard = loc.extents[0].shard;
                 let path = self.ck.shard_path(shard).display();
-                Err(fail(format!("{path}: {what}; {}", crate::model::checksums::mismatch_hint(&self.ck.dir))))
+                let why = self.sums.as_ref().map(|s| s.explain(layer, e)).unwrap_or_default();
+                Err(fail(format!("{path}: {what} ({why})")))
             }
             _ => Ok(buf),
         }

@@ -91,6 +91,28 @@ impl ExpertSums {
         }
     }
 
+    /// Where the checksum expert `e` of `layer` failed came from and what to do, for its error.
+    pub fn explain(&self, layer: usize, e: u32) -> String {
+        match self {
+            ExpertSums::Whole(_) => format!(
+                "expected: the checksum recorded when the expert was copied there; {} checks every copy",
+                crate::setting::Action::Verify
+            ),
+            ExpertSums::Records { ck, ids, .. } => {
+                let shard = ids
+                    .get(layer)
+                    .and_then(|l| l.as_ref())
+                    .and_then(|l| l.get(e as usize))
+                    .and_then(|x| ck.shard_of(x[0]));
+                format!(
+                    "expected: {}; {}",
+                    shard.map_or_else(|| "recorded".to_string(), |s| ck.how_recorded(s)),
+                    crate::model::checksums::mismatch_hint(&ck.dir)
+                )
+            }
+        }
+    }
+
     /// Experts with something recorded, of all experts.
     pub fn coverage(&self) -> (usize, usize) {
         match self {

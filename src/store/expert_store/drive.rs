@@ -309,7 +309,8 @@ fn complete(sh: &Shared, d: usize, c: Done) {
                     Verdict::Bad(what) => {
                         let names: Vec<String> =
                             files.iter().map(|&f| sh.spec.files[f as usize].1.display().to_string()).collect();
-                        Err((one_drive, None, format!("{}: {what}", names.join(" + "))))
+                        let why = c.explain(key.0 as usize, key.1);
+                        Err((one_drive, None, format!("{}: {what} ({why})", names.join(" + "))))
                     }
                 }
             }
@@ -370,7 +371,7 @@ fn complete(sh: &Shared, d: usize, c: Done) {
                     if file.is_some() { "the file" } else { "this copy of the expert" }
                 );
                 match file {
-                    Some(f) => st.suspects.mark_file(f, msg.clone(), now),
+                    Some(f) => st.suspects.mark_file(f, key, msg.clone(), now),
                     None => st.suspects.mark_expert(key, b, msg.clone(), now),
                 }
             }

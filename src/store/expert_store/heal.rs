@@ -24,6 +24,8 @@ pub(super) const MAX_BACKOFF: Duration = Duration::from_secs(8);
 /// A holder that failed recently.
 #[derive(Clone, Debug)]
 pub(super) struct Suspect {
+    /// The expert whose read failed (what a probe reads again).
+    pub key: Key,
     pub msg: String,
     pub at: Instant,
     pub until: Instant,
@@ -33,10 +35,10 @@ pub(super) struct Suspect {
 }
 
 impl Suspect {
-    fn strike(old: Option<&Suspect>, msg: String, now: Instant) -> Suspect {
+    fn strike(old: Option<&Suspect>, key: Key, msg: String, now: Instant) -> Suspect {
         let strikes = old.map_or(1, |s| s.strikes + 1);
         let wait = FIRST_BACKOFF.saturating_mul(1 << (strikes - 1).min(16)).min(MAX_BACKOFF);
-        Suspect { msg, at: now, until: now + wait, strikes, reopened: old.map_or(0, |s| s.reopened) }
+        Suspect { key, msg, at: now, until: now + wait, strikes, reopened: old.map_or(0, |s| s.reopened) }
     }
 
     fn describe(&self, now: Instant) -> String {
@@ -77,14 +79,60 @@ impl Suspects {
             || self.experts.get(&(key, h.drive)).is_some_and(|s| now < s.until)
     }
 
-    pub(super) fn mark_file(&mut self, file: u32, msg: String, now: Instant) {
-        let s = Suspect::strike(self.files.get(&file), msg, now);
+    pub(super) fn mark_file(&mut self, file: u32, key: Key, msg: String, now: Instant) {
+        let s = Suspect::strike(self.files.get(&file), key, msg, now);
         self.files.insert(file, s);
     }
 
     pub(super) fn mark_expert(&mut self, key: Key, drive: u16, msg: String, now: Instant) {
-        let s = Suspect::strike(self.experts.get(&(key, drive)), msg, now);
+        let s = Suspect::strike(self.experts.get(&(key, drive)), key, msg, now);
         self.experts.insert((key, drive), s);
+    }
+
+    /// Suspects whose backoff has ended (at most `n`): what to probe.
+    fn due(&self, now: Instant, n: usize) -> Vec<Probe> {
+        let files = self.files.iter().filter(|(_, s)| now >= s.until).map(|(&f, s)| Probe {
+            file: Some(f),
+            drive: None,
+            key: s.key,
+            strikes: s.strikes,
+        });
+        let experts = self.experts.iter().filter(|(_, s)| now >= s.until).map(|(&(key, d), s)| Probe {
+            file: None,
+            drive: Some(d),
+            key,
+            strikes: s.strikes,
+        });
+        files.chain(experts).take(n).collect()
+    }
+
+    /// A probe's outcome: restored, or struck again (unless something else changed it meanwhile).
+    fn settle(&mut self, p: &Probe, failed: Option<String>, now: Instant) {
+        let slot = match (p.file, p.drive) {
+            (Some(f), _) => self.files.get(&f),
+            (None, Some(d)) => self.experts.get(&(p.key, d)),
+            _ => None,
+        };
+        if slot.is_none_or(|s| s.strikes != p.strikes) {
+            return;
+        }
+        match (failed, p.file, p.drive) {
+            (None, Some(f), _) => {
+                if let Some(s) = self.files.remove(&f) {
+                    tracing::info!("a probe of expert {} of layer {} reads clean again; restored after: {}", p.key.1, p.key.0, s.msg);
+                    self.restored += 1;
+                }
+            }
+            (None, None, Some(d)) => {
+                if let Some(s) = self.experts.remove(&(p.key, d)) {
+                    tracing::info!("a probe of expert {} of layer {} reads clean again; restored after: {}", p.key.1, p.key.0, s.msg);
+                    self.restored += 1;
+                }
+            }
+            (Some(msg), Some(f), _) => self.mark_file(f, p.key, msg, now),
+            (Some(msg), None, Some(d)) => self.mark_expert(p.key, d, msg, now),
+            _ => {}
+        }
     }
 
     /// A clean read of `key` from `files` on `drive`: those holders are trusted again. Returns
@@ -170,6 +218,48 @@ impl Suspects {
     }
 }
 
+/// A suspect holder to read again: on `file`, or the expert's holder on `drive`.
+struct Probe {
+    file: Option<u32>,
+    drive: Option<u16>,
+    key: Key,
+    strikes: u32,
+}
+
+/// Suspects whose backoff ended are probed by each `health` call, at most this many.
+const PROBES_PER_CALL: usize = 2;
+
+/// Reads `p`'s expert from its suspect holder (through the page cache, by path, so a file replaced
+/// since is read as it is now) and checks it; the failure, if any.
+fn probe(sh: &Shared, p: &Probe) -> Option<String> {
+    use std::os::unix::fs::FileExt;
+    let hs = sh.spec.holders.get(p.key.0 as usize)?.as_ref()?.get(p.key.1 as usize)?;
+    let h = hs.iter().find(|h| match (p.file, p.drive) {
+        (Some(f), _) => files_of(h).any(|x| x == f),
+        (None, Some(d)) => h.drive == d,
+        _ => false,
+    })?;
+    let len = sh.spec.layout.len as u64;
+    let pieces: Vec<HolderExtent> = match &h.extents {
+        None => vec![HolderExtent { file: h.file, offset: h.offset, len, dest: 0 }],
+        Some(xs) => xs.to_vec(),
+    };
+    let mut buf = vec![0u8; len as usize];
+    for x in &pieces {
+        // A file restored by a rename: the store reads the new one from now on too.
+        reopen_if_replaced(sh, x.file);
+        let path = &sh.spec.files[x.file as usize].1;
+        let dst = &mut buf[x.dest as usize..(x.dest + x.len) as usize];
+        if let Err(e) = std::fs::File::open(path).and_then(|f| f.read_exact_at(dst, x.offset)) {
+            return Some(format!("{}: {e}", path.display()));
+        }
+    }
+    match sh.spec.checksums.as_ref().map(|c| c.check(p.key.0 as usize, p.key.1, &buf)) {
+        Some(Verdict::Bad(what)) => Some(what),
+        _ => None,
+    }
+}
+
 /// Points file `f`'s descriptor at the file now at its path, if that is another file than the
 /// one open (restored by a rename); the descriptor number stays, so readers need not know.
 fn reopen_if_replaced(sh: &Shared, f: u32) {
@@ -210,9 +300,16 @@ pub struct StorageHealth {
 }
 
 impl ExpertStore {
-    /// Drives given up and holders suspect now (see the module contract).
+    /// Drives given up and holders suspect now (see the module contract). Suspects whose backoff
+    /// ended are read again first (a few), so a holder that is fine again is restored even when
+    /// no request needs it.
     pub fn health(&self) -> StorageHealth {
         let sh = &*self.shared;
+        let due = lock(sh).suspects.due(Instant::now(), PROBES_PER_CALL);
+        for p in &due {
+            let failed = probe(sh, p);
+            lock(sh).suspects.settle(p, failed, Instant::now());
+        }
         let st = lock(sh);
         let now = Instant::now();
         let mut problems: Vec<String> = st
