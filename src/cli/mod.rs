@@ -210,13 +210,10 @@ pub(crate) fn error_text(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {
         let t = cause.to_string();
-        if out.contains(&t) {
-            continue;
+        if !out.contains(&t) {
+            let sep = if out.is_empty() { "" } else { ": " };
+            out = format!("{out}{sep}{t}");
         }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&t);
     }
     out
 }

@@ -1,6 +1,6 @@
 //! What a front end may ask an opened engine beyond running sessions: the usable context, the
 //! vocabulary, the tokens that end a message, the draft model's description, whether more sequence
-//! states fit the memory budget, and a route trace of a run.
+//! states fit the memory budget, a route trace of a run, and whether storage is failing reads.
 //!
 //! Contract: front ends (`cli`, `serve`) ask these methods, never the engine's parts (checkpoint,
 //! roster, trunk, backend, memory plan); each answer is a plain value computed from the opened
@@ -22,6 +22,11 @@ impl Engine {
     /// sequence (naming its setting) or the memory budget.
     pub fn context_limit(&self) -> String {
         self.plan.context_limit()
+    }
+
+    /// Whether the expert source fails reads now (drives given up, holders suspect): `/health`.
+    pub fn storage_health(&self) -> crate::store::StorageHealth {
+        crate::store::health(self.source())
     }
 
     /// The model's vocabulary size: token ids are below it.

@@ -69,7 +69,7 @@ pub struct Checkpoint {
     /// A stream install: the routed experts' ranges are holes, their checksums come only from setup.
     pub(crate) stream: bool,
     /// A background pass is recording checksums (`record_in_background`).
-    pub(crate) recording: super::verify::Recording,
+    pub(crate) recording: std::sync::atomic::AtomicBool,
 }
 
 #[derive(serde::Deserialize)]

@@ -12,7 +12,7 @@ use super::checkpoint::Checkpoint;
 use super::checksums::{self, Source};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
 /// What is verified of a checkpoint's bytes now.
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -233,6 +233,3 @@ impl Checkpoint {
         None
     }
 }
-
-/// Whether a background pass runs (a field of [`Checkpoint`]).
-pub(crate) type Recording = AtomicBool;

@@ -294,7 +294,7 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
             .into_response();
     }
     // Storage that fails reads now (a drive given up, a file suspect after a failed read).
-    let storage = crate::store::health(st.engine.source());
+    let storage = st.engine.storage_health();
     json_response(&json!({
         "status": if storage.degraded { "degraded" } else { "ok" },
         "model": st.opts.model_id,

@@ -281,7 +281,8 @@ fn no_holder(sh: &Shared, st: &State, layer: usize, e: u32) -> StoreError {
         .drives
         .iter()
         .enumerate()
-        .filter(|(i, _)| holders.is_some_and(|hs| hs.iter().any(|h| h.drive as usize == *i)))
+        // The drives of its holders; with none left (their files could not be used), every drive.
+        .filter(|(i, _)| holders.is_none_or(|hs| hs.is_empty() || hs.iter().any(|h| h.drive as usize == *i)))
         .filter_map(|(i, d)| {
             d.failed.as_ref().map(|m| format!("drive {i} ({}): {m}", sh.spec.drives[i].root.display()))
         })
