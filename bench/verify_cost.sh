@@ -11,12 +11,15 @@
 # tok/s (1.00 = free; 0.98 = 2% slower).
 #   bench/verify_cost.sh BIN_A BIN_B [WORKDIR] [ROUNDS]     (defaults: /tmp/deltafin-verify-cost 5)
 # Run it on a quiet machine; the model (~2 GB) is written once into WORKDIR by BIN_B's synth.
+# LAYERS, EXPERTS (the model's, defaults 4 and 32) and TOKENS (decoded per run, default 24) may be
+# set in the environment (a quick check of the script: LAYERS=3 EXPERTS=4 TOKENS=2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 a=$1; b=$2; work=${3:-/tmp/deltafin-verify-cost}; rounds=${4:-5}
 mkdir -p "$work"
-model=$work/k3-experts
-[ -f "$model/config.json" ] || "$b" synth --out "$model" --preset k3-experts --layers 4 --experts 32 --seed 41 >&2
+layers=${LAYERS:-4}; experts=${EXPERTS:-32}; tokens=${TOKENS:-24}
+model=$work/k3-experts-$layers-$experts
+[ -f "$model/config.json" ] || "$b" synth --out "$model" --preset k3-experts --layers "$layers" --experts "$experts" --top-k "$((experts < 16 ? experts : 16))" --seed 41 >&2
 prompt=$(seq -s, 1 16)
 out=$work/records.jsonl
 : > "$out"
@@ -31,7 +34,7 @@ for r in $(seq "$rounds"); do
     esac
     for side in A B; do
       bin=$a; [ "$side" = B ] && bin=$b
-      j=$("$bin" run --model "$model" --prompt-ids "$prompt" --max-new 24 --ignore-eos --format json -q "${extra[@]}")
+      j=$("$bin" run --model "$model" --prompt-ids "$prompt" --max-new "$tokens" --ignore-eos --format json -q "${extra[@]}")
       python3 - "$side" "$bin" "$r" "$case" "$j" <<'PY' | tee -a "$out"
 import json, sys
 side, binary, rnd, case, j = sys.argv[1:]

@@ -4,6 +4,8 @@
 //! Contract: a manifest of another model is refused (`Manifest::check_model`); a pack whose header
 //! names another model, or that cannot be read, is skipped with a warning and its experts served by
 //! the other holders; a pack record is used only when its checksum and length are the manifest's.
+//! Reads are checked against the checkpoint's per-record checksums when all are recorded, else
+//! against the manifest's.
 
 use super::{Manifest, PlacementError, ShardUse};
 use crate::model::Checkpoint;
@@ -82,7 +84,7 @@ pub fn shard_spec(
 /// shards as the manifest says. Pack files that cannot be read are reported and skipped.
 pub fn manifest_spec(
     m: &Manifest,
-    ck: &Checkpoint,
+    ck: &std::sync::Arc<Checkpoint>,
     roster: &Roster,
     layout: ExpertLayout,
 ) -> Result<StoreSpec, PlacementError> {
@@ -157,5 +159,11 @@ pub fn manifest_spec(
         sums[ml.layer] = Some(ml.experts.iter().map(|x| u64::from_str_radix(&x.xxh3, 16).unwrap_or(0)).collect());
         holders[ml.layer] = Some(per);
     }
-    Ok(StoreSpec { layout, drives, files, holders, checksums: Some(crate::store::sums::ExpertSums::whole(sums)) })
+    // The checkpoint's per-record checksums where all are recorded (the same bytes `place` copied,
+    // checked against them; hashed on several cores), else the manifest's whole-expert ones.
+    let checksums = match crate::store::sums::ExpertSums::records(ck, roster) {
+        Some(r) if r.complete() => r,
+        _ => crate::store::sums::ExpertSums::whole(sums),
+    };
+    Ok(StoreSpec { layout, drives, files, holders, checksums: Some(checksums) })
 }
