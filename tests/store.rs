@@ -214,7 +214,11 @@ fn a_short_read_mid_record_fails_over_with_identical_output() {
         let got = logits_with(&m, store.clone()).unwrap();
         assert!(bits_equal(&got, &want), "{reader:?}: output changed after a short read");
         let r = store.report();
-        assert!(r.drives[0].last_failure.as_ref().is_some_and(|w| w.contains("short read")), "{reader:?}: {:?}", r.drives[0]);
+        assert!(
+            r.drives[0].last_failure.as_ref().is_some_and(|w| w.contains("short read")),
+            "{reader:?}: {:?}",
+            r.drives[0]
+        );
     }
 }
 

@@ -24,9 +24,12 @@ impl Engine {
         self.plan.context_limit()
     }
 
-    /// Whether the expert source fails reads now (drives given up, holders suspect): `/health`.
+    /// Whether the expert source fails reads now (drives given up, holders suspect), and how far
+    /// the model's checksums are recorded: `/health`.
     pub fn storage_health(&self) -> crate::store::StorageHealth {
-        crate::store::health(self.source())
+        let mut h = crate::store::health(self.source());
+        h.checksums = Some(self.ck.verification());
+        h
     }
 
     /// The model's vocabulary size: token ids are below it.

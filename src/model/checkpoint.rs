@@ -292,7 +292,8 @@ impl Checkpoint {
     pub fn how_recorded(&self, shard: usize) -> String {
         let st = self.state_mut();
         let how = st.get(shard).and_then(|x| x.record.as_ref()).map_or("recorded", |r| r.source.describe());
-        let changed = if st.get(shard).is_some_and(|x| x.touched) { "; the file was modified or replaced since" } else { "" };
+        let changed =
+            if st.get(shard).is_some_and(|x| x.touched) { "; the file was modified or replaced since" } else { "" };
         format!("{how}{changed}")
     }
 

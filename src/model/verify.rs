@@ -221,7 +221,9 @@ impl Checkpoint {
             let windows = [(0, WINDOW), (len / 2, len / 2 + WINDOW), (len.saturating_sub(WINDOW), len)];
             for (id, name) in self.shard_tensors(s) {
                 let Some(e) = self.get(name) else { continue };
-                if !windows.iter().any(|&(a, b)| e.start < b && a < e.end) || self.sum_of(id).is_none() {
+                // A stream install's routed experts are holes beside the windows it keeps.
+                let hole = self.stream && checksums::is_routed_expert(name);
+                if hole || !windows.iter().any(|&(a, b)| e.start < b && a < e.end) || self.sum_of(id).is_none() {
                     continue;
                 }
                 let mut buf = vec![0u8; (e.end - e.start) as usize];

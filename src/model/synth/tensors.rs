@@ -363,7 +363,8 @@ pub(crate) fn write_safetensors(
     f.sync_all().map_err(io(path))?;
     drop(f);
     use crate::model::checksums::{ShardRecord, Source, save};
-    let digest = sums.finish().map_err(|e| SynthError::Io { path: path.to_path_buf(), source: std::io::Error::other(e) })?;
+    let digest =
+        sums.finish().map_err(|e| SynthError::Io { path: path.to_path_buf(), source: std::io::Error::other(e) })?;
     let rec = ShardRecord::new(path, &digest, Source::Written).map_err(io(path))?;
     save(path.parent().unwrap_or(Path::new(".")), vec![rec]).map_err(io(path))?;
     Ok(())

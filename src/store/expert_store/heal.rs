@@ -119,13 +119,23 @@ impl Suspects {
         match (failed, p.file, p.drive) {
             (None, Some(f), _) => {
                 if let Some(s) = self.files.remove(&f) {
-                    tracing::info!("a probe of expert {} of layer {} reads clean again; restored after: {}", p.key.1, p.key.0, s.msg);
+                    tracing::info!(
+                        "a probe of expert {} of layer {} reads clean again; restored after: {}",
+                        p.key.1,
+                        p.key.0,
+                        s.msg
+                    );
                     self.restored += 1;
                 }
             }
             (None, None, Some(d)) => {
                 if let Some(s) = self.experts.remove(&(p.key, d)) {
-                    tracing::info!("a probe of expert {} of layer {} reads clean again; restored after: {}", p.key.1, p.key.0, s.msg);
+                    tracing::info!(
+                        "a probe of expert {} of layer {} reads clean again; restored after: {}",
+                        p.key.1,
+                        p.key.0,
+                        s.msg
+                    );
                     self.restored += 1;
                 }
             }
@@ -297,6 +307,9 @@ pub struct StorageHealth {
     pub restored: u64,
     /// Failed reads (since the store opened).
     pub failures: u64,
+    /// How far the model's checksums are recorded (a background pass's progress), when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checksums: Option<crate::model::verify::Verification>,
 }
 
 impl ExpertStore {
@@ -326,6 +339,7 @@ impl ExpertStore {
             problems,
             restored: st.suspects.restored,
             failures: st.drives.iter().map(|d| d.counters.failures).sum(),
+            checksums: None,
         }
     }
 }
