@@ -278,14 +278,14 @@ impl Checkpoint {
 
     /// The error for bytes of shard `shard` (`what`) that hash to `got`, not the recorded `want`.
     pub fn mismatch(&self, shard: usize, what: String, got: u64, want: u64) -> ModelError {
-        ModelError::Checksum {
+        ModelError::Checksum(Box::new(checksums::Mismatch {
             path: self.shards[shard].path.clone(),
             what,
             got,
             want,
             how: self.how_recorded(shard),
             hint: checksums::mismatch_hint(&self.dir),
-        }
+        }))
     }
 
     /// Where shard `shard`'s checksums came from, and whether the file changed since.

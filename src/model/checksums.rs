@@ -373,6 +373,21 @@ pub fn hash_file(path: &Path, progress: &mut dyn FnMut(u64)) -> std::io::Result<
     h.finish().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
+/// Bytes of a file that do not hash to their recorded checksum.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {what} does not match its recorded checksum (xxh3 {got:016x}, expected {want:016x}, {how}); {hint}", path.display())]
+pub struct Mismatch {
+    pub path: PathBuf,
+    /// What the bytes are, e.g. "tensor `NAME`".
+    pub what: String,
+    pub got: u64,
+    pub want: u64,
+    /// Where the checksum came from (and whether the file changed since).
+    pub how: String,
+    /// What to do.
+    pub hint: String,
+}
+
 /// What to do about a checksum mismatch in `dir`.
 pub fn mismatch_hint(dir: &Path) -> String {
     format!(

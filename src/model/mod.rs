@@ -54,8 +54,8 @@ pub enum ModelError {
     #[error("{}: truncated: the header promises {expected} bytes but the file has {actual}", path.display())]
     Truncated { path: PathBuf, expected: u64, actual: u64 },
     /// Bytes that do not hash to their recorded checksum (`checksums`).
-    #[error("{}: {what} does not match its recorded checksum (xxh3 {got:016x}, expected {want:016x}, {how}); {hint}", path.display())]
-    Checksum { path: PathBuf, what: String, got: u64, want: u64, how: String, hint: String },
+    #[error(transparent)]
+    Checksum(Box<checksums::Mismatch>),
     #[error("{}: no model.safetensors.index.json and no model.safetensors", dir.display())]
     NoCheckpoint { dir: PathBuf },
     #[error("tensor roster check failed for {} ({} problem{}):\n{}", dir.display(), problems.len(), if problems.len() == 1 { "" } else { "s" }, format_problems(problems))]
