@@ -433,3 +433,42 @@ fn a_shard_cut_short_and_restored_under_a_running_server_heals() {
         assert!(s.alive());
     }
 }
+
+#[test]
+fn a_directory_recorded_in_the_background_is_checked_from_then_on() {
+    use deltafin::store::{ExpertSource, Flow};
+    let tmp = copy_fixture("k3-tiny-a");
+    // As a large directory never seen: nothing recorded at open.
+    let ck = Arc::new(deltafin::model::Checkpoint::open_with(tmp.path(), 0).unwrap());
+    let v = ck.verification();
+    assert!(!v.complete() && v.describe().contains("UNVERIFIED"), "{}", v.describe());
+    let cfg = deltafin::model::K3Config::load(tmp.path()).unwrap();
+    let roster = deltafin::model::Roster::build(&cfg, &ck).unwrap();
+    // The source exists before the checksums do; it checks with them once they are recorded.
+    let src = deltafin::store::ShardExperts::new(Arc::clone(&ck), &roster).unwrap();
+    assert!(src.describe().contains("UNVERIFIED"), "{}", src.describe());
+    ck.record_in_background();
+    let t0 = Instant::now();
+    while !ck.verification().complete() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "not recorded");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(tmp.path().join(".deltafin-checksums.json").exists());
+    assert!(src.describe().contains("every byte checked"), "{}", src.describe());
+    let ids: Vec<u32> = (0..cfg.experts as u32).collect();
+    let mut n = 0;
+    src.fetch(1, &ids, &mut |_, _| {
+        n += 1;
+        Ok(Flow::Continue)
+    })
+    .unwrap();
+    assert_eq!(n, ids.len());
+    for e in 0..cfg.experts {
+        flip(tmp.path(), &expert(1, e, "w2", "weight_packed"), 0.8, 0x20);
+    }
+    let err = src.fetch(1, &ids, &mut |_, _| Ok(Flow::Continue)).unwrap_err().to_string();
+    assert!(err.contains("checksum mismatch in w2.weight_packed") && err.contains("layer 1"), "{err}");
+    // A later open finds the record and checks from the start.
+    let again = deltafin::model::Checkpoint::open_with(tmp.path(), 0).unwrap();
+    assert!(again.verification().complete());
+}

@@ -78,8 +78,15 @@ struct Index {
 }
 
 impl Checkpoint {
-    /// Opens `dir` from its index (or single file), maps every shard and reads every header.
+    /// Opens `dir` from its index (or single file), maps every shard and reads every header, and
+    /// records the checksums of unrecorded shards of at most [`SYNC_RECORD_BYTES`] in all.
     pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        Self::open_with(dir, SYNC_RECORD_BYTES)
+    }
+
+    /// [`Checkpoint::open`], recording unrecorded shards now only when they hold at most
+    /// `sync_record` bytes (0: never; see [`Checkpoint::record_in_background`]).
+    pub fn open_with(dir: &Path, sync_record: u64) -> Result<Self, ModelError> {
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let (shard_names, weight_map): (Vec<String>, Option<HashMap<String, String>>) = if index_path.exists() {
@@ -177,7 +184,7 @@ impl Checkpoint {
         };
         ck.load_sums();
         let unrecorded: u64 = ck.unrecorded().iter().map(|&s| ck.shards[s].file_id.len).sum();
-        if unrecorded > 0 && unrecorded <= SYNC_RECORD_BYTES {
+        if unrecorded > 0 && unrecorded <= sync_record {
             match ck.record_missing(&mut |_, _| {}) {
                 Ok(_) => {}
                 Err(e) => tracing::warn!("checksums not recorded: {e}; its bytes are unverified"),

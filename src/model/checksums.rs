@@ -306,7 +306,8 @@ impl TensorHasher {
     fn hash_until(&mut self, b: &[u8], end: u64) {
         let pos = self.pos;
         while let Some(&(s, e)) = self.ranges.get(self.cur) {
-            if s >= end && s > pos {
+            // A range past these bytes waits for more (an empty one at their end is done now).
+            if s > end || (s == end && e > s && s > pos) {
                 break;
             }
             let (a, z) = (s.max(pos), e.min(end));

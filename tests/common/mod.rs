@@ -465,5 +465,10 @@ pub fn edit_bf16_tensors(
         changed += 1;
     }
     std::fs::write(path, b).unwrap();
+    // Changed on purpose: the directory's checksum record no longer describes the file (what
+    // `deltafin verify --rehash` is for); the next open records it again.
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::remove_file(dir.join(".deltafin-checksums.json"));
+    }
     changed
 }
