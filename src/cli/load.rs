@@ -24,7 +24,7 @@ pub fn open(dir: &Path) -> Result<Opened> {
     let cfg = K3Config::load(dir).with_context(|| format!("cannot load the model config in {}", dir.display()))?;
     let ck = Checkpoint::open(dir).with_context(|| format!("cannot open the checkpoint in {}", dir.display()))?;
     let roster = Roster::build(&cfg, &ck)?;
-    Ok(Opened { dir: dir.to_path_buf(), cfg, ck, roster })
+    Ok(Opened { dir: dir.to_path_buf(), cfg, ck: Arc::new(ck), roster })
 }
 
 /// Opens an engine; the error names the model directory, except for options that conflict with

@@ -29,6 +29,7 @@ mod setup;
 mod setup_routes;
 mod signals;
 mod synth;
+mod verify;
 mod version;
 
 pub use run_args::{TokenIds, parse_ids};
@@ -51,8 +52,9 @@ pub struct Cli {
 }
 
 /// The subcommands' names (for the tip on a mistyped one).
-const SUBCOMMANDS: &[&str] =
-    &["run", "chat", "score", "synth", "place", "pack-trunk", "plan", "bench", "setup", "batch", "serve", "completions"];
+const SUBCOMMANDS: &[&str] = &[
+    "run", "chat", "score", "synth", "place", "pack-trunk", "plan", "bench", "setup", "batch", "serve", "verify", "completions",
+];
 
 /// `--threads`, on the subcommands whose kernels run on the thread pool.
 #[derive(clap::Args, Clone, Copy, Debug, Default)]
@@ -97,6 +99,8 @@ enum Cmd {
     /// OpenAI-compatible HTTP server (chat, completions, streaming, metrics, a chat page at /).
     #[command(after_help = help::SERVE)]
     Serve(serve::ServeArgs),
+    /// Check every byte of a model's files against their recorded checksums (records them first if none).
+    Verify(verify::VerifyArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     #[command(after_help = help::COMPLETIONS)]
     Completions(version::CompletionsArgs),
@@ -113,7 +117,12 @@ impl Cmd {
             Cmd::Bench(a) => a.threads(),
             Cmd::Batch(a) => a.threads.threads,
             Cmd::Serve(a) => a.threads.threads,
-            Cmd::Place(_) | Cmd::Setup(_) | Cmd::PackTrunk(_) | Cmd::Plan(_) | Cmd::Completions(_) => None,
+            Cmd::Place(_)
+            | Cmd::Setup(_)
+            | Cmd::PackTrunk(_)
+            | Cmd::Plan(_)
+            | Cmd::Verify(_)
+            | Cmd::Completions(_) => None,
         }
     }
 }
@@ -188,6 +197,7 @@ pub fn main() -> ExitCode {
         Cmd::Setup(a) => setup::run(a),
         Cmd::Serve(a) => serve::run(a),
         Cmd::Batch(a) => batch::run(a),
+        Cmd::Verify(a) => verify::run(a),
         Cmd::Completions(a) => version::completions(a),
     };
     match result {
@@ -208,13 +218,10 @@ pub(crate) fn error_text(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {
         let t = cause.to_string();
-        if out.contains(&t) {
-            continue;
+        if !out.contains(&t) {
+            let sep = if out.is_empty() { "" } else { ": " };
+            out = format!("{out}{sep}{t}");
         }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&t);
     }
     out
 }

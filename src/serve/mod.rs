@@ -310,9 +310,14 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
         )
             .into_response();
     }
-    json_response(
-        &json!({"status": "ok", "model": st.opts.model_id, "queue_depth": st.metrics.pending.load(Ordering::Relaxed)}),
-    )
+    // Storage that fails reads now (a drive given up, a file suspect after a failed read).
+    let storage = st.engine.storage_health();
+    json_response(&json!({
+        "status": if storage.degraded { "degraded" } else { "ok" },
+        "model": st.opts.model_id,
+        "queue_depth": st.metrics.pending.load(Ordering::Relaxed),
+        "storage": storage,
+    }))
 }
 
 fn model_object(id: &str) -> Value {
