@@ -155,7 +155,11 @@ fn a_copy_truncated_mid_run_fails_over() {
         let got = logits_with(&m, store.clone()).unwrap();
         assert!(bits_equal(&got, &want), "{reader:?}");
         let r = store.report();
-        assert!(r.drives[1].last_failure.as_ref().is_some_and(|w| w.contains("short read")), "{reader:?}: {:?}", r.drives[1]);
+        assert!(
+            r.drives[1].last_failure.as_ref().is_some_and(|w| w.contains("short read")),
+            "{reader:?}: {:?}",
+            r.drives[1]
+        );
     }
 }
 

@@ -53,7 +53,19 @@ pub struct Cli {
 
 /// The subcommands' names (for the tip on a mistyped one).
 const SUBCOMMANDS: &[&str] = &[
-    "run", "chat", "score", "synth", "place", "pack-trunk", "plan", "bench", "setup", "batch", "serve", "verify", "completions",
+    "run",
+    "chat",
+    "score",
+    "synth",
+    "place",
+    "pack-trunk",
+    "plan",
+    "bench",
+    "setup",
+    "batch",
+    "serve",
+    "verify",
+    "completions",
 ];
 
 /// `--threads`, on the subcommands whose kernels run on the thread pool.
@@ -117,12 +129,9 @@ impl Cmd {
             Cmd::Bench(a) => a.threads(),
             Cmd::Batch(a) => a.threads.threads,
             Cmd::Serve(a) => a.threads.threads,
-            Cmd::Place(_)
-            | Cmd::Setup(_)
-            | Cmd::PackTrunk(_)
-            | Cmd::Plan(_)
-            | Cmd::Verify(_)
-            | Cmd::Completions(_) => None,
+            Cmd::Place(_) | Cmd::Setup(_) | Cmd::PackTrunk(_) | Cmd::Plan(_) | Cmd::Verify(_) | Cmd::Completions(_) => {
+                None
+            }
         }
     }
 }
