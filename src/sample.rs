@@ -1,13 +1,18 @@
 //! Choosing the next token from K3's logits: greedy argmax, or sampling with temperature and
-//! nucleus (top-p) filtering from a seeded generator, with optional log-probabilities.
+//! top-k, min-p and nucleus (top-p) filtering from a seeded generator, with optional
+//! log-probabilities.
 //!
-//! Contract: temperature 0 picks exactly [`crate::backend::cpu::ops::argmax`] and draws no randomness. Otherwise
-//! the token is drawn from softmax(logits / T) restricted to the smallest set of most likely
-//! tokens whose mass reaches `top_p` (ties broken by lower id), renormalised. The math is
-//! single-threaded f64 in a fixed order and the generator is a splitmix64 stream from `seed`, so
-//! the same logits, parameters and seed give the same tokens bit for bit on any thread count.
-//! Every pick draws exactly one uniform number, which is what lets speculative sampling
-//! ([`crate::spec`]) reproduce plain sampling token for token.
+//! Contract: temperature 0 picks exactly [`crate::backend::cpu::ops::argmax`] and draws no
+//! randomness (the filters cannot change the most likely token). Otherwise the token is drawn
+//! from [`probabilities`]: softmax(logits / T), then, in this order, only the `top_k` most likely
+//! tokens (0: all), only the tokens of probability at least `min_p` times the most likely one's
+//! (0: all), and only the smallest set of the most likely remaining tokens whose mass (of the
+//! remaining mass) reaches `top_p`, renormalised — vLLM's order; ties are broken by lower id
+//! everywhere. The math is single-threaded f64 in a fixed order and the generator is a splitmix64
+//! stream from `seed`, so the same logits, parameters and seed give the same tokens bit for bit on
+//! any thread count. Every pick draws exactly one uniform number, which is what lets speculative
+//! sampling ([`crate::spec`]) reproduce plain sampling token for token: it draws from the same
+//! filtered distribution.
 
 use crate::backend::cpu::ops::argmax;
 use std::sync::{Arc, Mutex};
@@ -19,6 +24,10 @@ pub struct SamplingParams {
     pub temperature: f64,
     /// Nucleus mass in 0..=1 (1 keeps every token).
     pub top_p: f64,
+    /// Keep only the k most likely tokens (0 keeps every token).
+    pub top_k: usize,
+    /// Keep only tokens at least this fraction (0..=1) as likely as the most likely (0 keeps every token).
+    pub min_p: f64,
     pub seed: u64,
 }
 
@@ -34,14 +43,16 @@ pub enum SampleError {
     Temperature(f64),
     #[error("top_p {0} is outside 0..=1")]
     TopP(f64),
+    #[error("min_p {0} is outside 0..=1")]
+    MinP(f64),
 }
 
 impl SamplingParams {
     pub fn greedy() -> Self {
-        SamplingParams { temperature: 0.0, top_p: 1.0, seed: 0 }
+        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, seed: 0 }
     }
 
-    /// Checked parameters.
+    /// Checked parameters (top-k and min-p off: see [`Self::with_filters`]).
     pub fn new(temperature: f64, top_p: f64, seed: u64) -> Result<Self, SampleError> {
         if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
             return Err(SampleError::Temperature(temperature));
@@ -49,7 +60,15 @@ impl SamplingParams {
         if !(top_p.is_finite() && (0.0..=1.0).contains(&top_p)) {
             return Err(SampleError::TopP(top_p));
         }
-        Ok(SamplingParams { temperature, top_p, seed })
+        Ok(SamplingParams { temperature, top_p, top_k: 0, min_p: 0.0, seed })
+    }
+
+    /// These parameters with top-k (0: off) and min-p (0: off), checked.
+    pub fn with_filters(self, top_k: usize, min_p: f64) -> Result<Self, SampleError> {
+        if !(min_p.is_finite() && (0.0..=1.0).contains(&min_p)) {
+            return Err(SampleError::MinP(min_p));
+        }
+        Ok(SamplingParams { top_k, min_p, ..self })
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -105,21 +124,43 @@ pub fn probabilities(logits: &[f32], p: &SamplingParams) -> Vec<f64> {
     for (w, &l) in probs.iter_mut().zip(logits) {
         *w = if l.is_nan() { 0.0 } else { ((l as f64 - max) / p.temperature).exp() };
     }
-    if p.top_p < 1.0 {
-        let total: f64 = probs.iter().sum();
+    if p.top_k > 0 || p.min_p > 0.0 || p.top_p < 1.0 {
+        // Tokens with mass, most likely first (ties: lower id first); each filter keeps a prefix.
         let mut order: Vec<u32> = (0..probs.len() as u32).filter(|&i| probs[i as usize] > 0.0).collect();
-        order.sort_by(|&a, &b| probs[b as usize].total_cmp(&probs[a as usize]).then(a.cmp(&b)));
-        let mut cum = 0.0;
-        let mut keep = order.len();
-        for (n, &i) in order.iter().enumerate() {
-            cum += probs[i as usize];
-            if cum >= p.top_p * total {
-                keep = n + 1;
-                break;
+        let w = probs.clone();
+        let rank = |a: &u32, b: &u32| w[*b as usize].total_cmp(&w[*a as usize]).then(a.cmp(b));
+        if p.top_k > 0 && p.top_k < order.len() {
+            // Only the top k need ordering.
+            order.select_nth_unstable_by(p.top_k - 1, rank);
+            for &i in &order[p.top_k..] {
+                probs[i as usize] = 0.0;
             }
+            order.truncate(p.top_k);
         }
-        for &i in &order[keep..] {
-            probs[i as usize] = 0.0;
+        order.sort_unstable_by(rank);
+        if p.min_p > 0.0 && !order.is_empty() {
+            let bound = p.min_p * w[order[0] as usize];
+            let keep = order.partition_point(|&i| w[i as usize] >= bound).max(1);
+            for &i in &order[keep..] {
+                probs[i as usize] = 0.0;
+            }
+            order.truncate(keep);
+        }
+        if p.top_p < 1.0 {
+            // The mass of what the filters above kept, summed in id order (as with no filter).
+            let total: f64 = probs.iter().sum();
+            let mut cum = 0.0;
+            let mut keep = order.len();
+            for (n, &i) in order.iter().enumerate() {
+                cum += probs[i as usize];
+                if cum >= p.top_p * total {
+                    keep = n + 1;
+                    break;
+                }
+            }
+            for &i in &order[keep..] {
+                probs[i as usize] = 0.0;
+            }
         }
     }
     let total: f64 = probs.iter().sum();
@@ -271,6 +312,37 @@ mod tests {
         assert_eq!((probs[0], probs[3]), (0.0, 0.0));
         let p0 = SamplingParams::new(1.0, 0.0, 0).unwrap();
         assert_eq!(probabilities(&logits, &p0)[1], 1.0, "top_p 0 keeps the top token");
+    }
+
+    #[test]
+    fn top_k_and_min_p_keep_a_prefix_before_top_p() {
+        // Masses 2, 5, 3, 1, 3 (of 14).
+        let logits = [2.0f32.ln(), 5.0f32.ln(), 3.0f32.ln(), 0.0, 3.0f32.ln()];
+        let at = |top_k, min_p, top_p| {
+            let p = SamplingParams::new(1.0, top_p, 0).unwrap().with_filters(top_k, min_p).unwrap();
+            probabilities(&logits, &p)
+        };
+        let close = |got: Vec<f64>, want: [f64; 5]| {
+            assert!(got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-6), "{got:?} vs {want:?}");
+        };
+        close(at(1, 0.0, 1.0), [0.0, 1.0, 0.0, 0.0, 0.0]);
+        // k = 2: 5 and the first of the two 3s (ties go to the lower id).
+        close(at(2, 0.0, 1.0), [0.0, 5.0 / 8.0, 3.0 / 8.0, 0.0, 0.0]);
+        close(at(0, 0.0, 1.0), [2.0 / 14.0, 5.0 / 14.0, 3.0 / 14.0, 1.0 / 14.0, 3.0 / 14.0]);
+        close(at(99, 0.0, 1.0), at(0, 0.0, 1.0).try_into().unwrap());
+        // min_p 0.55 of 5 is 2.75: the 3s stay, 2 and 1 go.
+        close(at(0, 0.55, 1.0), [0.0, 5.0 / 11.0, 3.0 / 11.0, 0.0, 3.0 / 11.0]);
+        close(at(0, 1.0, 1.0), [0.0, 1.0, 0.0, 0.0, 0.0]);
+        // top_p counts the mass the other filters left: of 5 + 3 + 3, 0.7 needs 5 + 3.
+        close(at(0, 0.55, 0.7), [0.0, 5.0 / 8.0, 3.0 / 8.0, 0.0, 0.0]);
+        close(at(3, 0.0, 0.4), [0.0, 1.0, 0.0, 0.0, 0.0]);
+        // The filters never change the greedy pick.
+        let g = SamplingParams::greedy().with_filters(2, 0.5).unwrap();
+        assert_eq!(Sampler::new(g).pick(&logits), 1);
+        assert_eq!(SamplingParams::greedy().with_filters(0, 1.5), Err(SampleError::MinP(1.5)));
+        // Off, the distribution is the one without the filters, bit for bit.
+        let p = SamplingParams::new(0.8, 0.9, 3).unwrap();
+        assert_eq!(probabilities(&logits, &p), probabilities(&logits, &p.with_filters(0, 0.0).unwrap()));
     }
 
     #[test]

@@ -62,6 +62,8 @@ pub enum Action {
     Setup,
     /// Record a run's routes on a model (for a `hot` placement).
     RecordRoutes,
+    /// Check every byte of a model's files against their recorded checksums.
+    Verify,
 }
 
 impl Setting {
@@ -110,6 +112,7 @@ impl Action {
             Action::SetupStream => "hub::setup in stream mode",
             Action::Setup => "hub::setup",
             Action::RecordRoutes => "a run with `trace_routes`",
+            Action::Verify => "model::Checkpoint::verify",
         }
     }
 }

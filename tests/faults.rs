@@ -50,7 +50,7 @@ fn eio_and_short_reads_fail_over_to_another_copy_with_identical_output() {
             assert_eq!(got, want, "{kind:?} {reader:?}: output changed after failover");
             let rep = store.report();
             assert!(rep.drives[0].failures >= 1, "{kind:?}: {:?}", rep.drives[0]);
-            assert!(rep.drives[0].failed.as_deref().is_some_and(|w| w.contains(why)), "{:?}", rep.drives[0]);
+            assert!(rep.drives[0].last_failure.as_deref().is_some_and(|w| w.contains(why)), "{:?}", rep.drives[0]);
         }
     }
 }

@@ -109,6 +109,6 @@ fn a_failed_copy_of_a_hedged_read_leaves_the_other_to_serve_it() {
         st.inject_fault(FaultPlan { drive: 1, kind: FaultKind::Eio, skip: 0, times: 1000 });
         assert_eq!(all_experts(&m, &*st), want_bytes, "{reader:?}");
         let r = st.report();
-        assert!(r.drives[1].failed.is_some(), "{reader:?}: {:?}", r.drives[1]);
+        assert!(r.drives[1].last_failure.is_some(), "{reader:?}: {:?}", r.drives[1]);
     }
 }

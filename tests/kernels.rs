@@ -1,7 +1,9 @@
 //! Kernels against the scalar reference: every instruction set must give bit-identical results
 //! (the operation order is part of the kernels' contract), on random shapes including sizes that
 //! are not multiples of the SIMD width; matrix-matrix products must equal matrix-vector products
-//! bit for bit; and the scalar kernels must agree with a plain f64 computation.
+//! bit for bit; and the scalar kernels must agree with a plain f64 computation. Every kernel family
+//! of `cpu/families.rs` runs on every instruction set the machine has (under qemu-aarch64 in CI:
+//! the NEON forms).
 
 mod common;
 use common::Rng;
@@ -196,6 +198,31 @@ fn situ_is_bit_identical_across_isas() {
                     let same = got[i].to_bits() == want[i].to_bits() || (got[i].is_nan() && want[i].is_nan());
                     assert!(same, "situ {situ:?} on {isa:?}: ({}, {}) -> {} vs {}", g[i], u[i], got[i], want[i]);
                 }
+            }
+        }
+    }
+}
+
+/// Every kernel family, through its public entry point, on every instruction set this machine has:
+/// the scalar bits (an x86 machine runs AVX2 and AVX-512, an aarch64 one NEON).
+#[test]
+fn every_kernel_family_gives_the_scalar_bits_on_every_isa() {
+    let isas = Isa::available();
+    eprintln!("instruction sets: {isas:?}");
+    for f in families::FAMILIES {
+        let want = (f.probe)(Isa::Scalar);
+        for &isa in &isas {
+            let got = (f.probe)(isa);
+            assert_eq!(got.is_some(), want.is_some(), "{}", f.name);
+            if let (Some(got), Some(want)) = (&got, &want) {
+                assert!(!want.is_empty(), "{}: an empty probe", f.name);
+                let first = got.iter().zip(want).position(|(a, b)| a != b);
+                assert!(
+                    got.len() == want.len() && first.is_none(),
+                    "{} on {isa:?} ({:?}): element {first:?} differs from the scalar bits",
+                    f.name,
+                    f.form(isa)
+                );
             }
         }
     }

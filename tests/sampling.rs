@@ -1,7 +1,9 @@
 //! Sampling: the same seed gives the same tokens bit for bit (1 or 2 threads, drafts on or off);
 //! with drafts the emitted tokens follow K3's own distribution exactly (chi-square against the
 //! distribution computed from the logits, on a tiny fixture, with a drafter whose proposals are
-//! sometimes accepted and sometimes rejected); greedy parameters are plain greedy; the CLI flags.
+//! sometimes accepted and sometimes rejected); greedy parameters are plain greedy; top-k and min-p
+//! filter the distribution that drafts are judged against too (same tokens with drafts as without,
+//! same seed); the CLI flags.
 
 mod common;
 use common::*;
@@ -71,6 +73,38 @@ fn same_seed_same_tokens_with_any_threads_and_drafts() {
     assert_ne!(sampled(&base, SamplingParams { seed: 99, ..p }, 24, None), runs[0], "another seed, other tokens");
     let greedy = sampled(&base, SamplingParams::greedy(), 24, None);
     assert_eq!(greedy, greedy_tokens(&e, prompt, 24), "temperature 0 is greedy");
+}
+
+#[test]
+fn top_k_and_min_p_give_the_same_tokens_with_drafts_as_without() {
+    let r = reference("k3-tiny-b");
+    let e = engine(&fixture("k3-tiny-b"));
+    let base = prefilled(&e, &r.prompt[..8]);
+    let hot = SamplingParams::new(1.5, 1.0, 77).unwrap();
+    let mut seen = Vec::new();
+    for (k, m) in [(3, 0.0), (0, 0.2), (5, 0.1), (1, 0.0)] {
+        let p = hot.with_filters(k, m).unwrap();
+        let plain = sampled(&base, p, 24, None);
+        assert_eq!(
+            sampled(&base, p, 24, Some(Box::new(NgramDrafter::default()))),
+            plain,
+            "top_k {k} min_p {m}: n-gram"
+        );
+        // Drafts K3's greedy tokens: often inside the filtered set, sometimes outside it.
+        let fixed = sampled(&base, p, 24, Some(Box::new(Fixed(r.greedy[..6].to_vec()))));
+        assert_eq!(fixed, plain, "top_k {k} min_p {m}: fixed drafts");
+        seen.push(plain);
+    }
+    assert_eq!(seen[3], greedy_tokens(&e, &r.prompt[..8], 24), "top_k 1 is greedy");
+    assert_ne!(seen[0], sampled(&base, hot, 24, None), "top_k 3 changes a hot sampler's tokens");
+    // Every token drawn with top_k 3 is among the 3 most likely at its position.
+    let p = hot.with_filters(3, 0.0).unwrap();
+    let mut s = base.fork().unwrap();
+    for &t in &seen[0] {
+        let probs = probabilities(s.logits().unwrap(), &p);
+        assert!(probs[t as usize] > 0.0 && probs.iter().filter(|&&x| x > 0.0).count() <= 3);
+        s.step(t).unwrap();
+    }
 }
 
 fn greedy_tokens(e: &Arc<Engine>, prompt: &[u32], n: usize) -> Vec<u32> {
@@ -179,6 +213,9 @@ fn cli_sampling_flags_are_reproducible_and_checked() {
     let a = run(&["--temperature", "0.8", "--seed", "7"]);
     assert_eq!(a, run(&["--temperature", "0.8", "--seed", "7", "--threads", "1"]));
     assert_eq!(a, run(&["--temperature", "0.8", "--seed", "7", "--draft", "ngram"]));
+    let k = run(&["--temperature", "0.8", "--seed", "7", "--top-k", "2", "--min-p", "0.1"]);
+    assert_eq!(k, run(&["--temperature", "0.8", "--seed", "7", "--top-k", "2", "--min-p", "0.1", "--draft", "ngram"]));
+    assert_eq!(run(&["--temperature", "0.8", "--top-k", "1"]), run(&[]), "top-k 1 is greedy");
     assert_eq!(run(&["--temperature", "0"]), run(&[]), "temperature 0 is greedy");
     let o = deltafin_cmd()
         .args(["run", "--model"])
@@ -188,4 +225,12 @@ fn cli_sampling_flags_are_reproducible_and_checked() {
         .unwrap();
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("temperature 3 is outside 0..=2"));
+    let o = deltafin_cmd()
+        .args(["run", "--model"])
+        .arg(&dir)
+        .args(["--prompt-ids", "1,2", "--temperature", "1", "--min-p", "1.5"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("min_p 1.5 is outside 0..=1"), "{o:?}");
 }

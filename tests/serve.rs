@@ -53,10 +53,16 @@ impl Server {
     }
 
     fn start_on(model: &[String], extra: &[&str]) -> Server {
+        Server::start_with(model, extra, true)
+    }
+
+    /// `quiet` false: with the startup line and the access log.
+    fn start_with(model: &[String], extra: &[&str], quiet: bool) -> Server {
         let mut child = deltafin_cmd()
             .arg("serve")
             .args(model)
-            .args(["--port", "0", "--prefill-rows", "256", "--memory-gb", "2", "-q"])
+            .args(["--port", "0", "--prefill-rows", "256", "--memory-gb", "2"])
+            .args(if quiet { &["-q"][..] } else { &[] })
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -555,4 +561,122 @@ fn idle_metric(s: &Server, name: &str) -> f64 {
         std::thread::sleep(Duration::from_millis(50));
     }
     s.metric(name)
+}
+
+/// The demo model as a newcomer meets it: through the official client (scenario `demo`: an answer
+/// in `content` with no option set, bounded by the server's default `max_tokens`; standard fields
+/// taken), through the README's curl example, and one access-log line per request on stderr.
+#[test]
+fn the_demo_answers_in_content_and_every_request_is_logged() {
+    let demo = ["--demo".to_string(), "--model-name".into(), MODEL.into()];
+    let s = Server::start_with(&demo, &["--max-tokens-default", "24"], false);
+    s.client("demo", None);
+    if tool(&CURL, "the_demo_answers_in_content_and_every_request_is_logged").is_some() {
+        // The README's example, word for word but the model's name.
+        let body = format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"stream":true}}"#);
+        let out = curl(&["-sN", &format!("{}/v1/chat/completions", s.base), "-d", &body]);
+        let mut content = String::new();
+        for ev in out.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).filter(|e| *e != "[DONE]") {
+            let c: serde_json::Value = serde_json::from_str(ev).unwrap();
+            let delta = &c["choices"][0]["delta"];
+            assert!(delta.get("reasoning_content").is_none(), "the demo does not think unless asked: {ev}");
+            content.push_str(delta["content"].as_str().unwrap_or_default());
+        }
+        assert!(!content.trim().is_empty(), "{out}");
+    }
+    get(&s.base, "/health", None);
+    let mut t = std::net::TcpStream::connect(s.base.trim_start_matches("http://")).unwrap();
+    t.write_all(b"GET /nothing-here?key=secret HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    t.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 404"), "{answer}");
+    let t0 = Instant::now();
+    let log = loop {
+        let log = s.stderr.lock().unwrap().clone();
+        if log.contains("GET /nothing-here 404") || t0.elapsed() > Duration::from_secs(10) {
+            break log;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let lines: Vec<&str> = log.lines().filter(|l| l.starts_with("deltafin: request 127.0.0.1:")).collect();
+    assert!(lines.iter().any(|l| l.contains(" GET /health 200 time=")), "{log}");
+    assert!(!log.contains("secret"), "the query is not logged: {log}");
+    assert!(lines.iter().any(|l| l.contains(" GET /nothing-here 404 time=")), "{log}");
+    let chats: Vec<&&str> = lines.iter().filter(|l| l.contains(" POST /v1/chat/completions ")).collect();
+    assert!(
+        chats
+            .iter()
+            .any(|l| l.contains(" 200 in=") && l.contains(" out=24 ttft=") && l.contains(" finish=length time=")),
+        "{log}"
+    );
+    assert!(chats.iter().any(|l| l.contains(" 400 time=")), "the refused requests too: {log}");
+}
+
+#[test]
+fn a_server_reachable_from_other_machines_without_a_key_is_warned_about() {
+    let model = ["--model".to_string(), model_dir().display().to_string()];
+    let warning = "warning: listening on 0.0.0.0 without --api-key";
+    let s = Server::start_on(&model, &["--host", "0.0.0.0"]);
+    assert!(s.stderr.lock().unwrap().contains(warning), "{}", s.stderr.lock().unwrap());
+    for extra in [&["--host", "0.0.0.0", "--api-key", "k"][..], &[]] {
+        let s = Server::start_on(&model, extra);
+        assert!(!s.stderr.lock().unwrap().contains("warning: listening"), "{extra:?}: {}", s.stderr.lock().unwrap());
+    }
+}
+
+/// The page's DOM after loading `url`, once `done` holds for it (loaded again with a longer
+/// virtual-time budget, up to three times, when it does not; see the test above).
+fn page_dom(browser: &Path, url: &str, done: impl Fn(&str) -> bool) -> String {
+    let mut dom = String::new();
+    for budget in [20_000, 120_000, 600_000] {
+        let profile = tempfile::tempdir().unwrap();
+        let o = Command::new(browser)
+            .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            .arg(format!("--virtual-time-budget={budget}"))
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .args(["--dump-dom", url])
+            .output()
+            .unwrap();
+        dom = String::from_utf8_lossy(&o.stdout).into_owned();
+        if done(&dom) {
+            break;
+        }
+        eprintln!("the page had not finished within a virtual {budget} ms; loading it again");
+    }
+    dom
+}
+
+/// The chat page on the demo model: Stop ends an answer (the part shown stays), New chat forgets
+/// the conversation, the demo answers in the answer box, and a
+/// request that fails is not left in the conversation.
+#[test]
+fn chat_page_stop_new_chat_and_failed_requests_in_headless_chromium() {
+    const TEST: &str = "chat_page_stop_new_chat_and_failed_requests_in_headless_chromium";
+    let Some(browser) = tool(&CHROMIUM, TEST) else {
+        return;
+    };
+    let s = Server::start_demo(&["--api-key", "pagekey"]);
+    let body = |dom: &str| dom.split("<body").nth(1).and_then(|b| b.split('>').next()).unwrap_or_default().to_string();
+    // Hi, Stop after 3 pieces, New chat, then "Hello again" answered in full (40 tokens: the page
+    // polls /metrics every virtual 0.5 s, so a long answer would outlast the virtual-time budget).
+    let url = format!("{}/?q=Hi&stop_at=3&then=Hello%20again&max_tokens=40&key=pagekey", s.base);
+    let dom = page_dom(&browser, &url, |d| {
+        body(d).contains("data-then=\"1\"")
+            && d.split("id=\"answer-1\"").nth(1).is_some_and(|a| a.contains("data-done=\"1\""))
+    });
+    let b = body(&dom);
+    assert!(b.contains("data-stopped=\"1\""), "Stop was clicked: {dom}");
+    assert!(b.contains("data-history=\"2\""), "New chat left only the second exchange: {dom}");
+    assert!(!dom.contains(">Hi<") && dom.contains(">Hello again<"), "the first exchange is gone from the page: {dom}");
+    let answer = dom.split("id=\"answer-1\"").nth(1).unwrap();
+    assert!(!answer.contains("data-error"), "{dom}");
+    let text = answer.split_once('>').unwrap().1.split("</div>").next().unwrap();
+    assert!(!text.trim().is_empty(), "the demo's answer is in the answer box: {dom}");
+    // (The server ends a generation whose client has gone: a_client_that_disconnects_cancels_its_generation.)
+    // A request that fails (max_tokens past the context) leaves the conversation empty.
+    let url = format!("{}/?q=Hi&max_tokens=100000000&key=pagekey", s.base);
+    let dom = page_dom(&browser, &url, |d| d.split("id=\"answer-1\"").nth(1).is_some_and(|a| a.contains("data-error")));
+    assert!(dom.split("id=\"answer-1\"").nth(1).is_some_and(|a| a.contains("data-error=\"1\"")), "{dom}");
+    assert!(dom.contains("context"), "the error is shown: {dom}");
+    assert!(body(&dom).contains("data-history=\"0\""), "the failed request is not in the conversation: {dom}");
 }

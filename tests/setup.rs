@@ -22,6 +22,8 @@ const PROMPT: [u32; 6] = [5, 17, 42, 99, 3, 250];
 fn served(tmp: &Path) -> (HubServer, PathBuf) {
     let src = tmp.join("src");
     synth_small(&src, Some("7"));
+    // A hub repo has no checksum sidecar (synth wrote one beside its model).
+    let _ = std::fs::remove_file(src.join(".deltafin-checksums.json"));
     let s = HubServer::start();
     s.add_repo_dir(REPO, COMMIT, &src);
     (s, src)
@@ -50,7 +52,8 @@ fn fail(c: &mut Command) -> String {
 fn same_files(a: &Path, b: &Path) {
     for e in std::fs::read_dir(a).unwrap().flatten() {
         let n = e.file_name();
-        if e.path().is_file() {
+        // Each directory's own checksum records (their files' inodes and times differ).
+        if e.path().is_file() && n != ".deltafin-checksums.json" {
             assert!(std::fs::read(e.path()).unwrap() == std::fs::read(b.join(&n)).unwrap(), "{n:?} differs");
         }
     }
@@ -228,7 +231,7 @@ fn a_too_small_disk_is_a_clear_error_and_leaves_nothing_registered() {
     // Whatever has its final name is complete and verified.
     let mut complete = 0;
     for e in std::fs::read_dir(&dir).unwrap().flatten() {
-        if e.path().is_file() {
+        if e.path().is_file() && e.file_name() != ".deltafin-checksums.json" {
             assert!(std::fs::read(e.path()).unwrap() == std::fs::read(src.join(e.file_name())).unwrap());
             complete += 1;
         }
@@ -278,7 +281,8 @@ fn stream_install_is_bit_identical_and_its_second_run_fetches_nothing() {
         run_ok(setup(&s, tmp.path()).args(["--stream", "--json"]).arg("--dir").arg(&dir).arg("--drive").arg(&drive));
     let j: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert!(j["stream"]["expert_bytes"].as_u64().unwrap() > 0, "{j}");
-    // The expert bytes were not downloaded: far fewer bytes than the shards.
+    // The expert bytes were not kept (each shard passed through whole once, to check its sha256
+    // and record every tensor's checksum): far fewer bytes on disk than the shards.
     let shard_bytes: u64 = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
         .iter()
         .map(|n| std::fs::metadata(src.join(n)).unwrap().len())
@@ -494,12 +498,14 @@ fn damaged_streamed_packs_are_caught() {
     .map(|e| e.path())
     .collect();
     assert_eq!(packs.len(), reg["packs"].as_array().unwrap().len());
-    // A flipped payload byte: the record's xxh3 catches it on read, and the run says where.
+    // A flipped payload byte: the record's xxh3 catches it on read, the run says where, and the
+    // hub's copy serves instead (streamed again, checked): the same output.
     let p = &packs[0];
     let mut b = std::fs::read(p).unwrap();
     let n = b.len();
     b[n - 4096 - 100] ^= 0xff;
     std::fs::write(p, &b).unwrap();
+    s.clear_log();
     let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&dir)
@@ -507,14 +513,59 @@ fn damaged_streamed_packs_are_caught() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success() && err.contains("checksum"), "{err}");
-    // A damaged header: the pack is not used and its experts stream again, output unchanged.
+    assert!(o.status.success() && err.contains("checksum") && err.contains("streamed again"), "{err}");
+    assert!(!s.file_requests().is_empty());
+    assert_eq!(outputs(&dir, tmp.path(), &[]), want);
+    // A damaged header: the pack is not used; its experts come from the hub or from the packs
+    // they were streamed into again above. Output unchanged.
     b[n - 4096 - 100] ^= 0xff;
     b[100] ^= 0xff;
     std::fs::write(p, &b).unwrap();
-    s.clear_log();
     assert_eq!(outputs(&dir, tmp.path(), &[]), want);
-    assert!(!s.file_requests().is_empty());
+}
+
+#[test]
+fn stream_mode_checks_every_byte_against_the_hubs_sha256_with_or_without_etags() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (s, src) = served(tmp.path());
+    let want = outputs(&src, tmp.path(), &[]);
+    // A server (or proxy) that sends no ETags: nothing in a response names the file's version.
+    s.no_etags(true);
+    // One shard body with a byte changed: its sha256 does not match, it is fetched again.
+    s.fault("/cdn/", FaultKind::CorruptWhole, 1);
+    let dir = tmp.path().join("st");
+    run_ok(setup(&s, tmp.path()).arg("--stream").arg("--dir").arg(&dir));
+    assert_eq!(outputs(&dir, tmp.path(), &[]), want);
+    // Every try changed: a clear error naming the file; the shard never gets its final name.
+    s.fault("/cdn/", FaultKind::CorruptWhole, 1000);
+    let bad = tmp.path().join("bad");
+    let err = fail(setup(&s, tmp.path()).arg("--stream").arg("--dir").arg(&bad));
+    assert!(err.contains("sha256") && err.contains("safetensors"), "{err}");
+    assert!(!std::fs::read_dir(&bad).unwrap().flatten().any(|e| {
+        let n = e.file_name().to_string_lossy().into_owned();
+        n.ends_with(".safetensors") && !n.ends_with(".partial")
+    }));
+    s.clear_faults();
+    // Streamed expert ranges with a changed byte, no ETag: caught against the checksums recorded at
+    // setup, asked again: the same output.
+    let dir2 = tmp.path().join("st2");
+    run_ok(setup(&s, tmp.path()).arg("--stream").arg("--dir").arg(&dir2));
+    s.fault("/cdn/", FaultKind::Corrupt, 1);
+    assert_eq!(outputs(&dir2, tmp.path(), &[("DELTAFIN_HUB_BACKOFF_MS", "5")]), want);
+    // Always changed: the run fails naming the expert, never another answer.
+    let dir3 = tmp.path().join("st3");
+    s.clear_faults();
+    run_ok(setup(&s, tmp.path()).arg("--stream").arg("--dir").arg(&dir3));
+    s.fault("/cdn/", FaultKind::Corrupt, 100_000);
+    let o = deltafin_cmd()
+        .args(["run", "--model"])
+        .arg(&dir3)
+        .args(["--prompt-ids", &ids_arg(&PROMPT), "--max-new", "6", "--memory-gb", "2"])
+        .env("DELTAFIN_HUB_BACKOFF_MS", "5")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("not the model's") && err.contains("of layer"), "{err}");
 }
 
 #[test]

@@ -91,7 +91,7 @@ fn a_failed_range_or_a_corrupt_copy_fails_over_with_the_same_bytes() {
         assert_eq!(all_experts(&m, &*st), want_bytes, "{reader:?}");
         assert!(st.read_log().iter().any(|(_, _, l)| *l < len), "{reader:?}: no read was split");
         let r = st.report();
-        assert!(r.drives[1].failed.is_some() && r.drives[0].failed.is_none(), "{reader:?}: {:?}", r.drives);
+        assert!(r.drives[1].last_failure.is_some() && r.drives[0].last_failure.is_none(), "{reader:?}: {:?}", r.drives);
         // A short range on drive 2: the same.
         let st = store(&m, &man, MIN, reader);
         st.inject_fault(FaultPlan { drive: 2, kind: FaultKind::Short, skip: 1, times: 1 });

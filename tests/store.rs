@@ -133,7 +133,7 @@ fn a_corrupt_copy_fails_over_with_identical_output() {
         assert!(bits_equal(&got, &want), "{reader:?}: output changed after failover");
         let r = store.report();
         assert!(r.drives[0].failures >= 1, "{reader:?}: {:?}", r.drives[0]);
-        let why = r.drives[0].failed.clone().unwrap();
+        let why = r.drives[0].last_failure.clone().unwrap();
         assert!(why.contains("checksum mismatch") && why.contains("layer 1"), "{why}");
     }
 }
@@ -155,7 +155,11 @@ fn a_copy_truncated_mid_run_fails_over() {
         let got = logits_with(&m, store.clone()).unwrap();
         assert!(bits_equal(&got, &want), "{reader:?}");
         let r = store.report();
-        assert!(r.drives[1].failed.as_ref().is_some_and(|w| w.contains("short read")), "{reader:?}: {:?}", r.drives[1]);
+        assert!(
+            r.drives[1].last_failure.as_ref().is_some_and(|w| w.contains("short read")),
+            "{reader:?}: {:?}",
+            r.drives[1]
+        );
     }
 }
 
@@ -216,7 +220,11 @@ fn a_short_read_mid_record_fails_over_with_identical_output() {
         let got = logits_with(&m, store.clone()).unwrap();
         assert!(bits_equal(&got, &want), "{reader:?}: output changed after a short read");
         let r = store.report();
-        assert!(r.drives[0].failed.as_ref().is_some_and(|w| w.contains("short read")), "{reader:?}: {:?}", r.drives[0]);
+        assert!(
+            r.drives[0].last_failure.as_ref().is_some_and(|w| w.contains("short read")),
+            "{reader:?}: {:?}",
+            r.drives[0]
+        );
     }
 }
 
@@ -266,7 +274,7 @@ fn a_pack_truncated_between_forward_calls_fails_over_or_stops() {
         assert!(err.is_none(), "{err:?}");
         assert_eq!(got.len(), want.len());
         let r = store.report();
-        assert!(r.drives[0].failed.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[0]);
+        assert!(r.drives[0].last_failure.as_ref().is_some_and(|w| w.contains("short read")), "{:?}", r.drives[0]);
         assert!(r.drives[2].reads > shard_reads, "the shards served drive 0's experts");
         // Spread, no shards: no holder is left, and the run stops with a clear error.
         let man = do_place(&m, &drives, Policy::Spread, ShardUse::Off, None);
@@ -292,7 +300,7 @@ fn a_missing_drive_degrades_to_remaining_holders() {
     std::fs::remove_dir_all(&drives[1]).unwrap();
     let store = open_store(&m, &man, 1 << 20, ReaderKind::Auto);
     assert!(bits_equal(&logits_with(&m, store.clone()).unwrap(), &want));
-    assert!(store.report().drives[1].failed.as_ref().unwrap().contains("missing"));
+    assert!(store.report().drives[1].last_failure.as_ref().unwrap().contains("missing"));
     // Spread with the shards as fallback: the shards serve what the lost drive held.
     let tmp2 = copy_fixture("k3-tiny-a");
     let m2 = open(tmp2.path());

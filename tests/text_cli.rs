@@ -180,8 +180,18 @@ fn chat_mode_uses_the_template_and_text_output_is_the_decoded_ids() {
     assert!(rendered.ends_with("<|open|>message role=\"assistant\"<|sep|><|open|>think<|sep|>"), "{rendered}");
     // Only the template's specials: thinking-effort message (5) + user message (5) + generation prompt (4).
     assert_eq!(ids.iter().filter(|&&i| tok.is_special(i)).count(), 14);
-    // Streamed text equals decoding the output ids (reserved specials carry no text), less an
-    // unfinished character at the very end (never shown).
+    // A chat answer shows no special token: the thinking channel is `reasoning`, the response
+    // channel `text` (tests/chat_cli.rs checks this on long outputs).
+    let (text, reasoning) = (v["text"].as_str().unwrap(), v["reasoning"].as_str().unwrap());
+    for tag in ["<|", "[BOS]", "[EOS]"] {
+        assert!(!text.contains(tag) && !reasoning.contains(tag), "{v}");
+    }
+    // Without --chat, streamed text equals decoding the output ids (reserved specials carry no
+    // text), less an unfinished character at the very end (never shown).
+    let v = json_run(
+        cache.path(),
+        &["--model", dir.to_str().unwrap(), "--prompt-ids", &ids_arg(&ids), "--max-new", "8", "--ignore-eos"],
+    );
     let out: Vec<u32> = v["output_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
     let visible: Vec<u8> =
         out.iter().filter(|&&i| !tok.is_reserved(i)).flat_map(|&i| tok.token_bytes(i).unwrap().to_vec()).collect();

@@ -127,6 +127,7 @@ mod tests {
             lands_last: 0,
             failures: 0,
             failed: None,
+            last_failure: None,
             rate_gbps: 1.0,
         }
     }

@@ -6,8 +6,8 @@
 //! Contract: [`io`] alternates the two sides `repeat` times so drift in the device (or the
 //! host's cache) hits both alike, and reports the best and the median of each. The store reads
 //! with no cache and no compute. fio missing or failing is not an error: the record then has no
-//! fio rate, and [`IoOutcome::fio_error`] says why. The page cache is emptied first where this
-//! process may; the record's `cold` is true only when every run's reads were cold
+//! fio rate, and [`IoOutcome::fio_error`] says why. On macOS the page cache is emptied first where
+//! this process may; the record's `cold` is true only when every run's reads were cold
 //! ([`super::cold`]: never on macOS unless the cache was purged), and `cold_note` says why not.
 
 use super::BenchError;
@@ -102,7 +102,13 @@ pub fn io(files: &ModelFiles, o: &IoOptions) -> Result<IoOutcome, BenchError> {
     let mut reader_name = String::new();
     let mut bytes_read = 0u64;
     let mut fio_error = None;
-    let emptied = super::cold::empty_page_cache(o.assume_purged);
+    // Linux's O_DIRECT reads are cold whatever the page cache holds: it is emptied only where
+    // uncached reads can be served from it (macOS).
+    let emptied = if super::cold::UNCACHED_READS_SERVE_CACHED_PAGES {
+        super::cold::empty_page_cache(o.assume_purged)
+    } else {
+        super::cold::Emptied::No
+    };
     let mut cold = true;
     let mut cold_note = None;
     for _ in 0..o.repeat.max(1) {

@@ -1,13 +1,18 @@
 //! `bench kernels`: the CPU's compute kernels at K3's real shapes — an MXFP4 expert matrix
-//! (matvec, the decode product, and matmul over a prompt's rows), bf16 projections of the trunk,
-//! the KDA state update (recurrent and chunked) — each also against the core's measured FMA peak.
+//! (matvec, the decode product, and matmul over a prompt's rows), bf16 projections of the trunk
+//! (also held coded and int8, `--trunk`), SiTU over a prompt's expert rows, the KDA state update
+//! (recurrent and chunked) — each also against the core's measured FMA peak. The record names the
+//! instruction set (`machine.isa`; `DELTAFIN_ISA` picks another, docs/kernels-neon.md).
 //!
 //! Contract: [`cpu`] takes `rows` (prompt rows, 1..=[`MAX_ROWS`]) and `heads` (>= 1) as given
 //! (the caller checks them), times each kernel for at least a second after a warm-up call, on
 //! fixed pseudo-random inputs, and returns one record.
 
-use crate::backend::{Bf16Mat, Mxfp4Mat};
+use crate::backend::coded::CodedMat;
+use crate::backend::int8::Int8Mat;
+use crate::backend::{Bf16Mat, Mxfp4Mat, Situ};
 use crate::cpu::{matmul_bf16, matmul_mxfp4, matvec_bf16, matvec_mxfp4};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The most prompt rows `bench kernels` takes: the prompt-sized products hold `rows` x 7168 f32
@@ -47,6 +52,17 @@ pub fn cpu(a_rows: usize, heads: usize) -> serde_json::Value {
     let mut bout = vec![0f32; br * 4];
     let bv = time(&mut || matvec_bf16(&b, &bx[..bc], &mut bout[..br]));
     let bm = time(&mut || matmul_bf16(&b, &bx, &mut bout));
+    // The same projection as the coded and the int8 trunk hold it (decoded inside the kernels).
+    let coded = Bf16Mat::coded(Arc::new(CodedMat::encode(&bw, br, bc)));
+    let cv = time(&mut || matvec_bf16(&coded, &bx[..bc], &mut bout[..br]));
+    let int8 = Bf16Mat::int8(Arc::new(Int8Mat::quantize(&bw, br, bc)));
+    let iv = time(&mut || matvec_bf16(&int8, &bx[..bc], &mut bout[..br]));
+    // SiTU over a prompt's rows of one expert's hidden width (K3: 3072), K3's betas.
+    let sn = 3072 * a_rows.min(64);
+    let (sg, su): (Vec<f32>, Vec<f32>) =
+        (0..sn).map(|i| (((i % 29) as f32 - 14.0) / 3.0, ((i % 23) as f32 - 11.0) / 2.0)).unzip();
+    let mut so = vec![0f32; sn];
+    let sv = time(&mut || Situ { beta: 4.0, linear_beta: 25.0 }.apply_rows(&sg, &su, &mut so));
     // A prompt-sized product: routed_expert_down_proj [3584, 7168] on `rows` rows.
     let (dr, dc) = (3584usize, 7168usize);
     let dw = bw[..dr * dc * 2].to_vec();
@@ -80,6 +96,13 @@ pub fn cpu(a_rows: usize, heads: usize) -> serde_json::Value {
             "bf16_matvec_12288x7168_s": bv,
             "bf16_matvec_weight_gb_s": bw.len() as f64 / bv / 1e9,
             "bf16_matmul4_gmac_s": (br * bc * 4) as f64 / bm / 1e9,
+            "coded_matvec_12288x7168_s": cv,
+            "coded_matvec_weight_gb_s": coded.byte_len() as f64 / cv / 1e9,
+            "coded_matvec_bf16_equivalent_gb_s": bw.len() as f64 / cv / 1e9,
+            "int8_matvec_12288x7168_s": iv,
+            "int8_matvec_weight_gb_s": int8.byte_len() as f64 / iv / 1e9,
+            "situ_elements": sn,
+            "situ_gelem_s": sn as f64 / sv / 1e9,
             "bf16_matmul_prompt_gmac_s": (dr * dc * a_rows) as f64 / dmm / 1e9,
             "mxfp4_matmul_prompt_gmac_s": prompt_gmac,
             "kda_rows": a_rows,

@@ -66,6 +66,12 @@ pub struct BatchArgs {
     /// top_p of lines that set none (default 1; with --demo, the demo's generation_config.json).
     #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p)]
     pub top_p: Option<f64>,
+    /// top_k of lines that set none (default 0: off; with --demo, the demo's generation_config.json).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// min_p of lines that set none (default 0: off; with --demo, the demo's generation_config.json).
+    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_min_p)]
+    pub min_p: Option<f64>,
     /// Do not reuse the previous request's session when a prompt extends it.
     #[arg(long)]
     pub no_reuse: bool,
@@ -87,7 +93,8 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     batch_io::check_paths(&a.input, &a.output)?;
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
-    let sampling = load::sampling(&dir, a.demo, a.temperature, a.top_p)?;
+    let flags = load::SamplingFlags { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, min_p: a.min_p };
+    let sampling = load::sampling(&dir, a.demo, flags)?;
     let input = batch_io::read_input(&a.input)?;
     let lines = input_lines(&input);
     let (file, done) = match is_std(&a.output) {

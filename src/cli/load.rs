@@ -24,7 +24,7 @@ pub fn open(dir: &Path) -> Result<Opened> {
     let cfg = K3Config::load(dir).with_context(|| format!("cannot load the model config in {}", dir.display()))?;
     let ck = Checkpoint::open(dir).with_context(|| format!("cannot open the checkpoint in {}", dir.display()))?;
     let roster = Roster::build(&cfg, &ck)?;
-    Ok(Opened { dir: dir.to_path_buf(), cfg, ck, roster })
+    Ok(Opened { dir: dir.to_path_buf(), cfg, ck: Arc::new(ck), roster })
 }
 
 /// Opens an engine; the error names the model directory, except for options that conflict with
@@ -129,23 +129,50 @@ pub fn demo_draft(demo: bool, draft: DraftKind, engine: &mut EngineArgs) -> Resu
     Ok(())
 }
 
-/// Sampling defaults: `--temperature` / `--top-p` when given; else, with `--demo`, the demo's
-/// `generation_config.json`; else greedy (temperature 0, top-p 1). Checked like a request's.
-pub fn sampling(dir: &Path, demo: bool, temperature: Option<f64>, top_p: Option<f64>) -> Result<SamplingDefaults> {
+/// The sampling flags of `run`, `serve` and `batch` (None: not given).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SamplingFlags {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f64>,
+}
+
+/// Sampling defaults: each of `--temperature` / `--top-p` / `--top-k` / `--min-p` when given;
+/// else, with `--demo`, the demo's `generation_config.json`; else greedy (temperature 0, top-p 1,
+/// top-k and min-p off). Checked like a request's. No `max_tokens` default.
+pub fn sampling(dir: &Path, demo: bool, f: SamplingFlags) -> Result<SamplingDefaults> {
     let g = if demo { GenerationDefaults::load(dir)?.unwrap_or_default() } else { GenerationDefaults::default() };
     let s = SamplingDefaults {
-        temperature: temperature.or(g.temperature).unwrap_or(0.0),
-        top_p: top_p.or(g.top_p).unwrap_or(1.0),
+        temperature: f.temperature.or(g.temperature).unwrap_or(0.0),
+        top_p: f.top_p.or(g.top_p).unwrap_or(1.0),
+        top_k: f.top_k.or(g.top_k).unwrap_or(0),
+        min_p: f.min_p.or(g.min_p).unwrap_or(0.0),
+        max_tokens: None,
     };
-    crate::sample::SamplingParams::new(s.temperature, s.top_p, 0).map_err(|e| anyhow::anyhow!("{e}"))?;
+    params(&s, 0)?;
     Ok(s)
+}
+
+/// The sampler's parameters of `s` with `seed`.
+pub fn params(s: &SamplingDefaults, seed: u64) -> Result<crate::sample::SamplingParams> {
+    crate::sample::SamplingParams::new(s.temperature, s.top_p, seed)
+        .and_then(|p| p.with_filters(s.top_k, s.min_p))
+        .map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// The "sampling: ..." startup line (`each`: one line for several prompts), None when greedy.
 pub fn sampling_line(s: &crate::sample::SamplingParams, each: bool) -> Option<String> {
     (!s.is_greedy()).then(|| {
         let each = if each { " (each prompt)" } else { "" };
-        format!("deltafin: sampling: temperature {} top-p {} seed {}{each}", s.temperature, s.top_p, s.seed)
+        let mut filters = String::new();
+        if s.top_k > 0 {
+            filters.push_str(&format!(" top-k {}", s.top_k));
+        }
+        if s.min_p > 0.0 {
+            filters.push_str(&format!(" min-p {}", s.min_p));
+        }
+        format!("deltafin: sampling: temperature {} top-p {}{filters} seed {}{each}", s.temperature, s.top_p, s.seed)
     })
 }
 

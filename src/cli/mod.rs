@@ -7,6 +7,7 @@ mod batch;
 mod batch_io;
 mod bench;
 mod bench_run;
+mod chat;
 mod engine;
 mod help;
 mod load;
@@ -28,11 +29,14 @@ mod setup;
 mod setup_routes;
 mod signals;
 mod synth;
+mod verify;
 mod version;
+
+pub use run_args::{TokenIds, parse_ids};
 
 use clap::{Parser, Subcommand};
 pub(crate) use parse::{
-    parse_gb, parse_gb_positive, parse_qd, parse_seconds, parse_temperature, parse_threads, parse_top_p,
+    parse_gb, parse_gb_positive, parse_min_p, parse_qd, parse_seconds, parse_temperature, parse_threads, parse_top_p,
 };
 use std::process::ExitCode;
 
@@ -48,8 +52,21 @@ pub struct Cli {
 }
 
 /// The subcommands' names (for the tip on a mistyped one).
-const SUBCOMMANDS: &[&str] =
-    &["run", "score", "synth", "place", "pack-trunk", "plan", "bench", "setup", "batch", "serve", "completions"];
+const SUBCOMMANDS: &[&str] = &[
+    "run",
+    "chat",
+    "score",
+    "synth",
+    "place",
+    "pack-trunk",
+    "plan",
+    "bench",
+    "setup",
+    "batch",
+    "serve",
+    "verify",
+    "completions",
+];
 
 /// `--threads`, on the subcommands whose kernels run on the thread pool.
 #[derive(clap::Args, Clone, Copy, Debug, Default)]
@@ -65,6 +82,8 @@ enum Cmd {
     /// Generate from a prompt (greedy, or sampled with --temperature).
     #[command(after_help = help::RUN)]
     Run(run::RunArgs),
+    /// Chat with the model in the terminal (history, /commands; reads stdin when it is not a terminal).
+    Chat(chat::ChatArgs),
     /// Compute logits at every position of a prompt and write them to a safetensors file.
     #[command(after_help = help::SCORE)]
     Score(score::ScoreArgs),
@@ -92,6 +111,8 @@ enum Cmd {
     /// OpenAI-compatible HTTP server (chat, completions, streaming, metrics, a chat page at /).
     #[command(after_help = help::SERVE)]
     Serve(serve::ServeArgs),
+    /// Check every byte of a model's files against their recorded checksums (records them first if none).
+    Verify(verify::VerifyArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     #[command(after_help = help::COMPLETIONS)]
     Completions(version::CompletionsArgs),
@@ -102,12 +123,15 @@ impl Cmd {
     fn threads(&self) -> Option<usize> {
         match self {
             Cmd::Run(a) => a.threads.threads,
+            Cmd::Chat(a) => a.threads.threads,
             Cmd::Score(a) => a.threads.threads,
             Cmd::Synth(a) => a.threads.threads,
             Cmd::Bench(a) => a.threads(),
             Cmd::Batch(a) => a.threads.threads,
             Cmd::Serve(a) => a.threads.threads,
-            Cmd::Place(_) | Cmd::Setup(_) | Cmd::PackTrunk(_) | Cmd::Plan(_) | Cmd::Completions(_) => None,
+            Cmd::Place(_) | Cmd::Setup(_) | Cmd::PackTrunk(_) | Cmd::Plan(_) | Cmd::Verify(_) | Cmd::Completions(_) => {
+                None
+            }
         }
     }
 }
@@ -172,6 +196,7 @@ pub fn main() -> ExitCode {
     }
     let result = match cli.cmd {
         Cmd::Run(a) => run::run(a),
+        Cmd::Chat(a) => chat::run(a),
         Cmd::Score(a) => score::run(a),
         Cmd::Synth(a) => synth::run(a),
         Cmd::Place(a) => place::run(a),
@@ -181,6 +206,7 @@ pub fn main() -> ExitCode {
         Cmd::Setup(a) => setup::run(a),
         Cmd::Serve(a) => serve::run(a),
         Cmd::Batch(a) => batch::run(a),
+        Cmd::Verify(a) => verify::run(a),
         Cmd::Completions(a) => version::completions(a),
     };
     match result {
@@ -201,13 +227,10 @@ pub(crate) fn error_text(e: &anyhow::Error) -> String {
     let mut out = String::new();
     for cause in e.chain() {
         let t = cause.to_string();
-        if out.contains(&t) {
-            continue;
+        if !out.contains(&t) {
+            let sep = if out.is_empty() { "" } else { ": " };
+            out = format!("{out}{sep}{t}");
         }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&t);
     }
     out
 }
@@ -223,21 +246,4 @@ pub(crate) fn check_outputs<'a>(
         }
     }
     Ok(())
-}
-
-/// Token ids given on the command line as "1,2,3".
-#[derive(Clone, Debug)]
-pub struct TokenIds(pub Vec<u32>);
-
-/// Parses "1,2,3" (spaces allowed) into token ids (public for the fuzz targets).
-pub fn parse_ids(s: &str) -> Result<TokenIds, String> {
-    s.split(',')
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-        .map(|t| {
-            t.parse::<u32>()
-                .map_err(|_| format!("`{t}` is not a token id (expected comma-separated non-negative integers)"))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .and_then(|v| if v.is_empty() { Err("the prompt is empty".to_string()) } else { Ok(TokenIds(v)) })
 }

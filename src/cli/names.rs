@@ -47,6 +47,7 @@ pub fn command(a: Action) -> &'static str {
         Action::SetupStream => "`deltafin setup --stream`",
         Action::Setup => "`deltafin setup`",
         Action::RecordRoutes => "`deltafin run --model DIR --trace-routes FILE`",
+        Action::Verify => "`deltafin verify --model DIR`",
     }
 }
 

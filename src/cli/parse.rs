@@ -66,3 +66,11 @@ pub(crate) fn parse_top_p(s: &str) -> Result<f64, String> {
         _ => Err(format!("`{s}` is not a top-p (expected a probability mass from 0 to 1)")),
     }
 }
+
+/// A min-p ratio: 0 to 1 (0 keeps every token).
+pub(crate) fn parse_min_p(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if p.is_finite() && (0.0..=1.0).contains(&p) => Ok(p),
+        _ => Err(format!("`{s}` is not a min-p (expected a ratio from 0 to 1)")),
+    }
+}

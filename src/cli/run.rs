@@ -1,8 +1,9 @@
 //! `deltafin run`: one-shot generation (greedy, or sampled with `--temperature`). Text streams to stdout as tokens are produced
 //! (held back only inside a UTF-8 character); diagnostics, the startup line, the prefill's
-//! progress, the one-line summary and `--stats` go to stderr, so stdout can be piped. Several
-//! prompts (`--prompt` repeated, `--prompt-file` repeated, or `--prompt-lines FILE`) run
-//! together: see `run_many`.
+//! progress, the one-line summary and `--stats` go to stderr, so stdout can be piped. With
+//! `--chat` stdout gets the answer only (the template's response channel, never a tag token) and
+//! the reasoning goes to stderr, dimmed on a terminal. Several prompts (`--prompt` repeated,
+//! `--prompt-file` repeated, or `--prompt-lines FILE`) run together: see `run_many`.
 //!
 //! Ending early: Ctrl-C stops the prefill or the generation where it is, and what was done is
 //! still printed (the text so far; with `--format json` the object with `"interrupted": true`;
@@ -17,11 +18,13 @@ use super::{load, progress};
 use crate::engine::GenerateOptions;
 use crate::model::chat::{ChatOptions, ChatTemplate};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
-use crate::sample::{Sampler, SamplingParams};
 use crate::draft::{DraftKind, WidthPolicy};
+use crate::sample::Sampler;
+use crate::serve::answer::Answer;
 use anyhow::{Context, Result, bail};
 use std::io::{Read, Write};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 fn read_text(arg: &str, from_file: bool) -> Result<String> {
@@ -74,7 +77,7 @@ fn text_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>, text: &str) -> Res
             messages.push(serde_json::json!({"role": "system", "content": s}));
         }
         messages.push(serde_json::json!({"role": "user", "content": text}));
-        let opts = ChatOptions { thinking: a.thinking, ..ChatOptions::default() };
+        let opts = ChatOptions { thinking: a.thinking(dir)?, ..ChatOptions::default() };
         chat.encode(tok, &serde_json::Value::Array(messages), &opts)?
     } else {
         tok.encode(text)
@@ -98,14 +101,14 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         None
     };
     let seed = a.seed.unwrap_or_else(crate::util::fresh_seed);
-    let defaults = load::sampling(&dir, a.demo, a.temperature, a.top_p)?;
-    let sampling =
-        SamplingParams::new(defaults.temperature, defaults.top_p, seed).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let flags = load::SamplingFlags { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, min_p: a.min_p };
+    let sampling = load::params(&load::sampling(&dir, a.demo, flags)?, seed)?;
     let mut prompts = prompt_ids(&a, &dir, tok.as_ref())?;
     if prompts.len() > 1 {
         return super::run_many::run_many(&a, dir, tok, prompts, sampling);
     }
     let prompt = prompts.pop().context("no prompt given")?;
+    let tok = tok.map(Arc::new);
     if a.draft == DraftKind::Dspark && a.engine.draft_model.is_none() {
         bail!(
             "--draft dspark needs --draft-model DIR (a DSpark checkpoint; `deltafin synth --dspark` writes a random one)"
@@ -148,7 +151,13 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     }
 
     // Stop at the chat format's end-of-message token or the config's eos, whichever comes.
-    let stops: Vec<u32> = if a.ignore_eos { Vec::new() } else { engine.stop_tokens(tok.as_ref()) };
+    let stops: Vec<u32> = if a.ignore_eos { Vec::new() } else { engine.stop_tokens(tok.as_deref()) };
+    // A chat answer goes through the template's channels: the answer, the reasoning, no tags.
+    let mut chat = match (&tok, a.chat) {
+        (Some(t), true) => Some(Answer::chat(Arc::clone(t), stops.clone(), a.thinking(&dir)?)),
+        _ => None,
+    };
+    let mut printer = super::chat::Printer::new(!a.hide_reasoning);
     let mut session = engine.new_session();
     let mut out = std::io::stdout().lock();
     let mut decoder = StreamDecoder::default();
@@ -169,6 +178,14 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let opts = GenerateOptions { max_new: a.max_new, stop: stops.clone() };
     let mut on_token = |next: u32| {
         ids.push(next);
+        if let Some(c) = &mut chat {
+            let shown = c.token(next, &mut |d| {
+                let shown = if a.format == Format::Text { printer.delta(&mut out, d) } else { Ok(()) };
+                shown.map_err(|e| write_error = Some(e.into())).is_ok()
+            });
+            // Ctrl-C: this token is the last.
+            return shown && !signals::interrupted();
+        }
         let stop = stops.contains(&next);
         let piece = match &tok {
             // Reserved (unnamed) specials carry no text.
@@ -209,6 +226,13 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     };
     // An unfinished UTF-8 character at the end is dropped (it would print as U+FFFD).
     decoder.finish();
+    let mut reasoning = None;
+    if let Some(mut c) = chat {
+        c.finish(&mut |d| a.format != Format::Text || printer.delta(&mut out, d).is_ok());
+        printer.end();
+        text = c.content;
+        reasoning = Some(c.reasoning);
+    }
     let mut stats = session.stats.clone();
     stats.source = Some(engine.source_report());
     let interrupted = signals::interrupted();
@@ -220,6 +244,9 @@ pub fn run(mut a: RunArgs) -> Result<()> {
             let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config, "backend_used": engine.backend_used(), "sampling": sampling});
             if tok.is_some() {
                 obj["text"] = serde_json::Value::String(text);
+            }
+            if let Some(r) = reasoning {
+                obj["reasoning"] = serde_json::Value::String(r);
             }
             if interrupted {
                 obj["interrupted"] = serde_json::Value::Bool(true);

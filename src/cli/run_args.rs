@@ -2,7 +2,7 @@
 //! common ones first: model, prompt, generation, output, then the engine's (its tuning knobs only
 //! in `--help`, not `-h`).
 
-use super::{KdaArg, TokenIds};
+use super::KdaArg;
 use crate::model::chat::Thinking;
 use crate::draft::DraftKind;
 use clap::{ArgGroup, Args, ValueEnum};
@@ -49,9 +49,14 @@ pub struct RunArgs {
     /// System message for --chat.
     #[arg(long, requires = "chat", help_heading = "Prompt")]
     pub system: Option<String>,
-    /// Thinking effort for --chat (the template's default is max; off answers directly).
-    #[arg(long, value_enum, default_value_t = Thinking::Max, help_heading = "Prompt")]
-    pub thinking: Thinking,
+    /// Thinking effort for --chat (default: the model's, from its generation_config.json's
+    /// chat_template_kwargs, else the template's, max; off answers directly).
+    #[arg(long, value_enum, help_heading = "Prompt")]
+    pub thinking: Option<Thinking>,
+    /// With --chat, do not show the model's reasoning (the thinking channel; shown dimmed on
+    /// stderr by default).
+    #[arg(long, requires = "chat", help_heading = "Output")]
+    pub hide_reasoning: bool,
     /// With several prompts: how many run at once (default: all).
     ///
     /// When one finishes the next joins at the next step. Answers are identical whatever it is.
@@ -70,6 +75,14 @@ pub struct RunArgs {
     /// Default 1, or with --demo the demo's generation_config.json.
     #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p, help_heading = "Generation")]
     pub top_p: Option<f64>,
+    /// Keep only the K most likely tokens when sampling (default 0: off, or the demo's).
+    #[arg(long, value_name = "K", help_heading = "Generation")]
+    pub top_k: Option<usize>,
+    /// Keep only tokens at least P times as likely as the most likely when sampling (0 to 1).
+    ///
+    /// Default 0: off, or the demo's.
+    #[arg(long, value_name = "P", allow_negative_numbers = true, value_parser = super::parse_min_p, help_heading = "Generation")]
+    pub min_p: Option<f64>,
     /// Seed of the sampler (default: a fresh one, printed).
     ///
     /// The same seed gives the same output.
@@ -111,4 +124,31 @@ pub struct RunArgs {
     pub kda: KdaArg,
     #[command(flatten)]
     pub threads: super::Threads,
+}
+
+impl RunArgs {
+    /// `--thinking`, else the model's default (its generation_config.json, else the template's).
+    pub fn thinking(&self, dir: &std::path::Path) -> anyhow::Result<Thinking> {
+        Ok(match self.thinking {
+            Some(t) => t,
+            None => crate::model::generation::default_thinking(dir)?,
+        })
+    }
+}
+
+/// Token ids given on the command line as "1,2,3".
+#[derive(Clone, Debug)]
+pub struct TokenIds(pub Vec<u32>);
+
+/// Parses "1,2,3" (spaces allowed) into token ids (public for the fuzz targets).
+pub fn parse_ids(s: &str) -> Result<TokenIds, String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            t.parse::<u32>()
+                .map_err(|_| format!("`{t}` is not a token id (expected comma-separated non-negative integers)"))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(|v| if v.is_empty() { Err("the prompt is empty".to_string()) } else { Ok(TokenIds(v)) })
 }

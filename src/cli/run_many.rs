@@ -164,7 +164,9 @@ pub(super) fn run_many(
     let gens: Vec<Generation> =
         host.gens.into_iter().map(|g| g.context("a prompt did not finish")).collect::<Result<_>>()?;
     stats.source = Some(engine.source_report());
-    let written = print_answers(a, &prompts, &gens, tok.as_ref(), &stops, &stats, &engine, sampling);
+    let thinking = if a.chat { Some(a.thinking(engine.dir())?) } else { None };
+    let tok = tok.map(Arc::new);
+    let written = print_answers(a, &prompts, &gens, (tok.as_ref(), thinking), &stops, &stats, &engine, sampling);
     if !a.quiet {
         eprintln!("{}", super::report::summary(&stats));
     }
@@ -188,7 +190,7 @@ fn print_answers(
     a: &RunArgs,
     prompts: &[Vec<u32>],
     gens: &[Generation],
-    tok: Option<&Tokenizer>,
+    (tok, thinking): (Option<&Arc<Tokenizer>>, Option<crate::model::chat::Thinking>),
     stops: &[u32],
     stats: &crate::stats::Stats,
     engine: &Engine,
@@ -197,7 +199,14 @@ fn print_answers(
     let mut out = std::io::stdout().lock();
     let n = prompts.len();
     for (i, (p, g)) in prompts.iter().zip(gens).enumerate() {
-        let text = tok.map(|t| answer_text(t, &g.tokens, stops)).transpose()?;
+        // A chat answer: its response channel, its reasoning apart, no tag (as `run` alone).
+        let (text, reasoning) = match (tok, thinking) {
+            (Some(t), Some(th)) => {
+                let (c, r) = crate::serve::answer::Answer::chat_text(Arc::clone(t), &g.tokens, stops, th);
+                (Some(c), Some(r))
+            }
+            _ => (tok.map(|t| answer_text(t, &g.tokens, stops)).transpose()?, None),
+        };
         match a.format {
             Format::Text => {
                 // Which prompt: its first line, shortened (not with --chat: the template's text).
@@ -218,6 +227,9 @@ fn print_answers(
                 let mut obj = serde_json::json!({"prompt_ids": p, "output_ids": g.tokens});
                 if let Some(t) = text {
                     obj["text"] = serde_json::Value::String(t);
+                }
+                if let Some(r) = reasoning {
+                    obj["reasoning"] = serde_json::Value::String(r);
                 }
                 writeln!(out, "{obj}")?;
             }

@@ -4,12 +4,15 @@
 
 use super::load;
 use crate::serve::ServeOptions;
-use crate::serve::api::SamplingDefaults;
 use crate::serve::generator::GenConfig;
 use crate::draft::DraftKind;
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
+
+/// A chat request's `max_tokens` when it gives none: enough for a long answer, bounded so that a
+/// model that never ends its message (or a long thinking channel) stops within minutes.
+const DEFAULT_MAX_TOKENS: usize = 2048;
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -63,9 +66,19 @@ pub struct ServeArgs {
     /// top_p of requests that set none (default 1; with --demo, the demo's generation_config.json).
     #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p)]
     pub top_p: Option<f64>,
+    /// top_k of requests that set none (default 0: off; with --demo, the demo's generation_config.json).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// min_p of requests that set none (default 0: off; with --demo, the demo's generation_config.json).
+    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_min_p)]
+    pub min_p: Option<f64>,
+    /// Most tokens a chat request that sets no max_tokens gets (fewer when the context has less
+    /// room; 0: up to the context bound, as vLLM and llama-server).
+    #[arg(long, default_value_t = DEFAULT_MAX_TOKENS)]
+    pub max_tokens_default: usize,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
-    /// No startup line.
+    /// No startup line and no access log (one line per request on stderr).
     #[arg(long, short)]
     pub quiet: bool,
     #[command(flatten)]
@@ -75,7 +88,9 @@ pub struct ServeArgs {
 pub fn run(mut a: ServeArgs) -> Result<()> {
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
-    let sampling = load::sampling(&dir, a.demo, a.temperature, a.top_p)?;
+    let flags = load::SamplingFlags { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, min_p: a.min_p };
+    let mut sampling = load::sampling(&dir, a.demo, flags)?;
+    sampling.max_tokens = (a.max_tokens_default > 0).then_some(a.max_tokens_default);
     // Verify batches need k + 1 rows; prompts are chunked at --prefill-rows.
     let rows = a.engine.prefill_rows.max(8);
     let mut config = a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0);
@@ -98,11 +113,9 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     if let Some(note) = load::random_weights_note(&dir) {
         eprintln!("{note}");
     }
-    if sampling != SamplingDefaults::default() {
-        eprintln!(
-            "deltafin: requests that set no temperature / top_p use temperature {} top-p {} (a request's own seed, else a fresh one per request)",
-            sampling.temperature, sampling.top_p
-        );
+    if let Some(line) = load::sampling_line(&load::params(&sampling, 0)?, false) {
+        let line = line.trim_end_matches(" seed 0").replace("sampling:", "requests that set no sampling use");
+        eprintln!("{line} (a request's own seed, else a fresh one per request)");
     }
     let opts = ServeOptions {
         host: a.host.clone(),
@@ -115,7 +128,14 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         model_id: model_id.clone(),
         generation: GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: a.memo },
         sampling,
+        access_log: !a.quiet,
     };
+    if opts.api_key.is_none() && !crate::serve::access::is_loopback(&a.host) {
+        eprintln!(
+            "deltafin: warning: listening on {} without --api-key: anyone who can reach this machine can use the model; give --api-key KEY (or DELTAFIN_API_KEY)",
+            a.host
+        );
+    }
     let auth = if opts.api_key.is_some() { "API key required" } else { "no API key" };
     crate::serve::serve(engine, opts, |addr| {
         eprintln!("deltafin: serving {model_id} on http://{addr} (OpenAI API at /v1, chat page at /, {auth})");

@@ -161,7 +161,13 @@ pub fn run(a: SetupArgs) -> Result<()> {
         if StreamInstall::load(&a.dir)?.is_some() {
             bail!("{} is a stream install; give `setup --full` another --dir", a.dir.display());
         }
-        let jobs = info.files.iter().map(|f| Job { file: f.clone(), dest: a.dir.join(&f.path) }).collect();
+        // A repo's own checksum sidecar is another directory's record, never this one's.
+        let jobs = info
+            .files
+            .iter()
+            .filter(|f| f.path != crate::model::checksums::SIDECAR)
+            .map(|f| Job { file: f.clone(), dest: a.dir.join(&f.path) })
+            .collect();
         let partial = a.dir.join(download::PARTIAL_DIR);
         let r = download::download_all(&hub, &a.repo, &info.commit, jobs, &partial, cache.as_ref(), &dl)?;
         let _ = std::fs::remove_dir(&partial);

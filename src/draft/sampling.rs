@@ -2,15 +2,17 @@
 //! keeps K3's sampling distribution exactly whatever the drafter proposes.
 //!
 //! Contract: for a draft token `d` drawn from the drafter's distribution `q`, with K3's
-//! distribution `p` at the same row, [`verdict`] accepts `d` with probability min(1, p(d)/q(d));
-//! on rejection it returns a token drawn from norm(max(0, p - q)). The emitted token is then
-//! distributed exactly as p.
+//! distribution `p` at the same row (the filtered one that plain sampling draws from:
+//! [`crate::sample::probabilities`] with the request's temperature, top-k, min-p and top-p),
+//! [`verdict`] accepts `d` with probability min(1, p(d)/q(d)); on rejection it returns a token
+//! drawn from norm(max(0, p - q)). The emitted token is then distributed exactly as p.
 //!
 //! The drafters of this crate (n-gram lookup, scripted, oracle) propose deterministically: q is a
 //! point mass on d, so the rule becomes "accept with probability p(d), else draw from p without
 //! d". Drawing x ~ p with the row's one uniform number and accepting iff x == d is that rule
 //! exactly (P(accept) = p(d); given x != d, x ~ p restricted to tokens other than d), and it uses
-//! the same number plain sampling would — so [`crate::engine::Session::generate_speculative_sampled`]
+//! the same number and the same filtered p plain sampling would (a draft the filters exclude has
+//! p(d) = 0 and is never kept) — so [`crate::engine::Session::generate_speculative_sampled`]
 //! emits the tokens of plain sampling with the same seed, bit for bit. [`verdict`] is for a
 //! drafter that samples its proposals (a model drafter at temperature > 0).
 
@@ -104,5 +106,23 @@ mod tests {
         }
         let c = chi2(&p, &counts);
         assert!(c < 13.8, "chi2 {c}: {counts:?}");
+    }
+
+    #[test]
+    fn a_draft_the_filters_exclude_is_never_kept() {
+        let logits = [1.0f32, 3.0, 2.9, 2.8, 0.5];
+        let params = SamplingParams::new(1.0, 1.0, 5).unwrap().with_filters(2, 0.0).unwrap();
+        let p = crate::sample::probabilities(&logits, &params);
+        let mut s = Sampler::new(params);
+        for d in [0u32, 3, 4] {
+            let mut q = [0.0; 5];
+            q[d as usize] = 1.0;
+            for _ in 0..2000 {
+                match verdict(&p, &q, d, &mut s) {
+                    Verdict::Accept => panic!("draft {d} is outside the top 2"),
+                    Verdict::Reject(x) => assert!(x == 1 || x == 2, "{x}"),
+                }
+            }
+        }
     }
 }

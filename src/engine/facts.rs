@@ -1,6 +1,7 @@
 //! What a front end may ask an opened engine beyond running sessions: the usable context, the
 //! vocabulary, the tokens that end a message, the draft model's description, whether more sequence
-//! states fit the memory budget, a route trace of a run, and the startup line's essentials.
+//! states fit the memory budget, a route trace of a run, the startup line's essentials, and whether
+//! storage is failing reads.
 //!
 //! Contract: front ends (`cli`, `serve`) ask these methods, never the engine's parts (checkpoint,
 //! roster, trunk, backend, memory plan); each answer is a plain value computed from the opened
@@ -22,6 +23,14 @@ impl Engine {
     /// sequence (naming its setting) or the memory budget.
     pub fn context_limit(&self) -> String {
         self.plan.context_limit()
+    }
+
+    /// Whether the expert source fails reads now (drives given up, holders suspect), and how far
+    /// the model's checksums are recorded: `/health`.
+    pub fn storage_health(&self) -> crate::store::StorageHealth {
+        let mut h = crate::store::health(self.source());
+        h.checksums = Some(self.ck.verification());
+        h
     }
 
     /// The model's vocabulary size: token ids are below it.

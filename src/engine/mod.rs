@@ -155,7 +155,7 @@ fn restrict_drives(spec: &mut StoreSpec, keep: &[usize], placement_drives: usize
 fn store_spec(
     config: &EngineConfig,
     dir: &Path,
-    ck: &Checkpoint,
+    ck: &Arc<Checkpoint>,
     roster: &Roster,
 ) -> Result<Option<StoreSpec>, EngineError> {
     let manifest_path = manifest_path(config.placement.as_deref(), dir);
@@ -406,6 +406,8 @@ impl Engine {
                 (Some(source), Some(store))
             }
         };
+        // A large directory never seen: its checksums are recorded while the engine runs.
+        ck.record_in_background();
         Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, trunk, device: backend, draft, source, store, plan }))
     }
 

@@ -105,7 +105,7 @@ pub fn time_products(dir: &Path, rounds: usize) -> Result<ProductTiming, PackTru
         msg: format!("the coded trunk names `{name}`, which the checkpoint lacks"),
     })?;
     let (rows, cols) = (c.rows, c.cols);
-    let b = Bf16Mat::new(ck.shared_bytes(e), rows, cols);
+    let b = Bf16Mat::new(ck.shared_bytes(e).map_err(PackTrunkError::Model)?, rows, cols);
     let cm = Bf16Mat::coded(c.clone());
     let n = 64;
     let x: Vec<f32> = (0..cols * n).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 1000.0).collect();

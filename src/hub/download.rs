@@ -13,9 +13,15 @@
 //!   [`HubError::DiskFull`], naming the file, and a rerun resumes.
 //! - Files found in a Hugging Face cache are verified like downloads and linked (or copied) in
 //!   instead of downloaded.
+//! - A shard's tensors are hashed (xxh3) from the same bytes as its sha256 and, once it verifies,
+//!   recorded in the model directory's checksum sidecar (`model::checksums`, source `download`).
+//!   A shard already in place counts as complete only while it is known intact (recorded from its
+//!   download, unchanged since, not found damaged by `deltafin verify`); otherwise it is hashed
+//!   again, kept if it matches the hub's sha256 and fetched again if not.
 
 use super::client::{Hub, HubError, RepoFile};
 use super::hfcache::HfRepoCache;
+use crate::model::checksums::{self, FileId, ShardDigest, ShardRecord, Source, TensorHasher};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sha2::Digest;
 use std::collections::VecDeque;
@@ -53,6 +59,8 @@ pub struct DownloadReport {
     pub skipped: usize,
     /// Files taken from a Hugging Face cache.
     pub from_hf_cache: usize,
+    /// Shards already in place that were not known intact, verified again and kept.
+    pub reverified: usize,
     pub bytes_downloaded: u64,
     /// Bytes of partial files resumed rather than fetched again.
     pub bytes_resumed: u64,
@@ -60,39 +68,55 @@ pub struct DownloadReport {
     pub seconds: f64,
 }
 
-/// Incremental checksum matching what the hub publishes for a file.
-enum Checker {
+/// Incremental checksum matching what the hub publishes for a file; for a safetensors shard, also
+/// each tensor's xxh3 (`model::checksums`), from the same bytes.
+struct Checker {
+    sum: Sum,
+    tensors: Option<TensorHasher>,
+}
+
+enum Sum {
     Sha256(sha2::Sha256, String),
     GitSha1(sha1::Sha1, String),
 }
 
+/// What a verified file yields: its tensors' checksums when it is a shard.
+type Verified = Option<ShardDigest>;
+
 impl Checker {
     fn new(f: &RepoFile) -> Result<Checker, HubError> {
+        let tensors = f.path.ends_with(".safetensors").then(TensorHasher::new);
         if let Some(s) = &f.sha256 {
-            return Ok(Checker::Sha256(sha2::Sha256::new(), s.clone()));
+            return Ok(Checker { sum: Sum::Sha256(sha2::Sha256::new(), s.clone()), tensors });
         }
         if let Some(b) = &f.blob_id {
             let mut h = sha1::Sha1::new();
             h.update(format!("blob {}\0", f.size).as_bytes());
-            return Ok(Checker::GitSha1(h, b.clone()));
+            return Ok(Checker { sum: Sum::GitSha1(h, b.clone()), tensors });
         }
         Err(HubError::NoChecksum(f.path.clone()))
     }
 
     fn update(&mut self, b: &[u8]) {
-        match self {
-            Checker::Sha256(h, _) => h.update(b),
-            Checker::GitSha1(h, _) => h.update(b),
+        match &mut self.sum {
+            Sum::Sha256(h, _) => h.update(b),
+            Sum::GitSha1(h, _) => h.update(b),
+        }
+        if let Some(t) = self.tensors.as_mut() {
+            t.update(b);
         }
     }
 
-    /// Ok, or (what, got, want).
-    fn finish(self) -> Result<(), (&'static str, String, String)> {
-        let (what, got, want) = match self {
-            Checker::Sha256(h, w) => ("sha256", crate::model::fingerprint::hex(&h.finalize()), w),
-            Checker::GitSha1(h, w) => ("git blob id", crate::model::fingerprint::hex(&h.finalize()), w),
+    /// The tensors' checksums (when a shard) if the file matched, or (what, got, want).
+    fn finish(self) -> Result<Verified, (&'static str, String, String)> {
+        let (what, got, want) = match self.sum {
+            Sum::Sha256(h, w) => ("sha256", crate::model::fingerprint::hex(&h.finalize()), w),
+            Sum::GitSha1(h, w) => ("git blob id", crate::model::fingerprint::hex(&h.finalize()), w),
         };
-        if got.eq_ignore_ascii_case(&want) { Ok(()) } else { Err((what, got, want)) }
+        if !got.eq_ignore_ascii_case(&want) {
+            return Err((what, got, want));
+        }
+        Ok(self.tensors.and_then(|t| t.finish().map_err(|e| tracing::warn!("tensor checksums not recorded: {e}")).ok()))
     }
 }
 
@@ -111,19 +135,55 @@ fn hash_prefix(path: &Path, len: u64, c: &mut Checker) -> std::io::Result<()> {
 
 /// Verifies a whole local file against the hub's checksum.
 pub fn verify_file(path: &Path, f: &RepoFile) -> Result<bool, HubError> {
+    Ok(verify_file_sums(path, f)?.is_some())
+}
+
+/// [`verify_file`], with the tensors' checksums of a verified shard: None when it does not match.
+fn verify_file_sums(path: &Path, f: &RepoFile) -> Result<Option<Verified>, HubError> {
     let mut c = Checker::new(f)?;
     let len = std::fs::metadata(path).map_err(|source| HubError::Io { path: path.to_path_buf(), source })?.len();
     if len != f.size {
-        return Ok(false);
+        return Ok(None);
     }
     hash_prefix(path, len, &mut c).map_err(|source| HubError::Io { path: path.to_path_buf(), source })?;
-    Ok(c.finish().is_ok())
+    Ok(c.finish().ok())
+}
+
+/// Records a verified shard's tensor checksums in its model directory's sidecar (source
+/// `download`): what every later read of it is checked against.
+pub fn record_verified(dest: &Path, f: &RepoFile, digest: &ShardDigest) {
+    // Workers publish concurrently; the sidecar is read, merged and rewritten by one at a time.
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock();
+    let Some(dir) = dest.parent() else { return };
+    let r = ShardRecord::new(dest, digest, Source::Download).and_then(|mut rec| {
+        rec.sha256 = f.sha256.clone();
+        checksums::save(dir, vec![rec])
+    });
+    if let Err(e) = r {
+        tracing::warn!("{}: tensor checksums not recorded: {e}", dest.display());
+    }
+}
+
+/// Whether a shard at `dest` is known intact: recorded from its verified download, unchanged since
+/// (same identity) and not found damaged.
+fn known_intact(dest: &Path, f: &RepoFile) -> bool {
+    let (Some(dir), Some(name)) = (dest.parent(), dest.file_name()) else { return false };
+    let side = checksums::Sidecar::load(dir);
+    let Some(rec) = side.get(&name.to_string_lossy()) else { return false };
+    rec.source == Source::Download
+        && !rec.damaged
+        && rec.sha256.as_deref().is_some_and(|s| f.sha256.as_deref().is_some_and(|w| s.eq_ignore_ascii_case(w)))
+        && FileId::of(dest).is_ok_and(|id| id == rec.file)
 }
 
 pub use crate::util::free_bytes;
 
+/// Complete: a final-named file of the right size; a shard must also be known intact (else it is
+/// verified again, and fetched again if it does not match).
 fn is_complete(j: &Job) -> bool {
     std::fs::metadata(&j.dest).is_ok_and(|m| m.is_file() && m.len() == j.file.size)
+        && (!j.file.path.ends_with(".safetensors") || known_intact(&j.dest, &j.file))
 }
 
 fn partial_path(partial_dir: &Path, f: &RepoFile) -> PathBuf {
@@ -169,7 +229,14 @@ pub fn download_all(
     let (done, mut todo): (Vec<Job>, Vec<Job>) = jobs.into_iter().partition(is_complete);
     report.skipped = done.len();
     std::fs::create_dir_all(partial_dir).map_err(|source| HubError::Io { path: partial_dir.to_path_buf(), source })?;
-    let have = |j: &Job| std::fs::metadata(partial_path(partial_dir, &j.file)).map_or(0, |m| m.len().min(j.file.size));
+    // A shard already in place (to be verified again) needs no room unless it must be fetched.
+    let in_place = |j: &Job| std::fs::metadata(&j.dest).is_ok_and(|m| m.len() == j.file.size);
+    let have = |j: &Job| {
+        if in_place(j) {
+            return j.file.size;
+        }
+        std::fs::metadata(partial_path(partial_dir, &j.file)).map_or(0, |m| m.len().min(j.file.size))
+    };
     let need: u64 = todo.iter().map(|j| j.file.size - have(j)).sum();
     if !opts.skip_space_check {
         let free =
@@ -252,6 +319,7 @@ pub fn download_all(
     report.bytes_resumed = counters.resumed.load(Ordering::Relaxed);
     report.checksum_failures = counters.bad.load(Ordering::Relaxed);
     report.from_hf_cache = counters.cached.load(Ordering::Relaxed) as usize;
+    report.reverified = counters.reverified.load(Ordering::Relaxed) as usize;
     report.seconds = t0.elapsed().as_secs_f64();
     if let Some(e) = first_err.into_inner().ok().flatten() {
         return Err(e);
@@ -261,6 +329,7 @@ pub fn download_all(
 
 #[derive(Default)]
 struct Counters {
+    reverified: AtomicU64,
     downloaded: AtomicU64,
     resumed: AtomicU64,
     bad: AtomicU64,
@@ -294,11 +363,34 @@ fn fetch_one(
     let f = &job.file;
     let part = partial_path(partial_dir, f);
     let pio = |source| HubError::Io { path: part.clone(), source };
+    // A shard already in place that is not known intact: verified again, kept if it matches.
+    if std::fs::metadata(&job.dest).is_ok_and(|m| m.is_file() && m.len() == f.size) {
+        match verify_file_sums(&job.dest, f)? {
+            Some(sums) => {
+                if let Some(d) = &sums {
+                    record_verified(&job.dest, f, d);
+                }
+                on_bytes(f.size);
+                counters.reverified.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            None => {
+                tracing::warn!("{}: does not match the hub's checksum; downloading it again", job.dest.display());
+                counters.bad.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
     if let Some(src) = cache.and_then(|c| c.find(commit, f)) {
-        if take_from_cache(&src, &part).is_ok() && verify_file(&part, f)? {
+        if take_from_cache(&src, &part).is_ok()
+            && let Some(sums) = verify_file_sums(&part, f)?
+        {
             on_bytes(f.size);
             counters.cached.fetch_add(1, Ordering::Relaxed);
-            return publish(&part, &job.dest);
+            publish(&part, &job.dest)?;
+            if let Some(d) = &sums {
+                record_verified(&job.dest, f, d);
+            }
+            return Ok(());
         }
         tracing::warn!(
             "{}: the Hugging Face cache's copy does not match the hub's checksum; downloading",
@@ -340,7 +432,13 @@ fn fetch_one(
         };
         match r {
             Ok(()) => match checker.finish() {
-                Ok(()) => return publish(&part, &job.dest),
+                Ok(sums) => {
+                    publish(&part, &job.dest)?;
+                    if let Some(d) = &sums {
+                        record_verified(&job.dest, f, d);
+                    }
+                    return Ok(());
+                }
                 Err((what, got, want)) => {
                     bad_sums += 1;
                     counters.bad.fetch_add(1, Ordering::Relaxed);

@@ -12,13 +12,19 @@
 //!
 //! Contract: a shard appears under its final name only when all its ranges were written and
 //! fsynced (built as `NAME.partial`, renamed); a rerun skips finished shards and redoes others.
-//! Every range response is checked to be exactly the range asked for, from the file version the
-//! hub listed (ETag = LFS sha256). Free space for the trunk is checked before any shard is written.
+//! Each shard is downloaded whole once (kept ranges written, the rest only hashed): it gets its
+//! final name only if its sha256 is the hub's, and its tensors' xxh3 — the routed experts' too —
+//! are recorded from those same bytes (`model::checksums`, source `download`). So the trunk is
+//! verified whatever the server's headers say, and every expert streamed later is checked
+//! against a checksum that traces to the hub's sha256 (`stream`). Every response is checked to be
+//! exactly what was asked for, from the file version the hub listed (ETag = LFS sha256, when
+//! sent). Free space for the trunk is checked before any shard is written.
 
 use super::client::{Hub, HubError, RepoFile, RepoInfo};
 use super::download::{self, DownloadOptions, Job};
 use super::hfcache::HfRepoCache;
 use super::stream::{RECORD, StreamInstall};
+use crate::model::checksums::{self, TensorHasher};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -27,14 +33,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 const INDEX: &str = "model.safetensors.index.json";
 /// Ranges closer than this are fetched as one (the gap's bytes are few; a request costs a round trip).
 const MERGE_GAP: u64 = 64 << 10;
-const CHUNK: u64 = 32 << 20;
 /// The fingerprint's sample window (model::fingerprint).
 const WINDOW: u64 = 4096;
 
 /// True for tensors the stream install leaves as holes.
-pub fn is_routed_expert(name: &str) -> bool {
-    name.contains(".block_sparse_moe.experts.")
-}
+pub use crate::model::checksums::is_routed_expert;
 
 /// The repo's safetensors shards: those of the index's weight map, else `model.safetensors`.
 pub fn shard_names(info: &RepoInfo, dir: &Path) -> Result<Vec<String>, HubError> {
@@ -56,8 +59,10 @@ pub struct StreamReport {
     pub small_files: download::DownloadReport,
     pub shards: usize,
     pub shards_skipped: usize,
-    /// Bytes of headers and trunk tensors fetched.
+    /// Bytes of headers and trunk tensors kept in the sparse shards.
     pub trunk_bytes: u64,
+    /// Bytes downloaded to check the shards whole (each once).
+    pub bytes_downloaded: u64,
     /// Bytes of routed experts left to stream on demand.
     pub expert_bytes: u64,
     pub requests: u64,
@@ -83,15 +88,27 @@ fn plan_shard(hub: &Hub, info: &RepoInfo, file: &RepoFile) -> Result<ShardPlan, 
         return Err(bad(format!("header length {n} does not fit a {}-byte safetensors file", file.size)));
     }
     let json = hub.get_range(&info.repo, &info.commit, file, 8, 8 + n)?;
+    let mut header = n8;
+    header.extend_from_slice(&json);
+    let (ranges, expert_bytes) = kept_ranges(&header, file.size).map_err(bad)?;
+    Ok(ShardPlan { file: file.clone(), header, ranges, expert_bytes })
+}
+
+/// From a shard's header bytes (8-byte length + JSON): the ranges a stream install keeps (every
+/// tensor but the routed experts, and the fingerprint's windows; near ones merged), sorted, and
+/// the routed experts' bytes.
+fn kept_ranges(header: &[u8], size: u64) -> Result<(Vec<(u64, u64)>, u64), String> {
+    let n = header.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).ok_or("short header length")?;
+    let json = header.get(8..).filter(|j| j.len() as u64 == n).ok_or("header cut short")?;
     let meta: safetensors::tensor::Metadata =
-        serde_json::from_slice(&json).map_err(|e| bad(format!("malformed safetensors header: {e}")))?;
+        serde_json::from_slice(json).map_err(|e| format!("malformed safetensors header: {e}"))?;
     let data = 8 + n;
-    let mut ranges = vec![(0, WINDOW.min(file.size))];
+    let mut ranges = vec![(0, WINDOW.min(size))];
     let mut expert_bytes = 0;
     for (name, t) in meta.tensors() {
         let (a, b) = (data + t.data_offsets.0 as u64, data + t.data_offsets.1 as u64);
-        if b > file.size || a > b {
-            return Err(bad(format!("tensor {name} ({a}..{b}) lies outside the {}-byte file", file.size)));
+        if b > size || a > b {
+            return Err(format!("tensor {name} ({a}..{b}) lies outside the {size}-byte file"));
         }
         if is_routed_expert(&name) {
             expert_bytes += b - a;
@@ -99,10 +116,10 @@ fn plan_shard(hub: &Hub, info: &RepoInfo, file: &RepoFile) -> Result<ShardPlan, 
             ranges.push((a, b));
         }
     }
-    let half = file.size / 2;
-    ranges.push((half, (half + WINDOW).min(file.size)));
-    ranges.push((file.size.saturating_sub(WINDOW), file.size));
-    // The header itself is written from `json`; the first window covers its start only.
+    let half = size / 2;
+    ranges.push((half, (half + WINDOW).min(size)));
+    ranges.push((size.saturating_sub(WINDOW), size));
+    // The header itself is written whole at the end; the first window covers its start only.
     ranges.sort_unstable();
     let mut merged: Vec<(u64, u64)> = Vec::new();
     for (a, b) in ranges {
@@ -111,18 +128,7 @@ fn plan_shard(hub: &Hub, info: &RepoInfo, file: &RepoFile) -> Result<ShardPlan, 
             _ => merged.push((a, b)),
         }
     }
-    let mut chunks = Vec::new();
-    for (a, b) in merged {
-        let mut x = a;
-        while x < b {
-            let y = (x + CHUNK).min(b);
-            chunks.push((x, y));
-            x = y;
-        }
-    }
-    let mut header = n8;
-    header.extend_from_slice(&json);
-    Ok(ShardPlan { file: file.clone(), header, ranges: chunks, expert_bytes })
+    Ok((merged, expert_bytes))
 }
 
 /// Options of a stream install.
@@ -155,7 +161,7 @@ pub fn install_stream(
     let small: Vec<Job> = info
         .files
         .iter()
-        .filter(|f| !is_shard_name(&f.path))
+        .filter(|f| !is_shard_name(&f.path) && f.path != checksums::SIDECAR)
         .map(|f| Job { file: f.clone(), dest: dir.join(&f.path) })
         .collect();
     let partial = dir.join(download::PARTIAL_DIR);
@@ -205,20 +211,52 @@ pub fn install_stream(
             return Err(HubError::NoSpace { dir: dir.to_path_buf(), need: need + headroom, free });
         }
     }
+    // Every shard passes through whole once: its sha256 must be the hub's, and it yields every
+    // tensor's checksum (the experts' too), against which each streamed range is checked later.
+    let download: u64 = plans.iter().map(|p| p.file.size).sum();
     let bar = ProgressBar::with_draw_target(
-        Some(need),
+        Some(download),
         if opts.download.progress { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
     );
     bar.set_style(
-        ProgressStyle::with_template("trunk [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
+        ProgressStyle::with_template(
+            "shards [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta} (checked whole, trunk kept) {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> "),
     );
-    for p in &plans {
-        bar.set_message(p.file.path.clone());
-        report.requests += write_shard(hub, info, dir, p, opts.download.workers, &bar)?;
-        report.trunk_bytes += p.header.len() as u64 + p.ranges.iter().map(|r| r.1 - r.0).sum::<u64>();
+    let next = AtomicUsize::new(0);
+    let failed: Mutex<Option<HubError>> = Mutex::new(None);
+    let requests = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..opts.download.workers.clamp(1, 16).min(plans.len()) {
+            s.spawn(|| {
+                loop {
+                    if failed.lock().map_or(true, |e| e.is_some()) {
+                        break;
+                    }
+                    let Some(p) = plans.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
+                    match write_shard(hub, info, dir, p, &bar) {
+                        Ok(n) => {
+                            requests.fetch_add(n, Ordering::Relaxed);
+                        }
+                        Err(e) => {
+                            if let Ok(mut g) = failed.lock() {
+                                g.get_or_insert(e);
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = failed.into_inner().ok().flatten() {
+        return Err(e);
     }
+    report.requests += requests.load(Ordering::Relaxed);
+    report.bytes_downloaded = download;
+    report.trunk_bytes =
+        plans.iter().map(|p| p.header.len() as u64 + p.ranges.iter().map(|r| r.1 - r.0).sum::<u64>()).sum();
     bar.finish_and_clear();
     record.complete = true;
     record.save()?;
@@ -226,15 +264,13 @@ pub fn install_stream(
     Ok(report)
 }
 
-/// Builds one sparse shard as `NAME.partial` and publishes it; returns the requests made.
-fn write_shard(
-    hub: &Hub,
-    info: &RepoInfo,
-    dir: &Path,
-    p: &ShardPlan,
-    workers: usize,
-    bar: &ProgressBar,
-) -> Result<u64, HubError> {
+/// Builds one sparse shard as `NAME.partial` from one pass over the whole file — every byte into
+/// its sha256 and its tensors' xxh3, the kept ranges written at their offsets — publishes it once
+/// the sha256 is the hub's and records the tensors' checksums; returns the requests made. A broken
+/// transfer resumes where it stopped (the hashes carry on); a sha256 mismatch starts the shard over.
+fn write_shard(hub: &Hub, info: &RepoInfo, dir: &Path, p: &ShardPlan, bar: &ProgressBar) -> Result<u64, HubError> {
+    use sha2::Digest;
+    use std::io::Read;
     use std::os::unix::fs::FileExt;
     let dest = dir.join(&p.file.path);
     let tmp = dir.join(format!("{}.partial", p.file.path));
@@ -247,41 +283,142 @@ fn write_shard(
     };
     let f = std::fs::File::create(&tmp).map_err(io)?;
     f.set_len(p.file.size).map_err(io)?;
-    f.write_all_at(&p.header, 0).map_err(io)?;
-    bar.inc(p.header.len() as u64);
-    let next = AtomicUsize::new(0);
-    let err: Mutex<Option<HubError>> = Mutex::new(None);
-    std::thread::scope(|s| {
-        for _ in 0..workers.clamp(1, 16).min(p.ranges.len()) {
-            s.spawn(|| {
-                loop {
-                    if err.lock().map_or(true, |e| e.is_some()) {
-                        break;
+    let url = hub.file_url(&info.repo, &info.commit, &p.file.path);
+    let what = format!("file {} of repo {} at commit {}", p.file.path, info.repo, info.commit);
+    let proto = |msg: String| HubError::Protocol { url: url.clone(), msg };
+    let size = p.file.size;
+    let mut requests = 0u64;
+    let mut bad_sums = 0u32;
+    let result = (|| -> Result<(checksums::ShardDigest, Vec<u8>), HubError> {
+        loop {
+            let mut sha = sha2::Sha256::new();
+            let mut tensors = TensorHasher::new();
+            // The header as this (verified) stream has it, and the ranges kept, from it.
+            let mut head: Vec<u8> = Vec::new();
+            let mut keep: Option<Vec<(u64, u64)>> = None;
+            let (mut got, mut tries, mut shown) = (0u64, 0u32, 0u64);
+            let mut buf = vec![0u8; 1 << 20];
+            while got < size {
+                tries += 1;
+                requests += 1;
+                let resp = hub.open(&url, (got > 0).then_some((got, None)), &info.repo, &what)?;
+                super::client::check_etag(&url, &resp, &p.file)?;
+                match resp.status {
+                    200 if got > 0 => {
+                        return Err(proto("HTTP 200 (the whole file) for a resumed range".into()));
                     }
-                    let Some(&(a, b)) = p.ranges.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
-                    let r = hub
-                        .get_range(&info.repo, &info.commit, &p.file, a, b)
-                        .and_then(|bytes| f.write_all_at(&bytes, a).map_err(io));
-                    match r {
-                        Ok(()) => bar.inc(b - a),
-                        Err(e) => {
-                            if let Ok(mut g) = err.lock() {
-                                g.get_or_insert(e);
-                            }
+                    200 => {}
+                    206 => {
+                        let want = format!("bytes {got}-{}/{size}", size - 1);
+                        if resp.content_range.as_deref().map(str::trim) != Some(want.as_str()) {
+                            return Err(proto(format!("Content-Range {:?}, expected `{want}`", resp.content_range)));
                         }
                     }
+                    s => return Err(proto(format!("HTTP {s} for a shard download"))),
                 }
-            });
+                let mut rd = resp.body.into_reader();
+                let err = loop {
+                    if got >= size {
+                        break None;
+                    }
+                    let want = buf.len().min((size - got) as usize);
+                    match rd.read(&mut buf[..want]) {
+                        Ok(0) => break Some(format!("connection closed after {got} of {size} bytes")),
+                        Ok(n) => {
+                            let b = &buf[..n];
+                            sha.update(b);
+                            tensors.update(b);
+                            // Until the header is whole, every byte is the header's.
+                            let hdr_len = |h: &[u8]| {
+                                8 + u64::from_le_bytes(h[..8].try_into().unwrap_or_default()).min(100 << 20) as usize
+                            };
+                            let mut off = 0;
+                            while keep.is_none() && off < b.len() {
+                                let need = if head.len() < 8 { 8 } else { hdr_len(&head) };
+                                let take = (need - head.len()).min(b.len() - off);
+                                head.extend_from_slice(&b[off..off + take]);
+                                off += take;
+                                if head.len() >= 8 && head.len() == hdr_len(&head) {
+                                    keep = Some(kept_ranges(&head, size).map_err(&proto)?.0);
+                                }
+                            }
+                            if let Some(k) = &keep {
+                                write_kept(&f, k, got, b).map_err(io)?;
+                            }
+                            got += n as u64;
+                            if got > shown {
+                                bar.inc(got - shown);
+                                shown = got;
+                            }
+                            tries = 0;
+                        }
+                        Err(e) => break Some(e.to_string()),
+                    }
+                };
+                if let Some(msg) = err {
+                    if tries > hub.opts.retries {
+                        return Err(HubError::Transport { url: url.clone(), msg, tries });
+                    }
+                    tracing::info!("{url}: {msg}; resuming");
+                    hub.opts.pause(tries.max(1));
+                }
+            }
+            let got_sha = crate::model::fingerprint::hex(&sha.finalize());
+            match &p.file.sha256 {
+                Some(w) if !got_sha.eq_ignore_ascii_case(w) => {
+                    bad_sums += 1;
+                    tracing::warn!("{}: sha256 {got_sha} is not the hub's {w}; fetching it again", p.file.path);
+                    if bad_sums > hub.opts.retries.max(1) {
+                        return Err(HubError::Checksum {
+                            file: p.file.path.clone(),
+                            what: "sha256",
+                            got: got_sha,
+                            want: w.clone(),
+                            tries: bad_sums,
+                        });
+                    }
+                }
+                Some(_) => {
+                    if head != p.header {
+                        tracing::warn!(
+                            "{}: the header fetched to plan the install was not the file's (only the space check used it)",
+                            p.file.path
+                        );
+                    }
+                    let d = tensors.finish().map_err(|e| proto(format!("shard {}: {e}", p.file.path)))?;
+                    return Ok((d, head));
+                }
+                None => return Err(HubError::NoChecksum(p.file.path.clone())),
+            }
         }
-    });
-    if let Some(e) = err.into_inner().ok().flatten() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
-    // The header bytes again: a window range above may have covered them with the same bytes.
-    f.write_all_at(&p.header, 0).map_err(io)?;
+    })();
+    let (digest, head) = match result {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    // The header as the verified stream had it (the kept ranges cover only its first window).
+    f.write_all_at(&head, 0).map_err(io)?;
     crate::util::sync_file(&f).map_err(io)?;
     std::fs::rename(&tmp, &dest).map_err(|source| HubError::Io { path: dest.clone(), source })?;
     crate::util::sync_dir(dir);
-    Ok(p.ranges.len() as u64)
+    super::download::record_verified(&dest, &p.file, &digest);
+    Ok(requests)
+}
+
+/// Writes the parts of `b` (the file's bytes from `at`) that fall in `ranges` (sorted) at their
+/// offsets.
+fn write_kept(f: &std::fs::File, ranges: &[(u64, u64)], at: u64, b: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let end = at + b.len() as u64;
+    let first = ranges.partition_point(|r| r.1 <= at);
+    for &(a, z) in ranges[first..].iter().take_while(|r| r.0 < end) {
+        let (x, y) = (a.max(at), z.min(end));
+        if y > x {
+            f.write_all_at(&b[(x - at) as usize..(y - at) as usize], x)?;
+        }
+    }
+    Ok(())
 }

@@ -14,10 +14,12 @@
 //!   lock, so a killed run leaves at most an unregistered pack, never a registered partial one.
 //! - What is verified: each HTTP response must be exactly the range asked for (206, the exact
 //!   `Content-Range` of a file of the size the hub listed, the length) and its hub ETag, when sent,
-//!   must be the file's LFS sha256 (the same file version as at setup). The hub's sha256 covers
-//!   whole files, so a streamed expert's bytes cannot be checked against it; from the moment an
-//!   expert is written, its pack records its xxh3 and every later read is checked against that
-//!   (by the store, on every run; within the run that streamed it, by `read_kept`).
+//!   must be the file's LFS sha256 (the same file version as at setup). Each streamed expert's
+//!   bytes must hash to the xxh3 of its records that setup recorded while checking the whole
+//!   shard's sha256 (`layout`, `model::checksums`), ETag or not: a mismatch is asked once more,
+//!   then is an error. Its pack records its xxh3 and every later read is checked against that (by
+//!   the store, on every run; within the run that streamed it, by `read_kept`); a pack that fails
+//!   is a failed copy: the expert is streamed again.
 //! - Experts of one layer that are adjacent in a shard are fetched in one request (up to
 //!   [`MAX_REQUEST`] bytes); requests of one fetch run in parallel.
 
@@ -196,14 +198,19 @@ pub fn local_spec(
         files.push((p.drive as u16, path.clone()));
         for e in &h.entries {
             let i = e.expert as usize;
-            if i < hl.len() && hl[i].is_empty() && p.experts.contains(&e.expert) {
+            // Every pack holding an expert is a holder (one damaged, another serves); the first
+            // registered gives the checksum (each was computed from bytes checked when streamed).
+            if i < hl.len() && p.experts.contains(&e.expert) && (hl[i].is_empty() || sl[i] == e.xxh3) {
+                if hl[i].is_empty() {
+                    sl[i] = e.xxh3;
+                }
                 hl[i].push(Holder::whole(p.drive as u16, file, e.offset, 0));
-                sl[i] = e.xxh3;
             }
         }
     }
     let held = holders.iter().map(|l| l.as_ref().map(|v| v.iter().map(|h| !h.is_empty()).collect())).collect();
-    Ok((StoreSpec { layout: layout.clone(), drives, files, holders, checksums: Some(sums) }, held))
+    let checksums = Some(crate::store::sums::ExpertSums::whole(sums));
+    Ok((StoreSpec { layout: layout.clone(), drives, files, holders, checksums }, held))
 }
 
 /// [layer] -> [expert] -> held locally (None for layers without routed experts).
@@ -230,6 +237,8 @@ pub struct StreamSource {
     locs: Vec<Option<Vec<ExpertLoc>>>,
     local: Arc<ExpertStore>,
     held: Held,
+    /// What each expert's bytes must hash to (the checkpoint's records from setup).
+    sums: Option<crate::store::sums::ExpertSums>,
     /// Experts streamed by this process; the lock also serialises streaming, so one expert is never
     /// fetched twice by concurrent fetches.
     kept: Mutex<HashMap<(usize, u32), Kept>>,
@@ -253,6 +262,7 @@ impl StreamSource {
         let hub = Hub::new(&install.endpoint, token, HubOptions::from_env());
         let fp = fingerprint::fingerprint(&ck);
         Ok(StreamSource {
+            sums: crate::store::sums::ExpertSums::records(&ck, roster),
             install,
             hub,
             fp,
@@ -284,9 +294,33 @@ impl StreamSource {
         (self.http_bytes.load(Ordering::Relaxed), self.requests.load(Ordering::Relaxed))
     }
 
-    /// Fetches `missing` experts of `layer` from the hub, writes them into a new pack and registers
-    /// it; returns their bytes.
+    /// Fetches `missing` experts of `layer` from the hub, checks each against its recorded
+    /// checksums (asking once more for one that does not match), writes them into a new pack and
+    /// registers it; returns their bytes.
     fn stream_in(&self, layer: usize, missing: &[u32]) -> Result<Vec<(u32, Vec<u8>)>, HubError> {
+        use crate::store::sums::Verdict;
+        let mut images = self.fetch_images(layer, missing)?;
+        let check = |e: u32, b: &[u8]| self.sums.as_ref().map_or(Verdict::Unknown, |s| s.check(layer, e, b));
+        for (i, &e) in missing.iter().enumerate() {
+            if let Verdict::Bad(what) = check(e, &images[i]) {
+                tracing::warn!("expert {e} of layer {layer} from {}: {what}; asking again", self.install.endpoint);
+                let again = self.fetch_images(layer, &[e])?.pop().unwrap_or_default();
+                if let Verdict::Bad(what) = check(e, &again) {
+                    return Err(HubError::Other(format!(
+                        "expert {e} of layer {layer} as {} sends it is not the model's: {what} (the checksum recorded from the shard whose sha256 matched the hub's at setup); twice, so it is not used",
+                        self.install.endpoint
+                    )));
+                }
+                images[i] = again;
+            }
+        }
+        self.keep(layer, missing, &images)?;
+        self.streamed.fetch_add(missing.len() as u64, Ordering::Relaxed);
+        Ok(missing.iter().copied().zip(images).collect())
+    }
+
+    /// The images of `missing` experts of `layer`, by HTTP range (adjacent ones in one request).
+    fn fetch_images(&self, layer: usize, missing: &[u32]) -> Result<Vec<Vec<u8>>, HubError> {
         let locs = self.locs.get(layer).and_then(|l| l.as_ref()).ok_or(HubError::NoExpert { layer, expert: None })?;
         // Pieces (shard, start, len, expert index in `missing`, dest), merged into requests.
         let mut pieces = Vec::new();
@@ -336,9 +370,7 @@ impl StreamSource {
                 images[i][dest as usize..(dest + plen) as usize].copy_from_slice(&bytes[at..at + plen as usize]);
             }
         }
-        self.keep(layer, missing, &images)?;
-        self.streamed.fetch_add(missing.len() as u64, Ordering::Relaxed);
-        Ok(missing.iter().copied().zip(images).collect())
+        Ok(images)
     }
 
     fn fetch_range(&self, shard: usize, start: u64, end: u64) -> Result<Vec<u8>, HubError> {
@@ -427,16 +459,38 @@ impl ExpertSource for StreamSource {
     }
 
     fn fetch<'s>(&'s self, layer: usize, experts: &[u32], sink: &mut dyn ExpertSink<'s>) -> Result<(), StoreError> {
-        let (local, rest): (Vec<u32>, Vec<u32>) = experts.iter().partition(|&&e| self.is_held(layer, e));
+        let (local, mut rest): (Vec<u32>, Vec<u32>) = experts.iter().partition(|&&e| self.is_held(layer, e));
         if !local.is_empty() {
-            let mut stopped = false;
+            let stopped = std::cell::Cell::new(false);
+            let sink_failed = std::cell::Cell::new(false);
+            let landed = std::cell::RefCell::new(Vec::new());
             let mut wrap = |e: u32, b: Landed<'s>| -> Result<Flow, StoreError> {
-                let f = sink.land(e, b)?;
-                stopped |= f == Flow::Stop;
+                let f = sink.land(e, b).inspect_err(|_| sink_failed.set(true))?;
+                landed.borrow_mut().push(e);
+                stopped.set(stopped.get() || f == Flow::Stop);
                 Ok(f)
             };
-            self.local.fetch(layer, &local, &mut wrap)?;
-            if stopped {
+            if let Err(e) = self.local.fetch(layer, &local, &mut wrap) {
+                if sink_failed.get() {
+                    return Err(e);
+                }
+                // A local copy failed (a damaged pack): the hub holds another. Each expert not
+                // landed is read alone, and streamed again where its local copy fails.
+                tracing::warn!("{e}; such experts are streamed again from {}", self.install.endpoint);
+                let left: Vec<u32> = local.iter().copied().filter(|x| !landed.borrow().contains(x)).collect();
+                for x in left {
+                    if stopped.get() {
+                        break;
+                    }
+                    if let Err(e) = self.local.fetch(layer, &[x], &mut wrap) {
+                        if sink_failed.get() {
+                            return Err(e);
+                        }
+                        rest.push(x);
+                    }
+                }
+            }
+            if stopped.get() {
                 return Ok(());
             }
         }
@@ -480,6 +534,10 @@ impl ExpertSource for StreamSource {
         self.local.note_routes(layer, experts, rows_of, rows)
     }
 
+    fn health(&self) -> crate::store::StorageHealth {
+        self.local.health()
+    }
+
     fn report(&self) -> SourceReport {
         let mut r = self.local.report();
         let (bytes, reqs) = self.http_counts();
@@ -506,6 +564,7 @@ impl ExpertSource for StreamSource {
             lands_last: 0,
             failures: 0,
             failed: None,
+            last_failure: None,
             rate_gbps: 0.0,
         });
         r
@@ -513,8 +572,9 @@ impl ExpertSource for StreamSource {
 
     fn describe(&self) -> String {
         let total: usize = self.locs.iter().flatten().map(Vec::len).sum();
+        let sums = self.sums.as_ref().map_or_else(|| "UNVERIFIED".to_string(), |s| s.describe());
         format!(
-            "experts streamed: {} of {total} local, the rest on demand from {}/{} | {}",
+            "experts streamed: {} of {total} local, the rest on demand from {}/{}, {sums} | {}",
             self.local_count(),
             self.install.endpoint,
             self.install.repo,

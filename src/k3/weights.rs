@@ -152,14 +152,16 @@ impl<'a> Loader<'a> {
                 });
             }
         };
-        let bf16 = || Bf16Mat::new(self.ck.shared_bytes(e), rows, cols);
+        // Read into memory and checked against the recorded checksum (`Checkpoint::shared_bytes`).
+        let bf16 = || self.ck.shared_bytes(e).map(|b| Bf16Mat::new(b, rows, cols));
         Ok(match self.src {
-            TrunkSource::Bf16 => bf16(),
+            TrunkSource::Bf16 => bf16()?,
             TrunkSource::Names(names) => {
+                // Only the names are wanted (`pack-trunk`): a view of the mapping, nothing read.
                 names.borrow_mut().push(name.to_string());
-                bf16()
+                Bf16Mat::new(self.ck.mapped_bytes(e), rows, cols)
             }
-            TrunkSource::Int8 => Bf16Mat::int8(Arc::new(Int8Mat::quantize(self.ck.bytes(e), rows, cols))),
+            TrunkSource::Int8 => Bf16Mat::int8(Arc::new(Int8Mat::quantize(&self.ck.shared_bytes(e)?, rows, cols))),
             TrunkSource::Coded(get) => match get(name) {
                 Some(m) if (m.rows, m.cols) == (rows, cols) => Bf16Mat::coded(m),
                 Some(m) => {
@@ -184,7 +186,7 @@ impl<'a> Loader<'a> {
     /// Any F32/BF16/F16 tensor, flattened to f32 (exact conversions).
     fn vec(&self, name: &str) -> Result<Vec<f32>, ModelError> {
         let e = self.entry(name)?;
-        let b = self.ck.bytes(e);
+        let b = self.ck.shared_bytes(e)?;
         match e.dtype {
             Dtype::F32 => Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
             Dtype::BF16 => Ok(b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()),

@@ -9,6 +9,7 @@
 pub mod bpe_train;
 pub mod chat;
 pub mod checkpoint;
+pub mod checksums;
 pub mod config;
 pub mod fingerprint;
 pub mod generation;
@@ -16,6 +17,7 @@ pub mod roster;
 pub mod synth;
 pub mod tokenizer;
 pub mod trunk_pack;
+pub mod verify;
 
 use std::path::PathBuf;
 
@@ -28,7 +30,7 @@ pub use roster::Roster;
 pub struct ModelFiles {
     pub dir: PathBuf,
     pub cfg: K3Config,
-    pub ck: Checkpoint,
+    pub ck: std::sync::Arc<Checkpoint>,
     pub roster: Roster,
 }
 
@@ -51,6 +53,9 @@ pub enum ModelError {
     Safetensors { path: PathBuf, msg: String },
     #[error("{}: truncated: the header promises {expected} bytes but the file has {actual}", path.display())]
     Truncated { path: PathBuf, expected: u64, actual: u64 },
+    /// Bytes that do not hash to their recorded checksum (`checksums`).
+    #[error(transparent)]
+    Checksum(Box<checksums::Mismatch>),
     #[error("{}: no model.safetensors.index.json and no model.safetensors", dir.display())]
     NoCheckpoint { dir: PathBuf },
     #[error("tensor roster check failed for {} ({} problem{}):\n{}", dir.display(), problems.len(), if problems.len() == 1 { "" } else { "s" }, format_problems(problems))]

@@ -10,8 +10,10 @@
 //! Each channel's text is held back on its own (a stop string does not span the two); text held in
 //! one is shown once the other speaks. The same tokens give the same text whether the answer was
 //! generated alone or in a batch.
+//! A chat answer never shows a special token: tags, channel markers and end-of-message tokens
+//! route or end the text, and are not part of it.
 
-use super::api::{GenRequest, Kind};
+use super::api::{GenRequest, Kind, Prompt, SamplingDefaults};
 use crate::model::chat::Thinking;
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::sample::TokenLogprob;
@@ -29,6 +31,17 @@ pub struct Delta {
 /// Where an answer finds the model's tokenizer (the server's request encoder).
 pub trait Tokens: Send + Sync {
     fn tokenizer(&self) -> Option<&Tokenizer>;
+
+    /// The thinking `req` runs with (its own, else the model's default).
+    fn thinking(&self, req: &GenRequest) -> Thinking {
+        req.thinking.unwrap_or(Thinking::Max)
+    }
+}
+
+impl Tokens for Tokenizer {
+    fn tokenizer(&self) -> Option<&Tokenizer> {
+        Some(self)
+    }
 }
 
 /// The text of one answer so far (see the module contract).
@@ -70,7 +83,7 @@ impl Answer {
             open: sp("<|open|>"),
             close: sp("<|close|>"),
             sep: sp("<|sep|>"),
-            state: if is_chat && req.thinking != Some(Thinking::Off) { Chan::Reasoning } else { Chan::Content },
+            state: if is_chat && enc.thinking(req) != Thinking::Off { Chan::Reasoning } else { Chan::Content },
         };
         Answer {
             is_chat,
@@ -89,6 +102,25 @@ impl Answer {
             cancelled: false,
             enc,
         }
+    }
+
+    /// A chat answer outside the server (`run --chat`, `deltafin chat`): the template's channels
+    /// as `thinking` opened them, the model's end tokens `stops`, no stop strings.
+    pub fn chat(tok: Arc<Tokenizer>, stops: Vec<u32>, thinking: Thinking) -> Self {
+        let mut req =
+            GenRequest::new(Kind::Chat, Prompt::Messages(serde_json::Value::Null), &SamplingDefaults::default());
+        req.thinking = Some(thinking);
+        Answer::new(&req, tok, stops, Instant::now(), None)
+    }
+
+    /// A whole chat answer's (content, reasoning) from its tokens, as [`Answer::chat`] streams it.
+    pub fn chat_text(tok: Arc<Tokenizer>, ids: &[u32], stops: &[u32], thinking: Thinking) -> (String, String) {
+        let mut a = Answer::chat(tok, stops.to_vec(), thinking);
+        for &id in ids {
+            a.token(id, &mut |_| true);
+        }
+        a.finish(&mut |_| true);
+        (a.content, a.reasoning)
     }
 
     /// Takes the next emitted token, handing its delta to `sink`; false ends the generation at it
@@ -264,9 +296,12 @@ mod tests {
             kind: Kind::Chat,
             prompt: crate::serve::api::Prompt::Ids(vec![1]),
             max_tokens: None,
+            default_max_tokens: None,
             stop: stop.iter().map(|s| s.to_string()).collect(),
             temperature: 0.0,
             top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
             seed: None,
             logprobs: None,
             stream: false,

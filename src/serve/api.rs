@@ -4,6 +4,10 @@
 //! [`GenRequest`] or an [`ApiError`] in OpenAI's error shape that names the offending field
 //! (`param`): unknown fields, wrong types, out-of-range values and unsupported features (`n > 1`,
 //! image parts, penalties, `echo`, tools when the chat template cannot take them) are all 400s.
+//! Standard fields that cannot change the answer (`store`, `metadata`, `service_tier`, `user`,
+//! `prediction`, ...: [`IGNORED`]) are accepted and ignored, each named in a debug log line; a
+//! standard field that would change it is honoured (`top_k`, `min_p`, `chat_template_kwargs`'
+//! thinking) or, where this server cannot do it, a 400 — never silently dropped.
 //! Nothing here panics on any input. A body is taken apart, not copied: the server hands its
 //! parsed document over ([`JsonBody`]); how it was parsed within a memory bound is `json`'s.
 
@@ -12,6 +16,13 @@ use serde_json::{Map, Value};
 
 /// Longest stop sequence accepted.
 pub const MAX_STOP_BYTES: usize = 1024;
+
+/// Fields of OpenAI's API (and of vLLM's and llama.cpp's servers) that do not change what is
+/// generated here, accepted and ignored: bookkeeping for OpenAI's platform (`store`, `metadata`,
+/// `service_tier`, `user`, `safety_identifier`, `prompt_cache_key`), a speed hint (`prediction`:
+/// predicted output).
+pub const IGNORED: [&str; 7] =
+    ["store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key", "prediction"];
 
 /// An error response: HTTP status and OpenAI's `{"error": {message, type, param, code}}`.
 #[derive(Clone, Debug, PartialEq)]
@@ -80,17 +91,26 @@ pub enum Kind {
 pub struct GenRequest {
     pub kind: Kind,
     pub prompt: Prompt,
-    /// Tokens to produce at most (None: up to the context bound).
+    /// Tokens to produce at most (None: up to the context bound, and at most
+    /// `default_max_tokens`); a prompt plus these past the context is an error.
     pub max_tokens: Option<usize>,
+    /// Without `max_tokens`: at most this many, fewer when the context has less room (a chat
+    /// request's bounded default, the server's `SamplingDefaults::max_tokens`).
+    pub default_max_tokens: Option<usize>,
     pub stop: Vec<String>,
     pub temperature: f64,
     pub top_p: f64,
+    /// Keep only the k most likely tokens (0: off).
+    pub top_k: usize,
+    /// Keep only tokens at least this fraction as likely as the most likely (0: off).
+    pub min_p: f64,
     pub seed: Option<u64>,
     /// Log-probabilities with this many alternatives (None: off).
     pub logprobs: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
-    /// The chat template's thinking setting (None: the template's default).
+    /// The chat template's thinking setting (None: the model's default, from its
+    /// generation_config.json's `chat_template_kwargs`, else the template's).
     pub thinking: Option<Thinking>,
     pub tools: Option<Value>,
 }
@@ -105,17 +125,23 @@ pub struct ParseContext<'a> {
     pub sampling: SamplingDefaults,
 }
 
-/// `temperature` and `top_p` for requests that give none: greedy (0 and 1) unless the server was
-/// started with others (`--temperature`, `--top-p`, or the demo's generation_config.json).
+/// What a request that does not say gets: `temperature`, `top_p`, `top_k` and `min_p` are greedy
+/// (0, 1, off, off) unless the server was started with others (`--temperature`, `--top-p`,
+/// `--top-k`, `--min-p`, or the demo's generation_config.json); `max_tokens`: the most tokens
+/// a chat request that sets none gets (fewer where the context has less room; None: up to the
+/// context bound).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SamplingDefaults {
     pub temperature: f64,
     pub top_p: f64,
+    pub top_k: usize,
+    pub min_p: f64,
+    pub max_tokens: Option<usize>,
 }
 
 impl Default for SamplingDefaults {
     fn default() -> Self {
-        SamplingDefaults { temperature: 0.0, top_p: 1.0 }
+        SamplingDefaults { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, max_tokens: None }
     }
 }
 
@@ -210,6 +236,16 @@ impl Fields {
         }
     }
 
+    /// Takes the standard fields that change nothing here ([`IGNORED`]), naming each in a debug
+    /// log line.
+    fn ignore_standard(&mut self) {
+        for k in IGNORED {
+            if self.map.remove(k).is_some() {
+                tracing::debug!("request field '{}' ignored (it does not change the answer here)", self.name(k));
+            }
+        }
+    }
+
     /// Any field left over is not part of the API (or not supported here).
     fn finish(self) -> Result<(), ApiError> {
         match self.map.keys().next() {
@@ -253,6 +289,11 @@ fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError
     }
     r.temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(r.temperature);
     r.top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(r.top_p);
+    // vLLM's and llama.cpp's extensions; -1 is vLLM's "off", as 0 is.
+    if let Some(k) = f.integer("top_k", -1, i64::MAX)? {
+        r.top_k = usize::try_from(k).unwrap_or(0);
+    }
+    r.min_p = f.number("min_p", 0.0, 1.0)?.unwrap_or(r.min_p);
     // OpenAI seeds are signed 64-bit; the bits seed the sampler.
     r.seed = f.integer("seed", i64::MIN, i64::MAX)?.map(|s| s as u64);
     if let Some(n) = f.integer("n", i64::MIN, i64::MAX)?
@@ -267,12 +308,17 @@ fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError
             return Err(unsupported(&f.name(k), "a penalty other than 0"));
         }
     }
+    // vLLM's and llama.cpp's multiplicative penalty: 1 is none.
+    if let Some(x) = f.number("repetition_penalty", 0.0, f64::MAX)?
+        && x != 1.0
+    {
+        return Err(unsupported(&f.name("repetition_penalty"), "a repetition_penalty other than 1"));
+    }
     match f.take("logit_bias") {
         None => {}
         Some(Value::Object(m)) if m.is_empty() => {}
         Some(_) => return Err(unsupported(&f.name("logit_bias"), "logit_bias")),
     }
-    f.string("user")?;
     r.stream = f.bool("stream")?.unwrap_or(false);
     if let Some(o) = f.take("stream_options") {
         if !r.stream {
@@ -283,6 +329,10 @@ fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError
         }
         let mut so = Fields::new(Owned(o), &f.name("stream_options."))?;
         r.include_usage = so.bool("include_usage")?.unwrap_or(false);
+        // Random padding against length side channels: none here.
+        if so.bool("include_obfuscation")?.is_some() {
+            tracing::debug!("request field '{}' ignored", so.name("include_obfuscation"));
+        }
         so.finish()?;
     }
     Ok(())
@@ -307,19 +357,31 @@ fn model(f: &mut Fields, ctx: &ParseContext, required: bool) -> Result<(), ApiEr
 
 /// A request with every option at its default (the context's sampling defaults).
 fn empty_request(kind: Kind, prompt: Prompt, ctx: &ParseContext) -> GenRequest {
-    GenRequest {
-        kind,
-        prompt,
-        max_tokens: None,
-        stop: Vec::new(),
-        temperature: ctx.sampling.temperature,
-        top_p: ctx.sampling.top_p,
-        seed: None,
-        logprobs: None,
-        stream: false,
-        include_usage: false,
-        thinking: None,
-        tools: None,
+    GenRequest::new(kind, prompt, &ctx.sampling)
+}
+
+impl GenRequest {
+    /// A request with every option at its default: `d`'s sampling (and, for chat, its
+    /// `max_tokens` as the default bound), no stop strings, no log-probabilities, not streamed,
+    /// the model's thinking.
+    pub fn new(kind: Kind, prompt: Prompt, d: &SamplingDefaults) -> Self {
+        GenRequest {
+            kind,
+            prompt,
+            max_tokens: None,
+            default_max_tokens: if kind == Kind::Chat { d.max_tokens } else { None },
+            stop: Vec::new(),
+            temperature: d.temperature,
+            top_p: d.top_p,
+            top_k: d.top_k,
+            min_p: d.min_p,
+            seed: None,
+            logprobs: None,
+            stream: false,
+            include_usage: false,
+            thinking: None,
+            tools: None,
+        }
     }
 }
 
@@ -436,7 +498,42 @@ fn chat_fields(f: &mut Fields, ctx: &ParseContext, r: &mut GenRequest) -> Result
         Some(Value::String(s)) if s == "auto" || s == "none" => {}
         Some(_) => return Err(unsupported(&f.name("tool_choice"), "tool_choice other than auto or none")),
     }
-    f.bool("parallel_tool_calls")?;
+    if f.bool("parallel_tool_calls")?.is_some() {
+        // One call or several: the template and the model decide, as without it.
+        tracing::debug!("request field '{}' ignored", f.name("parallel_tool_calls"));
+    }
+    // vLLM's way to set the template's variables; the K3 template's thinking ones are taken.
+    if let Some(k) = f.take("chat_template_kwargs") {
+        let name = f.name("chat_template_kwargs");
+        match crate::model::generation::thinking_kwargs(&k) {
+            Ok(Some(t)) if r.thinking.is_some_and(|r| r != t) => {
+                return Err(ApiError::invalid(name, "'chat_template_kwargs' and 'reasoning_effort' disagree"));
+            }
+            Ok(t) => r.thinking = r.thinking.or(t),
+            Err((field, msg)) if field.is_empty() => return Err(ApiError::invalid(name, msg)),
+            Err((field, msg)) => return Err(ApiError::invalid(format!("{name}.{field}"), msg)),
+        }
+    }
+    // Standard fields whose only supported value changes nothing; any other would change the answer.
+    match f.take("modalities") {
+        None => {}
+        Some(Value::Array(a)) if a.iter().all(|m| m.as_str() == Some("text")) => {}
+        Some(_) => return Err(unsupported(&f.name("modalities"), "an output modality other than text")),
+    }
+    match f.string("verbosity")?.as_deref() {
+        None | Some("medium") => {}
+        Some(_) => return Err(unsupported(&f.name("verbosity"), "verbosity other than medium")),
+    }
+    for (k, what) in [
+        ("audio", "audio output"),
+        ("web_search_options", "web search"),
+        ("functions", "'functions' (deprecated; give 'tools')"),
+        ("function_call", "'function_call' (deprecated; give 'tool_choice')"),
+    ] {
+        if f.take(k).is_some() {
+            return Err(unsupported(&f.name(k), what));
+        }
+    }
     match f.take("response_format") {
         None => {}
         Some(v)
@@ -457,6 +554,7 @@ pub fn parse_chat(body: impl JsonBody, ctx: &ParseContext) -> Result<GenRequest,
     let mut r = empty_request(Kind::Chat, Prompt::Messages(messages(msgs, "")?), ctx);
     common(&mut f, Kind::Chat, &mut r)?;
     chat_fields(&mut f, ctx, &mut r)?;
+    f.ignore_standard();
     f.finish()?;
     Ok(r)
 }
@@ -504,6 +602,7 @@ pub fn parse_completion(body: impl JsonBody, ctx: &ParseContext) -> Result<GenRe
     {
         return Err(unsupported("best_of", "best_of other than 1"));
     }
+    f.ignore_standard();
     f.finish()?;
     Ok(r)
 }
@@ -542,6 +641,7 @@ pub fn parse_batch_line(line: &Value, ctx: &ParseContext) -> (Option<String>, Re
         if r.stream {
             return Err(unsupported("stream", "streaming in a batch"));
         }
+        f.ignore_standard();
         f.finish()?;
         Ok(r)
     };

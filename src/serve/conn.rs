@@ -59,9 +59,9 @@ pub async fn run(listener: TcpListener, app: Router, read_timeout: Duration, shu
     let (open, mut open_rx) = tokio::sync::mpsc::channel::<()>(1);
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             r = listener.accept() => match r {
-                Ok((s, _)) => s,
+                Ok(s) => s,
                 Err(e) => {
                     // Out of descriptors and the like: wait rather than spin; the listener stays.
                     tracing::warn!("accepting a connection failed: {e}");
@@ -74,7 +74,9 @@ pub async fn run(listener: TcpListener, app: Router, read_timeout: Duration, shu
         // Streamed tokens go out as they are written, not when a segment fills.
         let _ = stream.set_nodelay(true);
         let watch = Arc::new(ConnWatch::default());
-        let svc = watched_service(app.clone(), Arc::clone(&watch));
+        // The client's address, for the access log.
+        let routed = app.clone().layer(axum::Extension(axum::extract::ConnectInfo(peer)));
+        let svc = watched_service(routed, Arc::clone(&watch));
         let io = Watched { io: stream, watch, eof: false, probed: 0, tick: None };
         let (mut close_rx, open) = (close_rx.clone(), open.clone());
         tokio::spawn(async move {

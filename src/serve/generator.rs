@@ -94,6 +94,9 @@ pub struct Encoder {
 pub struct PromptCodec {
     tok: Option<Tokenizer>,
     chat: Option<ChatTemplate>,
+    /// The thinking of a chat request that sets none: the model's generation_config.json
+    /// (`chat_template_kwargs`), else the template's default (max).
+    thinking: Thinking,
 }
 
 /// A request's prompt ids and how many tokens it may produce (it fits the context).
@@ -158,7 +161,13 @@ impl PromptCodec {
     pub fn load(dir: &std::path::Path) -> Result<Self, crate::engine::EngineError> {
         let tok = if dir.join("tiktoken.model").exists() { Some(crate::engine::load_tokenizer(dir)?) } else { None };
         let chat = tok.as_ref().and_then(|t| ChatTemplate::load(dir, t).ok());
-        Ok(PromptCodec { tok, chat })
+        let g = crate::model::generation::GenerationDefaults::load(dir)?.unwrap_or_default();
+        Ok(PromptCodec { tok, chat, thinking: g.thinking.unwrap_or(Thinking::Max) })
+    }
+
+    /// The thinking a chat request gets: its own, else the model's default.
+    pub fn thinking(&self, req: &GenRequest) -> Thinking {
+        req.thinking.unwrap_or(self.thinking)
     }
 
     /// The prompt's length in tokens, or past `most` the fewest tokens its size implies (found
@@ -204,11 +213,8 @@ impl PromptCodec {
                 if least > most {
                     return Err(least);
                 }
-                let opts = ChatOptions {
-                    thinking: req.thinking.unwrap_or(Thinking::Max),
-                    add_generation_prompt: true,
-                    tools: req.tools.clone(),
-                };
+                let opts =
+                    ChatOptions { thinking: self.thinking(req), add_generation_prompt: true, tools: req.tools.clone() };
                 match chat.encode_at_most(tok, m, &opts, most) {
                     Ok(ids) => ids,
                     Err(ChatError::TooLong { at_least, .. }) => return Err(at_least),
@@ -272,8 +278,8 @@ impl Encoder {
     }
 
     /// The prompt ids, checked against the context bound with the request's `max_tokens` (default:
-    /// the rest of the context). A prompt whose size in bytes already implies too many tokens is
-    /// refused with the same error before it is tokenised.
+    /// the rest of the context, at most `default_max_tokens`). A prompt whose size in bytes
+    /// already implies too many tokens is refused with the same error before it is tokenised.
     pub fn prepare(&self, req: &GenRequest) -> Result<Prepared, ApiError> {
         let bound = self.engine.context_bound();
         // The longest prompt that leaves room for max_tokens new tokens (and at least one).
@@ -283,7 +289,7 @@ impl Encoder {
             Err(least) => return Err(self.too_long(req, &format!("at least {least} tokens"), least, bound)),
         };
         let room = bound.saturating_sub(prompt.len());
-        let max_new = req.max_tokens.unwrap_or(room);
+        let max_new = req.max_tokens.unwrap_or(room.min(req.default_max_tokens.unwrap_or(usize::MAX)));
         if room == 0 || max_new > room {
             return Err(self.too_long(req, &format!("{} tokens", prompt.len()), prompt.len(), bound));
         }
@@ -397,6 +403,7 @@ impl Generator {
         self.totals.requests += 1;
         let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
         let params = SamplingParams::new(req.temperature, req.top_p, seed)
+            .and_then(|p| p.with_filters(req.top_k, req.min_p))
             .map_err(|e| GenError::Request(ApiError::invalid("temperature", e.to_string())))?;
         let memo_ok = params.is_greedy() && req.logprobs.is_none() && self.cfg.memo_entries > 0;
         let key = memo_ok.then(|| (prompt.to_vec(), req.kind, max_new, req.stop.clone(), req.logprobs, req.thinking));
@@ -527,5 +534,9 @@ impl Reads {
 impl Tokens for Encoder {
     fn tokenizer(&self) -> Option<&Tokenizer> {
         self.codec.tok.as_ref()
+    }
+
+    fn thinking(&self, req: &GenRequest) -> Thinking {
+        self.codec.thinking(req)
     }
 }

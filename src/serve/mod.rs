@@ -15,9 +15,11 @@
 //! SIGINT/SIGTERM stop accepting connections, cancel the running generation at its next token,
 //! answer queued requests with 503, and return once connections are closed.
 
+pub mod access;
 pub mod answer;
 pub mod api;
 pub mod conn;
+pub mod conversation;
 pub mod generator;
 pub mod json;
 pub mod metrics;
@@ -61,8 +63,11 @@ pub struct ServeOptions {
     /// The id clients name in `model` (default: the model directory's name).
     pub model_id: String,
     pub generation: GenConfig,
-    /// Sampling of requests that set no `temperature` / `top_p`.
+    /// Sampling of requests that set no `temperature` / `top_p` / `top_k` / `min_p`, and the
+    /// `max_tokens` of a chat request that sets none.
     pub sampling: api::SamplingDefaults,
+    /// One line per request on stderr ([`access`]).
+    pub access_log: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -244,13 +249,15 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/metrics", get(metrics_handler))
         .route_layer(axum::middleware::from_fn_with_state(Arc::clone(&state), auth));
-    Router::new()
+    let access_log = state.opts.access_log;
+    let app = Router::new()
         .route("/", get(page))
         .route("/health", get(health))
         .merge(api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .with_state(state)
+        .with_state(state);
+    if access_log { app.layer(axum::middleware::from_fn(access::log)) } else { app }
 }
 
 async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
@@ -303,9 +310,14 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
         )
             .into_response();
     }
-    json_response(
-        &json!({"status": "ok", "model": st.opts.model_id, "queue_depth": st.metrics.pending.load(Ordering::Relaxed)}),
-    )
+    // Storage that fails reads now (a drive given up, a file suspect after a failed read).
+    let storage = st.engine.storage_health();
+    json_response(&json!({
+        "status": if storage.degraded { "degraded" } else { "ok" },
+        "model": st.opts.model_id,
+        "queue_depth": st.metrics.pending.load(Ordering::Relaxed),
+        "storage": storage,
+    }))
 }
 
 fn model_object(id: &str) -> Value {
@@ -397,6 +409,7 @@ fn enqueue(st: &AppState, job: Job) -> Result<(), ApiError> {
 async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, ApiError>) -> Response {
     let endpoint = if kind == Kind::Chat { "/v1/chat/completions" } else { "/v1/completions" };
     let arrived = Instant::now();
+    let access = access::current();
     let req = match parse(&st, kind, body).await {
         Ok(r) => r,
         Err(e) => {
@@ -468,7 +481,10 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, ApiError>) 
         let mut msg = first;
         loop {
             match msg {
-                Msg::Done(out) => return json_response(&sse::response(&meta, &out, want_lp, &*tt)),
+                Msg::Done(out) => {
+                    access::usage(&access, &out);
+                    return json_response(&sse::response(&meta, &out, want_lp, &*tt));
+                }
                 Msg::Failed(e) => return error_response(&e),
                 Msg::Delta(_) => {}
             }
@@ -494,8 +510,9 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, ApiError>) 
         pending.push(sse::event(&sse::role_chunk(&meta).to_string()));
     }
     let state = (first, rx, meta, tt, pending, false);
-    let body =
-        futures_util::stream::unfold(state, move |(mut first, mut rx, meta, tt, mut pending, done)| async move {
+    let body = futures_util::stream::unfold(state, move |(mut first, mut rx, meta, tt, mut pending, done)| {
+        let access = access.clone();
+        async move {
             loop {
                 if let Some(ev) = pending.pop() {
                     return Some((
@@ -525,6 +542,7 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, ApiError>) 
                         }
                     }
                     Msg::Done(out) => {
+                        access::usage(&access, &out);
                         pending.push(sse::event("[DONE]"));
                         if include_usage {
                             pending.push(sse::event(&sse::usage_chunk(&meta, &out).to_string()));
@@ -538,7 +556,8 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, ApiError>) 
                     }
                 }
             }
-        });
+        }
+    });
     let mut headers = HeaderMap::new();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));

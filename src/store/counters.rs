@@ -77,7 +77,10 @@ pub struct DriveReport {
     pub read_ms_max: Option<f64>,
     pub lands_last: u64,
     pub failures: u64,
+    /// Given up for the store's life (see `expert_store::heal`).
     pub failed: Option<String>,
+    /// The last read that failed here (its holder was suspect for a while, then tried again).
+    pub last_failure: Option<String>,
     pub rate_gbps: f64,
 }
 

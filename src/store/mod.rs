@@ -6,9 +6,14 @@
 //! expert's memory when it drops the [`Landed`] bytes. Callers must not depend on the delivery
 //! order for their results. Counters are reported, not part of the delivery.
 //!
+//! Every expert's bytes are checked against what they must hash to (`sums`: a placement's
+//! checksums, or the checkpoint's recorded ones) before a sink sees them, whichever source read
+//! them; what is not recorded yet is delivered unverified and the startup line says so.
+//!
 //! Implementations: [`expert_store::ExpertStore`] (holders on drives, O_DIRECT readers, balancer,
-//! cache, failover — the engine's path) and [`ShardExperts`] (slices of the memory-mapped shards —
-//! the in-memory reference the store is tested against). `pack` is the on-drive format of expert
+//! cache, failover, healing — the engine's path) and [`ShardExperts`] (`--experts-from mmap`: the
+//! shards through the page cache, read with `pread` so a file cut short is an error, not SIGBUS —
+//! the reference the store is tested against). `pack` is the on-drive format of expert
 //! copies, `placement` decides and writes where they go, `probe` measures drives, `heat` keeps route heat across runs, `replay` forecasts the cache's next requests from its fetch history.
 
 pub mod cache;
@@ -22,10 +27,12 @@ pub mod pread;
 pub mod probe;
 pub mod reader;
 pub mod replay;
+pub mod sums;
 #[cfg(target_os = "linux")]
 pub mod uring;
 
 pub use counters::SourceReport;
+pub use expert_store::StorageHealth;
 
 use crate::model::Checkpoint;
 use crate::model::roster::{ExpertLayout, Roster};
@@ -137,27 +144,68 @@ pub trait ExpertSource: Send + Sync {
         SourceReport::default()
     }
 
+    /// Whether reads are failing now (a drive given up, holders suspect): `/health`'s storage.
+    fn health(&self) -> StorageHealth {
+        StorageHealth::default()
+    }
+
     /// One line for the startup summary.
     fn describe(&self) -> String;
 }
 
-/// Experts sliced straight out of the mapped shards (the page cache does the reading).
+/// The storage health of an engine's expert source (healthy without one).
+pub fn health(source: Option<&dyn ExpertSource>) -> StorageHealth {
+    source.map(|s| s.health()).unwrap_or_default()
+}
+
+/// Experts read from the shards through the page cache (`--experts-from mmap`), each checked
+/// against the checkpoint's recorded checksums as it is read.
 pub struct ShardExperts {
     ck: Arc<Checkpoint>,
     layout: ExpertLayout,
     experts: Vec<Option<Vec<crate::model::roster::ExpertLoc>>>,
+    sums: Option<sums::ExpertSums>,
     requested: AtomicU64,
+    /// The last failed read and when (reported by `health` until a fetch succeeds).
+    failure: std::sync::Mutex<Option<(String, std::time::Instant)>>,
 }
 
 impl ShardExperts {
     /// Returns None when the model has no routed experts.
     pub fn new(ck: Arc<Checkpoint>, roster: &Roster) -> Option<Self> {
         Some(ShardExperts {
+            sums: sums::ExpertSums::records(&ck, roster),
             ck,
             layout: roster.expert_layout.clone()?,
             experts: roster.experts.clone(),
             requested: AtomicU64::new(0),
+            failure: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Expert `e` of `layer` read and checked.
+    fn read(&self, layer: usize, e: u32) -> Result<Vec<u8>, StoreError> {
+        let loc = self
+            .experts
+            .get(layer)
+            .and_then(|l| l.as_ref())
+            .and_then(|l| l.get(e as usize))
+            .ok_or(StoreError::NoHolder { layer, expert: e })?;
+        let mut buf = vec![0u8; self.layout.len];
+        let fail = |msg: String| StoreError::NoHolderLeft(format!("expert {e} of layer {layer}: {msg}"));
+        for x in &loc.extents {
+            let dst = &mut buf[x.dest as usize..(x.dest + x.len) as usize];
+            self.ck.read_at(x.shard, x.start, dst).map_err(|err| fail(err.to_string()))?;
+        }
+        match self.sums.as_ref().map(|s| s.check(layer, e, &buf)) {
+            Some(sums::Verdict::Bad(what)) => {
+                let shard = loc.extents[0].shard;
+                let path = self.ck.shard_path(shard).display();
+                let why = self.sums.as_ref().map(|s| s.explain(layer, e)).unwrap_or_default();
+                Err(fail(format!("{path}: {what} ({why})")))
+            }
+            _ => Ok(buf),
+        }
     }
 }
 
@@ -167,14 +215,26 @@ impl ExpertSource for ShardExperts {
     }
 
     fn fetch<'s>(&'s self, layer: usize, experts: &[u32], sink: &mut dyn ExpertSink<'s>) -> Result<(), StoreError> {
-        let locs = self.experts.get(layer).and_then(|l| l.as_ref());
-        for &e in experts {
-            let loc = locs.and_then(|l| l.get(e as usize)).ok_or(StoreError::NoHolder { layer, expert: e })?;
-            let bytes = loc.bytes(&self.ck);
-            self.requested.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-            if sink.land(e, Landed { bytes, release: None })? == Flow::Stop {
-                break;
+        use rayon::prelude::*;
+        // Read and checked in parallel, a bounded batch at a time (a prompt's union of a large
+        // model's experts would not fit in memory at once), landed in order.
+        let batch = rayon::current_num_threads().max(1);
+        for ids in experts.chunks(batch) {
+            let got: Vec<Result<Vec<u8>, StoreError>> = ids.par_iter().map(|&e| self.read(layer, e)).collect();
+            for (&e, r) in ids.iter().zip(got) {
+                let bytes = r.inspect_err(|err| {
+                    if let Ok(mut f) = self.failure.lock() {
+                        *f = Some((err.to_string(), std::time::Instant::now()));
+                    }
+                })?;
+                self.requested.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                if sink.land(e, Landed::owned(bytes))? == Flow::Stop {
+                    return Ok(());
+                }
             }
+        }
+        if let Ok(mut f) = self.failure.lock() {
+            *f = None;
         }
         Ok(())
     }
@@ -183,7 +243,19 @@ impl ExpertSource for ShardExperts {
         SourceReport { expert_bytes_requested: self.requested.load(Ordering::Relaxed), ..Default::default() }
     }
 
+    fn health(&self) -> StorageHealth {
+        match self.failure.lock().ok().and_then(|f| f.clone()) {
+            Some((msg, at)) => StorageHealth {
+                degraded: true,
+                problems: vec![format!("{msg} ({:.1} s ago)", at.elapsed().as_secs_f64())],
+                ..Default::default()
+            },
+            None => StorageHealth::default(),
+        }
+    }
+
     fn describe(&self) -> String {
-        "experts via mmap".into()
+        let sums = self.sums.as_ref().map_or_else(|| "UNVERIFIED".to_string(), sums::ExpertSums::describe);
+        format!("experts via the page cache (pread) | {sums}")
     }
 }

@@ -27,7 +27,7 @@ pub struct Logged {
     pub status: u16,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum FaultKind {
     /// Answer with this status and no body.
     Status(u16),
@@ -35,6 +35,8 @@ pub enum FaultKind {
     Drop(usize),
     /// Flip one body byte.
     Corrupt,
+    /// Flip one body byte of a response that is the whole file (a request without `Range`).
+    CorruptWhole,
     /// Send the body in 16 KiB pieces with this pause between them.
     Slow(Duration),
     /// A 206 whose Content-Range and bytes start one byte late.
@@ -71,6 +73,8 @@ struct State {
     cdn: Mutex<String>,
     /// Bytes per second of every body (0 = unthrottled).
     throttle: Mutex<u64>,
+    /// Send no ETag and no X-Linked-Etag (a server or proxy that strips them).
+    no_etags: Mutex<bool>,
 }
 
 pub struct HubServer {
@@ -159,6 +163,11 @@ impl HubServer {
         *self.state.redirect_lfs.lock().unwrap() = on;
     }
 
+    /// Stops (or resumes) sending ETags: nothing in a response then names the file's version.
+    pub fn no_etags(&self, on: bool) {
+        *self.state.no_etags.lock().unwrap() = on;
+    }
+
     pub fn throttle(&self, bytes_per_s: u64) {
         *self.state.throttle.lock().unwrap() = bytes_per_s;
     }
@@ -185,9 +194,11 @@ impl HubServer {
     }
 }
 
-fn take_fault(st: &State, path: &str) -> Option<FaultKind> {
+fn take_fault(st: &State, path: &str, ranged: bool) -> Option<FaultKind> {
     let mut f = st.faults.lock().unwrap();
-    let i = f.iter().position(|x| x.times > 0 && path.contains(&x.path_contains))?;
+    let i = f.iter().position(|x| {
+        x.times > 0 && path.contains(&x.path_contains) && !(ranged && x.kind == FaultKind::CorruptWhole)
+    })?;
     f[i].times -= 1;
     Some(f[i].kind.clone())
 }
@@ -238,7 +249,7 @@ fn serve(st: &State, mut c: TcpStream, host: &'static str) -> std::io::Result<()
         log(s);
         return respond(&mut c, s, &[], b"{\"error\":\"auth\"}");
     }
-    let fault = take_fault(st, &path);
+    let fault = take_fault(st, &path, range.is_some());
     if let Some(FaultKind::Status(s)) = fault {
         log(s);
         return respond(&mut c, s, &[], b"");
@@ -294,17 +305,15 @@ fn serve(st: &State, mut c: TcpStream, host: &'static str) -> std::io::Result<()
             if lfs && *st.redirect_lfs.lock().unwrap() {
                 let loc = format!("{}/cdn/{}", st.cdn.lock().unwrap(), f.sha256);
                 log(302);
-                return respond(
-                    &mut c,
-                    302,
-                    &[
-                        ("Location".into(), loc),
-                        ("X-Linked-Etag".into(), format!("\"{}\"", f.sha256)),
-                        ("X-Linked-Size".into(), f.bytes.len().to_string()),
-                        ("X-Repo-Commit".into(), r.commit.clone()),
-                    ],
-                    b"",
-                );
+                let mut h = vec![
+                    ("Location".into(), loc),
+                    ("X-Linked-Size".into(), f.bytes.len().to_string()),
+                    ("X-Repo-Commit".into(), r.commit.clone()),
+                ];
+                if !*st.no_etags.lock().unwrap() {
+                    h.push(("X-Linked-Etag".into(), format!("\"{}\"", f.sha256)));
+                }
+                return respond(&mut c, 302, &h, b"");
             }
             let tag = if lfs { f.sha256.clone() } else { f.blob_id.clone() };
             (Arc::clone(&f.bytes), format!("\"{tag}\""), vec![("X-Repo-Commit".into(), r.commit.clone())])
@@ -337,7 +346,7 @@ fn serve(st: &State, mut c: TcpStream, host: &'static str) -> std::io::Result<()
         "HTTP/1.1 {status} X\r\nConnection: close\r\nContent-Length: {}\r\nAccept-Ranges: bytes\r\n",
         end - start
     );
-    if !etag.is_empty() {
+    if !etag.is_empty() && !*st.no_etags.lock().unwrap() {
         hdr.push_str(&format!("ETag: {etag}\r\n"));
     }
     if status == 206 {
@@ -350,7 +359,7 @@ fn serve(st: &State, mut c: TcpStream, host: &'static str) -> std::io::Result<()
     log(status);
     c.write_all(hdr.as_bytes())?;
     let mut data = body[start..end].to_vec();
-    if let Some(FaultKind::Corrupt) = fault
+    if let Some(FaultKind::Corrupt | FaultKind::CorruptWhole) = fault
         && !data.is_empty()
     {
         let m = data.len() / 2;

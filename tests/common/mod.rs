@@ -155,7 +155,8 @@ pub fn copy_fixture(name: &str) -> tempfile::TempDir {
     for e in std::fs::read_dir(fixture(name)).unwrap() {
         let e = e.unwrap();
         let n = e.file_name().to_string_lossy().to_string();
-        if !n.starts_with("reference") {
+        // A copy is another directory: it records its own checksums at first open.
+        if !n.starts_with("reference") && n != ".deltafin-checksums.json" {
             std::fs::copy(e.path(), tmp.path().join(&n)).unwrap();
         }
     }
@@ -483,6 +484,11 @@ pub fn edit_bf16_tensors(
         changed += 1;
     }
     std::fs::write(path, b).unwrap();
+    // Changed on purpose: the directory's checksum record no longer describes the file (what
+    // `deltafin verify --rehash` is for); the next open records it again.
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::remove_file(dir.join(".deltafin-checksums.json"));
+    }
     changed
 }
 

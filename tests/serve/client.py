@@ -259,7 +259,40 @@ def alone():
     print(json.dumps([stream_one(r) for r in parallel_requests()]))
 
 
-SCENARIOS = {"parallel": parallel, "alone": alone, "basic": basic, "auth": auth, "queue": queue, "disconnect": disconnect, "conversation": conversation}
+def demo():
+    """The demo model as a newcomer meets it: a chat with nothing but a message answers in
+    `content` (thinking is off for the demo), bounded by the server's default max_tokens (the
+    server runs with --max-tokens-default 24); standard fields of OpenAI's API and vLLM's sampling
+    extensions are taken; fields that would change the answer are refused by name."""
+    c = client()
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
+    m = r.choices[0].message
+    assert m.content and m.content.strip(), r
+    assert not (m.model_extra or {}).get("reasoning_content"), r
+    assert r.usage.completion_tokens <= 24 and r.choices[0].finish_reason in ("length", "stop"), r
+    for bad in ["<|", "[BOS]", "[EOS]"]:
+        assert bad not in m.content, m.content
+    # Accepted and ignored (store, metadata, service_tier, user), honoured (top_k, min_p), the same
+    # answer as without the ignored ones.
+    base = dict(model=MODEL, messages=[{"role": "user", "content": "The sea"}], max_tokens=12, seed=7,
+                temperature=0.9)
+    plain = c.chat.completions.create(**base, extra_body={"top_k": 40, "min_p": 0.05})
+    extra = c.chat.completions.create(**base, store=True, metadata={"run": "test"}, service_tier="auto",
+                                      user="u1", extra_body={"top_k": 40, "min_p": 0.05})
+    assert plain.choices[0].message.content == extra.choices[0].message.content, (plain, extra)
+    assert plain.choices[0].message.content, plain
+    # Thinking on when asked: the demo never closes its thinking channel, so the text is reasoning.
+    t = c.chat.completions.create(**base, reasoning_effort="high")
+    assert t.model_extra.get("deltafin") is not None
+    assert (t.choices[0].message.model_extra or {}).get("reasoning_content"), t
+    expect_error(openai.BadRequestError, "repetition_penalty",
+                 lambda: c.chat.completions.create(**base, extra_body={"repetition_penalty": 1.2}))
+    expect_error(openai.BadRequestError, "frequency_penalty",
+                 lambda: c.chat.completions.create(**base, frequency_penalty=0.5))
+    print("ok")
+
+
+SCENARIOS = {"demo": demo, "parallel": parallel, "alone": alone, "basic": basic, "auth": auth, "queue": queue, "disconnect": disconnect, "conversation": conversation}
 
 if __name__ == "__main__":
     SCENARIOS[SCENARIO]()

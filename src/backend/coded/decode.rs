@@ -1,6 +1,7 @@
 //! Decoding a coded row back to its bf16 bits (`super` has the format): 64 values per step with
-//! AVX-512 (BW, VBMI, VBMI2: mask registers, byte permutes, expand-loads) where the CPU has it,
-//! else eight at a time by the portable reference decoder. Both give the original bits exactly, so
+//! AVX-512 (BW, VBMI, VBMI2: mask registers, byte permutes, expand-loads) where the CPU has it or
+//! with NEON (`super::neon`, every aarch64 CPU), else eight at a time by the portable reference
+//! decoder. Both give the original bits exactly, so
 //! which one runs never changes a result (no `--isa` choice is needed; the unit test holds them
 //! equal).
 //!
@@ -29,11 +30,19 @@ pub fn decode_bf16(table: &[u8; 8], sm: &[u8], idx: &[u8], esc: &[u8], out: &mut
         let used = unsafe { decode_blocks_avx512(table, sm, idx, esc, out, whole) };
         return decode_portable(table, sm, idx, &esc[used..], out, whole * BLOCK);
     }
+    #[cfg(target_arch = "aarch64")]
+    if cols >= BLOCK && std::arch::is_aarch64_feature_detected!("neon") {
+        let whole = cols / BLOCK;
+        // SAFETY: neon was detected; the parts are consistent (the caller's contract) and hold
+        // `whole` whole blocks, whose escape bytes are a prefix of `esc`.
+        let used = unsafe { super::neon::decode_blocks(table, sm, idx, esc, out, whole) };
+        return decode_portable(table, sm, idx, &esc[used..], out, whole * BLOCK);
+    }
     decode_portable(table, sm, idx, esc, out, 0)
 }
 
 /// Byte `j` of `SPREAD[b]` is bit `j` of `b`: eight plane bits to eight index bytes at once.
-const SPREAD: [u64; 256] = {
+pub(super) const SPREAD: [u64; 256] = {
     let mut t = [0u64; 256];
     let mut b = 0;
     while b < 256 {

@@ -23,6 +23,8 @@ use super::SharedBytes;
 use rayon::prelude::*;
 
 pub mod decode;
+#[cfg(target_arch = "aarch64")]
+pub mod neon;
 
 /// The escape index.
 pub const ESCAPE: u8 = 7;

@@ -1,12 +1,14 @@
 //! CPU kernels over the coded and int8 trunk matrices (`backend::coded`, `backend::int8`).
 //!
-//! Contract: with AVX-512 (VBMI2) a matrix-vector product decodes coded rows in registers straight
-//! into the FMAs (`x86::dot4_coded_avx512`); otherwise a coded row is decoded
+//! Contract: with AVX-512 (VBMI2) or NEON a matrix-vector product decodes coded rows in registers
+//! straight into the FMAs (`x86::dot4_coded_avx512`, `neon::dot4_coded`); otherwise a coded row is
+//! decoded
 //! (`backend::coded::decode`) to its bf16 bits in a small per-task scratch (four rows at a time,
 //! in cache) and the bf16 kernels run on it unchanged — the same operations in the same
 //! order on the same bits, so every product is bit-identical to the bf16 trunk's on every
 //! instruction set. There is never a bf16 copy of a matrix, only of the rows in flight. An int8
-//! row is expanded to f32 (`q * scale`) the same way and dotted with the fixed 16-lane order.
+//! row is expanded to f32 (`q * scale`) the same way and dotted with the fixed 16-lane order (with
+//! NEON, expanded in registers: `neon::dot4_int8`, the same values and order).
 
 use super::{Isa, dot4_bf16, dot4_f32};
 use crate::backend::coded::CodedMat;
@@ -83,6 +85,12 @@ pub fn matvec_coded(isa: Isa, w: &CodedMat, x: &[f32], out: &mut [f32]) {
         // built or read, matvec_quads passes row indices below `w.rows`, and x has `w.cols`.
         return super::matvec_quads(w.rows, w.cols, out, |r| unsafe { super::x86::dot4_coded_avx512(w, r, x) });
     }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon {
+        // SAFETY: Isa::Neon is only chosen when neon was detected; the matrix passed
+        // `CodedMat::check`, matvec_quads passes row indices below `w.rows`, and x has `w.cols`.
+        return super::matvec_quads(w.rows, w.cols, out, |r| unsafe { super::neon::dot4_coded(w, r, x) });
+    }
     quads(
         w.rows,
         w.cols,
@@ -96,5 +104,14 @@ pub fn matvec_coded(isa: Isa, w: &CodedMat, x: &[f32], out: &mut [f32]) {
 /// out[r] = W[r] . x for an int8 matrix (`q * scale` per value, then the 16-lane f32 dot).
 pub fn matvec_int8(isa: Isa, w: &Int8Mat, x: &[f32], out: &mut [f32]) {
     assert_eq!(x.len(), w.cols);
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon {
+        let row = |r: usize| &w.q[r * w.cols..(r + 1) * w.cols];
+        // SAFETY: Isa::Neon is only chosen when neon was detected; every row has `w.cols` codes,
+        // x has `w.cols` values, and matvec_quads passes row indices below `w.rows`.
+        return super::matvec_quads(w.rows, w.cols, out, |r| unsafe {
+            super::neon::dot4_int8(r.map(row), r.map(|i| w.scales[i]), x)
+        });
+    }
     quads(w.rows, w.cols, w.cols, out, |r, dst: &mut [f32]| w.decode_row(r, dst), |rows| dot4_f32(isa, x, rows))
 }

@@ -99,8 +99,8 @@ impl Situ {
 }
 
 /// out[i] = s.apply(gate[i], up[i]) with the kernels of `isa`: the same bits on every one (the
-/// scalar loop is the definition; AVX-512 and AVX2 run the same operations 16 or 8 elements at a
-/// time).
+/// scalar loop is the definition; AVX-512, AVX2 and NEON run the same operations 16, 8 or 4
+/// elements at a time).
 pub fn situ_rows_isa(isa: Isa, s: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
     assert!(gate.len() == out.len() && up.len() == out.len(), "situ operands of different lengths");
     #[cfg(target_arch = "x86_64")]
@@ -112,6 +112,11 @@ pub fn situ_rows_isa(isa: Isa, s: Situ, gate: &[f32], up: &[f32], out: &mut [f32
     if isa == Isa::Avx2 {
         // SAFETY: Isa::Avx2 is only chosen when avx2 and fma were detected; lengths checked above.
         return unsafe { super::situ_x86::situ_rows_avx2(s, gate, up, out) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon {
+        // SAFETY: Isa::Neon is only chosen when neon was detected; lengths checked above.
+        return unsafe { super::neon::situ_rows(s, gate, up, out) };
     }
     let _ = isa;
     situ_rows(s, gate, up, out)

@@ -7,11 +7,15 @@ use std::time::Instant;
 
 /// Independent accumulator chains per thread (latency 4 x 2 ports, with room to spare).
 const CHAINS: usize = 12;
+/// The same with NEON: Apple's performance cores have four FMA pipes of latency 4 (and 32 vector
+/// registers to hold the chains).
+#[cfg(target_arch = "aarch64")]
+const NEON_CHAINS: usize = 16;
 
 /// Fused multiply-adds per second over all of rayon's threads, each thread running for about
 /// `seconds`; and the vector width (f32 lanes) used.
 pub fn fma_peak(seconds: f64) -> (f64, usize) {
-    let lanes = lanes();
+    let (lanes, chains) = (lanes(), chains());
     let per_thread: Vec<f64> = rayon::broadcast(|_| {
         let mut iters = 1u64 << 16;
         loop {
@@ -20,7 +24,7 @@ pub fn fma_peak(seconds: f64) -> (f64, usize) {
             let s = t.elapsed().as_secs_f64();
             std::hint::black_box(sink);
             if s >= seconds || iters >= 1 << 40 {
-                return (iters * (CHAINS * lanes) as u64) as f64 / s;
+                return (iters * (chains * lanes) as u64) as f64 / s;
             }
             iters = (iters as f64 * (seconds / s.max(1e-6)).clamp(1.5, 16.0)) as u64;
         }
@@ -38,7 +42,19 @@ fn lanes() -> usize {
             return 8;
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    if std::arch::is_aarch64_feature_detected!("neon") {
+        return 4;
+    }
     1
+}
+
+fn chains() -> usize {
+    #[cfg(target_arch = "aarch64")]
+    if std::arch::is_aarch64_feature_detected!("neon") {
+        return NEON_CHAINS;
+    }
+    CHAINS
 }
 
 fn run(iters: u64) -> f32 {
@@ -52,6 +68,11 @@ fn run(iters: u64) -> f32 {
             // SAFETY: the CPU supports AVX2 and FMA (checked above).
             return unsafe { run_avx2(iters) };
         }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if std::arch::is_aarch64_feature_detected!("neon") {
+        // SAFETY: the CPU has NEON (checked above).
+        return unsafe { run_neon(iters) };
     }
     run_scalar(iters)
 }
@@ -95,6 +116,25 @@ unsafe fn run_avx2(iters: u64) -> f32 {
     // SAFETY: `out` holds 8 f32s, what one 256-bit store writes.
     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), s) };
     out.iter().sum()
+}
+
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn run_neon(iters: u64) -> f32 {
+    use std::arch::aarch64::*;
+    let a = vdupq_n_f32(0.999_999);
+    let b = vdupq_n_f32(1e-7);
+    let mut acc = [vdupq_n_f32(1.0); NEON_CHAINS];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = vfmaq_f32(b, *x, a);
+        }
+    }
+    let mut s = vdupq_n_f32(0.0);
+    for x in acc {
+        s = vaddq_f32(s, x);
+    }
+    vaddvq_f32(s)
 }
 
 fn run_scalar(iters: u64) -> f32 {

@@ -91,7 +91,13 @@ impl Loader<'_> {
     fn mat(&mut self, name: &str, rows: usize, cols: usize) -> Bf16Mat {
         let ck = self.ck;
         match self.tensor(name, &[rows, cols]) {
-            Some(e) if e.dtype == Dtype::BF16 => Bf16Mat::new(ck.shared_bytes(e), rows, cols),
+            Some(e) if e.dtype == Dtype::BF16 => match ck.shared_bytes(e) {
+                Ok(b) => Bf16Mat::new(b, rows, cols),
+                Err(err) => {
+                    self.problems.push(err.to_string());
+                    Bf16Mat::from_vec(vec![0; rows * cols * 2], rows, cols)
+                }
+            },
             Some(_) => {
                 self.problems.push(format!("tensor `{name}` is F32, expected BF16 (a matrix)"));
                 Bf16Mat::from_vec(vec![0; rows * cols * 2], rows, cols)
@@ -104,7 +110,13 @@ impl Loader<'_> {
         let ck = self.ck;
         match self.tensor(name, &[n]) {
             Some(e) => {
-                let b = ck.bytes(e);
+                let b = match ck.shared_bytes(e) {
+                    Ok(b) => b,
+                    Err(err) => {
+                        self.problems.push(err.to_string());
+                        return vec![0.0; n];
+                    }
+                };
                 match e.dtype {
                     Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
                     _ => b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),

@@ -50,7 +50,8 @@ pub enum SynthError {
 /// can tell its own output (safe to replace) from a directory holding anything else.
 pub const MARKER: &str = ".deltafin-synth.json";
 /// Files deltafin itself adds to a model directory later (placement); replacing them is fine.
-const ADDED_LATER: [&str; 3] = ["placement.json", ".placement-plan.json", ".place.lock"];
+const ADDED_LATER: [&str; 4] =
+    ["placement.json", ".placement-plan.json", ".place.lock", crate::model::checksums::SIDECAR];
 /// The files of a synth output from before the marker existed.
 const LEGACY_FILES: [&str; 5] =
     ["config.json", "tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "model.safetensors.index.json"];

@@ -340,6 +340,10 @@ pub(crate) fn write_safetensors(
     }
     let f = std::fs::File::create(path).map_err(io(path))?;
     let mut w = std::io::BufWriter::with_capacity(8 << 20, f);
+    // Every tensor's checksum, from the bytes as written (`model::checksums`, source `written`).
+    let mut sums = crate::model::checksums::TensorHasher::new();
+    sums.update(&(h.len() as u64).to_le_bytes());
+    sums.update(&h);
     w.write_all(&(h.len() as u64).to_le_bytes()).map_err(io(path))?;
     w.write_all(&h).map_err(io(path))?;
     for t in tensors.iter() {
@@ -348,6 +352,7 @@ pub(crate) fn write_safetensors(
         for batch in (0..chunks).collect::<Vec<_>>().chunks(16) {
             let data: Vec<Vec<u8>> = batch.par_iter().map(|&c| t.chunk_bytes(seed, c)).collect();
             for d in data {
+                sums.update(&d);
                 w.write_all(&d).map_err(io(path))?;
                 *done += d.len() as u64;
             }
@@ -360,5 +365,11 @@ pub(crate) fn write_safetensors(
     }
     let f = w.into_inner().map_err(|e| SynthError::Io { path: path.to_path_buf(), source: e.into_error() })?;
     crate::util::sync_file(&f).map_err(io(path))?;
+    drop(f);
+    use crate::model::checksums::{ShardRecord, Source, save};
+    let digest =
+        sums.finish().map_err(|e| SynthError::Io { path: path.to_path_buf(), source: std::io::Error::other(e) })?;
+    let rec = ShardRecord::new(path, &digest, Source::Written).map_err(io(path))?;
+    save(path.parent().unwrap_or(Path::new(".")), vec![rec]).map_err(io(path))?;
     Ok(())
 }

@@ -6,7 +6,7 @@ use serde_json::json;
 const CTX: ParseContext = ParseContext {
     model_id: "m",
     template_takes_tools: false,
-    sampling: SamplingDefaults { temperature: 0.0, top_p: 1.0 },
+    sampling: SamplingDefaults { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, max_tokens: None },
 };
 
 fn chat(v: Value) -> Result<GenRequest, ApiError> {
@@ -75,4 +75,85 @@ fn completions_and_batch_lines() {
     let (id, r) = parse_batch_line(&json!({"id": "a", "prompt": "hi", "stream": true}), &CTX);
     assert_eq!((id.as_deref(), r.unwrap_err().param.as_deref()), (Some("a"), Some("stream")));
     assert!(parse_batch_line(&json!({"prompt": "hi"}), &CTX).1.is_err());
+}
+
+#[test]
+fn standard_fields_are_honoured_ignored_or_refused() {
+    let base = || json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    // Honoured: top_k and min_p (vLLM's -1 is off, as 0), the template's thinking.
+    let mut b = base();
+    b["top_k"] = json!(40);
+    b["min_p"] = json!(0.05);
+    b["chat_template_kwargs"] = json!({"thinking": false});
+    let r = chat(b).unwrap();
+    assert_eq!((r.top_k, r.min_p, r.thinking), (40, 0.05, Some(Thinking::Off)));
+    let mut b = base();
+    b["top_k"] = json!(-1);
+    assert_eq!(chat(b).unwrap().top_k, 0);
+    // Ignored: bookkeeping and hints that cannot change the answer.
+    let mut b = base();
+    for (k, v) in [
+        ("store", json!(true)),
+        ("metadata", json!({"a": "b"})),
+        ("service_tier", json!("auto")),
+        ("user", json!("u")),
+        ("safety_identifier", json!("s")),
+        ("prompt_cache_key", json!("k")),
+        ("prediction", json!({"type": "content", "content": "x"})),
+        ("parallel_tool_calls", json!(false)),
+        ("modalities", json!(["text"])),
+        ("verbosity", json!("medium")),
+        ("repetition_penalty", json!(1.0)),
+        ("presence_penalty", json!(0)),
+    ] {
+        b[k] = v;
+    }
+    b["stream"] = json!(true);
+    b["stream_options"] = json!({"include_usage": true, "include_obfuscation": false});
+    let r = chat(b).unwrap();
+    assert_eq!((r.top_k, r.min_p, r.thinking), (0, 0.0, None));
+    // Refused: they would change the answer.
+    for (k, v) in [
+        ("repetition_penalty", json!(1.1)),
+        ("frequency_penalty", json!(0.5)),
+        ("top_k", json!(-2)),
+        ("min_p", json!(1.5)),
+        ("modalities", json!(["text", "audio"])),
+        ("verbosity", json!("low")),
+        ("audio", json!({"voice": "x"})),
+        ("web_search_options", json!({})),
+        ("functions", json!([])),
+        ("function_call", json!("auto")),
+        ("chat_template_kwargs", json!({"enable_thinking": false})),
+        ("max_token", json!(5)),
+    ] {
+        let mut b = base();
+        b[k] = v;
+        let e = chat(b).unwrap_err();
+        assert_eq!(e.status, 400, "{k}");
+        assert!(e.param.as_deref().is_some_and(|p| p.starts_with(k)), "{k}: {e:?}");
+    }
+    let mut b = base();
+    b["reasoning_effort"] = json!("high");
+    b["chat_template_kwargs"] = json!({"thinking": false});
+    assert_eq!(chat(b).unwrap_err().param.as_deref(), Some("chat_template_kwargs"));
+    // Completions take the standard ones too.
+    let r =
+        parse_completion(&json!({"model": "m", "prompt": "a", "store": false, "top_k": 5, "user": "u"}), &CTX).unwrap();
+    assert_eq!(r.top_k, 5);
+}
+
+#[test]
+fn a_chat_without_max_tokens_gets_the_servers_default() {
+    let ctx =
+        ParseContext { sampling: SamplingDefaults { max_tokens: Some(2048), ..SamplingDefaults::default() }, ..CTX };
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let r = parse_chat(&json!({"model": "m", "messages": msgs}), &ctx).unwrap();
+    assert_eq!((r.max_tokens, r.default_max_tokens), (None, Some(2048)));
+    assert_eq!(
+        parse_chat(&json!({"model": "m", "messages": msgs, "max_tokens": 9}), &ctx).unwrap().max_tokens,
+        Some(9)
+    );
+    // Completions keep OpenAI's 16.
+    assert_eq!(parse_completion(&json!({"model": "m", "prompt": "a"}), &ctx).unwrap().max_tokens, Some(16));
 }

@@ -1,6 +1,7 @@
 //! The read balancer: which holder serves a read, and the queueing of a read on its drive.
 //!
-//! Contract: a read goes to the usable holder (drive not failed, not excluded, files open) with the
+//! Contract: a read goes to the usable holder (drive not failed, not excluded, files open, not
+//! waiting out a backoff after a failure: `heal`) with the
 //! earliest expected completion (bytes queued on its drive plus this read, over the drive's rate),
 //! primary holders before fallback ones; a demanded read with copies on several drives is split
 //! across them (`split`); a read already in flight is joined, never issued twice. Runs under the
@@ -14,11 +15,13 @@ pub(super) fn choose_holder(sh: &Shared, st: &State, key: Key, exclude: &[u16]) 
     let holders = sh.spec.holders.get(key.0 as usize)?.as_ref()?.get(key.1 as usize)?;
     let len = sh.spec.layout.len as f64;
     let open = |f: u32| sh.files.get(f as usize).is_some_and(|f| f.is_some());
+    let now = Instant::now();
     let usable = |h: &&Holder| {
         st.drives[h.drive as usize].failed.is_none()
             && !exclude.contains(&h.drive)
             && open(h.file)
             && h.extents.as_ref().is_none_or(|xs| xs.iter().all(|x| open(x.file)))
+            && !st.suspects.holds_back(key, h, now)
     };
     let best_tier = holders.iter().filter(usable).map(|h| h.tier).min()?;
     holders.iter().filter(usable).filter(|h| h.tier == best_tier).cloned().min_by(|a, b| {
@@ -47,6 +50,7 @@ pub(super) fn start_read_as(
     whole: bool,
 ) -> bool {
     let Some(h) = choose_holder(sh, st, key, exclude) else { return false };
+    st.suspects.before_probe(sh, &h);
     let len = sh.spec.layout.len as u64;
     let split = if prefetch || whole { None } else { split::plan(sh, st, key, exclude, &h) };
     let movable = !whole && sh.split_min.is_some() && split::movable(sh, &h);

@@ -130,7 +130,7 @@ fn give_up_drive(sh: &Shared, d: usize, msg: &str) {
             let lost = q.parts.iter().filter(|p| here(p)).count();
             q.parts.iter_mut().filter(|p| here(p)).for_each(|p| p.done = true);
             q.parts_left = q.parts_left.saturating_sub(lost);
-            q.part_error.get_or_insert((d as u16, msg.to_string()));
+            q.part_error.get_or_insert((d as u16, None, msg.to_string()));
             continue;
         }
         let in_flight_here = q.parts.iter().any(|p| here(p) && p.at.is_some());
@@ -235,13 +235,15 @@ fn complete(sh: &Shared, d: usize, c: Done) {
             (Some(FaultKind::Short), Ok(_)) => Ok((p.skip + p.len / 2) as usize),
             (_, r) => r,
         };
+        let file = || sh.spec.files[p.file as usize].1.display();
         match result {
             Err(e) => {
-                req.part_error.get_or_insert((d as u16, format!("I/O error: {e}")));
+                req.part_error.get_or_insert((d as u16, Some(p.file), format!("{}: I/O error: {e}", file())));
             }
             Ok(n) if (n as u64) < p.skip + p.len => {
                 let got = (n as u64).saturating_sub(p.skip);
-                req.part_error.get_or_insert((d as u16, format!("short read: got {got} of {} bytes", p.len)));
+                let msg = format!("{}: short read: got {got} of {} bytes", file(), p.len);
+                req.part_error.get_or_insert((d as u16, Some(p.file), msg));
             }
             Ok(n) => {
                 let n = n as u64;
@@ -291,27 +293,29 @@ fn complete(sh: &Shared, d: usize, c: Done) {
     }
     // A checksum mismatch names a drive only when one drive read every part.
     let one_drive = parts.first().map(|p0| p0.drive).filter(|&d0| parts.iter().all(|p| p.drive == d0));
-    let verdict: Result<u64, (Option<u16>, String)> = match first_error {
-        Some((bad, e)) => Err((Some(bad), e)),
+    let mut files: Vec<u32> = parts.iter().map(|p| p.file).collect();
+    files.dedup();
+    // The failure and who is to blame: a file (I/O error, short read), or this expert's holder on
+    // one drive (bytes that are not the recorded ones).
+    let verdict: Result<u64, (Option<u16>, Option<u32>, String)> = match first_error {
+        Some((bad, file, e)) => Err((Some(bad), file, e)),
         None if parts.is_empty() => Ok(0),
-        None => {
-            let n = bytes_got;
-            let want =
-                sh.spec.checksums.as_ref().and_then(|c| c.get(key.0 as usize)?.as_ref()?.get(key.1 as usize).copied());
-            match want {
-                Some(w) => {
-                    // SAFETY: the read into this slot has completed and nobody else touches it.
-                    let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
-                    let got = crate::store::pack::checksum(bytes);
-                    if got == w {
-                        Ok(n)
-                    } else {
-                        Err((one_drive, format!("checksum mismatch (xxh3 {got:016x}, expected {w:016x})")))
+        None => match &sh.spec.checksums {
+            Some(c) => {
+                // SAFETY: the read into this slot has completed and nobody else touches it.
+                let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
+                match c.check(key.0 as usize, key.1, bytes) {
+                    Verdict::Ok | Verdict::Unknown => Ok(bytes_got),
+                    Verdict::Bad(what) => {
+                        let names: Vec<String> =
+                            files.iter().map(|&f| sh.spec.files[f as usize].1.display().to_string()).collect();
+                        let why = c.explain(key.0 as usize, key.1);
+                        Err((one_drive, None, format!("{}: {what} ({why})", names.join(" + "))))
                     }
                 }
-                None => Ok(n),
             }
-        }
+            None => Ok(bytes_got),
+        },
     };
     let now = Instant::now();
     let mut st = lock(sh);
@@ -327,6 +331,9 @@ fn complete(sh: &Shared, d: usize, c: Done) {
     let primary = matches!(st.keys.get(&key), Some(KeyState::Loading { req }) if *req == r);
     match verdict {
         Ok(_) => {
+            for was in if parts.is_empty() { Vec::new() } else { st.suspects.clear(key, d as u16, &files) } {
+                tracing::info!("expert {} of layer {} read clean again; restored after: {was}", key.1, key.0);
+            }
             if lost {
                 // Its twin landed first: these bytes are not used.
                 st.slots[slot] = Slot::Free;
@@ -352,18 +359,20 @@ fn complete(sh: &Shared, d: usize, c: Done) {
                 cache_slot(st, slot);
             }
         }
-        Err((bad, msg)) => {
+        Err((bad, file, msg)) => {
             if let Some(b) = bad {
                 let dr = &mut st.drives[b as usize];
                 dr.counters.failures += 1;
-                if dr.failed.is_none() {
-                    tracing::warn!(
-                        "drive {b} ({}): expert {} of layer {}: {msg}; avoiding this drive",
-                        sh.spec.drives[b as usize].root.display(),
-                        key.1,
-                        key.0
-                    );
-                    dr.failed = Some(format!("expert {} of layer {}: {msg}", key.1, key.0));
+                let what = format!("expert {} of layer {}: {msg}", key.1, key.0);
+                dr.last_failure = Some(what.clone());
+                tracing::warn!(
+                    "drive {b} ({}): {what}; {} is avoided for a while, then tried again",
+                    sh.spec.drives[b as usize].root.display(),
+                    if file.is_some() { "the file" } else { "this copy of the expert" }
+                );
+                match file {
+                    Some(f) => st.suspects.mark_file(f, key, msg.clone(), now),
+                    None => st.suspects.mark_expert(key, b, msg.clone(), now),
                 }
             }
             // A part lost in flight on a drive given up may still write the slot.

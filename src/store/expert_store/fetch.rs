@@ -251,6 +251,10 @@ impl ExpertSource for ExpertStore {
         ExpertStore::note_routes(self, layer, experts, rows_of, rows)
     }
 
+    fn health(&self) -> super::StorageHealth {
+        ExpertStore::health(self)
+    }
+
     fn describe(&self) -> String {
         let r = self.report();
         let drives: Vec<String> = r
@@ -265,21 +269,34 @@ impl ExpertSource for ExpertStore {
                 )
             })
             .collect();
-        format!("experts via store: {} drive(s) [{}], {} slots", r.drives.len(), drives.join(", "), self.slots())
+        let sums = self.shared.spec.checksums.as_ref().map_or_else(
+            || "experts UNVERIFIED (no checksums recorded)".to_string(),
+            crate::store::sums::ExpertSums::describe,
+        );
+        format!(
+            "experts via store: {} drive(s) [{}], {} slots | {sums}",
+            r.drives.len(),
+            drives.join(", "),
+            self.slots()
+        )
     }
 }
 
 fn no_holder(sh: &Shared, st: &State, layer: usize, e: u32) -> StoreError {
-    let failed: Vec<String> = st
+    let holders = sh.spec.holders.get(layer).and_then(|h| h.as_ref()).and_then(|h| h.get(e as usize));
+    let mut why: Vec<String> = st
         .drives
         .iter()
         .enumerate()
+        // The drives of its holders; with none left (their files could not be used), every drive.
+        .filter(|(i, _)| holders.is_none_or(|hs| hs.is_empty() || hs.iter().any(|h| h.drive as usize == *i)))
         .filter_map(|(i, d)| {
             d.failed.as_ref().map(|m| format!("drive {i} ({}): {m}", sh.spec.drives[i].root.display()))
         })
         .collect();
+    why.extend(st.suspects.why(sh, (layer as u32, e), Instant::now()));
     StoreError::NoHolderLeft(format!(
         "expert {e} of layer {layer}: no usable holder{}",
-        if failed.is_empty() { String::new() } else { format!(" (failed: {})", failed.join("; ")) }
+        if why.is_empty() { String::new() } else { format!(" ({})", why.join("; ")) }
     ))
 }

@@ -11,21 +11,26 @@
 //!   across them, sized so every drive finishes its queue at the same moment (`split`); an idle
 //!   drive takes queued ranges off a drive that would finish them later. The expert is checked
 //!   whole once every range has landed.
-//! - A failed read (I/O error, short read, checksum mismatch) names the drive and the expert; the
-//!   drive is then avoided and the read retried on another holder. With no holder left the fetch
-//!   fails with a clear error; no bytes of a failed read are ever delivered.
+//! - Every read is checked as it lands against what the expert's bytes must hash to (a placement's
+//!   checksums, or the checkpoint's recorded ones: `StoreSpec::checksums`), so bytes changed on a
+//!   drive are never delivered.
+//! - A failed read (I/O error, short read, checksum mismatch) names the file and the expert; the
+//!   holder is suspect for a while and the read retried on another holder; after its backoff the
+//!   holder is tried again and restored once it reads clean (`heal`). With no holder usable the
+//!   fetch fails with a clear error; no bytes of a failed read are ever delivered.
 //!
 //! Here: the store's types, its shared state and its public methods. Beside it: `fetch.rs`
 //! ([`ExpertSource::fetch`]), `balance.rs` (which holder serves a read), `split.rs` (split reads,
 //! stealing, the drives' rates), `hedge.rs` (hedged reads), `policy.rs` (the cache: slots,
 //! eviction ranks, reads ahead), `drive.rs` (one reader thread per drive: submission, completion,
-//! verification, failover), `report.rs` (the counters) and `spec.rs` (what a store is opened
-//! from: holders, drives, options).
+//! verification, failover), `heal.rs` (suspect holders, backoff, `/health`), `report.rs` (the
+//! counters) and `spec.rs` (what a store is opened from: holders, drives, options).
 
 use super::cache::{EvictionOrder, Slab};
 use super::counters::{DriveCounters, DriveReport, SourceReport};
 use super::heat::Heat;
 use super::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader, widen};
+use super::sums::Verdict;
 use super::{ExpertSink, ExpertSource, Flow, Landed, StoreError};
 use crate::model::roster::ExpertLayout;
 use std::collections::{HashMap, VecDeque};
@@ -35,11 +40,13 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 mod balance;
 mod drive;
 mod fetch;
+mod heal;
 mod hedge;
 mod policy;
 mod report;
 mod spec;
 mod split;
+pub use heal::StorageHealth;
 pub use spec::{DriveSpec, Holder, HolderExtent, StoreOptions, StoreSpec};
 pub use split::SPLIT_MIN;
 
@@ -99,8 +106,8 @@ struct Req {
     parts: Vec<Part>,
     /// Reads still in flight or queued.
     parts_left: usize,
-    /// The first failed part's drive and what failed.
-    part_error: Option<(u16, String)>,
+    /// The first failed part's drive, its file (when the file is to blame) and what failed.
+    part_error: Option<(u16, Option<u32>, String)>,
     bytes_got: u64,
     /// Parts may move between drives holding the expert at the same page offset (`split`).
     movable: bool,
@@ -147,7 +154,10 @@ struct DriveState {
     /// Bytes per second: bytes over busy time of the last completions (`split::Rate`).
     rate: f64,
     samples: split::Rate,
+    /// Given up for the store's life (its reader keeps failing, its directory or a file is missing).
     failed: Option<String>,
+    /// The last read that failed here (the holder is suspect for a while, see `heal`).
+    last_failure: Option<String>,
     in_flight: usize,
     last_completion: Option<Instant>,
     counters: DriveCounters,
@@ -186,6 +196,8 @@ struct State {
     /// Injected faults still to happen (tests and fault drills).
     faults: Vec<FaultPlan>,
     hedges: hedge::Hedges,
+    /// Holders that failed recently, retried after a backoff (`heal`).
+    suspects: heal::Suspects,
 }
 
 /// What an injected fault does to a completed read.
@@ -288,6 +300,7 @@ impl ExpertStore {
                 rate: (d.gbps.max(0.01)) * 1e9,
                 samples: split::Rate::default(),
                 failed: None,
+                last_failure: None,
                 in_flight: 0,
                 last_completion: None,
                 counters: DriveCounters::default(),
@@ -352,6 +365,7 @@ impl ExpertStore {
             read_log: opts.record_reads.then(Vec::new),
             faults: Vec::new(),
             hedges: hedge::Hedges::new(spec.drives.len()),
+            suspects: heal::Suspects::default(),
         };
         let n_drives = spec.drives.len();
         let prefetch_cap = 2 * n_drives * opts.prefetch_depth;

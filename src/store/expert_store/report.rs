@@ -40,6 +40,7 @@ impl ExpertStore {
                     lands_last: d.counters.lands_last,
                     failures: d.counters.failures,
                     failed: d.failed.clone(),
+                    last_failure: d.last_failure.clone(),
                     rate_gbps: d.rate / 1e9,
                 })
                 .collect(),

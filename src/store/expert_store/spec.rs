@@ -62,8 +62,8 @@ pub struct StoreSpec {
     pub files: Vec<(u16, PathBuf)>,
     /// [layer] -> [expert] -> holders (None for layers without routed experts).
     pub holders: Vec<Option<Vec<Vec<Holder>>>>,
-    /// [layer] -> [expert] -> xxh3 of the expert's bytes, when known.
-    pub checksums: Option<Vec<Option<Vec<u64>>>>,
+    /// What each expert's bytes must hash to, when known (checked as every read lands).
+    pub checksums: Option<crate::store::sums::ExpertSums>,
 }
 
 #[derive(Clone, Debug)]

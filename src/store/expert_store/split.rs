@@ -65,6 +65,7 @@ fn holder_on(sh: &Shared, st: &State, key: Key, d: u16, page_off: u64, tier: u8)
                 && h.extents.is_none()
                 && h.offset % PAGE == page_off
                 && st.drives[d as usize].failed.is_none()
+                && !st.suspects.holds_back(key, h, Instant::now())
                 && sh.files.get(h.file as usize).and_then(|f| f.as_ref()).is_some_and(|f| f.direct)
         })
         .cloned()

@@ -4,6 +4,8 @@
 //! Contract: a manifest of another model is refused (`Manifest::check_model`); a pack whose header
 //! names another model, or that cannot be read, is skipped with a warning and its experts served by
 //! the other holders; a pack record is used only when its checksum and length are the manifest's.
+//! Reads are checked against the checkpoint's per-record checksums when all are recorded, else
+//! against the manifest's.
 
 use super::{Manifest, PlacementError, ShardUse};
 use crate::model::Checkpoint;
@@ -53,8 +55,15 @@ fn shard_holder(loc: &crate::model::roster::ExpertLoc, drive: u16, tier: u8) -> 
     h
 }
 
-/// Holder map for experts read straight from the shipped shards (no placement).
-pub fn shard_spec(ck: &Checkpoint, roster: &Roster, model_dir: &Path, qd: usize, gbps: f64) -> Option<StoreSpec> {
+/// Holder map for experts read straight from the shipped shards (no placement), each read checked
+/// against the checkpoint's recorded checksums of its records.
+pub fn shard_spec(
+    ck: &std::sync::Arc<Checkpoint>,
+    roster: &Roster,
+    model_dir: &Path,
+    qd: usize,
+    gbps: f64,
+) -> Option<StoreSpec> {
     let layout = roster.expert_layout.clone()?;
     let files: Vec<(u16, PathBuf)> = (0..ck.shards.len()).map(|s| (0u16, ck.shard_path(s).to_path_buf())).collect();
     let holders = roster
@@ -67,7 +76,7 @@ pub fn shard_spec(ck: &Checkpoint, roster: &Roster, model_dir: &Path, qd: usize,
         drives: vec![DriveSpec { root: model_dir.to_path_buf(), gbps, qd }],
         files,
         holders,
-        checksums: None,
+        checksums: crate::store::sums::ExpertSums::records(ck, roster),
     })
 }
 
@@ -75,7 +84,7 @@ pub fn shard_spec(ck: &Checkpoint, roster: &Roster, model_dir: &Path, qd: usize,
 /// shards as the manifest says. Pack files that cannot be read are reported and skipped.
 pub fn manifest_spec(
     m: &Manifest,
-    ck: &Checkpoint,
+    ck: &std::sync::Arc<Checkpoint>,
     roster: &Roster,
     layout: ExpertLayout,
 ) -> Result<StoreSpec, PlacementError> {
@@ -150,5 +159,11 @@ pub fn manifest_spec(
         sums[ml.layer] = Some(ml.experts.iter().map(|x| u64::from_str_radix(&x.xxh3, 16).unwrap_or(0)).collect());
         holders[ml.layer] = Some(per);
     }
-    Ok(StoreSpec { layout, drives, files, holders, checksums: Some(sums) })
+    // The checkpoint's per-record checksums where all are recorded (the same bytes `place` copied,
+    // checked against them; hashed on several cores), else the manifest's whole-expert ones.
+    let checksums = match crate::store::sums::ExpertSums::records(ck, roster) {
+        Some(r) if r.complete() => r,
+        _ => crate::store::sums::ExpertSums::whole(sums),
+    };
+    Ok(StoreSpec { layout, drives, files, holders, checksums: Some(checksums) })
 }

@@ -80,8 +80,27 @@ pub enum PlacementError {
         crate::util::human_bytes(*free), crate::util::human_bytes(*need)
     )]
     NoRoom { drives: String, shared: bool, free: u64, need: u64 },
+    /// The model's own files are damaged (a shard's bytes are not the ones recorded for it).
+    #[error(transparent)]
+    Damaged(crate::model::ModelError),
     #[error("{0}")]
     Other(String),
+}
+
+/// The first of expert `e` of `layer`'s records in the shards that does not match its recorded
+/// checksum, as the error it is.
+pub fn shard_copy_damaged(ck: &Checkpoint, layer: usize, e: usize) -> Option<crate::model::ModelError> {
+    crate::model::roster::EXPERT_PARTS.iter().find_map(|(proj, part)| {
+        let t = ck.get(&crate::model::roster::expert(layer, e, proj, part))?;
+        ck.check(t, ck.bytes(t)).err()
+    })
+}
+
+/// Whether checksums are recorded for all of expert `e` of `layer`'s records.
+pub fn shard_copy_recorded(ck: &Checkpoint, layer: usize, e: usize) -> bool {
+    crate::model::roster::EXPERT_PARTS.iter().all(|(proj, part)| {
+        ck.get(&crate::model::roster::expert(layer, e, proj, part)).is_some_and(|t| ck.sum(t).is_some())
+    })
 }
 
 /// A placement, pack or route trace of another model than the one at hand.
@@ -276,6 +295,10 @@ impl Manifest {
             }))
         };
         if self.model.fingerprint != ours {
+            // A damaged byte where the fingerprint samples changes it too: that is not another model.
+            if let Some(err) = ck.damage_in_fingerprint() {
+                return Err(PlacementError::Damaged(err));
+            }
             return Err(other("it was placed for"));
         }
         let model_len = roster.expert_layout.as_ref().map_or(0, |l| l.len as u64);
@@ -300,6 +323,24 @@ impl Manifest {
             let Some(x) = ml.experts.get(e) else { continue };
             let got = pack::checksum(&loc.bytes(ck));
             if u64::from_str_radix(&x.xxh3, 16).ok() != Some(got) {
+                // The shard changed since it was placed (its bytes are not the ones recorded for
+                // it): the placement is this model's, and its packs serve (every read checked).
+                match shard_copy_damaged(ck, ml.layer, e) {
+                    Some(err) => {
+                        tracing::warn!("{err}; its copies in the placement's packs are used instead");
+                        continue;
+                    }
+                    None if !shard_copy_recorded(ck, ml.layer, e) => {
+                        tracing::warn!(
+                            "{}: expert {e} of layer {}: the shards' bytes are not the placement's and no checksums were recorded for them; the placement's copies are used (each read checked); {} checks the shards",
+                            self.path.display(),
+                            ml.layer,
+                            Action::Verify
+                        );
+                        continue;
+                    }
+                    None => {}
+                }
                 // Same fingerprint, other bytes: edited, or a model the fingerprint's samples missed.
                 return Err(PlacementError::Invalid {
                     path: self.path.clone(),

@@ -4,7 +4,9 @@
 //! Contract: see the module above (`placement`): the manifest is written last and atomically,
 //! after every pack it names is complete; a rerun resumes from the saved plan and reuses a pack
 //! only when its header names this model and its records hash to the shards' checksums; one
-//! `place` at a time per model directory and per drive directory.
+//! `place` at a time per model directory and per drive directory. The shards are checked against
+//! their recorded checksums first (recorded now for shards never seen): a damaged shard is never
+//! copied into a pack, and a good pack record whose shard copy is damaged is kept.
 
 use super::plan::{RouteTrace, plan_assignment};
 use super::{
@@ -87,6 +89,7 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
         _locks.push(take_lock(&dir.join(LOCK))?);
         remove_partials(&dir);
     }
+    check_shards(ck, o)?;
     let plan_path = o.model_dir.join(PLAN);
     let saved: Option<Plan> = std::fs::read_to_string(&plan_path).ok().and_then(|t| serde_json::from_str(&t).ok());
     let roots: Vec<PathBuf> = o.drives.iter().map(|(r, _)| canonical(r)).collect();
@@ -194,6 +197,8 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
     let total: u64 = need.iter().sum();
     let mut done = 0u64;
     let mut checksums: HashMap<(usize, u32), u64> = HashMap::new();
+    // Experts whose shard copy is damaged but that a good pack holds: kept, reported at the end.
+    let mut damaged_shard: Vec<(usize, u32)> = Vec::new();
     for (li, &l) in plan.layers.iter().enumerate() {
         let locs =
             roster.experts[l].as_ref().ok_or_else(|| PlacementError::NoRoutedExperts(o.model_dir.to_path_buf()))?;
@@ -207,9 +212,12 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
             let path = dir.join(pack::pack_name(l));
             let mut shard_sum =
                 |e: u32| *checksums.entry((l, e)).or_insert_with(|| pack::checksum(&locs[e as usize].bytes(ck)));
+            let bad_shard = |e: u32| super::shard_copy_damaged(ck, l, e as usize);
             // Reuse a complete pack only if it is this model's and every record's bytes (read back,
             // not just the recorded checksums) hash to the shards' checksum: a resumed run must not
-            // trust a pack another run rewrote, and a flipped byte is repaired by rewriting.
+            // trust a pack another run rewrote, and a flipped byte is repaired by rewriting. A
+            // record whose shard copy is damaged is kept when its own bytes are intact: a good
+            // pack is never rewritten from a bad shard.
             let header = pack::read_header(&path);
             if let Ok(h) = &header
                 && h.model != raw_fp
@@ -220,6 +228,7 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
                     fingerprint::short(&fingerprint::hex(&h.model))
                 );
             }
+            let mut keep_from_pack: HashMap<u32, pack::PackEntry> = HashMap::new();
             if let Ok(h) = header
                 && h.model == raw_fp
                 && h.layer as usize == l
@@ -227,13 +236,22 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
                 && h.entries.iter().map(|e| e.expert).eq(ids.iter().copied())
             {
                 let bad = pack::bad_records(&path, &h).unwrap_or_else(|_| ids.clone());
-                let stale: Vec<u32> = h
-                    .entries
-                    .iter()
-                    .filter(|e| bad.contains(&e.expert) || e.xxh3 != shard_sum(e.expert))
-                    .map(|e| e.expert)
-                    .collect();
+                let mut stale: Vec<u32> = Vec::new();
+                for x in &h.entries {
+                    if let Some(err) = bad_shard(x.expert) {
+                        if bad.contains(&x.expert) {
+                            return Err(no_good_copy(&path, l, x.expert, err));
+                        }
+                        keep_from_pack.insert(x.expert, *x);
+                        damaged_shard.push((l, x.expert));
+                    } else if bad.contains(&x.expert) || x.xxh3 != shard_sum(x.expert) {
+                        stale.push(x.expert);
+                    }
+                }
                 if stale.is_empty() {
+                    for x in &h.entries {
+                        checksums.insert((l, x.expert), x.xxh3);
+                    }
                     done += ids.len() as u64 * pack::align_up(len);
                     (o.progress)(done, total);
                     continue;
@@ -245,12 +263,24 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
                     stale.iter().take(8).map(|e| e.to_string()).collect::<Vec<_>>().join(", ")
                 );
             }
-            let bytes = ids.iter().map(|&e| (e, locs[e as usize].bytes(ck)));
+            // Each record from the shards, or, where the shard copy is damaged, from the old pack.
+            let mut images: Vec<(u32, std::borrow::Cow<[u8]>)> = Vec::with_capacity(ids.len());
+            for &e in &ids {
+                match keep_from_pack.get(&e) {
+                    Some(x) => images.push((e, read_record(&path, x)?.into())),
+                    None => {
+                        if let Some(err) = bad_shard(e) {
+                            return Err(no_good_copy(&path, l, e, err));
+                        }
+                        images.push((e, locs[e as usize].bytes(ck)));
+                    }
+                }
+            }
             let mut on_bytes = |n: u64| {
                 done += pack::align_up(n);
                 (o.progress)(done, total);
             };
-            let h = pack::write_pack(&dir, &raw_fp, l, len, bytes, &mut on_bytes)?;
+            let h = pack::write_pack(&dir, &raw_fp, l, len, images.into_iter(), &mut on_bytes)?;
             for e in &h.entries {
                 checksums.insert((l, e.expert), e.xxh3);
             }
@@ -260,9 +290,23 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
     for &l in &plan.layers {
         if let Some(locs) = roster.experts[l].as_ref() {
             for (e, loc) in locs.iter().enumerate() {
-                checksums.entry((l, e as u32)).or_insert_with(|| pack::checksum(&loc.bytes(ck)));
+                if let std::collections::hash_map::Entry::Vacant(v) = checksums.entry((l, e as u32)) {
+                    if let Some(err) = super::shard_copy_damaged(ck, l, e) {
+                        return Err(PlacementError::Damaged(err));
+                    }
+                    v.insert(pack::checksum(&loc.bytes(ck)));
+                }
             }
         }
+    }
+    if !damaged_shard.is_empty() {
+        eprintln!(
+            "deltafin place: warning: the shards' copies of {} expert(s) are damaged (e.g. expert {} of layer {}); the placement keeps its good copies; {} lists the damage",
+            damaged_shard.len(),
+            damaged_shard[0].1,
+            damaged_shard[0].0,
+            crate::setting::Action::Verify
+        );
     }
     let mut manifest = Manifest {
         version: VERSION,
@@ -295,6 +339,52 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
     crate::util::write_atomic(&path, &body).map_err(|source| PlacementError::Io { path: path.clone(), source })?;
     let _ = std::fs::remove_file(&plan_path);
     Ok(manifest)
+}
+
+/// Before anything is written: checksums recorded for shards never seen, and every shard that
+/// changed since it was recorded re-hashed; a shard whose bytes are not the recorded ones stops
+/// the run (it would be copied into the packs), naming the file and tensor.
+fn check_shards(ck: &Checkpoint, o: &PlaceOptions) -> Result<(), PlacementError> {
+    let damaged = |e: crate::model::ModelError| PlacementError::Damaged(e);
+    if !ck.unrecorded().is_empty() {
+        eprintln!("deltafin place: recording the checksums of {} shard(s) first", ck.unrecorded().len());
+        ck.record_missing(&mut |d, t| (o.progress)(d, t)).map_err(damaged)?;
+    }
+    for (s, x) in ck.shard_sums().iter().enumerate() {
+        if !x.touched && !x.record.as_ref().is_some_and(|r| r.damaged) {
+            continue;
+        }
+        let (_, digest) = ck.hash_shard(s, &mut |_| {}).map_err(damaged)?;
+        let first = ck.shards[s].first_id;
+        for (i, got) in digest.sums.iter().enumerate() {
+            let (Some(got), Some(want)) = (got, ck.sum_of(first + i as u32)) else { continue };
+            if *got != want {
+                let what = format!("tensor `{}`", digest.names[i]);
+                return Err(damaged(ck.mismatch(s, what, *got, want)));
+            }
+        }
+    }
+    if let Some(e) = ck.damage_in_fingerprint() {
+        return Err(damaged(e));
+    }
+    Ok(())
+}
+
+/// A record of a pack file, read back.
+fn read_record(path: &Path, x: &pack::PackEntry) -> Result<Vec<u8>, PlacementError> {
+    use std::os::unix::fs::FileExt;
+    let io = |source| PlacementError::Io { path: path.to_path_buf(), source };
+    let mut buf = vec![0u8; x.length as usize];
+    std::fs::File::open(path).and_then(|f| f.read_exact_at(&mut buf, x.offset)).map_err(io)?;
+    Ok(buf)
+}
+
+/// Neither the shards nor the pack at `path` hold expert `e` of `layer` intact.
+fn no_good_copy(path: &Path, layer: usize, e: u32, shard: crate::model::ModelError) -> PlacementError {
+    PlacementError::Other(format!(
+        "expert {e} of layer {layer}: no intact copy: {shard}; and its record in {} is damaged too",
+        path.display()
+    ))
 }
 
 /// Takes the exclusive lock on `path` (created if missing), or fails at once if someone holds it.

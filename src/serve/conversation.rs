@@ -1,0 +1,325 @@
+//! A conversation held in one process (`deltafin chat`): its messages, its settings, its turns
+//! through the shared generator, its commands and its transcript.
+//!
+//! Contract: [`Conversation::say`] adds the user's message, renders the whole conversation with
+//! the model's chat template and runs it through the [`Generator`], which resumes the session it
+//! kept after the previous turn (so a turn prefills only its own new tokens, and its answer is the
+//! one a fresh session would give), streaming the answer's deltas to the sink (false stops the
+//! answer at that token). The answer joins the history — cut short or not, as long as it has
+//! text; a turn that fails (the conversation no longer fits the context, a forward error) or is
+//! stopped before any text leaves the history as it was. With a seed, turn n (from 0) samples with
+//! seed + n, so a scripted conversation replays exactly. [`Command::parse`] reads one input line;
+//! [`Conversation::save`] writes the transcript (OpenAI's message shape, so it can be sent to
+//! `serve` as is), atomically, and never over a file that is not a transcript.
+
+use super::api::{GenRequest, Kind, Prompt, SamplingDefaults};
+use super::generator::{Delta, GenConfig, GenError, Generator, Output};
+use crate::engine::Engine;
+use crate::model::chat::Thinking;
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The `object` of a transcript file (what [`Conversation::save`] may overwrite).
+pub const TRANSCRIPT: &str = "deltafin.chat.transcript";
+
+/// Largest existing file `save` reads to see whether it is a transcript.
+const MAX_TRANSCRIPT_BYTES: u64 = 256 << 20;
+
+/// What every turn is generated with.
+#[derive(Clone, Debug)]
+pub struct ChatSettings {
+    /// Temperature, top-p, top-k, min-p, and `max_tokens` (None: up to the context bound).
+    pub sampling: SamplingDefaults,
+    /// Turn n samples with seed + n (None: a fresh seed each turn).
+    pub seed: Option<u64>,
+    /// None: the model's default.
+    pub thinking: Option<Thinking>,
+}
+
+pub struct Conversation {
+    gen_: Generator,
+    pub settings: ChatSettings,
+    system: Option<String>,
+    /// The user's and the model's messages, in order.
+    messages: Vec<Value>,
+    /// Turns asked for (each takes the next seed).
+    asked: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SaveError {
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{} exists and is not a chat transcript: not overwritten (save to another name)", path.display())]
+    NotTranscript { path: PathBuf },
+}
+
+impl Conversation {
+    pub fn new(
+        engine: Arc<Engine>,
+        cfg: GenConfig,
+        settings: ChatSettings,
+    ) -> Result<Self, crate::engine::EngineError> {
+        Ok(Conversation { gen_: Generator::new(engine, cfg)?, settings, system: None, messages: Vec::new(), asked: 0 })
+    }
+
+    /// Whether the model can chat at all (a tokenizer, a chat template that renders): the error a
+    /// first message would get, found before any.
+    pub fn check(&self) -> Result<(), super::api::ApiError> {
+        let probe = Prompt::Messages(json!([{"role": "user", "content": "Hi"}]));
+        let mut req = GenRequest::new(Kind::Chat, probe, &self.settings.sampling);
+        req.thinking = self.settings.thinking;
+        self.gen_.encoder().encode(&req).map(|_| ())
+    }
+
+    /// The thinking the next turn runs with.
+    pub fn thinking(&self) -> Thinking {
+        use super::answer::Tokens;
+        let mut req = GenRequest::new(Kind::Chat, Prompt::Messages(Value::Null), &self.settings.sampling);
+        req.thinking = self.settings.thinking;
+        self.gen_.encoder().thinking(&req)
+    }
+
+    /// The system message, if any.
+    pub fn system(&self) -> Option<&str> {
+        self.system.as_deref()
+    }
+
+    /// Sets (or, with None, removes) the system message; the history stays.
+    pub fn set_system(&mut self, text: Option<String>) {
+        self.system = text.filter(|t| !t.trim().is_empty());
+    }
+
+    /// Forgets the messages (the system message stays).
+    pub fn reset(&mut self) {
+        self.messages.clear();
+    }
+
+    /// Turns taken (answers in the history).
+    pub fn turns(&self) -> usize {
+        self.messages.iter().filter(|m| m["role"] == "assistant").count()
+    }
+
+    /// The conversation as the template gets it: the system message, then the turns.
+    pub fn messages(&self) -> Vec<Value> {
+        let system = self.system.as_ref().map(|s| json!({"role": "system", "content": s}));
+        system.into_iter().chain(self.messages.iter().cloned()).collect()
+    }
+
+    /// One turn (see the module contract).
+    pub fn say(&mut self, text: &str, sink: &mut dyn FnMut(&Delta) -> bool) -> Result<Output, GenError> {
+        let mut messages = self.messages();
+        messages.push(json!({"role": "user", "content": text}));
+        let mut req = GenRequest::new(Kind::Chat, Prompt::Messages(Value::Array(messages)), &self.settings.sampling);
+        req.thinking = self.settings.thinking;
+        req.seed = self.settings.seed.map(|s| s.wrapping_add(self.asked));
+        self.asked += 1;
+        let out = self.gen_.generate(&req, 0.0, sink)?;
+        if !(out.content.is_empty() && out.reasoning.is_empty()) {
+            self.messages.push(json!({"role": "user", "content": text}));
+            let mut answer = json!({"role": "assistant", "content": out.content});
+            if !out.reasoning.is_empty() {
+                answer["reasoning_content"] = json!(out.reasoning);
+            }
+            self.messages.push(answer);
+        }
+        Ok(out)
+    }
+
+    /// The transcript: the messages in OpenAI's shape with the settings they were generated with.
+    pub fn transcript(&self, model: &str) -> Value {
+        let s = &self.settings.sampling;
+        json!({
+            "object": TRANSCRIPT,
+            "model": model,
+            "settings": {
+                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+                "max_tokens": s.max_tokens, "seed": self.settings.seed, "thinking": thinking_name(self.thinking()),
+            },
+            "messages": self.messages(),
+        })
+    }
+
+    /// Writes the transcript to `path` (see the module contract).
+    pub fn save(&self, path: &Path, model: &str) -> Result<(), SaveError> {
+        let io = |source| SaveError::Io { path: path.to_path_buf(), source };
+        if let Ok(meta) = std::fs::metadata(path) {
+            let ours = meta.is_file()
+                && meta.len() <= MAX_TRANSCRIPT_BYTES
+                && std::fs::read(path)
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+                    .is_some_and(|v| v["object"] == TRANSCRIPT);
+            if !ours {
+                return Err(SaveError::NotTranscript { path: path.to_path_buf() });
+            }
+        }
+        let mut body = serde_json::to_vec_pretty(&self.transcript(model)).map_err(|e| io(e.into()))?;
+        body.push(b'\n');
+        crate::util::write_atomic(path, &body).map_err(io)
+    }
+}
+
+impl Conversation {
+    /// Carries out a command (a message does nothing here): `None` to leave, else what to tell
+    /// the user (maybe nothing).
+    pub fn command(&mut self, c: Command, model: &str) -> Option<String> {
+        let s = &mut self.settings;
+        Some(match c {
+            Command::Exit => return None,
+            Command::Help => HELP.to_string(),
+            Command::Reset => {
+                self.reset();
+                "(a new conversation)".into()
+            }
+            Command::System(t) => {
+                self.set_system(t);
+                String::new()
+            }
+            Command::Temperature(t) => {
+                s.sampling.temperature = t;
+                String::new()
+            }
+            Command::Thinking(t) => {
+                s.thinking = t;
+                format!("(thinking {})", thinking_name(self.thinking()))
+            }
+            Command::MaxTokens(n) => {
+                s.sampling.max_tokens = n;
+                String::new()
+            }
+            Command::Save(p) => match self.save(&p, model) {
+                Ok(()) => format!("(saved {} messages to {})", self.messages().len(), p.display()),
+                Err(e) => format!("deltafin: {e}"),
+            },
+            Command::Say(_) => String::new(),
+        })
+    }
+}
+
+/// What to say after an answer: why it ended early (`stopped`: the user stopped it), if it did.
+pub fn turn_note(out: &Output, stopped: bool) -> Option<String> {
+    if stopped || out.finish_reason == "cancelled" {
+        Some("(stopped)".into())
+    } else if out.finish_reason == "length" {
+        Some(format!("(cut at {} tokens: /max N allows more)", out.tokens.len()))
+    } else {
+        None
+    }
+}
+
+/// An answer's numbers: its tokens, the prompt's and how many of them were resumed, TTFT, rate.
+pub fn turn_stats(out: &Output) -> String {
+    let f = |k: &str| out.ext.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+    format!(
+        "{} tokens, prompt {} ({} reused), ttft {:.3} s, {:.1} tok/s",
+        out.tokens.len(),
+        out.prompt_tokens,
+        f("prompt_tokens_reused"),
+        f("ttft_s"),
+        f("decode_tok_s")
+    )
+}
+
+/// A thinking setting as the commands and the transcript name it.
+pub fn thinking_name(t: Thinking) -> &'static str {
+    match t {
+        Thinking::Off => "off",
+        Thinking::Low => "low",
+        Thinking::High => "high",
+        Thinking::Max => "max",
+    }
+}
+
+/// One line of input.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Command {
+    /// A message to the model.
+    Say(String),
+    Reset,
+    Save(PathBuf),
+    /// Set (Some) or remove (None) the system message; the history stays.
+    System(Option<String>),
+    Temperature(f64),
+    /// None: the model's default.
+    Thinking(Option<Thinking>),
+    /// None: up to the context bound.
+    MaxTokens(Option<usize>),
+    Help,
+    Exit,
+}
+
+/// The commands, for `/help`.
+pub const HELP: &str = "\
+/reset            forget the conversation (the system message stays)
+/system [TEXT]    set the system message (none: remove it); the conversation stays
+/save FILE        write the conversation as JSON (OpenAI's messages)
+/temp T           sampling temperature (0: greedy)
+/think [LEVEL]    thinking: off, low, high, max (none: the model's default)
+/max N            tokens an answer may take (0: up to the context)
+/help             this list
+/exit             leave (also Ctrl-D)
+A line ending in \\ continues on the next line. Ctrl-C stops an answer.";
+
+impl Command {
+    /// A line: `/command args`, else a message (a line starting `//` is a message starting `/`).
+    pub fn parse(line: &str) -> Result<Command, String> {
+        let line = line.trim();
+        let Some(rest) = line.strip_prefix('/').filter(|r| !r.starts_with('/')) else {
+            return Ok(Command::Say(line.strip_prefix('/').unwrap_or(line).to_string()));
+        };
+        let (name, arg) = rest.split_once(char::is_whitespace).unwrap_or((rest, ""));
+        let arg = arg.trim();
+        let need = |what: &str| if arg.is_empty() { Err(format!("/{name} needs {what}")) } else { Ok(arg) };
+        Ok(match name {
+            "reset" | "clear" => Command::Reset,
+            "save" => Command::Save(PathBuf::from(need("a file name")?)),
+            "system" => Command::System((!arg.is_empty()).then(|| arg.to_string())),
+            "temp" | "temperature" => match need("a temperature")?.parse::<f64>() {
+                Ok(t) if (0.0..=2.0).contains(&t) => Command::Temperature(t),
+                _ => return Err(format!("/{name} {arg}: a temperature is a number from 0 to 2")),
+            },
+            "think" | "thinking" => Command::Thinking(match arg {
+                "" => None,
+                "off" | "none" => Some(Thinking::Off),
+                "low" => Some(Thinking::Low),
+                "high" => Some(Thinking::High),
+                "max" => Some(Thinking::Max),
+                _ => return Err(format!("/{name} {arg}: off, low, high or max")),
+            }),
+            "max" | "max_tokens" => match need("a number of tokens")?.parse::<usize>() {
+                Ok(n) => Command::MaxTokens((n > 0).then_some(n)),
+                Err(_) => return Err(format!("/{name} {arg}: a number of tokens (0: up to the context)")),
+            },
+            "help" | "?" => Command::Help,
+            "exit" | "quit" | "bye" => Command::Exit,
+            _ => {
+                return Err(format!("unknown command /{name} (/help lists them; start a message with // to send a /)"));
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_parse() {
+        assert_eq!(Command::parse("  hello "), Ok(Command::Say("hello".into())));
+        assert_eq!(Command::parse("//etc/passwd"), Ok(Command::Say("/etc/passwd".into())));
+        assert_eq!(Command::parse("/reset"), Ok(Command::Reset));
+        assert_eq!(Command::parse("/save a b.json"), Ok(Command::Save("a b.json".into())));
+        assert_eq!(Command::parse("/system Be brief."), Ok(Command::System(Some("Be brief.".into()))));
+        assert_eq!(Command::parse("/system"), Ok(Command::System(None)));
+        assert_eq!(Command::parse("/temp 0.7"), Ok(Command::Temperature(0.7)));
+        assert_eq!(Command::parse("/think off"), Ok(Command::Thinking(Some(Thinking::Off))));
+        assert_eq!(Command::parse("/think"), Ok(Command::Thinking(None)));
+        assert_eq!(Command::parse("/max 0"), Ok(Command::MaxTokens(None)));
+        assert_eq!(Command::parse("/bye"), Ok(Command::Exit));
+        for bad in ["/save", "/temp 3", "/temp x", "/think medium", "/max -1", "/frobnicate"] {
+            assert!(Command::parse(bad).is_err(), "{bad}");
+        }
+    }
+}
