@@ -6,10 +6,10 @@
 
 mod common;
 use common::*;
+use deltafin::draft::{DSparkDrafter, Speculator};
 use deltafin::engine::{Engine, EngineConfig, GenerateOptions, Lane, LaneError, LaneHost};
 use deltafin::k3::KdaMode;
 use deltafin::sample::{Sampler, SamplingParams};
-use deltafin::spec::{DSparkDrafter, Speculator};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -60,8 +60,8 @@ impl LaneHost for Host<'_> {
         let lane = Lane::new(self.e.new_session(), r.prompt.clone(), r.opts.clone(), Sampler::new(r.params)).unwrap();
         let lane = match r.draft {
             true => {
-                let d = DSparkDrafter::new(Arc::clone(self.e.draft.as_ref().unwrap()));
-                lane.with_drafts(Box::new(Speculator::without_cost_model(Box::new(d))))
+                let d = DSparkDrafter::new(Arc::clone(self.e.draft_model().unwrap()));
+                lane.with_drafts(Speculator::without_cost_model(Box::new(d)))
             }
             false => lane,
         };
@@ -74,8 +74,8 @@ impl LaneHost for Host<'_> {
     }
 
     fn finished(&mut self, i: usize, lane: Lane) {
-        self.peak = self.peak.max(lane.peak_batch);
-        self.got[i] = Some(lane.tokens);
+        self.peak = self.peak.max(lane.peak_batch());
+        self.got[i] = Some(lane.tokens().to_vec());
     }
 
     fn failed(&mut self, i: usize, _: Lane, e: &LaneError) {

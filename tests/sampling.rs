@@ -8,9 +8,9 @@
 mod common;
 use common::*;
 use deltafin::backend::BackendError;
+use deltafin::draft::{Drafter, NgramDrafter, Speculator};
 use deltafin::engine::{Engine, GenerateOptions, Session};
 use deltafin::sample::{Sampler, SamplingParams, probabilities};
-use deltafin::spec::{Drafter, NgramDrafter, Speculator};
 use std::sync::Arc;
 
 /// Always proposes the same tokens.

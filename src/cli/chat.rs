@@ -7,10 +7,10 @@
 //! ends with a newline, and Ctrl-C ends the run (exit 130), so the command scripts.
 
 use super::load;
+use crate::draft::DraftKind;
 use crate::model::chat::Thinking;
 use crate::serve::conversation::{self, ChatSettings, Command, Conversation};
 use crate::serve::generator::{Delta, GenConfig, GenError};
-use crate::draft::DraftKind;
 use anyhow::Result;
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};

@@ -15,10 +15,10 @@ use super::report;
 pub use super::run_args::{Format, RunArgs};
 use super::signals::{self, is_broken_pipe};
 use super::{load, progress};
+use crate::draft::{DraftKind, WidthPolicy};
 use crate::engine::GenerateOptions;
 use crate::model::chat::{ChatOptions, ChatTemplate};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
-use crate::draft::{DraftKind, WidthPolicy};
 use crate::sample::Sampler;
 use crate::serve::answer::Answer;
 use anyhow::{Context, Result, bail};
@@ -241,7 +241,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         (_, true) => Ok(()),
         (Format::Text, false) => writeln!(out).and_then(|_| out.flush()),
         (Format::Json, false) => {
-            let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config, "backend_used": engine.backend_used(), "sampling": sampling});
+            let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config(), "backend_used": engine.backend_used(), "sampling": sampling});
             if tok.is_some() {
                 obj["text"] = serde_json::Value::String(text);
             }
@@ -264,7 +264,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         eprintln!("{}", report::summary(&stats));
     }
     if a.stats {
-        eprint!("{}", report::stats_text(&stats, engine.config.prefetch));
+        eprint!("{}", report::stats_text(&stats, engine.config().prefetch));
     }
     if let Some(p) = &a.trace_routes {
         let body = serde_json::to_vec(&engine.route_trace(&stats))?;

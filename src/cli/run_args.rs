@@ -3,8 +3,8 @@
 //! in `--help`, not `-h`).
 
 use super::KdaArg;
-use crate::model::chat::Thinking;
 use crate::draft::DraftKind;
+use crate::model::chat::Thinking;
 use clap::{ArgGroup, Args, ValueEnum};
 use std::path::PathBuf;
 

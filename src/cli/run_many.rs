@@ -15,10 +15,10 @@
 
 use super::load;
 use super::run_args::{Format, RunArgs};
+use crate::draft::DraftKind;
 use crate::engine::{Engine, GenerateOptions, Generation, Lane, LaneError, LaneHost};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::sample::{Sampler, SamplingParams};
-use crate::draft::DraftKind;
 use anyhow::{Context, Result, bail};
 use std::io::Write;
 use std::path::PathBuf;
@@ -171,7 +171,7 @@ pub(super) fn run_many(
         eprintln!("{}", super::report::summary(&stats));
     }
     if a.stats {
-        eprint!("{}", super::report::stats_text(&stats, engine.config.prefetch));
+        eprint!("{}", super::report::stats_text(&stats, engine.config().prefetch));
     }
     if let Some(p) = &a.trace_routes {
         let body = serde_json::to_vec(&engine.route_trace(&stats))?;
@@ -239,7 +239,7 @@ fn print_answers(
         writeln!(
             out,
             "{}",
-            serde_json::json!({"stats": stats.to_json(), "engine_config": engine.config, "backend_used": engine.backend_used(), "sampling": sampling})
+            serde_json::json!({"stats": stats.to_json(), "engine_config": engine.config(), "backend_used": engine.backend_used(), "sampling": sampling})
         )?;
     }
     out.flush()?;

@@ -3,9 +3,9 @@
 //! stops it cleanly.
 
 use super::load;
+use crate::draft::DraftKind;
 use crate::serve::ServeOptions;
 use crate::serve::generator::GenConfig;
-use crate::draft::DraftKind;
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;

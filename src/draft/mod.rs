@@ -107,7 +107,12 @@ pub struct Speculator {
 impl Speculator {
     /// `drafter` with the published width policy and the live cost model.
     pub fn new(drafter: Box<dyn Drafter>) -> Self {
-        Speculator { drafter, width: WidthPolicy::default(), cost: Some(CostModel::default()), share: StepCost::default() }
+        Speculator {
+            drafter,
+            width: WidthPolicy::default(),
+            cost: Some(CostModel::default()),
+            share: StepCost::default(),
+        }
     }
 
     /// `drafter` drafting whenever the width policy allows.

@@ -18,7 +18,7 @@
 //! [`Lane`] owns its parts, for front ends that keep sequences running over many steps
 //! (continuous batching); the `Session` and `Engine` methods of `run.rs` lend theirs for a call.
 
-use super::{Generation, GenerateOptions, Session, StopReason};
+use super::{GenerateOptions, Generation, Session, StopReason};
 use crate::backend::Backend;
 use crate::draft::Speculator;
 use crate::k3::ForwardError;
@@ -178,11 +178,6 @@ impl Seq<'_> {
             self.session.decode_end(d, self.track.tokens.len());
         }
         self.track.reason = Some(r);
-    }
-
-    /// K3 layers whose hidden rows its drafter reads.
-    pub(super) fn taps(&self) -> &[usize] {
-        self.drafts.as_deref().map_or(&[], Speculator::taps)
     }
 
     /// Picks and emits its next token; Some(token) when it is to be fed.
@@ -347,7 +342,12 @@ impl Lane {
     /// A lane that will prefill `prompt` on `session` (a fresh one, or one whose committed tokens
     /// precede `prompt`), then generate with `opts` and `sampler`; its forwards' counters go to
     /// [`Lane::shared`].
-    pub fn new(session: Session, prompt: Vec<u32>, opts: GenerateOptions, sampler: Sampler) -> Result<Lane, ForwardError> {
+    pub fn new(
+        session: Session,
+        prompt: Vec<u32>,
+        opts: GenerateOptions,
+        sampler: Sampler,
+    ) -> Result<Lane, ForwardError> {
         if prompt.is_empty() {
             return Err(ForwardError::Empty);
         }
@@ -400,6 +400,11 @@ impl Lane {
 
     /// Its parts, lent to a step.
     pub(super) fn seq(&mut self) -> Seq<'_> {
-        Seq { session: &mut self.session, sampler: &mut self.sampler, drafts: self.drafts.as_mut(), track: &mut self.track }
+        Seq {
+            session: &mut self.session,
+            sampler: &mut self.sampler,
+            drafts: self.drafts.as_mut(),
+            track: &mut self.track,
+        }
     }
 }

@@ -16,6 +16,7 @@ mod continuous;
 mod facts;
 mod kernel_rate;
 mod lane;
+mod parts;
 pub mod perplexity;
 mod run;
 pub(crate) mod session;
@@ -99,22 +100,22 @@ impl From<LoadError> for EngineError {
 
 /// An opened model; see the module contract.
 pub struct Engine {
-    pub config: EngineConfig,
-    pub dir: PathBuf,
-    pub cfg: K3Config,
-    pub ck: Arc<Checkpoint>,
-    pub roster: Roster,
-    pub model: K3,
+    config: EngineConfig,
+    dir: PathBuf,
+    cfg: K3Config,
+    ck: Arc<Checkpoint>,
+    roster: Roster,
+    model: K3,
     /// The trunk encoding in use (`EngineConfig::trunk` resolved: never `Auto`).
-    pub trunk: Trunk,
+    trunk: Trunk,
     /// The backend the model computes on, as the engine manages it (description, device expert
     /// cache, counters); the model itself sees only its operations.
     device: Arc<dyn crate::backend::Device>,
     /// The DSpark draft model (`EngineConfig::draft_model`), shared by every session's drafter.
-    pub draft: Option<Arc<DSparkModel>>,
+    draft: Option<Arc<DSparkModel>>,
     source: Option<Arc<dyn ExpertSource>>,
     store: Option<Arc<ExpertStore>>,
-    pub plan: MemoryPlan,
+    plan: MemoryPlan,
 }
 
 /// Drops holders on placement drives not in `keep` (the shards, the last drive, stay as placed);

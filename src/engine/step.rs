@@ -128,7 +128,8 @@ impl Engine {
                 failed.get_or_insert(e);
             }
         }
-        (stats.fetch_trace, stats.layer_fetch_s, stats.fetch_rows) = (traces.fetch_trace, traces.layer_fetch_s, traces.fetch_rows);
+        (stats.fetch_trace, stats.layer_fetch_s, stats.fetch_rows) =
+            (traces.fetch_trace, traces.layer_fetch_s, traces.fetch_rows);
         add_forward(total, &stats);
         failed.map_or(Ok(()), Err)
     }
@@ -147,14 +148,16 @@ impl Engine {
             if let (Some(Feed::Prompt(n)), Some((fed, tokens))) = (f, s.track.watched())
                 && let Some(w) = s.session.watcher.take()
             {
-                let p = PrefillProgress { tokens_done: fed, chunk: *n, tokens, layers_done: 0, layers: 0, expert_bytes: 0 };
+                let p =
+                    PrefillProgress { tokens_done: fed, chunk: *n, tokens, layers_done: 0, layers: 0, expert_bytes: 0 };
                 watching.push((i, w, p, s.track.prompt_bytes));
             }
         }
         let mut watch = |layers_done: usize, layers: usize, st: &Stats| {
             let mut go = true;
             for (_, w, p, bytes0) in watching.iter_mut() {
-                let p = PrefillProgress { layers_done, layers, expert_bytes: *bytes0 + st.expert_bytes_requested, ..*p };
+                let p =
+                    PrefillProgress { layers_done, layers, expert_bytes: *bytes0 + st.expert_bytes_requested, ..*p };
                 go &= w(&p);
             }
             go

@@ -14,11 +14,11 @@
 pub use super::answer::Delta;
 use super::answer::{Answer, Tokens};
 use super::api::{ApiError, GenRequest, Kind, Prompt};
+use crate::draft::DraftKind;
 use crate::engine::{Engine, ForwardError, GenerateOptions, Generation, Session, StopReason};
 use crate::model::chat::{ChatError, ChatOptions, ChatTemplate, Thinking};
 use crate::model::tokenizer::Tokenizer;
 use crate::sample::{Sampler, SamplingParams, TokenLogprob};
-use crate::draft::DraftKind;
 use crate::stats::Stats;
 use crate::store::SourceReport;
 use serde_json::{Value, json};
