@@ -698,3 +698,15 @@ fn the_drafting_trait_check_sees_traits_that_propose() {
     assert!(drafting_traits("pub trait Schedule { fn begin(&mut self) {} }").is_empty());
     assert!(drafting_traits("impl Subtrait for X {}").is_empty());
 }
+
+#[test]
+fn the_model_reaches_kernels_only_through_the_backend() {
+    // backend/mod.rs: the model never calls a kernel directly; `backend::detmath` (the defined
+    // scalar functions every backend's kernels follow) is not a kernel.
+    let direct: Vec<String> = sources()
+        .into_iter()
+        .filter(|(rel, text)| rel.starts_with("k3/") && code_of(text).contains("cpu::"))
+        .map(|(rel, _)| rel)
+        .collect();
+    assert!(direct.is_empty(), "k3/ files calling CPU kernels (go through the Backend trait):\n{}", direct.join("\n"));
+}

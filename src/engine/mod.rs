@@ -37,14 +37,14 @@ use crate::backend::{DeviceTraffic, OpTime, SequenceState};
 use crate::draft::{DraftError, DraftKind, Drafter, Speculator};
 use crate::k3::dspark::DSparkModel;
 use crate::k3::{K3, LoadError};
-use crate::memory::{BudgetError, MemoryPlan, activation_bytes, machine_available};
+use crate::memory::{BudgetError, MemoryPlan, Split, activation_bytes, machine_available, state_reserve};
 use crate::model::config::{AttnKind, FfnKind};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{Checkpoint, K3Config, ModelError, Roster};
 use crate::sched;
 use crate::setting::{Action, Setting};
 use crate::store::expert_store::{self, ExpertStore, StoreOptions, StoreSpec};
-use crate::store::placement::{Manifest, PlacementError, manifest_path, manifest_spec, shard_spec};
+use crate::store::placement::{Manifest, PlacementError, manifest_path, manifest_spec, restrict_drives, shard_spec};
 use crate::store::{ExpertSource, ShardExperts, SourceReport, StoreError};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -118,39 +118,6 @@ pub struct Engine {
     plan: MemoryPlan,
 }
 
-/// Drops holders on placement drives not in `keep` (the shards, the last drive, stay as placed);
-/// fails if an expert is left without any holder, warns when some must come from the shards.
-fn restrict_drives(spec: &mut StoreSpec, keep: &[usize], placement_drives: usize) -> Result<(), EngineError> {
-    let list = keep.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
-    let (mut none, mut shards_only) = (0usize, 0usize);
-    for per_layer in spec.holders.iter_mut().flatten() {
-        for hs in per_layer.iter_mut() {
-            hs.retain(|h| h.drive as usize >= placement_drives || keep.contains(&(h.drive as usize)));
-            if hs.is_empty() {
-                none += 1;
-            } else if hs.iter().all(|h| h.drive as usize >= placement_drives) {
-                shards_only += 1;
-            }
-        }
-    }
-    if none > 0 {
-        return Err(EngineError::Setting {
-            setting: Setting::UseDrives,
-            value: list,
-            problem: format!(
-                "{none} experts have no holder on those drives (and the placement does not fall back to the shards); use a mirror placement for drive subsets"
-            ),
-        });
-    }
-    if shards_only > 0 {
-        tracing::warn!(
-            "{} {list}: {shards_only} experts are not on those drives and will be read from the shards",
-            Setting::UseDrives
-        );
-    }
-    Ok(())
-}
-
 /// Where the store reads experts: the placement's holders (restricted to `--use-drives`) or the
 /// shards; None when experts come from the mapped shards or the model has none.
 fn store_spec(
@@ -184,14 +151,11 @@ fn store_spec(
             let mut spec = manifest_spec(m, ck, roster, layout.clone())
                 .map_err(|source| EngineError::Placement { path: mp.clone(), source })?;
             if let Some(keep) = &config.use_drives {
-                if let Some(&bad) = keep.iter().find(|&&d| d >= m.drives.len()) {
-                    return Err(EngineError::Setting {
-                        setting: Setting::UseDrives,
-                        value: bad.to_string(),
-                        problem: format!("the placement has {} drives (0..{})", m.drives.len(), m.drives.len()),
-                    });
-                }
-                restrict_drives(&mut spec, keep, m.drives.len())?;
+                restrict_drives(&mut spec, keep, m.drives.len()).map_err(|e| EngineError::Setting {
+                    setting: Setting::UseDrives,
+                    value: e.value,
+                    problem: e.problem,
+                })?;
             }
             spec
         }
@@ -219,51 +183,7 @@ impl Engine {
         if !dir.is_dir() {
             return Err(EngineError::NoModelDir(dir));
         }
-        if let Some(g) = config.memory_gb
-            && !(g.is_finite() && g > 0.0)
-        {
-            return Err(EngineError::Setting {
-                setting: Setting::MemoryGb,
-                value: g.to_string(),
-                problem: "give a positive number of GB".into(),
-            });
-        }
-        if let Some(g) = config.expert_cache_gb
-            && !(g.is_finite() && g >= 0.0)
-        {
-            return Err(EngineError::Setting {
-                setting: Setting::ExpertCacheGb,
-                value: g.to_string(),
-                problem: "give a number of GB >= 0".into(),
-            });
-        }
-        if let Some(g) = config.gpu_cache_gb {
-            if !(g.is_finite() && g >= 0.0) {
-                return Err(EngineError::Setting {
-                    setting: Setting::GpuCacheGb,
-                    value: g.to_string(),
-                    problem: "give a number of GB >= 0".into(),
-                });
-            }
-            if g > 0.0 && config.backend == BackendKind::Cpu {
-                return Err(EngineError::Setting {
-                    setting: Setting::GpuCacheGb,
-                    value: g.to_string(),
-                    problem: format!("keeps experts in GPU memory: it needs {} gpu or auto", Setting::Backend),
-                });
-            }
-        }
-        if config.experts_from == ExpertsFrom::Mmap && (config.placement.is_some() || config.use_drives.is_some()) {
-            return Err(EngineError::Setting {
-                setting: Setting::ExpertsFrom,
-                value: "mmap".into(),
-                problem: format!(
-                    "{} and {} choose drives of the expert store; they cannot be used with it",
-                    Setting::Placement,
-                    Setting::UseDrives
-                ),
-            });
-        }
+        config.check()?;
         // A stream install (`setup --stream`) has holes where the experts are: only its stream
         // source may deliver them. An unfinished one is refused before its files are read.
         let stream = if given.is_some() { None } else { crate::hub::stream::StreamInstall::load(&dir)? };
@@ -341,21 +261,21 @@ impl Engine {
         let read_ahead_slots = spec.as_ref().map_or(0, |sp| sched::moe::read_ahead_slots(&sp.drives, config.sequences));
         let staging = spec.as_ref().map_or(0, |sp| expert_store::staging_slots(&sp.drives, prefetch_depth) as u64);
         let staging = (staging + read_ahead_slots as u64) * slot;
-        let n_experts = (c.moe_layers() * c.experts) as u64;
+        let split = Split {
+            budget,
+            trunk: trunk_bytes,
+            draft: draft_bytes,
+            staging,
+            states: state_reserve(c, context, config.sequences),
+            activations: activation_bytes(c, rows) + config.output_bytes,
+            slot,
+            experts: (c.moe_layers() * c.experts) as u64,
+        };
         let cache = match (&spec, config.expert_cache_gb) {
             (None, _) => 0,
-            (Some(_), Some(g)) => (g * 1e9) as u64,
-            (Some(_), None) => {
-                let (fixed, per_token) = crate::k3::state::SeqState::footprint(c);
-                let one = fixed as u64 + per_token as u64 * context as u64;
-                let reserve = one * config.sequences.max(1) as u64;
-                let committed =
-                    trunk_bytes + draft_bytes + staging + reserve + activation_bytes(c, rows) + config.output_bytes;
-                (budget.saturating_sub(committed) as f64 * 0.9) as u64
-            }
+            (Some(_), Some(g)) => split.with_cache((g * 1e9) as u64),
+            (Some(_), None) => split.expert_cache(),
         };
-        // Whole slots only, and never more than every expert.
-        let cache = cache.checked_div(slot).map_or(0, |n| n.min(n_experts) * slot);
         let plan = MemoryPlan::new(c, budget, trunk_bytes, draft_bytes, cache, staging, rows, config.output_bytes)?
             .with_context(context, config.sequences);
         // On a Mac the GPU's memory (what it holds now, and at most every sequence's state and the
