@@ -27,7 +27,7 @@ fn draft_engine(target: &Path, draft: &Path) -> Arc<Engine> {
 
 /// A drafter whose context is the rows of `tokens`, taken from a prefill on `e`.
 fn drafter_after(e: &Arc<Engine>, tokens: &[u32]) -> DSparkDrafter {
-    let model = e.draft_model().expect("a draft model");
+    let model = e.dspark_model().expect("a draft model");
     let mut d = DSparkDrafter::new(std::sync::Arc::clone(model));
     let taps = model.cfg.target_layers.clone();
     let mut s = e.new_session();
@@ -50,7 +50,7 @@ fn drafter_logits_and_proposals_match_the_fp64_reference() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
             let e = draft_engine(&fixture(TARGET), &fixture(DRAFT));
-            let block = e.draft_model().unwrap().cfg.block;
+            let block = e.dspark_model().unwrap().cfg.block;
             for (ci, case) in j["cases"].as_array().unwrap().iter().enumerate() {
                 let l = case["context_len"].as_u64().unwrap() as usize;
                 let mut d = drafter_after(&e, &prompt[..l]);
@@ -80,7 +80,7 @@ fn plain(e: &Arc<Engine>, prompt: &[u32], max_new: usize) -> (Vec<u32>, Vec<u32>
 }
 
 fn with_dspark(e: &Arc<Engine>, prompt: &[u32], max_new: usize, cost: bool) -> (Vec<u32>, Vec<u32>, u64, u64) {
-    let d = Box::new(DSparkDrafter::new(std::sync::Arc::clone(e.draft_model().unwrap())));
+    let d = Box::new(DSparkDrafter::new(std::sync::Arc::clone(e.dspark_model().unwrap())));
     let mut spec = if cost { Speculator::new(d) } else { Speculator::without_cost_model(d) };
     let mut s = e.new_session();
     s.prefill_with(prompt, &mut spec).unwrap();
@@ -201,7 +201,7 @@ fn cli_dspark_and_auto_give_the_same_ids_as_drafting_off() {
 #[test]
 fn the_draft_model_counts_in_the_memory_plan() {
     let e = draft_engine(&fixture(TARGET), &fixture(DRAFT));
-    let m = e.draft_model().unwrap();
+    let m = e.dspark_model().unwrap();
     assert_eq!(e.plan().draft, m.weight_bytes() + m.cache_bytes());
     assert!(e.plan().draft > 0 && e.startup_line().contains("draft model"));
     let plain = engine(&fixture(TARGET));

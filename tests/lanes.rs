@@ -60,7 +60,7 @@ impl LaneHost for Host<'_> {
         let lane = Lane::new(self.e.new_session(), r.prompt.clone(), r.opts.clone(), Sampler::new(r.params)).unwrap();
         let lane = match r.draft {
             true => {
-                let d = DSparkDrafter::new(Arc::clone(self.e.draft_model().unwrap()));
+                let d = DSparkDrafter::new(Arc::clone(self.e.dspark_model().unwrap()));
                 lane.with_drafts(Speculator::without_cost_model(Box::new(d)))
             }
             false => lane,

@@ -52,7 +52,7 @@ const ENGINE_INSIDES: &[&str] = &["k3", "backend", "sched"];
 /// Parts of an `Engine` a front end must not touch (`engine.<part>` / `engine().<part>`); it asks
 /// the engine's methods instead (`engine/facts.rs`).
 const ENGINE_PARTS: &[&str] =
-    &["model", "checkpoint", "roster", "plan", "k3_config", "draft_model", "device", "source", "store"];
+    &["model", "checkpoint", "roster", "plan", "k3_config", "dspark_model", "device", "source", "store"];
 
 /// Calls that make a decode loop, and the one file each may appear in (besides its definition):
 /// a forward (the step core's), a token picked from logits and rows kept (a lane's).
@@ -561,10 +561,10 @@ fn front_ends_reach_the_model_only_through_the_engine() {
 fn the_engine_part_check_sees_fields_not_arguments() {
     assert!(touches_engine_part("let b = engine.plan.context_bound;", "plan"));
     assert!(touches_engine_part("self.engine().model.be.argmax(x)", "model"));
-    assert!(touches_engine_part("(&engine.draft_model, 1)", "draft_model"));
+    assert!(touches_engine_part("(&engine.dspark_model, 1)", "dspark_model"));
     assert!(touches_engine_part("self.engine.cfg.vocab", "cfg"));
-    assert!(!touches_engine_part("engine.draft_model_description()", "draft_model"));
-    assert!(touches_engine_part("engine.draft_model()", "draft_model"));
+    assert!(!touches_engine_part("engine.draft_model_description()", "dspark_model"));
+    assert!(touches_engine_part("engine.dspark_model()", "dspark_model"));
     assert!(!touches_engine_part("my_engine.cfg", "cfg"));
 }
 

@@ -72,7 +72,7 @@ fn trained_drafter_gets_drafts_accepted_and_changes_no_id() {
     let (mut proposed, mut accepted) = (0, 0);
     for p in [&prompt[..40], &prompt[..], &prompt[70..]] {
         let want = plain(&e, p, 48);
-        let d = Box::new(deltafin::draft::DSparkDrafter::new(std::sync::Arc::clone(e.draft_model().unwrap())));
+        let d = Box::new(deltafin::draft::DSparkDrafter::new(std::sync::Arc::clone(e.dspark_model().unwrap())));
         let mut spec = Speculator::without_cost_model(d);
         let mut s = e.new_session();
         s.prefill_with(p, &mut spec).unwrap();

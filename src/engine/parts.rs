@@ -46,7 +46,7 @@ impl Engine {
     }
 
     /// The DSpark draft model (`EngineConfig::draft_model`), shared by every session's drafter.
-    pub fn draft_model(&self) -> Option<&Arc<DSparkModel>> {
+    pub fn dspark_model(&self) -> Option<&Arc<DSparkModel>> {
         self.draft.as_ref()
     }
 
