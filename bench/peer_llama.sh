@@ -12,7 +12,9 @@
 # $DELTAFIN_PEER_CACHE (default ~/.cache/deltafin-peer), so a rerun only runs the benchmarks.
 # Env: DELTAFIN_PEER_JOBS (build jobs, default 2), LLAMA_CPP_PYTHON_VERSION (default 0.3.36),
 # DELTAFIN_BIN (a deltafin binary to use instead of `cargo build --release`), DELTAFIN_PEER_FP64=0
-# (skip checking deltafin's tokens against the fp64 reference, which takes minutes).
+# (skip checking deltafin's tokens against the fp64 reference, which takes minutes),
+# DELTAFIN_PEER_RUN (the run directory to write, instead of a new one under the cache: bench/peer_all.sh
+# hands it to bench/peer_colibri.sh, which reuses deltafin's measured run from it).
 # Both engines get the same prompt ids (bench/llama_bench_ids.py); deltafin's route heat is learned
 # by a short run on other text first.
 # Exit status: 0 measured, 3 blocked (the vendored llama.cpp has no kimi_k3 support; the record says so).
@@ -145,7 +147,12 @@ python3 -c "import sys; m,l=int(sys.argv[1]),int(sys.argv[2]); sys.exit(0 if m >
   "$model_bytes" "$limit_bytes" || die "the model ($model_bytes bytes) is not 3.5x the limit $limit: lower --limit"
 
 # --- the runs: same cgroup limit, cold page cache each time ------------------------------------
-run=$(mktemp -d "$work/run.XXXXXX")
+if [ -n "${DELTAFIN_PEER_RUN:-}" ]; then
+  run=$DELTAFIN_PEER_RUN
+  mkdir -p "$run" || die "cannot create DELTAFIN_PEER_RUN=$run"
+else
+  run=$(mktemp -d "$work/run.XXXXXX")
+fi
 mon=$repo/bench/peer_iomon.py
 # The prompt: the very ids llama-bench's prompt test feeds (it never seeds rand()).
 "$py" "$repo/bench/llama_bench_ids.py" --gguf "$gguf" --n "$prompt" >"$run/prompt-ids.json" \
@@ -158,8 +165,8 @@ step "deltafin: a short run on other text to learn the route heat ($run/expert-h
   || die "deltafin's heat run failed (output: $run/deltafin-heat.out)"
 step "deltafin bench run --prompt-ids (llama-bench's $prompt ids) --decode $decode in a $limit cgroup"
 "$py" "$mon" "$run/deltafin.io.json" "$run/deltafin.out" "$bin" -- \
-  "$repo/bench/in_cgroup.sh" "$limit" "$bin" bench run --model "$model" --prompt-ids "@$run/prompt-ids.json" \
-  --decode "$decode" --threads "$threads" --expert-heat "$run/expert-heat.json" \
+  "$repo/bench/in_cgroup.sh" "$limit" python3 "$repo/bench/peer_rss.py" "$run/deltafin.rss" \
+  "$bin" bench run --model "$model" --prompt-ids "@$run/prompt-ids.json" --decode "$decode" --threads "$threads" --expert-heat "$run/expert-heat.json" \
   --fetch-trace "$run/fetch-trace.json" || die "deltafin bench run failed (output: $run/deltafin.out)"
 # llama-bench: one process per phase, one repetition, no warmup (cold like deltafin's run), the
 # expert tensors read in place from the mmap (--repack 0: no repacked copy in RAM). Each jsonl line
@@ -168,7 +175,8 @@ for phase in pp tg; do
   if [ $phase = pp ]; then pn=(-p "$prompt" -n 0); else pn=(-p 0 -n "$decode"); fi
   step "llama-bench ${pn[*]} -t $threads in a $limit cgroup"
   "$py" "$mon" "$run/llama-$phase.io.json" "$run/llama-$phase.out" "$lbench" -- \
-    "$repo/bench/in_cgroup.sh" "$limit" "$lbench" -m "$gguf" "${pn[@]}" -t "$threads" --repack 0 \
+    "$repo/bench/in_cgroup.sh" "$limit" python3 "$repo/bench/peer_rss.py" "$run/llama-$phase.rss" \
+    "$lbench" -m "$gguf" "${pn[@]}" -t "$threads" --repack 0 \
     -r 1 --no-warmup -o jsonl || die "llama-bench ${pn[*]} failed (output: $run/llama-$phase.out)"
 done
 
