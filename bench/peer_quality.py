@@ -47,6 +47,8 @@ MODES = {
     "default": {},
     # only the expert activations made exact: shows how much of the default's error is the trunk
     "idot0": {"K3_IDOT": "0"},
+    # the default with the KDA/latent/shared/dense trunk at int8 per row instead of int4-g64
+    "trunk8": {"K3_BITS": "8"},
     # its most exact settings: every trunk matrix f32 (bf16 widened), float expert products
     "exact": {"K3_BITS": "32", "K3_MLA_BITS": "32", "K3_HEAD_BITS": "32", "K3_IDOT": "0"},
     # the same, token at a time (its chunked prefill claims bit-identical results to C=1)
