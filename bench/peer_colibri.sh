@@ -25,7 +25,7 @@
 # ~/.cache/deltafin-peer, shared with peer_llama.sh: the same synth model), COLIBRI_ARCH (default
 # native), COLIBRI_EXPERT_GB (colibri's expert cache, K3_EXPERT_GB; default: the bytes of deltafin's
 # own expert cache in that run), COLIBRI_LOAD_THREADS (K3_LOAD_THREADS, default its 4),
-# DELTAFIN_PEER_JOBS (unused; build is one file).
+# DELTAFIN_PEER_PYTHON (a python with numpy for the quality side instead of a venv from PyPI).
 # --prompt-ids FILE: a JSON array of ids (bench/peer_all.sh passes llama-bench's); default:
 # bench/llama_bench_ids.py --vocab V --bos B, the rand() stream llama-bench itself would feed.
 # --deltafin-run DIR: reuse deltafin's measured run in DIR (deltafin.io.json, deltafin.out,
@@ -128,7 +128,8 @@ step "run directory $run"
 
 # --- quality on the trained demo ---------------------------------------------------------------
 if [ "$quality" = 1 ]; then
-  qpy=$cache/qvenv/bin/python
+  qpy=${DELTAFIN_PEER_PYTHON:+$(command -v "$DELTAFIN_PEER_PYTHON")}
+  qpy=${qpy:-$cache/qvenv/bin/python}
   if ! "$qpy" -c "import numpy" 2>/dev/null; then
     step "creating $cache/qvenv (numpy, tiktoken from PyPI) for the quality comparison"
     python3 -m venv "$cache/qvenv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"

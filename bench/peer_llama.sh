@@ -13,6 +13,9 @@
 # Env: DELTAFIN_PEER_JOBS (build jobs, default 2), LLAMA_CPP_PYTHON_VERSION (default 0.3.36),
 # DELTAFIN_BIN (a deltafin binary to use instead of `cargo build --release`), DELTAFIN_PEER_FP64=0
 # (skip checking deltafin's tokens against the fp64 reference, which takes minutes),
+# DELTAFIN_PEER_PYTHON (a python with torch, transformers, numpy, safetensors to use instead of
+# the venv: machines without PyPI; cmake and ninja then come from PATH), LLAMA_CPP_SRC (an
+# unpacked llama.cpp source tree instead of the llama-cpp-python sdist's),
 # DELTAFIN_PEER_RUN (the run directory to write, instead of a new one under the cache: bench/peer_all.sh
 # hands it to bench/peer_colibri.sh, which reuses deltafin's measured run from it).
 # Both engines get the same prompt ids (bench/llama_bench_ids.py); deltafin's route heat is learned
@@ -62,38 +65,51 @@ else
 fi
 
 # --- Python environment: cmake and ninja wheels, the converter's deps ---------------------------
-venv=$cache/venv
-py=$venv/bin/python
-if [ ! -f "$cache/.venv-ok" ]; then
-  step "creating $venv (cmake, ninja, scikit-build-core, torch, transformers, numpy, safetensors from PyPI)"
-  python3 -m venv "$venv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
-  # The converter imports torch and transformers (AutoConfig) at module level; the pins follow its
-  # requirements file where PyPI has them. torch comes from PyPI (the CPU index is not reachable).
-  "$venv/bin/pip" install -q cmake ninja scikit-build-core torch "transformers==4.57.6" numpy safetensors \
-    sentencepiece "protobuf>=4.21,<5" tqdm pyyaml requests || die "pip install of the build and converter deps failed"
-  "$py" -c "import torch, transformers, numpy, safetensors" || die "the converter's deps do not import in $venv"
-  touch "$cache/.venv-ok"
+if [ -n "${DELTAFIN_PEER_PYTHON:-}" ]; then
+  # a machine without PyPI (the GPU host): a python that already has the converter's deps
+  py=$(command -v "$DELTAFIN_PEER_PYTHON") || die "DELTAFIN_PEER_PYTHON=$DELTAFIN_PEER_PYTHON not found"
+  "$py" -c "import torch, transformers, numpy, safetensors" || die "$py lacks torch, transformers, numpy or safetensors"
+  command -v cmake >/dev/null && command -v ninja >/dev/null || die "cmake and ninja are needed on PATH"
+else
+  venv=$cache/venv
+  py=$venv/bin/python
+  if [ ! -f "$cache/.venv-ok" ]; then
+    step "creating $venv (cmake, ninja, scikit-build-core, torch, transformers, numpy, safetensors from PyPI)"
+    python3 -m venv "$venv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
+    # The converter imports torch and transformers (AutoConfig) at module level; the pins follow its
+    # requirements file where PyPI has them. torch comes from PyPI (the CPU index is not reachable).
+    "$venv/bin/pip" install -q cmake ninja scikit-build-core torch "transformers==4.57.6" numpy safetensors \
+      sentencepiece "protobuf>=4.21,<5" tqdm pyyaml requests || die "pip install of the build and converter deps failed"
+    "$py" -c "import torch, transformers, numpy, safetensors" || die "the converter's deps do not import in $venv"
+    touch "$cache/.venv-ok"
+  fi
+  export PATH=$venv/bin:$PATH
 fi
-export PATH=$venv/bin:$PATH
 
 # --- llama.cpp source: the llama-cpp-python sdist on PyPI, its vendored llama.cpp ---------------
-sdist=$cache/dl/llama_cpp_python-$ver.tar.gz
-if [ ! -f "$sdist" ]; then
-  step "downloading the llama-cpp-python $ver source distribution"
-  mkdir -p "$cache/dl"
-  # --no-build-isolation with scikit-build-core installed: pip only reads the metadata, instead of
-  # building cmake from source in an isolated environment.
-  "$venv/bin/pip" download -q --no-deps --no-binary :all: --no-build-isolation \
-    "llama-cpp-python==$ver" -d "$cache/dl" || die "pip download llama-cpp-python==$ver failed"
-  [ -f "$sdist" ] || die "pip download did not leave $sdist"
-fi
-src=$cache/src/llama_cpp_python-$ver
-llama=$src/vendor/llama.cpp
-if [ ! -f "$llama/CMakeLists.txt" ]; then
-  step "unpacking $sdist"
-  mkdir -p "$cache/src"
-  tar -xzf "$sdist" -C "$cache/src" || die "cannot unpack $sdist"
-  [ -f "$llama/CMakeLists.txt" ] || die "$sdist has no vendor/llama.cpp"
+if [ -n "${LLAMA_CPP_SRC:-}" ]; then
+  # an unpacked llama.cpp source (the sdist's vendor/llama.cpp, carried to a machine without PyPI)
+  llama=$(realpath "$LLAMA_CPP_SRC")
+  [ -f "$llama/CMakeLists.txt" ] || die "LLAMA_CPP_SRC=$LLAMA_CPP_SRC has no CMakeLists.txt"
+else
+  sdist=$cache/dl/llama_cpp_python-$ver.tar.gz
+  if [ ! -f "$sdist" ]; then
+    step "downloading the llama-cpp-python $ver source distribution"
+    mkdir -p "$cache/dl"
+    # --no-build-isolation with scikit-build-core installed: pip only reads the metadata, instead of
+    # building cmake from source in an isolated environment.
+    "$venv/bin/pip" download -q --no-deps --no-binary :all: --no-build-isolation \
+      "llama-cpp-python==$ver" -d "$cache/dl" || die "pip download llama-cpp-python==$ver failed"
+    [ -f "$sdist" ] || die "pip download did not leave $sdist"
+  fi
+  src=$cache/src/llama_cpp_python-$ver
+  llama=$src/vendor/llama.cpp
+  if [ ! -f "$llama/CMakeLists.txt" ]; then
+    step "unpacking $sdist"
+    mkdir -p "$cache/src"
+    tar -xzf "$sdist" -C "$cache/src" || die "cannot unpack $sdist"
+    [ -f "$llama/CMakeLists.txt" ] || die "$sdist has no vendor/llama.cpp"
+  fi
 fi
 
 # Blocked unless this llama.cpp knows K3: its converter class and its runtime architecture.
