@@ -15,7 +15,8 @@
 # (skip checking deltafin's tokens against the fp64 reference, which takes minutes),
 # DELTAFIN_PEER_PYTHON (a python with torch, transformers, numpy, safetensors to use instead of
 # the venv: machines without PyPI; cmake and ninja then come from PATH), LLAMA_CPP_SRC (an
-# unpacked llama.cpp source tree instead of the llama-cpp-python sdist's),
+# unpacked llama.cpp source tree instead of the llama-cpp-python sdist's: its converter and the
+# K3 check read it), LLAMA_BENCH_BIN (a llama-bench built from that source elsewhere),
 # DELTAFIN_PEER_RUN (the run directory to write, instead of a new one under the cache: bench/peer_all.sh
 # hands it to bench/peer_colibri.sh, which reuses deltafin's measured run from it).
 # Both engines get the same prompt ids (bench/llama_bench_ids.py); deltafin's route heat is learned
@@ -124,18 +125,23 @@ EOF
 fi
 
 # --- build llama-bench (only that tool and the libraries it links) -----------------------------
-build=$cache/build
-lbench=$build/bin/llama-bench
-if [ ! -x "$lbench" ] || [ ! -f "$cache/.build-$ver" ]; then
-  step "building llama-bench from $llama with $jobs jobs (slow on 2 cores; log: $cache/build.log)"
-  cmake -S "$llama" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-    -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >"$cache/build-configure.log" 2>&1 \
-    || die "cmake configure failed: see $cache/build-configure.log"
-  cmake --build "$build" --target llama-bench -j "$jobs" >"$cache/build.log" 2>&1 \
-    || die "llama-bench build failed: see $cache/build.log"
-  [ -x "$lbench" ] || die "the build left no $lbench"
-  touch "$cache/.build-$ver"
+if [ -n "${LLAMA_BENCH_BIN:-}" ]; then
+  # a llama-bench built elsewhere from this same source (a machine without a C++ toolchain)
+  lbench=$(realpath "$LLAMA_BENCH_BIN") && [ -x "$lbench" ] || die "LLAMA_BENCH_BIN=$LLAMA_BENCH_BIN is not an executable"
+else
+  build=$cache/build
+  lbench=$build/bin/llama-bench
+  if [ ! -x "$lbench" ] || [ ! -f "$cache/.build-$ver" ]; then
+    step "building llama-bench from $llama with $jobs jobs (slow on 2 cores; log: $cache/build.log)"
+    cmake -S "$llama" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+      -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+      -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >"$cache/build-configure.log" 2>&1 \
+      || die "cmake configure failed: see $cache/build-configure.log"
+    cmake --build "$build" --target llama-bench -j "$jobs" >"$cache/build.log" 2>&1 \
+      || die "llama-bench build failed: see $cache/build.log"
+    [ -x "$lbench" ] || die "the build left no $lbench"
+    touch "$cache/.build-$ver"
+  fi
 fi
 
 # --- the model, and its GGUF from llama.cpp's own converter ------------------------------------
