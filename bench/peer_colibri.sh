@@ -135,8 +135,10 @@ if [ "$quality" = 1 ]; then
     python3 -m venv "$cache/qvenv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
     "$cache/qvenv/bin/pip" install -q numpy tiktoken || die "pip install numpy tiktoken failed"
   fi
-  step "quality: colibri ($modes, idot0, exact_chunk1) and deltafin vs the fp64 reference on the demo's held-out text"
-  "$qpy" "$repo/bench/peer_quality.py" --colibri "$kimi" --deltafin "$bin" --threads "$threads" \
+  # one thread: the figures do not depend on it (each output row is one thread's sum in both
+  # engines) and OpenMP teams crawl on a shared machine
+  step "quality: deltafin and colibri in each of its modes vs the fp64 reference on the demo's held-out text (bench/peer_quality.py)"
+  "$qpy" "$repo/bench/peer_quality.py" --colibri "$kimi" --deltafin "$bin" --threads 1 \
     >"$run/quality.json" || die "peer_quality.py failed"
 fi
 
