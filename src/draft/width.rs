@@ -85,12 +85,6 @@ impl WidthPolicy {
     }
 }
 
-/// Whether drafting pays, from measured times: a single step's seconds (moving average) against
-/// each verify's seconds (draft + verify + commit) for the tokens it emitted. The credit is a
-/// moving average of (emitted x step seconds - verify seconds); drafting pauses for `retry_steps`
-/// single steps (doubling up to `max_retry_steps` while it keeps not paying) when the credit is
-/// negative after `min_verifies` verifies, then tries again with a fresh credit.
-
 #[cfg(test)]
 mod tests {
     use super::*;
