@@ -187,7 +187,7 @@ fn cli_dspark_and_auto_give_the_same_ids_as_drafting_off() {
     let (ds, who, err) = run(&["--draft", "dspark", "--draft-model", d]);
     assert_eq!(ds, off);
     assert_eq!(who, "dspark");
-    assert!(err.contains("drafting: drafter dspark") && err.contains("cache per session"), "{err}");
+    assert!(err.contains("drafting: drafter dspark") && err.contains("weights"), "{err}");
     let (auto, who, _) = run(&["--draft", "auto", "--draft-model", d]);
     assert_eq!((auto, who), (off.clone(), serde_json::json!("dspark")));
     let (auto, who, _) = run(&["--draft", "auto"]);

@@ -224,7 +224,7 @@ fn cli_sampling_flags_are_reproducible_and_checked() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("temperature 3 is outside 0..=2"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("`3` is not a temperature"));
     let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&dir)
