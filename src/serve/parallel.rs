@@ -68,8 +68,13 @@ impl Generator {
             return Started::Answered(Ok(out));
         }
         let mut sampler = Sampler::new(begin.params);
+        match self.enc.constraint(req) {
+            Ok(Some(m)) => sampler.constrain(m),
+            Ok(None) => {}
+            Err(e) => return Started::Answered(Err(GenError::Request(e))),
+        }
         let lp = req.logprobs.map(|n| sampler.record_logprobs(n));
-        let answer = Answer::new(req, self.enc.clone(), self.stops.clone(), t0, lp);
+        let answer = Answer::new(req, self.enc.clone(), self.stops.clone(), t0, lp).with_call_seed(begin.seed);
         let opts = GenerateOptions { max_new, stop: self.stops.clone() };
         let prompt_len = prompt.len();
         let lane = match Lane::new(self.engine.new_session(), prompt, opts, sampler) {
@@ -101,7 +106,7 @@ impl Generator {
         let reads =
             Reads { bytes_read: sh.expert_bytes_read, cache_hits: sh.cache_hits, cache_misses: sh.cache_misses };
         let ran = Ran { prompt_len, reused: 0, queued_s, prefilled_s: st.prefill_s, reads };
-        let mut out = self.output(&begin, answer, lane.generation(), &own, &ran);
+        let mut out = self.output(&begin, answer, lane.generation(), &own, &ran, lane.sampler.constraint_error());
         out.ext["batch"] = json!(lane.peak_batch);
         if !alone {
             for k in ["bytes_read", "expert_bytes_requested", "read_amplification", "cache_hits", "cache_misses"] {
