@@ -83,3 +83,107 @@ fn calls_rendered_by_the_template_parse_back_to_the_same_calls() {
         }
     }
 }
+
+const MODEL: &str = "demo";
+
+/// A scenario of tests/serve/tools.py against a demo server started with `extra`; its stdout.
+fn scenario(name: &str, extra: &[&str]) -> String {
+    let mut args = vec!["--demo", "--model-name", MODEL, "--prefill-rows", "256", "--memory-gb", "2", "-q"];
+    args.extend_from_slice(extra);
+    let s = served::Served::start(&args);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve/tools.py");
+    let o = python().arg(script).args([&format!("http://{}", s.addr), MODEL, name]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "scenario {name} ({extra:?}) failed:\n{out}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&o.stderr),
+        s.log.lock().unwrap()
+    );
+    out
+}
+
+#[test]
+fn enforced_calls_and_json_always_come_and_drafts_or_batching_change_no_token() {
+    let plain = scenario("enforced", &["--no-reuse"]);
+    let answers: Value = serde_json::from_str(plain.trim()).unwrap();
+    assert!(answers.as_array().is_some_and(|a| a.len() >= 20), "{answers}");
+    // Drafts checked against the grammar (a draft it forbids is never kept), alone and in a
+    // running batch: the same tokens, so the same calls and text.
+    for extra in [&["--draft", "dspark"][..], &["--parallel", "4", "--draft", "dspark"]] {
+        assert_eq!(scenario("enforced", extra).trim(), plain.trim(), "with {extra:?}");
+    }
+}
+
+#[test]
+fn hostile_tool_and_format_requests_are_refused_with_a_reason() {
+    scenario("hostile", &[]);
+}
+
+#[test]
+fn batch_lines_take_the_same_fields_and_give_the_same_answers_with_drafts_in_parallel() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in.jsonl");
+    let tools = r#"[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": false}}}]"#;
+    let schema = r#"{"type": "json_schema", "json_schema": {"name": "n", "strict": true, "schema": {"type": "object", "properties": {"n": {"type": "integer"}, "w": {"enum": ["x", "y"]}}, "required": ["n", "w"], "additionalProperties": false}}}"#;
+    let lines: Vec<String> = (0..8)
+        .map(|i| {
+            let ask = format!(r#""messages": [{{"role": "user", "content": "Weather in city {i}?"}}], "max_tokens": 96, "reasoning_effort": "none", "seed": {i}, "temperature": {}"#, if i % 2 == 1 { "0.8" } else { "0" });
+            match i % 3 {
+                0 => format!(r#"{{"id": "t{i}", {ask}, "tools": {tools}, "tool_choice": "required"}}"#),
+                1 => format!(r#"{{"id": "j{i}", {ask}, "response_format": {schema}}}"#),
+                _ => format!(r#"{{"id": "o{i}", {ask}, "response_format": {{"type": "json_object"}}}}"#),
+            }
+        })
+        .chain([r#"{"id": "bad", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "frobnicate"}}}}"#.to_string()])
+        .collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let run = |name: &str, extra: &[&str]| -> Vec<Value> {
+        let out = tmp.path().join(name);
+        let mut c = deltafin_cmd();
+        c.args(["batch", "--demo", "-q", "--in"]).arg(&input).arg("--out").arg(&out).args(extra);
+        let o = c.output().unwrap();
+        assert!(o.status.success() || o.status.code() == Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+        let mut recs: Vec<Value> =
+            std::fs::read_to_string(&out).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        recs.sort_by_key(|r| r["line"].as_u64());
+        recs
+    };
+    let serial = run("serial.jsonl", &[]);
+    assert_eq!(serial.len(), 9);
+    for r in &serial {
+        let id = r["id"].as_str().unwrap();
+        if id == "bad" {
+            assert!(r["error"]["message"].as_str().unwrap().contains("cannot enforce response_format"), "{r}");
+            continue;
+        }
+        if r["finish_reason"] == "length" {
+            continue;
+        }
+        if id.starts_with('t') {
+            assert_eq!(r["finish_reason"], "tool_calls", "{r}");
+            let args: Value =
+                serde_json::from_str(r["tool_calls"][0]["function"]["arguments"].as_str().unwrap()).unwrap();
+            assert!(args["city"].is_string() && args.as_object().unwrap().len() == 1, "{r}");
+        } else {
+            let v: Value = serde_json::from_str(r["text"].as_str().unwrap()).unwrap_or_else(|e| panic!("{r}: {e}"));
+            assert!(v.is_object(), "{r}");
+            if id.starts_with('j') {
+                assert!(
+                    v["n"].is_i64() && (v["w"] == "x" || v["w"] == "y") && v.as_object().unwrap().len() == 2,
+                    "{r}"
+                );
+            }
+        }
+    }
+    for (name, extra) in
+        [("drafts.jsonl", &["--draft", "dspark"][..]), ("lanes.jsonl", &["--parallel", "3", "--draft", "dspark"])]
+    {
+        let got = run(name, extra);
+        for (a, b) in got.iter().zip(&serial) {
+            for k in ["text", "finish_reason", "tool_calls", "error"] {
+                assert_eq!(a.get(k), b.get(k), "{extra:?}, {}: {k}", b["id"]);
+            }
+        }
+    }
+}

@@ -32,8 +32,24 @@ pub struct Spec {
     pub thinking: bool,
 }
 
-/// A JSON text for the grammar: a schema, checked for size.
+/// Whitespace allowed between two JSON tokens: none, one space, or a newline and up to 20 spaces
+/// or tabs of indent (llama.cpp's rule): pretty-printed JSON passes, and a model cannot loop on
+/// whitespace inside a value (with any whitespace allowed, the demo model wrote newlines until
+/// max_tokens).
+const JSON_WS: &str = r"(?:\x20|\n[\x20\t]{0,20})";
+
+/// A JSON text for the grammar: a schema (with llguidance's JSON options: [`JSON_WS`] unless the
+/// schema sets its own `x-guidance`), checked for size.
 fn schema_text(what: &'static str, v: &Value) -> Result<String, ConstrainError> {
+    let mut v = match v {
+        Value::Bool(true) => json!({}),
+        v => v.clone(),
+    };
+    if let Some(m) = v.as_object_mut()
+        && !m.contains_key("x-guidance")
+    {
+        m.insert("x-guidance".into(), json!({"whitespace_pattern": JSON_WS}));
+    }
     let text = v.to_string();
     if text.len() > MAX_SCHEMA_BYTES {
         return Err(ConstrainError::TooLarge { what, bytes: text.len() });
