@@ -14,7 +14,7 @@
 
 use crate::model::chat::Thinking;
 use serde_json::{Map, Value};
-pub use tools::{ResponseFormat, ToolChoice};
+pub use tools::{ResponseFormat, ToolChoice, template_vars};
 
 mod tools;
 

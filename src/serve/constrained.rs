@@ -1,7 +1,8 @@
 //! A chat request's enforced output: its `tool_choice` (required, a named function) or
 //! `response_format` (json_object, json_schema) as a `constrain::Spec`, checked when the request
 //! is prepared (a schema that cannot be enforced is a 400 before the request queues) and set on
-//! its sampler when it starts; and the template variables that tell the model about them.
+//! its sampler when it starts (the template variables that tell the model about them are
+//! `api::template_vars`).
 //!
 //! Contract: a request asks for at most one constraint (`api` refuses both); tool choice `auto`
 //! and `none` and response format `text` ask for none. The grammar engine over the model's
@@ -13,24 +14,6 @@ use crate::constrain::{Grammars, Payload, Spec, parameters_schema};
 use crate::model::chat::Thinking;
 use crate::sample::TokenMask;
 use serde_json::{Value, json};
-
-/// The template's `tool_choice` and `response_format` variables for `req`.
-pub fn template_vars(req: &GenRequest) -> (Option<String>, Option<Value>) {
-    let choice = match &req.tool_choice {
-        _ if req.tools.is_none() => None,
-        ToolChoice::Auto => None,
-        ToolChoice::None => Some("none".to_string()),
-        ToolChoice::Required | ToolChoice::Named(_) => Some("required".to_string()),
-    };
-    let format = match &req.response_format {
-        ResponseFormat::Text => None,
-        ResponseFormat::JsonObject => Some(json!({"type": "json_object"})),
-        ResponseFormat::JsonSchema { name, schema, strict } => {
-            Some(json!({"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": strict}}))
-        }
-    };
-    (choice, format)
-}
 
 /// The param a constraint's error names.
 fn param(req: &GenRequest) -> &'static str {

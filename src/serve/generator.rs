@@ -219,7 +219,7 @@ impl PromptCodec {
                 if least > most {
                     return Err(least);
                 }
-                let (tool_choice, response_format) = super::constrained::template_vars(req);
+                let (tool_choice, response_format) = super::api::template_vars(req);
                 let opts = ChatOptions {
                     thinking: self.thinking(req),
                     add_generation_prompt: true,

@@ -39,7 +39,7 @@ pub enum Started {
     /// It runs as this lane.
     Lane(Box<(Lane, LaneRequest)>),
     /// It is answered already (the memo), or refused.
-    Answered(Result<Output, GenError>),
+    Answered(Result<Box<Output>, GenError>),
 }
 
 impl LaneRequest {
@@ -65,7 +65,7 @@ impl Generator {
             Err(e) => return Started::Answered(Err(e)),
         };
         if let Some(out) = self.memo_answer(&begin, prompt.len(), queued_s, t0, sink) {
-            return Started::Answered(Ok(out));
+            return Started::Answered(Ok(Box::new(out)));
         }
         let mut sampler = Sampler::new(begin.params);
         match self.enc.constraint(req) {

@@ -201,3 +201,21 @@ pub(super) fn fields(f: &mut Fields, ctx: &ParseContext, r: &mut GenRequest) -> 
     }
     Ok(())
 }
+
+/// The template's `tool_choice` and `response_format` variables for `req`.
+pub fn template_vars(req: &GenRequest) -> (Option<String>, Option<Value>) {
+    let choice = match &req.tool_choice {
+        _ if req.tools.is_none() => None,
+        ToolChoice::Auto => None,
+        ToolChoice::None => Some("none".to_string()),
+        ToolChoice::Required | ToolChoice::Named(_) => Some("required".to_string()),
+    };
+    let format = match &req.response_format {
+        ResponseFormat::Text => None,
+        ResponseFormat::JsonObject => Some(json!({"type": "json_object"})),
+        ResponseFormat::JsonSchema { name, schema, strict } => {
+            Some(json!({"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": strict}}))
+        }
+    };
+    (choice, format)
+}
