@@ -11,8 +11,8 @@
 //! everywhere. The math is single-threaded f64 in a fixed order and the generator is a splitmix64
 //! stream from `seed`, so the same logits, parameters and seed give the same tokens bit for bit on
 //! any thread count. Every pick draws exactly one uniform number, which is what lets speculative
-//! sampling ([`crate::spec`]) reproduce plain sampling token for token: it draws from the same
-//! filtered distribution.
+//! sampling ([`crate::draft`]; verified where `engine/lane.rs` picks) reproduce plain sampling
+//! token for token: it draws from the same filtered distribution.
 //!
 //! A [`TokenMask`] (a grammar: `crate::constrain`) restricts the pick without changing it when it
 //! may stand: the unconstrained pick is made as above, and kept when the mask allows it (the same
