@@ -95,7 +95,15 @@ fn random_logits_under_a_tool_choice_always_give_a_call_the_parser_reads() {
             for c in calls {
                 let args: Value = serde_json::from_str(&c.arguments).unwrap();
                 match c.name.as_str() {
-                    "get_weather" => assert!(args["n"].is_i64() && args.as_object().unwrap().len() == 1, "{args}"),
+                    "get_weather" => {
+                        // The schema's integer has no bound: any integer literal, however long.
+                        let n = c.arguments.split_once(':').map(|(_, v)| v.trim_end().trim_end_matches('}').trim());
+                        let digits = n.map(|n| n.strip_prefix('-').unwrap_or(n)).unwrap_or_default();
+                        let integer = !digits.is_empty()
+                            && digits.bytes().all(|b| b.is_ascii_digit())
+                            && (digits == "0" || !digits.starts_with('0'));
+                        assert!(args["n"].is_number() && integer && args.as_object().unwrap().len() == 1, "{args}");
+                    }
                     "now" => assert_eq!(args, json!({})),
                     other => panic!("a call of {other}"),
                 }
