@@ -10,6 +10,7 @@
 pub mod backend;
 pub mod bench;
 pub mod cli;
+pub mod constrain;
 pub mod demo;
 pub mod draft;
 pub mod engine;

@@ -11,8 +11,16 @@
 //! everywhere. The math is single-threaded f64 in a fixed order and the generator is a splitmix64
 //! stream from `seed`, so the same logits, parameters and seed give the same tokens bit for bit on
 //! any thread count. Every pick draws exactly one uniform number, which is what lets speculative
-//! sampling ([`crate::spec`]) reproduce plain sampling token for token: it draws from the same
-//! filtered distribution.
+//! sampling ([`crate::draft`]; verified where `engine/lane.rs` picks) reproduce plain sampling
+//! token for token: it draws from the same filtered distribution.
+//!
+//! A [`TokenMask`] (a grammar: `crate::constrain`) restricts the pick without changing it when it
+//! may stand: the unconstrained pick is made as above, and kept when the mask allows it (the same
+//! bits, the same draws as without the mask); otherwise greedy takes the argmax of the allowed
+//! tokens, and sampling draws a second uniform number from the filtered distribution restricted to
+//! the allowed tokens (renormalised; where the filters left none of them, from the distribution of
+//! the logits with every other token removed) — so the token is distributed exactly as the filtered
+//! distribution conditioned on the mask (llama.cpp's resample-on-reject).
 
 use crate::backend::cpu::ops::argmax;
 use std::sync::{Arc, Mutex};
@@ -219,10 +227,27 @@ pub fn logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
     TokenLogprob { token, logprob: lp(token), top: best.into_iter().map(|i| (i, lp(i))).collect() }
 }
 
+/// Which tokens may come next (a grammar over the answer); see the module contract.
+pub trait TokenMask: Send {
+    /// `token` may come next (cheap: asked of every pick).
+    fn allows(&mut self, token: u32) -> bool;
+    /// Every token that may come next, over a vocabulary of `vocab` (asked only when the pick was
+    /// refused); None when the constraint has failed (see [`TokenMask::error`]).
+    fn allowed(&mut self, vocab: usize) -> Option<Vec<bool>>;
+    /// `token` was picked.
+    fn accept(&mut self, token: u32);
+    /// The token to end with once the constraint has failed (a stop token).
+    fn stop_token(&self) -> u32;
+    /// Why the constraint failed, if it has.
+    fn error(&self) -> Option<String>;
+}
+
 /// Picks tokens for one generation; see the module contract.
 pub struct Sampler {
     pub params: SamplingParams,
     rng: Rng,
+    /// The constraint on every pick, if any.
+    mask: Option<Box<dyn TokenMask>>,
     /// When set, every pick appends its log-probabilities (with this many alternatives) here.
     logprobs: Option<(usize, Arc<Mutex<Vec<TokenLogprob>>>)>,
     picks: u64,
@@ -230,7 +255,7 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
-        Sampler { params, rng: Rng::new(params.seed), logprobs: None, picks: 0 }
+        Sampler { params, rng: Rng::new(params.seed), mask: None, logprobs: None, picks: 0 }
     }
 
     pub fn greedy() -> Self {
@@ -244,6 +269,16 @@ impl Sampler {
         let sink = Arc::new(Mutex::new(Vec::new()));
         self.logprobs = Some((top, Arc::clone(&sink)));
         sink
+    }
+
+    /// Every pick from now on obeys `mask` (see the module contract).
+    pub fn constrain(&mut self, mask: Box<dyn TokenMask>) {
+        self.mask = Some(mask);
+    }
+
+    /// Why the constraint failed, if one was set and it has (the generation ended at its stop token).
+    pub fn constraint_error(&self) -> Option<String> {
+        self.mask.as_ref().and_then(|m| m.error())
     }
 
     /// Picks made so far.
@@ -268,12 +303,15 @@ impl Sampler {
     }
 
     fn pick_with<E>(&mut self, logits: &[f32], argmax: impl FnOnce(&[f32]) -> Result<u32, E>) -> Result<u32, E> {
-        let t = if self.params.is_greedy() {
+        let mut t = if self.params.is_greedy() {
             argmax(logits)?
         } else {
             let u = self.rng.uniform();
             inverse_cdf(&probabilities(logits, &self.params), u)
         };
+        if let Some(mask) = &mut self.mask {
+            t = masked_pick(&mut **mask, logits, t, &self.params, &mut self.rng);
+        }
         if let Some((top, sink)) = &self.logprobs {
             let lp = logprobs(logits, t, *top);
             if let Ok(mut v) = sink.lock() {
@@ -288,6 +326,44 @@ impl Sampler {
     pub fn uniform(&mut self) -> f64 {
         self.rng.uniform()
     }
+}
+
+/// The pick `t` when `mask` allows it, else the allowed token the module contract names; the
+/// mask is told the token taken.
+fn masked_pick(mask: &mut dyn TokenMask, logits: &[f32], t: u32, p: &SamplingParams, rng: &mut Rng) -> u32 {
+    if mask.allows(t) {
+        mask.accept(t);
+        return t;
+    }
+    let Some(ok) = mask.allowed(logits.len()).filter(|ok| ok.iter().any(|&a| a)) else {
+        return mask.stop_token();
+    };
+    let masked: Vec<f32> = logits.iter().zip(&ok).map(|(&l, &a)| if a { l } else { f32::NEG_INFINITY }).collect();
+    let t = if p.is_greedy() {
+        // argmax of a row whose only finite values are the allowed ones: an allowed token (a NaN
+        // logit loses to any number in `argmax`; all allowed NaN: the first allowed).
+        let t = argmax(&masked);
+        if ok[t as usize] { t } else { ok.iter().position(|&a| a).unwrap_or(0) as u32 }
+    } else {
+        let mut q = probabilities(logits, p);
+        for (w, &a) in q.iter_mut().zip(&ok) {
+            if !a {
+                *w = 0.0;
+            }
+        }
+        let total: f64 = q.iter().sum();
+        if total > 0.0 {
+            for w in &mut q {
+                *w /= total;
+            }
+        } else {
+            q = probabilities(&masked, p);
+        }
+        let t = inverse_cdf(&q, rng.uniform());
+        if ok[t as usize] { t } else { ok.iter().position(|&a| a).unwrap_or(0) as u32 }
+    };
+    mask.accept(t);
+    t
 }
 
 #[cfg(test)]
@@ -382,5 +458,67 @@ mod tests {
         let lse = (1f64.exp() + 2f64.exp() + 3f64.exp()).ln();
         assert!((lp.logprob - (1.0 - lse)).abs() < 1e-9);
         assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
+    }
+
+    /// A mask allowing a fixed set of tokens.
+    struct Only(Vec<bool>, Vec<u32>);
+    impl TokenMask for Only {
+        fn allows(&mut self, t: u32) -> bool {
+            self.0[t as usize]
+        }
+        fn allowed(&mut self, _vocab: usize) -> Option<Vec<bool>> {
+            Some(self.0.clone())
+        }
+        fn accept(&mut self, t: u32) {
+            self.1.push(t);
+        }
+        fn stop_token(&self) -> u32 {
+            0
+        }
+        fn error(&self) -> Option<String> {
+            None
+        }
+    }
+
+    #[test]
+    fn a_mask_keeps_allowed_picks_bit_for_bit_and_conditions_the_rest() {
+        let logits: Vec<f32> = (0..8).map(|i| (i as f32 * 0.9).cos() * 2.0).collect();
+        let best = argmax(&logits);
+        let mut all = vec![true; 8];
+        let mut g = Sampler::greedy();
+        g.constrain(Box::new(Only(all.clone(), vec![])));
+        assert_eq!(g.pick(&logits), best);
+        all[best as usize] = false;
+        let mut g = Sampler::greedy();
+        g.constrain(Box::new(Only(all.clone(), vec![])));
+        let masked: Vec<f32> =
+            logits.iter().enumerate().map(|(i, &l)| if i == best as usize { f32::MIN } else { l }).collect();
+        assert_eq!(g.pick(&logits), argmax(&masked), "greedy takes the best allowed token");
+        // Sampling: while every pick is allowed, the tokens are those of no mask.
+        let p = SamplingParams::new(1.0, 1.0, 11).unwrap();
+        let (mut a, mut b) = (Sampler::new(p), Sampler::new(p));
+        b.constrain(Box::new(Only(vec![true; 8], vec![])));
+        assert!((0..500).all(|_| a.pick(&logits) == b.pick(&logits)));
+        // Some tokens forbidden: the picks follow the distribution conditioned on the allowed.
+        let ok = [true, false, true, false, true, true, false, true];
+        let mut s = Sampler::new(p);
+        s.constrain(Box::new(Only(ok.to_vec(), vec![])));
+        let probs = probabilities(&logits, &p);
+        let mass: f64 = probs.iter().zip(ok).filter(|(_, a)| *a).map(|(w, _)| w).sum();
+        let want: Vec<f64> = probs.iter().zip(ok).map(|(w, a)| if a { w / mass } else { 0.0 }).collect();
+        let mut counts = [0f64; 8];
+        let n = 20000;
+        for _ in 0..n {
+            counts[s.pick(&logits) as usize] += 1.0;
+        }
+        assert!(ok.iter().zip(&counts).all(|(a, c)| *a || *c == 0.0), "a forbidden token was picked");
+        let chi2: f64 = want
+            .iter()
+            .zip(&counts)
+            .filter(|(w, _)| **w > 0.0)
+            .map(|(w, c)| (c - n as f64 * w).powi(2) / (n as f64 * w))
+            .sum();
+        // 4 degrees of freedom: the 99.9% point is 18.5.
+        assert!(chi2 < 18.5, "chi2 {chi2}");
     }
 }

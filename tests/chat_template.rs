@@ -44,7 +44,7 @@ fn setup() -> (tempfile::TempDir, Tokenizer, ChatTemplate) {
 }
 
 fn opts(thinking: Thinking, generation_prompt: bool, tools: Option<Value>) -> ChatOptions {
-    ChatOptions { thinking, add_generation_prompt: generation_prompt, tools }
+    ChatOptions { thinking, add_generation_prompt: generation_prompt, tools, ..ChatOptions::default() }
 }
 
 fn cases() -> Vec<(Value, ChatOptions)> {

@@ -25,6 +25,9 @@ fn request(ids: Vec<u32>, max_tokens: usize) -> GenRequest {
         include_usage: false,
         thinking: None,
         tools: None,
+        tool_choice: Default::default(),
+        parallel_tool_calls: true,
+        response_format: Default::default(),
     }
 }
 

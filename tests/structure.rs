@@ -25,7 +25,7 @@ const FLOORS: &[&[&str]] = &[
     &["util", "setting"],
     &["backend"],
     &["model", "store", "sample"],
-    &["k3", "stats"],
+    &["k3", "stats", "constrain"],
     &["sched", "hub", "memory", "demo", "draft"],
     &["engine"],
     &["serve", "bench"],

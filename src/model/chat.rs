@@ -55,11 +55,22 @@ pub struct ChatOptions {
     pub add_generation_prompt: bool,
     /// Tool definitions (JSON schema list), if any.
     pub tools: Option<serde_json::Value>,
+    /// The template's `tool_choice` (`"required"` / `"none"` add its instruction), if any.
+    pub tool_choice: Option<String>,
+    /// The template's `response_format` (`{"type": "json_object"}` or `{"type": "json_schema",
+    /// "json_schema": {...}}` add its instruction), if any.
+    pub response_format: Option<serde_json::Value>,
 }
 
 impl Default for ChatOptions {
     fn default() -> Self {
-        ChatOptions { thinking: Thinking::Max, add_generation_prompt: true, tools: None }
+        ChatOptions {
+            thinking: Thinking::Max,
+            add_generation_prompt: true,
+            tools: None,
+            tool_choice: None,
+            response_format: None,
+        }
     }
 }
 
@@ -140,6 +151,12 @@ impl ChatTemplate {
         }
         if let Some(t) = &opts.tools {
             ctx.push(("tools", escape(t)));
+        }
+        if let Some(c) = &opts.tool_choice {
+            ctx.push(("tool_choice", escape(&serde_json::Value::String(c.clone()))));
+        }
+        if let Some(f) = &opts.response_format {
+            ctx.push(("response_format", escape(f)));
         }
         let ctx: std::collections::BTreeMap<&str, Value> = ctx.into_iter().collect();
         tmpl.render(ctx).map_err(|e| ChatError::Render(render_error(&e)))

@@ -16,6 +16,7 @@ pub mod generation;
 pub mod roster;
 pub mod synth;
 pub mod tokenizer;
+pub mod tool_calls;
 pub mod trunk_pack;
 pub mod verify;
 

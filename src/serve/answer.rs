@@ -13,9 +13,10 @@
 //! A chat answer never shows a special token: tags, channel markers and end-of-message tokens
 //! route or end the text, and are not part of it.
 
-use super::api::{GenRequest, Kind, Prompt, SamplingDefaults};
+use super::api::{GenRequest, Kind, Prompt, SamplingDefaults, ToolChoice};
 use crate::model::chat::Thinking;
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
+use crate::model::tool_calls::{Piece, ToolCall, ToolCallParser, ToolEvent};
 use crate::sample::TokenLogprob;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -26,6 +27,8 @@ pub struct Delta {
     pub content: String,
     pub reasoning: String,
     pub logprobs: Option<TokenLogprob>,
+    /// Tool calls made whole at this token, with their index in the answer.
+    pub tool_calls: Vec<(usize, ToolCall)>,
 }
 
 /// Where an answer finds the model's tokenizer (the server's request encoder).
@@ -57,8 +60,13 @@ pub struct Answer {
     /// The stop strings in the thinking channel.
     stop_reasoning: StopText,
     decoder: StreamDecoder,
+    /// Reads the model's tool calls (a chat answer; see `model::tool_calls`).
+    calls: ToolCallParser,
+    /// The request wants calls (it has tools and does not say `tool_choice: none`).
+    wants_calls: bool,
     n: usize,
     pub content: String,
+    pub tool_calls: Vec<ToolCall>,
     pub reasoning: String,
     /// Seconds from `t0` to the first token.
     pub ttft: Option<f64>,
@@ -77,6 +85,7 @@ impl Answer {
         lp_sink: Option<Arc<Mutex<Vec<TokenLogprob>>>>,
     ) -> Self {
         let is_chat = req.kind == Kind::Chat;
+        let wants_calls = req.tools.is_some() && req.tool_choice != ToolChoice::None;
         let tok = enc.tokenizer();
         let sp = |n: &str| tok.and_then(|t| t.special_id(n));
         let channels = Channels {
@@ -94,14 +103,26 @@ impl Answer {
             stop_text: StopText { stops: req.stop.clone(), held: String::new(), hit: false },
             stop_reasoning: StopText { stops: req.stop.clone(), held: String::new(), hit: false },
             decoder: StreamDecoder::default(),
+            calls: if wants_calls { ToolCallParser::new(0) } else { ToolCallParser::new(0).calls_as_text() },
+            wants_calls,
             n: 0,
             content: String::new(),
+            tool_calls: Vec::new(),
             reasoning: String::new(),
             ttft: None,
             logprobs: Vec::new(),
             cancelled: false,
             enc,
         }
+    }
+
+    /// Tool call ids derive from `seed` (the request's: a repeat gets the same ids).
+    pub fn with_call_seed(mut self, seed: u64) -> Self {
+        self.calls = ToolCallParser::new(seed);
+        if !self.wants_calls {
+            self.calls = self.calls.calls_as_text();
+        }
+        self
     }
 
     /// A chat answer outside the server (`run --chat`, `deltafin chat`): the template's channels
@@ -144,7 +165,26 @@ impl Answer {
                 Some(t) => self.decoder.push(t.token_bytes(id).unwrap_or_default()),
                 None => format!("{}{id}", if n > 1 { "," } else { "" }),
             };
-            let (c, r) = if self.is_chat { self.channels.route(id, piece, special) } else { (piece, String::new()) };
+            let mut events = Vec::new();
+            if self.is_chat {
+                let name = tok.filter(|_| special).and_then(|t| t.token_bytes(id).ok());
+                let name = name.map(String::from_utf8_lossy);
+                events = self.calls.push(match &name {
+                    Some(n) => Piece::Special(n),
+                    None => Piece::Text(&piece),
+                });
+            }
+            let (mut c, r) =
+                if self.is_chat { self.channels.route(id, piece, special) } else { (piece, String::new()) };
+            for e in events {
+                match e {
+                    ToolEvent::Call { index, call } => {
+                        self.tool_calls.push(call.clone());
+                        d.tool_calls.push((index, call));
+                    }
+                    ToolEvent::Text(t) => c.push_str(&t),
+                }
+            }
             if !r.is_empty() {
                 d.content = self.stop_text.release();
                 d.reasoning = self.stop_reasoning.push(&r);
@@ -167,11 +207,19 @@ impl Answer {
     /// show as U+FFFD); text held back for a stop string that never came is shown.
     pub fn finish(&mut self, sink: &mut dyn FnMut(&Delta) -> bool) {
         self.decoder.finish();
+        // A tools section cut off by the end: its text is content.
+        for e in self.calls.finish() {
+            if let ToolEvent::Text(t) = e {
+                let shown = self.stop_text.push(&t);
+                self.content.push_str(&shown);
+                sink(&Delta { content: shown, ..Default::default() });
+            }
+        }
         let (content, reasoning) = (self.stop_text.release(), self.stop_reasoning.release());
         if !content.is_empty() || !reasoning.is_empty() {
             self.content.push_str(&content);
             self.reasoning.push_str(&reasoning);
-            sink(&Delta { content, reasoning, logprobs: None });
+            sink(&Delta { content, reasoning, ..Default::default() });
         }
     }
 }
@@ -308,6 +356,9 @@ mod tests {
             include_usage: false,
             thinking: None,
             tools: None,
+            tool_choice: ToolChoice::Auto,
+            parallel_tool_calls: true,
+            response_format: Default::default(),
         };
         let mut a = Answer::new(&req, Arc::new(NoTokenizer), vec![], Instant::now(), None);
         let mut streamed = String::new();

@@ -3,7 +3,8 @@
 //! Contract: [`parse_chat`], [`parse_completion`] and [`parse_batch_line`] turn a JSON body into a
 //! [`GenRequest`] or an [`ApiError`] in OpenAI's error shape that names the offending field
 //! (`param`): unknown fields, wrong types, out-of-range values and unsupported features (`n > 1`,
-//! image parts, penalties, `echo`, tools when the chat template cannot take them) are all 400s.
+//! image parts, penalties, `echo`, tools when the chat template cannot take them; tools,
+//! `tool_choice` and `response_format` are `tools`') are all 400s.
 //! Standard fields that cannot change the answer (`store`, `metadata`, `service_tier`, `user`,
 //! `prediction`, ...: [`IGNORED`]) are accepted and ignored, each named in a debug log line; a
 //! standard field that would change it is honoured (`top_k`, `min_p`, `chat_template_kwargs`'
@@ -13,6 +14,9 @@
 
 use crate::model::chat::Thinking;
 use serde_json::{Map, Value};
+pub use tools::{ResponseFormat, ToolChoice, template_vars};
+
+mod tools;
 
 /// Longest stop sequence accepted.
 pub const MAX_STOP_BYTES: usize = 1024;
@@ -111,6 +115,10 @@ pub struct GenRequest {
     /// generation_config.json's `chat_template_kwargs`, else the template's).
     pub thinking: Option<Thinking>,
     pub tools: Option<Value>,
+    pub tool_choice: ToolChoice,
+    /// Several calls in one answer may be enforced (`tool_choice` required); true by default.
+    pub parallel_tool_calls: bool,
+    pub response_format: ResponseFormat,
 }
 
 /// What the parser needs to know about the model.
@@ -379,6 +387,9 @@ impl GenRequest {
             include_usage: false,
             thinking: None,
             tools: None,
+            tool_choice: ToolChoice::Auto,
+            parallel_tool_calls: true,
+            response_format: ResponseFormat::Text,
         }
     }
 }
@@ -482,24 +493,7 @@ fn chat_fields(f: &mut Fields, ctx: &ParseContext, r: &mut GenRequest) -> Result
             ));
         }
     };
-    if let Some(t) = f.take("tools") {
-        if !ctx.template_takes_tools {
-            return Err(unsupported(&f.name("tools"), "tools (the model's chat template cannot take them)"));
-        }
-        if !t.is_array() {
-            return Err(ApiError::invalid(f.name("tools"), "'tools' must be a list"));
-        }
-        r.tools = Some(t);
-    }
-    match f.take("tool_choice") {
-        None => {}
-        Some(Value::String(s)) if s == "auto" || s == "none" => {}
-        Some(_) => return Err(unsupported(&f.name("tool_choice"), "tool_choice other than auto or none")),
-    }
-    if f.bool("parallel_tool_calls")?.is_some() {
-        // One call or several: the template and the model decide, as without it.
-        tracing::debug!("request field '{}' ignored", f.name("parallel_tool_calls"));
-    }
+    tools::fields(f, ctx, r)?;
     // vLLM's way to set the template's variables; the K3 template's thinking ones are taken.
     if let Some(k) = f.take("chat_template_kwargs") {
         let name = f.name("chat_template_kwargs");
@@ -531,13 +525,6 @@ fn chat_fields(f: &mut Fields, ctx: &ParseContext, r: &mut GenRequest) -> Result
         if f.take(k).is_some() {
             return Err(unsupported(&f.name(k), what));
         }
-    }
-    match f.take("response_format") {
-        None => {}
-        Some(v)
-            if v.get("type").and_then(Value::as_str) == Some("text") && v.as_object().is_some_and(|m| m.len() == 1) => {
-        }
-        Some(_) => return Err(unsupported(&f.name("response_format"), "response_format other than text")),
     }
     Ok(())
 }

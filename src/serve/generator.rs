@@ -49,7 +49,9 @@ pub struct Output {
     pub tokens: Vec<u32>,
     pub content: String,
     pub reasoning: String,
-    /// "stop", "length", or "cancelled".
+    /// The model's tool calls (a chat answer to a request with tools).
+    pub tool_calls: Vec<crate::model::tool_calls::ToolCall>,
+    /// "stop", "length", "tool_calls", "cancelled", or "error" (the output constraint failed).
     pub finish_reason: &'static str,
     pub logprobs: Vec<TokenLogprob>,
     pub prompt_tokens: usize,
@@ -80,13 +82,17 @@ pub struct Totals {
     pub ttft_count: u64,
 }
 
-pub(super) type MemoKey = (Vec<u32>, Kind, usize, Vec<String>, Option<usize>, Option<Thinking>);
+/// Prompt ids, kind, max_new, stop strings, log-probabilities, thinking, and the output constraint
+/// and tool handling (which the prompt does not always show).
+pub(super) type MemoKey = (Vec<u32>, Kind, usize, Vec<String>, Option<usize>, Option<Thinking>, String);
 
 /// Turns requests into checked prompt ids; shared (`Send + Sync`) so that a server can validate a
 /// request on its HTTP threads before it queues.
 pub struct Encoder {
-    engine: Arc<Engine>,
+    pub(super) engine: Arc<Engine>,
     codec: PromptCodec,
+    /// The grammar engine of enforced output (serve/constrained.rs), built on first use.
+    pub(super) grammars: std::sync::OnceLock<Result<crate::constrain::Grammars, String>>,
 }
 
 /// A model's tokenizer and chat template: a request's prompt into ids, without an engine (so a
@@ -127,7 +133,7 @@ impl Generator {
             engine.check_tokenizer(t)?;
         }
         let stops = engine.stop_tokens(codec.tok.as_ref());
-        let enc = Arc::new(Encoder { engine: Arc::clone(&engine), codec });
+        let enc = Arc::new(Encoder { engine: Arc::clone(&engine), codec, grammars: Default::default() });
         Ok(Generator { engine, enc, stops, cfg, kept: Vec::new(), memo: VecDeque::new(), totals: Totals::default() })
     }
 
@@ -213,8 +219,14 @@ impl PromptCodec {
                 if least > most {
                     return Err(least);
                 }
-                let opts =
-                    ChatOptions { thinking: self.thinking(req), add_generation_prompt: true, tools: req.tools.clone() };
+                let (tool_choice, response_format) = super::api::template_vars(req);
+                let opts = ChatOptions {
+                    thinking: self.thinking(req),
+                    add_generation_prompt: true,
+                    tools: req.tools.clone(),
+                    tool_choice,
+                    response_format,
+                };
                 match chat.encode_at_most(tok, m, &opts, most) {
                     Ok(ids) => ids,
                     Err(ChatError::TooLong { at_least, .. }) => return Err(at_least),
@@ -242,6 +254,11 @@ impl Encoder {
         self.encode_at_most(req, usize::MAX).map_err(|least| {
             ApiError::invalid(self.prompt_param(req), format!("the prompt is at least {least} tokens"))
         })?
+    }
+
+    /// The thinking `req` runs with.
+    pub fn thinking_of(&self, req: &GenRequest) -> Thinking {
+        self.codec.thinking(req)
     }
 
     /// The request field that holds the prompt.
@@ -284,6 +301,7 @@ impl Encoder {
         let bound = self.engine.context_bound();
         // The longest prompt that leaves room for max_tokens new tokens (and at least one).
         let most = bound.saturating_sub(req.max_tokens.unwrap_or(0).max(1));
+        self.check_constraint(req)?;
         let prompt = match self.encode_at_most(req, most) {
             Ok(ids) => ids?,
             Err(least) => return Err(self.too_long(req, &format!("at least {least} tokens"), least, bound)),
@@ -378,8 +396,11 @@ impl Generator {
         let snapshot =
             (self.cfg.reuse && self.snapshot_fits(prompt.len(), max_new)).then(|| session.fork()).transpose()?;
         let mut sampler = Sampler::new(begin.params);
+        if let Some(m) = self.enc.constraint(req).map_err(GenError::Request)? {
+            sampler.constrain(m);
+        }
         let lp_sink = req.logprobs.map(|n| sampler.record_logprobs(n));
-        let mut answer = Answer::new(req, self.enc.clone(), self.stops.clone(), t0, lp_sink);
+        let mut answer = Answer::new(req, self.enc.clone(), self.stops.clone(), t0, lp_sink).with_call_seed(begin.seed);
         let opts = GenerateOptions { max_new, stop: self.stops.clone() };
         let mut on_token = |id: u32| answer.token(id, sink);
         let g = match &mut spec {
@@ -389,7 +410,7 @@ impl Generator {
         answer.finish(sink);
         let reads = Reads::between(&src0, &self.engine.source_report());
         let ran = Ran { prompt_len: prompt.len(), reused, queued_s, prefilled_s, reads };
-        let out = self.output(&begin, answer, g, &session.stats, &ran);
+        let out = self.output(&begin, answer, g, &session.stats, &ran, sampler.constraint_error());
         if self.cfg.reuse {
             self.kept = snapshot.into_iter().chain(std::iter::once(session)).collect();
         }
@@ -406,7 +427,9 @@ impl Generator {
             .and_then(|p| p.with_filters(req.top_k, req.min_p))
             .map_err(|e| GenError::Request(ApiError::invalid("temperature", e.to_string())))?;
         let memo_ok = params.is_greedy() && req.logprobs.is_none() && self.cfg.memo_entries > 0;
-        let key = memo_ok.then(|| (prompt.to_vec(), req.kind, max_new, req.stop.clone(), req.logprobs, req.thinking));
+        let tools = format!("{:?}{:?}{:?}{}", req.tools, req.tool_choice, req.response_format, req.parallel_tool_calls);
+        let key =
+            memo_ok.then(|| (prompt.to_vec(), req.kind, max_new, req.stop.clone(), req.logprobs, req.thinking, tools));
         Ok(Begin { seed, params, key })
     }
 
@@ -422,7 +445,8 @@ impl Generator {
         let key = begin.key.as_ref()?;
         let (_, hit) = self.memo.iter().find(|(k, _)| k == key)?;
         let mut out = hit.clone();
-        sink(&Delta { content: out.content.clone(), reasoning: out.reasoning.clone(), logprobs: None });
+        let tool_calls = out.tool_calls.iter().cloned().enumerate().collect();
+        sink(&Delta { content: out.content.clone(), reasoning: out.reasoning.clone(), logprobs: None, tool_calls });
         self.totals.memo_hits += 1;
         self.totals.prompt_tokens += prompt_len as u64;
         out.ext["memo_hit"] = json!(true);
@@ -439,10 +463,22 @@ impl Generator {
 
     /// A finished request's output (usage, the deltafin object) from its answer, generation and
     /// counters; adds it to the totals.
-    pub(super) fn output(&mut self, begin: &Begin, answer: Answer, g: Generation, st: &Stats, ran: &Ran) -> Output {
+    /// `failed`: why the answer's output constraint failed, if it did (the answer is cut short: its
+    /// finish_reason is "error", and the extension object says why).
+    pub(super) fn output(
+        &mut self,
+        begin: &Begin,
+        answer: Answer,
+        g: Generation,
+        st: &Stats,
+        ran: &Ran,
+        failed: Option<String>,
+    ) -> Output {
         let cancelled = answer.cancelled;
         let finish_reason = match g.reason {
             _ if cancelled => "cancelled",
+            _ if failed.is_some() => "error",
+            StopReason::Stop if !answer.tool_calls.is_empty() => "tool_calls",
             StopReason::Cancelled => "stop",
             StopReason::Stop => "stop",
             StopReason::Length => "length",
@@ -450,7 +486,7 @@ impl Generator {
         let bytes_read = ran.reads.bytes_read;
         let unique = st.expert_bytes_unique();
         let ttft_s = ran.queued_s + answer.ttft.unwrap_or(ran.prefilled_s);
-        let ext = json!({
+        let mut ext = json!({
             "ttft_s": ms(ttft_s),
             "queue_s": ms(ran.queued_s),
             "prefill_s": ms(st.prefill_s),
@@ -467,6 +503,10 @@ impl Generator {
             "drafts_accepted": st.drafts_accepted,
             "seed": begin.seed,
         });
+        if let Some(e) = failed {
+            tracing::warn!("{e}");
+            ext["constraint_error"] = json!(e);
+        }
         let t = &mut self.totals;
         t.prompt_tokens += ran.prompt_len as u64;
         t.prompt_tokens_reused += ran.reused as u64;
@@ -476,8 +516,17 @@ impl Generator {
         t.drafts_accepted += st.drafts_accepted;
         t.ttft_s_sum += ttft_s;
         t.ttft_count += 1;
-        let Answer { content, reasoning, logprobs, .. } = answer;
-        Output { tokens: g.tokens, content, reasoning, finish_reason, logprobs, prompt_tokens: ran.prompt_len, ext }
+        let Answer { content, reasoning, logprobs, tool_calls, .. } = answer;
+        Output {
+            tokens: g.tokens,
+            content,
+            reasoning,
+            tool_calls,
+            finish_reason,
+            logprobs,
+            prompt_tokens: ran.prompt_len,
+            ext,
+        }
     }
 
     /// Keeps a finished answer in the memo when it may answer a repeat.

@@ -19,6 +19,7 @@ pub mod access;
 pub mod answer;
 pub mod api;
 pub mod conn;
+pub mod constrained;
 pub mod conversation;
 pub mod generator;
 pub mod json;
@@ -537,7 +538,9 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, ApiError>) 
                 // `pending` is a stack: push the last event first.
                 match msg {
                     Msg::Delta(d) => {
-                        if let Some(c) = sse::delta_chunk(&meta, &d, &*tt) {
+                        let mut chunks: Vec<_> = sse::delta_chunk(&meta, &d, &*tt).into_iter().collect();
+                        chunks.extend(sse::tool_call_chunks(&meta, &d));
+                        for c in chunks.iter().rev() {
                             pending.push(sse::event(&c.to_string()));
                         }
                     }

@@ -38,7 +38,7 @@ pub enum Started {
     /// It runs as this lane.
     Lane(Box<(Lane, LaneRequest)>),
     /// It is answered already (the memo), or refused.
-    Answered(Result<Output, GenError>),
+    Answered(Result<Box<Output>, GenError>),
 }
 
 impl LaneRequest {
@@ -64,11 +64,16 @@ impl Generator {
             Err(e) => return Started::Answered(Err(e)),
         };
         if let Some(out) = self.memo_answer(&begin, prompt.len(), queued_s, t0, sink) {
-            return Started::Answered(Ok(out));
+            return Started::Answered(Ok(Box::new(out)));
         }
         let mut sampler = Sampler::new(begin.params);
+        match self.enc.constraint(req) {
+            Ok(Some(m)) => sampler.constrain(m),
+            Ok(None) => {}
+            Err(e) => return Started::Answered(Err(GenError::Request(e))),
+        }
         let lp = req.logprobs.map(|n| sampler.record_logprobs(n));
-        let answer = Answer::new(req, self.enc.clone(), self.stops.clone(), t0, lp);
+        let answer = Answer::new(req, self.enc.clone(), self.stops.clone(), t0, lp).with_call_seed(begin.seed);
         let opts = GenerateOptions { max_new, stop: self.stops.clone() };
         let prompt_len = prompt.len();
         let lane = match Lane::new(self.engine.new_session(), prompt, opts, sampler) {
@@ -100,7 +105,7 @@ impl Generator {
         let reads =
             Reads { bytes_read: sh.expert_bytes_read, cache_hits: sh.cache_hits, cache_misses: sh.cache_misses };
         let ran = Ran { prompt_len, reused: 0, queued_s, prefilled_s: st.prefill_s, reads };
-        let mut out = self.output(&begin, answer, lane.generation(), &own, &ran);
+        let mut out = self.output(&begin, answer, lane.generation(), &own, &ran, lane.sampler.constraint_error());
         out.ext["batch"] = json!(lane.peak_batch());
         if !alone {
             for k in ["bytes_read", "expert_bytes_requested", "read_amplification", "cache_hits", "cache_misses"] {

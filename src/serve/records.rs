@@ -139,6 +139,13 @@ pub fn result_record(id: &Value, line: u64, out: &Output, logprobs: bool, text: 
     if !out.reasoning.is_empty() {
         r["reasoning_content"] = json!(out.reasoning);
     }
+    if !out.tool_calls.is_empty() {
+        r["tool_calls"] = out
+            .tool_calls
+            .iter()
+            .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+            .collect();
+    }
     if logprobs {
         r["logprobs"] = out
             .logprobs

@@ -136,7 +136,7 @@ impl Host {
                 Some((Live { job, req }, lane))
             }
             Started::Answered(Ok(out)) => {
-                sh.answer(&self.gen_, &job.tx, Msg::Done(Box::new(out)));
+                sh.answer(&self.gen_, &job.tx, Msg::Done(out));
                 None
             }
             Started::Answered(Err(e)) => {

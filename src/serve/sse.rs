@@ -87,6 +87,16 @@ pub fn response(m: &Meta, out: &Output, want_logprobs: bool, text: TokenText) ->
             if !out.reasoning.is_empty() {
                 msg["reasoning_content"] = json!(out.reasoning);
             }
+            if !out.tool_calls.is_empty() {
+                if out.content.is_empty() {
+                    msg["content"] = Value::Null;
+                }
+                msg["tool_calls"] = out
+                    .tool_calls
+                    .iter()
+                    .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+                    .collect();
+            }
             json!({"index": 0, "message": msg, "logprobs": lp, "finish_reason": out.finish_reason})
         }
         Kind::Completion => {
@@ -127,6 +137,23 @@ pub fn delta_chunk(m: &Meta, d: &Delta, text: TokenText) -> Option<Value> {
         }
         Kind::Completion => chunk(m, json!({"index": 0, "text": d.content, "logprobs": lp, "finish_reason": null})),
     })
+}
+
+/// The chunks of the tool calls made whole at one token, as OpenAI streams them: per call, one
+/// with its index, id, type and name (arguments empty), then one with its arguments.
+pub fn tool_call_chunks(m: &Meta, d: &Delta) -> Vec<Value> {
+    let mut out = Vec::new();
+    for (i, c) in &d.tool_calls {
+        let head = json!({"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}});
+        let args = json!({"index": i, "function": {"arguments": c.arguments}});
+        for call in [head, args] {
+            out.push(chunk(
+                m,
+                json!({"index": 0, "delta": {"tool_calls": [call]}, "logprobs": null, "finish_reason": null}),
+            ));
+        }
+    }
+    out
 }
 
 /// The chunk carrying `finish_reason` (and the extension object unless a usage chunk follows).

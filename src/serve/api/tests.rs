@@ -157,3 +157,36 @@ fn a_chat_without_max_tokens_gets_the_servers_default() {
     // Completions keep OpenAI's 16.
     assert_eq!(parse_completion(&json!({"model": "m", "prompt": "a"}), &ctx).unwrap().max_tokens, Some(16));
 }
+
+#[test]
+fn tool_choice_and_response_format_are_parsed_and_checked() {
+    let ctx = ParseContext { template_takes_tools: true, ..CTX };
+    let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+    let with = |extra: Value| {
+        let mut b = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        parse_chat(&b, &ctx)
+    };
+    let r = with(json!({"tool_choice": {"type": "function", "function": {"name": "f"}}, "parallel_tool_calls": false}))
+        .unwrap();
+    assert_eq!((r.tool_choice, r.parallel_tool_calls), (ToolChoice::Named("f".into()), false));
+    assert_eq!(with(json!({"tool_choice": "required"})).unwrap().tool_choice, ToolChoice::Required);
+    let r = with(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": true}}})).unwrap();
+    assert!(matches!(r.response_format, ResponseFormat::JsonSchema { strict: true, .. }));
+    for (extra, param) in [
+        (json!({"tool_choice": {"type": "function", "function": {"name": "g"}}}), "tool_choice.function.name"),
+        (json!({"tool_choice": "maybe"}), "tool_choice"),
+        (json!({"tools": [{"type": "function", "function": {"name": "a b"}}]}), "tools[0].function.name"),
+        (json!({"tools": [], "tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}),
+            "response_format.json_schema.name",
+        ),
+        (json!({"response_format": {"type": "json_object"}, "tool_choice": "required"}), "response_format"),
+    ] {
+        let e = with(extra.clone()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some(param), "{extra}: {e:?}");
+    }
+}
