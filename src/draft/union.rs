@@ -20,7 +20,8 @@
 //! read waits over their bytes read (what a read costs after overlap with compute); kernel time
 //! a fit of per-layer expert kernel seconds against (union, expert rows); trunk time (the rest of a
 //! forward) a fit against rows (`StepCost`). A lane's verify costs C(others + 1 + w) − C(others)
-//! (`others`: the rows other lanes feed in the same step) plus w x the drafter's seconds per draft.
+//! (`others`: the rows other lanes feed in the same step) plus, for w > 0, the drafter's seconds a
+//! call (a moving average).
 //! w = 0 when a single step is best; after `EXPLORE_FIRST` single steps in a row (doubling to
 //! `EXPLORE_MOST`) it drafts one token anyway, so a sequence whose text turns predictable (or whose
 //! costs change) is found again.
@@ -192,10 +193,11 @@ impl UnionPolicy {
         }
     }
 
-    /// Asking the drafter for `asked` drafts took `secs`.
+    /// Asking the drafter for `asked` drafts took `secs` (a call's cost: DSpark drafts its whole
+    /// block in one pass whatever the width, n-gram lookup costs next to nothing).
     pub fn drafted(&mut self, asked: usize, secs: f64) {
         if asked > 0 {
-            self.draft_s.add(secs / asked as f64, W);
+            self.draft_s.add(secs, W);
         }
     }
 
@@ -281,7 +283,7 @@ impl UnionPolicy {
         let draft = self.draft_s.0.unwrap_or(0.0);
         let mut scores = Vec::with_capacity(self.max + 1);
         for w in 0..=self.max {
-            let c = self.forward_s(others + 1 + w)? - base + w as f64 * draft;
+            let c = self.forward_s(others + 1 + w)? - base + if w > 0 { draft } else { 0.0 };
             scores.push(self.emitted(w) / c.max(1e-12));
         }
         let mut best = 0;
