@@ -141,9 +141,8 @@ fn ngram_drafts_are_accepted_on_models_that_repeat_and_change_nothing() {
                                 _ => Speculator::union(d, 0),
                             };
                             let (got, st) = speculative(&e, prompt, &o, &mut spec, None);
-                            let what = format!(
-                                "{name}, {threads} threads, prompt {pi}, max_new {max_new}, policy {policy}"
-                            );
+                            let what =
+                                format!("{name}, {threads} threads, prompt {pi}, max_new {max_new}, policy {policy}");
                             assert_eq!(got, want, "{what}");
                             if !cost_model {
                                 accepted += st.drafts_accepted;

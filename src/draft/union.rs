@@ -222,9 +222,8 @@ impl UnionPolicy {
         if let Some(u) = self.union.get(n).and_then(|a| a.0) {
             return Some(u);
         }
-        let (m, um) = (1..=MAX_ROWS)
-            .filter_map(|m| self.union[m].0.map(|u| (m, u)))
-            .min_by_key(|&(m, _)| m.abs_diff(n))?;
+        let (m, um) =
+            (1..=MAX_ROWS).filter_map(|m| self.union[m].0.map(|u| (m, u))).min_by_key(|&(m, _)| m.abs_diff(n))?;
         let k = self.topk.0.unwrap_or(um / m as f64).max(1e-9);
         let f = |r: usize| match self.n_experts {
             0 => k * r as f64,
