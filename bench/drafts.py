@@ -84,8 +84,13 @@ def aggregate(runs, offs):
     byt = sum(r["stats"].get("decode_expert_bytes", 0) for r in runs)
     tok_s = tok / dec_s if dec_s else None
     off_tok_s = off_tok / off_s if off_s else None
+    widths = []
+    for r in runs:
+        for i, c in enumerate(r["stats"].get("draft_widths") or []):
+            widths += [0] * (i + 1 - len(widths))
+            widths[i] += c
     return {
-        "windows": len(runs), "tokens": tok,
+        "windows": len(runs), "tokens": tok, "draft_widths": widths,
         "drafts_proposed": prop, "drafts_accepted": acc, "acceptance": round(acc / prop, 4) if prop else None,
         "acceptance_by_position": [round(pos[k][1] / pos[k][0], 4) if pos[k][0] else None for k in sorted(pos)],
         "proposed_by_position": [pos[k][0] for k in sorted(pos)],
@@ -173,7 +178,8 @@ def main():
                         by_src[w["source"]][1].append(o)
                 results[key][d]["no_loops_by_source"] = {s: aggregate(*v) for s, v in sorted(by_src.items())}
     git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    rec = {"bench": "drafts", "date": time.strftime("%Y-%m-%d"), "git": git, "model": a.model, "draft_model": a.draft_model,
+    rec = {"bench": "drafts", "date": time.strftime("%Y-%m-%d"), "git": git,
+           "draft_policy": os.environ.get("DELTAFIN_DRAFT_POLICY", "union"), "model": a.model, "draft_model": a.draft_model,
            "windows_file": os.path.relpath(a.windows, ROOT), "decode": a.decode, "seed": a.seed, "top_p": a.top_p, "threads": a.threads,
            "machine": os.uname().nodename, "cpus": os.cpu_count(), "seconds": round(time.time() - t0),
            "command": " ".join(sys.argv), "results": results}

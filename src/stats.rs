@@ -65,6 +65,9 @@ pub struct Stats {
     pub drafts_accepted_at: Vec<u64>,
     /// Verify batches run for drafts.
     pub verify_calls: u64,
+    /// Draft widths asked for at each decode step of a drafting sequence (index = width; 0: a
+    /// single step, the policy judging drafts not to pay there).
+    pub draft_widths: Vec<u64>,
     /// Expert bytes handed over during generation (cache hits included).
     pub decode_expert_bytes: u64,
     /// The drafter generation used (None: drafting off).
@@ -119,6 +122,7 @@ impl Stats {
         self.drafts_accepted += o.drafts_accepted;
         add_at(&mut self.drafts_proposed_at, &o.drafts_proposed_at);
         add_at(&mut self.drafts_accepted_at, &o.drafts_accepted_at);
+        add_at(&mut self.draft_widths, &o.draft_widths);
         self.verify_calls += o.verify_calls;
         self.decode_expert_bytes += o.decode_expert_bytes;
         if self.drafter.is_none() {
@@ -152,6 +156,14 @@ impl Stats {
         let ones = |n: usize| vec![1u64; n];
         add_at(&mut self.drafts_proposed_at, &ones(proposed));
         add_at(&mut self.drafts_accepted_at, &ones(accepted));
+    }
+
+    /// A drafting sequence's decision: `width` drafts asked for this step.
+    pub fn record_width(&mut self, width: usize) {
+        if self.draft_widths.len() <= width {
+            self.draft_widths.resize(width + 1, 0);
+        }
+        self.draft_widths[width] += 1;
     }
 
     /// Accepted / proposed drafts (None before any proposal).
@@ -242,6 +254,7 @@ impl Stats {
                 })
                 .collect();
             m.insert("draft_acceptance_by_position".into(), Value::Array(by_pos));
+            m.insert("draft_widths".into(), json!(self.draft_widths));
             m.insert("decode_expert_bytes".into(), json!(self.decode_expert_bytes));
             m.insert("decode_expert_bytes_per_token".into(), json!(self.decode_expert_bytes_per_token()));
         }

@@ -81,7 +81,7 @@ fn plain(e: &Arc<Engine>, prompt: &[u32], max_new: usize) -> (Vec<u32>, Vec<u32>
 
 fn with_dspark(e: &Arc<Engine>, prompt: &[u32], max_new: usize, cost: bool) -> (Vec<u32>, Vec<u32>, u64, u64) {
     let d = Box::new(DSparkDrafter::new(std::sync::Arc::clone(e.dspark_model().unwrap())));
-    let mut spec = if cost { Speculator::new(d) } else { Speculator::without_cost_model(d) };
+    let mut spec = if cost { Speculator::union(d, 0) } else { Speculator::without_cost_model(d) };
     let mut s = e.new_session();
     s.prefill_with(prompt, &mut spec).unwrap();
     let g = s.generate_speculative(&GenerateOptions { max_new, stop: Vec::new() }, &mut spec, &mut |_| true).unwrap();

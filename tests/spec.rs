@@ -131,14 +131,18 @@ fn ngram_drafts_are_accepted_on_models_that_repeat_and_change_nothing() {
                     for max_new in [6, 41, 90] {
                         let o = opts(max_new, Vec::new());
                         let want = plain(&e, prompt, &o, None);
-                        for cost_model in [false, true] {
+                        // No cost model, the published policy under it, the union-aware policy.
+                        for policy in 0..3 {
                             let d = Box::new(NgramDrafter::default());
-                            let mut spec =
-                                if cost_model { Speculator::new(d) } else { Speculator::without_cost_model(d) };
+                            let cost_model = policy > 0;
+                            let mut spec = match policy {
+                                0 => Speculator::without_cost_model(d),
+                                1 => Speculator::published(d),
+                                _ => Speculator::union(d, 0),
+                            };
                             let (got, st) = speculative(&e, prompt, &o, &mut spec, None);
-                            let what = format!(
-                                "{name}, {threads} threads, prompt {pi}, max_new {max_new}, cost model {cost_model}"
-                            );
+                            let what =
+                                format!("{name}, {threads} threads, prompt {pi}, max_new {max_new}, policy {policy}");
                             assert_eq!(got, want, "{what}");
                             if !cost_model {
                                 accepted += st.drafts_accepted;
@@ -165,9 +169,12 @@ fn with_the_live_cost_model_the_output_is_the_same() {
         for prompt in prompts(&r).iter().skip(2) {
             let o = opts(40, Vec::new());
             let want = plain(&e, prompt, &o, None);
-            let mut spec = Speculator::new(Box::new(NgramDrafter::default()));
-            let (got, _) = speculative(&e, prompt, &o, &mut spec, None);
-            assert_eq!(got, want, "{name}");
+            for union in [false, true] {
+                let d = Box::new(NgramDrafter::default());
+                let mut spec = if union { Speculator::union(d, 0) } else { Speculator::published(d) };
+                let (got, _) = speculative(&e, prompt, &o, &mut spec, None);
+                assert_eq!(got, want, "{name}, union-aware policy {union}");
+            }
         }
     }
 }

@@ -123,7 +123,7 @@ impl StepCost {
     }
 
     /// (fixed seconds a step, seconds a row), when the steps seen can say.
-    fn fit(&self) -> Option<(f64, f64)> {
+    pub(super) fn fit(&self) -> Option<(f64, f64)> {
         let var = self.rr - self.r * self.r;
         if self.n < MIN_STEPS || var.is_nan() || var < MIN_VAR {
             return None;

@@ -204,12 +204,14 @@ impl Seq<'_> {
         }
     }
 
-    /// Its drafter's proposals after `next`, at most `room` (and never past `max_new`).
-    pub(super) fn propose(&mut self, next: u32, room: usize) -> Result<Vec<u32>, ForwardError> {
+    /// Its drafter's proposals after `next`, at most `room` (and never past `max_new`), `others`
+    /// rows of other lanes being in the step.
+    pub(super) fn propose(&mut self, next: u32, room: usize, others: usize) -> Result<Vec<u32>, ForwardError> {
         let Some(d) = self.drafts.as_deref_mut() else { return Ok(Vec::new()) };
         // Accepting all k drafts emits k + 1 tokens: stay within max_new.
         let left = self.track.opts.max_new - self.track.tokens.len() - 1;
-        let k = d.width_now().min(left).min(room);
+        let k = d.decide(others).min(left).min(room);
+        self.session.stats.record_width(k);
         if k == 0 {
             return Ok(Vec::new());
         }

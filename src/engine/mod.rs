@@ -337,10 +337,10 @@ impl Engine {
         crate::draft::drafter_for(kind, self.draft.as_ref())
     }
 
-    /// A sequence's drafter for `kind` with the width policy and the live cost model (None for
-    /// `Off`).
+    /// A sequence's drafter for `kind` with its width policy (`Speculator::new`: union-aware by
+    /// default) (None for `Off`).
     pub fn speculator(&self, kind: DraftKind) -> Result<Option<Speculator>, DraftError> {
-        Ok(self.drafter(kind)?.map(Speculator::new))
+        Ok(self.drafter(kind)?.map(|d| Speculator::new(d, self.cfg.experts)))
     }
 
     /// A new, empty sequence on this engine.

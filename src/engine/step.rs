@@ -25,13 +25,16 @@
 //! only what is its own (prompt and generated tokens, its prefill and decode time, its drafts) and
 //! gets the forwards' counters — with the source's reads over them — in `Lane::shared`, traces
 //! left out (a lane holding every shared step's trace would repeat it N times). A drafting lane's
-//! cost model judges its drafts by its share of each step (`draft::StepCost`).
+//! width policy learns from each step's counters (`draft::ForwardCost`: rows, expert union, bytes read
+//! — the source's reads are taken over every forward a drafting lane takes part in — read wait,
+//! kernel time) and, under the published policy, judges its drafts by its share of each step
+//! (`draft::StepCost`).
 //!
 //! [`Engine::forward_rows`] is the only place a forward runs (tests/structure.rs checks it).
 
 use super::lane::{Counting, Feed, Seq};
 use super::{Engine, Lane, PrefillProgress};
-use crate::draft::Speculator;
+use crate::draft::{ForwardCost, Speculator};
 use crate::k3::ForwardError;
 use crate::sched::{self, LayerWatch, RowsOut, SeqRows};
 use crate::stats::Stats;
@@ -77,7 +80,7 @@ impl Engine {
                 && s.drafts.is_some()
             {
                 let t0 = Instant::now();
-                let d = s.propose(rows[0], budget.saturating_sub(used))?;
+                let d = s.propose(rows[0], budget.saturating_sub(used), used - 1)?;
                 used += d.len();
                 rows.extend(d);
                 *draft_s = t0.elapsed().as_secs_f64();
@@ -89,8 +92,11 @@ impl Engine {
             return Ok(());
         }
         // One forward of every lane's rows.
+        // The source's reads over the forward: for lanes that count shared steps, and for the
+        // drafters' width policies (what a verify's union costs to read).
         let shared = seqs.iter().zip(&feeds).any(|(s, f)| f.is_some() && s.track.counting == Counting::Shared);
-        let src0 = shared.then(|| self.source_report());
+        let drafting = seqs.iter().zip(&feeds).any(|(s, f)| f.is_some() && s.drafts.is_some());
+        let src0 = (shared || drafting).then(|| self.source_report());
         let t0 = Instant::now();
         let mut stats = Stats::default();
         let outs = self.forward_fed(seqs, &feeds, &mut stats)?;
@@ -121,7 +127,7 @@ impl Engine {
                 Counting::Shared => add_forward(&mut s.track.shared, &stats),
             }
             if let Some(d) = s.drafts.as_deref_mut() {
-                d.step_ran(used, secs);
+                d.step_ran(&ForwardCost::from_stats(used, secs, &stats));
             }
             // Every lane settles (keeping the others' rows) even when one cannot.
             if let Err(e) = s.settle(be, vocab, f, out, (secs, running), &mut |t| on_token(i, t)) {
