@@ -37,7 +37,7 @@ const W: f64 = 0.2;
 const W_ACCEPT: f64 = 0.2;
 /// Conditional acceptance per position before any verify of this sequence.
 pub const PRIOR_ACCEPT: f64 = 0.5;
-/// Single steps in a row before a one-token probe, then doubling up to the most.
+/// Single steps in a row before a probe (two drafts), then doubling up to the most.
 const EXPLORE_FIRST: usize = 16;
 const EXPLORE_MOST: usize = 256;
 
@@ -114,7 +114,7 @@ pub struct UnionPolicy {
     draft_s: Avg,
     zeros: usize,
     explore_every: usize,
-    /// Decisions made at each width (index = width) and one-token probes among them.
+    /// Decisions made at each width (index = width) and probes among them.
     pub widths: Vec<u64>,
     pub probes: u64,
 }
@@ -305,7 +305,8 @@ impl UnionPolicy {
                 self.zeros = 0;
                 self.explore_every = (self.explore_every * 2).min(EXPLORE_MOST);
                 self.probes += 1;
-                w = 1;
+                // Two wide, so the second position learns too (a one-token probe left it at the prior).
+                w = 2.min(self.max);
             }
         } else if w > 0 {
             self.zeros = 0;
