@@ -132,7 +132,8 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     if let Some(note) = load::random_weights_note(&dir) {
         eprintln!("{note}");
     }
-    let mut generator = Generator::new(engine, GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: 64 })?;
+    let mut generator =
+        Generator::new(engine, GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: 64, state_dir: None })?;
     let todo: Vec<_> = lines.into_iter().filter(|(_, l)| l.is_err() || l.is_ok_and(|l| !l.trim().is_empty())).collect();
     let t0 = Instant::now();
     let progress = Progress::new(progress::mode(a.quiet), "batch");

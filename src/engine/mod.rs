@@ -17,6 +17,7 @@ mod kernel_rate;
 mod lanes;
 pub mod perplexity;
 pub(crate) mod session;
+pub mod state_file;
 mod step_cost;
 pub mod trunk;
 
@@ -25,6 +26,7 @@ pub use config::{EngineConfig, ExpertHeat, ExpertsFrom};
 pub use drive::{LaneError, LaneHost};
 pub use lanes::{Lane, LaneDrafts};
 pub use session::{GenerateOptions, Generation, PrefillProgress, PrefillWatcher, Session, StopReason};
+pub use state_file::{SamplerPosition, SessionNotes, StateFileError};
 // The settings and errors of the engine's API that are defined further down.
 pub use crate::backend::BackendKind;
 pub use crate::k3::weights::Trunk;

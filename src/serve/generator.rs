@@ -35,11 +35,13 @@ pub struct GenConfig {
     pub reuse: bool,
     /// Entries of the exact-response memo (0: off).
     pub memo_entries: usize,
+    /// Also keep sessions in this directory, with at most this many bytes (`state_dir.rs`).
+    pub state_dir: Option<(std::path::PathBuf, u64)>,
 }
 
 impl Default for GenConfig {
     fn default() -> Self {
-        GenConfig { draft: DraftKind::Off, reuse: true, memo_entries: 64 }
+        GenConfig { draft: DraftKind::Off, reuse: true, memo_entries: 64, state_dir: None }
     }
 }
 
@@ -112,6 +114,8 @@ pub struct Generator {
     pub(super) stops: Vec<u32>,
     pub(super) cfg: GenConfig,
     kept: Vec<Session>,
+    /// Kept sessions spilled to disk (`serve --state-dir`).
+    disk: Option<super::state_dir::StateDir>,
     memo: VecDeque<(MemoKey, Output)>,
     pub totals: Totals,
 }
@@ -128,11 +132,40 @@ impl Generator {
         }
         let stops = engine.stop_tokens(codec.tok.as_ref());
         let enc = Arc::new(Encoder { engine: Arc::clone(&engine), codec });
-        Ok(Generator { engine, enc, stops, cfg, kept: Vec::new(), memo: VecDeque::new(), totals: Totals::default() })
+        let disk = match &cfg.state_dir {
+            Some((dir, cap)) => {
+                let (d, notes) = super::state_dir::StateDir::open(&engine, dir, *cap).map_err(|e| {
+                    let value = dir.display().to_string();
+                    crate::engine::EngineError::Setting {
+                        setting: crate::setting::Setting::StateDir,
+                        value,
+                        problem: e.to_string(),
+                    }
+                })?;
+                notes.iter().for_each(|n| eprintln!("deltafin: {n}"));
+                Some(d)
+            }
+            None => None,
+        };
+        Ok(Generator {
+            engine,
+            enc,
+            stops,
+            cfg,
+            kept: Vec::new(),
+            disk,
+            memo: VecDeque::new(),
+            totals: Totals::default(),
+        })
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
         &self.engine
+    }
+
+    /// Keeps sessions in `dir` too (see `state_dir`), loading those it holds on demand.
+    pub fn attach_state_dir(&mut self, dir: super::state_dir::StateDir) {
+        self.disk = Some(dir);
     }
 
     /// The request encoder (for validating requests elsewhere).
@@ -326,6 +359,16 @@ impl Generator {
             .max_by_key(|(_, s)| s.pos())
             .map(|(i, _)| i);
         let mut kept = std::mem::take(&mut self.kept);
+        let in_memory = best.map_or(0, |i| kept[i].pos());
+        // A longer saved session on disk wins; one that fails its checks is a miss.
+        if let Some(d) = &mut self.disk
+            && let Some((i, n)) = d.best(prompt).filter(|&(_, n)| n > in_memory)
+        {
+            match d.load(&self.engine, i) {
+                Ok(s) => return (s, n),
+                Err(e) => eprintln!("deltafin: state dir: {e}"),
+            }
+        }
         match best {
             Some(i) => {
                 let s = kept.swap_remove(i);
@@ -392,6 +435,14 @@ impl Generator {
         let out = self.output(&begin, answer, g, &session.stats, &ran);
         if self.cfg.reuse {
             self.kept = snapshot.into_iter().chain(std::iter::once(session)).collect();
+            if let Some(d) = &mut self.disk {
+                for s in &self.kept {
+                    // A full or failing disk costs the reuse, never the request.
+                    if let Err(e) = d.keep(s) {
+                        eprintln!("deltafin: state dir: {e}");
+                    }
+                }
+            }
         }
         self.remember(begin, &out);
         Ok(out)

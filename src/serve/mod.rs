@@ -27,6 +27,7 @@ pub mod parallel;
 pub mod records;
 mod running;
 pub mod sse;
+pub mod state_dir;
 
 use crate::engine::Engine;
 use api::{ApiError, GenRequest, Kind, ParseContext};
