@@ -172,3 +172,57 @@ fn a_save_replaces_the_file_whole_and_leaves_no_temp() {
     std::fs::create_dir(&dir).unwrap();
     assert!(s.save_state(&dir, &SessionNotes::default()).is_err());
 }
+
+/// `deltafin run` on the fixture with `args`; its output ids and stats.
+fn run_ids(args: &[&str]) -> (Vec<u32>, serde_json::Value) {
+    let o = deltafin_cmd()
+        .args(["run", "--model"])
+        .arg(fixture("k3-tiny-a"))
+        .args(["--ignore-eos", "--format", "json", "-q"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    (v["output_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect(), v["stats"].clone())
+}
+
+#[test]
+fn run_session_resumes_to_the_ids_of_an_uninterrupted_run() {
+    let r = reference("k3-tiny-a");
+    let prompt = ids_arg(&r.prompt[..40]);
+    let more = ids_arg(&r.prompt[50..60]);
+    let tmp = tempfile::tempdir().unwrap();
+    for (i, flags) in [&["--temperature", "0"][..], &["--temperature", "0.8", "--seed", "5"], &["--draft", "ngram"]]
+        .into_iter()
+        .enumerate()
+    {
+        let file = tmp.path().join(format!("s{i}.dfstate"));
+        let f = file.to_str().unwrap();
+        let (whole, _) = run_ids(&[&["--prompt-ids", &prompt, "--max-new", "20"], flags].concat());
+        let (a, _) = run_ids(&[&["--prompt-ids", &prompt, "--max-new", "8", "--session", f], flags].concat());
+        // No prompt: generation goes on, with the saved sampler; only the unfed token is prefilled.
+        let (b, stats) = run_ids(&["--max-new", "12", "--session", f]);
+        assert_eq!([a, b.clone()].concat(), whole, "{flags:?}");
+        assert_eq!(stats["prompt_tokens"], 1);
+        // A new prompt appended: as one run of the whole sequence.
+        let (c, stats) = run_ids(&["--prompt-ids", &more, "--max-new", "6", "--session", f, "--temperature", "0"]);
+        let mut all: Vec<u32> = r.prompt[..40].to_vec();
+        all.extend(&whole);
+        all.extend(&r.prompt[50..60]);
+        let (want, _) = run_ids(&["--prompt-ids", &ids_arg(&all), "--max-new", "6", "--temperature", "0"]);
+        assert_eq!(c, want, "{flags:?}");
+        assert_eq!(stats["prompt_tokens"], 11);
+    }
+    // Another model's session is refused, naming the file.
+    let file = tmp.path().join("s0.dfstate");
+    let o = deltafin_cmd()
+        .args(["run", "--model"])
+        .arg(fixture("k3-tiny-b"))
+        .args(["--max-new", "2", "--session"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("s0.dfstate") && err.contains("fingerprint"), "{err}");
+}

@@ -99,7 +99,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     progress::set_quiet(a.quiet);
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
-    let needs_tok = a.prompt_ids.is_none() || a.chat;
+    let needs_tok = (a.prompt_ids.is_none() && !(a.session.is_some() && no_input(&a))) || a.chat;
     let tok = if needs_tok || dir.join("tiktoken.model").exists() {
         Some(crate::engine::load_tokenizer(&dir)?)
     } else {
