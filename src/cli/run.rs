@@ -41,7 +41,7 @@ fn read_text(arg: &str, from_file: bool) -> Result<String> {
 }
 
 /// The prompts' texts, in order.
-pub(super) fn prompt_texts(a: &RunArgs) -> Result<Vec<String>> {
+fn prompt_texts(a: &RunArgs) -> Result<Vec<String>> {
     if let Some(f) = &a.prompt_lines {
         let all = read_text(&f.to_string_lossy(), true)?;
         let lines: Vec<String> = all.lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect();
@@ -110,7 +110,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let sampling = load::params(&load::sampling(&dir, a.demo, flags)?, seed)?;
     let mut saved = a.session.as_deref().map(SessionFile::peek).transpose()?;
     let mut prompts = match &mut saved {
-        Some(f) => vec![session::continuation(&a, &dir, tok.as_ref(), f)?],
+        Some(f) => vec![session::continuation(&a, &dir, tok.as_ref(), &prompt_texts(&a)?, f)?],
         None if no_input(&a) => bail!("give a prompt: --prompt, --prompt-file, --prompt-lines or --prompt-ids"),
         None => prompt_ids(&a, &dir, tok.as_ref())?,
     };
@@ -249,17 +249,8 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         text = c.content;
         reasoning = Some(c.reasoning);
     }
-    if let Some(f) = saved.as_mut().filter(|_| session.logits().is_some()) {
-        let answer = reasoning.as_deref().map(|r| (text.as_str(), r));
-        let bytes = f.save(&session, &sampler, &ids, answer)?;
-        if !a.quiet {
-            eprintln!(
-                "deltafin: session saved to {} ({} tokens, {})",
-                f.path.display(),
-                session.pos(),
-                crate::util::human_bytes(bytes)
-            );
-        }
+    if let Some(f) = &mut saved {
+        f.save_after(&session, &sampler, &ids, reasoning.as_deref().map(|r| (text.as_str(), r)), a.quiet)?;
     }
     let mut stats = session.stats.clone();
     stats.source = Some(engine.source_report());

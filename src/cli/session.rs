@@ -107,6 +107,26 @@ impl SessionFile {
         }
     }
 
+    /// [`SessionFile::save`] when the session has run, reported on stderr unless `quiet`.
+    pub fn save_after(
+        &mut self,
+        session: &Session,
+        sampler: &Sampler,
+        emitted: &[u32],
+        answer: Option<(&str, &str)>,
+        quiet: bool,
+    ) -> Result<()> {
+        if session.logits().is_none() {
+            return Ok(());
+        }
+        let bytes = self.save(session, sampler, emitted, answer)?;
+        if !quiet {
+            let size = crate::util::human_bytes(bytes);
+            eprintln!("deltafin: session saved to {} ({} tokens, {size})", self.path.display(), session.pos());
+        }
+        Ok(())
+    }
+
     /// Saves `session` after a run that emitted `emitted` (the last one unfed), with the sampler
     /// and, with `--chat`, the answer appended to the messages.
     pub fn save(
@@ -128,8 +148,13 @@ impl SessionFile {
 }
 
 /// The ids `run --session` feeds after the saved session (see [`SessionFile::continue_with`]).
-pub fn continuation(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>, f: &mut SessionFile) -> Result<Vec<u32>> {
-    let texts = super::run::prompt_texts(a)?;
+pub fn continuation(
+    a: &RunArgs,
+    dir: &Path,
+    tok: Option<&Tokenizer>,
+    texts: &[String],
+    f: &mut SessionFile,
+) -> Result<Vec<u32>> {
     if texts.len() > 1 {
         bail!("--session keeps one conversation: give one prompt");
     }

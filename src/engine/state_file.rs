@@ -120,7 +120,7 @@ impl Header {
     fn of(e: &Engine, tokens: usize, logits: bool, notes: SessionNotes) -> Self {
         let c = &e.cfg;
         Header {
-            model: crate::model::fingerprint::fingerprint(&e.ck),
+            model: e.model_fingerprint(),
             trunk: e.trunk.name().into(),
             kda: e.config.kda,
             layers: c.attn.iter().map(|a| if *a == AttnKind::Kda { 'K' } else { 'M' }).collect(),
@@ -276,6 +276,11 @@ pub fn peek(path: &Path, ids: bool) -> Result<Peeked, StateFileError> {
 }
 
 impl Engine {
+    /// The model's fingerprint (`model::fingerprint`), which state files are tied to.
+    pub fn model_fingerprint(&self) -> String {
+        crate::model::fingerprint::fingerprint(&self.ck)
+    }
+
     /// A session read back from a state file written by [`Session::save_state`] on this model,
     /// with its notes; every check of the module contract passes or nothing is loaded.
     pub fn load_session(self: &Arc<Self>, path: &Path) -> Result<(Session, SessionNotes), StateFileError> {

@@ -38,7 +38,7 @@ impl StateDir {
     pub fn open(engine: &Engine, dir: &Path, cap: u64) -> std::io::Result<(Self, Vec<String>)> {
         std::fs::create_dir_all(dir)?;
         crate::util::remove_stale_temps(dir, &[&format!(".{EXT}.tmp.")]);
-        let model = crate::model::fingerprint::fingerprint(&engine.ck);
+        let model = engine.model_fingerprint();
         let mut notes = Vec::new();
         let mut entries = Vec::new();
         for d in std::fs::read_dir(dir)? {
