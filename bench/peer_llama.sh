@@ -12,7 +12,13 @@
 # $DELTAFIN_PEER_CACHE (default ~/.cache/deltafin-peer), so a rerun only runs the benchmarks.
 # Env: DELTAFIN_PEER_JOBS (build jobs, default 2), LLAMA_CPP_PYTHON_VERSION (default 0.3.36),
 # DELTAFIN_BIN (a deltafin binary to use instead of `cargo build --release`), DELTAFIN_PEER_FP64=0
-# (skip checking deltafin's tokens against the fp64 reference, which takes minutes).
+# (skip checking deltafin's tokens against the fp64 reference, which takes minutes),
+# DELTAFIN_PEER_PYTHON (a python with torch, transformers, numpy, safetensors to use instead of
+# the venv: machines without PyPI; cmake and ninja then come from PATH), LLAMA_CPP_SRC (an
+# unpacked llama.cpp source tree instead of the llama-cpp-python sdist's: its converter and the
+# K3 check read it), LLAMA_BENCH_BIN (a llama-bench built from that source elsewhere),
+# DELTAFIN_PEER_RUN (the run directory to write, instead of a new one under the cache: bench/peer_all.sh
+# hands it to bench/peer_colibri.sh, which reuses deltafin's measured run from it).
 # Both engines get the same prompt ids (bench/llama_bench_ids.py); deltafin's route heat is learned
 # by a short run on other text first.
 # Exit status: 0 measured, 3 blocked (the vendored llama.cpp has no kimi_k3 support; the record says so).
@@ -60,38 +66,51 @@ else
 fi
 
 # --- Python environment: cmake and ninja wheels, the converter's deps ---------------------------
-venv=$cache/venv
-py=$venv/bin/python
-if [ ! -f "$cache/.venv-ok" ]; then
-  step "creating $venv (cmake, ninja, scikit-build-core, torch, transformers, numpy, safetensors from PyPI)"
-  python3 -m venv "$venv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
-  # The converter imports torch and transformers (AutoConfig) at module level; the pins follow its
-  # requirements file where PyPI has them. torch comes from PyPI (the CPU index is not reachable).
-  "$venv/bin/pip" install -q cmake ninja scikit-build-core torch "transformers==4.57.6" numpy safetensors \
-    sentencepiece "protobuf>=4.21,<5" tqdm pyyaml requests || die "pip install of the build and converter deps failed"
-  "$py" -c "import torch, transformers, numpy, safetensors" || die "the converter's deps do not import in $venv"
-  touch "$cache/.venv-ok"
+if [ -n "${DELTAFIN_PEER_PYTHON:-}" ]; then
+  # a machine without PyPI (the GPU host): a python that already has the converter's deps
+  py=$(command -v "$DELTAFIN_PEER_PYTHON") || die "DELTAFIN_PEER_PYTHON=$DELTAFIN_PEER_PYTHON not found"
+  "$py" -c "import torch, transformers, numpy, safetensors" || die "$py lacks torch, transformers, numpy or safetensors"
+  command -v cmake >/dev/null && command -v ninja >/dev/null || die "cmake and ninja are needed on PATH"
+else
+  venv=$cache/venv
+  py=$venv/bin/python
+  if [ ! -f "$cache/.venv-ok" ]; then
+    step "creating $venv (cmake, ninja, scikit-build-core, torch, transformers, numpy, safetensors from PyPI)"
+    python3 -m venv "$venv" || die "python3 -m venv failed (Debian: apt-get install python3-venv)"
+    # The converter imports torch and transformers (AutoConfig) at module level; the pins follow its
+    # requirements file where PyPI has them. torch comes from PyPI (the CPU index is not reachable).
+    "$venv/bin/pip" install -q cmake ninja scikit-build-core torch "transformers==4.57.6" numpy safetensors \
+      sentencepiece "protobuf>=4.21,<5" tqdm pyyaml requests || die "pip install of the build and converter deps failed"
+    "$py" -c "import torch, transformers, numpy, safetensors" || die "the converter's deps do not import in $venv"
+    touch "$cache/.venv-ok"
+  fi
+  export PATH=$venv/bin:$PATH
 fi
-export PATH=$venv/bin:$PATH
 
 # --- llama.cpp source: the llama-cpp-python sdist on PyPI, its vendored llama.cpp ---------------
-sdist=$cache/dl/llama_cpp_python-$ver.tar.gz
-if [ ! -f "$sdist" ]; then
-  step "downloading the llama-cpp-python $ver source distribution"
-  mkdir -p "$cache/dl"
-  # --no-build-isolation with scikit-build-core installed: pip only reads the metadata, instead of
-  # building cmake from source in an isolated environment.
-  "$venv/bin/pip" download -q --no-deps --no-binary :all: --no-build-isolation \
-    "llama-cpp-python==$ver" -d "$cache/dl" || die "pip download llama-cpp-python==$ver failed"
-  [ -f "$sdist" ] || die "pip download did not leave $sdist"
-fi
-src=$cache/src/llama_cpp_python-$ver
-llama=$src/vendor/llama.cpp
-if [ ! -f "$llama/CMakeLists.txt" ]; then
-  step "unpacking $sdist"
-  mkdir -p "$cache/src"
-  tar -xzf "$sdist" -C "$cache/src" || die "cannot unpack $sdist"
-  [ -f "$llama/CMakeLists.txt" ] || die "$sdist has no vendor/llama.cpp"
+if [ -n "${LLAMA_CPP_SRC:-}" ]; then
+  # an unpacked llama.cpp source (the sdist's vendor/llama.cpp, carried to a machine without PyPI)
+  llama=$(realpath "$LLAMA_CPP_SRC")
+  [ -f "$llama/CMakeLists.txt" ] || die "LLAMA_CPP_SRC=$LLAMA_CPP_SRC has no CMakeLists.txt"
+else
+  sdist=$cache/dl/llama_cpp_python-$ver.tar.gz
+  if [ ! -f "$sdist" ]; then
+    step "downloading the llama-cpp-python $ver source distribution"
+    mkdir -p "$cache/dl"
+    # --no-build-isolation with scikit-build-core installed: pip only reads the metadata, instead of
+    # building cmake from source in an isolated environment.
+    "$venv/bin/pip" download -q --no-deps --no-binary :all: --no-build-isolation \
+      "llama-cpp-python==$ver" -d "$cache/dl" || die "pip download llama-cpp-python==$ver failed"
+    [ -f "$sdist" ] || die "pip download did not leave $sdist"
+  fi
+  src=$cache/src/llama_cpp_python-$ver
+  llama=$src/vendor/llama.cpp
+  if [ ! -f "$llama/CMakeLists.txt" ]; then
+    step "unpacking $sdist"
+    mkdir -p "$cache/src"
+    tar -xzf "$sdist" -C "$cache/src" || die "cannot unpack $sdist"
+    [ -f "$llama/CMakeLists.txt" ] || die "$sdist has no vendor/llama.cpp"
+  fi
 fi
 
 # Blocked unless this llama.cpp knows K3: its converter class and its runtime architecture.
@@ -106,18 +125,23 @@ EOF
 fi
 
 # --- build llama-bench (only that tool and the libraries it links) -----------------------------
-build=$cache/build
-lbench=$build/bin/llama-bench
-if [ ! -x "$lbench" ] || [ ! -f "$cache/.build-$ver" ]; then
-  step "building llama-bench from $llama with $jobs jobs (slow on 2 cores; log: $cache/build.log)"
-  cmake -S "$llama" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
-    -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >"$cache/build-configure.log" 2>&1 \
-    || die "cmake configure failed: see $cache/build-configure.log"
-  cmake --build "$build" --target llama-bench -j "$jobs" >"$cache/build.log" 2>&1 \
-    || die "llama-bench build failed: see $cache/build.log"
-  [ -x "$lbench" ] || die "the build left no $lbench"
-  touch "$cache/.build-$ver"
+if [ -n "${LLAMA_BENCH_BIN:-}" ]; then
+  # a llama-bench built elsewhere from this same source (a machine without a C++ toolchain)
+  lbench=$(realpath "$LLAMA_BENCH_BIN") && [ -x "$lbench" ] || die "LLAMA_BENCH_BIN=$LLAMA_BENCH_BIN is not an executable"
+else
+  build=$cache/build
+  lbench=$build/bin/llama-bench
+  if [ ! -x "$lbench" ] || [ ! -f "$cache/.build-$ver" ]; then
+    step "building llama-bench from $llama with $jobs jobs (slow on 2 cores; log: $cache/build.log)"
+    cmake -S "$llama" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+      -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+      -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >"$cache/build-configure.log" 2>&1 \
+      || die "cmake configure failed: see $cache/build-configure.log"
+    cmake --build "$build" --target llama-bench -j "$jobs" >"$cache/build.log" 2>&1 \
+      || die "llama-bench build failed: see $cache/build.log"
+    [ -x "$lbench" ] || die "the build left no $lbench"
+    touch "$cache/.build-$ver"
+  fi
 fi
 
 # --- the model, and its GGUF from llama.cpp's own converter ------------------------------------
@@ -145,7 +169,12 @@ python3 -c "import sys; m,l=int(sys.argv[1]),int(sys.argv[2]); sys.exit(0 if m >
   "$model_bytes" "$limit_bytes" || die "the model ($model_bytes bytes) is not 3.5x the limit $limit: lower --limit"
 
 # --- the runs: same cgroup limit, cold page cache each time ------------------------------------
-run=$(mktemp -d "$work/run.XXXXXX")
+if [ -n "${DELTAFIN_PEER_RUN:-}" ]; then
+  run=$DELTAFIN_PEER_RUN
+  mkdir -p "$run" || die "cannot create DELTAFIN_PEER_RUN=$run"
+else
+  run=$(mktemp -d "$work/run.XXXXXX")
+fi
 mon=$repo/bench/peer_iomon.py
 # The prompt: the very ids llama-bench's prompt test feeds (it never seeds rand()).
 "$py" "$repo/bench/llama_bench_ids.py" --gguf "$gguf" --n "$prompt" >"$run/prompt-ids.json" \
@@ -158,8 +187,8 @@ step "deltafin: a short run on other text to learn the route heat ($run/expert-h
   || die "deltafin's heat run failed (output: $run/deltafin-heat.out)"
 step "deltafin bench run --prompt-ids (llama-bench's $prompt ids) --decode $decode in a $limit cgroup"
 "$py" "$mon" "$run/deltafin.io.json" "$run/deltafin.out" "$bin" -- \
-  "$repo/bench/in_cgroup.sh" "$limit" "$bin" bench run --model "$model" --prompt-ids "@$run/prompt-ids.json" \
-  --decode "$decode" --threads "$threads" --expert-heat "$run/expert-heat.json" \
+  "$repo/bench/in_cgroup.sh" "$limit" python3 "$repo/bench/peer_rss.py" "$run/deltafin.rss" \
+  "$bin" bench run --model "$model" --prompt-ids "@$run/prompt-ids.json" --decode "$decode" --threads "$threads" --expert-heat "$run/expert-heat.json" \
   --fetch-trace "$run/fetch-trace.json" || die "deltafin bench run failed (output: $run/deltafin.out)"
 # llama-bench: one process per phase, one repetition, no warmup (cold like deltafin's run), the
 # expert tensors read in place from the mmap (--repack 0: no repacked copy in RAM). Each jsonl line
@@ -168,7 +197,8 @@ for phase in pp tg; do
   if [ $phase = pp ]; then pn=(-p "$prompt" -n 0); else pn=(-p 0 -n "$decode"); fi
   step "llama-bench ${pn[*]} -t $threads in a $limit cgroup"
   "$py" "$mon" "$run/llama-$phase.io.json" "$run/llama-$phase.out" "$lbench" -- \
-    "$repo/bench/in_cgroup.sh" "$limit" "$lbench" -m "$gguf" "${pn[@]}" -t "$threads" --repack 0 \
+    "$repo/bench/in_cgroup.sh" "$limit" python3 "$repo/bench/peer_rss.py" "$run/llama-$phase.rss" \
+    "$lbench" -m "$gguf" "${pn[@]}" -t "$threads" --repack 0 \
     -r 1 --no-warmup -o jsonl || die "llama-bench ${pn[*]} failed (output: $run/llama-$phase.out)"
 done
 

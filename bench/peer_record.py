@@ -58,6 +58,17 @@ def window(trace: dict, end: float, seconds: float) -> dict:
     return {"start_s": round(end - seconds, 3), "end_s": round(end, 3), "read_bytes": int(got)}
 
 
+def peak_rss(path: str):
+    """Bytes of bench/peer_rss.py's `peak_rss_kb N` line, or None when the run has no such file."""
+    try:
+        for line in open(path):
+            if line.startswith("peak_rss_kb"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def main() -> None:
     if len(sys.argv) != 8:
         sys.exit(__doc__)
@@ -99,6 +110,7 @@ def main() -> None:
         "prefill_read_amplification": d_pre_w["read_bytes"] / unique if unique else None,
         "decode_bytes_read_per_token": d_dec_w["read_bytes"] / steps if steps else None,
         "decode_read_amplification": d_dec_w["read_bytes"] / steps / routed_per_token if steps else None,
+        "peak_rss_bytes": peak_rss(os.path.join(run, "deltafin.rss")),
         "own_counters": {
             "prefill_expert_bytes_read": pre["expert_bytes_read"],
             "prefill_read_amplification": pre["read_amplification"],
@@ -120,6 +132,7 @@ def main() -> None:
         w = window(tr[f"llama-{phase}"], t_end, secs)
         w["process_read_bytes"] = tr[f"llama-{phase}"]["samples"][-1][1]
         w["wall_s"] = tr[f"llama-{phase}"]["wall_s"]
+        w["peak_rss_bytes"] = peak_rss(os.path.join(run, f"llama-{phase}.rss"))
         if phase == "pp":
             llama["prefill_tok_s"] = b["avg_ts"]
             llama["prefill_bytes_read_per_token"] = w["read_bytes"] / n

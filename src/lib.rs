@@ -3,7 +3,7 @@
 //! drives), `sched` (the layer loop over rows of one or several sessions), `k3` (the model's math),
 //! `backend` (the operations the forward pass calls; `backend::cpu` the CPU kernels), `model`
 //! (config, checkpoint, roster, tokenizer, chat template, synth), `store` (where experts are read),
-//! `spec` (speculative decoding: drafters, width policy, cost model, verified generation), `hub`
+//! `draft` (drafters for speculative decoding, width policy, cost model; the engine verifies), `hub`
 //! (Hugging Face-compatible downloads and stream mode), `bench` (measurements, one JSON record
 //! each), `demo` (the built-in demo model the binary carries), `cli` (subcommands).
 
@@ -11,6 +11,7 @@ pub mod backend;
 pub mod bench;
 pub mod cli;
 pub mod demo;
+pub mod draft;
 pub mod engine;
 pub mod hub;
 pub mod k3;
@@ -20,7 +21,6 @@ pub mod sample;
 pub mod sched;
 pub mod serve;
 pub mod setting;
-pub mod spec;
 pub mod stats;
 pub mod store;
 pub mod util;

@@ -189,6 +189,53 @@ pub fn activation_bytes(c: &K3Config, rows: usize) -> u64 {
     (4 * (rows * per_row + c.vocab)) as u64
 }
 
+/// What the expert cache is sized from: every other part of the budget, and the slot one cached
+/// expert takes. The one formula the engine's startup and `deltafin plan` share
+/// ([`Split::expert_cache`]; tests/plan_agrees.rs holds them to it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Split {
+    /// The memory budget (for `plan`: the machine's memory less the OS's share).
+    pub budget: u64,
+    pub trunk: u64,
+    pub draft: u64,
+    /// Slots for the expert reads in flight (besides the cache).
+    pub staging: u64,
+    /// The sequence states reserved: every sequence at its full context ([`state_reserve`]).
+    pub states: u64,
+    /// Activations ([`activation_bytes`]) and the results kept for output.
+    pub activations: u64,
+    /// Bytes one cached expert takes: its slot.
+    pub slot: u64,
+    /// Routed experts of the model: the cache never holds more.
+    pub experts: u64,
+}
+
+impl Split {
+    /// Everything but the expert cache.
+    pub fn committed(&self) -> u64 {
+        self.trunk + self.draft + self.staging + self.states + self.activations
+    }
+
+    /// The expert cache this split leaves: 90% of what the rest leaves of the budget (headroom for
+    /// allocator slack), in whole slots, never more than every expert.
+    pub fn expert_cache(&self) -> u64 {
+        let cache = (self.budget.saturating_sub(self.committed()) as f64 * 0.9) as u64;
+        self.with_cache(cache)
+    }
+
+    /// `bytes` of expert cache in whole slots, never more than every expert (a size given as a
+    /// setting is held to the same).
+    pub fn with_cache(&self, bytes: u64) -> u64 {
+        bytes.checked_div(self.slot).map_or(0, |n| n.min(self.experts) * self.slot)
+    }
+}
+
+/// Bytes of state reserved for `sequences` sequences of `context` tokens each.
+pub fn state_reserve(c: &K3Config, context: usize, sequences: usize) -> u64 {
+    let (fixed, per_token) = SeqState::footprint(c);
+    (fixed as u64 + per_token as u64 * context as u64) * sequences.max(1) as u64
+}
+
 impl MemoryPlan {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -333,7 +380,11 @@ pub struct PlanRow {
     pub decode_s_per_token: Vec<(usize, f64)>,
 }
 
-/// The memory plan of model `c` under each trunk encoding (bf16, coded, int8).
+/// The queue depth `deltafin plan` assumes for its one drive (the store's default).
+pub const PLAN_QUEUE_DEPTH: usize = 4;
+
+/// The memory plan of model `c` under each trunk encoding (bf16, coded, int8): the budget split
+/// as the engine splits it at startup ([`Split`]), with no draft model and one sequence.
 pub fn plan_encodings(c: &K3Config, p: &PlanInputs) -> Vec<PlanRow> {
     let (mats, vec_values) = crate::model::roster::trunk_shapes(c);
     let vecs = 4 * vec_values as u64;
@@ -348,20 +399,30 @@ pub fn plan_encodings(c: &K3Config, p: &PlanInputs) -> Vec<PlanRow> {
         .sum::<u64>()
         + vecs;
     let int8: u64 = mats.iter().map(|(_, r, k)| (r * k + 4 * r) as u64).sum::<u64>() + vecs;
-    let (fixed, per_token) = SeqState::footprint(c);
-    let state = fixed as u64 + per_token as u64 * p.context as u64;
+    let state = state_reserve(c, p.context, 1);
     let act = activation_bytes(c, p.prefill_rows);
     let expert = c.expert_bytes() as u64;
+    let slot = crate::store::expert_store::slot_size(c.expert_bytes()) as u64;
     let all_experts = (c.moe_layers() * c.experts) as u64;
     let token_bytes = (c.moe_layers() * c.top_k) as f64 * expert as f64;
-    // One drive at queue depth 4: its reads in flight and two spare (`staging_slots`).
-    let read_slots = 6 * crate::store::expert_store::slot_size(c.expert_bytes()) as u64;
+    // One drive at queue depth 4, no prefetch: its reads in flight and two spare (`staging_slots`).
+    let read_slots = (PLAN_QUEUE_DEPTH + 2) as u64 * slot;
     [("bf16", true, bf16), ("coded", true, coded), ("int8", false, int8)]
         .into_iter()
         .map(|(name, exact, trunk)| {
             let min_memory = trunk + state + act + read_slots + p.os_bytes;
-            let cache = p.memory_bytes.saturating_sub(min_memory);
-            let cached = (cache / expert.max(1)).min(all_experts);
+            let split = Split {
+                budget: p.memory_bytes.saturating_sub(p.os_bytes),
+                trunk,
+                draft: 0,
+                staging: read_slots,
+                states: state,
+                activations: act,
+                slot,
+                experts: all_experts,
+            };
+            let cache = split.expert_cache();
+            let cached = cache / slot.max(1);
             let hit = cached as f64 / all_experts.max(1) as f64;
             let decode = [1usize, 2, 4, 8]
                 .into_iter()
@@ -374,7 +435,7 @@ pub fn plan_encodings(c: &K3Config, p: &PlanInputs) -> Vec<PlanRow> {
                 state_bytes: state,
                 activation_bytes: act,
                 os_bytes: p.os_bytes,
-                expert_cache_bytes: cached * expert,
+                expert_cache_bytes: cache,
                 cached_experts: cached,
                 hit_rate: hit,
                 read_slot_bytes: read_slots,

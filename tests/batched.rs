@@ -329,12 +329,12 @@ fn lanes_that_join_and_leave_a_running_batch_equal_each_sequence_alone() {
             true
         };
         e.step_lanes(&mut ls, &mut on_token, &mut Default::default()).unwrap();
-        peak = peak.max(ls.iter().map(|l| l.peak_batch).max().unwrap_or(0));
+        peak = peak.max(ls.iter().map(|l| l.peak_batch()).max().unwrap_or(0));
         for ((l, i), seen) in ls.into_iter().zip(ids).zip(streamed) {
             // The callback saw each token as it was emitted.
-            assert!(seen.len() <= 1 && l.tokens.ends_with(&seen));
+            assert!(seen.len() <= 1 && l.tokens().ends_with(&seen));
             if l.done() {
-                got[i] = Some(l.tokens.clone());
+                got[i] = Some(l.tokens().to_vec());
             } else {
                 lanes.push((i, l));
             }

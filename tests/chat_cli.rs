@@ -152,7 +152,11 @@ fn run_chat_and_chat_never_show_a_tag_token() {
         "--ignore-eos",
         "-q",
     ]));
-    assert_eq!(out, format!("{text}\n{text}\n"), "run with two prompts shows each answer as alone");
+    assert_eq!(
+        out,
+        format!("--- 1/2 ---\n{text}\n\n--- 2/2 ---\n{text}\n"),
+        "run with two prompts shows each answer as alone"
+    );
     let (out, err) =
         run_ok(deltafin_cmd().args(["chat", "--model", m, "--max-tokens", "100", "-q"]).stdin(Stdio::null()));
     assert!(out.is_empty() && !err.contains("error"), "no input, no answer: {out} {err}");

@@ -460,7 +460,8 @@ fn interrupt_when(child: &mut std::process::Child, ready: impl Fn(&str) -> bool)
         assert!(t0.elapsed().as_secs() < 120, "never ready: {}", seen.lock().unwrap());
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Long enough for a first token on a loaded machine (the JSON prints nothing before the end).
+    std::thread::sleep(std::time::Duration::from_millis(1500));
     // SAFETY: signalling our own child.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
     reader.join().unwrap();

@@ -68,17 +68,17 @@ fn the_cache_gets_what_a_small_context_frees_for_the_sequences_run_together() {
         .unwrap()
     };
     let (wide, narrow) = (open(None), open(Some(8)));
-    assert!(wide.plan.expert_cache > 0, "the default context leaves some cache: {}", wide.plan.summary());
+    assert!(wide.plan().expert_cache > 0, "the default context leaves some cache: {}", wide.plan().summary());
     assert!(
-        narrow.plan.expert_cache > wide.plan.expert_cache,
+        narrow.plan().expert_cache > wide.plan().expert_cache,
         "context 8 frees memory for the cache: {} vs {}",
-        narrow.plan.summary(),
-        wide.plan.summary()
+        narrow.plan().summary(),
+        wide.plan().summary()
     );
     // 8 sequences of their full context still fit beside the bigger cache.
     narrow.sequences_fit(&[8; 8]).unwrap();
     wide.sequences_fit(&[wide.context_bound(); 8]).unwrap();
-    assert_eq!((narrow.plan.context, narrow.plan.sequences), (8, 8));
+    assert_eq!((narrow.plan().context, narrow.plan().sequences), (8, 8));
     assert!(narrow.startup_line().contains("context <= 8 tokens x 8 sequences"), "{}", narrow.startup_line());
     // Several sequences read the next layer's experts ahead into read slots of their own (the
     // plan counts them), not into the cache's.
@@ -89,11 +89,11 @@ fn the_cache_gets_what_a_small_context_frees_for_the_sequences_run_together() {
     let slot = deltafin::store::expert_store::slot_size_for(&spec) as u64;
     let ahead = deltafin::sched::moe::read_ahead_depth(4, 8) as u64;
     assert_eq!(
-        narrow.plan.staging - one.plan.staging,
+        narrow.plan().staging - one.plan().staging,
         ahead * slot,
         "{} vs {}",
-        narrow.plan.summary(),
-        one.plan.summary()
+        narrow.plan().summary(),
+        one.plan().summary()
     );
 }
 

@@ -121,6 +121,7 @@ fn with_a_placement_the_other_copy_answers_and_the_trunk_has_none() {
     for (class, names, named) in classes(clean.path()) {
         let tmp = copy_fixture("k3-tiny-a");
         let drive = tmp.path().join("d0");
+        std::fs::create_dir_all(&drive).unwrap(); // place creates no drive directory
         run_ok(
             deltafin_cmd()
                 .args(["place", "--model"])
@@ -146,6 +147,7 @@ fn with_a_placement_the_other_copy_answers_and_the_trunk_has_none() {
     // A damaged pack with intact shards: the shards (the fallback) answer, the same text.
     let tmp = copy_fixture("k3-tiny-a");
     let drive = tmp.path().join("d0");
+    std::fs::create_dir_all(&drive).unwrap(); // place creates no drive directory
     run_ok(
         deltafin_cmd()
             .args(["place", "--model"])
@@ -194,6 +196,7 @@ fn place_after_a_shard_changed_keeps_the_good_pack_and_never_copies_the_damage()
     let tmp = copy_fixture("k3-tiny-a");
     let (_, want, _) = run(tmp.path(), &[]);
     let drive = tmp.path().join("d0");
+    std::fs::create_dir_all(&drive).unwrap(); // place creates no drive directory
     let place = || {
         deltafin_cmd()
             .args(["place", "--model"])

@@ -7,10 +7,10 @@
 
 mod common;
 use common::*;
+use deltafin::draft::{DSparkDrafter, Drafter, Speculator};
 use deltafin::engine::{Engine, EngineConfig, GenerateOptions};
 use deltafin::k3::KdaMode;
 use deltafin::k3::dspark::synth::{self as ds, DSparkSynthSpec};
-use deltafin::spec::{DSparkDrafter, Drafter, Speculator};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -27,11 +27,14 @@ fn draft_engine(target: &Path, draft: &Path) -> Arc<Engine> {
 
 /// A drafter whose context is the rows of `tokens`, taken from a prefill on `e`.
 fn drafter_after(e: &Arc<Engine>, tokens: &[u32]) -> DSparkDrafter {
-    let model = e.draft.as_ref().expect("a draft model");
+    let model = e.dspark_model().expect("a draft model");
     let mut d = DSparkDrafter::new(std::sync::Arc::clone(model));
     let taps = model.cfg.target_layers.clone();
     let mut s = e.new_session();
-    s.prefill_observed(tokens, &taps, &mut |start, rows, n| d.observe(start, rows, n).unwrap()).unwrap();
+    // One forward whose rows the drafter sees, kept: what a prefill with drafts hands it.
+    let rows = s.verify(tokens, &taps).unwrap();
+    d.observe(0, &rows, tokens.len()).unwrap();
+    s.commit(tokens.len()).unwrap();
     assert_eq!(d.context_rows(), tokens.len());
     d
 }
@@ -47,7 +50,7 @@ fn drafter_logits_and_proposals_match_the_fp64_reference() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
             let e = draft_engine(&fixture(TARGET), &fixture(DRAFT));
-            let block = e.draft.as_ref().unwrap().cfg.block;
+            let block = e.dspark_model().unwrap().cfg.block;
             for (ci, case) in j["cases"].as_array().unwrap().iter().enumerate() {
                 let l = case["context_len"].as_u64().unwrap() as usize;
                 let mut d = drafter_after(&e, &prompt[..l]);
@@ -77,10 +80,10 @@ fn plain(e: &Arc<Engine>, prompt: &[u32], max_new: usize) -> (Vec<u32>, Vec<u32>
 }
 
 fn with_dspark(e: &Arc<Engine>, prompt: &[u32], max_new: usize, cost: bool) -> (Vec<u32>, Vec<u32>, u64, u64) {
-    let d = Box::new(DSparkDrafter::new(std::sync::Arc::clone(e.draft.as_ref().unwrap())));
+    let d = Box::new(DSparkDrafter::new(std::sync::Arc::clone(e.dspark_model().unwrap())));
     let mut spec = if cost { Speculator::new(d) } else { Speculator::without_cost_model(d) };
     let mut s = e.new_session();
-    spec.prefill(&mut s, prompt).unwrap();
+    s.prefill_with(prompt, &mut spec).unwrap();
     let g = s.generate_speculative(&GenerateOptions { max_new, stop: Vec::new() }, &mut spec, &mut |_| true).unwrap();
     assert_eq!(s.stats.drafter.as_deref(), Some("dspark"));
     (g.tokens, bits(s.logits().unwrap()), s.stats.drafts_proposed, s.stats.drafts_accepted)
@@ -184,7 +187,7 @@ fn cli_dspark_and_auto_give_the_same_ids_as_drafting_off() {
     let (ds, who, err) = run(&["--draft", "dspark", "--draft-model", d]);
     assert_eq!(ds, off);
     assert_eq!(who, "dspark");
-    assert!(err.contains("drafting: drafter dspark") && err.contains("draft model"), "{err}");
+    assert!(err.contains("drafting: drafter dspark") && err.contains("weights"), "{err}");
     let (auto, who, _) = run(&["--draft", "auto", "--draft-model", d]);
     assert_eq!((auto, who), (off.clone(), serde_json::json!("dspark")));
     let (auto, who, _) = run(&["--draft", "auto"]);
@@ -198,12 +201,12 @@ fn cli_dspark_and_auto_give_the_same_ids_as_drafting_off() {
 #[test]
 fn the_draft_model_counts_in_the_memory_plan() {
     let e = draft_engine(&fixture(TARGET), &fixture(DRAFT));
-    let m = e.draft.as_ref().unwrap();
-    assert_eq!(e.plan.draft, m.weight_bytes() + m.cache_bytes());
-    assert!(e.plan.draft > 0 && e.startup_line().contains("draft model"));
+    let m = e.dspark_model().unwrap();
+    assert_eq!(e.plan().draft, m.weight_bytes() + m.cache_bytes());
+    assert!(e.plan().draft > 0 && e.startup_line().contains("draft model"));
     let plain = engine(&fixture(TARGET));
-    assert_eq!(plain.plan.draft, 0);
-    assert!(plain.plan.context_bound >= e.plan.context_bound);
+    assert_eq!(plain.plan().draft, 0);
+    assert!(plain.plan().context_bound >= e.plan().context_bound);
     // Too small a budget names the draft model among the parts.
     let tiny = EngineConfig { memory_gb: Some(0.004), ..config(&fixture(TARGET), &fixture(DRAFT)) };
     let err = Engine::open(tiny).err().unwrap().to_string();
@@ -294,11 +297,11 @@ fn every_drafter_gives_the_same_bits_over_drive_layouts_and_cache_sizes() {
         let want = want.get_or_insert_with(|| off.clone());
         assert_eq!(&off, want, "{what}: drafting off");
         for kind in
-            [deltafin::spec::DraftKind::Ngram, deltafin::spec::DraftKind::Dspark, deltafin::spec::DraftKind::Auto]
+            [deltafin::draft::DraftKind::Ngram, deltafin::draft::DraftKind::Dspark, deltafin::draft::DraftKind::Auto]
         {
-            let mut spec = Speculator::without_cost_model(deltafin::spec::drafter_for(kind, &e).unwrap().unwrap());
+            let mut spec = Speculator::without_cost_model(e.drafter(kind).unwrap().unwrap());
             let mut s = e.new_session();
-            spec.prefill(&mut s, prompt).unwrap();
+            s.prefill_with(prompt, &mut spec).unwrap();
             let g = s
                 .generate_speculative(&GenerateOptions { max_new: 40, stop: Vec::new() }, &mut spec, &mut |_| true)
                 .unwrap();

@@ -121,7 +121,7 @@ fn verify_then_commit_j_equals_feeding_j_tokens() {
             let mut ver = e.new_session();
             ver.prefill(prompt).unwrap();
             let out = ver.verify(&drafts, &[]).unwrap();
-            assert_eq!(out.logits.len(), drafts.len() * e.cfg.vocab);
+            assert_eq!(out.logits.len(), drafts.len() * e.k3_config().vocab);
             ver.commit(j).unwrap();
             assert_eq!(ver.pos(), fed.pos(), "{name} j={j}");
             assert_eq!(ver.tokens(), fed.tokens(), "{name} j={j}");
@@ -143,7 +143,7 @@ fn verify_rows_have_the_logits_of_one_by_one_steps() {
     let out = s.verify(rows, &[]).unwrap();
     let mut one = e.new_session();
     one.prefill(prompt).unwrap();
-    let v = e.cfg.vocab;
+    let v = e.k3_config().vocab;
     for (i, &t) in rows.iter().enumerate() {
         assert_eq!(bits(one.step(t).unwrap()), bits(&out.logits[i * v..(i + 1) * v]), "row {i}");
     }
@@ -268,7 +268,7 @@ fn hidden_rows_are_tapped_after_the_asked_layers() {
     let dir = fixture("k3-tiny-a");
     let e = engine(&dir);
     let r = reference("k3-tiny-a");
-    let h = e.cfg.hidden;
+    let h = e.k3_config().hidden;
     let mut s = e.new_session();
     s.prefill(&r.prompt[..10]).unwrap();
     let taps = [1usize, 4];

@@ -701,7 +701,7 @@ fn the_device_expert_cache_changes_no_bit_and_serves_repeated_experts() {
     };
     let (first, tokens, last, hits, requested, e) = run(None);
     assert_eq!(hits, 0);
-    let expert = e.cfg.expert_bytes() as f64;
+    let expert = e.k3_config().expert_bytes() as f64;
     // Every expert fits; then three slots, so that nearly every layer evicts.
     for (gb, what) in [(1.0, "every expert held"), (3.5 * expert / 1e9, "three slots")] {
         let (f, t, l, h, req, e2) = run(Some(gb));
@@ -710,7 +710,7 @@ fn the_device_expert_cache_changes_no_bit_and_serves_repeated_experts() {
         assert_eq!(l, last, "{what}: last logits");
         assert!(h > 0, "{what}: no expert served from device memory");
         // Experts run from device memory are not fetched from the expert source.
-        assert_eq!(req + h * e.cfg.expert_bytes() as u64, requested, "{what}: bytes fetched");
+        assert_eq!(req + h * e.k3_config().expert_bytes() as u64, requested, "{what}: bytes fetched");
         assert!(e2.startup_line().contains("expert cache"), "{}", e2.startup_line());
         eprintln!("device expert cache, {what}: {h} experts from device memory, same bits");
     }
@@ -719,7 +719,7 @@ fn the_device_expert_cache_changes_no_bit_and_serves_repeated_experts() {
     let config =
         EngineConfig { backend: BackendKind::Gpu, gpu_cache_gb: Some(1.0), ..test_config(&dir, KdaMode::Recurrent) };
     let opened = Engine::open(config).unwrap();
-    assert_eq!(opened.device_expert_slots(), opened.cfg.moe_layers() * opened.cfg.experts);
+    assert_eq!(opened.device_expert_slots(), opened.k3_config().moe_layers() * opened.k3_config().experts);
     // The CPU backend has no device memory to keep experts in.
     let config = EngineConfig { gpu_cache_gb: Some(1.0), ..test_config(&dir, KdaMode::Recurrent) };
     let err = Engine::open(config).err();

@@ -1,15 +1,15 @@
 //! Drafts inside a running batch, on the trained demo model and its DSpark drafter: requests run
-//! as lanes of `Engine::drive_lanes` (N = 1, 3, 8 at once, more requests than lanes so newcomers
+//! as lanes of `Engine::run_continuous` (N = 1, 3, 8 at once, more requests than lanes so newcomers
 //! join as others leave, prompts chunked so their rows ride beside decode and verify rows), some
 //! drafting and some not, greedy and seeded sampling, a stop token met among accepted drafts —
 //! every request's tokens identical to its run alone with drafts off, drafts accepted.
 
 mod common;
 use common::*;
+use deltafin::draft::{DSparkDrafter, Speculator};
 use deltafin::engine::{Engine, EngineConfig, GenerateOptions, Lane, LaneError, LaneHost};
 use deltafin::k3::KdaMode;
 use deltafin::sample::{Sampler, SamplingParams};
-use deltafin::spec::{DSparkDrafter, Speculator};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -60,8 +60,8 @@ impl LaneHost for Host<'_> {
         let lane = Lane::new(self.e.new_session(), r.prompt.clone(), r.opts.clone(), Sampler::new(r.params)).unwrap();
         let lane = match r.draft {
             true => {
-                let d = DSparkDrafter::new(Arc::clone(self.e.draft.as_ref().unwrap()));
-                lane.with_drafts(Box::new(Speculator::without_cost_model(Box::new(d))))
+                let d = DSparkDrafter::new(Arc::clone(self.e.dspark_model().unwrap()));
+                lane.with_drafts(Speculator::without_cost_model(Box::new(d)))
             }
             false => lane,
         };
@@ -74,8 +74,8 @@ impl LaneHost for Host<'_> {
     }
 
     fn finished(&mut self, i: usize, lane: Lane) {
-        self.peak = self.peak.max(lane.peak_batch);
-        self.got[i] = Some(lane.tokens);
+        self.peak = self.peak.max(lane.peak_batch());
+        self.got[i] = Some(lane.tokens().to_vec());
     }
 
     fn failed(&mut self, i: usize, _: Lane, e: &LaneError) {
@@ -106,7 +106,7 @@ fn requests(e: &Arc<Engine>, draft: bool) -> Vec<Req> {
 fn drive(e: &Arc<Engine>, reqs: &[Req], n: usize) -> (Vec<Vec<u32>>, u64, usize) {
     let mut host =
         Host { e, reqs, next: 0, got: vec![None; reqs.len()], streamed: vec![Vec::new(); reqs.len()], peak: 0 };
-    let stats = e.drive_lanes(n, &mut host);
+    let stats = e.run_continuous(n, &mut host);
     let got: Vec<Vec<u32>> = host.got.into_iter().map(Option::unwrap).collect();
     assert_eq!(host.streamed, got, "the callback saw every token once, in order");
     (got, stats.drafts_accepted, host.peak)

@@ -8,9 +8,9 @@
 mod common;
 use common::*;
 use deltafin::backend::BackendError;
+use deltafin::draft::{Drafter, NgramDrafter, Speculator};
 use deltafin::engine::{Engine, GenerateOptions, Session};
 use deltafin::sample::{Sampler, SamplingParams, probabilities};
-use deltafin::spec::{Drafter, NgramDrafter, Speculator};
 use std::sync::Arc;
 
 /// Always proposes the same tokens.
@@ -224,7 +224,7 @@ fn cli_sampling_flags_are_reproducible_and_checked() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("temperature 3 is outside 0..=2"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("`3` is not a temperature"));
     let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&dir)
@@ -232,5 +232,5 @@ fn cli_sampling_flags_are_reproducible_and_checked() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("min_p 1.5 is outside 0..=1"), "{o:?}");
+    assert!(String::from_utf8_lossy(&o.stderr).contains("`1.5` is not a min-p"), "{o:?}");
 }

@@ -5,10 +5,10 @@
 
 mod common;
 use common::*;
+use deltafin::draft::{NgramDrafter, Speculator};
 use deltafin::engine::{Engine, GenerateOptions, SamplerPosition, Session, SessionNotes, StateFileError};
 use deltafin::k3::KdaMode;
 use deltafin::sample::{Sampler, SamplingParams};
-use deltafin::spec::{NgramDrafter, Speculator};
 use std::path::Path;
 use std::sync::Arc;
 

@@ -9,9 +9,9 @@
 mod common;
 use common::*;
 use deltafin::backend::BackendError;
+use deltafin::draft::{Drafter, NgramDrafter, Speculator};
 use deltafin::engine::{Engine, GenerateOptions, Generation, Session};
 use deltafin::sched::RowsOut;
-use deltafin::spec::{Drafter, NgramDrafter, Speculator};
 use std::sync::Arc;
 
 /// What a generation left behind, to compare bit for bit.
@@ -213,7 +213,7 @@ fn partial_acceptance_stops_and_cancels_end_as_in_plain_greedy() {
     for name in FIXTURES {
         let r = reference(name);
         let e = engine(&fixture(name));
-        let vocab = e.cfg.vocab as u32;
+        let vocab = e.k3_config().vocab as u32;
         let prompt = &r.prompt[..20];
         let full = plain(&e, prompt, &opts(40, Vec::new()), None).tokens;
         let truth: Vec<u32> = prompt.iter().chain(&full).copied().collect();
@@ -277,7 +277,7 @@ fn perfect_drafts_hand_over_fewer_expert_bytes_per_token() {
         wrong_one_in: 0,
         taps: Vec::new(),
         observed: 0,
-        vocab: e.cfg.vocab as u32,
+        vocab: e.k3_config().vocab as u32,
     }));
     let (got, st) = speculative(&e, prompt, &opts(n, Vec::new()), &mut spec, None);
     assert_eq!(got.tokens, g.tokens);

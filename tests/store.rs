@@ -300,7 +300,7 @@ fn a_missing_drive_degrades_to_remaining_holders() {
     std::fs::remove_dir_all(&drives[1]).unwrap();
     let store = open_store(&m, &man, 1 << 20, ReaderKind::Auto);
     assert!(bits_equal(&logits_with(&m, store.clone()).unwrap(), &want));
-    assert!(store.report().drives[1].last_failure.as_ref().unwrap().contains("missing"));
+    assert!(store.report().drives[1].failed.as_ref().unwrap().contains("missing"));
     // Spread with the shards as fallback: the shards serve what the lost drive held.
     let tmp2 = copy_fixture("k3-tiny-a");
     let m2 = open(tmp2.path());

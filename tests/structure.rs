@@ -1,6 +1,6 @@
 //! The crate's structure, from its own source: no import cycle among the top-level modules of
 //! `src/`, none among the direct submodules of any of them, and imports run downhill — `cli` ->
-//! `serve` / `bench` -> `spec` -> `engine` -> `sched` / `hub` / `memory` / `demo` -> `k3` /
+//! `serve` / `bench` -> `engine` -> `sched` / `hub` / `memory` / `demo` / `draft` -> `k3` /
 //! `stats` -> `model` / `store` / `sample` -> `backend` -> `util` — with at most two exceptions
 //! (the bar). A module that is not on a floor yet fails the test until it is given one.
 //!
@@ -12,6 +12,10 @@
 //! [`MAX_CLI_FILE_LINES`] (argument parsing and printing; the work is in the library). Front ends
 //! (the CLI's subcommands and the server) reach the model only through `Engine` / `Session`: they
 //! import nothing of `k3`, `backend` or `sched`, and touch none of the engine's parts.
+//!
+//! One step core: a forward runs in one place (`Engine::forward_rows`, engine/step.rs), a token is
+//! picked and rows are kept in one place (engine/lane.rs), and drafting has one trait
+//! (`draft::Drafter`): a second decode loop or drafting trait fails a test.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -22,9 +26,8 @@ const FLOORS: &[&[&str]] = &[
     &["backend"],
     &["model", "store", "sample"],
     &["k3", "stats"],
-    &["sched", "hub", "memory", "demo"],
+    &["sched", "hub", "memory", "demo", "draft"],
     &["engine"],
-    &["spec"],
     &["serve", "bench"],
     &["cli"],
 ];
@@ -48,7 +51,20 @@ const ENGINE_INSIDES: &[&str] = &["k3", "backend", "sched"];
 
 /// Parts of an `Engine` a front end must not touch (`engine.<part>` / `engine().<part>`); it asks
 /// the engine's methods instead (`engine/facts.rs`).
-const ENGINE_PARTS: &[&str] = &["model", "ck", "roster", "plan", "cfg", "draft", "device", "source", "store"];
+const ENGINE_PARTS: &[&str] =
+    &["model", "checkpoint", "roster", "plan", "k3_config", "dspark_model", "device", "source", "store"];
+
+/// Calls that make a decode loop, and the one file each may appear in (besides its definition):
+/// a forward (the step core's), a token picked from logits and rows kept (a lane's).
+const ONE_PLACE_CALLS: &[(&str, &str)] = &[
+    ("sched::forward(", "engine/step.rs"),
+    ("forward::forward(", "sched/mod.rs"),
+    (".pick_on(", "engine/lane.rs"),
+    (".commit_rows(", "engine/lane.rs"),
+];
+
+/// The one drafting trait: the only trait that proposes tokens or is named for drafts.
+const DRAFTING_TRAIT: &str = "draft/mod.rs: Drafter";
 
 fn rs_files(dir: &Path, out: &mut Vec<PathBuf>) {
     let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
@@ -545,9 +561,10 @@ fn front_ends_reach_the_model_only_through_the_engine() {
 fn the_engine_part_check_sees_fields_not_arguments() {
     assert!(touches_engine_part("let b = engine.plan.context_bound;", "plan"));
     assert!(touches_engine_part("self.engine().model.be.argmax(x)", "model"));
-    assert!(touches_engine_part("(&engine.draft, 1)", "draft"));
+    assert!(touches_engine_part("(&engine.dspark_model, 1)", "dspark_model"));
     assert!(touches_engine_part("self.engine.cfg.vocab", "cfg"));
-    assert!(!touches_engine_part("engine.draft_model_description()", "draft"));
+    assert!(!touches_engine_part("engine.draft_model_description()", "dspark_model"));
+    assert!(touches_engine_part("engine.dspark_model()", "dspark_model"));
     assert!(!touches_engine_part("my_engine.cfg", "cfg"));
 }
 
@@ -615,4 +632,81 @@ fn every_durable_write_goes_through_the_util_helpers() {
         "make these durable with util::sync_file (or sync_data, sync_dir):\n{}",
         direct.join("\n")
     );
+}
+
+/// The traits `code` declares that draft: (name, whether its body declares `fn propose`) for
+/// every trait named for drafts or proposing tokens.
+fn drafting_traits(code: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for (at, _) in code.match_indices("trait ") {
+        if at > 0 && code[..at].chars().next_back().is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
+            continue;
+        }
+        let rest = &code[at + 6..];
+        let name: String = rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+        let Some(open) = rest.find('{') else { continue };
+        let mut depth = 0;
+        let mut end = rest.len();
+        for (i, c) in rest[open..].char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = open + i;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        if name.contains("Draft") || rest[open..end].contains("fn propose") {
+            found.push(name);
+        }
+    }
+    found
+}
+
+#[test]
+fn one_step_core_and_one_drafting_trait() {
+    let mut found = Vec::new();
+    let mut traits = Vec::new();
+    for (rel, text) in sources() {
+        let code = code_of(&text);
+        for (call, home) in ONE_PLACE_CALLS {
+            if code.contains(call) && rel != *home {
+                found.push(format!("{rel} calls {call} (only {home} may: run rows through the step core)"));
+            }
+        }
+        traits.extend(drafting_traits(&code).into_iter().map(|t| format!("{rel}: {t}")));
+    }
+    for (call, home) in ONE_PLACE_CALLS {
+        let at_home = sources().into_iter().any(|(rel, text)| rel == *home && code_of(&text).contains(call));
+        assert!(at_home, "{home} no longer calls {call}: update the check with the core's new home");
+    }
+    if traits != [DRAFTING_TRAIT] {
+        found.push(format!("drafting traits {traits:?} (one: {DRAFTING_TRAIT})"));
+    }
+    assert!(found.is_empty(), "a second decode loop or drafting trait:\n{}", found.join("\n"));
+}
+
+#[test]
+fn the_drafting_trait_check_sees_traits_that_propose() {
+    assert_eq!(drafting_traits("pub trait Drafter: Send { fn name(&self); }"), ["Drafter"]);
+    assert_eq!(drafting_traits("trait Lanes { fn propose(&mut self, k: usize); } fn f() {}"), ["Lanes"]);
+    assert!(drafting_traits("pub trait LaneHost { fn next(&mut self); } // Drafter").is_empty());
+    assert!(drafting_traits("pub trait Schedule { fn begin(&mut self) {} }").is_empty());
+    assert!(drafting_traits("impl Subtrait for X {}").is_empty());
+}
+
+#[test]
+fn the_model_reaches_kernels_only_through_the_backend() {
+    // backend/mod.rs: the model never calls a kernel directly; `backend::detmath` (the defined
+    // scalar functions every backend's kernels follow) is not a kernel.
+    let direct: Vec<String> = sources()
+        .into_iter()
+        .filter(|(rel, text)| rel.starts_with("k3/") && code_of(text).contains("cpu::"))
+        .map(|(rel, _)| rel)
+        .collect();
+    assert!(direct.is_empty(), "k3/ files calling CPU kernels (go through the Backend trait):\n{}", direct.join("\n"));
 }

@@ -5,9 +5,9 @@
 
 mod common;
 use common::*;
+use deltafin::draft::Speculator;
 use deltafin::engine::{Engine, EngineConfig, GenerateOptions};
 use deltafin::k3::KdaMode;
-use deltafin::spec::Speculator;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -72,10 +72,10 @@ fn trained_drafter_gets_drafts_accepted_and_changes_no_id() {
     let (mut proposed, mut accepted) = (0, 0);
     for p in [&prompt[..40], &prompt[..], &prompt[70..]] {
         let want = plain(&e, p, 48);
-        let d = Box::new(deltafin::spec::DSparkDrafter::new(std::sync::Arc::clone(e.draft.as_ref().unwrap())));
+        let d = Box::new(deltafin::draft::DSparkDrafter::new(std::sync::Arc::clone(e.dspark_model().unwrap())));
         let mut spec = Speculator::without_cost_model(d);
         let mut s = e.new_session();
-        spec.prefill(&mut s, p).unwrap();
+        s.prefill_with(p, &mut spec).unwrap();
         let g = s
             .generate_speculative(&GenerateOptions { max_new: 48, stop: Vec::new() }, &mut spec, &mut |_| true)
             .unwrap();

@@ -114,16 +114,16 @@ fn coded_logits_are_bit_identical_on_the_fixtures_and_the_trained_model() {
         let most = if src == demo() { 0.72 } else { 0.9 };
         assert!(ratio > 0.65 && ratio < most, "{report}");
         let (bf16, coded) = (open(&dir, Trunk::Bf16).unwrap(), open(&dir, Trunk::Auto).unwrap());
-        assert_eq!(coded.trunk, Trunk::Coded, "auto takes the coded trunk when there is one");
-        let prompt: Vec<u32> = (0..24u32).map(|i| (i * 37 + 5) % bf16.cfg.vocab as u32).collect();
+        assert_eq!(coded.trunk(), Trunk::Coded, "auto takes the coded trunk when there is one");
+        let prompt: Vec<u32> = (0..24u32).map(|i| (i * 37 + 5) % bf16.k3_config().vocab as u32).collect();
         assert_eq!(bits(&score(&coded, &prompt)), bits(&score(&bf16, &prompt)), "{}", src.display());
         assert_eq!(greedy(&coded, &prompt[..5], 6), greedy(&bf16, &prompt[..5], 6));
         // The memory plan counts the coded size.
         assert!(
-            (coded.plan.trunk as f64) < (most + 0.02) * bf16.plan.trunk as f64,
+            (coded.plan().trunk as f64) < (most + 0.02) * bf16.plan().trunk as f64,
             "{} vs {}",
-            coded.plan.trunk,
-            bf16.plan.trunk
+            coded.plan().trunk,
+            bf16.plan().trunk
         );
     }
 }

@@ -208,6 +208,24 @@ fma_fn! {
     pub fn sigmoid(x: f32) -> f32 { sigmoid_body(x) }
 }
 
+/// x * sigmoid(x).
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// Index of the largest value (lowest index on ties; NaN never wins): the pick every backend's
+/// argmax gives.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] || (logits[best].is_nan() && !v.is_nan()) {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

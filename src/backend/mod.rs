@@ -297,6 +297,25 @@ pub trait Backend: Send + Sync {
 
     /// Index of the largest logit, lowest index on ties, NaN never wins (`cpu::ops::argmax`).
     fn argmax(&self, logits: &[f32]) -> Result<u32, BackendError>;
+
+    /// Each row of `x` (rows of `width`) scaled to unit L2 norm, x / sqrt(x.x + eps), each row on
+    /// its own (KDA's q and k heads). On the CPU for every backend: a few floats a head.
+    fn l2_norm_rows(&self, x: &mut [f32], width: usize, eps: f32) -> Result<(), BackendError> {
+        x.chunks_exact_mut(width.max(1)).for_each(|r| cpu::ops::l2_norm_inplace(r, eps));
+        Ok(())
+    }
+
+    /// acc = fma(a, x, acc), element-wise: one expert's weighted output added to a row's routed
+    /// sum (fused, as a GPU kernel would).
+    fn axpy(&self, acc: &mut [f32], a: f32, x: &[f32]) {
+        cpu::ops::axpy(acc, a, x)
+    }
+
+    /// An MXFP4 product's input rows in the order the kernels read them (each 32-value block's
+    /// even values, then its odd ones).
+    fn deinterleave_mxfp4_input(&self, x: &[f32], out: &mut [f32]) {
+        cpu::deinterleave_mxfp4_input(x, out)
+    }
 }
 
 /// A backend as the engine holds it: what it is, what it is told before work starts, its device

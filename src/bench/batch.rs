@@ -132,7 +132,7 @@ pub fn run(
     let read0 = engine.source_report().expert_bytes_read.unwrap_or(0);
     // The kernels' rate is timed on both sides of the prefill (half the rounds each): a shared
     // VM's speed drifts by ~17% over minutes, and one moment's timing follows the drift.
-    let grid = rate_grid(engine.config.prefill_rows.min(prompts.iter().map(Vec::len).sum()));
+    let grid = rate_grid(engine.config().prefill_rows.min(prompts.iter().map(Vec::len).sum()));
     let rate_before = engine.expert_seconds(&grid, RATE_REPS / 2).map_err(ForwardError::from)?;
     let rss_before = reset_peak_rss();
     let t0 = Instant::now();
@@ -211,11 +211,11 @@ pub fn run(
         "run",
         json!({
             "model": engine.dir().display().to_string(),
-            "engine_config": engine.config,
+            "engine_config": engine.config(),
             "backend_used": engine.backend_used(),
             "expert_bytes_total": engine.expert_bytes_total(),
-            "memory_budget": engine.plan.budget,
-            "expert_cache_bytes": engine.plan.expert_cache,
+            "memory_budget": engine.plan().budget,
+            "expert_cache_bytes": engine.plan().expert_cache,
             "page_cache": emptied,
             "cold": cold,
             "cold_note": super::cold::warm_note(cold, emptied, &rep2.drives),
@@ -413,7 +413,7 @@ fn open_fitting(mut config: EngineConfig, lens: &[usize]) -> Result<Arc<Engine>,
 /// The number of shared prefill passes `prompts` take on `engine`.
 fn prefill_passes(engine: &Arc<Engine>, prompts: &[Vec<u32>]) -> u64 {
     let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
-    crate::engine::prefill_passes(&lens, engine.config.prefill_rows).len() as u64
+    crate::engine::prefill_passes(&lens, engine.config().prefill_rows).len() as u64
 }
 
 /// Each prompt alone on a fresh session: its prefill logits, its greedy tokens, its prefill wall

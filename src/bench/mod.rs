@@ -37,7 +37,7 @@ pub enum BenchError {
     #[error("cannot open the model in {}: {source}", dir.display())]
     Open { dir: PathBuf, source: Box<crate::engine::EngineError> },
     #[error(transparent)]
-    Spec(#[from] crate::spec::SpecError),
+    Draft(#[from] crate::draft::DraftError),
     #[error(transparent)]
     Backend(#[from] crate::backend::BackendError),
     #[cfg(feature = "gpu")]

@@ -16,9 +16,9 @@
 use super::BenchError;
 use super::ceiling::{CeilingProbe, ceiling_json, mean_gbps};
 use super::cold::{self, Emptied};
+use crate::draft::{DraftKind, OracleDrafter, Speculator};
 use crate::engine::{Engine, EngineConfig, EngineError, GenerateOptions};
 use crate::model::ModelFiles;
-use crate::spec::{DraftKind, OracleDrafter, Speculator};
 use crate::store::placement::{Manifest, manifest_path};
 use serde_json::{Value, json};
 use std::path::PathBuf;
@@ -151,11 +151,11 @@ fn one_run(
     let engine = open_engine(config)?;
     let mut spec = match a.draft {
         BenchDraft::Off => None,
-        BenchDraft::Ngram => crate::spec::drafter_for(DraftKind::Ngram, &engine)?.map(Speculator::new),
-        BenchDraft::Dspark => crate::spec::drafter_for(DraftKind::Dspark, &engine)?.map(Speculator::new),
+        BenchDraft::Ngram => engine.speculator(DraftKind::Ngram)?,
+        BenchDraft::Dspark => engine.speculator(DraftKind::Dspark)?,
         BenchDraft::Oracle => oracle.take(),
     };
-    let plan = engine.plan.clone();
+    let plan = engine.plan().clone();
     let mut session = engine.new_session();
     let ceiling_before = probe.measure()?;
     let traffic_start = engine.device_traffic();
@@ -163,7 +163,7 @@ fn one_run(
     let prefill_start = unix();
     let t0 = Instant::now();
     match &mut spec {
-        Some(sp) => sp.prefill(&mut session, prompt),
+        Some(sp) => session.prefill_with(prompt, sp),
         None => session.prefill(prompt),
     }
     .map_err(prefill_failed)?;
@@ -263,17 +263,17 @@ fn one_run(
             .collect::<serde_json::Map<_, _>>()
     });
     let layers_moe = files.cfg.moe_layers() as u64;
-    let chunks = prompt.len().div_ceil(engine.config.prefill_rows.max(1)) as u64;
+    let chunks = prompt.len().div_ceil(engine.config().prefill_rows.max(1)) as u64;
     let mut record = crate::stats::bench_record(
         "run",
         json!({
             "model": files.dir.display().to_string(),
-            "engine_config": engine.config,
+            "engine_config": engine.config(),
             "backend_used": engine.backend_used(),
             "expert_bytes_total": files.expert_bytes_total(),
             "moe_layers": layers_moe,
-            "drives_used": engine.config.use_drives,
-            "prefetch": engine.config.prefetch,
+            "drives_used": engine.config().use_drives,
+            "prefetch": engine.config().prefetch,
             "page_cache_dropped": emptied == Emptied::Dropped,
             "memory_budget": plan.budget,
             "expert_cache_bytes": plan.expert_cache,

@@ -27,10 +27,10 @@
 use super::batch_io::{self, Results, is_std, line_list};
 use super::load;
 use super::progress::{self, Progress};
+use crate::draft::DraftKind;
 use crate::serve::api::{self, ApiError, ParseContext};
 use crate::serve::generator::{GenConfig, GenError, Generator, template_takes_tools};
 use crate::serve::records::{Line, Waiting, error_record, input_lines, longest_request, result_record, run_lanes};
-use crate::spec::DraftKind;
 use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::Value;
@@ -125,7 +125,7 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     }
     let engine = load::open_engine(config)?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
-    crate::spec::drafter_for(a.draft, &engine)?;
+    engine.drafter(a.draft)?;
     if !a.quiet {
         eprintln!("{}", super::report::startup(&engine, super::report::verbose(false)));
     }

@@ -7,10 +7,10 @@
 //! ends with a newline, and Ctrl-C ends the run (exit 130), so the command scripts.
 
 use super::load;
+use crate::draft::DraftKind;
 use crate::model::chat::Thinking;
 use crate::serve::conversation::{self, ChatSettings, Command, Conversation};
 use crate::serve::generator::{Delta, GenConfig, GenError};
-use crate::spec::DraftKind;
 use anyhow::Result;
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};
@@ -193,7 +193,7 @@ pub fn run(mut a: ChatArgs) -> Result<()> {
     let rows = a.engine.prefill_rows.max(8);
     let engine = load::open_engine(a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0))?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
-    crate::spec::drafter_for(a.draft, &engine)?;
+    engine.drafter(a.draft)?;
     if !a.quiet {
         eprintln!("{}", engine.startup_line());
     }

@@ -16,12 +16,12 @@ pub use super::run_args::{Format, RunArgs};
 use super::session::{self, SessionFile};
 use super::signals::{self, is_broken_pipe};
 use super::{load, progress};
+use crate::draft::{DraftKind, WidthPolicy};
 use crate::engine::GenerateOptions;
 use crate::model::chat::{ChatOptions, ChatTemplate};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::sample::Sampler;
 use crate::serve::answer::Answer;
-use crate::spec::{DraftKind, Speculator, WidthPolicy};
 use anyhow::{Context, Result, bail};
 use std::io::{Read, Write};
 use std::path::Path;
@@ -130,7 +130,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let held = saved.as_ref().map_or(0, |f| f.tokens);
     config.context = load::run_context(&dir, config.context, (held + prompt.len()).saturating_add(a.max_new));
     let engine = load::open_engine(config)?;
-    let mut spec = crate::spec::drafter_for(a.draft, &engine)?.map(Speculator::new);
+    let mut spec = engine.speculator(a.draft)?;
     if let Some(t) = &tok {
         engine.check_tokenizer(t)?;
     }
@@ -181,7 +181,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let prefilled = match &mut spec {
         // A resumed session with nothing new generates from its saved logits.
         _ if prompt.is_empty() => Ok(()),
-        Some(sp) => sp.prefill(&mut session, &prompt).map(|_| ()),
+        Some(sp) => session.prefill_with(&prompt, sp).map(|_| ()),
         None => session.prefill(&prompt).map(|_| ()),
     };
     // Ctrl-C stops the prefill: nothing generated, what was measured still reported.
@@ -260,7 +260,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         (_, true) => Ok(()),
         (Format::Text, false) => writeln!(out).and_then(|_| out.flush()),
         (Format::Json, false) => {
-            let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config, "backend_used": engine.backend_used(), "sampling": sampling});
+            let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config(), "backend_used": engine.backend_used(), "sampling": sampling});
             if tok.is_some() {
                 obj["text"] = serde_json::Value::String(text);
             }
@@ -283,7 +283,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         eprintln!("{}", report::summary(&stats));
     }
     if a.stats {
-        eprint!("{}", report::stats_text(&stats, engine.config.prefetch));
+        eprint!("{}", report::stats_text(&stats, engine.config().prefetch));
     }
     if let Some(p) = &a.trace_routes {
         let body = serde_json::to_vec(&engine.route_trace(&stats))?;

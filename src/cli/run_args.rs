@@ -3,8 +3,8 @@
 //! in `--help`, not `-h`).
 
 use super::KdaArg;
+use crate::draft::DraftKind;
 use crate::model::chat::Thinking;
-use crate::spec::DraftKind;
 use clap::{ArgGroup, Args, ValueEnum};
 use std::path::PathBuf;
 
@@ -60,10 +60,6 @@ pub struct RunArgs {
     /// chat_template_kwargs, else the template's, max; off answers directly).
     #[arg(long, value_enum, help_heading = "Prompt")]
     pub thinking: Option<Thinking>,
-    /// With --chat, do not show the model's reasoning (the thinking channel; shown dimmed on
-    /// stderr by default).
-    #[arg(long, requires = "chat", help_heading = "Output")]
-    pub hide_reasoning: bool,
     /// With several prompts: how many run at once (default: all).
     ///
     /// When one finishes the next joins at the next step. Answers are identical whatever it is.
@@ -104,6 +100,10 @@ pub struct RunArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Text, help_heading = "Output")]
     pub format: Format,
+    /// With --chat, do not show the model's reasoning (the thinking channel; shown dimmed on
+    /// stderr by default).
+    #[arg(long, requires = "chat", help_heading = "Output")]
+    pub hide_reasoning: bool,
     /// Print every counter to stderr at the end.
     ///
     /// Bytes read, read amplification, cache hits, phase timers, tokens/s; --stats-json writes

@@ -1,5 +1,5 @@
 //! `deltafin run` with several prompts: a running batch (the engine's lane driver,
-//! `Engine::drive_lanes`) of up to `--parallel` prompts (default: all of them), each layer's
+//! `Engine::run_continuous`) of up to `--parallel` prompts (default: all of them), each layer's
 //! experts read once per step for all running prompts; when one finishes the next joins at the
 //! next step, its prompt's rows in the same forward as the others' decode rows.
 //!
@@ -15,10 +15,10 @@
 
 use super::load;
 use super::run_args::{Format, RunArgs};
+use crate::draft::DraftKind;
 use crate::engine::{Engine, GenerateOptions, Generation, Lane, LaneError, LaneHost};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::sample::{Sampler, SamplingParams};
-use crate::spec::{DraftKind, Speculator};
 use anyhow::{Context, Result, bail};
 use std::io::Write;
 use std::path::PathBuf;
@@ -54,8 +54,8 @@ impl LaneHost for Prompts<'_> {
             }
         };
         // The drafter was built once at startup: here it cannot fail.
-        let lane = match crate::spec::drafter_for(self.draft, self.engine).ok().flatten() {
-            Some(d) => lane.with_drafts(Box::new(Speculator::new(d))),
+        let lane = match self.engine.speculator(self.draft).ok().flatten() {
+            Some(d) => lane.with_drafts(d),
             None => lane,
         };
         Some((i, lane))
@@ -107,7 +107,7 @@ pub(super) fn run_many(
         engine.check_tokenizer(t)?;
     }
     // A drafter that cannot be built is a startup error.
-    crate::spec::drafter_for(a.draft, &engine)?;
+    engine.drafter(a.draft)?;
     let bound = engine.context_bound();
     for (i, p) in prompts.iter().enumerate() {
         if p.len().checked_add(a.max_new).is_none_or(|n| n > bound) {
@@ -153,7 +153,7 @@ pub(super) fn run_many(
         first_token: None,
         failed: None,
     };
-    let mut stats = engine.drive_lanes(parallel, &mut host);
+    let mut stats = engine.run_continuous(parallel, &mut host);
     if let Some(e) = host.failed {
         bail!("{e}");
     }
@@ -171,7 +171,7 @@ pub(super) fn run_many(
         eprintln!("{}", super::report::summary(&stats));
     }
     if a.stats {
-        eprint!("{}", super::report::stats_text(&stats, engine.config.prefetch));
+        eprint!("{}", super::report::stats_text(&stats, engine.config().prefetch));
     }
     if let Some(p) = &a.trace_routes {
         let body = serde_json::to_vec(&engine.route_trace(&stats))?;
@@ -239,7 +239,7 @@ fn print_answers(
         writeln!(
             out,
             "{}",
-            serde_json::json!({"stats": stats.to_json(), "engine_config": engine.config, "backend_used": engine.backend_used(), "sampling": sampling})
+            serde_json::json!({"stats": stats.to_json(), "engine_config": engine.config(), "backend_used": engine.backend_used(), "sampling": sampling})
         )?;
     }
     out.flush()?;

@@ -166,7 +166,7 @@ fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
     };
     let engine = load::open_engine(a.engine.config(dir.clone(), a.kda.into(), window, logits_bytes))?;
     engine.check_tokenizer(&tok)?;
-    let judged_trunk = engine.trunk;
+    let judged_trunk = engine.trunk();
     let per_token = compare::judged_pass(&engine, &ids, a.window, &mut scratch, base_vocab, &mut |d| {
         tokens_done(&mut bar, "judged", predicted + d, 2 * predicted)
     })

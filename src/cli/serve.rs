@@ -3,9 +3,9 @@
 //! stops it cleanly.
 
 use super::load;
+use crate::draft::DraftKind;
 use crate::serve::ServeOptions;
 use crate::serve::generator::GenConfig;
-use crate::spec::DraftKind;
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -110,7 +110,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     // when it is admitted).
     engine.sequences_fit(&vec![1; a.parallel as usize])?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
-    crate::spec::drafter_for(a.draft, &engine)?;
+    engine.drafter(a.draft)?;
     let model_id = a.model_name.clone().unwrap_or_else(|| {
         dir.canonicalize()
             .unwrap_or(dir.clone())

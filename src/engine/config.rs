@@ -4,7 +4,8 @@
 //! Contract: plain data, serialisable (a bench record's `engine_config` is this struct); the
 //! defaults are the CLI's. Nothing here opens a file.
 
-use super::{BackendKind, KdaMode, Trunk};
+use super::{BackendKind, EngineError, KdaMode, Trunk};
+use crate::setting::Setting;
 use crate::store::reader::ReaderKind;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -130,5 +131,58 @@ impl Default for EngineConfig {
             context: None,
             trunk: Trunk::Auto,
         }
+    }
+}
+
+impl EngineConfig {
+    /// Checks the settings that need no file: sizes are positive numbers, a GPU cache has a GPU,
+    /// drives of the store are not asked for with mapped experts.
+    pub(super) fn check(&self) -> Result<(), EngineError> {
+        if let Some(g) = self.memory_gb
+            && !(g.is_finite() && g > 0.0)
+        {
+            return Err(EngineError::Setting {
+                setting: Setting::MemoryGb,
+                value: g.to_string(),
+                problem: "give a positive number of GB".into(),
+            });
+        }
+        if let Some(g) = self.expert_cache_gb
+            && !(g.is_finite() && g >= 0.0)
+        {
+            return Err(EngineError::Setting {
+                setting: Setting::ExpertCacheGb,
+                value: g.to_string(),
+                problem: "give a number of GB >= 0".into(),
+            });
+        }
+        if let Some(g) = self.gpu_cache_gb {
+            if !(g.is_finite() && g >= 0.0) {
+                return Err(EngineError::Setting {
+                    setting: Setting::GpuCacheGb,
+                    value: g.to_string(),
+                    problem: "give a number of GB >= 0".into(),
+                });
+            }
+            if g > 0.0 && self.backend == BackendKind::Cpu {
+                return Err(EngineError::Setting {
+                    setting: Setting::GpuCacheGb,
+                    value: g.to_string(),
+                    problem: format!("keeps experts in GPU memory: it needs {} gpu or auto", Setting::Backend),
+                });
+            }
+        }
+        if self.experts_from == ExpertsFrom::Mmap && (self.placement.is_some() || self.use_drives.is_some()) {
+            return Err(EngineError::Setting {
+                setting: Setting::ExpertsFrom,
+                value: "mmap".into(),
+                problem: format!(
+                    "{} and {} choose drives of the expert store; they cannot be used with it",
+                    Setting::Placement,
+                    Setting::UseDrives
+                ),
+            });
+        }
+        Ok(())
     }
 }

@@ -5,26 +5,29 @@
 //! (`Arc`, memory-mapped), checked roster, resident trunk (loaded once), backend, expert source and
 //! memory plan — or a typed error naming the file and field; nothing is allocated past the memory
 //! budget. An `Engine` is `Send + Sync` and is shared across threads behind an `Arc`; all
-//! per-sequence state lives in [`Session`]s. [`Engine::forward_sessions`] runs rows of several
-//! sessions through one layer loop (one expert-union read per layer for all of them).
+//! per-sequence state lives in [`Session`]s. Every path that feeds rows — a session's prefill,
+//! score, generation with or without drafts, several sessions together, continuous batching —
+//! runs the one step core (`step.rs`): the rows of every active sequence through one layer loop
+//! (one expert-union read per layer for all of them), then each picks or accepts and commits.
 
-mod batch;
 pub mod compare;
 mod config;
-mod drive;
+mod continuous;
 mod facts;
 mod kernel_rate;
-mod lanes;
+mod lane;
+mod parts;
 pub mod perplexity;
+mod run;
 pub(crate) mod session;
 pub mod state_file;
-mod step_cost;
+mod step;
 pub mod trunk;
 
-pub use batch::{BatchSeq, prefill_passes};
 pub use config::{EngineConfig, ExpertHeat, ExpertsFrom};
-pub use drive::{LaneError, LaneHost};
-pub use lanes::{Lane, LaneDrafts};
+pub use continuous::{LaneError, LaneHost};
+pub use lane::Lane;
+pub use run::{BatchSeq, prefill_passes};
 pub use session::{GenerateOptions, Generation, PrefillProgress, PrefillWatcher, Session, StopReason};
 pub use state_file::{SamplerPosition, SessionNotes, StateFileError};
 // The settings and errors of the engine's API that are defined further down.
@@ -33,16 +36,17 @@ pub use crate::k3::weights::Trunk;
 pub use crate::k3::{ForwardError, KdaMode};
 
 use crate::backend::{DeviceTraffic, OpTime, SequenceState};
+use crate::draft::{DraftError, DraftKind, Drafter, Speculator};
 use crate::k3::dspark::DSparkModel;
 use crate::k3::{K3, LoadError};
-use crate::memory::{BudgetError, MemoryPlan, activation_bytes, machine_available};
+use crate::memory::{BudgetError, MemoryPlan, Split, activation_bytes, machine_available, state_reserve};
 use crate::model::config::{AttnKind, FfnKind};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{Checkpoint, K3Config, ModelError, Roster};
 use crate::sched;
 use crate::setting::{Action, Setting};
 use crate::store::expert_store::{self, ExpertStore, StoreOptions, StoreSpec};
-use crate::store::placement::{Manifest, PlacementError, manifest_path, manifest_spec, shard_spec};
+use crate::store::placement::{Manifest, PlacementError, manifest_path, manifest_spec, restrict_drives, shard_spec};
 use crate::store::{ExpertSource, ShardExperts, SourceReport, StoreError};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -98,55 +102,22 @@ impl From<LoadError> for EngineError {
 
 /// An opened model; see the module contract.
 pub struct Engine {
-    pub config: EngineConfig,
-    pub dir: PathBuf,
-    pub cfg: K3Config,
-    pub ck: Arc<Checkpoint>,
-    pub roster: Roster,
-    pub model: K3,
+    config: EngineConfig,
+    dir: PathBuf,
+    cfg: K3Config,
+    ck: Arc<Checkpoint>,
+    roster: Roster,
+    model: K3,
     /// The trunk encoding in use (`EngineConfig::trunk` resolved: never `Auto`).
-    pub trunk: Trunk,
+    trunk: Trunk,
     /// The backend the model computes on, as the engine manages it (description, device expert
     /// cache, counters); the model itself sees only its operations.
     device: Arc<dyn crate::backend::Device>,
     /// The DSpark draft model (`EngineConfig::draft_model`), shared by every session's drafter.
-    pub draft: Option<Arc<DSparkModel>>,
+    draft: Option<Arc<DSparkModel>>,
     source: Option<Arc<dyn ExpertSource>>,
     store: Option<Arc<ExpertStore>>,
-    pub plan: MemoryPlan,
-}
-
-/// Drops holders on placement drives not in `keep` (the shards, the last drive, stay as placed);
-/// fails if an expert is left without any holder, warns when some must come from the shards.
-fn restrict_drives(spec: &mut StoreSpec, keep: &[usize], placement_drives: usize) -> Result<(), EngineError> {
-    let list = keep.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
-    let (mut none, mut shards_only) = (0usize, 0usize);
-    for per_layer in spec.holders.iter_mut().flatten() {
-        for hs in per_layer.iter_mut() {
-            hs.retain(|h| h.drive as usize >= placement_drives || keep.contains(&(h.drive as usize)));
-            if hs.is_empty() {
-                none += 1;
-            } else if hs.iter().all(|h| h.drive as usize >= placement_drives) {
-                shards_only += 1;
-            }
-        }
-    }
-    if none > 0 {
-        return Err(EngineError::Setting {
-            setting: Setting::UseDrives,
-            value: list,
-            problem: format!(
-                "{none} experts have no holder on those drives (and the placement does not fall back to the shards); use a mirror placement for drive subsets"
-            ),
-        });
-    }
-    if shards_only > 0 {
-        tracing::warn!(
-            "{} {list}: {shards_only} experts are not on those drives and will be read from the shards",
-            Setting::UseDrives
-        );
-    }
-    Ok(())
+    plan: MemoryPlan,
 }
 
 /// Where the store reads experts: the placement's holders (restricted to `--use-drives`) or the
@@ -182,14 +153,11 @@ fn store_spec(
             let mut spec = manifest_spec(m, ck, roster, layout.clone())
                 .map_err(|source| EngineError::Placement { path: mp.clone(), source })?;
             if let Some(keep) = &config.use_drives {
-                if let Some(&bad) = keep.iter().find(|&&d| d >= m.drives.len()) {
-                    return Err(EngineError::Setting {
-                        setting: Setting::UseDrives,
-                        value: bad.to_string(),
-                        problem: format!("the placement has {} drives (0..{})", m.drives.len(), m.drives.len()),
-                    });
-                }
-                restrict_drives(&mut spec, keep, m.drives.len())?;
+                restrict_drives(&mut spec, keep, m.drives.len()).map_err(|e| EngineError::Setting {
+                    setting: Setting::UseDrives,
+                    value: e.value,
+                    problem: e.problem,
+                })?;
             }
             spec
         }
@@ -217,51 +185,7 @@ impl Engine {
         if !dir.is_dir() {
             return Err(EngineError::NoModelDir(dir));
         }
-        if let Some(g) = config.memory_gb
-            && !(g.is_finite() && g > 0.0)
-        {
-            return Err(EngineError::Setting {
-                setting: Setting::MemoryGb,
-                value: g.to_string(),
-                problem: "give a positive number of GB".into(),
-            });
-        }
-        if let Some(g) = config.expert_cache_gb
-            && !(g.is_finite() && g >= 0.0)
-        {
-            return Err(EngineError::Setting {
-                setting: Setting::ExpertCacheGb,
-                value: g.to_string(),
-                problem: "give a number of GB >= 0".into(),
-            });
-        }
-        if let Some(g) = config.gpu_cache_gb {
-            if !(g.is_finite() && g >= 0.0) {
-                return Err(EngineError::Setting {
-                    setting: Setting::GpuCacheGb,
-                    value: g.to_string(),
-                    problem: "give a number of GB >= 0".into(),
-                });
-            }
-            if g > 0.0 && config.backend == BackendKind::Cpu {
-                return Err(EngineError::Setting {
-                    setting: Setting::GpuCacheGb,
-                    value: g.to_string(),
-                    problem: format!("keeps experts in GPU memory: it needs {} gpu or auto", Setting::Backend),
-                });
-            }
-        }
-        if config.experts_from == ExpertsFrom::Mmap && (config.placement.is_some() || config.use_drives.is_some()) {
-            return Err(EngineError::Setting {
-                setting: Setting::ExpertsFrom,
-                value: "mmap".into(),
-                problem: format!(
-                    "{} and {} choose drives of the expert store; they cannot be used with it",
-                    Setting::Placement,
-                    Setting::UseDrives
-                ),
-            });
-        }
+        config.check()?;
         // A stream install (`setup --stream`) has holes where the experts are: only its stream
         // source may deliver them. An unfinished one is refused before its files are read.
         let stream = if given.is_some() { None } else { crate::hub::stream::StreamInstall::load(&dir)? };
@@ -339,21 +263,21 @@ impl Engine {
         let read_ahead_slots = spec.as_ref().map_or(0, |sp| sched::moe::read_ahead_slots(&sp.drives, config.sequences));
         let staging = spec.as_ref().map_or(0, |sp| expert_store::staging_slots(&sp.drives, prefetch_depth) as u64);
         let staging = (staging + read_ahead_slots as u64) * slot;
-        let n_experts = (c.moe_layers() * c.experts) as u64;
+        let split = Split {
+            budget,
+            trunk: trunk_bytes,
+            draft: draft_bytes,
+            staging,
+            states: state_reserve(c, context, config.sequences),
+            activations: activation_bytes(c, rows) + config.output_bytes,
+            slot,
+            experts: (c.moe_layers() * c.experts) as u64,
+        };
         let cache = match (&spec, config.expert_cache_gb) {
             (None, _) => 0,
-            (Some(_), Some(g)) => (g * 1e9) as u64,
-            (Some(_), None) => {
-                let (fixed, per_token) = crate::k3::state::SeqState::footprint(c);
-                let one = fixed as u64 + per_token as u64 * context as u64;
-                let reserve = one * config.sequences.max(1) as u64;
-                let committed =
-                    trunk_bytes + draft_bytes + staging + reserve + activation_bytes(c, rows) + config.output_bytes;
-                (budget.saturating_sub(committed) as f64 * 0.9) as u64
-            }
+            (Some(_), Some(g)) => split.with_cache((g * 1e9) as u64),
+            (Some(_), None) => split.expert_cache(),
         };
-        // Whole slots only, and never more than every expert.
-        let cache = cache.checked_div(slot).map_or(0, |n| n.min(n_experts) * slot);
         let plan = MemoryPlan::new(c, budget, trunk_bytes, draft_bytes, cache, staging, rows, config.output_bytes)?
             .with_context(context, config.sequences);
         // On a Mac the GPU's memory (what it holds now, and at most every sequence's state and the
@@ -408,6 +332,17 @@ impl Engine {
         // A large directory never seen: its checksums are recorded while the engine runs.
         ck.record_in_background();
         Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, trunk, device: backend, draft, source, store, plan }))
+    }
+
+    /// The drafter `kind` names (None for `Off`); DSpark drafts with this engine's draft model.
+    pub fn drafter(&self, kind: DraftKind) -> Result<Option<Box<dyn Drafter>>, DraftError> {
+        crate::draft::drafter_for(kind, self.draft.as_ref())
+    }
+
+    /// A sequence's drafter for `kind` with the width policy and the live cost model (None for
+    /// `Off`).
+    pub fn speculator(&self, kind: DraftKind) -> Result<Option<Speculator>, DraftError> {
+        Ok(self.drafter(kind)?.map(Speculator::new))
     }
 
     /// A new, empty sequence on this engine.

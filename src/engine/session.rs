@@ -12,8 +12,7 @@
 use super::Engine;
 use crate::k3::ForwardError;
 use crate::k3::state::SeqState;
-use crate::sample::Sampler;
-use crate::sched::{self, LogitRows, RowsOut, SeqRows};
+use crate::sched::{LogitRows, RowsOut, SeqRows};
 use crate::stats::Stats;
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,7 +27,7 @@ pub struct Session {
     verifying: Option<(Vec<u32>, Vec<f32>)>,
     pub stats: Stats,
     /// The prefill's watcher ([`Session::watch_prefill`]).
-    watcher: Option<Box<PrefillWatcher>>,
+    pub(super) watcher: Option<Box<PrefillWatcher>>,
 }
 
 /// A prefill's watcher: told where the prefill is; returning false stops it.
@@ -156,18 +155,6 @@ impl Session {
         self.verifying = None;
     }
 
-    /// Commits the rows of `tokens` that a shared forward left pending and records them.
-    pub(super) fn commit_fed(
-        &mut self,
-        tokens: &[u32],
-        logits: Vec<f32>,
-        stats: &Stats,
-    ) -> Result<&[f32], ForwardError> {
-        self.commit_rows(tokens, tokens.len(), logits)?;
-        self.stats.merge(stats);
-        Ok(self.last_logits.as_deref().unwrap_or_default())
-    }
-
     /// Keeps the first `j` of the rows of `tokens` that a shared forward left pending (the rest
     /// roll back), with `logits` after the last kept row. All or nothing, as `commit`.
     pub(super) fn commit_rows(&mut self, tokens: &[u32], j: usize, logits: Vec<f32>) -> Result<(), ForwardError> {
@@ -177,138 +164,19 @@ impl Session {
         Ok(())
     }
 
-    /// One forward of `tokens` on this session alone, committed on success.
-    fn forward(&mut self, tokens: &[u32], logits: LogitRows, taps: &[usize]) -> Result<RowsOut, ForwardError> {
-        self.forward_watched(tokens, logits, taps, &mut |_, _, _| true)
-    }
-
-    /// [`Self::forward`] calling `watch(MoE layers done, MoE layers, counters)` after each MoE
-    /// layer (false stops the forward: `ForwardError::Cancelled`).
-    fn forward_watched(
-        &mut self,
-        tokens: &[u32],
-        logits: LogitRows,
-        taps: &[usize],
-        watch: &mut dyn FnMut(usize, usize, &Stats) -> bool,
-    ) -> Result<RowsOut, ForwardError> {
-        let e = Arc::clone(&self.engine);
-        self.verifying = None;
-        let mut batch = [SeqRows { state: &mut self.state, tokens, logits, taps }];
-        let opts = e.sched_options();
-        let out = sched::forward_watched(&e.model, &*e.device, e.source(), opts, &mut batch, &mut self.stats, watch)?;
-        let out = out.into_iter().next().unwrap_or_default();
-        self.state.commit(&*e.model.be, &e.cfg, tokens.len())?;
-        self.tokens.extend_from_slice(tokens);
-        Ok(out)
-    }
-
-    /// Runs `tokens` in chunks of at most `prefill_rows` rows, each committed in turn, handing
-    /// every chunk's logits to `keep`; all or nothing: a chunk that fails restores the state from
-    /// before the first one.
-    fn chunked(
-        &mut self,
-        tokens: &[u32],
-        logits: LogitRows,
-        taps: &[usize],
-        keep: &mut dyn FnMut(usize, RowsOut),
-    ) -> Result<(), ForwardError> {
-        let rows = self.engine.config.prefill_rows.max(1);
-        if tokens.is_empty() {
-            return Err(ForwardError::Empty);
-        }
-        let vocab = self.engine.cfg.vocab;
-        // Several chunks commit one by one: keep the state to come back to on a late failure.
-        let before = match tokens.len() > rows {
-            true => Some((self.state.try_clone()?, self.tokens.len(), self.last_logits.clone())),
-            false => None,
-        };
-        let (first, bytes0) = (self.pos(), self.stats.expert_bytes_requested);
-        let mut watcher = self.watcher.take();
-        for chunk in tokens.chunks(rows) {
-            let start = self.pos();
-            let mut watch = |layers_done: usize, layers: usize, stats: &Stats| {
-                let p = PrefillProgress {
-                    tokens_done: start - first,
-                    chunk: chunk.len(),
-                    tokens: tokens.len(),
-                    layers_done,
-                    layers,
-                    expert_bytes: stats.expert_bytes_requested - bytes0,
-                };
-                watcher.as_mut().is_none_or(|w| w(&p))
-            };
-            let ran = self.forward_watched(chunk, logits, taps, &mut watch);
-            match ran {
-                Ok(out) => {
-                    self.last_logits = Some(out.logits[out.logits.len().saturating_sub(vocab)..].to_vec());
-                    keep(start, out);
-                }
-                Err(e) => {
-                    if let Some((st, n, logits)) = before {
-                        self.state = st;
-                        self.tokens.truncate(n);
-                        self.last_logits = logits;
-                    }
-                    self.watcher = watcher;
-                    return Err(e);
-                }
-            }
-        }
-        self.watcher = watcher;
-        Ok(())
-    }
-
-    /// Runs a prompt expert-major in chunks of at most `prefill_rows` rows (each chunk passes every
-    /// layer, one read of each layer's expert union, before the next starts); returns the last
-    /// row's logits. All or nothing: on failure the session is as before the call.
-    pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], ForwardError> {
-        self.prefill_observed(tokens, &[], &mut |_, _, _| {})
-    }
-
-    /// [`Session::prefill`] that also hands each committed chunk's hidden rows after the `taps`
-    /// layers to `observe(start position, rows, row count)` (a drafter's context). If a later
-    /// chunk fails, the session is restored but earlier chunks were observed: the observer must
-    /// drop rows at or past the session's position when it next sees one (see `DSparkDrafter`).
-    pub fn prefill_observed(
-        &mut self,
-        tokens: &[u32],
-        taps: &[usize],
-        observe: &mut dyn FnMut(usize, &RowsOut, usize),
-    ) -> Result<&[f32], ForwardError> {
-        let t0 = Instant::now();
-        let h = self.engine.cfg.hidden;
-        self.chunked(tokens, LogitRows::Last, taps, &mut |start, out| {
-            let n = out.taps.first().map_or(0, |(_, r)| r.len() / h);
-            observe(start, &out, n)
-        })?;
-        self.stats.prompt_tokens += tokens.len() as u64;
-        self.stats.prefill_s += t0.elapsed().as_secs_f64();
-        Ok(self.last_logits.as_deref().unwrap_or_default())
-    }
-
-    /// Feeds one token; returns the logits after it.
-    pub fn step(&mut self, token: u32) -> Result<&[f32], ForwardError> {
-        let out = self.forward(&[token], LogitRows::Last, &[])?;
-        self.last_logits = Some(out.logits);
-        Ok(self.last_logits.as_deref().unwrap_or_default())
-    }
-
-    /// Logits at every position of `tokens` (chunked at `prefill_rows`), committed; all or nothing.
-    pub fn score(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
-        let mut all = Vec::with_capacity(tokens.len() * self.engine.cfg.vocab);
-        self.chunked(tokens, LogitRows::All, &[], &mut |_, o| all.extend(o.logits))?;
-        Ok(all)
-    }
-
     /// Runs `tokens` with logits for every row and the hidden rows after `taps`, without
     /// committing them; `commit(j)` keeps the first j. Any other call drops the verification.
     pub fn verify(&mut self, tokens: &[u32], taps: &[usize]) -> Result<RowsOut, ForwardError> {
         let e = Arc::clone(&self.engine);
         self.verifying = None;
         let t0 = Instant::now();
-        let mut batch = [SeqRows { state: &mut self.state, tokens, logits: LogitRows::All, taps }];
-        let out = sched::forward(&e.model, &*e.device, e.source(), e.sched_options(), &mut batch, &mut self.stats)?;
-        let out = out.into_iter().next().unwrap_or_default();
+        let mut stats = Stats::default();
+        let ran = {
+            let mut batch = [SeqRows { state: &mut self.state, tokens, logits: LogitRows::All, taps }];
+            e.forward_rows(&mut batch, &mut stats, &mut |_, _, _| true)
+        };
+        self.stats.merge(&stats);
+        let out = ran?.into_iter().next().unwrap_or_default();
         self.verifying = Some((tokens.to_vec(), out.logits.clone()));
         self.stats.verify_s += t0.elapsed().as_secs_f64();
         Ok(out)
@@ -366,70 +234,15 @@ impl Session {
         Ok(())
     }
 
-    /// Greedy generation from the current logits: emits K3's argmax, feeds it, repeats; stops after
-    /// a stop token, `max_new` tokens, or when `on_token` returns false. The last emitted token
-    /// is not fed (its logits are not needed).
-    pub fn generate(
-        &mut self,
-        opts: &GenerateOptions,
-        on_token: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<Generation, ForwardError> {
-        self.generate_sampled(opts, &mut Sampler::greedy(), on_token)
-    }
-
-    /// [`Session::generate`] with each token chosen by `sampler` (greedy: the same tokens bit for
-    /// bit; sampling: one pick per emitted token, in order).
-    pub fn generate_sampled(
-        &mut self,
-        opts: &GenerateOptions,
-        sampler: &mut Sampler,
-        on_token: &mut dyn FnMut(u32) -> bool,
-    ) -> Result<Generation, ForwardError> {
-        let mut out = Vec::with_capacity(opts.max_new);
-        let Some(mut logits) = self.last_logits.clone() else { return Err(ForwardError::Empty) };
-        let started = self.decode_start();
-        let reason = loop {
-            if out.len() >= opts.max_new {
-                break StopReason::Length;
-            }
-            if let Some(r) = emit(&mut out, sampler.pick_on(&*self.engine.model.be, &logits)?, opts, on_token) {
-                break r;
-            }
-            logits = self.step(out[out.len() - 1])?.to_vec();
-        };
-        self.decode_end(started, out.len());
-        Ok(Generation { tokens: out, reason })
-    }
-
     /// The clock and counters a generation's decode figures start from.
-    pub(crate) fn decode_start(&self) -> (Instant, u64) {
+    pub(super) fn decode_start(&self) -> (Instant, u64) {
         (Instant::now(), self.stats.expert_bytes_requested)
     }
 
     /// Adds a finished generation of `emitted` tokens to the decode counters.
-    pub(crate) fn decode_end(&mut self, (t0, bytes0): (Instant, u64), emitted: usize) {
+    pub(super) fn decode_end(&mut self, (t0, bytes0): (Instant, u64), emitted: usize) {
         self.stats.decode_s += t0.elapsed().as_secs_f64();
         self.stats.generated_tokens += emitted as u64;
         self.stats.decode_expert_bytes += self.stats.expert_bytes_requested - bytes0;
-    }
-}
-
-/// Emits `token` into `out` and says whether generation ends with it — cancelled by `on_token`,
-/// a stop token, or `max_new` reached — the one rule plain and speculative decoding share.
-pub(crate) fn emit(
-    out: &mut Vec<u32>,
-    token: u32,
-    opts: &GenerateOptions,
-    on_token: &mut dyn FnMut(u32) -> bool,
-) -> Option<StopReason> {
-    out.push(token);
-    if !on_token(token) {
-        Some(StopReason::Cancelled)
-    } else if opts.stop.contains(&token) {
-        Some(StopReason::Stop)
-    } else if out.len() >= opts.max_new {
-        Some(StopReason::Length)
-    } else {
-        None
     }
 }

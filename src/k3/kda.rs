@@ -16,8 +16,8 @@
 
 use super::PAR_MIN_ROWS;
 use super::weights::KdaWeights;
+use crate::backend::detmath::{sigmoid, silu};
 use crate::backend::{Backend, BackendError, HeadIn, StateBuf};
-use crate::cpu::ops::{l2_norm_inplace, sigmoid, silu};
 use crate::model::K3Config;
 use crate::model::config::KDA_L2_EPS;
 use rayon::prelude::*;
@@ -201,15 +201,17 @@ pub fn forward(
         };
         let mut q = gather(&proj[0]);
         let mut k = gather(&proj[1]);
-        for (qt, kt) in q.chunks_exact_mut(dk).zip(k.chunks_exact_mut(dk)) {
-            l2_norm_inplace(qt, KDA_L2_EPS);
-            qt.iter_mut().for_each(|x| *x *= q_scale);
-            l2_norm_inplace(kt, KDA_L2_EPS);
-        }
-        HeadIn { q, k, v: gather(&proj[2]), g: gather(&g), beta: (0..n).map(|t| beta[t * nh + hd]).collect() }
+        // Each row on its own: normalising all of q, then all of k, gives the same bits.
+        be.l2_norm_rows(&mut q, dk, KDA_L2_EPS)?;
+        q.iter_mut().for_each(|x| *x *= q_scale);
+        be.l2_norm_rows(&mut k, dk, KDA_L2_EPS)?;
+        Ok(HeadIn { q, k, v: gather(&proj[2]), g: gather(&g), beta: (0..n).map(|t| beta[t * nh + hd]).collect() })
     };
-    let heads: Vec<HeadIn> =
-        if n >= PAR_MIN_ROWS { (0..nh).into_par_iter().map(head).collect() } else { (0..nh).map(head).collect() };
+    let heads: Vec<HeadIn> = if n >= PAR_MIN_ROWS {
+        (0..nh).into_par_iter().map(head).collect::<Result<_, BackendError>>()?
+    } else {
+        (0..nh).map(head).collect::<Result<_, BackendError>>()?
+    };
 
     let mut s_after = spare.filter(|s| s.len() == st.s.len()).unwrap_or_else(|| StateBuf::zeros(st.s.len()));
     let mut o_heads = vec![0f32; nh * n * dv];

@@ -9,8 +9,8 @@
 //! committed is undone by truncating the cache back (`MlaState::truncate`).
 
 use super::weights::MlaWeights;
+use crate::backend::detmath::sigmoid;
 use crate::backend::{AppendBuf, Backend, BackendError, MlaDims, Visible};
-use crate::cpu::ops::sigmoid;
 use crate::model::K3Config;
 
 /// One sequence's cache of one MLA layer.

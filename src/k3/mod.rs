@@ -19,7 +19,7 @@ pub mod moe;
 pub mod state;
 pub mod weights;
 
-pub use crate::backend::cpu::ops::argmax;
+pub use crate::backend::detmath::argmax;
 use crate::backend::{Backend, BackendError, Device, Situ};
 use crate::model::{Checkpoint, K3Config, ModelError};
 use crate::store::StoreError;

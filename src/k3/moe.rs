@@ -16,7 +16,6 @@ use super::finite::{Site, first_non_finite};
 use super::weights::{MlpWeights, MoeWeights};
 use super::{ForwardError, PAR_MIN_ROWS, situ};
 use crate::backend::{Backend, BackendError, ExpertBatch, ExpertLayout, RouteRule, Situ};
-use crate::cpu::deinterleave_mxfp4_input;
 use crate::model::K3Config;
 use rayon::prelude::*;
 
@@ -76,6 +75,7 @@ pub struct RoutedExperts<'a> {
     latent: usize,
     k: usize,
     rows: usize,
+    be: &'a dyn Backend,
     batch: Box<dyn ExpertBatch + 'a>,
     /// Union indices in the order they were queued (the batch's output order).
     queued: Vec<usize>,
@@ -104,7 +104,7 @@ impl<'a> RoutedExperts<'a> {
         }
         let rows = zd.len() / latent.max(1);
         let batch = be.expert_batch(layer, layout, situ(c));
-        RoutedExperts { union, targets_of, zd, latent, k, rows, batch, queued: Vec::new(), rows_run: 0, layer }
+        RoutedExperts { union, targets_of, zd, latent, k, rows, be, batch, queued: Vec::new(), rows_run: 0, layer }
     }
 
     /// The distinct experts routed to, ascending.
@@ -175,7 +175,7 @@ impl<'a> RoutedExperts<'a> {
     /// weight or the sum itself: [`Site::Moe`]), its `pos` the row of the pass (the forward
     /// turns it into the sequence's position).
     pub fn finish(self, weights: &[f32]) -> Result<Vec<f32>, ForwardError> {
-        let (lat, k) = (self.latent, self.k);
+        let (lat, k, be) = (self.latent, self.k, self.be);
         let outs = self.batch.finish()?;
         // Where each slot's row comes from: (queued output, its row).
         let mut from = vec![None; self.rows * k];
@@ -193,7 +193,7 @@ impl<'a> RoutedExperts<'a> {
                     Some((q, i)) => &outs[q][i * lat..(i + 1) * lat],
                     None => &zero[..],
                 };
-                crate::cpu::ops::axpy(acc, weights[r * k + j], x);
+                be.axpy(acc, weights[r * k + j], x);
             }
         };
         if self.rows >= PAR_MIN_ROWS {
@@ -244,10 +244,10 @@ pub fn expert_input(be: &dyn Backend, c: &K3Config, w: &MoeWeights, xn: &[f32]) 
     if n >= PAR_MIN_ROWS {
         zd.par_chunks_exact_mut(lat)
             .zip(z.par_chunks_exact(lat))
-            .for_each(|(dst, src)| deinterleave_mxfp4_input(src, dst));
+            .for_each(|(dst, src)| be.deinterleave_mxfp4_input(src, dst));
     } else {
         for (src_row, dst) in z.chunks_exact(lat).zip(zd.chunks_exact_mut(lat)) {
-            deinterleave_mxfp4_input(src_row, dst);
+            be.deinterleave_mxfp4_input(src_row, dst);
         }
     }
     Ok(ExpertInput { zd, shared_gate_up })

@@ -33,27 +33,15 @@ pub struct Options {
     pub queue_depth: usize,
 }
 
-/// Runs every sequence's rows through the model; see the module contract. `device` is the
-/// backend the model computes on, as the engine holds it (its device expert cache).
-pub fn forward(
-    model: &K3,
-    device: &dyn Device,
-    source: Option<&dyn ExpertSource>,
-    opts: Options,
-    batch: &mut [SeqRows],
-    stats: &mut Stats,
-) -> Result<Vec<RowsOut>, ForwardError> {
-    forward_watched(model, device, source, opts, batch, stats, &mut |_, _, _| true)
-}
-
 /// Told after each MoE layer of a forward: (MoE layers done, MoE layers, counters so far); false
-/// stops the forward ([`forward_watched`]).
+/// stops the forward ([`forward`]).
 pub type LayerWatch<'a> = dyn FnMut(usize, usize, &Stats) -> bool + 'a;
 
-/// [`forward`] calling `watch(MoE layers done, MoE layers, counters so far)` after each MoE
-/// layer (a long prefill's progress); `watch` returning false fails the forward there with
-/// [`ForwardError::Cancelled`] (every sequence as it was, as for any failure).
-pub fn forward_watched(
+/// Runs every sequence's rows through the model; see the module contract. `device` is the
+/// backend the model computes on, as the engine holds it (its device expert cache). `watch` is
+/// called after each MoE layer (a long prefill's progress); returning false fails the forward
+/// there with [`ForwardError::Cancelled`] (every sequence as it was, as for any failure).
+pub fn forward(
     model: &K3,
     device: &dyn Device,
     source: Option<&dyn ExpertSource>,

@@ -17,10 +17,8 @@ use serde_json::{Map, Value};
 /// Longest stop sequence accepted.
 pub const MAX_STOP_BYTES: usize = 1024;
 
-/// Fields of OpenAI's API (and of vLLM's and llama.cpp's servers) that do not change what is
-/// generated here, accepted and ignored: bookkeeping for OpenAI's platform (`store`, `metadata`,
-/// `service_tier`, `user`, `safety_identifier`, `prompt_cache_key`), a speed hint (`prediction`:
-/// predicted output).
+/// Fields of OpenAI's API (and vLLM's, llama.cpp's) that do not change what is generated here,
+/// accepted and ignored: platform bookkeeping, and a speed hint (`prediction`).
 pub const IGNORED: [&str; 7] =
     ["store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key", "prediction"];
 

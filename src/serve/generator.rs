@@ -14,11 +14,11 @@
 pub use super::answer::Delta;
 use super::answer::{Answer, Tokens};
 use super::api::{ApiError, GenRequest, Kind, Prompt};
+use crate::draft::DraftKind;
 use crate::engine::{Engine, ForwardError, GenerateOptions, Generation, Session, StopReason};
 use crate::model::chat::{ChatError, ChatOptions, ChatTemplate, Thinking};
 use crate::model::tokenizer::Tokenizer;
 use crate::sample::{Sampler, SamplingParams, TokenLogprob};
-use crate::spec::{DraftKind, Speculator};
 use crate::stats::Stats;
 use crate::store::SourceReport;
 use serde_json::{Value, json};
@@ -404,16 +404,16 @@ impl Generator {
         if let Some(out) = self.memo_answer(&begin, prompt.len(), queued_s, t0, sink) {
             return Ok(out);
         }
-        let mut spec = crate::spec::drafter_for(self.cfg.draft, &self.engine).ok().flatten().map(Speculator::new);
+        let mut spec = self.engine.speculator(self.cfg.draft).ok().flatten();
         // A drafter that reads K3's hidden rows (DSpark) must see the whole prompt: no resume.
-        let taps = spec.as_ref().is_some_and(|s| !s.drafter.taps().is_empty());
+        let taps = spec.as_ref().is_some_and(|s| !s.taps().is_empty());
         let (mut session, reused) =
             if self.cfg.reuse && !taps { self.session_for(&prompt) } else { (self.engine.new_session(), 0) };
         session.stats = Stats::default();
         let src0 = self.engine.source_report();
         if reused < prompt.len() {
             match &mut spec {
-                Some(sp) if taps => sp.prefill(&mut session, &prompt)?,
+                Some(sp) if taps => session.prefill_with(&prompt, sp)?,
                 _ => session.prefill(&prompt[reused..])?,
             };
         }

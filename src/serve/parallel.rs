@@ -1,5 +1,5 @@
 //! A request as a lane of a running batch, for `serve --parallel N` and `batch --parallel N`
-//! (both drive their lanes with `Engine::drive_lanes`).
+//! (both drive their lanes with `Engine::run_continuous`).
 //!
 //! Contract: [`Generator::start_lane`] turns a prepared request into an `engine::Lane` on a fresh
 //! session — its own sampler (seeded as the request says), stop tokens, log-probabilities and,
@@ -22,7 +22,6 @@ use super::api::GenRequest;
 use super::generator::{Begin, Delta, GenError, Generator, Output, Prepared, Ran, Reads};
 use crate::engine::{GenerateOptions, Lane};
 use crate::sample::Sampler;
-use crate::spec::Speculator;
 use serde_json::{Value, json};
 use std::time::Instant;
 
@@ -77,8 +76,8 @@ impl Generator {
             Err(e) => return Started::Answered(Err(e.into())),
         };
         // A drafter that cannot be built was refused at startup; here it only may be absent.
-        let lane = match crate::spec::drafter_for(self.cfg.draft, &self.engine).ok().flatten() {
-            Some(d) => lane.with_drafts(Box::new(Speculator::new(d))),
+        let lane = match self.engine.speculator(self.cfg.draft).ok().flatten() {
+            Some(d) => lane.with_drafts(d),
             None => lane,
         };
         Started::Lane(Box::new((lane, LaneRequest { begin, answer, queued_s, prompt_len })))
@@ -89,8 +88,8 @@ impl Generator {
         let LaneRequest { begin, mut answer, queued_s, prompt_len } = r;
         answer.finish(sink);
         let st = &lane.session.stats;
-        let sh = &lane.shared;
-        let alone = lane.peak_batch <= 1;
+        let sh = lane.shared();
+        let alone = lane.peak_batch() <= 1;
         // Alone, the forwards' counters are its own.
         let mut own = st.clone();
         if alone {
@@ -102,7 +101,7 @@ impl Generator {
             Reads { bytes_read: sh.expert_bytes_read, cache_hits: sh.cache_hits, cache_misses: sh.cache_misses };
         let ran = Ran { prompt_len, reused: 0, queued_s, prefilled_s: st.prefill_s, reads };
         let mut out = self.output(&begin, answer, lane.generation(), &own, &ran);
-        out.ext["batch"] = json!(lane.peak_batch);
+        out.ext["batch"] = json!(lane.peak_batch());
         if !alone {
             for k in ["bytes_read", "expert_bytes_requested", "read_amplification", "cache_hits", "cache_misses"] {
                 out.ext[k] = Value::Null;

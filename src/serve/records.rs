@@ -4,7 +4,7 @@
 //! Contract: a result record is `{"id", "line", "text", "finish_reason", "usage", "deltafin"}`
 //! plus `reasoning_content` and `logprobs` when there are any; an error record is `{"id", "line",
 //! "error"}` in OpenAI's error shape. [`run_lanes`] runs checked requests as a running batch
-//! (`Engine::drive_lanes`, each request a lane: `Generator::start_lane`): when one finishes its
+//! (`Engine::run_continuous`, each request a lane: `Generator::start_lane`): when one finishes its
 //! record is written and the next request joins at the next step, its prompt's rows in the same
 //! forward as the running ones' decode rows; records come in the order requests finish.
 //! [`longest_request`] is the context the longest line of an input needs; [`input_lines`] an
@@ -169,7 +169,7 @@ pub enum RunError {
 }
 
 /// Runs the requests `next` yields as a running batch of up to `parallel` lanes
-/// (`Engine::drive_lanes`; see the module contract) and writes every record with `write`: a
+/// (`Engine::run_continuous`; see the module contract) and writes every record with `write`: a
 /// line's error at once, a result as soon as its request finishes. A failed step is an error
 /// record for each request it failed. A write that fails, or a request whose state cannot fit
 /// the memory budget even alone, stops the run: the requests still running are cancelled and
@@ -183,7 +183,7 @@ pub fn run_lanes(
 ) -> Result<Stats, RunError> {
     let engine = std::sync::Arc::clone(generator.engine());
     let mut host = Host { generator, next, write, stopped: None };
-    let stats = engine.drive_lanes(parallel, &mut host);
+    let stats = engine.run_continuous(parallel, &mut host);
     host.stopped.map_or(Ok(stats), Err)
 }
 

@@ -1,6 +1,6 @@
 //! `serve --parallel N`: the generation thread runs up to N requests as one running batch.
 //!
-//! Contract: the worker is a host of the engine's lane driver (`Engine::drive_lanes`): between
+//! Contract: the worker is a host of the engine's lane driver (`Engine::run_continuous`): between
 //! steps it admits waiting requests (up to N running; the HTTP side queues `queue` more and
 //! answers 429 beyond), each becoming a lane on a fresh session (`Generator::start_lane`, with
 //! its own drafter when the server drafts), and every lane advances in one forward per step — a
@@ -151,5 +151,5 @@ impl Host {
 pub(super) fn worker(gen_: Generator, jobs: mpsc::Receiver<Job>, sh: Shared, parallel: usize) {
     let engine = Arc::clone(gen_.engine());
     let mut host = Host { gen_, jobs, sh };
-    engine.drive_lanes(parallel, &mut host);
+    engine.run_continuous(parallel, &mut host);
 }

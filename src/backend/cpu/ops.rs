@@ -155,16 +155,7 @@ pub fn attn_res_mix(sources: &[&[f32]], score_w: &[f32], eps: f32, out: &mut [f3
     }
 }
 
-/// Index of the largest value (lowest index on ties; NaN never wins).
-pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] || (logits[best].is_nan() && !v.is_nan()) {
-            best = i;
-        }
-    }
-    best as u32
-}
+pub use crate::backend::detmath::argmax;
 
 /// Routing of rows of router logits [n, e] (e = `bias.len()`) by `rule` (see [`RouteRule`]):
 /// s = sigmoid(logit); the k largest of s + bias, descending, lower id first on ties, NaN last;

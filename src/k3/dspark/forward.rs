@@ -3,8 +3,8 @@
 //! depend on threading.
 
 use super::DSparkModel;
+use crate::backend::detmath::sigmoid;
 use crate::backend::{AppendBuf, BackendError, MlaDims, Visible};
-use crate::cpu::ops::sigmoid;
 
 impl DSparkModel {
     /// Rotates the interleaved pairs (x[2i], x[2i+1]) of `x` by pos x inv_freq[i].

@@ -3,7 +3,7 @@
 //! Contract: [`DSparkModel::open`] loads `config.json` + `model.safetensors` as published (names
 //! and shapes in docs/dspark.md), checks every tensor's dtype and shape against the config and the
 //! target, and borrows K3's own embeddings and `lm_head` (the checkpoint's `embed_tokens` copy is
-//! never read). The model is shared by all sessions; each drafter (`spec::DSparkDrafter`, the
+//! never read). The model is shared by all sessions; each drafter (`draft::DSparkDrafter`, the
 //! draft-verify policy's side) keeps its own latent cache of context rows. Drafts are proposals only: K3 verifies every one, so nothing here can
 //! change the output — only how many drafts are accepted.
 //!

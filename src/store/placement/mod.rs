@@ -30,11 +30,13 @@ use std::path::{Path, PathBuf};
 mod holders;
 mod place;
 mod plan;
+mod subset;
 mod verify;
 
 pub use holders::{manifest_spec, shard_read_ranges, shard_spec};
 pub use place::{PlaceOptions, place};
 pub use plan::{RouteTrace, plan_assignment};
+pub use subset::{DriveSubsetError, restrict_drives};
 pub use verify::{VerifyProblem, verify};
 
 pub const MANIFEST: &str = "placement.json";

@@ -140,59 +140,8 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
 
     // Room on every drive before writing anything.
     let len = layout.len as u64;
-    let mut need = vec![0u64; plan.drives.len()];
-    for per_layer in &plan.assign {
-        let mut count = vec![0usize; plan.drives.len()];
-        for ds in per_layer {
-            for &d in ds {
-                need[d as usize] += pack::align_up(len);
-                count[d as usize] += 1;
-            }
-        }
-        // Each pack file also has its header and index.
-        for (d, &n) in count.iter().enumerate() {
-            if n > 0 {
-                need[d] += pack::align_up((64 + 32 * n) as u64);
-            }
-        }
-    }
-    // Drives on one file system share its free space.
-    let mut by_fs: Vec<(u64, Vec<usize>)> = Vec::new();
-    for (d, drive) in plan.drives.iter().enumerate() {
-        use std::os::unix::fs::MetadataExt;
-        let dev = std::fs::metadata(&drive.root)
-            .map_err(|source| PlacementError::Io { path: drive.root.clone(), source })?
-            .dev();
-        match by_fs.iter_mut().find(|(x, _)| *x == dev) {
-            Some((_, v)) => v.push(d),
-            None => by_fs.push((dev, vec![d])),
-        }
-    }
-    for (_, ds) in &by_fs {
-        let root = &plan.drives[ds[0]].root;
-        let have = crate::store::probe::free_bytes(root)
-            .map_err(|source| PlacementError::Io { path: root.clone(), source })?;
-        let drives = &plan.drives;
-        let existing: u64 = ds
-            .iter()
-            .flat_map(|&d| {
-                let dir = drives[d].root.join(&ns);
-                layers.iter().filter_map(move |&l| std::fs::metadata(dir.join(pack::pack_name(l))).ok())
-            })
-            .map(|m| m.len())
-            .sum();
-        let needed: u64 = ds.iter().map(|&d| need[d]).sum();
-        if needed > have + existing {
-            let names: Vec<String> =
-                ds.iter().map(|&d| format!("drive {d} ({})", plan.drives[d].root.display())).collect();
-            return Err(PlacementError::NoRoom {
-                drives: names.join(" and "),
-                shared: ds.len() > 1,
-                free: have + existing,
-                need: needed,
-            });
-        }
-    }
+    let need = room_needed(&plan, len);
+    check_room(&plan, &need, &ns, &layers)?;
 
     let total: u64 = need.iter().sum();
     let mut done = 0u64;
@@ -339,6 +288,71 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
     crate::util::write_atomic(&path, &body).map_err(|source| PlacementError::Io { path: path.clone(), source })?;
     let _ = std::fs::remove_file(&plan_path);
     Ok(manifest)
+}
+
+/// Bytes each drive of `plan` will hold: its packs of experts of `len` bytes, with their headers
+/// and indexes.
+fn room_needed(plan: &Plan, len: u64) -> Vec<u64> {
+    let mut need = vec![0u64; plan.drives.len()];
+    for per_layer in &plan.assign {
+        let mut count = vec![0usize; plan.drives.len()];
+        for ds in per_layer {
+            for &d in ds {
+                need[d as usize] += pack::align_up(len);
+                count[d as usize] += 1;
+            }
+        }
+        // Each pack file also has its header and index.
+        for (d, &n) in count.iter().enumerate() {
+            if n > 0 {
+                need[d] += pack::align_up((64 + 32 * n) as u64);
+            }
+        }
+    }
+    need
+}
+
+/// Fails unless every file system of `plan`'s drives has room for what its drives `need` (packs
+/// of namespace `ns` already there for `layers` count as room: they are replaced).
+fn check_room(plan: &Plan, need: &[u64], ns: &str, layers: &[usize]) -> Result<(), PlacementError> {
+    // Drives on one file system share its free space.
+    let mut by_fs: Vec<(u64, Vec<usize>)> = Vec::new();
+    for (d, drive) in plan.drives.iter().enumerate() {
+        use std::os::unix::fs::MetadataExt;
+        let dev = std::fs::metadata(&drive.root)
+            .map_err(|source| PlacementError::Io { path: drive.root.clone(), source })?
+            .dev();
+        match by_fs.iter_mut().find(|(x, _)| *x == dev) {
+            Some((_, v)) => v.push(d),
+            None => by_fs.push((dev, vec![d])),
+        }
+    }
+    for (_, ds) in &by_fs {
+        let root = &plan.drives[ds[0]].root;
+        let have = crate::store::probe::free_bytes(root)
+            .map_err(|source| PlacementError::Io { path: root.clone(), source })?;
+        let drives = &plan.drives;
+        let existing: u64 = ds
+            .iter()
+            .flat_map(|&d| {
+                let dir = drives[d].root.join(ns);
+                layers.iter().filter_map(move |&l| std::fs::metadata(dir.join(pack::pack_name(l))).ok())
+            })
+            .map(|m| m.len())
+            .sum();
+        let needed: u64 = ds.iter().map(|&d| need[d]).sum();
+        if needed > have + existing {
+            let names: Vec<String> =
+                ds.iter().map(|&d| format!("drive {d} ({})", plan.drives[d].root.display())).collect();
+            return Err(PlacementError::NoRoom {
+                drives: names.join(" and "),
+                shared: ds.len() > 1,
+                free: have + existing,
+                need: needed,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Before anything is written: checksums recorded for shards never seen, and every shard that

@@ -1,7 +1,8 @@
-//! The lane driver: the one loop of every front end that runs requests as a running batch
-//! (`serve --parallel`, `batch --parallel`, `run` with several prompts).
+//! Continuous batching: the one loop of every front end that runs requests as a running batch
+//! (`serve --parallel`, `batch --parallel`, `run` with several prompts), sequences joining and
+//! leaving at step boundaries.
 //!
-//! Contract: [`Engine::drive_lanes`] keeps up to `parallel` lanes running. Before each step it
+//! Contract: [`Engine::run_continuous`] keeps up to `parallel` lanes running. Before each step it
 //! asks the host for newcomers ([`LaneHost::next`]; whether to wait when nothing runs is the
 //! host's choice) and admits each one whose sequence state fits the memory budget beside the
 //! running lanes' (one that does not waits, asking for no other, until lanes leave; one that does
@@ -15,12 +16,12 @@
 //! drafts.
 
 use super::Engine;
-use super::lanes::Lane;
+use super::lane::Lane;
 use crate::k3::ForwardError;
 use crate::memory::SequencesError;
 use crate::stats::Stats;
 
-/// What a front end gives [`Engine::drive_lanes`]: newcomers, and what to do with their tokens
+/// What a front end gives [`Engine::run_continuous`]: newcomers, and what to do with their tokens
 /// and their ends. `Tag` is the front end's own record of a request.
 pub trait LaneHost {
     type Tag;
@@ -66,7 +67,7 @@ fn add_own(total: &mut Stats, s: &Stats) {
 impl Engine {
     /// Runs the host's requests as a running batch of up to `parallel` lanes (see the module
     /// contract); returns the counters of every step.
-    pub fn drive_lanes<H: LaneHost>(&self, parallel: usize, host: &mut H) -> Stats {
+    pub fn run_continuous<H: LaneHost>(&self, parallel: usize, host: &mut H) -> Stats {
         let parallel = parallel.max(1);
         let mut total = Stats::default();
         let mut lanes: Vec<Lane> = Vec::new();

@@ -6,10 +6,10 @@
 //! session, a rejected verify), so the cache always describes a prefix of the committed tokens.
 //! Past [`MAX_DRAFT_CONTEXT`] tokens it neither caches nor drafts.
 
+use super::Drafter;
 use crate::backend::{AppendBuf, BackendError};
 use crate::k3::dspark::{DSparkModel, MAX_DRAFT_CONTEXT};
-use crate::sched::RowsOut;
-use crate::spec::Drafter;
+use crate::k3::forward::RowsOut;
 use std::sync::Arc;
 
 pub struct DSparkDrafter {
