@@ -24,6 +24,7 @@ pub mod generator;
 pub mod json;
 pub mod metrics;
 pub mod parallel;
+pub mod prefix;
 pub mod records;
 mod running;
 pub mod sse;
