@@ -274,23 +274,17 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     Ok(())
 }
 
-/// The summary's counters: prompt rows prefilled and routed expert bytes asked for (a shared
-/// prefix's counted once), and a running batch's expert reads (shared by its requests: once).
+/// The summary's counters: prompt rows prefilled, routed expert bytes asked for and read (a
+/// shared prefix's counted once; a running batch's shared forwards once).
 fn counters(t: &Totals, batch: Option<&Stats>, shared: Option<&Stats>, prefix: usize) -> String {
     let mb = |b: u64| b as f64 / 1e6;
     let asked = batch.map_or(t.expert_bytes_requested, |s| s.expert_bytes_requested);
-    let mut c = match shared {
-        Some(p) => format!(
-            ", prefill rows {} ({prefix} of them the shared prefix, once), expert bytes requested {:.1} MB ({:.1} MB the prefix's)",
-            t.prefill_rows + prefix as u64,
-            mb(asked + p.expert_bytes_requested),
-            mb(p.expert_bytes_requested)
-        ),
-        None => format!(", prefill rows {}, expert bytes requested {:.1} MB", t.prefill_rows, mb(asked)),
+    let read = batch.map_or(Some(t.expert_bytes_read), |s| s.expert_bytes_read);
+    let (p_asked, p_read) = shared.map_or((0, 0), |p| (p.expert_bytes_requested, p.expert_bytes_read.unwrap_or(0)));
+    let rows = match shared {
+        Some(_) => format!("{} ({prefix} of them the shared prefix, once)", t.prefill_rows + prefix as u64),
+        None => t.prefill_rows.to_string(),
     };
-    if let Some(b) = batch.and_then(|s| s.expert_bytes_read) {
-        let p = shared.and_then(|s| s.expert_bytes_read).unwrap_or(0);
-        c += &format!(", expert reads {:.1} MB for the whole batch", mb(b + p));
-    }
-    c
+    let read = read.map_or(String::new(), |r| format!(", read {:.1} MB", mb(r + p_read)));
+    format!(", prefill rows {rows}, expert bytes requested {:.1} MB{read}", mb(asked + p_asked))
 }

@@ -86,6 +86,9 @@ pub struct Totals {
     /// Routed expert bytes the requests' forwards asked for (each request's own; a running
     /// batch's shared forwards are counted by its totals instead).
     pub expert_bytes_requested: u64,
+    /// Expert bytes read from the drives during the requests (alone; a running batch's reads are
+    /// counted by its totals).
+    pub expert_bytes_read: u64,
     pub ttft_s_sum: f64,
     pub ttft_count: u64,
 }
@@ -551,6 +554,7 @@ impl Generator {
         t.drafts_proposed += st.drafts_proposed;
         t.drafts_accepted += st.drafts_accepted;
         t.expert_bytes_requested += st.expert_bytes_requested;
+        t.expert_bytes_read += ran.reads.bytes_read.unwrap_or(0);
         t.prefill_rows += ran.prompt_len.saturating_sub(ran.reused) as u64;
         t.ttft_s_sum += ttft_s;
         t.ttft_count += 1;
