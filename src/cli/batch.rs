@@ -156,7 +156,12 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
                 eprintln!("deltafin: batch: the requests share a {}-token prompt prefix: prefilled once", prefix.len());
             }
             let watcher = super::report::prefill_watcher(progress::mode(a.quiet));
-            Some(generator.share_prefix(&prefix, Some(watcher))?)
+            // A prefix that cannot be prefilled costs the sharing, never the batch: each request
+            // then prefills (or fails) on its own.
+            generator
+                .share_prefix(&prefix, Some(watcher))
+                .inspect_err(|e| eprintln!("deltafin: batch: the shared prefix is not used ({e})"))
+                .ok()
         }
     };
     let todo: Vec<_> = lines.into_iter().filter(|(_, l)| l.is_err() || l.is_ok_and(|l| !l.trim().is_empty())).collect();

@@ -50,6 +50,8 @@ pub fn shared_prefix(dir: &Path, lines: &[&str], ctx: &ParseContext, done: &dyn 
         }
     }
     let mut p = prefix.unwrap_or_default();
+    // Ids given past the vocabulary are their requests' errors, not the prefix's.
+    p.truncate(p.iter().position(|&t| t as usize >= cfg.vocab).unwrap_or(p.len()));
     // Each request keeps a token of its own: a lane starts by feeding its prompt.
     p.truncate(shortest.saturating_sub(1));
     if requests < 2 || p.len() < MIN_SHARED {
