@@ -26,7 +26,7 @@ use crate::backend::cpu::ops::argmax;
 use std::sync::{Arc, Mutex};
 
 /// How tokens are chosen.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// 0 is greedy; OpenAI's range is 0..=2.
     pub temperature: f64,
@@ -325,6 +325,17 @@ impl Sampler {
     /// A uniform number from this sampler's stream (for accept/reject decisions).
     pub fn uniform(&mut self) -> f64 {
         self.rng.uniform()
+    }
+
+    /// Where this sampler is — parameters, generator state, picks — to resume it later
+    /// ([`Sampler::resume`]: a state file, `engine::state_file`).
+    pub fn position(&self) -> (SamplingParams, u64, u64) {
+        (self.params, self.rng.0, self.picks)
+    }
+
+    /// A sampler that continues where [`Sampler::position`] was taken: the same picks from here on.
+    pub fn resume(params: SamplingParams, rng: u64, picks: u64) -> Self {
+        Sampler { params, rng: Rng(rng), mask: None, logprobs: None, picks }
     }
 }
 

@@ -30,6 +30,8 @@ pub enum Setting {
     TraceRoutes,
     /// `synth`'s output replaces an existing one.
     Force,
+    /// The directory a server keeps sessions in.
+    StateDir,
     Layers,
     Experts,
     DenseLayers,
@@ -85,6 +87,7 @@ impl Setting {
             DraftModel => "draft_model",
             TraceRoutes => "trace_routes",
             Force => "force",
+            StateDir => "state_dir",
             Layers => "layers",
             Experts => "experts",
             DenseLayers => "dense_layers",

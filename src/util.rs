@@ -163,14 +163,21 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// [`write_atomic`] of the concatenation of `parts`, without building it in memory.
 pub fn write_atomic_parts(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
+    write_atomic_with(path, &mut |f| parts.iter().try_for_each(|b| f.write_all(b)))
+}
+
+/// [`write_atomic`] of what `write` writes into the temp file (streamed: large files need not be
+/// built in memory); an error from `write` leaves the target as it was and removes the temp file.
+pub fn write_atomic_with(
+    path: &Path,
+    write: &mut dyn FnMut(&mut std::fs::File) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let target = write_target(path)?;
     let dir = parent_dir(&target);
     let tmp = temp_beside(&target);
     let result = (|| {
         let mut f = std::fs::File::create(&tmp)?;
-        for b in parts {
-            f.write_all(b)?;
-        }
+        write(&mut f)?;
         if let Ok(m) = std::fs::metadata(&target) {
             f.set_permissions(m.permissions())?;
         }

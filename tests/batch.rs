@@ -409,3 +409,60 @@ fn a_line_that_is_not_utf8_is_that_lines_error_record() {
     let err = run_failing(&mut batch(&dir, &input, &out));
     assert!(err.contains("0 done, 0 failed, 3 already in the output"), "{err}");
 }
+
+#[test]
+fn a_shared_prompt_prefix_is_prefilled_once_and_changes_no_answer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in.jsonl");
+    let system = "You are a careful assistant for a shipping company. Answer in one short paragraph, \
+                  name the port, the vessel and the date, and never invent a figure you were not given. "
+        .repeat(3);
+    let lines: Vec<String> = (0..7)
+        .map(|i| {
+            let sampled =
+                if i % 2 == 1 { format!(r#", "temperature": 0.8, "seed": {i}, "logprobs": true, "top_logprobs": 2"#) } else { String::new() };
+            let m = serde_json::json!([{"role": "system", "content": system}, {"role": "user", "content": format!("Question {i}: where is ship {i}?")}]);
+            format!(r#"{{"id": "p{i}", "messages": {m}, "max_tokens": {}{sampled}}}"#, 6 + 3 * i)
+        })
+        .collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let demo = |name: &str, extra: &[&str]| {
+        let out = tmp.path().join(name);
+        let mut c = deltafin_cmd();
+        c.args(["batch", "--demo", "--temperature", "0", "-q", "--in"]).arg(&input).arg("--out").arg(&out).args(extra);
+        let err = run_ok(&mut c).1;
+        assert!(err.contains("7 done, 0 failed"), "{err}");
+        // "prefill rows N" and, with sharing, "prefill rows N (L of them the shared prefix, once)".
+        let at = err.find("prefill rows ").expect("the summary counts prefill rows") + "prefill rows ".len();
+        let rows: u64 = err[at..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse().unwrap();
+        let shared = err[at..]
+            .split_once(' ')
+            .filter(|(_, rest)| rest.starts_with('('))
+            .map(|(_, rest)| rest[1..].split(|c: char| !c.is_ascii_digit()).next().unwrap().parse::<u64>().unwrap());
+        (by_id(&records(&out)), rows, shared)
+    };
+    let (want, rows_alone, _) = demo("alone.jsonl", &["--no-reuse"]);
+    assert_eq!(want.len(), 7);
+    let prompt_rows: u64 = want.values().map(|r| r["usage"]["prompt_tokens"].as_u64().unwrap()).sum();
+    assert_eq!(rows_alone, prompt_rows, "without sharing every prompt row is prefilled");
+    for extra in [&[][..], &["--parallel", "3"][..]] {
+        let (got, rows, shared) = demo("shared.jsonl", extra);
+        let _ = std::fs::remove_file(tmp.path().join("shared.jsonl"));
+        let shared = shared.expect("the summary names the shared prefix");
+        assert!(shared >= 64, "{extra:?}: a {shared}-token prefix");
+        // The prefix's rows once, each request's own rows once.
+        assert_eq!(rows, prompt_rows - 6 * shared, "{extra:?}");
+        assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+        for (id, w) in &want {
+            let (mut g, mut w) = (got[id].clone(), w.clone());
+            assert_eq!(g["usage"]["prompt_tokens_details"]["cached_tokens"], shared, "{extra:?} {id}");
+            assert_eq!(w["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{id}");
+            g["usage"]["prompt_tokens_details"]["cached_tokens"] = 0.into();
+            // The record less its counters and timings is the same, byte for byte.
+            for r in [&mut g, &mut w] {
+                r.as_object_mut().unwrap().remove("deltafin");
+            }
+            assert_eq!(g.to_string(), w.to_string(), "{extra:?} {id}");
+        }
+    }
+}

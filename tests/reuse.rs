@@ -76,3 +76,49 @@ fn resumed_prompts_give_fresh_output_and_count_the_reuse() {
     assert!(kept.totals.prompt_tokens_reused > 0);
     assert_eq!(fresh.totals.prompt_tokens_reused, 0);
 }
+
+#[test]
+fn a_state_dir_keeps_conversations_across_a_restart_within_its_cap() {
+    let r = reference("k3-tiny-c");
+    let e = engine(&fixture("k3-tiny-c"));
+    let tmp = tempfile::tempdir().unwrap();
+    let disk = |cap: u64| GenConfig {
+        memo_entries: 0,
+        state_dir: Some((tmp.path().to_path_buf(), cap)),
+        ..GenConfig::default()
+    };
+    let mut fresh =
+        Generator::new(e.clone(), GenConfig { reuse: false, memo_entries: 0, ..GenConfig::default() }).unwrap();
+    let p = r.prompt[..12].to_vec();
+    let first = {
+        let mut g = Generator::new(e.clone(), disk(1 << 30)).unwrap();
+        run(&mut g, &request(p.clone(), 6))
+    };
+    // A restart: a new generator on the same directory resumes the conversation from disk.
+    let mut g = Generator::new(e.clone(), disk(1 << 30)).unwrap();
+    let mut next = p.clone();
+    next.extend_from_slice(&first.tokens);
+    next.extend_from_slice(&r.prompt[20..25]);
+    let a = run(&mut g, &request(next.clone(), 8));
+    let b = run(&mut fresh, &request(next, 8));
+    assert_eq!(a.ext["prompt_tokens_reused"], p.len() + first.tokens.len() - 1);
+    assert_eq!((a.tokens, a.logprobs), (b.tokens, b.logprobs), "bit for bit");
+    // A damaged file is a miss, never a wrong answer.
+    for f in std::fs::read_dir(tmp.path()).unwrap() {
+        let f = f.unwrap().path();
+        let mut v = std::fs::read(&f).unwrap();
+        let n = v.len();
+        v[n - 100] ^= 4;
+        std::fs::write(&f, v).unwrap();
+    }
+    let mut g = Generator::new(e.clone(), disk(1 << 30)).unwrap();
+    let mut again = p.clone();
+    again.extend_from_slice(&r.prompt[40..44]);
+    let a = run(&mut g, &request(again.clone(), 4));
+    assert_eq!(a.ext["prompt_tokens_reused"], 0);
+    assert_eq!(a.tokens, run(&mut fresh, &request(again, 4)).tokens);
+    // The cap: a tiny one keeps only the newest file.
+    drop(g);
+    let _g = Generator::new(e, disk(1)).unwrap();
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 1);
+}

@@ -29,8 +29,9 @@ use super::load;
 use super::progress::{self, Progress};
 use crate::draft::DraftKind;
 use crate::serve::api::{self, ApiError, ParseContext};
-use crate::serve::generator::{GenConfig, GenError, Generator, template_takes_tools};
+use crate::serve::generator::{GenConfig, GenError, Generator, Totals, template_takes_tools};
 use crate::serve::records::{Line, Waiting, error_record, input_lines, longest_request, result_record, run_lanes};
+use crate::stats::Stats;
 use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::Value;
@@ -72,7 +73,8 @@ pub struct BatchArgs {
     /// min_p of lines that set none (default 0: off; with --demo, the demo's generation_config.json).
     #[arg(long, allow_negative_numbers = true, value_parser = super::parse_min_p)]
     pub min_p: Option<f64>,
-    /// Do not reuse the previous request's session when a prompt extends it.
+    /// Do not reuse sessions: neither the previous request's when a prompt extends it, nor a
+    /// prompt prefix that the requests share (by default prefilled once and forked for each).
     #[arg(long)]
     pub no_reuse: bool,
     /// Requests run together as a running batch (one read of each layer's experts a step for all
@@ -123,16 +125,45 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     {
         config.context = load::run_context(&dir, None, longest);
     }
+    // The prompt prefix the requests still to run share: prefilled once, its state kept beside them.
+    let mut prefix = match a.no_reuse {
+        true => Vec::new(),
+        false => {
+            let todo: Vec<&str> =
+                lines.iter().filter(|l| !done.lines.contains_key(&l.0)).filter_map(|l| l.1.ok()).collect();
+            crate::serve::prefix::shared_prefix(&dir, &todo, &ctx, &|id| done.ids.contains_key(id))
+        }
+    };
+    config.sequences += usize::from(!prefix.is_empty());
     let engine = load::open_engine(config)?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
-    engine.drafter(a.draft)?;
+    // One that reads K3's hidden rows sees every prompt row: no shared prefix (`serve::prefix`).
+    if engine.drafter(a.draft)?.is_some_and(|d| !d.taps().is_empty()) {
+        prefix.clear();
+    }
     if !a.quiet {
         eprintln!("{}", super::report::startup(&engine, super::report::verbose(false)));
     }
     if let Some(note) = load::random_weights_note(&dir) {
         eprintln!("{note}");
     }
-    let mut generator = Generator::new(engine, GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: 64 })?;
+    let mut generator =
+        Generator::new(engine, GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: 64, state_dir: None })?;
+    let shared = match prefix.is_empty() {
+        true => None,
+        false => {
+            if !a.quiet {
+                eprintln!("deltafin: batch: the requests share a {}-token prompt prefix: prefilled once", prefix.len());
+            }
+            let watcher = super::report::prefill_watcher(progress::mode(a.quiet));
+            // A prefix that cannot be prefilled costs the sharing, never the batch: each request
+            // then prefills (or fails) on its own.
+            generator
+                .share_prefix(&prefix, Some(watcher))
+                .inspect_err(|e| eprintln!("deltafin: batch: the shared prefix is not used ({e})"))
+                .ok()
+        }
+    };
     let todo: Vec<_> = lines.into_iter().filter(|(_, l)| l.is_err() || l.is_ok_and(|l| !l.trim().is_empty())).collect();
     let t0 = Instant::now();
     let progress = Progress::new(progress::mode(a.quiet), "batch");
@@ -227,13 +258,10 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     out.progress.finish();
     let skipped = skipped.get();
     let (ok, errors) = (out.ok, out.failed.len());
-    // A running batch's reads are shared by its requests: their total, once.
-    let reads = stats
-        .and_then(|s| s.expert_bytes_read)
-        .map_or(String::new(), |b| format!(", expert reads {:.1} MB for the whole batch", b as f64 / 1e6));
     eprintln!(
-        "deltafin: batch: {ok} done, {errors} failed, {skipped} already in the output, in {:.1} s{reads}",
-        t0.elapsed().as_secs_f64()
+        "deltafin: batch: {ok} done, {errors} failed, {skipped} already in the output, in {:.1} s{}",
+        t0.elapsed().as_secs_f64(),
+        counters(&generator.totals, stats.as_ref(), shared.as_ref(), prefix.len())
     );
     let mut failed = out.failed;
     let earlier = failed_before.len();
@@ -249,4 +277,19 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The summary's counters: prompt rows prefilled, routed expert bytes asked for and read (a
+/// shared prefix's counted once; a running batch's shared forwards once).
+fn counters(t: &Totals, batch: Option<&Stats>, shared: Option<&Stats>, prefix: usize) -> String {
+    let mb = |b: u64| b as f64 / 1e6;
+    let asked = batch.map_or(t.expert_bytes_requested, |s| s.expert_bytes_requested);
+    let read = batch.map_or(Some(t.expert_bytes_read), |s| s.expert_bytes_read);
+    let (p_asked, p_read) = shared.map_or((0, 0), |p| (p.expert_bytes_requested, p.expert_bytes_read.unwrap_or(0)));
+    let rows = match shared {
+        Some(_) => format!("{} ({prefix} of them the shared prefix, once)", t.prefill_rows + prefix as u64),
+        None => t.prefill_rows.to_string(),
+    };
+    let read = read.map_or(String::new(), |r| format!(", read {:.1} MB", mb(r + p_read)));
+    format!(", prefill rows {rows}, expert bytes requested {:.1} MB{read}", mb(asked + p_asked))
 }

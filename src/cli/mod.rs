@@ -25,6 +25,7 @@ mod run_args;
 mod run_many;
 mod score;
 mod serve;
+mod session;
 mod setup;
 mod setup_routes;
 mod signals;

@@ -21,6 +21,7 @@ pub fn flag(s: Setting) -> &'static str {
         DraftModel => "--draft-model",
         TraceRoutes => "--trace-routes",
         Force => "--force",
+        StateDir => "--state-dir",
         Layers => "--layers",
         Experts => "--experts",
         DenseLayers => "--dense-layers",

@@ -13,6 +13,7 @@
 
 use super::report;
 pub use super::run_args::{Format, RunArgs};
+use super::session::{self, SessionFile};
 use super::signals::{self, is_broken_pipe};
 use super::{load, progress};
 use crate::draft::{DraftKind, WidthPolicy};
@@ -55,6 +56,10 @@ fn prompt_texts(a: &RunArgs) -> Result<Vec<String>> {
     a.prompt_file.iter().map(|f| read_text(&f.to_string_lossy(), true)).collect()
 }
 
+fn no_input(a: &RunArgs) -> bool {
+    a.prompt.is_empty() && a.prompt_file.is_empty() && a.prompt_lines.is_none() && a.prompt_ids.is_none()
+}
+
 /// Prompt ids from the arguments (and the tokenizer / chat template when text is given), one
 /// list per prompt.
 fn prompt_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>) -> Result<Vec<Vec<u32>>> {
@@ -94,7 +99,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     progress::set_quiet(a.quiet);
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
-    let needs_tok = a.prompt_ids.is_none() || a.chat;
+    let needs_tok = (a.prompt_ids.is_none() && !(a.session.is_some() && no_input(&a))) || a.chat;
     let tok = if needs_tok || dir.join("tiktoken.model").exists() {
         Some(crate::engine::load_tokenizer(&dir)?)
     } else {
@@ -103,7 +108,12 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let seed = a.seed.unwrap_or_else(crate::util::fresh_seed);
     let flags = load::SamplingFlags { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, min_p: a.min_p };
     let sampling = load::params(&load::sampling(&dir, a.demo, flags)?, seed)?;
-    let mut prompts = prompt_ids(&a, &dir, tok.as_ref())?;
+    let mut saved = a.session.as_deref().map(SessionFile::peek).transpose()?;
+    let mut prompts = match &mut saved {
+        Some(f) => vec![session::continuation(&a, &dir, tok.as_ref(), &prompt_texts(&a)?, f)?],
+        None if no_input(&a) => bail!("give a prompt: --prompt, --prompt-file, --prompt-lines or --prompt-ids"),
+        None => prompt_ids(&a, &dir, tok.as_ref())?,
+    };
     if prompts.len() > 1 {
         return super::run_many::run_many(&a, dir, tok, prompts, sampling);
     }
@@ -117,17 +127,18 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     // A verify batch holds the pending token and up to `max` drafts.
     let rows = prompt.len().max(if a.draft == DraftKind::Off { 1 } else { WidthPolicy::default().max + 1 });
     let mut config = a.engine.config(dir.clone(), a.kda.into(), rows, 0);
-    config.context = load::run_context(&dir, config.context, prompt.len().saturating_add(a.max_new));
+    let held = saved.as_ref().map_or(0, |f| f.tokens);
+    config.context = load::run_context(&dir, config.context, (held + prompt.len()).saturating_add(a.max_new));
     let engine = load::open_engine(config)?;
     let mut spec = engine.speculator(a.draft)?;
     if let Some(t) = &tok {
         engine.check_tokenizer(t)?;
     }
     let bound = engine.context_bound();
-    if prompt.len().checked_add(a.max_new).is_none_or(|n| n > bound) {
+    if (held + prompt.len()).checked_add(a.max_new).is_none_or(|n| n > bound) {
         bail!(
             "the prompt ({} tokens) plus --max-new {} exceeds the usable context of {} tokens ({})",
-            prompt.len(),
+            held + prompt.len(),
             a.max_new,
             bound,
             engine.context_limit()
@@ -158,13 +169,18 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         _ => None,
     };
     let mut printer = super::chat::Printer::new(!a.hide_reasoning);
-    let mut session = engine.new_session();
+    let mut session = match &saved {
+        Some(f) => f.open(&engine)?,
+        None => engine.new_session(),
+    };
     let mut out = std::io::stdout().lock();
     let mut decoder = StreamDecoder::default();
     let mut text = String::new();
     let t0 = Instant::now();
     session.watch_prefill(Some(report::prefill_watcher(progress::mode(a.quiet))));
     let prefilled = match &mut spec {
+        // A resumed session with nothing new generates from its saved logits.
+        _ if prompt.is_empty() => Ok(()),
         Some(sp) => session.prefill_with(&prompt, sp).map(|_| ()),
         None => session.prefill(&prompt).map(|_| ()),
     };
@@ -210,7 +226,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         // Ctrl-C: this token is the last.
         !signals::interrupted()
     };
-    let mut sampler = Sampler::new(sampling);
+    let mut sampler = saved.as_ref().map_or_else(|| Sampler::new(sampling), |f| f.sampler(&a, sampling));
     if !signals::interrupted() {
         match &mut spec {
             Some(sp) => session.generate_speculative_sampled(&opts, sp, &mut sampler, &mut on_token),
@@ -232,6 +248,9 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         printer.end();
         text = c.content;
         reasoning = Some(c.reasoning);
+    }
+    if let Some(f) = &mut saved {
+        f.save_after(&session, &sampler, &ids, reasoning.as_deref().map(|r| (text.as_str(), r)), a.quiet)?;
     }
     let mut stats = session.stats.clone();
     stats.source = Some(engine.source_report());

@@ -17,7 +17,7 @@ pub enum Format {
 }
 
 #[derive(Args)]
-#[command(group(ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompt_lines", "prompt_ids"])))]
+#[command(group(ArgGroup::new("input").args(["prompt", "prompt_file", "prompt_lines", "prompt_ids"])))]
 pub struct RunArgs {
     /// Model directory (config.json, safetensors shards, tokenizer files).
     #[arg(long, required_unless_present = "demo", conflicts_with = "demo", help_heading = "Model")]
@@ -43,6 +43,13 @@ pub struct RunArgs {
     /// Prompt as comma-separated token ids, e.g. 1,2,3 (no tokenizer needed).
     #[arg(long, value_parser = super::parse_ids, help_heading = "Prompt")]
     pub prompt_ids: Option<TokenIds>,
+    /// Keep the session in FILE: created on the first run, resumed (only the new prompt is
+    /// prefilled) on the next; without a prompt, generation goes on where it stopped.
+    ///
+    /// With --chat each run appends a user turn and its answer. The file holds the model's state
+    /// (checked against the model and a checksum before it is used) and is replaced atomically.
+    #[arg(long, value_name = "FILE", conflicts_with = "prompt_lines", help_heading = "Prompt")]
+    pub session: Option<PathBuf>,
     /// Wrap the prompt as a user message in the model's chat template.
     #[arg(long, help_heading = "Prompt")]
     pub chat: bool,

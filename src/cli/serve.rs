@@ -56,6 +56,16 @@ pub struct ServeArgs {
     /// Do not keep sessions between requests (no conversation reuse; saves one sequence state).
     #[arg(long)]
     pub no_reuse: bool,
+    /// Keep conversations and shared prompt prefixes in DIR too, so that they survive a restart
+    /// (a follow-up request prefills only its new tokens and reports the rest as cached_tokens).
+    ///
+    /// Files are checked against the model and a checksum before use; the least recently used
+    /// go when the directory passes --state-dir-gb.
+    #[arg(long, value_name = "DIR", conflicts_with = "no_reuse")]
+    pub state_dir: Option<std::path::PathBuf>,
+    /// Size cap of --state-dir in GB (least recently used files are removed past it).
+    #[arg(long, default_value_t = 32.0, requires = "state_dir", value_parser = super::parse_gb)]
+    pub state_dir_gb: f64,
     /// Entries of the exact-response memo for repeated greedy requests (0: off).
     #[arg(long, default_value_t = 64)]
     pub memo: usize,
@@ -126,7 +136,12 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         max_request_bytes: a.max_request_bytes,
         read_timeout: std::time::Duration::from_secs_f64(a.read_timeout),
         model_id: model_id.clone(),
-        generation: GenConfig { draft: a.draft, reuse: !a.no_reuse, memo_entries: a.memo },
+        generation: GenConfig {
+            draft: a.draft,
+            reuse: !a.no_reuse,
+            memo_entries: a.memo,
+            state_dir: a.state_dir.clone().map(|d| (d, (a.state_dir_gb * 1e9) as u64)),
+        },
         sampling,
         access_log: !a.quiet,
     };

@@ -20,6 +20,7 @@ mod parts;
 pub mod perplexity;
 mod run;
 pub(crate) mod session;
+pub mod state_file;
 mod step;
 pub mod trunk;
 
@@ -28,6 +29,7 @@ pub use continuous::{LaneError, LaneHost};
 pub use lane::Lane;
 pub use run::{BatchSeq, prefill_passes};
 pub use session::{GenerateOptions, Generation, PrefillProgress, PrefillWatcher, Session, StopReason};
+pub use state_file::{SamplerPosition, SessionNotes, StateFileError};
 // The settings and errors of the engine's API that are defined further down.
 pub use crate::backend::BackendKind;
 pub use crate::k3::weights::Trunk;

@@ -124,6 +124,18 @@ impl Session {
         self.last_logits.as_deref()
     }
 
+    /// The committed sequence — state, tokens, logits — for the state file (`state_file.rs`).
+    pub(super) fn saved_parts(&self) -> (&SeqState, &[u32], Option<&[f32]>) {
+        (&self.state, &self.tokens, self.last_logits.as_deref())
+    }
+
+    /// A session continuing a sequence read back from a state file (`state_file.rs`).
+    pub(super) fn from_saved(engine: Arc<Engine>, state: SeqState, tokens: Vec<u32>, logits: Option<Vec<f32>>) -> Self {
+        let mut s = Session::new(engine);
+        (s.state, s.tokens, s.last_logits) = (state, tokens, logits);
+        s
+    }
+
     pub(super) fn state_mut(&mut self) -> &mut SeqState {
         self.verifying = None;
         &mut self.state

@@ -65,6 +65,11 @@ impl SeqState {
         Self::of(0, c.max_context, layers)
     }
 
+    /// A committed state of `pos` tokens made of `layers` (read back from a state file).
+    pub fn from_layers(pos: usize, cap: usize, layers: Vec<LayerState>) -> Self {
+        Self::of(pos, cap, layers)
+    }
+
     fn of(pos: usize, cap: usize, layers: Vec<LayerState>) -> Self {
         let n = layers.len();
         SeqState {

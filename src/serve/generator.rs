@@ -7,7 +7,9 @@
 //! after the prompt (when the memory budget has room for a second sequence state) and as it is
 //! after the answer — and a later request whose tokens extend one
 //! of them resumes from the longer one instead of prefilling again (the output is bit-identical to
-//! a fresh session's: prefill chunks commit exactly like one long prefill). An exact-response
+//! a fresh session's: prefill chunks commit exactly like one long prefill). A prefix that the
+//! requests to come share (`batch`: [`Generator::share_prefix`], `prefix.rs`) is prefilled once
+//! and kept; a request that starts with it runs on a fork of it. An exact-response
 //! memo answers a repeated identical greedy request without any compute. `sink` receives each
 //! token's visible text; returning false cancels the generation at that token.
 
@@ -35,11 +37,13 @@ pub struct GenConfig {
     pub reuse: bool,
     /// Entries of the exact-response memo (0: off).
     pub memo_entries: usize,
+    /// Also keep sessions in this directory, with at most this many bytes (`state_dir.rs`).
+    pub state_dir: Option<(std::path::PathBuf, u64)>,
 }
 
 impl Default for GenConfig {
     fn default() -> Self {
-        GenConfig { draft: DraftKind::Off, reuse: true, memo_entries: 64 }
+        GenConfig { draft: DraftKind::Off, reuse: true, memo_entries: 64, state_dir: None }
     }
 }
 
@@ -78,6 +82,15 @@ pub struct Totals {
     pub cancelled: u64,
     pub drafts_proposed: u64,
     pub drafts_accepted: u64,
+    /// Prompt rows the requests prefilled (their prompts less what they reused; a memo answer
+    /// none).
+    pub prefill_rows: u64,
+    /// Routed expert bytes the requests' forwards asked for (each request's own; a running
+    /// batch's shared forwards are counted by its totals instead).
+    pub expert_bytes_requested: u64,
+    /// Expert bytes read from the drives during the requests (alone; a running batch's reads are
+    /// counted by its totals).
+    pub expert_bytes_read: u64,
     pub ttft_s_sum: f64,
     pub ttft_count: u64,
 }
@@ -118,6 +131,10 @@ pub struct Generator {
     pub(super) stops: Vec<u32>,
     pub(super) cfg: GenConfig,
     kept: Vec<Session>,
+    /// Kept sessions spilled to disk (`serve --state-dir`).
+    disk: Option<super::state_dir::StateDir>,
+    /// The prefix the requests share, prefilled once (`prefix.rs`).
+    pub(super) shared: Option<Session>,
     memo: VecDeque<(MemoKey, Output)>,
     pub totals: Totals,
 }
@@ -134,11 +151,41 @@ impl Generator {
         }
         let stops = engine.stop_tokens(codec.tok.as_ref());
         let enc = Arc::new(Encoder { engine: Arc::clone(&engine), codec, grammars: Default::default() });
-        Ok(Generator { engine, enc, stops, cfg, kept: Vec::new(), memo: VecDeque::new(), totals: Totals::default() })
+        let disk = match &cfg.state_dir {
+            Some((dir, cap)) => {
+                let (d, notes) = super::state_dir::StateDir::open(&engine, dir, *cap).map_err(|e| {
+                    let value = dir.display().to_string();
+                    crate::engine::EngineError::Setting {
+                        setting: crate::setting::Setting::StateDir,
+                        value,
+                        problem: e.to_string(),
+                    }
+                })?;
+                notes.iter().for_each(|n| eprintln!("deltafin: {n}"));
+                Some(d)
+            }
+            None => None,
+        };
+        Ok(Generator {
+            engine,
+            enc,
+            stops,
+            cfg,
+            kept: Vec::new(),
+            disk,
+            shared: None,
+            memo: VecDeque::new(),
+            totals: Totals::default(),
+        })
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
         &self.engine
+    }
+
+    /// Keeps sessions in `dir` too (see `state_dir`), loading those it holds on demand.
+    pub fn attach_state_dir(&mut self, dir: super::state_dir::StateDir) {
+        self.disk = Some(dir);
     }
 
     /// The request encoder (for validating requests elsewhere).
@@ -184,6 +231,11 @@ impl PromptCodec {
             Ok(ids) => Some(ids.ok()?.len()),
             Err(least) => Some(least),
         }
+    }
+
+    /// The prompt's token ids, where it encodes in at most `most` tokens.
+    pub fn prompt_ids(&self, req: &GenRequest, most: usize) -> Option<Vec<u32>> {
+        self.encode_at_most(req, most).ok()?.ok()
     }
 
     /// The prompt's token ids (unchecked against the vocabulary), unless its size alone shows it
@@ -331,7 +383,9 @@ impl Generator {
     /// A second sequence state (the snapshot after the prompt) fits in the memory budget beside
     /// the running one, at their lengths: the plan only reserves one.
     fn snapshot_fits(&self, prompt_len: usize, max_new: usize) -> bool {
-        self.engine.states_fit(2, (2 * prompt_len + max_new) as u64)
+        // The shared prefix is held beside them.
+        let (states, held) = self.shared.as_ref().map_or((2, 0), |s| (3, s.pos()));
+        self.engine.states_fit(states, (2 * prompt_len + max_new + held) as u64)
     }
 
     /// The kept session that `prompt` extends the most (dropping the others), or a new one.
@@ -344,6 +398,23 @@ impl Generator {
             .max_by_key(|(_, s)| s.pos())
             .map(|(i, _)| i);
         let mut kept = std::mem::take(&mut self.kept);
+        let in_memory = best.map_or(0, |i| kept[i].pos());
+        let shared = self.shared_len(prompt);
+        // A longer saved session on disk wins; one that fails its checks is a miss.
+        if let Some(d) = &mut self.disk
+            && let Some((i, n)) = d.best(prompt).filter(|&(_, n)| n > in_memory.max(shared))
+        {
+            match d.load(&self.engine, i) {
+                Ok(s) => return (s, n),
+                Err(e) => eprintln!("deltafin: state dir: {e}"),
+            }
+        }
+        // The shared prefix, when it is the longest, runs as a fork (kept for the next request).
+        if shared > in_memory
+            && let Some(s) = self.fork_shared()
+        {
+            return (s, shared);
+        }
         match best {
             Some(i) => {
                 let s = kept.swap_remove(i);
@@ -413,6 +484,14 @@ impl Generator {
         let out = self.output(&begin, answer, g, &session.stats, &ran, sampler.constraint_error());
         if self.cfg.reuse {
             self.kept = snapshot.into_iter().chain(std::iter::once(session)).collect();
+            if let Some(d) = &mut self.disk {
+                for s in &self.kept {
+                    // A full or failing disk costs the reuse, never the request.
+                    if let Err(e) = d.keep(s) {
+                        eprintln!("deltafin: state dir: {e}");
+                    }
+                }
+            }
         }
         self.remember(begin, &out);
         Ok(out)
@@ -514,6 +593,9 @@ impl Generator {
         t.cancelled += u64::from(cancelled);
         t.drafts_proposed += st.drafts_proposed;
         t.drafts_accepted += st.drafts_accepted;
+        t.expert_bytes_requested += st.expert_bytes_requested;
+        t.expert_bytes_read += ran.reads.bytes_read.unwrap_or(0);
+        t.prefill_rows += ran.prompt_len.saturating_sub(ran.reused) as u64;
         t.ttft_s_sum += ttft_s;
         t.ttft_count += 1;
         let Answer { content, reasoning, logprobs, tool_calls, .. } = answer;

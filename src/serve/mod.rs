@@ -25,9 +25,11 @@ pub mod generator;
 pub mod json;
 pub mod metrics;
 pub mod parallel;
+pub mod prefix;
 pub mod records;
 mod running;
 pub mod sse;
+pub mod state_dir;
 
 use crate::engine::Engine;
 use api::{ApiError, GenRequest, Kind, ParseContext};

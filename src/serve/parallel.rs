@@ -8,7 +8,8 @@
 //! request's sink, and [`Generator::finish_lane`] gives the finished request's [`Output`]: the
 //! same tokens, text, stop strings and log-probabilities as [`Generator::generate_prepared`]
 //! alone (rows do not change each other's bits, each request samples with its own seed, drafts
-//! change only speed). Lanes start from fresh sessions (no conversation reuse).
+//! change only speed). Lanes start from fresh sessions (no conversation reuse), or from a fork of
+//! the prefix the requests share (`prefix.rs`), feeding only the rest of their prompt.
 //!
 //! Counters: `batch` in the `deltafin` object is the most requests that shared a step with this
 //! one. A request that shared its forwards with others has no expert reads of its own: its
@@ -31,6 +32,8 @@ pub struct LaneRequest {
     answer: Answer,
     queued_s: f64,
     prompt_len: usize,
+    /// Prompt tokens it did not prefill (the shared prefix it was forked from).
+    reused: usize,
 }
 
 /// What [`Generator::start_lane`] made of a request.
@@ -76,21 +79,29 @@ impl Generator {
         let answer = Answer::new(req, self.enc.clone(), self.stops.clone(), t0, lp).with_call_seed(begin.seed);
         let opts = GenerateOptions { max_new, stop: self.stops.clone() };
         let prompt_len = prompt.len();
-        let lane = match Lane::new(self.engine.new_session(), prompt, opts, sampler) {
+        // A drafter that cannot be built was refused at startup; here it only may be absent.
+        let spec = self.engine.speculator(self.cfg.draft).ok().flatten();
+        // A drafter that reads K3's hidden rows must see the whole prompt: no shared prefix.
+        let taps = spec.as_ref().is_some_and(|s| !s.taps().is_empty());
+        let shared = if taps { 0 } else { self.shared_len(&prompt) };
+        let (session, reused) = match (shared > 0).then(|| self.fork_shared()).flatten() {
+            Some(s) => (s, shared),
+            None => (self.engine.new_session(), 0),
+        };
+        let lane = match Lane::new(session, prompt[reused..].to_vec(), opts, sampler) {
             Ok(l) => l,
             Err(e) => return Started::Answered(Err(e.into())),
         };
-        // A drafter that cannot be built was refused at startup; here it only may be absent.
-        let lane = match self.engine.speculator(self.cfg.draft).ok().flatten() {
+        let lane = match spec {
             Some(d) => lane.with_drafts(d),
             None => lane,
         };
-        Started::Lane(Box::new((lane, LaneRequest { begin, answer, queued_s, prompt_len })))
+        Started::Lane(Box::new((lane, LaneRequest { begin, answer, queued_s, prompt_len, reused })))
     }
 
     /// The finished lane's output (see the module contract); its last text goes to `sink`.
     pub fn finish_lane(&mut self, lane: Lane, r: LaneRequest, sink: &mut dyn FnMut(&Delta) -> bool) -> Output {
-        let LaneRequest { begin, mut answer, queued_s, prompt_len } = r;
+        let LaneRequest { begin, mut answer, queued_s, prompt_len, reused } = r;
         answer.finish(sink);
         let st = &lane.session.stats;
         let sh = lane.shared();
@@ -104,7 +115,7 @@ impl Generator {
         }
         let reads =
             Reads { bytes_read: sh.expert_bytes_read, cache_hits: sh.cache_hits, cache_misses: sh.cache_misses };
-        let ran = Ran { prompt_len, reused: 0, queued_s, prefilled_s: st.prefill_s, reads };
+        let ran = Ran { prompt_len, reused, queued_s, prefilled_s: st.prefill_s, reads };
         let mut out = self.output(&begin, answer, lane.generation(), &own, &ran, lane.sampler.constraint_error());
         out.ext["batch"] = json!(lane.peak_batch());
         if !alone {
