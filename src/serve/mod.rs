@@ -21,6 +21,7 @@ pub mod api;
 pub mod conn;
 pub mod constrained;
 pub mod conversation;
+pub mod encoder;
 pub mod generator;
 pub mod json;
 pub mod metrics;
