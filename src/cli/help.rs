@@ -148,3 +148,8 @@ mod tests {
         assert_eq!(nearest("x", names), None);
     }
 }
+
+/// A usage error found after parsing: the message and exit 2, as clap's own.
+pub fn usage_error(msg: &str) -> ! {
+    clap::Error::raw(clap::error::ErrorKind::MissingRequiredArgument, format!("{msg}\n")).exit()
+}

@@ -1,15 +1,13 @@
-//! `deltafin run`: one-shot generation (greedy, or sampled with `--temperature`). Text streams to stdout as tokens are produced
-//! (held back only inside a UTF-8 character); diagnostics, the startup line, the prefill's
-//! progress, the one-line summary and `--stats` go to stderr, so stdout can be piped. With
+//! `deltafin run`: one-shot generation (greedy, or sampled with `--temperature`). Text streams to
+//! stdout (held back only inside a UTF-8 character); the startup line, progress, the summary and
+//! `--stats` go to stderr, so stdout can be piped. With
 //! `--chat` stdout gets the answer only (the template's response channel, never a tag token) and
 //! the reasoning goes to stderr, dimmed on a terminal. Several prompts (`--prompt` repeated,
 //! `--prompt-file` repeated, or `--prompt-lines FILE`) run together: see `run_many`.
 //!
-//! Ending early: Ctrl-C stops the prefill or the generation where it is, and what was done is
-//! still printed (the text so far; with `--format json` the object with `"interrupted": true`;
-//! the summary, `--stats` and the files asked for), exit 130. A reader that closes the pipe
-//! (`run | head`) ends generation at once; stderr output and files are still written, then the
-//! process ends quietly by the SIGPIPE convention (`signals`).
+//! Ending early: Ctrl-C stops where it is and what was done is still printed (with `--format
+//! json` marked `"interrupted": true`), exit 130. A reader that closes the pipe (`run | head`) ends
+//! generation; stderr and files are still written, then a quiet end by SIGPIPE (`signals`).
 
 use super::report;
 pub use super::run_args::{Format, RunArgs};
@@ -111,7 +109,9 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let mut saved = a.session.as_deref().map(SessionFile::peek).transpose()?;
     let mut prompts = match &mut saved {
         Some(f) => vec![session::continuation(&a, &dir, tok.as_ref(), &prompt_texts(&a)?, f)?],
-        None if no_input(&a) => bail!("give a prompt: --prompt, --prompt-file, --prompt-lines or --prompt-ids"),
+        None if no_input(&a) => super::help::usage_error(
+            "give a prompt: --prompt, --prompt-file, --prompt-lines or --prompt-ids (or --session FILE to resume)",
+        ),
         None => prompt_ids(&a, &dir, tok.as_ref())?,
     };
     if prompts.len() > 1 {
