@@ -133,6 +133,11 @@ fn edit_distance(a: &str, b: &str) -> usize {
     d[a.len()][b.len()]
 }
 
+/// A usage error found after parsing: the message and exit 2, as clap's own.
+pub fn usage_error(msg: &str) -> ! {
+    clap::Error::raw(clap::error::ErrorKind::MissingRequiredArgument, format!("{msg}\n")).exit()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,9 +152,4 @@ mod tests {
         assert_eq!(nearest("frobnicate", names), None);
         assert_eq!(nearest("x", names), None);
     }
-}
-
-/// A usage error found after parsing: the message and exit 2, as clap's own.
-pub fn usage_error(msg: &str) -> ! {
-    clap::Error::raw(clap::error::ErrorKind::MissingRequiredArgument, format!("{msg}\n")).exit()
 }
