@@ -6,12 +6,12 @@
 //! never a different answer with exit 0 or a 200.
 
 mod common;
+use common::served::Served;
 use common::*;
 use deltafin::model::roster::{expert, layer, top};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const PROMPT: [u32; 12] = [5, 17, 42, 99, 3, 250, 7, 7, 120, 64, 1, 300];
@@ -122,14 +122,7 @@ fn with_a_placement_the_other_copy_answers_and_the_trunk_has_none() {
         let tmp = copy_fixture("k3-tiny-a");
         let drive = tmp.path().join("d0");
         std::fs::create_dir_all(&drive).unwrap(); // place creates no drive directory
-        run_ok(
-            deltafin_cmd()
-                .args(["place", "--model"])
-                .arg(tmp.path())
-                .arg("--drive")
-                .arg(format!("{}=1.0", drive.display()))
-                .args(["--probe-seconds", "0.1"]),
-        );
+        run_ok(&mut place_cmd(tmp.path(), &drive));
         let mut flipped = 0;
         for n in &names {
             flipped += usize::from(flip_outside_fingerprint(tmp.path(), n, 0.61, 0x01));
@@ -148,14 +141,7 @@ fn with_a_placement_the_other_copy_answers_and_the_trunk_has_none() {
     let tmp = copy_fixture("k3-tiny-a");
     let drive = tmp.path().join("d0");
     std::fs::create_dir_all(&drive).unwrap(); // place creates no drive directory
-    run_ok(
-        deltafin_cmd()
-            .args(["place", "--model"])
-            .arg(tmp.path())
-            .arg("--drive")
-            .arg(format!("{}=1.0", drive.display()))
-            .args(["--probe-seconds", "0.1"]),
-    );
+    run_ok(&mut place_cmd(tmp.path(), &drive));
     let packs: Vec<PathBuf> = walk(&drive).into_iter().filter(|p| p.extension().is_some_and(|x| x == "pack")).collect();
     assert!(!packs.is_empty());
     for p in &packs {
@@ -197,16 +183,7 @@ fn place_after_a_shard_changed_keeps_the_good_pack_and_never_copies_the_damage()
     let (_, want, _) = run(tmp.path(), &[]);
     let drive = tmp.path().join("d0");
     std::fs::create_dir_all(&drive).unwrap(); // place creates no drive directory
-    let place = || {
-        deltafin_cmd()
-            .args(["place", "--model"])
-            .arg(tmp.path())
-            .arg("--drive")
-            .arg(format!("{}=1.0", drive.display()))
-            .args(["--probe-seconds", "0.1"])
-            .output()
-            .unwrap()
-    };
+    let place = || place_cmd(tmp.path(), &drive).output().unwrap();
     assert!(place().status.success());
     let before: Vec<Vec<u8>> = walk(&drive).iter().map(|p| std::fs::read(p).unwrap()).collect();
     // Expert 0 of layer 1 is the one a run spot-checks against the manifest: damaged, it must read
@@ -240,81 +217,50 @@ fn place_after_a_shard_changed_keeps_the_good_pack_and_never_copies_the_damage()
     assert!(ok && out == want, "{out:?}\n{err}");
 }
 
-/// A running `deltafin serve`.
-struct Server {
-    child: Child,
-    addr: String,
-    log: Arc<Mutex<String>>,
-}
+/// A running `deltafin serve` of the model in a directory (common::served, with its requests).
+struct Server(Served);
 
 impl Server {
     fn start(dir: &Path, extra: &[&str]) -> Server {
-        let mut child = deltafin_cmd()
-            .arg("serve")
-            .arg("--model")
-            .arg(dir)
-            .args(["--port", "0", "--memory-gb", "2", "--model-name", "m"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = mpsc::channel();
-        let (err, l) = (child.stderr.take().unwrap(), Arc::clone(&log));
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                if let Some(rest) = line.split("on http://").nth(1) {
-                    let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_string());
-                }
-                l.lock().unwrap().push_str(&(line + "\n"));
-            }
-        });
-        let addr =
-            rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("no server:\n{}", log.lock().unwrap()));
-        Server { child, addr, log }
-    }
-
-    /// One HTTP request: (status, body).
-    fn http(&self, method: &str, path: &str, body: &str) -> (u16, String) {
-        let mut c = std::net::TcpStream::connect(&self.addr).unwrap();
-        c.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-        write!(
-            c,
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut out = String::new();
-        c.read_to_string(&mut out).unwrap();
-        let status = out.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-        let body = out.split_once("\r\n\r\n").map_or("", |x| x.1).to_string();
-        (status, body)
+        let dir = dir.to_str().unwrap();
+        let mut args = vec!["--model", dir, "--memory-gb", "2", "--model-name", "m"];
+        args.extend_from_slice(extra);
+        Server(Served::start(&args))
     }
 
     /// A greedy completion of `prompt`: (status, its text or the error message).
     fn complete(&self, prompt: &[u32], n: usize) -> (u16, String) {
         let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0}).to_string();
-        let (status, b) = self.http("POST", "/v1/completions", &body);
+        let (status, b) = self.0.post("/v1/completions", &body);
         let j: serde_json::Value = serde_json::from_str(&b).unwrap_or_default();
         let text = if status == 200 { j["choices"][0]["text"].to_string() } else { j["error"]["message"].to_string() };
         (status, text)
     }
 
     fn health(&self) -> serde_json::Value {
-        serde_json::from_str(&self.http("GET", "/health", "").1).unwrap()
-    }
-
-    fn alive(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
+        serde_json::from_str(&self.0.get("/health").1).unwrap()
     }
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+impl std::ops::Deref for Server {
+    type Target = Served;
+    fn deref(&self) -> &Served {
+        &self.0
     }
+}
+
+impl std::ops::DerefMut for Server {
+    fn deref_mut(&mut self) -> &mut Served {
+        &mut self.0
+    }
+}
+
+/// `deltafin place` of the model in `model` onto the one drive directory `drive`.
+fn place_cmd(model: &Path, drive: &Path) -> std::process::Command {
+    let mut c = deltafin_cmd();
+    c.args(["place", "--model"]).arg(model).arg("--drive").arg(format!("{}=1.0", drive.display()));
+    c.args(["--probe-seconds", "0.1"]);
+    c
 }
 
 fn prompts() -> Vec<Vec<u32>> {
