@@ -130,6 +130,9 @@ def store_policy(trace, rows_of, cap, replay=True):
         return (d is not None, -(d or 0), rank.get(k, 0))
 
     def victim():
+        # None when nothing is cached that could go: every slot holds an expert of this pass.
+        if not order:
+            return None
         if not replay:
             return min(order, key=order.get)
         last = None
@@ -172,7 +175,8 @@ def store_policy(trace, rows_of, cap, replay=True):
                 # read slots its fetch's earlier misses free (policy.rs alloc_demand_slot). The
                 # policy before route replay evicted for every miss.
                 v = victim()
-                if replay and in_use > len(hits) and not standing(k) > standing(v):
+                # No victim (the pass's union holds every slot): it streams through a read slot.
+                if v is None or (replay and in_use > len(hits) and not standing(k) > standing(v)):
                     continue
                 del order[v]
             in_use += 1
@@ -182,6 +186,8 @@ def store_policy(trace, rows_of, cap, replay=True):
                 order[k] = (rank[k], seq)
             elif cap > 0:
                 v = victim()
+                if v is None:
+                    continue
                 better = standing(k) > standing(v) if replay else rank[k] > order[v][0]
                 if better:
                     del order[v]
