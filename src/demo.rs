@@ -214,7 +214,7 @@ fn lay_out(
         let present = std::fs::symlink_metadata(&target).is_ok();
         if present {
             match mismatch(&target, expected) {
-                None => return Ok(target),
+                None => return Ok(recorded(target)),
                 Some(w) => {
                     note(&format!("{} is not an intact copy of the demo ({w}); replacing it", target.display()));
                     why = w;
@@ -243,7 +243,7 @@ fn lay_out(
         match placed {
             Ok(()) => {
                 crate::util::sync_dir(cache);
-                return Ok(target);
+                return Ok(recorded(target));
             }
             // Lost the race: the winner's directory is there; check it on the next round.
             Err(e) if matches!(e.kind(), std::io::ErrorKind::DirectoryNotEmpty | std::io::ErrorKind::AlreadyExists) => {
@@ -256,6 +256,18 @@ fn lay_out(
         }
     }
     Err(DemoError::Unsettled { path: target, why })
+}
+
+/// `dir` (just checked against the demo's own manifest) with checksum records of its shards and
+/// model files, as written by deltafin: a first run then has nothing to record from unverified
+/// files. A failure to record is a warning (the checkpoint records it at open as usual).
+fn recorded(dir: PathBuf) -> PathBuf {
+    if !dir.join(crate::model::checksums::SIDECAR).exists()
+        && let Err(e) = crate::model::sidecar::record_dir(&dir, crate::model::checksums::Source::Written)
+    {
+        tracing::warn!("{}: checksums not recorded: {e}", dir.display());
+    }
+    dir
 }
 
 /// Writes embedded files into `dir` (created).

@@ -79,6 +79,12 @@ impl SamplingParams {
         Ok(SamplingParams { top_k, min_p, ..self })
     }
 
+    /// The values are in the ranges [`SamplingParams::new`] and [`SamplingParams::with_filters`]
+    /// accept (for values read from a file or a request rather than built by them).
+    pub fn check(&self) -> Result<(), SampleError> {
+        SamplingParams::new(self.temperature, self.top_p, self.seed)?.with_filters(self.top_k, self.min_p).map(|_| ())
+    }
+
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
     }

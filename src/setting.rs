@@ -66,6 +66,10 @@ pub enum Action {
     RecordRoutes,
     /// Check every byte of a model's files against their recorded checksums.
     Verify,
+    /// Take a model's files as they are now as their new checksums (changed on purpose).
+    Rehash,
+    /// Check a model's files against the hub's own sha256.
+    VerifyAgainstHub,
 }
 
 impl Setting {
@@ -116,6 +120,8 @@ impl Action {
             Action::Setup => "hub::setup",
             Action::RecordRoutes => "a run with `trace_routes`",
             Action::Verify => "model::Checkpoint::verify",
+            Action::Rehash => "model::Checkpoint::verify with `rehash`",
+            Action::VerifyAgainstHub => "model::Checkpoint::verify_against_hub",
         }
     }
 }

@@ -162,6 +162,8 @@ fn run_chat_and_chat_never_show_a_tag_token() {
     assert!(out.is_empty() && !err.contains("error"), "no input, no answer: {out} {err}");
     // A model without a chat template cannot chat: said at once, not at the first message.
     std::fs::remove_file(model.join("chat_template.jinja")).unwrap();
+    // Removed on purpose: recorded so (else the missing file is the error).
+    run_ok(deltafin_cmd().args(["verify", "--rehash", "--model", m]));
     let o = deltafin_cmd().args(["chat", "--model", m, "-q"]).stdin(Stdio::null()).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");

@@ -387,6 +387,12 @@ fn a_shard_cut_short_and_restored_under_a_running_server_heals() {
 fn a_directory_recorded_in_the_background_is_checked_from_then_on() {
     use deltafin::store::{ExpertSource, Flow};
     let tmp = copy_fixture("k3-tiny-a");
+    // A model never seen anywhere: its own config (else it is a copy of the fixture, checked
+    // against a record kept for another copy).
+    let cfg_path = tmp.path().join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg["_test_never_seen"] = serde_json::json!(std::process::id());
+    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
     // As a large directory never seen: nothing recorded at open.
     let ck = Arc::new(deltafin::model::Checkpoint::open_with(tmp.path(), 0).unwrap());
     let v = ck.verification();

@@ -30,7 +30,12 @@ fn write_model(src: &Path, dst: &Path, tensors: &Tensors, assign: &dyn Fn(usize,
     for e in std::fs::read_dir(src).unwrap() {
         let e = e.unwrap();
         let n = e.file_name().to_string_lossy().to_string();
-        if !n.starts_with("reference") && !n.ends_with(".safetensors") && !n.ends_with(".index.json") {
+        // Not the source's checksum record either: these are other files (their own, at first open).
+        if !n.starts_with("reference")
+            && !n.starts_with('.')
+            && !n.ends_with(".safetensors")
+            && !n.ends_with(".index.json")
+        {
             std::fs::copy(e.path(), dst.join(&n)).unwrap();
         }
     }

@@ -117,7 +117,26 @@ fn enforced_calls_and_json_always_come_and_drafts_or_batching_change_no_token() 
 
 #[test]
 fn hostile_tool_and_format_requests_are_refused_with_a_reason() {
-    scenario("hostile", &[]);
+    let s =
+        served::Served::start(&["--demo", "--model-name", MODEL, "--prefill-rows", "256", "--memory-gb", "2", "-q"]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve/tools.py");
+    let o = python().arg(script).args([&format!("http://{}", s.addr), MODEL, "hostile"]).output().unwrap();
+    assert!(
+        o.status.success(),
+        "scenario hostile failed:\n{}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+        s.log.lock().unwrap()
+    );
+    // Schema bombs included, the server never held more than 1 GB.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", s.pid())).unwrap_or_default();
+    if let Some(kb) = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+    {
+        assert!(kb < 1 << 20, "the server's peak RSS reached {kb} kB");
+    }
 }
 
 #[test]

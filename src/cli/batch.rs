@@ -92,6 +92,9 @@ pub struct BatchArgs {
 }
 
 pub fn run(mut a: BatchArgs) -> Result<()> {
+    if batch_io::names_stdout(&a.output) {
+        a.output = std::path::PathBuf::from("-");
+    }
     batch_io::check_paths(&a.input, &a.output)?;
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;

@@ -19,6 +19,18 @@ pub fn is_std(p: &Path) -> bool {
     p.as_os_str() == "-"
 }
 
+/// True when `out` names this process's standard output and that is a pipe or a socket
+/// (`--out /dev/stdout | cat`): it is written as `--out -` is, never opened to be read back (a
+/// pipe read back would wait forever). A device (`/dev/null`, a terminal) is refused as before.
+pub fn names_stdout(out: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    let stdout = crate::util::fd_id(1);
+    !is_std(out)
+        && std::fs::metadata(out).is_ok_and(|m| m.file_type().is_fifo() || m.file_type().is_socket())
+        && stdout.is_some()
+        && crate::util::file_id(out) == stdout
+}
+
 /// Refuses an input or output the run must not use (see the module contract), before any work.
 pub fn check_paths(input: &Path, out: &Path) -> Result<()> {
     if !is_std(input) {
@@ -43,6 +55,13 @@ pub fn check_paths(input: &Path, out: &Path) -> Result<()> {
             );
         }
         return Ok(());
+    }
+    if let Some(kind) = crate::util::special_file_kind(out) {
+        bail!(
+            "--out {}: is {kind}, not a regular file. batch appends each result to a file and reads it back to resume; \
+             give a file path, or `--out -` for standard output",
+            out.display()
+        );
     }
     crate::util::check_append_path(out).map_err(|e| {
         anyhow::anyhow!(

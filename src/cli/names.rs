@@ -49,6 +49,8 @@ pub fn command(a: Action) -> &'static str {
         Action::Setup => "`deltafin setup`",
         Action::RecordRoutes => "`deltafin run --model DIR --trace-routes FILE`",
         Action::Verify => "`deltafin verify --model DIR`",
+        Action::Rehash => "`deltafin verify --rehash --model DIR`",
+        Action::VerifyAgainstHub => "`deltafin verify --against-hub --model DIR`",
     }
 }
 

@@ -96,6 +96,12 @@ pub struct ServeArgs {
 }
 
 pub fn run(mut a: ServeArgs) -> Result<()> {
+    if a.parallel > 1 && a.state_dir.is_some() {
+        anyhow::bail!(
+            "--state-dir keeps the sessions of a server that answers one request at a time; with --parallel {} nothing would be saved: drop one of the two",
+            a.parallel
+        );
+    }
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
     let flags = load::SamplingFlags { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, min_p: a.min_p };

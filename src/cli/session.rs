@@ -23,18 +23,33 @@ pub struct SessionFile {
     pub tokens: usize,
     pub notes: SessionNotes,
     pub exists: bool,
+    /// Held while this process uses the file: a second `run --session FILE` fails at once.
+    _lock: crate::util::FileLock,
 }
 
 impl SessionFile {
-    /// Looks at `path` (its checked header; a missing file is a new session).
+    /// Locks `path` for this process and looks at it (its checked header; a missing file is a
+    /// new session). A file another process is using, or one that is not a regular file (a FIFO,
+    /// a device), is refused at once.
     pub fn peek(path: &Path) -> Result<Self> {
+        if let Some(kind) = crate::util::special_file_kind(path) {
+            bail!("the session file {} is {kind}, not a regular file", path.display());
+        }
+        let lock = crate::util::FileLock::acquire(&crate::util::FileLock::beside(path))
+            .with_context(|| format!("cannot use the session file {}", path.display()))?;
+        // A save killed mid-write left its temp file: gone now that no one else writes this file.
+        if let (Some(dir), Some(name)) = (path.parent(), path.file_name()) {
+            let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+            crate::util::remove_stale_temps(dir, &[&format!(".{}.tmp.", name.to_string_lossy())]);
+        }
         if !path.exists() {
             crate::util::check_output_path(path)
                 .with_context(|| format!("cannot create the session file {}", path.display()))?;
-            return Ok(SessionFile { path: path.into(), tokens: 0, notes: SessionNotes::default(), exists: false });
+            let notes = SessionNotes::default();
+            return Ok(SessionFile { path: path.into(), tokens: 0, notes, exists: false, _lock: lock });
         }
         let p = crate::engine::state_file::peek(path, false)?;
-        Ok(SessionFile { path: path.into(), tokens: p.tokens, notes: p.notes, exists: true })
+        Ok(SessionFile { path: path.into(), tokens: p.tokens, notes: p.notes, exists: true, _lock: lock })
     }
 
     /// The saved chat messages.

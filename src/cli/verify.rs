@@ -17,9 +17,21 @@ pub struct VerifyArgs {
     /// Model directory.
     #[arg(long)]
     model: PathBuf,
-    /// Take the files as they are now as their new checksums (after changing them on purpose).
-    #[arg(long)]
+    /// Take the files as they are now as their new checksums (after changing them on purpose):
+    /// the shards and the model files (config, tokenizer, chat template, index).
+    #[arg(long, conflicts_with = "against_hub")]
     rehash: bool,
+    /// Check each shard's sha256 against the hub's: its download record, the Hugging Face cache
+    /// blob it links to, or (with --repo and --revision) the hub's listing. A match is recorded
+    /// as verified; a mismatch is marked damaged.
+    #[arg(long)]
+    against_hub: bool,
+    /// The hub repository the model came from (ORG/NAME), for --against-hub.
+    #[arg(long, requires = "against_hub")]
+    repo: Option<String>,
+    /// The revision (branch, tag or commit) of --repo.
+    #[arg(long, default_value = "main", requires = "repo")]
+    revision: String,
     /// Print a JSON report on stdout.
     #[arg(long)]
     json: bool,
@@ -41,8 +53,11 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     if !a.model.is_dir() {
         bail!("model directory {} does not exist", a.model.display());
     }
-    let ck =
-        Checkpoint::open(&a.model).with_context(|| format!("cannot open the checkpoint in {}", a.model.display()))?;
+    let ck = Checkpoint::open_for_verify(&a.model)
+        .with_context(|| format!("cannot open the checkpoint in {}", a.model.display()))?;
+    if a.against_hub {
+        return against_hub(&a, &ck);
+    }
     let pb = bar();
     let rep = ck.verify(a.rehash, &mut |d, t| {
         pb.set_length(t);
@@ -82,9 +97,27 @@ pub fn run(a: VerifyArgs) -> Result<()> {
             (false, n) => format!("; {n} shard(s) had no checksums and were recorded as found"),
         }
     );
-    if rep.damage.is_empty() && pack_problems.is_empty() {
-        eprintln!("deltafin verify: every tensor matches its checksum ({})", v.describe());
-        return Ok(());
+    for p in &rep.changed_files {
+        eprintln!("  {p}");
+    }
+    if !rep.unchecked.is_empty() {
+        eprintln!(
+            "deltafin verify: {} tensor(s) are not covered by a record (their shard's header changed since it was recorded), e.g. {}; `deltafin verify --rehash` records them as they are now",
+            rep.unchecked.len(),
+            rep.unchecked[0]
+        );
+    }
+    if v.sources.contains(&Source::Files) {
+        eprintln!(
+            "deltafin verify: checksums recorded from the files as found: damage already present then cannot be found that way; `deltafin verify --against-hub` checks the files against the hub's sha256"
+        );
+    }
+    if rep.damage.is_empty() && pack_problems.is_empty() && rep.changed_files.is_empty() {
+        if rep.unchecked.is_empty() {
+            eprintln!("deltafin verify: every tensor matches its checksum ({})", v.describe());
+            return Ok(());
+        }
+        bail!("{} tensor(s) unchecked in {}", rep.unchecked.len(), a.model.display());
     }
     for d in rep.damage.iter().take(20) {
         eprintln!("  {}: tensor `{}`: xxh3 {}, recorded {}", d.path.display(), d.tensor, d.got, d.want);
@@ -117,10 +150,64 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     if !pack_problems.is_empty() {
         eprintln!("deltafin verify: re-run `deltafin place` for this model to rewrite the damaged pack records");
     }
+    if !rep.changed_files.is_empty() {
+        eprintln!(
+            "deltafin verify: restore the changed model file(s), or, if they were changed on purpose, `deltafin verify --rehash` records them"
+        );
+    }
     bail!(
-        "{} damaged tensor(s), {} damaged placement record(s) in {}",
+        "{} damaged tensor(s), {} changed model file(s), {} damaged placement record(s) in {}",
         rep.damage.len(),
+        rep.changed_files.len(),
         pack_problems.len(),
         a.model.display()
     )
+}
+
+/// `verify --against-hub`: every shard's sha256 against the hub's (hub::against).
+fn against_hub(a: &VerifyArgs, ck: &Checkpoint) -> Result<()> {
+    let listing = match &a.repo {
+        Some(repo) => Some(
+            crate::hub::hfcache::list(&crate::hub::Hub::from_env(), repo, &a.revision)
+                .with_context(|| format!("cannot list {repo} at {} on the hub", a.revision))?,
+        ),
+        None => None,
+    };
+    let check = crate::hub::against::verify_against_hub(ck, listing.as_ref(), &mut |name, ok| match ok {
+        Some(true) => eprintln!("  {name}: sha256 matches the hub's"),
+        Some(false) => eprintln!("  {name}: sha256 DIFFERS from the hub's: damaged"),
+        None => eprintln!("  {name}: the hub's sha256 is not known here"),
+    })?;
+    if a.json {
+        println!("{}", serde_json::json!({ "against_hub": check }));
+    }
+    if !check.relearned.is_empty() {
+        eprintln!(
+            "deltafin verify: {} shard(s) had checksums recorded from other bytes than the hub's (now replaced): {}",
+            check.relearned.len(),
+            check.relearned.join(", ")
+        );
+    }
+    if !check.unknown.is_empty() {
+        eprintln!(
+            "deltafin verify: {} shard(s) have no known hub sha256: give --repo ORG/NAME --revision REV (the repository the model came from)",
+            check.unknown.len()
+        );
+    }
+    if !check.mismatched.is_empty() {
+        bail!(
+            "{} shard(s) differ from the hub's files in {}: {} (marked damaged; `deltafin setup` downloads them again)",
+            check.mismatched.len(),
+            a.model.display(),
+            check.mismatched.join(", ")
+        );
+    }
+    if !check.unknown.is_empty() {
+        bail!("{} of {} shard(s) could not be checked against the hub", check.unknown.len(), ck.shards.len());
+    }
+    eprintln!(
+        "deltafin verify: every shard matches the hub's sha256 ({} shard(s)); recorded as verified",
+        check.matched.len()
+    );
+    Ok(())
 }

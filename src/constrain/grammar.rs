@@ -41,6 +41,7 @@ const JSON_WS: &str = r"(?:\x20|\n[\x20\t]{0,20})";
 /// A JSON text for the grammar: a schema (with llguidance's JSON options: [`JSON_WS`] unless the
 /// schema sets its own `x-guidance`), checked for size.
 fn schema_text(what: &'static str, v: &Value) -> Result<String, ConstrainError> {
+    super::budget::check(v, what)?;
     let mut v = match v {
         Value::Bool(true) => json!({}),
         v => v.clone(),

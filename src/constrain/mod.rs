@@ -16,6 +16,7 @@
 //! is kept bit for bit. A mask that fails mid-answer (the grammar engine's error) ends the answer
 //! at a stop token and says why ([`crate::sample::TokenMask::error`]); the front end reports it.
 
+mod budget;
 mod grammar;
 
 pub use grammar::{Payload, Spec, lark, parameters_schema};
@@ -30,6 +31,12 @@ use std::sync::Arc;
 /// Largest schema or tool list (its JSON text) a constraint takes: llguidance compiles it per
 /// request, and its own limits bound the work per token.
 pub const MAX_SCHEMA_BYTES: usize = 256 * 1024;
+/// Grammar symbols a compiled constraint may have (llguidance's default is 500,000: a few MB of
+/// JSON schema; the budget walk of `budget.rs` stops the expansions that would reach it slowly).
+const MAX_GRAMMAR_SIZE: usize = 100_000;
+/// Constraints compiled at once; a request past them waits at most [`COMPILE_WAIT`].
+const COMPILING_AT_ONCE: usize = 2;
+const COMPILE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConstrainError {
@@ -41,6 +48,8 @@ pub enum ConstrainError {
     TooLarge { what: &'static str, bytes: usize },
     #[error("cannot enforce {what}: {msg}")]
     Compile { what: &'static str, msg: String },
+    #[error("{COMPILING_AT_ONCE} output constraints are being compiled already; try again in a moment")]
+    Busy,
 }
 
 /// The special tokens a grammar names: the template's tags and the model's stop tokens.
@@ -57,6 +66,19 @@ pub struct Grammars {
     factory: ParserFactory,
     tags: Tags,
     vocab: usize,
+    /// Compilations running now (at most [`COMPILING_AT_ONCE`]).
+    compiling: std::sync::Mutex<usize>,
+    freed: std::sync::Condvar,
+}
+
+/// A compilation slot, given back when dropped.
+struct Slot<'a>(&'a Grammars);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        *self.0.compiling.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+        self.0.freed.notify_one();
+    }
 }
 
 impl Grammars {
@@ -76,19 +98,43 @@ impl Grammars {
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| ConstrainError::Setup(e.to_string()))?;
         factory.quiet();
-        Ok(Grammars { factory, tags, vocab })
+        let limits = factory.limits_mut();
+        limits.max_grammar_size = MAX_GRAMMAR_SIZE;
+        // Errors reach clients: the engine's state and grammar dump stay out of them.
+        limits.verbose_errors = false;
+        Ok(Grammars { factory, tags, vocab, compiling: Default::default(), freed: Default::default() })
+    }
+
+    /// A compilation slot, waiting at most [`COMPILE_WAIT`] for one.
+    fn slot(&self) -> Result<Slot<'_>, ConstrainError> {
+        let mut n = self.compiling.lock().unwrap_or_else(|p| p.into_inner());
+        let deadline = std::time::Instant::now() + COMPILE_WAIT;
+        while *n >= COMPILING_AT_ONCE {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(ConstrainError::Busy);
+            }
+            n = self.freed.wait_timeout(n, left).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        *n += 1;
+        Ok(Slot(self))
     }
 
     fn matcher(&self, spec: &Spec) -> Result<Matcher, ConstrainError> {
         let what = spec.payload.what();
         let text = lark(spec, &self.tags)?;
+        let _slot = self.slot()?;
         let parser = self
             .factory
             .create_parser(TopLevelGrammar::from_lark(text))
-            .map_err(|e| ConstrainError::Compile { what, msg: e.to_string() })?;
-        let m = Matcher::new(Ok(parser));
+            .map_err(|e| ConstrainError::Compile { what, msg: first_line(&e.to_string()) })?;
+        let mut m = Matcher::new(Ok(parser));
+        // The first mask: a grammar no answer can start (an unsatisfiable schema) fails here.
+        if m.get_error().is_none() {
+            let _ = m.compute_mask();
+        }
         match m.get_error() {
-            Some(msg) => Err(ConstrainError::Compile { what, msg }),
+            Some(msg) => Err(ConstrainError::Compile { what, msg: first_line(&msg) }),
             None => Ok(m),
         }
     }
@@ -103,6 +149,11 @@ impl Grammars {
         let stop = self.tags.stops[0];
         Ok(Box::new(GrammarMask { m: self.matcher(spec)?, vocab: self.vocab, stop, error: None }))
     }
+}
+
+/// The first line of a grammar engine message (the rest is its internal state).
+fn first_line(s: &str) -> String {
+    s.lines().next().unwrap_or(s).trim().to_string()
 }
 
 /// One answer's grammar state.

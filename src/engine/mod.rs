@@ -198,6 +198,9 @@ impl Engine {
             EngineError::Setting { setting: Setting::Context, value, problem }
         })?;
         let ck = Arc::new(Checkpoint::open(&dir)?);
+        if let Some(e) = ck.damaged_error() {
+            return Err(e.into());
+        }
         let roster = Roster::build(&cfg, &ck)?;
         let trunk = trunk::resolve(&config, &dir)?;
         let device_cache_bytes = config.gpu_cache_gb.map_or(0, |g| (g * 1e9) as u64);

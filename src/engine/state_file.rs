@@ -239,7 +239,7 @@ pub struct Peeked {
 /// Reads `path`'s header (and its tokens when `ids`); see [`Peeked`].
 pub fn peek(path: &Path, ids: bool) -> Result<Peeked, StateFileError> {
     let read = |source| StateFileError::Read { path: path.into(), source };
-    let f = std::fs::File::open(path).map_err(read)?;
+    let f = crate::util::open_regular(path).map_err(read)?;
     let len = f.metadata().map_err(read)?.len();
     let mut f = BufReader::new(f);
     let mut fixed = [0u8; 16];
@@ -275,6 +275,14 @@ pub fn peek(path: &Path, ids: bool) -> Result<Peeked, StateFileError> {
     Ok(Peeked { model: head.model, tokens: head.tokens, ids: out, notes: head.notes })
 }
 
+/// Every id in `ids` is below `vocab`; else what is wrong, for a `Corrupt` error.
+fn check_ids(ids: &[u32], what: &str, vocab: usize) -> Result<(), String> {
+    match ids.iter().position(|&t| t as usize >= vocab) {
+        Some(i) => Err(format!("{what} hold id {} at {i}, past the vocabulary of {vocab}", ids[i])),
+        None => Ok(()),
+    }
+}
+
 impl Engine {
     /// The model's fingerprint (`model::fingerprint`), which state files are tied to.
     pub fn model_fingerprint(&self) -> String {
@@ -286,7 +294,7 @@ impl Engine {
     pub fn load_session(self: &Arc<Self>, path: &Path) -> Result<(Session, SessionNotes), StateFileError> {
         let read = |source| StateFileError::Read { path: path.into(), source };
         let corrupt = |what: String| StateFileError::Corrupt { path: path.into(), what };
-        let f = std::fs::File::open(path).map_err(read)?;
+        let f = crate::util::open_regular(path).map_err(read)?;
         let len = f.metadata().map_err(read)?.len();
         let mut r = BufReader::with_capacity(1 << 20, f);
         let mut h = Xxh3Default::new();
@@ -328,6 +336,7 @@ impl Engine {
         }
         let ids = take(&mut r, &mut h, 4 * head.tokens)?;
         let tokens: Vec<u32> = ids.chunks_exact(4).map(u32_at).collect();
+        check_ids(&tokens, "its tokens", head.vocab).map_err(corrupt)?;
         let mut f32s = |n: usize| -> Result<Vec<f32>, StateFileError> {
             let b = take(&mut r, &mut h, 4 * n)?;
             Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
@@ -354,8 +363,14 @@ impl Engine {
         Ok((Session::from_saved(Arc::clone(self), state, tokens, logits), head.notes))
     }
 
-    /// The header's model, numbers and shapes are this engine's.
+    /// The header's model, numbers and shapes are this engine's, and its notes hold what the
+    /// command line would accept (sampler values in range, ids in the vocabulary).
     fn check_header(&self, path: &Path, head: &Header) -> Result<(), StateFileError> {
+        let corrupt = |what: String| StateFileError::Corrupt { path: path.into(), what };
+        check_ids(&head.notes.unfed, "its unfed tokens", head.vocab).map_err(corrupt)?;
+        if let Some(s) = &head.notes.sampler {
+            s.params.check().map_err(|e| corrupt(format!("its sampler: {e}")))?;
+        }
         let have = Header::of(self, head.tokens, head.logits, SessionNotes::default());
         let short = |f: &str| crate::model::fingerprint::short(f).to_string();
         if head.model != have.model {

@@ -21,7 +21,8 @@
 
 use super::client::{Hub, HubError, RepoFile};
 use super::hfcache::HfRepoCache;
-use crate::model::checksums::{self, FileId, ShardDigest, ShardRecord, Source, TensorHasher};
+use crate::model::checksums::{FileId, ShardDigest, ShardRecord, Source, TensorHasher};
+use crate::model::sidecar;
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sha2::Digest;
 use std::collections::VecDeque;
@@ -139,7 +140,7 @@ pub fn verify_file(path: &Path, f: &RepoFile) -> Result<bool, HubError> {
 }
 
 /// [`verify_file`], with the tensors' checksums of a verified shard: None when it does not match.
-fn verify_file_sums(path: &Path, f: &RepoFile) -> Result<Option<Verified>, HubError> {
+pub fn verify_file_sums(path: &Path, f: &RepoFile) -> Result<Option<Verified>, HubError> {
     let mut c = Checker::new(f)?;
     let len = std::fs::metadata(path).map_err(|source| HubError::Io { path: path.to_path_buf(), source })?.len();
     if len != f.size {
@@ -158,7 +159,7 @@ pub fn record_verified(dest: &Path, f: &RepoFile, digest: &ShardDigest) {
     let Some(dir) = dest.parent() else { return };
     let r = ShardRecord::new(dest, digest, Source::Download).and_then(|mut rec| {
         rec.sha256 = f.sha256.clone();
-        checksums::save(dir, vec![rec])
+        sidecar::save(dir, vec![rec])
     });
     if let Err(e) = r {
         tracing::warn!("{}: tensor checksums not recorded: {e}", dest.display());
@@ -169,7 +170,7 @@ pub fn record_verified(dest: &Path, f: &RepoFile, digest: &ShardDigest) {
 /// (same identity) and not found damaged.
 fn known_intact(dest: &Path, f: &RepoFile) -> bool {
     let (Some(dir), Some(name)) = (dest.parent(), dest.file_name()) else { return false };
-    let side = checksums::Sidecar::load(dir);
+    let side = sidecar::Sidecar::load(dir).sidecar;
     let Some(rec) = side.get(&name.to_string_lossy()) else { return false };
     rec.source == Source::Download
         && !rec.damaged

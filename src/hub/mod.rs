@@ -3,6 +3,7 @@
 //! expert source that streams routed experts on demand (`stream`). `deltafin setup` drives them;
 //! the engine opens a stream install through [`stream::StreamSource`]. See docs/setup.md.
 
+pub mod against;
 pub mod client;
 pub mod download;
 pub mod hfcache;

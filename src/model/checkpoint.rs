@@ -13,6 +13,7 @@
 
 use super::ModelError;
 use super::checksums::{self, FileId, ShardRecord, Source};
+use super::sidecar;
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata};
 use std::collections::HashMap;
@@ -47,6 +48,8 @@ pub struct Shard {
     /// Ids of its tensors: `first_id..first_id + tensors`.
     pub first_id: u32,
     pub tensors: u32,
+    /// Its tensors' header entries in id order (`checksums::entry_hash`).
+    pub(crate) entries: Vec<u64>,
 }
 
 /// What is known of a shard's checksums.
@@ -56,6 +59,10 @@ pub struct ShardSums {
     pub record: Option<ShardRecord>,
     /// The file was modified or replaced since it was recorded.
     pub touched: bool,
+    /// The record is the cache's copy for the same model in this other directory.
+    pub origin: Option<String>,
+    /// The shard's header is not the recorded one (some tensors may be unchecked).
+    pub header_changed: bool,
 }
 
 /// An opened checkpoint directory.
@@ -70,6 +77,8 @@ pub struct Checkpoint {
     pub(crate) stream: bool,
     /// A background pass is recording checksums (`record_in_background`).
     pub(crate) recording: std::sync::atomic::AtomicBool,
+    /// Model files that differ from their records (kept by a non-strict open, for `verify`).
+    pub(crate) file_problems: Mutex<Vec<checksums::FileProblem>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -87,6 +96,16 @@ impl Checkpoint {
     /// [`Checkpoint::open`], recording unrecorded shards now only when they hold at most
     /// `sync_record` bytes (0: never; see [`Checkpoint::record_in_background`]).
     pub fn open_with(dir: &Path, sync_record: u64) -> Result<Self, ModelError> {
+        Self::open_inner(dir, sync_record, true)
+    }
+
+    /// [`Checkpoint::open`] for `deltafin verify`: a model file that differs from its record is
+    /// a finding ([`Checkpoint::file_problems`]), not an error, and nothing is recorded at open.
+    pub fn open_for_verify(dir: &Path) -> Result<Self, ModelError> {
+        Self::open_inner(dir, 0, false)
+    }
+
+    fn open_inner(dir: &Path, sync_record: u64, strict: bool) -> Result<Self, ModelError> {
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let (shard_names, weight_map): (Vec<String>, Option<HashMap<String, String>>) = if index_path.exists() {
@@ -116,6 +135,7 @@ impl Checkpoint {
             let (n, meta) = meta;
             let header_xxh3 = xxhash_rust::xxh3::xxh3_64(&mmap[..8 + n]);
             let order = checksums::tensor_order(&meta, n);
+            let entries = checksums::entry_hashes(&meta, &order);
             let first_id = next_id;
             let rank: HashMap<&str, u32> =
                 order.iter().enumerate().map(|(i, t)| (t.0.as_str(), first_id + i as u32)).collect();
@@ -148,6 +168,7 @@ impl Checkpoint {
                 file_id,
                 first_id,
                 tensors: order.len() as u32,
+                entries,
             });
         }
         // The index must agree with the shards' own headers.
@@ -179,10 +200,11 @@ impl Checkpoint {
             state: Mutex::new(vec![ShardSums::default(); shards.len()]),
             stream: dir.join(STREAM_RECORD).exists(),
             recording: Default::default(),
+            file_problems: Default::default(),
             shards,
             tensors,
         };
-        ck.load_sums();
+        ck.load_records(strict)?;
         let unrecorded: u64 = ck.unrecorded().iter().map(|&s| ck.shards[s].file_id.len).sum();
         if unrecorded > 0 && unrecorded <= sync_record {
             match ck.record_missing(&mut |_, _| {}) {
@@ -191,33 +213,6 @@ impl Checkpoint {
             }
         }
         Ok(ck)
-    }
-
-    /// Fills the checksums from the sidecar's records that describe these files (same name,
-    /// length and header bytes).
-    fn load_sums(&self) {
-        let side = checksums::Sidecar::load(&self.dir);
-        let mut state = self.state_mut();
-        for (si, sh) in self.shards.iter().enumerate() {
-            let name = shard_file_name(&sh.path);
-            let Some(rec) = side.get(&name) else { continue };
-            let ours = format!("{:016x}", sh.header_xxh3);
-            let sums = rec.sums().filter(|v| v.len() == sh.tensors as usize);
-            match sums {
-                Some(v) if rec.header_xxh3 == ours && rec.file.len == sh.file_id.len => {
-                    for (i, x) in v.into_iter().enumerate() {
-                        if let Some(x) = x {
-                            let _ = self.sums[sh.first_id as usize + i].set(x);
-                        }
-                    }
-                    state[si] = ShardSums { touched: rec.file != sh.file_id, record: Some(rec.clone()) };
-                }
-                _ => tracing::warn!(
-                    "{}: its recorded checksums are of another file (header or size differ); it is recorded again",
-                    sh.path.display()
-                ),
-            }
-        }
     }
 
     pub(crate) fn state_mut(&self) -> std::sync::MutexGuard<'_, Vec<ShardSums>> {
@@ -298,10 +293,12 @@ impl Checkpoint {
     /// Where shard `shard`'s checksums came from, and whether the file changed since.
     pub fn how_recorded(&self, shard: usize) -> String {
         let st = self.state_mut();
-        let how = st.get(shard).and_then(|x| x.record.as_ref()).map_or("recorded", |r| r.source.describe());
-        let changed =
-            if st.get(shard).is_some_and(|x| x.touched) { "; the file was modified or replaced since" } else { "" };
-        format!("{how}{changed}")
+        let x = st.get(shard);
+        let how = x.and_then(|x| x.record.as_ref()).map_or("recorded", |r| r.source.describe());
+        let copy =
+            x.and_then(|x| x.origin.as_ref()).map_or_else(String::new, |d| format!(" for the same model in {d}"));
+        let changed = if x.is_some_and(|x| x.touched) { "; the file was modified or replaced since" } else { "" };
+        format!("{how}{copy}{changed}")
     }
 
     /// The shard holding tensor `id`.
@@ -363,7 +360,8 @@ impl Checkpoint {
             recs.push(rec);
         }
         if !recs.is_empty() {
-            checksums::save(&self.dir, recs).map_err(|source| ModelError::Io { path: self.dir.clone(), source })?;
+            sidecar::save(&self.dir, recs).map_err(|source| ModelError::Io { path: self.dir.clone(), source })?;
+            tracing::warn!("{}", self.recorded_as_found(todo.len()));
         }
         Ok(todo.len())
     }
@@ -410,7 +408,16 @@ impl Checkpoint {
                 }
             }
         }
-        self.state_mut()[s] = ShardSums { record: Some(rec.clone()), touched: false };
+        self.state_mut()[s] = ShardSums { record: Some(rec.clone()), ..Default::default() };
+    }
+
+    /// What recording `n` shards from the files as found means, for stderr.
+    pub fn recorded_as_found(&self, n: usize) -> String {
+        format!(
+            "{}: checksums of {n} shard(s) recorded now from the files as found: damage already present cannot be found that way; {} checks them against the hub's sha256",
+            self.dir.display(),
+            crate::setting::Action::VerifyAgainstHub
+        )
     }
 
     /// Bytes of an absolute range in a shard.
@@ -437,10 +444,6 @@ impl Checkpoint {
 
 /// The record a stream install keeps (`hub::stream::RECORD`): its shards' expert ranges are holes.
 const STREAM_RECORD: &str = "stream.json";
-
-fn shard_file_name(p: &Path) -> String {
-    p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
-}
 
 /// Parses `model.safetensors.index.json` text: the shard file names (sorted, distinct, each a plain
 /// file name in the model directory) and the tensor -> shard map. `path` is only used in errors.

@@ -1,6 +1,8 @@
-//! Per-tensor checksums of a model's shards, recorded once and checked on every read: the
-//! sidecar `MODEL/.deltafin-checksums.json` (or, where the model directory is not writable, one
-//! file per directory under deltafin's cache directory, `checksums/<xxh3 of the path>.json`).
+//! Per-tensor checksums of a model's shards and checksums of its other files, recorded once and
+//! checked on every read: the record's format ([`ShardRecord`], [`FileRecord`]) and the hashing
+//! ([`TensorHasher`], [`hash_file`]). Where the record is kept (`MODEL/.deltafin-checksums.json`
+//! and its second copy in the cache) is `model::sidecar`; which records apply to the files as
+//! they are is `model::integrity`.
 //!
 //! Contract:
 //! - A shard's record is the xxh3-64 of every tensor in it (in the order of their data offsets,
@@ -24,7 +26,6 @@ use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 pub const SIDECAR: &str = ".deltafin-checksums.json";
-const VERSION: u32 = 1;
 const UNKNOWN: &str = "----------------";
 /// Chunk of a sequential read.
 const CHUNK: usize = 8 << 20;
@@ -95,6 +96,11 @@ pub struct ShardRecord {
     pub damaged: bool,
     /// Every tensor's xxh3 in data-offset order, 16 hex digits each (`-` x 16: unknown).
     pub xxh3: String,
+    /// Every tensor's header entry (name, dtype, shape, offsets: [`entry_hash`]) in the same
+    /// order, 16 hex digits each: what lets a checksum outlive a change elsewhere in the header.
+    /// Empty in records of deltafin before 2026-12-07.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub entries: String,
 }
 
 impl ShardRecord {
@@ -111,7 +117,17 @@ impl ShardRecord {
             recorded,
             damaged: false,
             xxh3: digest.sums.iter().map(|s| s.map_or_else(|| UNKNOWN.to_string(), |x| format!("{x:016x}"))).collect(),
+            entries: digest.entries.iter().map(|x| format!("{x:016x}")).collect(),
         })
+    }
+
+    /// The tensors' header entries ([`entry_hash`]), or None when the record has none (older) or
+    /// the field is malformed.
+    pub fn entry_hashes(&self) -> Option<Vec<u64>> {
+        if self.entries.is_empty() || !self.entries.len().is_multiple_of(16) || !self.entries.is_ascii() {
+            return None;
+        }
+        (0..self.entries.len() / 16).map(|i| u64::from_str_radix(&self.entries[16 * i..16 * i + 16], 16).ok()).collect()
     }
 
     /// The tensors' checksums (None where unknown), or None when the field is malformed.
@@ -128,72 +144,59 @@ impl ShardRecord {
     }
 }
 
-/// The sidecar: one record per shard.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct Sidecar {
-    pub version: u32,
-    pub shards: Vec<ShardRecord>,
+/// The files of a model beside its shards that change what it computes or says: each is in the
+/// record once seen, and a change is an error until re-recorded on purpose.
+pub const MODEL_FILES: &[&str] = &[
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "tokenizer_config.json",
+    "tiktoken.model",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+];
+
+/// One model file's record (see [`MODEL_FILES`]).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct FileRecord {
+    pub name: String,
+    pub len: u64,
+    /// xxh3 of the whole file, hex.
+    pub xxh3: String,
+    pub source: Source,
+    /// Unix seconds when recorded.
+    pub recorded: u64,
 }
 
-/// The places a model directory's sidecar may be: in the directory, else in the cache.
-pub fn sidecar_paths(dir: &Path) -> [PathBuf; 2] {
-    let canon = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
-    let key = xxh3_64(canon.as_os_str().as_encoded_bytes());
-    [dir.join(SIDECAR), crate::util::cache_dir().join("checksums").join(format!("{key:016x}.json"))]
-}
-
-impl Sidecar {
-    /// The sidecar of `dir` (the directory's own, else the cache's); empty when there is none. A
-    /// malformed one is reported and ignored (its shards are recorded again).
-    pub fn load(dir: &Path) -> Sidecar {
-        for p in sidecar_paths(dir) {
-            let Ok(text) = std::fs::read_to_string(&p) else { continue };
-            match serde_json::from_str::<Sidecar>(&text) {
-                Ok(s) if s.version == VERSION => return s,
-                Ok(s) => tracing::warn!("{}: version {} is not {VERSION}; ignored", p.display(), s.version),
-                Err(e) => tracing::warn!("{}: malformed ({e}); ignored, its shards are recorded again", p.display()),
-            }
-        }
-        Sidecar { version: VERSION, shards: Vec::new() }
-    }
-
-    pub fn get(&self, name: &str) -> Option<&ShardRecord> {
-        self.shards.iter().find(|r| r.name == name)
-    }
-}
-
-/// Merges `records` into `dir`'s sidecar (a record replaces the one of the same shard) and writes
-/// it atomically: in the directory when it is writable, else in the cache. Returns where.
-pub fn save(dir: &Path, records: Vec<ShardRecord>) -> std::io::Result<PathBuf> {
-    save_with(dir, records, &[])
-}
-
-/// [`save`], also setting `damaged` on the records of the shards named in `damaged`.
-pub fn save_with(dir: &Path, records: Vec<ShardRecord>, damaged: &[&str]) -> std::io::Result<PathBuf> {
-    let mut s = Sidecar::load(dir);
-    s.version = VERSION;
-    for r in records {
-        match s.shards.iter_mut().find(|x| x.name == r.name) {
-            Some(x) => *x = r,
-            None => s.shards.push(r),
+impl FileRecord {
+    /// The record of `bytes`, the contents of file `name`.
+    pub fn new(name: &str, bytes: &[u8], source: Source) -> Self {
+        FileRecord {
+            name: name.into(),
+            len: bytes.len() as u64,
+            xxh3: format!("{:016x}", xxh3_64(bytes)),
+            source,
+            recorded: unix_now(),
         }
     }
-    for r in s.shards.iter_mut().filter(|r| damaged.contains(&r.name.as_str())) {
-        r.damaged = true;
-    }
-    s.shards.sort_by(|a, b| a.name.cmp(&b.name));
-    let body = serde_json::to_vec_pretty(&s).map_err(std::io::Error::other)?;
-    let [own, cached] = sidecar_paths(dir);
-    match crate::util::write_atomic(&own, &body) {
-        Ok(()) => Ok(own),
-        Err(e) => {
-            tracing::debug!("{}: {e}; keeping checksums in the cache", own.display());
-            if let Some(p) = cached.parent() {
-                std::fs::create_dir_all(p)?;
-            }
-            crate::util::write_atomic(&cached, &body)?;
-            Ok(cached)
-        }
+}
+
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// A model file that is not what its record says.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct FileProblem {
+    pub path: PathBuf,
+    /// What is wrong, in words.
+    pub what: String,
+}
+
+impl std::fmt::Display for FileProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path.display(), self.what)
     }
 }
 
@@ -205,6 +208,21 @@ pub struct ShardDigest {
     pub names: Vec<String>,
     /// Their checksums (None: not hashed, e.g. a stream install's holes).
     pub sums: Vec<Option<u64>>,
+    /// Their header entries ([`entry_hash`]).
+    pub entries: Vec<u64>,
+}
+
+/// xxh3 of a tensor's header entry: its name, dtype, shape and data offsets. A recorded checksum
+/// still applies after a header change (its `__metadata__`, another tensor) while this is unchanged.
+pub fn entry_hash(name: &str, info: &safetensors::tensor::TensorInfo) -> u64 {
+    let text = format!("{name}\0{:?}\0{:?}\0{}\0{}", info.dtype, info.shape, info.data_offsets.0, info.data_offsets.1);
+    xxh3_64(text.as_bytes())
+}
+
+/// The header entries ([`entry_hash`]) of a shard's tensors in data-offset order
+/// ([`tensor_order`]).
+pub fn entry_hashes(meta: &safetensors::tensor::Metadata, order: &[(String, u64, u64)]) -> Vec<u64> {
+    order.iter().map(|(n, _, _)| meta.info(n).map_or(0, |i| entry_hash(n, i))).collect()
 }
 
 /// A shard's tensors as (name, absolute start, absolute end), in the order records list them
@@ -234,6 +252,7 @@ pub struct TensorHasher {
     n: Option<u64>,
     ranges: Vec<(u64, u64)>,
     names: Vec<String>,
+    entries: Vec<u64>,
     cur: usize,
     h: Option<Box<Xxh3>>,
     sums: Vec<Option<u64>>,
@@ -296,6 +315,7 @@ impl TensorHasher {
             return;
         }
         self.ranges = order.iter().map(|t| (t.1, t.2)).collect();
+        self.entries = entry_hashes(&meta, &order);
         self.names = order.into_iter().map(|t| t.0).collect();
         self.head.truncate(0);
         self.head.shrink_to_fit();
@@ -333,7 +353,7 @@ impl TensorHasher {
         if self.n.is_none_or(|n| self.pos < 8 + n) || self.cur < self.ranges.len() {
             return Err(format!("ends at byte {} before its last tensor", self.pos));
         }
-        Ok(ShardDigest { header_xxh3: self.header_xxh3, names: self.names, sums: self.sums })
+        Ok(ShardDigest { header_xxh3: self.header_xxh3, names: self.names, sums: self.sums, entries: self.entries })
     }
 }
 
@@ -376,7 +396,7 @@ pub fn hash_file(path: &Path, progress: &mut dyn FnMut(u64)) -> std::io::Result<
 
 /// Bytes of a file that do not hash to their recorded checksum.
 #[derive(Debug, thiserror::Error)]
-#[error("{}: {what} does not match its recorded checksum (xxh3 {got:016x}, expected {want:016x}, {how}); {hint}", path.display())]
+#[error("{}: {what} does not match its recorded checksum (xxh3 {got:016x}, recorded {want:016x}, {how}): the file is damaged or was changed. {hint}", path.display())]
 pub struct Mismatch {
     pub path: PathBuf,
     /// What the bytes are, e.g. "tensor `NAME`".
@@ -392,10 +412,11 @@ pub struct Mismatch {
 /// What to do about a checksum mismatch in `dir`.
 pub fn mismatch_hint(dir: &Path) -> String {
     format!(
-        "the file is damaged or was changed since; {} (DIR = {}) lists every damaged tensor; then restore the file ({} downloads a damaged shard again)",
+        "{} (DIR = {}) lists every damaged tensor; restore the file ({} downloads a damaged shard again), or, if it was changed on purpose, {} records it as it is",
         crate::setting::Action::Verify,
         dir.display(),
-        crate::setting::Action::Setup
+        crate::setting::Action::Setup,
+        crate::setting::Action::Rehash
     )
 }
 
@@ -441,22 +462,5 @@ mod tests {
         let mut h = TensorHasher::new();
         h.update(&file[..file.len() - 10]);
         assert!(h.finish().is_err());
-    }
-
-    #[test]
-    fn records_round_trip_and_merge() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("m.safetensors");
-        std::fs::write(&p, shard(&[("x", vec![1, 2, 3])])).unwrap();
-        let d = hash_file(&p, &mut |_| {}).unwrap();
-        let mut r = ShardRecord::new(&p, &d, Source::Files).unwrap();
-        assert_eq!(r.sums().unwrap(), vec![Some(xxh3_64(&[1, 2, 3]))]);
-        save(dir.path(), vec![r.clone()]).unwrap();
-        r.name = "other.safetensors".into();
-        save(dir.path(), vec![r]).unwrap();
-        let s = Sidecar::load(dir.path());
-        assert_eq!(s.shards.len(), 2);
-        save_with(dir.path(), Vec::new(), &["m.safetensors"]).unwrap();
-        assert!(Sidecar::load(dir.path()).get("m.safetensors").unwrap().damaged);
     }
 }

@@ -13,7 +13,9 @@ pub mod checksums;
 pub mod config;
 pub mod fingerprint;
 pub mod generation;
+pub mod integrity;
 pub mod roster;
+pub mod sidecar;
 pub mod synth;
 pub mod tokenizer;
 pub mod tool_calls;
@@ -57,6 +59,12 @@ pub enum ModelError {
     /// Bytes that do not hash to their recorded checksum (`checksums`).
     #[error(transparent)]
     Checksum(Box<checksums::Mismatch>),
+    /// A model file (config, tokenizer, template, index) that is not what was recorded.
+    #[error("{}: {what}: {hint}", path.display())]
+    FileChanged { path: PathBuf, what: String, hint: String },
+    /// Shards `deltafin verify` found damaged.
+    #[error("{}: shard(s) found damaged by a verify: {shards}; {hint}", dir.display())]
+    Damaged { dir: PathBuf, shards: String, hint: String },
     #[error("{}: no model.safetensors.index.json and no model.safetensors", dir.display())]
     NoCheckpoint { dir: PathBuf },
     #[error("tensor roster check failed for {} ({} problem{}):\n{}", dir.display(), problems.len(), if problems.len() == 1 { "" } else { "s" }, format_problems(problems))]

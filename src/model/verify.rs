@@ -9,7 +9,8 @@
 
 use super::ModelError;
 use super::checkpoint::Checkpoint;
-use super::checksums::{self, Source};
+use super::checksums::{self, ShardRecord, Source};
+use super::sidecar;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -81,6 +82,10 @@ pub struct VerifyReport {
     /// Shards that had no record and were recorded now.
     pub recorded_now: usize,
     pub damage: Vec<Damage>,
+    /// Tensors no record covers (their shard's header changed since it was recorded).
+    pub unchecked: Vec<String>,
+    /// Model files that differ from their records.
+    pub changed_files: Vec<checksums::FileProblem>,
 }
 
 impl Checkpoint {
@@ -116,6 +121,7 @@ impl Checkpoint {
         if self.unrecorded().is_empty() || self.recording.swap(true, Ordering::SeqCst) {
             return;
         }
+        tracing::warn!("{} (in the background)", self.recorded_as_found(self.unrecorded().len()));
         let weak = Arc::downgrade(self);
         let spawned = std::thread::Builder::new().name("deltafin-checksums".into()).spawn(move || {
             loop {
@@ -125,7 +131,7 @@ impl Checkpoint {
                 match ck.hash_shard(s, &mut |_| {}) {
                     Ok((rec, _)) => {
                         ck.adopt(s, &rec, false);
-                        if let Err(e) = checksums::save(&ck.dir, vec![rec]) {
+                        if let Err(e) = sidecar::save(&ck.dir, vec![rec]) {
                             tracing::warn!("{}: checksums not saved: {e}", ck.dir.display());
                         }
                         let left = ck.unrecorded().len();
@@ -153,8 +159,10 @@ impl Checkpoint {
 
     /// Re-hashes every shard and compares each tensor with its record; records shards that had
     /// none; marks shards with differences `damaged` in the sidecar and refreshes the identity of
-    /// the ones that match. `rehash`: take the files as they are now as the new record (they were
-    /// changed on purpose). `progress` gets (bytes done, bytes total).
+    /// the ones that match. A shard whose header changed since it was recorded keeps its record
+    /// (its tensors the record does not cover are reported `unchecked`). `rehash`: take the files
+    /// as they are now as the new record, model files included (they were changed on purpose).
+    /// `progress` gets (bytes done, bytes total).
     pub fn verify(&self, rehash: bool, progress: &mut dyn FnMut(u64, u64)) -> Result<VerifyReport, ModelError> {
         let total: u64 = self.shards.iter().map(|s| s.file_id.len).sum();
         let mut rep = VerifyReport { shards: self.shards.len(), bytes: total, ..Default::default() };
@@ -162,9 +170,12 @@ impl Checkpoint {
         let mut records = Vec::new();
         let mut damaged: Vec<String> = Vec::new();
         for s in 0..self.shards.len() {
-            let (mut rec, digest) = self.hash_shard(s, &mut |n| progress(done + n, total))?;
+            let (rec, digest) = self.hash_shard(s, &mut |n| progress(done + n, total))?;
             done += self.shards[s].file_id.len;
-            let old = self.state_mut()[s].record.clone();
+            let (old, header_changed) = {
+                let st = self.state_mut();
+                (st[s].record.clone(), st[s].header_changed)
+            };
             let Some(old) = old.filter(|_| !rehash) else {
                 rep.recorded_now += usize::from(!rehash);
                 self.adopt(s, &rec, true);
@@ -174,7 +185,11 @@ impl Checkpoint {
             let first = self.shards[s].first_id;
             let mut bad = 0;
             for (i, got) in digest.sums.iter().enumerate() {
-                let (Some(got), Some(want)) = (got, self.sum_of(first + i as u32)) else { continue };
+                let Some(got) = got else { continue };
+                let Some(want) = self.sum_of(first + i as u32) else {
+                    rep.unchecked.push(format!("{}: tensor `{}`", self.shards[s].path.display(), digest.names[i]));
+                    continue;
+                };
                 if *got != want {
                     bad += 1;
                     rep.damage.push(Damage {
@@ -189,17 +204,20 @@ impl Checkpoint {
                 damaged.push(old.name.clone());
                 continue;
             }
-            // The same bytes as recorded: keep where the record came from, take the file's new
-            // identity (and the checksums of tensors that were unknown).
-            rec.source = old.source;
-            rec.sha256 = old.sha256.clone();
-            rec.recorded = old.recorded;
-            self.adopt(s, &rec, false);
-            records.push(rec);
+            if header_changed {
+                // The record stays the expectation: a changed header is taken only when asked.
+                continue;
+            }
+            records.push(self.confirmed(s, &old, rec));
         }
+        let files = self.verify_files(rehash, &mut rep);
         let names: Vec<&str> = damaged.iter().map(String::as_str).collect();
-        checksums::save_with(&self.dir, records, &names)
-            .map_err(|source| ModelError::Io { path: self.dir.clone(), source })?;
+        let saved = if rehash {
+            sidecar::save_replacing_files(&self.dir, records, files)
+        } else {
+            sidecar::save_all(&self.dir, records, files, &names)
+        };
+        saved.map_err(|source| ModelError::Io { path: self.dir.clone(), source })?;
         let mut st = self.state_mut();
         for x in st.iter_mut() {
             if let Some(r) = x.record.as_mut()
@@ -209,6 +227,48 @@ impl Checkpoint {
             }
         }
         Ok(rep)
+    }
+
+    /// Shard `s`, re-hashed as `now`, holds the very bytes `old` recorded: `now` becomes its record
+    /// with `old`'s origin (source, sha256, date) and the file's identity as it is now (a copy, a
+    /// restored file: checked whole, so later reads need not suspect it). Returns the record.
+    fn confirmed(&self, s: usize, old: &ShardRecord, mut now: ShardRecord) -> ShardRecord {
+        now.source = old.source;
+        now.sha256 = old.sha256.clone();
+        now.recorded = old.recorded;
+        self.adopt(s, &now, false);
+        now
+    }
+
+    /// After a whole-shard check found shard `s`'s bytes as recorded (`now`: its record as the
+    /// file is now), saves its new identity; nothing when its header changed since it was
+    /// recorded (that record stays as it is until `verify --rehash`).
+    pub fn confirm_shard(&self, s: usize, now: ShardRecord) -> Result<(), ModelError> {
+        let (old, header_changed) = {
+            let st = self.state_mut();
+            (st[s].record.clone(), st[s].header_changed)
+        };
+        let Some(old) = old.filter(|_| !header_changed) else { return Ok(()) };
+        let rec = self.confirmed(s, &old, now);
+        sidecar::save(&self.dir, vec![rec])
+            .map(|_| ())
+            .map_err(|source| ModelError::Io { path: self.dir.clone(), source })
+    }
+
+    /// The model files' part of [`Checkpoint::verify`]: with `rehash` every present file's record
+    /// taken anew; otherwise the files that differ from their records reported in `rep`.
+    fn verify_files(&self, rehash: bool, rep: &mut VerifyReport) -> Vec<checksums::FileRecord> {
+        if !rehash {
+            rep.changed_files = self.file_problems();
+            return Vec::new();
+        }
+        checksums::MODEL_FILES
+            .iter()
+            .filter_map(|&n| {
+                let b = std::fs::read(self.dir.join(n)).ok()?;
+                Some(checksums::FileRecord::new(n, &b, Source::Files))
+            })
+            .collect()
     }
 
     /// When the model's fingerprint is not what a placement recorded: whether damage explains

@@ -10,7 +10,7 @@
 
 use super::api::{ApiError, GenRequest, Kind, ResponseFormat, ToolChoice};
 use super::generator::Encoder;
-use crate::constrain::{Grammars, Payload, Spec, parameters_schema};
+use crate::constrain::{ConstrainError, Grammars, Payload, Spec, parameters_schema};
 use crate::model::chat::Thinking;
 use crate::sample::TokenMask;
 use serde_json::{Value, json};
@@ -66,12 +66,21 @@ impl Encoder {
     /// `req`'s constraint can be enforced (none, or one that compiles).
     pub fn check_constraint(&self, req: &GenRequest) -> Result<(), ApiError> {
         let Some(spec) = self.constraint_spec(req) else { return Ok(()) };
-        self.grammars(req)?.check(&spec).map_err(|e| ApiError::invalid(param(req), e.to_string()))
+        self.grammars(req)?.check(&spec).map_err(|e| refused(req, e))
     }
 
     /// A fresh mask for one answer to `req`, if it asks for a constraint.
     pub fn constraint(&self, req: &GenRequest) -> Result<Option<Box<dyn TokenMask>>, ApiError> {
         let Some(spec) = self.constraint_spec(req) else { return Ok(None) };
-        self.grammars(req)?.mask(&spec).map(Some).map_err(|e| ApiError::invalid(param(req), e.to_string()))
+        self.grammars(req)?.mask(&spec).map(Some).map_err(|e| refused(req, e))
+    }
+}
+
+/// The answer to a constraint that cannot be compiled: a 400 naming the param, or a 503 when
+/// the compilations at once are taken (a client may retry).
+fn refused(req: &GenRequest, e: ConstrainError) -> ApiError {
+    match e {
+        ConstrainError::Busy => ApiError::new(503, "server_error", "busy", e.to_string()),
+        e => ApiError::invalid(param(req), e.to_string()),
     }
 }

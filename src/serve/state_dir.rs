@@ -30,13 +30,26 @@ pub struct StateDir {
     cap: u64,
     model: String,
     entries: Vec<Entry>,
+    /// Held while the server runs: a second server on the directory fails at start.
+    _lock: crate::util::FileLock,
 }
 
 impl StateDir {
     /// Opens (creating) `dir` for `engine`'s model with a cap of `cap` bytes; returns it with a
     /// note for each file it could not use.
     pub fn open(engine: &Engine, dir: &Path, cap: u64) -> std::io::Result<(Self, Vec<String>)> {
+        if let Ok(m) = std::fs::metadata(dir)
+            && !m.is_dir()
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                format!("the state directory {} exists and is not a directory", dir.display()),
+            ));
+        }
         std::fs::create_dir_all(dir)?;
+        let lock = crate::util::FileLock::acquire(&dir.join(".deltafin-state.lock")).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("the state directory {} cannot be used: {e}", dir.display()))
+        })?;
         crate::util::remove_stale_temps(dir, &[&format!(".{EXT}.tmp.")]);
         let model = engine.model_fingerprint();
         let mut notes = Vec::new();
@@ -44,6 +57,10 @@ impl StateDir {
         for d in std::fs::read_dir(dir)? {
             let path = d?.path();
             if path.extension().is_none_or(|e| e != EXT) {
+                continue;
+            }
+            if let Some(kind) = crate::util::special_file_kind(&path) {
+                notes.push(format!("state dir: skipping {}: it is {kind}, not a regular file", path.display()));
                 continue;
             }
             match state_file::peek(&path, true) {
@@ -56,7 +73,7 @@ impl StateDir {
             }
         }
         entries.sort_by_key(|e| e.used);
-        let mut s = StateDir { dir: dir.into(), cap, model, entries };
+        let mut s = StateDir { dir: dir.into(), cap, model, entries, _lock: lock };
         s.evict();
         Ok((s, notes))
     }

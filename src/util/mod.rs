@@ -1,118 +1,16 @@
-//! Small shared helpers: durable writes ([`sync_file`], [`sync_dir`]: the one place a file is made
-//! durable, `F_FULLFSYNC` on macOS), atomic file writes (never through a non-regular file) and
-//! output-path checks (also for a file appended to: a regular file, not the input), the process's
-//! cancel request (Ctrl-C), f32 safetensors output, stale temp cleanup, cache directory, byte
-//! formatting, dates, free space on a file system, macOS `sysctl` values, and the eviction order of
-//! cache slots (the store's RAM cache and
-//! the GPU's device cache).
+//! Small shared helpers: files (`files.rs`: durable and atomic writes, locks, output-path checks,
+//! stale temps, regular-file opens), the process's cancel request (Ctrl-C), f32 safetensors
+//! output, the cache directory, byte formatting, dates, free space on a file system, macOS
+//! `sysctl` values, and the eviction order of cache slots (the store's RAM cache and the GPU's
+//! device cache).
 //!
 //! Contract: the lowest floor of the crate — it imports nothing of it, so every module may use it.
 
-use std::io::Write;
+mod files;
+
+pub use files::*;
+
 use std::path::{Path, PathBuf};
-
-/// Follows `path` through symbolic links (relative ones against their own directory) to the file
-/// a write should replace; a dangling link resolves to the path it names.
-pub fn resolve_links(path: &Path) -> std::io::Result<PathBuf> {
-    let mut p = path.to_path_buf();
-    // Linux gives up after 40 hops (ELOOP); so do we, so a link cycle is an error, not a hang.
-    for _ in 0..40 {
-        match std::fs::symlink_metadata(&p) {
-            Ok(m) if m.file_type().is_symlink() => {
-                let t = std::fs::read_link(&p)?;
-                p = if t.is_absolute() { t } else { p.parent().unwrap_or(Path::new("")).join(t) };
-            }
-            _ => return Ok(p),
-        }
-    }
-    Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "too many levels of symbolic links"))
-}
-
-/// What kind of non-regular file `m` is, for error messages.
-fn file_kind(m: &std::fs::Metadata) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    let t = m.file_type();
-    if t.is_dir() {
-        "a directory"
-    } else if t.is_fifo() {
-        "a FIFO"
-    } else if t.is_char_device() {
-        "a character device"
-    } else if t.is_block_device() {
-        "a block device"
-    } else if t.is_socket() {
-        "a socket"
-    } else {
-        "not a regular file"
-    }
-}
-
-/// The regular file (existing or not) that an atomic write of `path` replaces: `path` with links
-/// followed. Refuses a directory, FIFO, device or socket (renaming over one would destroy it).
-fn write_target(path: &Path) -> std::io::Result<PathBuf> {
-    let target = resolve_links(path)?;
-    match std::fs::metadata(&target) {
-        Ok(m) if !m.is_file() => Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!(
-                "{}is {}, not a regular file; refusing to replace it",
-                if target == path { String::new() } else { format!("links to {} which ", target.display()) },
-                file_kind(&m)
-            ),
-        )),
-        _ => Ok(target),
-    }
-}
-
-/// The identity of the file `path` names (links followed): (device, inode). Two paths with the
-/// same identity are the same file, whatever links or hard links lead there.
-pub fn file_id(path: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
-}
-
-/// The identity of the file open as descriptor `fd` (standard input 0, output 1), if any.
-pub fn fd_id(fd: i32) -> Option<(u64, u64)> {
-    // SAFETY: fstat writes only into the zeroed struct we pass; a bad descriptor is an error.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev as u64, st.st_ino as u64))
-}
-
-/// Checks a file that results are appended to (and read back, to resume): it is a regular file
-/// or does not exist yet (links followed), in a directory that exists. A directory, FIFO, device
-/// or socket is refused (reading one back never ends or blocks; appending to one loses the
-/// results or fails late), saying what it is.
-pub fn check_append_path(path: &Path) -> std::io::Result<()> {
-    let target = resolve_links(path)?;
-    let via = if target == path { String::new() } else { format!("links to {} which ", target.display()) };
-    match std::fs::metadata(&target) {
-        Ok(m) if m.is_file() => Ok(()),
-        Ok(m) => Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("{via}is {}, not a regular file", file_kind(&m)),
-        )),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let dir = parent_dir(&target);
-            if dir.is_dir() {
-                Ok(())
-            } else {
-                Err(std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    format!("the directory {} does not exist", dir.display()),
-                ))
-            }
-        }
-        Err(e) => Err(e),
-    }
-}
-
-/// What kind of file `path` is when it is not a regular file or a directory (a FIFO, device or
-/// socket: what a tool that reads it to the end should not be given), links followed.
-pub fn special_file_kind(path: &Path) -> Option<&'static str> {
-    let m = std::fs::metadata(path).ok()?;
-    (!m.is_file() && !m.is_dir()).then(|| file_kind(&m))
-}
 
 /// Set once the user asked the process to stop (the CLI's Ctrl-C handler); long library work
 /// that can stop cleanly (e.g. `synth`, which then removes its temporary files) polls it.
@@ -127,155 +25,6 @@ pub fn request_cancel() {
 pub fn cancel_requested() -> bool {
     CANCEL.load(std::sync::atomic::Ordering::SeqCst)
 }
-
-fn parent_dir(path: &Path) -> &Path {
-    path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
-}
-
-fn temp_beside(target: &Path) -> PathBuf {
-    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "out".into());
-    parent_dir(target).join(format!(".{name}.tmp.{}", std::process::id()))
-}
-
-/// Checks, before the work that produces it, that `write_atomic(path, ..)` can succeed: the target
-/// is (or will be) a regular file and its directory accepts a new file (a temp file is created and
-/// removed).
-pub fn check_output_path(path: &Path) -> std::io::Result<()> {
-    let target = write_target(path)?;
-    let dir = parent_dir(&target);
-    if !dir.is_dir() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::NotFound,
-            format!("the directory {} does not exist", dir.display()),
-        ));
-    }
-    let tmp = temp_beside(&target);
-    std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-    std::fs::remove_file(&tmp)
-}
-
-/// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename. A symbolic
-/// link is followed and its target replaced (the link stays); a directory, FIFO, device or socket
-/// is refused, never replaced. An existing file keeps its permissions.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    write_atomic_parts(path, &[bytes])
-}
-
-/// [`write_atomic`] of the concatenation of `parts`, without building it in memory.
-pub fn write_atomic_parts(path: &Path, parts: &[&[u8]]) -> std::io::Result<()> {
-    write_atomic_with(path, &mut |f| parts.iter().try_for_each(|b| f.write_all(b)))
-}
-
-/// [`write_atomic`] of what `write` writes into the temp file (streamed: large files need not be
-/// built in memory); an error from `write` leaves the target as it was and removes the temp file.
-pub fn write_atomic_with(
-    path: &Path,
-    write: &mut dyn FnMut(&mut std::fs::File) -> std::io::Result<()>,
-) -> std::io::Result<()> {
-    let target = write_target(path)?;
-    let dir = parent_dir(&target);
-    let tmp = temp_beside(&target);
-    let result = (|| {
-        let mut f = std::fs::File::create(&tmp)?;
-        write(&mut f)?;
-        if let Ok(m) = std::fs::metadata(&target) {
-            f.set_permissions(m.permissions())?;
-        }
-        sync_file(&f)?;
-        std::fs::rename(&tmp, &target)?;
-        sync_dir(dir);
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
-}
-
-/// Makes `f`'s bytes and metadata durable: on the drive's media, not only handed to the drive.
-/// Linux: `fsync`. macOS: `fcntl(F_FULLFSYNC)`, because there `fsync` leaves the data in the
-/// drive's own volatile cache; a file system that refuses F_FULLFSYNC (some network and FAT
-/// volumes) gets `fsync`, the best it offers. Every durable write of the crate ends here.
-pub fn sync_file(f: &std::fs::File) -> std::io::Result<()> {
-    if full_fsync(f) {
-        return Ok(());
-    }
-    f.sync_all()
-}
-
-/// [`sync_file`] for a file whose size and other metadata need not be durable yet (appended
-/// records): `fdatasync` on Linux; on macOS F_FULLFSYNC, which flushes everything.
-pub fn sync_data(f: &std::fs::File) -> std::io::Result<()> {
-    if full_fsync(f) {
-        return Ok(());
-    }
-    f.sync_data()
-}
-
-/// Makes the entries of `dir` durable after files were created or renamed in it. Best effort:
-/// where a platform or file system refuses to sync a directory there is nothing better to do.
-pub fn sync_dir(dir: &Path) {
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = sync_file(&d);
-    }
-}
-
-/// F_FULLFSYNC on `f`: true when the file system did it.
-#[cfg(target_os = "macos")]
-fn full_fsync(f: &std::fs::File) -> bool {
-    use std::os::fd::AsRawFd;
-    // SAFETY: fcntl on an open descriptor we borrow, with no pointer argument.
-    unsafe { libc::fcntl(f.as_raw_fd(), libc::F_FULLFSYNC) != -1 }
-}
-
-/// No F_FULLFSYNC outside macOS: `fsync` reaches the media there.
-#[cfg(not(target_os = "macos"))]
-fn full_fsync(_: &std::fs::File) -> bool {
-    false
-}
-
-/// True when process `pid` exists (signal 0 probes without delivering anything).
-pub fn pid_alive(pid: u32) -> bool {
-    let Ok(p) = libc::pid_t::try_from(pid) else { return false };
-    // SAFETY: kill with signal 0 only checks for existence and permission.
-    let r = unsafe { libc::kill(p, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-}
-
-/// Removes the leftovers of interrupted runs in `dir`: entries named `.…{stem}{pid}` (for any of
-/// `stems`, e.g. ".synth-tmp-") whose process `pid` is gone. Returns what was removed. Entries of
-/// live processes (a concurrent run) are left alone.
-pub fn remove_stale_temps(dir: &Path, stems: &[&str]) -> Vec<PathBuf> {
-    let mut removed = Vec::new();
-    let Ok(rd) = std::fs::read_dir(dir) else { return removed };
-    for e in rd.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if !name.starts_with('.') {
-            continue;
-        }
-        let pid = stems.iter().find_map(|stem| {
-            let (_, tail) = name.rsplit_once(stem)?;
-            if tail.is_empty() || !tail.bytes().all(|b| b.is_ascii_digit()) {
-                return None;
-            }
-            tail.parse::<u32>().ok()
-        });
-        let Some(pid) = pid else { continue };
-        if pid == std::process::id() || pid_alive(pid) {
-            continue;
-        }
-        let p = e.path();
-        let gone = match e.file_type() {
-            Ok(t) if t.is_dir() => std::fs::remove_dir_all(&p),
-            _ => std::fs::remove_file(&p),
-        };
-        if gone.is_ok() {
-            removed.push(p);
-        }
-    }
-    removed
-}
-
 /// Serialises one f32 tensor as a safetensors file, atomically.
 pub fn write_f32_safetensors(path: &Path, name: &str, shape: &[usize], data: &[f32]) -> std::io::Result<()> {
     let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -285,9 +34,21 @@ pub fn write_f32_safetensors(path: &Path, name: &str, shape: &[usize], data: &[f
     write_atomic(path, &out)
 }
 
-/// deltafin's cache directory: `$DELTAFIN_CACHE`, else `$XDG_CACHE_HOME/deltafin`, else
-/// `~/.cache/deltafin`.
+static CACHE_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Makes [`cache_dir`] `dir` for the rest of this process (the first call wins): for a program
+/// that embeds the library and keeps its own cache (the tests keep each test process's apart, as
+/// `DELTAFIN_CACHE` does for the binary).
+pub fn use_cache_dir(dir: PathBuf) {
+    let _ = CACHE_DIR.set(dir);
+}
+
+/// deltafin's cache directory: the one [`use_cache_dir`] set, else `$DELTAFIN_CACHE`, else
+/// `$XDG_CACHE_HOME/deltafin`, else `~/.cache/deltafin`.
 pub fn cache_dir() -> std::path::PathBuf {
+    if let Some(d) = CACHE_DIR.get() {
+        return d.clone();
+    }
     if let Some(d) = std::env::var_os("DELTAFIN_CACHE") {
         return d.into();
     }

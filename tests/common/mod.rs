@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 pub const FIXTURES: [&str; 3] = ["k3-tiny-a", "k3-tiny-b", "k3-tiny-c"];
 
 pub fn fixture(name: &str) -> PathBuf {
+    hermetic();
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
 }
 
@@ -163,12 +164,27 @@ pub fn copy_fixture(name: &str) -> tempfile::TempDir {
     tmp
 }
 
+/// Records `dir`'s files as they are now as its checksums (`verify --rehash`): for a test that
+/// changed a model on purpose. Without it the change is what deltafin reports as damage (the
+/// record of an earlier open, or of the same model in another directory, says what the bytes were).
+pub fn rerecord(dir: &Path) {
+    let ck = deltafin::model::Checkpoint::open_for_verify(dir).unwrap();
+    ck.verify(true, &mut |_, _| {}).unwrap();
+}
+
 /// Runs a command that must succeed (with UTF-8 stdout); returns (stdout, stderr).
 pub fn run_ok(c: &mut std::process::Command) -> (String, String) {
     let o = c.output().unwrap();
     let (out, err) = (String::from_utf8(o.stdout).unwrap(), String::from_utf8_lossy(&o.stderr).into_owned());
     assert!(o.status.success(), "command failed ({:?}):\n{err}", o.status);
     (out, err)
+}
+
+/// Library calls in this test process use its own cache, the one [`deltafin_cmd`] gives the
+/// binary: what one test records (checksum records of its models, route heat) never reaches
+/// another test process or the user's `~/.cache/deltafin`.
+pub fn hermetic() {
+    deltafin::util::use_cache_dir(test_home().join("deltafin-cache"));
 }
 
 /// The binary's path. Tests run it through [`deltafin_cmd`], which keeps it out of the user's caches.
@@ -457,6 +473,7 @@ pub fn repeating_copy(name: &str) -> tempfile::TempDir {
             edit_bf16_tensors(&path, &|n| n.ends_with("embed_tokens.weight"), &mut |_, _, x| x * 64.0);
         }
     }
+    rerecord(tmp.path());
     tmp
 }
 

@@ -178,6 +178,38 @@ def expect_400(param, words, **req):
     raise AssertionError(f"expected a 400 naming {param}")
 
 
+def bomb(levels):
+    """`levels` of allOf over two $refs to the level below, ending in a string pattern: 2^levels
+    expansions from a schema of under 2 KB."""
+    defs = {"l0": {"type": "string", "pattern": "^[a-z]+$"}}
+    for i in range(1, levels + 1):
+        defs[f"l{i}"] = {"allOf": [{"$ref": f"#/$defs/l{i - 1}"}, {"$ref": f"#/$defs/l{i - 1}"}]}
+    return {"$defs": defs, "$ref": f"#/$defs/l{levels}"}
+
+
+def schema_bombs(fmt):
+    """Schemas that would cost the server seconds and gigabytes (or never finish) are 400s in well
+    under a second, three at once too."""
+    import concurrent.futures
+    import time
+
+    cases = [(bomb(24), "expands past"), ({"$ref": "#"}, "refers back to itself"),
+             ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"},
+              "refers back to itself"),
+             ({"type": "string", "minLength": 10 ** 9}, "minLength"),
+             ({"type": "array", "minItems": 10 ** 9}, "minItems")]
+    for schema, words in cases:
+        t0 = time.time()
+        expect_400("response_format", ["cannot enforce", words], response_format=fmt(schema))
+        assert time.time() - t0 < 1.0, f"{words}: {time.time() - t0:.2f} s"
+    t0 = time.time()
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        list(ex.map(lambda _: expect_400("response_format", ["expands past"], response_format=fmt(bomb(24))), range(3)))
+    assert time.time() - t0 < 3.0, f"three bombs at once: {time.time() - t0:.2f} s"
+    bomb_tools = [{"type": "function", "function": {"name": "f", "parameters": bomb(24)}}]
+    expect_400("tool_choice", ["expands past"], tools=bomb_tools, tool_choice="required")
+
+
 def hostile():
     fmt = lambda schema: {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
     expect_400("response_format", ["cannot enforce response_format"], response_format=fmt({"type": "frobnicate"}))
@@ -202,6 +234,7 @@ def hostile():
     expect_400("tool_choice", ["cannot enforce tool_choice"], tools=[bad_params], tool_choice="required")
     expect_400("response_format", ["cannot both"], tools=TOOLS, tool_choice="required",
                response_format={"type": "json_object"})
+    schema_bombs(fmt)
     # Tools with no parameters and an empty tool list are fine.
     r = client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, tools=[NOW])
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")

@@ -366,7 +366,8 @@ pub(crate) fn write_safetensors(
     let f = w.into_inner().map_err(|e| SynthError::Io { path: path.to_path_buf(), source: e.into_error() })?;
     crate::util::sync_file(&f).map_err(io(path))?;
     drop(f);
-    use crate::model::checksums::{ShardRecord, Source, save};
+    use crate::model::checksums::{ShardRecord, Source};
+    use crate::model::sidecar::save;
     let digest =
         sums.finish().map_err(|e| SynthError::Io { path: path.to_path_buf(), source: std::io::Error::other(e) })?;
     let rec = ShardRecord::new(path, &digest, Source::Written).map_err(io(path))?;

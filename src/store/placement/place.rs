@@ -368,7 +368,7 @@ fn check_shards(ck: &Checkpoint, o: &PlaceOptions) -> Result<(), PlacementError>
         if !x.touched && !x.record.as_ref().is_some_and(|r| r.damaged) {
             continue;
         }
-        let (_, digest) = ck.hash_shard(s, &mut |_| {}).map_err(damaged)?;
+        let (now, digest) = ck.hash_shard(s, &mut |_| {}).map_err(damaged)?;
         let first = ck.shards[s].first_id;
         for (i, got) in digest.sums.iter().enumerate() {
             let (Some(got), Some(want)) = (got, ck.sum_of(first + i as u32)) else { continue };
@@ -376,6 +376,10 @@ fn check_shards(ck: &Checkpoint, o: &PlaceOptions) -> Result<(), PlacementError>
                 let what = format!("tensor `{}`", digest.names[i]);
                 return Err(damaged(ck.mismatch(s, what, *got, want)));
             }
+        }
+        // Every byte as recorded: the file as it is now is the one recorded.
+        if !x.record.as_ref().is_some_and(|r| r.damaged) {
+            ck.confirm_shard(s, now).map_err(damaged)?;
         }
     }
     if let Some(e) = ck.damage_in_fingerprint() {
