@@ -11,6 +11,11 @@ Stages (`all` runs the first three; each can run alone):
           OUT/kimi-k3-demo in K3's layout;
   eval    scores OUT/kimi-k3-demo on the held-out text exactly as `deltafin score --text` does
           (fp32, from the shipped bytes) and writes OUT/report.json;
+  chat    tunes OUT/kimi-k3-demo on conversations in K3's chat template built from the training
+          documents (k3/chat.py: questions answered from a passage, follow-ups, tool calls with
+          typed arguments and their results, JSON answers), the loss on the assistant's turns,
+          mixed with training-text windows so the held-out perplexity holds; writes it back
+          (OUT/train_chat.json) and scores it as `eval` does;
   dspark  trains the drafter as DSpark and EAGLE drafters are trained: on the target's own rows
           (the taps) and the target's own next-token distributions (KL distillation), over
           training text and over the target's continuations of training-text prompts (sampled
@@ -46,6 +51,7 @@ from k3.dspark import tensors as dspark_tensors  # noqa: E402
 from k3 import model as k3_model  # noqa: E402
 from k3.gen import acceptance_report, block_acceptance, generate, repeated_4gram_share  # noqa: E402
 from k3.model import K3Config, K3Model  # noqa: E402
+from k3 import chat as k3_chat  # noqa: E402
 from k3.schedule import Schedule  # noqa: E402
 
 N_BASE = 4352          # 256 bytes + 4096 merges
@@ -223,7 +229,7 @@ def train_target(a):
         f"{train_s:.0f} s; held-out loss {final} (rerun: {sched.record(step)['rerun']})")
     out = os.path.join(a.out, "kimi-k3-demo")
     gen_cfg = {"do_sample": True, "temperature": a.demo_temperature, "top_p": a.demo_top_p,
-               "bos_token_id": BOS, "eos_token_id": END_OF_MSG}
+               "bos_token_id": BOS, "eos_token_id": END_OF_MSG, "chat_template_kwargs": {"thinking": False}}
     total = export.save(model, out, a.tokenizer, extra_files={"generation_config.json": gen_cfg})
     log(f"wrote {out} ({total / 2**20:.2f} MiB of tensors)")
     with open(os.path.join(a.out, "train_target.json"), "w") as f:
@@ -233,6 +239,121 @@ def train_target(a):
                    "history": hist, "train_seconds": round(train_s, 1), "tokens": step * a.batch * a.seq,
                    "passes": step * a.batch * a.seq / len(train), "device": device_name(dev),
                    "torch": torch.__version__}, f, indent=1)
+
+
+def train_docs(data_dir):
+    """The training documents (train.jsonl, or train.jsonl.gz as the device tool carries it)."""
+    import gzip
+
+    path = os.path.join(data_dir, "train.jsonl")
+    f = open(path, encoding="utf-8") if os.path.exists(path) else gzip.open(path + ".gz", "rt", encoding="utf-8")
+    with f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def chat_rows(a, enc, T):
+    """The chat tuning rows: conversations from the training documents, each its own row of T+1
+    ids (cut at T+1, padded with PAD), with the loss mask of its assistant turns."""
+    convs = k3_chat.build(train_docs(a.data), a.chat_convs, a.seed + 11)
+    ids = np.full((len(convs), T + 1), PAD, dtype=np.int64)
+    mask = np.zeros((len(convs), T + 1), dtype=bool)
+    kept, cut = 0, 0
+    for c in convs:
+        x, m = k3_chat.encode(k3_chat.render(c), enc, N_BASE)
+        if len(x) > T + 1:
+            cut += 1
+            continue
+        ids[kept, :len(x)] = x
+        mask[kept, :len(x)] = m
+        kept += 1
+    lengths = [int((r != PAD).sum()) for r in ids[:kept]]
+    log(f"chat data: {kept} conversations ({cut} longer than {T + 1} tokens left out), median "
+        f"{int(np.median(lengths))} tokens, {int(mask[:kept].sum()):,} trained tokens")
+    return torch.from_numpy(ids[:kept]), torch.from_numpy(mask[:kept]), convs
+
+
+def train_chat(a):
+    """Chat tuning of the exported target (see the module docstring's `chat` stage)."""
+    dev = a.device
+    torch.manual_seed(a.seed + 7)
+    model = export.load_model(os.path.join(a.out, "kimi-k3-demo"), dev)
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    enc = tokenizer(a.tokenizer)
+    T = a.seq
+    rows, masks, _ = chat_rows(a, enc, T)
+    train = tokens(os.path.join(a.data, "train.bin"))
+    held = tokens(os.path.join(a.data, "heldout.bin"))
+    hw = heldout_windows(held, T, a.eval_windows)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    n_text = int(round(a.batch * a.chat_text_share))
+    n_chat = a.batch - n_text
+    text = Windows(train, T, max(1, n_text), a.seed + 13, dev)
+    rng = np.random.default_rng(a.seed + 17)
+    opt = torch.optim.AdamW(param_groups(model, a.wd), lr=a.chat_lr, betas=(0.9, 0.95), eps=1e-8, fused=dev == "cuda")
+    sched = Schedule(a.chat_lr, a.warmup // 4, decay=a.decay, floor=a.lr_floor, steps=a.chat_steps,
+                     budget_s=a.chat_time_budget_s)
+    before = round(heldout_loss(model, hw, a.batch, dev, dtype), 4)
+    log(f"chat tuning: {n_chat} conversations + {n_text} text windows a step; held-out loss before {before}")
+    hist, step = [], 0
+    sync(dev)
+    t0 = time.time()
+    while True:
+        el = time.time() - t0
+        lr, done = sched.at(step, el)
+        if done or (a.chat_steps and step >= a.chat_steps):
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr
+        pick = torch.from_numpy(rng.integers(0, len(rows), size=n_chat))
+        cx, cm = rows[pick].to(dev), masks[pick].to(dev)
+        x, y = cx[:, :-1], cx[:, 1:].masked_fill(~cm[:, 1:], -100)
+        if n_text:
+            tx, ty = text.next()
+            x, y = torch.cat([x, tx]), torch.cat([y, ty])
+        logits = model(x, dtype=dtype)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        update_bias(model, a.bias_rate)
+        step += 1
+        if (step - 1) % a.log_every == 0:
+            sync(dev)
+            rec = {"step": step, "lr": round(lr, 6), "loss": round(loss.item(), 4), "grad_norm": round(gn.item(), 3),
+                   "elapsed_s": round(time.time() - t0, 1)}
+            hist.append(rec)
+            log(json.dumps(rec))
+    sync(dev)
+    train_s = time.time() - t0
+    model.eval()
+    after = round(heldout_loss(model, hw, a.batch, dev, dtype), 4)
+    log(f"chat tuning: {step} steps in {train_s:.0f} s; held-out loss {before} -> {after}")
+    out = os.path.join(a.out, "kimi-k3-demo")
+    gen_cfg = json.load(open(os.path.join(out, "generation_config.json")))
+    total = export.save(model, out, a.tokenizer, extra_files={"generation_config.json": gen_cfg})
+    log(f"wrote {out} ({total / 2**20:.2f} MiB of tensors)")
+    with open(os.path.join(a.out, "train_chat.json"), "w") as f:
+        json.dump({"args": vars(a), "steps": step, "train_seconds": round(train_s, 1), "conversations": len(rows),
+                   "heldout_loss_before": before, "heldout_loss_after": after, "schedule": sched.record(step),
+                   "history": hist, "device": device_name(dev), "torch": torch.__version__}, f, indent=1)
+
+
+def chat_prompts(a, enc, n, P, rng):
+    """n prompts of P tokens ending where an assistant turn of a chat conversation begins (the
+    last P tokens of the rendered conversation up to that turn's generation prompt)."""
+    out = []
+    for c in k3_chat.build(train_docs(a.data), 3 * n, a.seed + 23):
+        turns = [i for i, m in enumerate(c["messages"]) if m["role"] == "assistant"]
+        t = turns[int(rng.integers(0, len(turns)))]
+        x, _ = k3_chat.encode([(k3_chat.render(c, upto=t), False)], enc, N_BASE)
+        if len(x) >= P:
+            out.append(np.asarray(x[-P:], dtype=np.int64))
+        if len(out) == n:
+            break
+    return np.stack(out)
 
 
 def train_step(model, opt, x, y, dtype):
@@ -506,10 +627,21 @@ def train_dspark(a):
     #    --gen-temps (0 = greedy); generated a batch at a time through the model's cache.
     temps_all = [float(x) for x in a.gen_temps.split(",")]
     seqs, seq_t = [], []
+    chat_p = None
+    if a.gen_chat_share > 0:
+        chat_p = chat_prompts(a, tokenizer(a.tokenizer), int(a.gen_seqs * a.gen_chat_share) + 1, a.prompt_len, rng)
+        log(f"dspark data: {len(chat_p)} chat prompts")
+    ci = 0
     for i in range(0, a.gen_seqs, a.gen_batch):
         nb = min(a.gen_batch, a.gen_seqs - i)
         starts = rng.integers(0, len(train) - a.prompt_len, size=nb)
-        p = torch.from_numpy(np.stack([train[s:s + a.prompt_len].astype(np.int64) for s in starts])).to(dev)
+        p = np.stack([train[s:s + a.prompt_len].astype(np.int64) for s in starts])
+        # A share of the prompts are chat turns about to be answered (the demo's chats draft too).
+        if chat_p is not None:
+            k = min(len(chat_p) - ci, int(round(nb * a.gen_chat_share)))
+            p[:k] = chat_p[ci:ci + k]
+            ci += k
+        p = torch.from_numpy(p).to(dev)
         temps = torch.tensor([temps_all[(i + j) % len(temps_all)] for j in range(nb)])
         seqs.append(generate(target, p, a.gen_new, temps, dtype, gen))
         seq_t.append(temps)
@@ -617,7 +749,7 @@ def train_dspark(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["all", "target", "eval", "dspark", "dspark-eval"])
+    p.add_argument("stage", choices=["all", "target", "eval", "chat", "dspark", "dspark-eval"])
     p.add_argument("--data", default="train/data", help="directory with train.bin, heldout.bin, heldout.txt")
     p.add_argument("--tokenizer", default="train/tokenizer/out", help="tiktoken.model, tokenizer_config.json, chat_template.jinja")
     p.add_argument("--out", required=True, help="output directory")
@@ -656,6 +788,14 @@ def main():
     p.add_argument("--draft-steps", type=int, default=0)
     p.add_argument("--draft-decay-start", type=int, default=0)
     p.add_argument("--gen-seqs", type=int, default=6144, help="the target's continuations to train on")
+    p.add_argument("--gen-chat-share", type=float, default=0.5,
+                   help="share of the continuations whose prompts are chat turns about to be answered")
+    p.add_argument("--chat-convs", type=int, default=60000, help="chat: conversations built for the tuning")
+    p.add_argument("--chat-time-budget-s", type=float, default=0.0, help="chat: seconds of tuning (0: --chat-steps)")
+    p.add_argument("--chat-steps", type=int, default=0)
+    p.add_argument("--chat-lr", type=float, default=6e-4, help="chat: peak learning rate")
+    p.add_argument("--chat-text-share", type=float, default=0.25,
+                   help="chat: share of each batch that is training-text windows (keeps the held-out perplexity)")
     p.add_argument("--gen-batch", type=int, default=2048)
     p.add_argument("--gen-temps", default="0,0.7,0.85,1.0", help="temperatures the continuations cycle through (0: greedy)")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -686,9 +826,13 @@ def main():
         p.error("target: give --time-budget-s or --steps")
     if a.stage in ("all", "dspark") and not a.draft_steps and not a.draft_time_budget_s:
         p.error("dspark: give --draft-time-budget-s or --draft-steps")
+    if a.stage == "chat" and not a.chat_steps and not a.chat_time_budget_s:
+        p.error("chat: give --chat-time-budget-s or --chat-steps")
     if a.stage in ("all", "target"):
         train_target(a)
-    if a.stage in ("all", "eval"):
+    if a.stage == "chat" or (a.stage == "all" and (a.chat_steps or a.chat_time_budget_s)):
+        train_chat(a)
+    if a.stage in ("all", "eval", "chat"):
         run_eval(a)
     if a.stage in ("all", "dspark"):
         train_dspark(a)
