@@ -307,11 +307,15 @@ def train_chat(a):
         for g in opt.param_groups:
             g["lr"] = lr
         pick = torch.from_numpy(rng.integers(0, len(rows), size=n_chat))
-        cx, cm = rows[pick].to(dev), masks[pick].to(dev)
+        cx, cm = rows[pick], masks[pick]
+        # Only as long as the longest conversation picked (rounded up to 64): no step pays for
+        # padding past it.
+        L = min(T, -(-int((cx != PAD).sum(1).max()) // 64) * 64)
+        cx, cm = cx[:, :L + 1].to(dev), cm[:, :L + 1].to(dev)
         x, y = cx[:, :-1], cx[:, 1:].masked_fill(~cm[:, 1:], -100)
         if n_text:
             tx, ty = text.next()
-            x, y = torch.cat([x, tx]), torch.cat([y, ty])
+            x, y = torch.cat([x, tx[:, :L]]), torch.cat([y, ty[:, :L]])
         logits = model(x, dtype=dtype)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)

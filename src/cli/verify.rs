@@ -15,8 +15,11 @@ use std::path::PathBuf;
 #[derive(Args)]
 pub struct VerifyArgs {
     /// Model directory.
+    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    model: Option<PathBuf>,
+    /// Verify the built-in demo model (its copy in deltafin's cache).
     #[arg(long)]
-    model: PathBuf,
+    demo: bool,
     /// Take the files as they are now as their new checksums (after changing them on purpose):
     /// the shards and the model files (config, tokenizer, chat template, index).
     #[arg(long, conflicts_with = "against_hub")]
@@ -49,14 +52,20 @@ fn bar() -> ProgressBar {
     b
 }
 
-pub fn run(a: VerifyArgs) -> Result<()> {
-    if !a.model.is_dir() {
-        bail!("model directory {} does not exist", a.model.display());
+pub fn run(mut a: VerifyArgs) -> Result<()> {
+    let dir = super::load::model_dir(&a.model, a.demo)?;
+    a.model = Some(dir.clone());
+    run_on(&a, &dir)
+}
+
+fn run_on(a: &VerifyArgs, dir: &std::path::Path) -> Result<()> {
+    if !dir.is_dir() {
+        bail!("model directory {} does not exist", dir.display());
     }
-    let ck = Checkpoint::open_for_verify(&a.model)
-        .with_context(|| format!("cannot open the checkpoint in {}", a.model.display()))?;
+    let ck =
+        Checkpoint::open_for_verify(dir).with_context(|| format!("cannot open the checkpoint in {}", dir.display()))?;
     if a.against_hub {
-        return against_hub(&a, &ck);
+        return against_hub(a, dir, &ck);
     }
     let pb = bar();
     let rep = ck.verify(a.rehash, &mut |d, t| {
@@ -66,9 +75,9 @@ pub fn run(a: VerifyArgs) -> Result<()> {
     pb.finish_and_clear();
     // A placement's packs: every record re-read and checked against the manifest.
     let mut pack_problems = Vec::new();
-    let manifest = a.model.join(MANIFEST);
-    if manifest.exists() && crate::hub::stream::StreamInstall::load(&a.model)?.is_none() {
-        let cfg = crate::model::K3Config::load(&a.model)?;
+    let manifest = dir.join(MANIFEST);
+    if manifest.exists() && crate::hub::stream::StreamInstall::load(dir)?.is_none() {
+        let cfg = crate::model::K3Config::load(dir)?;
         let roster = crate::model::Roster::build(&cfg, &ck)?;
         let m = Manifest::load(&manifest)?;
         m.check_model(&ck, &roster)?;
@@ -117,7 +126,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
             eprintln!("deltafin verify: every tensor matches its checksum ({})", v.describe());
             return Ok(());
         }
-        bail!("{} tensor(s) unchecked in {}", rep.unchecked.len(), a.model.display());
+        bail!("{} tensor(s) unchecked in {}", rep.unchecked.len(), dir.display());
     }
     for d in rep.damage.iter().take(20) {
         eprintln!("  {}: tensor `{}`: xxh3 {}, recorded {}", d.path.display(), d.tensor, d.got, d.want);
@@ -139,7 +148,7 @@ pub fn run(a: VerifyArgs) -> Result<()> {
             if downloaded {
                 format!(
                     "`deltafin setup --dir {} --repo ORG/NAME --revision REV` (as installed) downloads them again",
-                    a.model.display()
+                    dir.display()
                 )
             } else {
                 "restore them from a good copy (or, if you changed them on purpose, run `deltafin verify --rehash`)"
@@ -160,12 +169,12 @@ pub fn run(a: VerifyArgs) -> Result<()> {
         rep.damage.len(),
         rep.changed_files.len(),
         pack_problems.len(),
-        a.model.display()
+        dir.display()
     )
 }
 
 /// `verify --against-hub`: every shard's sha256 against the hub's (hub::against).
-fn against_hub(a: &VerifyArgs, ck: &Checkpoint) -> Result<()> {
+fn against_hub(a: &VerifyArgs, dir: &std::path::Path, ck: &Checkpoint) -> Result<()> {
     let listing = match &a.repo {
         Some(repo) => Some(
             crate::hub::hfcache::list(&crate::hub::Hub::from_env(), repo, &a.revision)
@@ -198,7 +207,7 @@ fn against_hub(a: &VerifyArgs, ck: &Checkpoint) -> Result<()> {
         bail!(
             "{} shard(s) differ from the hub's files in {}: {} (marked damaged; `deltafin setup` downloads them again)",
             check.mismatched.len(),
-            a.model.display(),
+            dir.display(),
             check.mismatched.join(", ")
         );
     }
