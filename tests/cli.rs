@@ -611,3 +611,45 @@ fn ctrl_c_on_synth_removes_its_temporary_directory() {
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().map(|e| e.file_name()).collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+/// `plan` as a user on this machine runs it: its memory by default, a context K3 cannot hold
+/// refused, and no decode bound below reading the trunk from memory (a huge machine is not 0.00 s
+/// a token).
+#[test]
+fn plan_defaults_to_this_machine_refuses_contexts_past_k3_and_floors_its_bounds() {
+    let (out, err) = run_ok(deltafin_cmd().arg("plan"));
+    assert!(err.contains("this machine's memory"), "{err}");
+    assert!(out.contains("Kimi K3 on "), "{out}");
+    let o = deltafin_cmd().args(["plan", "--memory-gb", "256", "--context", "99999999"]).output().unwrap();
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("at most"), "{o:?}");
+    let (j, _) = run_ok(deltafin_cmd().args(["plan", "--memory-gb", "4000", "--json"]));
+    let j: serde_json::Value = serde_json::from_str(&j).unwrap();
+    for p in j["plans"].as_array().unwrap() {
+        for b in p["decode_s_per_token"].as_array().unwrap() {
+            assert!(b[1].as_f64().unwrap() > 0.3, "a bound below reading the trunk from memory: {p}");
+        }
+    }
+}
+
+/// Small things users of llama.cpp and Ollama trip on: `--prompt-ids 1,,2` is an error (not 1,2),
+/// `DELTAFIN_LOG=verbose` is taken (and an unknown value said), `setup --json` fails in JSON.
+#[test]
+fn empty_ids_unknown_log_levels_and_setup_json_failures_are_said() {
+    let o = deltafin_cmd().args(["run", "--demo", "--prompt-ids", "1,,2"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("empty entry"), "{o:?}");
+    let o = deltafin_cmd().env("DELTAFIN_LOG", "loud").args(["plan", "--memory-gb", "64"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("DELTAFIN_LOG=\"loud\" is not a level"), "{o:?}");
+    let o = deltafin_cmd().env("DELTAFIN_LOG", "verbose").args(["plan", "--memory-gb", "64"]).output().unwrap();
+    assert!(!String::from_utf8_lossy(&o.stderr).contains("is not a level"), "{o:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let o = deltafin_cmd()
+        .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .args(["setup", "--repo", "no/such", "--json", "--dir"])
+        .arg(dir.path().join("m"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {o:?}"));
+    assert!(j["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{j}");
+}

@@ -43,9 +43,10 @@ pub struct PlaceArgs {
     /// Reader used to measure drives.
     #[arg(long, value_enum, default_value_t = ReaderKind::Auto)]
     reader: ReaderKind,
-    /// Size of the probe file written to measure a drive.
-    #[arg(long, default_value_t = 512)]
-    probe_mb: u64,
+    /// Size of the probe file written to measure a drive (default: the model's expert bytes,
+    /// from 32 to 512 MiB: a small model is not placed after writing half a gigabyte per drive).
+    #[arg(long)]
+    probe_mb: Option<u64>,
     /// Seconds of random reads per measurement.
     #[arg(long, default_value_t = 2.0)]
     probe_seconds: f64,
@@ -150,7 +151,8 @@ pub fn run(a: PlaceArgs) -> Result<()> {
         (None, _) => None,
     };
     opened.roster.expert_layout.as_ref().context("the model has no routed experts to place")?;
-    let probe_size = a.probe_mb << 20;
+    let experts = opened.expert_bytes_total();
+    let probe_size = a.probe_mb.map_or_else(|| experts.clamp(2 * probe::PROBE_READ, 512 << 20), |m| m << 20);
     let time = Duration::from_secs_f64(a.probe_seconds);
     let reader = a.reader;
     let measure = |root: &Path, qd: usize| -> Result<f64, PlacementError> {

@@ -14,9 +14,9 @@ use std::io::Write;
 
 #[derive(Args)]
 pub struct PlanArgs {
-    /// Memory of the machine in GB (10^9 bytes).
+    /// Memory of the machine in GB (10^9 bytes; default: this machine's).
     #[arg(long, value_parser = super::parse_gb_positive)]
-    memory_gb: f64,
+    memory_gb: Option<f64>,
     /// GB kept for the OS and everything else.
     #[arg(long, default_value_t = 8.0, value_parser = super::parse_gb)]
     os_gb: f64,
@@ -29,6 +29,11 @@ pub struct PlanArgs {
     /// Sequential read rate of one drive in GB/s.
     #[arg(long, default_value_t = 7.0, value_parser = super::parse_gb_positive)]
     drive_gbps: f64,
+    /// Memory read rate in GB/s: a token reads its whole resident trunk and its cached experts
+    /// from memory, which floors the decode time however many drives there are (a Mac M5 Max
+    /// reads about 500; a desktop's DDR5 about 60).
+    #[arg(long, default_value_t = 100.0, value_parser = super::parse_gb_positive)]
+    ram_gbps: f64,
     /// Escapes per coded trunk value (default: the trained demo model's, measured by pack-trunk).
     #[arg(long, default_value_t = 0.0239)]
     escape_fraction: f64,
@@ -37,19 +42,40 @@ pub struct PlanArgs {
     json: bool,
 }
 
-pub fn run(a: PlanArgs) -> Result<()> {
+pub fn run(mut a: PlanArgs) -> Result<()> {
     let spec = SynthSpec::k3();
     let cfg = K3Config::parse(std::path::Path::new("(built-in K3 config)"), &spec.config_json().to_string())
         .context("the built-in K3 config")?;
+    if a.context > cfg.max_context {
+        anyhow::bail!("--context {}: Kimi K3 holds at most {} tokens of context", a.context, cfg.max_context);
+    }
+    let memory_gb = match a.memory_gb {
+        Some(g) => g,
+        None => {
+            let m = crate::util::machine_memory().context("this machine's memory is unknown: give --memory-gb")?;
+            eprintln!("deltafin plan: this machine's memory, {:.1} GB (--memory-gb for another)", m as f64 / 1e9);
+            m as f64 / 1e9
+        }
+    };
+    a.memory_gb = Some(memory_gb);
     let inputs = PlanInputs {
-        memory_bytes: (a.memory_gb * 1e9) as u64,
+        memory_bytes: (memory_gb * 1e9) as u64,
         os_bytes: (a.os_gb * 1e9) as u64,
         context: a.context,
         prefill_rows: a.prefill_rows.max(1),
         drive_bytes_per_s: a.drive_gbps * 1e9,
         escape_fraction: a.escape_fraction.clamp(0.0, 1.0),
     };
-    let rows = plan_encodings(&cfg, &inputs);
+    let mut rows = plan_encodings(&cfg, &inputs);
+    // The drives' bound alone reaches 0 as the cache holds more: a token still reads its trunk and
+    // its cached experts from memory.
+    let routed = (cfg.moe_layers() * cfg.top_k * cfg.expert_bytes()) as f64;
+    for r in &mut rows {
+        let floor = (r.trunk_bytes as f64 + routed * r.hit_rate) / (a.ram_gbps * 1e9);
+        for (_, s) in &mut r.decode_s_per_token {
+            *s = s.max(floor);
+        }
+    }
     let mut out = std::io::stdout().lock();
     if a.json {
         writeln!(out, "{}", serde_json::json!({"model": "Kimi K3", "inputs": inputs, "plans": rows}))?;
@@ -59,7 +85,7 @@ pub fn run(a: PlanArgs) -> Result<()> {
     writeln!(
         out,
         "Kimi K3 on {:.0} GB: OS {:.0} GB, one sequence of {} tokens, {} prefill rows, {:.1} GB/s per drive; {} experts of {:.2} MB, {:.1} GB routed per token",
-        a.memory_gb,
+        memory_gb,
         a.os_gb,
         a.context,
         inputs.prefill_rows,
@@ -92,10 +118,10 @@ pub fn run(a: PlanArgs) -> Result<()> {
     }
     writeln!(
         out,
-        "(needs = trunk + state + activations + read slots + the OS's {:.0} GB, with no expert cache; hit rate = the fraction of all experts the cache holds, as for uniform routes: real routes are skewed and hit more, so the bounds are the pessimistic end)",
-        a.os_gb
+        "(needs = trunk + state + activations + read slots + the OS's {:.0} GB, with no expert cache; hit rate = the fraction of all experts the cache holds, as for uniform routes: real routes are skewed and hit more, so the bounds are the pessimistic end; a bound is never below reading the trunk and the cached experts from memory at {:.0} GB/s, --ram-gbps; kernel time is not counted)",
+        a.os_gb, a.ram_gbps
     )?;
-    if let Some(w) = verdict(&rows, a.memory_gb, a.context) {
+    if let Some(w) = verdict(&rows, memory_gb, a.context) {
         writeln!(out, "{w}")?;
     }
     Ok(())

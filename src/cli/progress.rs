@@ -67,21 +67,33 @@ pub struct Progress {
     /// (when, done) at the first update: where the rate is measured from.
     first: Option<(Instant, u64)>,
     last_line: Option<Instant>,
+    started: Instant,
+    /// The bar redraws itself (its elapsed time) since its first update.
+    ticking: bool,
 }
 
 impl Progress {
     pub fn new(mode: Mode, label: &str) -> Self {
         let bar = (mode == Mode::Bar).then(|| {
             let b = ProgressBar::new(1);
+            // The elapsed time moves between updates (a K3 layer of a long prompt takes seconds).
             b.set_style(
-                ProgressStyle::with_template("{prefix} {bar:30} {msg}")
+                ProgressStyle::with_template("{prefix} {bar:30} {elapsed} {msg}")
                     .unwrap_or_else(|_| ProgressStyle::default_bar())
                     .progress_chars("=> "),
             );
             b.set_prefix(label.to_string());
             b
         });
-        Progress { mode, label: label.to_string(), bar, first: None, last_line: None }
+        Progress {
+            mode,
+            label: label.to_string(),
+            bar,
+            first: None,
+            last_line: None,
+            started: Instant::now(),
+            ticking: false,
+        }
     }
 
     /// A spinner with the time waited so far, for waits without a measure (model load).
@@ -132,12 +144,17 @@ impl Progress {
                 b.set_length(total.max(1));
                 b.set_position(done.min(total));
                 b.set_message(msg);
+                if !self.ticking {
+                    self.ticking = true;
+                    b.enable_steady_tick(Duration::from_millis(250));
+                }
             }
             (None, Mode::Lines) => {
                 let now = Instant::now();
                 if self.last_line.is_none_or(|t| now - t >= Duration::from_secs(2)) || done >= total {
                     self.last_line = Some(now);
-                    eprintln!("deltafin: {}: {msg}", self.label);
+                    let elapsed = fmt_eta((now - self.started).as_secs_f64());
+                    eprintln!("deltafin: {}: {msg} ({elapsed} so far)", self.label);
                 }
             }
             _ => {}

@@ -149,13 +149,37 @@ pub struct TokenIds(pub Vec<u32>);
 
 /// Parses "1,2,3" (spaces allowed) into token ids (public for the fuzz targets).
 pub fn parse_ids(s: &str) -> Result<TokenIds, String> {
+    let s = s.trim().trim_end_matches(',');
+    if s.is_empty() {
+        return Err("the prompt is empty".to_string());
+    }
     s.split(',')
         .map(str::trim)
-        .filter(|t| !t.is_empty())
         .map(|t| {
+            if t.is_empty() {
+                return Err(
+                    "an empty entry between commas (expected comma-separated non-negative integers, e.g. 1,2,3)"
+                        .to_string(),
+                );
+            }
             t.parse::<u32>()
                 .map_err(|_| format!("`{t}` is not a token id (expected comma-separated non-negative integers)"))
         })
         .collect::<Result<Vec<_>, _>>()
         .and_then(|v| if v.is_empty() { Err("the prompt is empty".to_string()) } else { Ok(TokenIds(v)) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_ids;
+
+    #[test]
+    fn an_empty_entry_is_an_error_not_skipped() {
+        assert_eq!(parse_ids(" 1, 2 ,3").unwrap().0, vec![1, 2, 3]);
+        assert_eq!(parse_ids("1,2,").unwrap().0, vec![1, 2]);
+        for bad in ["1,,2", ",1", "", " , ", "1,x"] {
+            assert!(parse_ids(bad).is_err(), "{bad:?}");
+        }
+        assert!(parse_ids("1,,2").unwrap_err().contains("empty entry"));
+    }
 }

@@ -68,6 +68,20 @@ pub struct SetupArgs {
 }
 
 pub fn run(a: SetupArgs) -> Result<()> {
+    let json = a.json;
+    let r = run_setup(a);
+    // With --json a failure is JSON too (on stdout, where the report would have been), so a
+    // script reading the report sees why; the message goes to stderr and the exit status is 1 as
+    // always.
+    if let (true, Err(e)) = (json, &r) {
+        let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+        let msg = super::error_text(e);
+        writeln!(std::io::stdout(), "{}", serde_json::json!({"error": {"message": msg, "causes": chain}}))?;
+    }
+    r
+}
+
+fn run_setup(a: SetupArgs) -> Result<()> {
     if let Some(trace) = &a.fetch_routes {
         return super::setup_routes::fetch_routes(&a.dir, trace, a.json);
     }
