@@ -12,6 +12,7 @@ mod engine;
 mod help;
 mod load;
 mod log;
+mod models;
 mod names;
 mod pack_trunk;
 mod parse;
@@ -66,6 +67,8 @@ const SUBCOMMANDS: &[&str] = &[
     "batch",
     "serve",
     "verify",
+    "list",
+    "info",
     "completions",
 ];
 
@@ -114,6 +117,10 @@ enum Cmd {
     Serve(serve::ServeArgs),
     /// Check every byte of a model's files against their recorded checksums (records them first if none).
     Verify(verify::VerifyArgs),
+    /// The models deltafin has seen on this machine (opened, installed, in the Hugging Face cache).
+    List(models::ListArgs),
+    /// What a model is: architecture, size, files, how its bytes are verified.
+    Info(models::InfoArgs),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     #[command(after_help = help::COMPLETIONS)]
     Completions(version::CompletionsArgs),
@@ -130,9 +137,14 @@ impl Cmd {
             Cmd::Bench(a) => a.threads(),
             Cmd::Batch(a) => a.threads.threads,
             Cmd::Serve(a) => a.threads.threads,
-            Cmd::Place(_) | Cmd::Setup(_) | Cmd::PackTrunk(_) | Cmd::Plan(_) | Cmd::Verify(_) | Cmd::Completions(_) => {
-                None
-            }
+            Cmd::Place(_)
+            | Cmd::Setup(_)
+            | Cmd::PackTrunk(_)
+            | Cmd::Plan(_)
+            | Cmd::Verify(_)
+            | Cmd::List(_)
+            | Cmd::Info(_)
+            | Cmd::Completions(_) => None,
         }
     }
 }
@@ -208,6 +220,8 @@ pub fn main() -> ExitCode {
         Cmd::Serve(a) => serve::run(a),
         Cmd::Batch(a) => batch::run(a),
         Cmd::Verify(a) => verify::run(a),
+        Cmd::List(a) => models::list(a),
+        Cmd::Info(a) => models::info(a),
         Cmd::Completions(a) => version::completions(a),
     };
     match result {
