@@ -653,3 +653,16 @@ fn empty_ids_unknown_log_levels_and_setup_json_failures_are_said() {
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {o:?}"));
     assert!(j["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{j}");
 }
+
+/// `list` shows the models deltafin has seen, `info` what one is.
+#[test]
+fn list_and_info_show_the_models_seen_and_what_one_is() {
+    let (_, _) = run_ok(deltafin_cmd().args(["run", "--demo", "--prompt", "Hi", "--max-new", "2", "-q"]));
+    let (out, _) = run_ok(deltafin_cmd().arg("list"));
+    assert!(out.contains("demo"), "{out}");
+    let (out, _) = run_ok(deltafin_cmd().args(["info", "--demo"]));
+    assert!(out.contains("Kimi K3 architecture") && out.contains("hidden 256") && out.contains("checksums"), "{out}");
+    let (j, _) = run_ok(deltafin_cmd().args(["info", "--demo", "--json"]));
+    let j: serde_json::Value = serde_json::from_str(&j).unwrap();
+    assert_eq!(j["experts"], 64);
+}

@@ -145,7 +145,7 @@ pub fn list(a: ListArgs) -> Result<()> {
         )?;
         return Ok(());
     }
-    writeln!(out, "{:<60} {:>10} {:>7}  {}", "MODEL DIRECTORY", "SIZE", "SHARDS", "CHECKSUMS")?;
+    writeln!(out, "{:<60} {:>10} {:>7}  CHECKSUMS", "MODEL DIRECTORY", "SIZE", "SHARDS")?;
     for m in &models {
         let size = if m.exists { human_bytes(m.bytes) } else { "(gone)".into() };
         let shards = if m.shards > 0 { m.shards.to_string() } else { "-".into() };
