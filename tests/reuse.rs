@@ -5,8 +5,8 @@
 
 mod common;
 use common::*;
-use deltafin::serve::api::{GenRequest, Kind, Prompt};
-use deltafin::serve::generator::{GenConfig, Generator, Output};
+use deltafin::api::{GenRequest, Kind, Output, Prompt};
+use deltafin::service::generator::{GenConfig, Generator};
 
 fn request(ids: Vec<u32>, max_tokens: usize) -> GenRequest {
     GenRequest {

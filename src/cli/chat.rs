@@ -1,5 +1,5 @@
 //! `deltafin chat`: a conversation in the terminal (like `llama-cli -cnv` or `ollama run`) over
-//! `serve::conversation`: each turn resumes the session the previous one left, so it prefills only
+//! `service::chat`: each turn resumes the session the previous one left, so it prefills only
 //! its own tokens. Answers stream to stdout, the reasoning dimmed on stderr (`--hide-reasoning`:
 //! not shown). On a terminal the prompt has line editing and history; Ctrl-C stops the answer
 //! being written, and at the prompt a second Ctrl-C or Ctrl-D leaves. When standard input is not
@@ -7,10 +7,11 @@
 //! ends with a newline, and Ctrl-C ends the run (exit 130), so the command scripts.
 
 use super::load;
+use crate::api::Delta;
 use crate::draft::DraftKind;
 use crate::model::chat::Thinking;
-use crate::serve::conversation::{self, ChatSettings, Command, Conversation};
-use crate::serve::generator::{Delta, GenConfig, GenError};
+use crate::service::chat::{self as conversation, ChatSettings, Command, Conversation};
+use crate::service::generator::{GenConfig, GenError};
 use anyhow::Result;
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};

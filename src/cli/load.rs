@@ -5,11 +5,11 @@
 
 use super::engine::EngineArgs;
 use super::progress::{self, Progress};
+use crate::api::SamplingDefaults;
 use crate::draft::DraftKind;
 use crate::engine::{Engine, EngineConfig};
 use crate::model::generation::GenerationDefaults;
 use crate::model::{Checkpoint, K3Config, Roster};
-use crate::serve::api::SamplingDefaults;
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

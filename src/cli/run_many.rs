@@ -202,7 +202,7 @@ fn print_answers(
         // A chat answer: its response channel, its reasoning apart, no tag (as `run` alone).
         let (text, reasoning) = match (tok, thinking) {
             (Some(t), Some(th)) => {
-                let (c, r) = crate::serve::answer::Answer::chat_text(Arc::clone(t), &g.tokens, stops, th);
+                let (c, r) = crate::service::answer::Answer::chat_text(Arc::clone(t), &g.tokens, stops, th);
                 (Some(c), Some(r))
             }
             _ => (tok.map(|t| answer_text(t, &g.tokens, stops)).transpose()?, None),

@@ -5,7 +5,7 @@
 use super::load;
 use crate::draft::DraftKind;
 use crate::serve::ServeOptions;
-use crate::serve::generator::GenConfig;
+use crate::service::generator::GenConfig;
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;

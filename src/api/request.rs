@@ -12,6 +12,7 @@
 //! Nothing here panics on any input. A body is taken apart, not copied: the server hands its
 //! parsed document over ([`JsonBody`]); how it was parsed within a memory bound is `json`'s.
 
+use super::ApiError;
 use crate::model::chat::Thinking;
 use serde_json::{Map, Value};
 pub use tools::{ResponseFormat, ToolChoice, template_vars};
@@ -25,50 +26,6 @@ pub const MAX_STOP_BYTES: usize = 1024;
 /// accepted and ignored: platform bookkeeping, and a speed hint (`prediction`).
 pub const IGNORED: [&str; 7] =
     ["store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key", "prediction"];
-
-/// An error response: HTTP status and OpenAI's `{"error": {message, type, param, code}}`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ApiError {
-    pub status: u16,
-    pub message: String,
-    pub kind: &'static str,
-    pub param: Option<String>,
-    pub code: Option<&'static str>,
-}
-
-impl ApiError {
-    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
-        ApiError {
-            status: 400,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: Some(param.into()),
-            code: Some("invalid_value"),
-        }
-    }
-
-    pub fn new(status: u16, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into(), kind, param: None, code: Some(code) }
-    }
-
-    pub fn with_code(mut self, code: &'static str) -> Self {
-        self.code = Some(code);
-        self
-    }
-
-    pub fn body(&self) -> Value {
-        serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.param {
-            Some(p) => write!(f, "{p}: {}", self.message),
-            None => write!(f, "{}", self.message),
-        }
-    }
-}
 
 /// What to generate from.
 #[derive(Clone, Debug, PartialEq)]

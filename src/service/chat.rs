@@ -12,8 +12,8 @@
 //! [`Conversation::save`] writes the transcript (OpenAI's message shape, so it can be sent to
 //! `serve` as is), atomically, and never over a file that is not a transcript.
 
-use super::api::{GenRequest, Kind, Prompt, SamplingDefaults};
-use super::generator::{Delta, GenConfig, GenError, Generator, Output};
+use super::generator::{GenConfig, GenError, Generator};
+use crate::api::{ApiError, Delta, GenRequest, Kind, Output, Prompt, SamplingDefaults};
 use crate::engine::Engine;
 use crate::model::chat::Thinking;
 use serde_json::{Value, json};
@@ -66,7 +66,7 @@ impl Conversation {
 
     /// Whether the model can chat at all (a tokenizer, a chat template that renders): the error a
     /// first message would get, found before any.
-    pub fn check(&self) -> Result<(), super::api::ApiError> {
+    pub fn check(&self) -> Result<(), ApiError> {
         let probe = Prompt::Messages(json!([{"role": "user", "content": "Hi"}]));
         let mut req = GenRequest::new(Kind::Chat, probe, &self.settings.sampling);
         req.thinking = self.settings.thinking;

@@ -1,4 +1,4 @@
-//! Unit tests of `serve::api` (a file of their own to keep the module under the file-size guide).
+//! Unit tests of `api::request` (a file of their own to keep the module under the file-size guide).
 
 use super::*;
 use serde_json::json;
