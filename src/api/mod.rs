@@ -7,15 +7,18 @@
 //! parses a body within a budget of values; [`response`] gives an answer ([`Output`], streamed as
 //! [`Delta`]s) its shapes: whole responses, streamed chunks, usage, log-probabilities. Nothing here
 //! reads a socket, runs the model or panics on any input; the types below `api` it uses are the
-//! model's text types (chat template settings, tool calls) and the sampler's (log-probabilities).
+//! model's text types (chat template settings, tool calls), the sampler's ([`SamplingSpec`],
+//! log-probabilities) and enforced output's.
+//!
+//! [`SamplingSpec`]: crate::sample::SamplingSpec
 
 pub mod json;
 pub mod request;
 pub mod response;
 
 pub use request::{
-    GenRequest, JsonBody, Kind, Owned, ParseContext, Prompt, ResponseFormat, SamplingDefaults, ToolChoice,
-    parse_batch_line, parse_chat, parse_completion, template_vars,
+    GenRequest, JsonBody, Kind, Owned, ParseContext, Prompt, ResponseFormat, ToolChoice, parse_batch_line, parse_chat,
+    parse_completion, template_vars,
 };
 pub use response::{Delta, Output};
 use serde_json::Value;

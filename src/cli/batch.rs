@@ -27,6 +27,7 @@
 use super::batch_io::{self, Results, is_std, line_list};
 use super::load;
 use super::progress::{self, Progress};
+use super::sampling_args::{BatchWords, SamplingArgs};
 use crate::api::{ApiError, ParseContext};
 use crate::draft::DraftKind;
 use crate::engine::EngineConfig;
@@ -63,19 +64,8 @@ pub struct BatchArgs {
     /// Draft tokens for K3 to verify in batches (output is identical; only speed changes).
     #[arg(long, value_enum, default_value_t = DraftKind::Off)]
     pub draft: DraftKind,
-    /// Temperature of lines that set none (default 0: greedy; with --demo, the demo's
-    /// generation_config.json).
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_temperature)]
-    pub temperature: Option<f64>,
-    /// top_p of lines that set none (default 1; with --demo, the demo's generation_config.json).
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p)]
-    pub top_p: Option<f64>,
-    /// top_k of lines that set none (default 0: off; with --demo, the demo's generation_config.json).
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// min_p of lines that set none (default 0: off; with --demo, the demo's generation_config.json).
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_min_p)]
-    pub min_p: Option<f64>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs<BatchWords>,
     /// Do not reuse sessions: neither the previous request's when a prompt extends it, nor a
     /// prompt prefix that the requests share (by default prefilled once and forked for each).
     #[arg(long)]
@@ -101,8 +91,7 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     batch_io::check_paths(&a.input, &a.output)?;
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
-    let flags = load::SamplingFlags { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, min_p: a.min_p };
-    let sampling = load::sampling(&dir, a.demo, flags)?;
+    let sampling = a.sampling.spec(&dir, a.demo)?;
     let input = batch_io::read_input(&a.input)?;
     let lines = input_lines(&input);
     let (file, done) = match is_std(&a.output) {
@@ -125,7 +114,7 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     config.sequences = a.parallel as usize;
     let model_id = dir.file_name().map_or("deltafin".into(), |n| n.to_string_lossy().into_owned());
     let takes_tools = template_takes_tools(&dir);
-    let ctx = ParseContext { model_id: &model_id, template_takes_tools: takes_tools, sampling };
+    let ctx = ParseContext { model_id: &model_id, template_takes_tools: takes_tools, sampling, max_tokens: None };
     if config.context.is_none()
         && let Some(longest) =
             longest_request(&dir, &lines.iter().filter_map(|l| l.1.ok()).collect::<Vec<_>>(), &ctx, a.max_tokens)

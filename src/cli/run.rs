@@ -17,7 +17,7 @@ use super::{load, progress};
 use crate::draft::{DraftKind, Speculator, WidthPolicy};
 use crate::engine::{Engine, GenerateOptions};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
-use crate::sample::{Sampler, SamplingParams};
+use crate::sample::{Sampler, SamplingSpec};
 use crate::service::answer::Answer;
 use crate::stats::Stats;
 use anyhow::{Context, Result, bail};
@@ -39,8 +39,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         None
     };
     let seed = a.seed.unwrap_or_else(crate::util::fresh_seed);
-    let flags = load::SamplingFlags { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, min_p: a.min_p };
-    let sampling = load::params(&load::sampling(&dir, a.demo, flags)?, seed)?;
+    let sampling = SamplingSpec { seed: Some(seed), ..a.sampling.spec(&dir, a.demo)? };
     let mut saved = a.session.as_deref().map(SessionFile::peek).transpose()?;
     let mut prompts = match &mut saved {
         Some(f) => vec![session::continuation(&a, &dir, tok.as_ref(), &a.prompt_texts()?, f)?],
@@ -68,7 +67,7 @@ fn open(
     prompt: &[u32],
     held: usize,
     tok: Option<&Tokenizer>,
-    sampling: &SamplingParams,
+    sampling: &SamplingSpec,
 ) -> Result<(Arc<Engine>, Option<Speculator>)> {
     if a.draft == DraftKind::Dspark && a.engine.draft_model.is_none() {
         bail!(
@@ -103,7 +102,7 @@ fn open(
             };
             eprintln!("deltafin: drafting: {} | {memory}", s.describe());
         }
-        if let Some(line) = load::sampling_line(sampling, false) {
+        if let Some(line) = super::sampling_args::sampling_line(sampling, false) {
             eprintln!("{line}");
         }
     }
@@ -134,7 +133,7 @@ fn generate(
     tok: Option<&Arc<Tokenizer>>,
     prompt: &[u32],
     saved: Option<&mut SessionFile>,
-    sampling: SamplingParams,
+    sampling: SamplingSpec,
 ) -> Result<Done> {
     // Stop at the chat format's end-of-message token or the config's eos, whichever comes.
     let stops: Vec<u32> = if a.ignore_eos { Vec::new() } else { engine.stop_tokens(tok.map(|t| &**t)) };
@@ -234,14 +233,7 @@ fn generate(
 
 /// The end of a run: the answer's end (`--format json`: the whole record), the summary, the
 /// counters and the files asked for; a closed pipe ends the process here.
-fn finish(
-    a: &RunArgs,
-    engine: &Engine,
-    prompt: &[u32],
-    has_tok: bool,
-    sampling: SamplingParams,
-    d: Done,
-) -> Result<()> {
+fn finish(a: &RunArgs, engine: &Engine, prompt: &[u32], has_tok: bool, sampling: SamplingSpec, d: Done) -> Result<()> {
     let Done { ids, text, reasoning, pipe_closed, stats } = d;
     let interrupted = signals::interrupted();
     let mut out = std::io::stdout().lock();

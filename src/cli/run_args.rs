@@ -3,6 +3,7 @@
 //! in `--help`, not `-h`); and the prompts they give (texts, files, lines, ids, the chat template).
 
 use super::KdaArg;
+use super::sampling_args::{RunWords, SamplingArgs};
 use crate::draft::DraftKind;
 use crate::model::chat::{ChatOptions, ChatTemplate, Thinking};
 use crate::model::tokenizer::Tokenizer;
@@ -71,24 +72,8 @@ pub struct RunArgs {
     /// Maximum number of tokens to generate.
     #[arg(long, default_value_t = 256, help_heading = "Generation")]
     pub max_new: usize,
-    /// Sampling temperature, 0 to 2 (0 is greedy: K3's argmax).
-    ///
-    /// Default 0, or with --demo the demo's generation_config.json.
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_temperature, help_heading = "Generation")]
-    pub temperature: Option<f64>,
-    /// Nucleus sampling: keep the most likely tokens up to this probability mass (0 to 1).
-    ///
-    /// Default 1, or with --demo the demo's generation_config.json.
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p, help_heading = "Generation")]
-    pub top_p: Option<f64>,
-    /// Keep only the K most likely tokens when sampling (default 0: off, or the demo's).
-    #[arg(long, value_name = "K", help_heading = "Generation")]
-    pub top_k: Option<usize>,
-    /// Keep only tokens at least P times as likely as the most likely when sampling (0 to 1).
-    ///
-    /// Default 0: off, or the demo's.
-    #[arg(long, value_name = "P", allow_negative_numbers = true, value_parser = super::parse_min_p, help_heading = "Generation")]
-    pub min_p: Option<f64>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs<RunWords>,
     /// Seed of the sampler (default: a fresh one, printed).
     ///
     /// The same seed gives the same output.

@@ -124,15 +124,15 @@ async fn parse(st: &AppState, kind: Kind, body: Result<Bytes, ApiError>) -> Resu
     let body = body?;
     let failed = || ApiError::new(500, "server_error", "internal_error", "Parsing the request failed.");
     let place = Arc::clone(&st.parsers).acquire_owned().await.map_err(|_| failed())?;
-    let (model_id, template_takes_tools, sampling) =
-        (st.opts.model_id.clone(), st.template_takes_tools, st.opts.sampling);
+    let (model_id, template_takes_tools) = (st.opts.model_id.clone(), st.template_takes_tools);
+    let (sampling, max_tokens) = (st.opts.sampling, st.opts.max_tokens);
     let budget = api::json::value_budget(st.engine.context_bound());
     let parsed = tokio::task::spawn_blocking(move || {
         let _place = place;
         let v = api::json::parse(&body, budget)?;
         // The raw bytes are not needed past here.
         drop(body);
-        let ctx = ParseContext { model_id: &model_id, template_takes_tools, sampling };
+        let ctx = ParseContext { model_id: &model_id, template_takes_tools, sampling, max_tokens };
         match kind {
             Kind::Chat => api::parse_chat(Owned(v), &ctx),
             Kind::Completion => api::parse_completion(Owned(v), &ctx),

@@ -23,8 +23,9 @@ mod handlers;
 pub mod metrics;
 mod running;
 
-use crate::api::{ApiError, Delta, GenRequest, Output, SamplingDefaults};
+use crate::api::{ApiError, Delta, GenRequest, Output};
 use crate::engine::Engine;
+use crate::sample::SamplingSpec;
 use crate::service::generator::{Encoder, GenConfig, Generator, Prepared};
 use axum::Router;
 use axum::extract::{Request, State};
@@ -56,9 +57,10 @@ pub struct ServeOptions {
     /// The id clients name in `model` (default: the model directory's name).
     pub model_id: String,
     pub generation: GenConfig,
-    /// Sampling of requests that set no `temperature` / `top_p` / `top_k` / `min_p`, and the
-    /// `max_tokens` of a chat request that sets none.
-    pub sampling: SamplingDefaults,
+    /// Sampling of requests that set no `temperature` / `top_p` / `top_k` / `min_p`.
+    pub sampling: SamplingSpec,
+    /// The `max_tokens` of a chat request that sets none (None: up to the context bound).
+    pub max_tokens: Option<usize>,
     /// One line per request on stderr ([`access`]).
     pub access_log: bool,
 }

@@ -13,11 +13,11 @@
 //! A chat answer never shows a special token: tags, channel markers and end-of-message tokens
 //! route or end the text, and are not part of it.
 
-use crate::api::{Delta, GenRequest, Kind, Prompt, SamplingDefaults, ToolChoice};
+use crate::api::{Delta, GenRequest, Kind, Prompt, ToolChoice};
 use crate::model::chat::Thinking;
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::model::tool_calls::{Piece, ToolCall, ToolCallParser, ToolEvent};
-use crate::sample::TokenLogprob;
+use crate::sample::{SamplingSpec, TokenLogprob};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -119,7 +119,7 @@ impl Answer {
     /// as `thinking` opened them, the model's end tokens `stops`, no stop strings.
     pub fn chat(tok: Arc<Tokenizer>, stops: Vec<u32>, thinking: Thinking) -> Self {
         let mut req =
-            GenRequest::new(Kind::Chat, Prompt::Messages(serde_json::Value::Null), &SamplingDefaults::default());
+            GenRequest::new(Kind::Chat, Prompt::Messages(serde_json::Value::Null), SamplingSpec::GREEDY, None);
         req.thinking = Some(thinking);
         Answer::new(&req, tok, stops, Instant::now(), None)
     }
@@ -336,11 +336,7 @@ mod tests {
             max_tokens: None,
             default_max_tokens: None,
             stop: stop.iter().map(|s| s.to_string()).collect(),
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            seed: None,
+            sampling: SamplingSpec::GREEDY,
             logprobs: None,
             stream: false,
             include_usage: false,

@@ -19,7 +19,7 @@ use crate::api::{ApiError, Delta, GenRequest, Kind, Output};
 use crate::draft::DraftKind;
 use crate::engine::{Engine, ForwardError, GenerateOptions, Generation, Session, StopReason};
 use crate::model::chat::Thinking;
-use crate::sample::{Sampler, SamplingParams};
+use crate::sample::{Sampler, SamplingSpec};
 use crate::stats::Stats;
 use crate::store::SourceReport;
 use serde_json::{Value, json};
@@ -283,10 +283,9 @@ impl Generator {
     /// memo key (when the memo may answer it: greedy, no log-probabilities).
     pub(super) fn begin(&mut self, req: &GenRequest, prompt: &[u32], max_new: usize) -> Result<Begin, GenError> {
         self.totals.requests += 1;
-        let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
-        let params = SamplingParams::new(req.temperature, req.top_p, seed)
-            .and_then(|p| p.with_filters(req.top_k, req.min_p))
-            .map_err(|e| GenError::Request(ApiError::invalid("temperature", e.to_string())))?;
+        let seed = req.sampling.seed.unwrap_or_else(crate::util::fresh_seed);
+        let params = SamplingSpec { seed: Some(seed), ..req.sampling };
+        params.check().map_err(|e| GenError::Request(ApiError::invalid("temperature", e.to_string())))?;
         let memo_ok = params.is_greedy() && req.logprobs.is_none() && self.cfg.memo_entries > 0;
         let tools = format!("{:?}{:?}{:?}{}", req.tools, req.tool_choice, req.response_format, req.parallel_tool_calls);
         let key =
@@ -409,7 +408,7 @@ impl Generator {
 /// A request's sampling and memo key, fixed when it starts ([`Generator::begin`]).
 pub(super) struct Begin {
     pub seed: u64,
-    pub params: SamplingParams,
+    pub params: SamplingSpec,
     pub key: Option<MemoKey>,
 }
 
