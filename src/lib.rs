@@ -5,8 +5,11 @@
 //! (config, checkpoint, roster, tokenizer, chat template, synth), `store` (where experts are read),
 //! `draft` (drafters for speculative decoding, width policy, cost model; the engine verifies), `hub`
 //! (Hugging Face-compatible downloads and stream mode), `bench` (measurements, one JSON record
-//! each), `demo` (the built-in demo model the binary carries), `cli` (subcommands).
+//! each), `demo` (the built-in demo model the binary carries), `api` (the OpenAI protocol's
+//! requests and answers), `service` (the generation service every front end shares), `serve` (the
+//! HTTP server), `cli` (subcommands).
 
+pub mod api;
 pub mod backend;
 pub mod bench;
 pub mod cli;
@@ -21,6 +24,7 @@ pub mod model;
 pub mod sample;
 pub mod sched;
 pub mod serve;
+pub mod service;
 pub mod setting;
 pub mod stats;
 pub mod store;

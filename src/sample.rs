@@ -25,9 +25,13 @@
 use crate::backend::cpu::ops::argmax;
 use std::sync::{Arc, Mutex};
 
-/// How tokens are chosen.
+/// How tokens are chosen: one value from a command's flags or a request's fields to the pick
+/// ([`Sampler`]), saved whole with a session's sampler. A field a saved or sent value lacks takes
+/// its default here (`#[serde(default)]`: greedy, top-p 1, filters off, no seed), so a session file
+/// written before a field existed still loads.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct SamplingParams {
+#[serde(default)]
+pub struct SamplingSpec {
     /// 0 is greedy; OpenAI's range is 0..=2.
     pub temperature: f64,
     /// Nucleus mass in 0..=1 (1 keeps every token).
@@ -36,12 +40,14 @@ pub struct SamplingParams {
     pub top_k: usize,
     /// Keep only tokens at least this fraction (0..=1) as likely as the most likely (0 keeps every token).
     pub min_p: f64,
-    pub seed: u64,
+    /// The generator's seed. None: not chosen yet — a front end draws a fresh one (or takes a
+    /// request's) before it samples; a sampler made without one starts from 0.
+    pub seed: Option<u64>,
 }
 
-impl Default for SamplingParams {
+impl Default for SamplingSpec {
     fn default() -> Self {
-        SamplingParams::greedy()
+        SamplingSpec::GREEDY
     }
 }
 
@@ -55,12 +61,15 @@ pub enum SampleError {
     MinP(f64),
 }
 
-impl SamplingParams {
+impl SamplingSpec {
+    /// Greedy: temperature 0, top-p 1, filters off, no seed (the default of every field).
+    pub const GREEDY: SamplingSpec = SamplingSpec { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, seed: None };
+
     pub fn greedy() -> Self {
-        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, seed: 0 }
+        SamplingSpec::GREEDY
     }
 
-    /// Checked parameters (top-k and min-p off: see [`Self::with_filters`]).
+    /// A checked spec with `seed` (top-k and min-p off: see [`Self::with_filters`]).
     pub fn new(temperature: f64, top_p: f64, seed: u64) -> Result<Self, SampleError> {
         if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
             return Err(SampleError::Temperature(temperature));
@@ -68,25 +77,62 @@ impl SamplingParams {
         if !(top_p.is_finite() && (0.0..=1.0).contains(&top_p)) {
             return Err(SampleError::TopP(top_p));
         }
-        Ok(SamplingParams { temperature, top_p, top_k: 0, min_p: 0.0, seed })
+        Ok(SamplingSpec { temperature, top_p, top_k: 0, min_p: 0.0, seed: Some(seed) })
     }
 
-    /// These parameters with top-k (0: off) and min-p (0: off), checked.
+    /// This spec with top-k (0: off) and min-p (0: off), checked.
     pub fn with_filters(self, top_k: usize, min_p: f64) -> Result<Self, SampleError> {
         if !(min_p.is_finite() && (0.0..=1.0).contains(&min_p)) {
             return Err(SampleError::MinP(min_p));
         }
-        Ok(SamplingParams { top_k, min_p, ..self })
+        Ok(SamplingSpec { top_k, min_p, ..self })
     }
 
-    /// The values are in the ranges [`SamplingParams::new`] and [`SamplingParams::with_filters`]
-    /// accept (for values read from a file or a request rather than built by them).
+    /// The values are in the ranges [`SamplingSpec::new`] and [`SamplingSpec::with_filters`]
+    /// accept (for values read from a file, a flag or a request rather than built by them).
     pub fn check(&self) -> Result<(), SampleError> {
-        SamplingParams::new(self.temperature, self.top_p, self.seed)?.with_filters(self.top_k, self.min_p).map(|_| ())
+        let seed = self.seed.unwrap_or(0);
+        SamplingSpec::new(self.temperature, self.top_p, seed)?.with_filters(self.top_k, self.min_p).map(|_| ())
     }
 
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
+    }
+}
+
+/// Sampling settings each of which may be unset: what a model's generation_config.json suggests
+/// (`model::generation`), what a command's flags give. Laid over one another ([`Self::or`]) and
+/// then over the default of each field ([`Self::spec`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    /// 0: off (as HF's and vLLM's `top_k: 0`).
+    pub top_k: Option<usize>,
+    pub min_p: Option<f64>,
+}
+
+impl SamplingDefaults {
+    /// Each setting of `self`, else `under`'s.
+    pub fn or(self, under: SamplingDefaults) -> Self {
+        SamplingDefaults {
+            temperature: self.temperature.or(under.temperature),
+            top_p: self.top_p.or(under.top_p),
+            top_k: self.top_k.or(under.top_k),
+            min_p: self.min_p.or(under.min_p),
+        }
+    }
+
+    /// The spec: each setting, else its default ([`SamplingSpec::GREEDY`]'s); no seed.
+    pub fn spec(self) -> SamplingSpec {
+        let d = SamplingSpec::GREEDY;
+        SamplingSpec {
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            seed: None,
+        }
     }
 }
 
@@ -120,7 +166,7 @@ impl Rng {
 
 /// The sampling distribution over the whole vocabulary (zeros outside the nucleus), summing to 1.
 /// Greedy parameters give a point mass on the argmax.
-pub fn probabilities(logits: &[f32], p: &SamplingParams) -> Vec<f64> {
+pub fn probabilities(logits: &[f32], p: &SamplingSpec) -> Vec<f64> {
     let mut probs = vec![0.0; logits.len()];
     if logits.is_empty() {
         return probs;
@@ -250,7 +296,7 @@ pub trait TokenMask: Send {
 
 /// Picks tokens for one generation; see the module contract.
 pub struct Sampler {
-    pub params: SamplingParams,
+    pub params: SamplingSpec,
     rng: Rng,
     /// The constraint on every pick, if any.
     mask: Option<Box<dyn TokenMask>>,
@@ -260,12 +306,13 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    pub fn new(params: SamplingParams) -> Self {
-        Sampler { params, rng: Rng::new(params.seed), mask: None, logprobs: None, picks: 0 }
+    /// A sampler from `params`' seed (0 when it has none).
+    pub fn new(params: SamplingSpec) -> Self {
+        Sampler { params, rng: Rng::new(params.seed.unwrap_or(0)), mask: None, logprobs: None, picks: 0 }
     }
 
     pub fn greedy() -> Self {
-        Sampler::new(SamplingParams::greedy())
+        Sampler::new(SamplingSpec::greedy())
     }
 
     /// Records each pick's log-probabilities with `top` alternatives; the returned list grows by
@@ -335,19 +382,19 @@ impl Sampler {
 
     /// Where this sampler is — parameters, generator state, picks — to resume it later
     /// ([`Sampler::resume`]: a state file, `engine::state_file`).
-    pub fn position(&self) -> (SamplingParams, u64, u64) {
+    pub fn position(&self) -> (SamplingSpec, u64, u64) {
         (self.params, self.rng.0, self.picks)
     }
 
     /// A sampler that continues where [`Sampler::position`] was taken: the same picks from here on.
-    pub fn resume(params: SamplingParams, rng: u64, picks: u64) -> Self {
+    pub fn resume(params: SamplingSpec, rng: u64, picks: u64) -> Self {
         Sampler { params, rng: Rng(rng), mask: None, logprobs: None, picks }
     }
 }
 
 /// The pick `t` when `mask` allows it, else the allowed token the module contract names; the
 /// mask is told the token taken.
-fn masked_pick(mask: &mut dyn TokenMask, logits: &[f32], t: u32, p: &SamplingParams, rng: &mut Rng) -> u32 {
+fn masked_pick(mask: &mut dyn TokenMask, logits: &[f32], t: u32, p: &SamplingSpec, rng: &mut Rng) -> u32 {
     if mask.allows(t) {
         mask.accept(t);
         return t;
@@ -392,18 +439,18 @@ mod tests {
         let logits = [0.1f32, 3.0, -1.0, 3.0];
         let mut s = Sampler::greedy();
         assert_eq!(s.pick(&logits), argmax(&logits));
-        assert_eq!(probabilities(&logits, &SamplingParams::greedy())[argmax(&logits) as usize], 1.0);
+        assert_eq!(probabilities(&logits, &SamplingSpec::greedy())[argmax(&logits) as usize], 1.0);
     }
 
     #[test]
     fn top_p_keeps_the_smallest_nucleus() {
         let logits = [2.0f32.ln(), 5.0f32.ln(), 3.0f32.ln(), 0.0];
-        let p = SamplingParams::new(1.0, 0.7, 0).unwrap();
+        let p = SamplingSpec::new(1.0, 0.7, 0).unwrap();
         let probs = probabilities(&logits, &p);
         // Masses 2/11, 5/11, 3/11, 1/11: 5 + 3 = 8/11 >= 0.7.
         assert!((probs[1] - 5.0 / 8.0).abs() < 1e-6 && (probs[2] - 3.0 / 8.0).abs() < 1e-6, "{probs:?}");
         assert_eq!((probs[0], probs[3]), (0.0, 0.0));
-        let p0 = SamplingParams::new(1.0, 0.0, 0).unwrap();
+        let p0 = SamplingSpec::new(1.0, 0.0, 0).unwrap();
         assert_eq!(probabilities(&logits, &p0)[1], 1.0, "top_p 0 keeps the top token");
     }
 
@@ -412,7 +459,7 @@ mod tests {
         // Masses 2, 5, 3, 1, 3 (of 14).
         let logits = [2.0f32.ln(), 5.0f32.ln(), 3.0f32.ln(), 0.0, 3.0f32.ln()];
         let at = |top_k, min_p, top_p| {
-            let p = SamplingParams::new(1.0, top_p, 0).unwrap().with_filters(top_k, min_p).unwrap();
+            let p = SamplingSpec::new(1.0, top_p, 0).unwrap().with_filters(top_k, min_p).unwrap();
             probabilities(&logits, &p)
         };
         let close = |got: Vec<f64>, want: [f64; 5]| {
@@ -430,20 +477,20 @@ mod tests {
         close(at(0, 0.55, 0.7), [0.0, 5.0 / 8.0, 3.0 / 8.0, 0.0, 0.0]);
         close(at(3, 0.0, 0.4), [0.0, 1.0, 0.0, 0.0, 0.0]);
         // The filters never change the greedy pick.
-        let g = SamplingParams::greedy().with_filters(2, 0.5).unwrap();
+        let g = SamplingSpec::greedy().with_filters(2, 0.5).unwrap();
         assert_eq!(Sampler::new(g).pick(&logits), 1);
-        assert_eq!(SamplingParams::greedy().with_filters(0, 1.5), Err(SampleError::MinP(1.5)));
+        assert_eq!(SamplingSpec::greedy().with_filters(0, 1.5), Err(SampleError::MinP(1.5)));
         // Off, the distribution is the one without the filters, bit for bit.
-        let p = SamplingParams::new(0.8, 0.9, 3).unwrap();
+        let p = SamplingSpec::new(0.8, 0.9, 3).unwrap();
         assert_eq!(probabilities(&logits, &p), probabilities(&logits, &p.with_filters(0, 0.0).unwrap()));
     }
 
     #[test]
     fn same_seed_same_tokens_and_frequencies_follow_the_distribution() {
         let logits: Vec<f32> = (0..16).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
-        let p = SamplingParams::new(0.8, 1.0, 42).unwrap();
+        let p = SamplingSpec::new(0.8, 1.0, 42).unwrap();
         let run = |seed| {
-            let mut s = Sampler::new(SamplingParams { seed, ..p });
+            let mut s = Sampler::new(SamplingSpec { seed: Some(seed), ..p });
             (0..20000).map(|_| s.pick(&logits)).collect::<Vec<_>>()
         };
         let a = run(42);
@@ -463,9 +510,31 @@ mod tests {
 
     #[test]
     fn bad_parameters_are_refused() {
-        assert_eq!(SamplingParams::new(2.5, 1.0, 0), Err(SampleError::Temperature(2.5)));
-        assert!(SamplingParams::new(f64::NAN, 1.0, 0).is_err());
-        assert_eq!(SamplingParams::new(1.0, 1.5, 0), Err(SampleError::TopP(1.5)));
+        assert_eq!(SamplingSpec::new(2.5, 1.0, 0), Err(SampleError::Temperature(2.5)));
+        assert!(SamplingSpec::new(f64::NAN, 1.0, 0).is_err());
+        assert_eq!(SamplingSpec::new(1.0, 1.5, 0), Err(SampleError::TopP(1.5)));
+    }
+
+    #[test]
+    fn a_spec_saved_without_a_field_loads_with_its_default() {
+        // What a session file written before top_k and min_p existed holds.
+        let old: SamplingSpec = serde_json::from_str(r#"{"temperature":0.5,"top_p":0.9,"seed":3}"#).unwrap();
+        assert_eq!(old, SamplingSpec::new(0.5, 0.9, 3).unwrap());
+        assert_eq!(serde_json::from_str::<SamplingSpec>("{}").unwrap(), SamplingSpec::GREEDY);
+        // Written as before: every field, the seed a number.
+        let p = SamplingSpec::new(0.5, 0.9, 3).unwrap().with_filters(40, 0.05).unwrap();
+        let text = serde_json::to_string(&p).unwrap();
+        assert_eq!(text, r#"{"temperature":0.5,"top_p":0.9,"top_k":40,"min_p":0.05,"seed":3}"#);
+        assert_eq!(serde_json::from_str::<SamplingSpec>(&text).unwrap(), p);
+    }
+
+    #[test]
+    fn defaults_lay_over_one_another_then_over_greedy() {
+        let flags = SamplingDefaults { temperature: Some(0.7), ..Default::default() };
+        let model = SamplingDefaults { temperature: Some(1.0), top_k: Some(40), ..Default::default() };
+        let s = flags.or(model).spec();
+        assert_eq!(s, SamplingSpec { temperature: 0.7, top_k: 40, ..SamplingSpec::GREEDY });
+        assert_eq!(SamplingDefaults::default().spec(), SamplingSpec::GREEDY);
     }
 
     #[test]
@@ -512,7 +581,7 @@ mod tests {
             logits.iter().enumerate().map(|(i, &l)| if i == best as usize { f32::MIN } else { l }).collect();
         assert_eq!(g.pick(&logits), argmax(&masked), "greedy takes the best allowed token");
         // Sampling: while every pick is allowed, the tokens are those of no mask.
-        let p = SamplingParams::new(1.0, 1.0, 11).unwrap();
+        let p = SamplingSpec::new(1.0, 1.0, 11).unwrap();
         let (mut a, mut b) = (Sampler::new(p), Sampler::new(p));
         b.constrain(Box::new(Only(vec![true; 8], vec![])));
         assert!((0..500).all(|_| a.pick(&logits) == b.pick(&logits)));

@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use deltafin::engine::{BatchSeq, Engine, EngineConfig, GenerateOptions, Lane, Session, prefill_passes};
 use deltafin::k3::KdaMode;
-use deltafin::sample::{Sampler, SamplingParams};
+use deltafin::sample::{Sampler, SamplingSpec};
 use deltafin::store::expert_store::{ExpertStore, StoreOptions};
 use deltafin::store::placement::{Policy, ShardUse};
 use deltafin::store::{ExpertSink, ExpertSource, StoreError};
@@ -82,7 +82,7 @@ fn a_batched_prefill_equals_each_prompt_alone_and_reads_each_union_once_per_pass
 }
 
 /// The tokens `opts` and `params` give from a prompt alone.
-fn generate_alone(e: &Arc<Engine>, p: &[u32], opts: &GenerateOptions, params: SamplingParams) -> Vec<u32> {
+fn generate_alone(e: &Arc<Engine>, p: &[u32], opts: &GenerateOptions, params: SamplingSpec) -> Vec<u32> {
     let mut s = e.new_session();
     s.prefill(p).unwrap();
     s.generate_sampled(opts, &mut Sampler::new(params), &mut |_| true).unwrap().tokens
@@ -94,11 +94,11 @@ fn lockstep_decode_equals_each_sequence_alone_as_they_leave() {
     let r = reference("k3-tiny-a");
     let e = Engine::open(config(&dir, 64)).unwrap();
     let ps = prompts(&r);
-    let greedy = SamplingParams::new(0.0, 1.0, 0).unwrap();
-    let warm = SamplingParams::new(0.9, 0.95, 7).unwrap();
+    let greedy = SamplingSpec::new(0.0, 1.0, 0).unwrap();
+    let warm = SamplingSpec::new(0.9, 0.95, 7).unwrap();
     // Different lengths (they leave at different steps), one sampled, one stopping on a token.
     let stop_tok = r.greedy[2];
-    let setups: Vec<(GenerateOptions, SamplingParams)> = vec![
+    let setups: Vec<(GenerateOptions, SamplingSpec)> = vec![
         (GenerateOptions { max_new: 9, stop: vec![] }, greedy),
         (GenerateOptions { max_new: 3, stop: vec![] }, greedy),
         (GenerateOptions { max_new: 12, stop: vec![] }, warm),
@@ -149,7 +149,7 @@ fn a_decode_step_of_several_rows_reads_ahead_and_reads_nothing_twice() {
     let dir = copy.path().to_path_buf();
     let m = open_model(&dir);
     let ps = prompts(&reference("k3-tiny-a"));
-    let greedy = SamplingParams::new(0.0, 1.0, 0).unwrap();
+    let greedy = SamplingSpec::new(0.0, 1.0, 0).unwrap();
     let plain = Engine::open(config(&fixture("k3-tiny-a"), 64)).unwrap();
     // One decode step (the prefill gives the first token), then several.
     for max_new in [2, 5] {
@@ -299,10 +299,10 @@ fn lanes_that_join_and_leave_a_running_batch_equal_each_sequence_alone() {
     // 16 rows a step: the 40- and 55-token prompts take several steps beside decode rows.
     let e = Engine::open(config(&dir, 16)).unwrap();
     let ps = prompts(&r);
-    let greedy = SamplingParams::new(0.0, 1.0, 0).unwrap();
-    let warm = SamplingParams::new(0.9, 0.95, 11).unwrap();
+    let greedy = SamplingSpec::new(0.0, 1.0, 0).unwrap();
+    let warm = SamplingSpec::new(0.9, 0.95, 11).unwrap();
     let stop_tok = r.greedy[1];
-    let setups: Vec<(GenerateOptions, SamplingParams)> = vec![
+    let setups: Vec<(GenerateOptions, SamplingSpec)> = vec![
         (GenerateOptions { max_new: 14, stop: vec![] }, greedy),
         (GenerateOptions { max_new: 4, stop: vec![] }, warm),
         (GenerateOptions { max_new: 9, stop: vec![stop_tok] }, greedy),

@@ -152,7 +152,7 @@ fn draft_dspark_and_auto_use_the_drafter_beside_the_demo() {
 /// The demo's sampling defaults as the file says (greedy when it has none).
 fn demo_defaults(dir: &Path) -> (f64, f64) {
     let g = GenerationDefaults::load(dir).unwrap().unwrap_or_default();
-    (g.temperature.unwrap_or(0.0), g.top_p.unwrap_or(1.0))
+    (g.sampling.temperature.unwrap_or(0.0), g.sampling.top_p.unwrap_or(1.0))
 }
 
 /// A server for `args` on 127.0.0.1; returns it, its base URL and its stderr up to listening.

@@ -9,7 +9,7 @@ use common::*;
 use deltafin::draft::{DSparkDrafter, Speculator};
 use deltafin::engine::{Engine, EngineConfig, GenerateOptions, Lane, LaneError, LaneHost};
 use deltafin::k3::KdaMode;
-use deltafin::sample::{Sampler, SamplingParams};
+use deltafin::sample::{Sampler, SamplingSpec};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -30,7 +30,7 @@ fn config(prefill_rows: usize) -> EngineConfig {
 struct Req {
     prompt: Vec<u32>,
     opts: GenerateOptions,
-    params: SamplingParams,
+    params: SamplingSpec,
     draft: bool,
 }
 
@@ -87,12 +87,12 @@ fn requests(e: &Arc<Engine>, draft: bool) -> Vec<Req> {
     let j: serde_json::Value =
         serde_json::from_slice(&std::fs::read(fixture("trained").join("fixture.json")).unwrap()).unwrap();
     let ids: Vec<u32> = j["prompt_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
-    let greedy = SamplingParams::new(0.0, 1.0, 0).unwrap();
+    let greedy = SamplingSpec::new(0.0, 1.0, 0).unwrap();
     let mut reqs: Vec<Req> = (0..10)
         .map(|i| Req {
             prompt: ids[7 * i..7 * i + 5 + 6 * i].to_vec(),
             opts: GenerateOptions { max_new: 12 + 3 * i, stop: vec![] },
-            params: if i % 2 == 1 { SamplingParams::new(0.8, 0.95, 40 + i as u64).unwrap() } else { greedy },
+            params: if i % 2 == 1 { SamplingSpec::new(0.8, 0.95, 40 + i as u64).unwrap() } else { greedy },
             // Drafting and plain requests share steps.
             draft: draft && i % 3 != 2,
         })

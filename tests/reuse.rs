@@ -5,8 +5,9 @@
 
 mod common;
 use common::*;
-use deltafin::serve::api::{GenRequest, Kind, Prompt};
-use deltafin::serve::generator::{GenConfig, Generator, Output};
+use deltafin::api::{GenRequest, Kind, Output, Prompt};
+use deltafin::sample::SamplingSpec;
+use deltafin::service::generator::{GenConfig, Generator};
 
 fn request(ids: Vec<u32>, max_tokens: usize) -> GenRequest {
     GenRequest {
@@ -15,11 +16,7 @@ fn request(ids: Vec<u32>, max_tokens: usize) -> GenRequest {
         max_tokens: Some(max_tokens),
         default_max_tokens: None,
         stop: Vec::new(),
-        temperature: 0.0,
-        top_p: 1.0,
-        top_k: 0,
-        min_p: 0.0,
-        seed: None,
+        sampling: SamplingSpec::GREEDY,
         logprobs: Some(2),
         stream: false,
         include_usage: false,

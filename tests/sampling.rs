@@ -10,7 +10,7 @@ use common::*;
 use deltafin::backend::BackendError;
 use deltafin::draft::{Drafter, NgramDrafter, Speculator};
 use deltafin::engine::{Engine, GenerateOptions, Session};
-use deltafin::sample::{Sampler, SamplingParams, probabilities};
+use deltafin::sample::{Sampler, SamplingSpec, probabilities};
 use std::sync::Arc;
 
 /// Always proposes the same tokens.
@@ -29,7 +29,7 @@ fn opts(max_new: usize) -> GenerateOptions {
     GenerateOptions { max_new, stop: Vec::new() }
 }
 
-fn sampled(base: &Session, params: SamplingParams, max_new: usize, drafter: Option<Box<dyn Drafter>>) -> Vec<u32> {
+fn sampled(base: &Session, params: SamplingSpec, max_new: usize, drafter: Option<Box<dyn Drafter>>) -> Vec<u32> {
     let mut s = base.fork().unwrap();
     let mut sampler = Sampler::new(params);
     let g = match drafter {
@@ -52,7 +52,7 @@ fn prefilled(e: &Arc<Engine>, prompt: &[u32]) -> Session {
 fn same_seed_same_tokens_with_any_threads_and_drafts() {
     let r = reference("k3-tiny-b");
     let prompt = &r.prompt[..8];
-    let p = SamplingParams::new(0.9, 0.95, 1234).unwrap();
+    let p = SamplingSpec::new(0.9, 0.95, 1234).unwrap();
     let mut runs = Vec::new();
     for threads in [1, 2] {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
@@ -70,8 +70,8 @@ fn same_seed_same_tokens_with_any_threads_and_drafts() {
     assert_eq!(runs[0], runs[1], "1 and 2 threads");
     let e = engine(&fixture("k3-tiny-b"));
     let base = prefilled(&e, prompt);
-    assert_ne!(sampled(&base, SamplingParams { seed: 99, ..p }, 24, None), runs[0], "another seed, other tokens");
-    let greedy = sampled(&base, SamplingParams::greedy(), 24, None);
+    assert_ne!(sampled(&base, SamplingSpec { seed: Some(99), ..p }, 24, None), runs[0], "another seed, other tokens");
+    let greedy = sampled(&base, SamplingSpec::greedy(), 24, None);
     assert_eq!(greedy, greedy_tokens(&e, prompt, 24), "temperature 0 is greedy");
 }
 
@@ -80,7 +80,7 @@ fn top_k_and_min_p_give_the_same_tokens_with_drafts_as_without() {
     let r = reference("k3-tiny-b");
     let e = engine(&fixture("k3-tiny-b"));
     let base = prefilled(&e, &r.prompt[..8]);
-    let hot = SamplingParams::new(1.5, 1.0, 77).unwrap();
+    let hot = SamplingSpec::new(1.5, 1.0, 77).unwrap();
     let mut seen = Vec::new();
     for (k, m) in [(3, 0.0), (0, 0.2), (5, 0.1), (1, 0.0)] {
         let p = hot.with_filters(k, m).unwrap();
@@ -125,7 +125,7 @@ fn with_drafts_sampled_tokens_follow_k3s_distribution() {
     let r = reference("k3-tiny-a");
     let e = engine(&fixture("k3-tiny-a"));
     let prompt = &r.prompt[..6];
-    let params = SamplingParams::new(0.7, 1.0, 0).unwrap();
+    let params = SamplingSpec::new(0.7, 1.0, 0).unwrap();
     let base = prefilled(&e, prompt);
     let p1 = probabilities(base.logits().unwrap(), &params);
     // Exact joint distribution of (t1, t2) for the most likely first tokens.
@@ -161,7 +161,7 @@ fn with_drafts_sampled_tokens_follow_k3s_distribution() {
     let (mut accepted, mut proposed) = (0, 0);
     for seed in 0..n {
         let mut s = base.fork().unwrap();
-        let mut sampler = Sampler::new(SamplingParams { seed, ..params });
+        let mut sampler = Sampler::new(SamplingSpec { seed: Some(seed), ..params });
         let mut spec = Speculator::without_cost_model(Box::new(Fixed(vec![d])));
         // max_new 3: after t1 one draft (for t2) fits.
         let g = s.generate_speculative_sampled(&opts(3), &mut spec, &mut sampler, &mut |_| true).unwrap();

@@ -8,7 +8,7 @@ use common::*;
 use deltafin::draft::{NgramDrafter, Speculator};
 use deltafin::engine::{Engine, GenerateOptions, SamplerPosition, Session, SessionNotes, StateFileError};
 use deltafin::k3::KdaMode;
-use deltafin::sample::{Sampler, SamplingParams};
+use deltafin::sample::{Sampler, SamplingSpec};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -16,8 +16,8 @@ fn engine(name: &str) -> Arc<Engine> {
     Engine::open(test_config(&fixture(name), KdaMode::Recurrent)).unwrap()
 }
 
-fn params(sampled: bool) -> SamplingParams {
-    if sampled { SamplingParams::new(0.9, 0.95, 7).unwrap() } else { SamplingParams::greedy() }
+fn params(sampled: bool) -> SamplingSpec {
+    if sampled { SamplingSpec::new(0.9, 0.95, 7).unwrap() } else { SamplingSpec::greedy() }
 }
 
 /// `n` tokens from the session's logits, with or without drafts; the last one is not fed.
@@ -225,4 +225,54 @@ fn run_session_resumes_to_the_ids_of_an_uninterrupted_run() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("s0.dfstate") && err.contains("fingerprint"), "{err}");
+}
+
+/// A session file written before the sampler had `top_k` and `min_p` (its header's sampler
+/// `params` without them) loads with the two at their defaults (off) and goes on as the session
+/// that never stopped: the sampler's spec is saved with serde defaults, the format unchanged.
+#[test]
+fn a_session_saved_before_top_k_and_min_p_existed_still_loads() {
+    use xxhash_rust::xxh3::xxh3_64;
+    let e = engine("k3-tiny-a");
+    let r = reference("k3-tiny-a");
+    let prompt = &r.prompt[..32];
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("old.dfstate");
+    let mut s = e.new_session();
+    s.prefill(prompt).unwrap();
+    let want = generate(&mut s, &mut Sampler::new(params(true)), 16, false);
+    let mut s = e.new_session();
+    s.prefill(prompt).unwrap();
+    let mut sampler = Sampler::new(params(true));
+    let first = generate(&mut s, &mut sampler, 6, false);
+    let notes = SessionNotes {
+        sampler: Some(SamplerPosition::of(&sampler)),
+        unfed: vec![*first.last().unwrap()],
+        meta: "x".into(),
+    };
+    s.save_state(&file, &notes).unwrap();
+    // The header as the older deltafin wrote it, its checksums made again.
+    let b = std::fs::read(&file).unwrap();
+    let hlen = u32::from_le_bytes(b[12..16].try_into().unwrap()) as usize;
+    let mut head: serde_json::Value = serde_json::from_slice(&b[16..16 + hlen]).unwrap();
+    let p = head["notes"]["sampler"]["params"].as_object_mut().unwrap();
+    assert!(p.remove("top_k").is_some() && p.remove("min_p").is_some());
+    let json = serde_json::to_vec(&head).unwrap();
+    let mut old = b[..12].to_vec();
+    old.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    old.extend_from_slice(&json);
+    old.extend_from_slice(&xxh3_64(&json).to_le_bytes());
+    old.extend_from_slice(&b[16 + hlen + 8..b.len() - 8]);
+    let sum = xxh3_64(&old);
+    old.extend_from_slice(&sum.to_le_bytes());
+    std::fs::write(&file, old).unwrap();
+    let (mut s, notes) = e.load_session(&file).unwrap();
+    let saved = notes.sampler.unwrap();
+    assert_eq!(saved.params, params(true), "top_k and min_p at their defaults");
+    for &t in &notes.unfed {
+        s.step(t).unwrap();
+    }
+    let rest = generate(&mut s, &mut saved.sampler(), 10, false);
+    let got: Vec<u32> = first.iter().chain(&rest).copied().collect();
+    assert_eq!(got, want);
 }

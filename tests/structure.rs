@@ -1,8 +1,9 @@
 //! The crate's structure, from its own source: no import cycle among the top-level modules of
 //! `src/`, none among the direct submodules of any of them, and imports run downhill — `cli` ->
-//! `serve` / `bench` -> `engine` -> `sched` / `hub` / `memory` / `demo` / `draft` -> `k3` /
-//! `stats` -> `model` / `store` / `sample` -> `backend` -> `util` — with at most two exceptions
-//! (the bar). A module that is not on a floor yet fails the test until it is given one.
+//! `serve` -> `service` / `bench` -> `engine` -> `sched` / `hub` / `memory` / `demo` / `draft` /
+//! `api` -> `k3` / `stats` / `constrain` -> `model` / `store` / `sample` -> `backend` -> `util` —
+//! with no exception. A module that is not on a floor yet fails the test until it is given one.
+//! The HTTP server is a front end of its own: no other CLI file than `cli/serve.rs` imports it.
 //!
 //! Imports are the `crate::` and `super::` paths of each file (use declarations, grouped `{..}`
 //! imports and paths in code), comments and string literals left out; a file's test module
@@ -10,8 +11,9 @@
 //!
 //! Files at their seams: no source file over [`MAX_FILE_LINES`] lines, no CLI file over
 //! [`MAX_CLI_FILE_LINES`] (argument parsing and printing; the work is in the library). Front ends
-//! (the CLI's subcommands and the server) reach the model only through `Engine` / `Session`: they
-//! import nothing of `k3`, `backend` or `sched`, and touch none of the engine's parts.
+//! (the CLI's subcommands, the server, the generation service they share and the protocol it
+//! speaks) reach the model only through `Engine` / `Session`: they import nothing of `k3`,
+//! `backend` or `sched`, and touch none of the engine's parts.
 //!
 //! One step core: a forward runs in one place (`Engine::forward_rows`, engine/step.rs), a token is
 //! picked and rows are kept in one place (engine/lane.rs), and drafting has one trait
@@ -26,14 +28,23 @@ const FLOORS: &[&[&str]] = &[
     &["backend"],
     &["model", "store", "sample"],
     &["k3", "stats", "constrain"],
-    &["sched", "hub", "memory", "demo", "draft"],
+    &["sched", "hub", "memory", "demo", "draft", "api"],
     &["engine"],
-    &["serve", "bench"],
+    &["service", "bench"],
+    &["serve"],
     &["cli"],
 ];
 
 /// At most this many (importing module, imported module) pairs may run up the floors.
-const MAX_UPHILL: usize = 2;
+const MAX_UPHILL: usize = 0;
+
+/// The only CLI file that may import the HTTP server (`crate::serve`); the other commands use the
+/// generation service (`crate::service`) and the protocol (`crate::api`).
+const SERVER_FRONT_END: &str = "cli/serve.rs";
+
+/// Directories whose files are front ends (or what front ends share) for
+/// [`front_ends_reach_the_model_only_through_the_engine`].
+const FRONT_END_DIRS: &[&str] = &["cli/", "serve/", "service/", "api/"];
 
 /// No source file under `src/` is longer (lines).
 const MAX_FILE_LINES: usize = 650;
@@ -452,7 +463,9 @@ fn no_import_cycle_among_the_submodules_of_a_module() {
 }
 
 #[test]
-fn imports_run_downhill_with_at_most_two_exceptions() {
+// The bar is 0 today; it stays a number so that a move in progress may name its exceptions.
+#[allow(clippy::absurd_extreme_comparisons)]
+fn imports_run_downhill() {
     let top = top_level(&graph());
     let floor = |m: &str| FLOORS.iter().position(|f| f.contains(&m));
     let unplaced: Vec<&String> = top.keys().filter(|m| floor(m).is_none()).collect();
@@ -537,7 +550,7 @@ fn front_ends_reach_the_model_only_through_the_engine() {
     let g = graph();
     let mut found = Vec::new();
     for (rel, text) in sources() {
-        let front_end = rel.starts_with("cli/") || rel.starts_with("serve/");
+        let front_end = FRONT_END_DIRS.iter().any(|d| rel.starts_with(d));
         if !front_end || FILE_TOOLS.contains(&rel.as_str()) {
             continue;
         }
@@ -555,6 +568,24 @@ fn front_ends_reach_the_model_only_through_the_engine() {
         }
     }
     assert!(found.is_empty(), "front ends reaching past the engine:\n{}", found.join("\n"));
+}
+
+#[test]
+fn only_the_serve_command_imports_the_http_server() {
+    let g = graph();
+    let mut found = Vec::new();
+    for (rel, _) in sources() {
+        if !rel.starts_with("cli/") || rel == SERVER_FRONT_END {
+            continue;
+        }
+        let m = module_of(Path::new(&rel));
+        for to in g.edges.get(&m).into_iter().flatten() {
+            if to.first().is_some_and(|t| t == "serve") {
+                found.push(format!("{rel} imports {} (use crate::service or crate::api)", to.join("::")));
+            }
+        }
+    }
+    assert!(found.is_empty(), "CLI files importing the HTTP server:\n{}", found.join("\n"));
 }
 
 #[test]

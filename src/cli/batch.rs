@@ -14,7 +14,7 @@
 //! input, a device or FIFO, or a file that is not a batch output. Progress (done, rate, ETA) goes
 //! to stderr.
 //!
-//! `--parallel N` runs up to N requests as a running batch (`serve::records::run_lanes`, the
+//! `--parallel N` runs up to N requests as a running batch (`service::batch::run_lanes`, the
 //! engine's lane driver): each step reads each layer's experts once for all of them; when one
 //! finishes its result is written and the next request joins at the next step, its prompt's
 //! rows in the same forward as the running ones' decode rows (and, with `--draft`, their verify
@@ -22,21 +22,25 @@
 //! loses only the running requests (a rerun redoes them). A request whose sequence state cannot
 //! fit the memory budget even alone stops the batch with a message naming the budget. Without
 //! `--context`, each sequence's context is what the input's longest request needs
-//! (`serve::records::longest_request`), so the rest of the budget goes to the expert cache.
+//! (`service::batch::longest_request`), so the rest of the budget goes to the expert cache.
 
 use super::batch_io::{self, Results, is_std, line_list};
 use super::load;
 use super::progress::{self, Progress};
+use super::sampling_args::{BatchWords, SamplingArgs};
+use crate::api::{ApiError, ParseContext};
 use crate::draft::DraftKind;
-use crate::serve::api::{self, ApiError, ParseContext};
-use crate::serve::generator::{GenConfig, GenError, Generator, Totals, template_takes_tools};
-use crate::serve::records::{Line, Waiting, error_record, input_lines, longest_request, result_record, run_lanes};
+use crate::engine::EngineConfig;
+use crate::service::batch::{
+    Line, Step, error_record, input_lines, longest_request, result_record, run_lanes, walk_line,
+};
+use crate::service::generator::{GenConfig, GenError, Generator, Totals, template_takes_tools};
 use crate::stats::Stats;
 use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::Value;
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Args)]
@@ -60,19 +64,8 @@ pub struct BatchArgs {
     /// Draft tokens for K3 to verify in batches (output is identical; only speed changes).
     #[arg(long, value_enum, default_value_t = DraftKind::Off)]
     pub draft: DraftKind,
-    /// Temperature of lines that set none (default 0: greedy; with --demo, the demo's
-    /// generation_config.json).
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_temperature)]
-    pub temperature: Option<f64>,
-    /// top_p of lines that set none (default 1; with --demo, the demo's generation_config.json).
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p)]
-    pub top_p: Option<f64>,
-    /// top_k of lines that set none (default 0: off; with --demo, the demo's generation_config.json).
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// min_p of lines that set none (default 0: off; with --demo, the demo's generation_config.json).
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_min_p)]
-    pub min_p: Option<f64>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs<BatchWords>,
     /// Do not reuse sessions: neither the previous request's when a prompt extends it, nor a
     /// prompt prefix that the requests share (by default prefilled once and forked for each).
     #[arg(long)]
@@ -98,8 +91,7 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     batch_io::check_paths(&a.input, &a.output)?;
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
-    let flags = load::SamplingFlags { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, min_p: a.min_p };
-    let sampling = load::sampling(&dir, a.demo, flags)?;
+    let sampling = a.sampling.spec(&dir, a.demo)?;
     let input = batch_io::read_input(&a.input)?;
     let lines = input_lines(&input);
     let (file, done) = match is_std(&a.output) {
@@ -121,7 +113,8 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     let mut config = a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0);
     config.sequences = a.parallel as usize;
     let model_id = dir.file_name().map_or("deltafin".into(), |n| n.to_string_lossy().into_owned());
-    let ctx = ParseContext { model_id: &model_id, template_takes_tools: template_takes_tools(&dir), sampling };
+    let takes_tools = template_takes_tools(&dir);
+    let ctx = ParseContext { model_id: &model_id, template_takes_tools: takes_tools, sampling, max_tokens: None };
     if config.context.is_none()
         && let Some(longest) =
             longest_request(&dir, &lines.iter().filter_map(|l| l.1.ok()).collect::<Vec<_>>(), &ctx, a.max_tokens)
@@ -129,25 +122,97 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
         config.context = load::run_context(&dir, None, longest);
     }
     // The prompt prefix the requests still to run share: prefilled once, its state kept beside them.
-    let mut prefix = match a.no_reuse {
+    let prefix = match a.no_reuse {
         true => Vec::new(),
         false => {
             let todo: Vec<&str> =
                 lines.iter().filter(|l| !done.lines.contains_key(&l.0)).filter_map(|l| l.1.ok()).collect();
-            crate::serve::prefix::shared_prefix(&dir, &todo, &ctx, &|id| done.ids.contains_key(id))
+            crate::service::prefix::shared_prefix(&dir, &todo, &ctx, &|id| done.ids.contains_key(id))
         }
     };
     config.sequences += usize::from(!prefix.is_empty());
+    let (mut generator, shared, prefix) = open(&a, &dir, config, prefix)?;
+    let todo: Vec<_> = lines.into_iter().filter(|(_, l)| l.is_err() || l.is_ok_and(|l| !l.trim().is_empty())).collect();
+    let t0 = Instant::now();
+    let progress = Progress::new(progress::mode(a.quiet), "batch");
+    let mut out = Results { file, ok: 0, failed: Vec::new(), progress, lines: todo.len() as u64 };
+    let skipped = std::cell::Cell::new(0u64);
+    // Lines an earlier run recorded as failed (skipped now, still failed).
+    let mut failed_before: Vec<u64> = Vec::new();
+    let mut seen: HashSet<String> = HashSet::new();
+    let enc = generator.encoder();
+    let mut todo = todo.into_iter();
+    // The walk over the input: each line's record or checked request, skipping what is done.
+    let mut walk = || -> Option<Line> {
+        loop {
+            let (n, line) = todo.next()?;
+            match walk_line(n, line, &done, &mut seen, &ctx, &enc, a.max_tokens) {
+                Step::Take(l) => return Some(l),
+                Step::Skip(error) => {
+                    skipped.set(skipped.get() + 1);
+                    if error {
+                        failed_before.push(n);
+                    }
+                }
+            }
+        }
+    };
+    let stats = if a.parallel > 1 {
+        let mut write = |r: &Value| {
+            out.write(r)?;
+            out.tick(skipped.get());
+            Ok(())
+        };
+        Some(run_lanes(&mut generator, a.parallel as usize, &mut walk, &mut write)?)
+    } else {
+        while let Some(l) = walk() {
+            out.write(&one(&mut generator, l)).context("cannot write a result")?;
+            out.tick(skipped.get());
+        }
+        None
+    };
+    out.progress.finish();
+    let summary = counters(&generator.totals, stats.as_ref(), shared.as_ref(), prefix);
+    let skipped = skipped.get();
+    let (ok, errors) = (out.ok, out.failed.len());
+    eprintln!(
+        "deltafin: batch: {ok} done, {errors} failed, {skipped} already in the output, in {:.1} s{summary}",
+        t0.elapsed().as_secs_f64(),
+    );
+    let mut failed = out.failed;
+    let earlier = failed_before.len();
+    failed.extend(failed_before);
+    if !failed.is_empty() {
+        let whose =
+            if earlier > 0 { format!(" ({earlier} of them recorded by an earlier run)") } else { String::new() };
+        let at = if is_std(&a.output) { "standard output".to_string() } else { a.output.display().to_string() };
+        anyhow::bail!(
+            "{} of the batch's requests failed{whose}: {} (their error records are in {at})",
+            failed.len(),
+            line_list(&failed)
+        );
+    }
+    Ok(())
+}
+
+/// The engine and its generator, the startup lines, and the shared `prefix` prefilled (its
+/// counters and length; none when its drafter reads K3's hidden rows, or it cannot be prefilled).
+fn open(
+    a: &BatchArgs,
+    dir: &Path,
+    config: EngineConfig,
+    mut prefix: Vec<u32>,
+) -> Result<(Generator, Option<Stats>, usize)> {
     let engine = load::open_engine(config)?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
-    // One that reads K3's hidden rows sees every prompt row: no shared prefix (`serve::prefix`).
+    // One that reads K3's hidden rows sees every prompt row: no shared prefix (`service::prefix`).
     if engine.drafter(a.draft)?.is_some_and(|d| !d.taps().is_empty()) {
         prefix.clear();
     }
     if !a.quiet {
         eprintln!("{}", super::report::startup(&engine, super::report::verbose(false)));
     }
-    if let Some(note) = load::random_weights_note(&dir) {
+    if let Some(note) = load::random_weights_note(dir) {
         eprintln!("{note}");
     }
     let mut generator =
@@ -167,119 +232,21 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
                 .ok()
         }
     };
-    let todo: Vec<_> = lines.into_iter().filter(|(_, l)| l.is_err() || l.is_ok_and(|l| !l.trim().is_empty())).collect();
-    let t0 = Instant::now();
-    let progress = Progress::new(progress::mode(a.quiet), "batch");
-    let mut out = Results { file, ok: 0, failed: Vec::new(), progress, lines: todo.len() as u64 };
-    let skipped = std::cell::Cell::new(0u64);
-    // Lines an earlier run recorded as failed (skipped now, still failed).
-    let mut failed_before: Vec<u64> = Vec::new();
-    let mut skip = |n: u64, error: bool| {
-        skipped.set(skipped.get() + 1);
-        if error {
-            failed_before.push(n);
-        }
-    };
-    let parallel = a.parallel as usize;
-    let mut seen: HashSet<String> = HashSet::new();
-    let enc = generator.encoder();
-    let mut todo = todo.into_iter();
-    // The walk over the input: each line's record or checked request, skipping what is done.
-    let mut walk = || -> Option<Line> {
-        loop {
-            let (n, line) = todo.next()?;
-            let parsed = match line {
-                Ok(l) => serde_json::from_str::<Value>(l).map_err(|e| format!("line {n} is not JSON: {e}")),
-                Err(at) => Err(format!("line {n} is not UTF-8 text (invalid bytes at byte {} of the line)", at + 1)),
-            };
-            let v = match parsed {
-                Err(_) if done.lines.contains_key(&n) => {
-                    skip(n, done.lines[&n]);
-                    continue;
-                }
-                Err(e) => {
-                    let code = if line.is_ok() { "invalid_json" } else { "invalid_utf8" };
-                    let e = ApiError::new(400, "invalid_request_error", code, e);
-                    return Some(Line::Record(error_record(&Value::Null, n, &e)));
-                }
-                Ok(v) => v,
-            };
-            let (id, req) = api::parse_batch_line(&v, &ctx);
-            // Records carry the id as given (a string or a number).
-            let id_val = v.get("id").filter(|_| id.is_some()).cloned().unwrap_or(Value::Null);
-            let record = match (&id, req) {
-                (Some(id), _) if done.ids.contains_key(id) => {
-                    skip(n, done.ids[id]);
-                    continue;
-                }
-                (None, _) if done.lines.contains_key(&n) => {
-                    skip(n, done.lines[&n]);
-                    continue;
-                }
-                (_, Err(e)) => error_record(&id_val, n, &e),
-                (Some(id), Ok(_)) if !seen.insert(id.clone()) => {
-                    error_record(&id_val, n, &ApiError::invalid("id", format!("id {id} appears twice in the input")))
-                }
-                (Some(_), Ok(mut req)) => {
-                    req.max_tokens = req.max_tokens.or(Some(a.max_tokens));
-                    match enc.prepare(&req) {
-                        Ok(p) => return Some(Line::Job(Box::new(Waiting { id: id_val, line: n, req, prepared: p }))),
-                        Err(e) => error_record(&id_val, n, &e),
-                    }
-                }
-                (None, Ok(_)) => error_record(&Value::Null, n, &ApiError::invalid("id", "the line has no id")),
-            };
-            return Some(Line::Record(record));
-        }
-    };
-    let stats = if parallel > 1 {
-        let mut write = |r: &Value| {
-            out.write(r)?;
-            out.tick(skipped.get());
-            Ok(())
-        };
-        Some(run_lanes(&mut generator, parallel, &mut walk, &mut write)?)
-    } else {
-        while let Some(l) = walk() {
-            let record = match l {
-                Line::Record(r) => r,
-                Line::Job(w) => match generator.generate_prepared(&w.req, w.prepared, 0.0, &mut |_| true) {
-                    Ok(o) => result_record(&w.id, w.line, &o, w.req.logprobs.is_some(), &|t| generator.token_text(t)),
-                    Err(GenError::Request(e)) => error_record(&w.id, w.line, &e),
-                    Err(e) => error_record(
-                        &w.id,
-                        w.line,
-                        &ApiError::new(500, "server_error", "generation_failed", e.to_string()),
-                    ),
-                },
-            };
-            out.write(&record).context("cannot write a result")?;
-            out.tick(skipped.get());
-        }
-        None
-    };
-    out.progress.finish();
-    let skipped = skipped.get();
-    let (ok, errors) = (out.ok, out.failed.len());
-    eprintln!(
-        "deltafin: batch: {ok} done, {errors} failed, {skipped} already in the output, in {:.1} s{}",
-        t0.elapsed().as_secs_f64(),
-        counters(&generator.totals, stats.as_ref(), shared.as_ref(), prefix.len())
-    );
-    let mut failed = out.failed;
-    let earlier = failed_before.len();
-    failed.extend(failed_before);
-    if !failed.is_empty() {
-        let whose =
-            if earlier > 0 { format!(" ({earlier} of them recorded by an earlier run)") } else { String::new() };
-        let at = if is_std(&a.output) { "standard output".to_string() } else { a.output.display().to_string() };
-        anyhow::bail!(
-            "{} of the batch's requests failed{whose}: {} (their error records are in {at})",
-            failed.len(),
-            line_list(&failed)
-        );
+    Ok((generator, shared, prefix.len()))
+}
+
+/// A line's record, its request run alone.
+fn one(generator: &mut Generator, l: Line) -> Value {
+    match l {
+        Line::Record(r) => r,
+        Line::Job(w) => match generator.generate_prepared(&w.req, w.prepared, 0.0, &mut |_| true) {
+            Ok(o) => result_record(&w.id, w.line, &o, w.req.logprobs.is_some(), &|t| generator.token_text(t)),
+            Err(GenError::Request(e)) => error_record(&w.id, w.line, &e),
+            Err(e) => {
+                error_record(&w.id, w.line, &ApiError::new(500, "server_error", "generation_failed", e.to_string()))
+            }
+        },
     }
-    Ok(())
 }
 
 /// The summary's counters: prompt rows prefilled, routed expert bytes asked for and read (a

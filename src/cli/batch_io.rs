@@ -4,12 +4,12 @@
 //! Contract: `--out` is a regular file (or `-`, standard output), never the input itself (same
 //! file by any path, link or hard link, also when the input is standard input or the output is
 //! redirected into the input), and, when it exists, a batch output already: every line a record
-//! (`serve::records::read_output`). Anything else is refused before the model is opened, the
+//! (`service::batch::read_output`). Anything else is refused before the model is opened, the
 //! file untouched: a FIFO or device would block or never end when read back to resume, and a
 //! file of someone else's would be appended to and its last line cut. `--in` is a file, a pipe
 //! or `-`; a device (`/dev/zero`, a terminal) is refused. Each result is one write, synced.
 
-use crate::serve::records::{Done, read_output};
+use crate::service::batch::{Done, read_output};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use std::io::{Read, Seek, Write};

@@ -1,5 +1,5 @@
 //! `deltafin chat`: a conversation in the terminal (like `llama-cli -cnv` or `ollama run`) over
-//! `serve::conversation`: each turn resumes the session the previous one left, so it prefills only
+//! `service::chat`: each turn resumes the session the previous one left, so it prefills only
 //! its own tokens. Answers stream to stdout, the reasoning dimmed on stderr (`--hide-reasoning`:
 //! not shown). On a terminal the prompt has line editing and history; Ctrl-C stops the answer
 //! being written, and at the prompt a second Ctrl-C or Ctrl-D leaves. When standard input is not
@@ -7,10 +7,13 @@
 //! ends with a newline, and Ctrl-C ends the run (exit 130), so the command scripts.
 
 use super::load;
+use super::sampling_args::{ChatWords, SamplingArgs};
+use crate::api::Delta;
 use crate::draft::DraftKind;
 use crate::model::chat::Thinking;
-use crate::serve::conversation::{self, ChatSettings, Command, Conversation};
-use crate::serve::generator::{Delta, GenConfig, GenError};
+use crate::sample::SamplingSpec;
+use crate::service::chat::{self as conversation, ChatSettings, Command, Conversation};
+use crate::service::generator::{GenConfig, GenError};
 use anyhow::Result;
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};
@@ -35,18 +38,8 @@ pub struct ChatArgs {
     /// Tokens an answer may take (0: up to the context bound; /max changes it).
     #[arg(long, default_value_t = 2048)]
     pub max_tokens: usize,
-    /// Sampling temperature (0: greedy; default 0, or with --demo the demo's; /temp changes it).
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_temperature)]
-    pub temperature: Option<f64>,
-    /// Nucleus sampling mass (default 1, or with --demo the demo's).
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p)]
-    pub top_p: Option<f64>,
-    /// Keep only the K most likely tokens when sampling (default 0: off, or the demo's).
-    #[arg(long, value_name = "K")]
-    pub top_k: Option<usize>,
-    /// Keep only tokens at least P times as likely as the most likely (default 0: off, or the demo's).
-    #[arg(long, value_name = "P", allow_negative_numbers = true, value_parser = super::parse_min_p)]
-    pub min_p: Option<f64>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs<ChatWords>,
     /// Seed: turn n samples with SEED + n, so a scripted chat replays exactly (default: fresh seeds).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -186,9 +179,7 @@ pub fn run(mut a: ChatArgs) -> Result<()> {
     unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
-    let flags = load::SamplingFlags { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, min_p: a.min_p };
-    let mut sampling = load::sampling(&dir, a.demo, flags)?;
-    sampling.max_tokens = (a.max_tokens > 0).then_some(a.max_tokens);
+    let sampling = SamplingSpec { seed: a.seed, ..a.sampling.spec(&dir, a.demo)? };
     // Verify batches need k + 1 rows; prompts are chunked at --prefill-rows.
     let rows = a.engine.prefill_rows.max(8);
     let engine = load::open_engine(a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0))?;
@@ -205,7 +196,8 @@ pub fn run(mut a: ChatArgs) -> Result<()> {
         .unwrap_or(dir.clone())
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-    let settings = ChatSettings { sampling, seed: a.seed, thinking: a.thinking };
+    let max_tokens = (a.max_tokens > 0).then_some(a.max_tokens);
+    let settings = ChatSettings { sampling, max_tokens, thinking: a.thinking };
     let mut chat = Conversation::new(engine, GenConfig { draft: a.draft, ..GenConfig::default() }, settings)?;
     chat.set_system(a.system.clone());
     chat.check().map_err(|e| anyhow::anyhow!("{} cannot chat: {}", dir.display(), e.message))?;

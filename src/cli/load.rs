@@ -1,15 +1,13 @@
 //! Opening a model for subcommands (an engine, or just its files), with the CLI's error context
 //! (a path that is not a model directory is named as what it is: missing, a file, a directory
 //! without config.json), a spinner while it loads, the built-in demo model and what `--demo`
-//! changes (its drafter, its sampling defaults).
+//! changes (its drafter; its sampling defaults are `sampling_args`').
 
 use super::engine::EngineArgs;
 use super::progress::{self, Progress};
 use crate::draft::DraftKind;
 use crate::engine::{Engine, EngineConfig};
-use crate::model::generation::GenerationDefaults;
 use crate::model::{Checkpoint, K3Config, Roster};
-use crate::serve::api::SamplingDefaults;
 use anyhow::{Context, Result, bail};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -127,53 +125,6 @@ pub fn demo_draft(demo: bool, draft: DraftKind, engine: &mut EngineArgs) -> Resu
             .with_context(|| format!("cannot lay out the demo's drafter in {}", cache.display()))?;
     }
     Ok(())
-}
-
-/// The sampling flags of `run`, `serve` and `batch` (None: not given).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SamplingFlags {
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    pub top_k: Option<usize>,
-    pub min_p: Option<f64>,
-}
-
-/// Sampling defaults: each of `--temperature` / `--top-p` / `--top-k` / `--min-p` when given;
-/// else, with `--demo`, the demo's `generation_config.json`; else greedy (temperature 0, top-p 1,
-/// top-k and min-p off). Checked like a request's. No `max_tokens` default.
-pub fn sampling(dir: &Path, demo: bool, f: SamplingFlags) -> Result<SamplingDefaults> {
-    let g = if demo { GenerationDefaults::load(dir)?.unwrap_or_default() } else { GenerationDefaults::default() };
-    let s = SamplingDefaults {
-        temperature: f.temperature.or(g.temperature).unwrap_or(0.0),
-        top_p: f.top_p.or(g.top_p).unwrap_or(1.0),
-        top_k: f.top_k.or(g.top_k).unwrap_or(0),
-        min_p: f.min_p.or(g.min_p).unwrap_or(0.0),
-        max_tokens: None,
-    };
-    params(&s, 0)?;
-    Ok(s)
-}
-
-/// The sampler's parameters of `s` with `seed`.
-pub fn params(s: &SamplingDefaults, seed: u64) -> Result<crate::sample::SamplingParams> {
-    crate::sample::SamplingParams::new(s.temperature, s.top_p, seed)
-        .and_then(|p| p.with_filters(s.top_k, s.min_p))
-        .map_err(|e| anyhow::anyhow!("{e}"))
-}
-
-/// The "sampling: ..." startup line (`each`: one line for several prompts), None when greedy.
-pub fn sampling_line(s: &crate::sample::SamplingParams, each: bool) -> Option<String> {
-    (!s.is_greedy()).then(|| {
-        let each = if each { " (each prompt)" } else { "" };
-        let mut filters = String::new();
-        if s.top_k > 0 {
-            filters.push_str(&format!(" top-k {}", s.top_k));
-        }
-        if s.min_p > 0.0 {
-            filters.push_str(&format!(" min-p {}", s.min_p));
-        }
-        format!("deltafin: sampling: temperature {} top-p {}{filters} seed {}{each}", s.temperature, s.top_p, s.seed)
-    })
 }
 
 /// The "RANDOM weights" note for a model `synth` wrote (its config.json says so), whatever the

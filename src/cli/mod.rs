@@ -24,6 +24,7 @@ mod report;
 mod run;
 mod run_args;
 mod run_many;
+mod sampling_args;
 mod score;
 mod serve;
 mod session;

@@ -14,82 +14,17 @@ pub use super::run_args::{Format, RunArgs};
 use super::session::{self, SessionFile};
 use super::signals::{self, is_broken_pipe};
 use super::{load, progress};
-use crate::draft::{DraftKind, WidthPolicy};
-use crate::engine::GenerateOptions;
-use crate::model::chat::{ChatOptions, ChatTemplate};
+use crate::draft::{DraftKind, Speculator, WidthPolicy};
+use crate::engine::{Engine, GenerateOptions};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
-use crate::sample::Sampler;
-use crate::serve::answer::Answer;
+use crate::sample::{Sampler, SamplingSpec};
+use crate::service::answer::Answer;
+use crate::stats::Stats;
 use anyhow::{Context, Result, bail};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
-
-fn read_text(arg: &str, from_file: bool) -> Result<String> {
-    if arg == "-" {
-        let mut s = String::new();
-        std::io::stdin().read_to_string(&mut s).context("cannot read the prompt from standard input")?;
-        return Ok(s);
-    }
-    if from_file {
-        return std::fs::read_to_string(arg).with_context(|| format!("cannot read the prompt file {arg}"));
-    }
-    Ok(arg.to_string())
-}
-
-/// The prompts' texts, in order.
-fn prompt_texts(a: &RunArgs) -> Result<Vec<String>> {
-    if let Some(f) = &a.prompt_lines {
-        let all = read_text(&f.to_string_lossy(), true)?;
-        let lines: Vec<String> = all.lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect();
-        if lines.is_empty() {
-            bail!("--prompt-lines {}: no prompt in it (one prompt a line)", f.display());
-        }
-        return Ok(lines);
-    }
-    if !a.prompt.is_empty() {
-        return a.prompt.iter().map(|p| read_text(p, false)).collect();
-    }
-    a.prompt_file.iter().map(|f| read_text(&f.to_string_lossy(), true)).collect()
-}
-
-fn no_input(a: &RunArgs) -> bool {
-    a.prompt.is_empty() && a.prompt_file.is_empty() && a.prompt_lines.is_none() && a.prompt_ids.is_none()
-}
-
-/// Prompt ids from the arguments (and the tokenizer / chat template when text is given), one
-/// list per prompt.
-fn prompt_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>) -> Result<Vec<Vec<u32>>> {
-    if let Some(ids) = &a.prompt_ids {
-        if a.chat {
-            bail!("--chat needs a text prompt (--prompt or --prompt-file), not --prompt-ids");
-        }
-        return Ok(vec![ids.0.clone()]);
-    }
-    prompt_texts(a)?.iter().map(|t| text_ids(a, dir, tok, t)).collect()
-}
-
-/// One text prompt's ids.
-fn text_ids(a: &RunArgs, dir: &Path, tok: Option<&Tokenizer>, text: &str) -> Result<Vec<u32>> {
-    let tok = tok.context("text prompts need a tokenizer")?;
-    let ids = if a.chat {
-        let chat = ChatTemplate::load(dir, tok).context("cannot load the chat template")?;
-        let mut messages = Vec::new();
-        if let Some(s) = &a.system {
-            messages.push(serde_json::json!({"role": "system", "content": s}));
-        }
-        messages.push(serde_json::json!({"role": "user", "content": text}));
-        let opts = ChatOptions { thinking: a.thinking(dir)?, ..ChatOptions::default() };
-        chat.encode(tok, &serde_json::Value::Array(messages), &opts)?
-    } else {
-        tok.encode(text)
-    };
-    if ids.is_empty() {
-        bail!("the prompt is empty");
-    }
-    Ok(ids)
-}
 
 pub fn run(mut a: RunArgs) -> Result<()> {
     super::check_outputs([("--stats-json", a.stats_json.as_deref()), ("--trace-routes", a.trace_routes.as_deref())])?;
@@ -97,28 +32,43 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     progress::set_quiet(a.quiet);
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
-    let needs_tok = (a.prompt_ids.is_none() && !(a.session.is_some() && no_input(&a))) || a.chat;
+    let needs_tok = (a.prompt_ids.is_none() && !(a.session.is_some() && a.no_input())) || a.chat;
     let tok = if needs_tok || dir.join("tiktoken.model").exists() {
         Some(crate::engine::load_tokenizer(&dir)?)
     } else {
         None
     };
     let seed = a.seed.unwrap_or_else(crate::util::fresh_seed);
-    let flags = load::SamplingFlags { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, min_p: a.min_p };
-    let sampling = load::params(&load::sampling(&dir, a.demo, flags)?, seed)?;
+    let sampling = SamplingSpec { seed: Some(seed), ..a.sampling.spec(&dir, a.demo)? };
     let mut saved = a.session.as_deref().map(SessionFile::peek).transpose()?;
     let mut prompts = match &mut saved {
-        Some(f) => vec![session::continuation(&a, &dir, tok.as_ref(), &prompt_texts(&a)?, f)?],
-        None if no_input(&a) => super::help::usage_error(
+        Some(f) => vec![session::continuation(&a, &dir, tok.as_ref(), &a.prompt_texts()?, f)?],
+        None if a.no_input() => super::help::usage_error(
             "give a prompt: --prompt, --prompt-file, --prompt-lines or --prompt-ids (or --session FILE to resume)",
         ),
-        None => prompt_ids(&a, &dir, tok.as_ref())?,
+        None => a.prompt_ids(&dir, tok.as_ref())?,
     };
     if prompts.len() > 1 {
         return super::run_many::run_many(&a, dir, tok, prompts, sampling);
     }
     let prompt = prompts.pop().context("no prompt given")?;
     let tok = tok.map(Arc::new);
+    let held = saved.as_ref().map_or(0, |f| f.tokens);
+    let (engine, spec) = open(&a, &dir, &prompt, held, tok.as_deref(), &sampling)?;
+    let done = generate(&a, &dir, &engine, spec, tok.as_ref(), &prompt, saved.as_mut(), sampling)?;
+    finish(&a, &engine, &prompt, tok.is_some(), sampling, done)
+}
+
+/// The engine for one prompt (its context what the prompt, the `held` tokens of a saved session
+/// and `--max-new` need) and its drafter, checked against the prompt; the startup lines.
+fn open(
+    a: &RunArgs,
+    dir: &Path,
+    prompt: &[u32],
+    held: usize,
+    tok: Option<&Tokenizer>,
+    sampling: &SamplingSpec,
+) -> Result<(Arc<Engine>, Option<Speculator>)> {
     if a.draft == DraftKind::Dspark && a.engine.draft_model.is_none() {
         bail!(
             "--draft dspark needs --draft-model DIR (a DSpark checkpoint; `deltafin synth --dspark` writes a random one)"
@@ -126,12 +76,11 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     }
     // A verify batch holds the pending token and up to `max` drafts.
     let rows = prompt.len().max(if a.draft == DraftKind::Off { 1 } else { WidthPolicy::default().max + 1 });
-    let mut config = a.engine.config(dir.clone(), a.kda.into(), rows, 0);
-    let held = saved.as_ref().map_or(0, |f| f.tokens);
-    config.context = load::run_context(&dir, config.context, (held + prompt.len()).saturating_add(a.max_new));
+    let mut config = a.engine.config(dir.to_path_buf(), a.kda.into(), rows, 0);
+    config.context = load::run_context(dir, config.context, (held + prompt.len()).saturating_add(a.max_new));
     let engine = load::open_engine(config)?;
-    let mut spec = engine.speculator(a.draft)?;
-    if let Some(t) = &tok {
+    let spec = engine.speculator(a.draft)?;
+    if let Some(t) = tok {
         engine.check_tokenizer(t)?;
     }
     let bound = engine.context_bound();
@@ -153,24 +102,49 @@ pub fn run(mut a: RunArgs) -> Result<()> {
             };
             eprintln!("deltafin: drafting: {} | {memory}", s.describe());
         }
-        if let Some(line) = load::sampling_line(&sampling, false) {
+        if let Some(line) = super::sampling_args::sampling_line(sampling, false) {
             eprintln!("{line}");
         }
     }
-    if let Some(note) = load::random_weights_note(&dir) {
+    if let Some(note) = load::random_weights_note(dir) {
         eprintln!("{note}");
     }
+    Ok((engine, spec))
+}
 
+/// What a generation left: its tokens, text and reasoning (`--chat`), whether the reader closed
+/// the pipe, and its counters.
+struct Done {
+    ids: Vec<u32>,
+    text: String,
+    reasoning: Option<String>,
+    pipe_closed: bool,
+    stats: Stats,
+}
+
+/// Prefills the prompt and generates, streaming the text to stdout (`--format text`); saves the
+/// session (`--session`).
+#[allow(clippy::too_many_arguments)]
+fn generate(
+    a: &RunArgs,
+    dir: &Path,
+    engine: &Arc<Engine>,
+    mut spec: Option<Speculator>,
+    tok: Option<&Arc<Tokenizer>>,
+    prompt: &[u32],
+    saved: Option<&mut SessionFile>,
+    sampling: SamplingSpec,
+) -> Result<Done> {
     // Stop at the chat format's end-of-message token or the config's eos, whichever comes.
-    let stops: Vec<u32> = if a.ignore_eos { Vec::new() } else { engine.stop_tokens(tok.as_deref()) };
+    let stops: Vec<u32> = if a.ignore_eos { Vec::new() } else { engine.stop_tokens(tok.map(|t| &**t)) };
     // A chat answer goes through the template's channels: the answer, the reasoning, no tags.
-    let mut chat = match (&tok, a.chat) {
-        (Some(t), true) => Some(Answer::chat(Arc::clone(t), stops.clone(), a.thinking(&dir)?)),
+    let mut chat = match (tok, a.chat) {
+        (Some(t), true) => Some(Answer::chat(Arc::clone(t), stops.clone(), a.thinking(dir)?)),
         _ => None,
     };
     let mut printer = super::chat::Printer::new(!a.hide_reasoning);
     let mut session = match &saved {
-        Some(f) => f.open(&engine)?,
+        Some(f) => f.open(engine)?,
         None => engine.new_session(),
     };
     let mut out = std::io::stdout().lock();
@@ -181,8 +155,8 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let prefilled = match &mut spec {
         // A resumed session with nothing new generates from its saved logits.
         _ if prompt.is_empty() => Ok(()),
-        Some(sp) => session.prefill_with(&prompt, sp).map(|_| ()),
-        None => session.prefill(&prompt).map(|_| ()),
+        Some(sp) => session.prefill_with(prompt, sp).map(|_| ()),
+        None => session.prefill(prompt).map(|_| ()),
     };
     // Ctrl-C stops the prefill: nothing generated, what was measured still reported.
     if !signals::interrupted() {
@@ -203,7 +177,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
             return shown && !signals::interrupted();
         }
         let stop = stops.contains(&next);
-        let piece = match &tok {
+        let piece = match tok {
             // Reserved (unnamed) specials carry no text.
             Some(t) if !stop && !t.is_reserved(next) => match t.token_bytes(next) {
                 Ok(b) => decoder.push(b),
@@ -226,7 +200,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         // Ctrl-C: this token is the last.
         !signals::interrupted()
     };
-    let mut sampler = saved.as_ref().map_or_else(|| Sampler::new(sampling), |f| f.sampler(&a, sampling));
+    let mut sampler = saved.as_ref().map_or_else(|| Sampler::new(sampling), |f| f.sampler(a, sampling));
     if !signals::interrupted() {
         match &mut spec {
             Some(sp) => session.generate_speculative_sampled(&opts, sp, &mut sampler, &mut on_token),
@@ -249,19 +223,26 @@ pub fn run(mut a: RunArgs) -> Result<()> {
         text = c.content;
         reasoning = Some(c.reasoning);
     }
-    if let Some(f) = &mut saved {
+    if let Some(f) = saved {
         f.save_after(&session, &sampler, &ids, reasoning.as_deref().map(|r| (text.as_str(), r)), a.quiet)?;
     }
     let mut stats = session.stats.clone();
     stats.source = Some(engine.source_report());
-    let interrupted = signals::interrupted();
+    Ok(Done { ids, text, reasoning, pipe_closed, stats })
+}
 
+/// The end of a run: the answer's end (`--format json`: the whole record), the summary, the
+/// counters and the files asked for; a closed pipe ends the process here.
+fn finish(a: &RunArgs, engine: &Engine, prompt: &[u32], has_tok: bool, sampling: SamplingSpec, d: Done) -> Result<()> {
+    let Done { ids, text, reasoning, pipe_closed, stats } = d;
+    let interrupted = signals::interrupted();
+    let mut out = std::io::stdout().lock();
     let written = match (a.format, pipe_closed) {
         (_, true) => Ok(()),
         (Format::Text, false) => writeln!(out).and_then(|_| out.flush()),
         (Format::Json, false) => {
             let mut obj = serde_json::json!({"prompt_ids": prompt, "output_ids": ids, "stats": stats.to_json(), "engine_config": engine.config(), "backend_used": engine.backend_used(), "sampling": sampling});
-            if tok.is_some() {
+            if has_tok {
                 obj["text"] = serde_json::Value::String(text);
             }
             if let Some(r) = reasoning {

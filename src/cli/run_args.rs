@@ -1,12 +1,16 @@
 //! The arguments of `deltafin run` (shared by `run` and `run_many`), under help headings with the
 //! common ones first: model, prompt, generation, output, then the engine's (its tuning knobs only
-//! in `--help`, not `-h`).
+//! in `--help`, not `-h`); and the prompts they give (texts, files, lines, ids, the chat template).
 
 use super::KdaArg;
+use super::sampling_args::{RunWords, SamplingArgs};
 use crate::draft::DraftKind;
-use crate::model::chat::Thinking;
+use crate::model::chat::{ChatOptions, ChatTemplate, Thinking};
+use crate::model::tokenizer::Tokenizer;
+use anyhow::{Context, Result, bail};
 use clap::{ArgGroup, Args, ValueEnum};
-use std::path::PathBuf;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Format {
@@ -68,24 +72,8 @@ pub struct RunArgs {
     /// Maximum number of tokens to generate.
     #[arg(long, default_value_t = 256, help_heading = "Generation")]
     pub max_new: usize,
-    /// Sampling temperature, 0 to 2 (0 is greedy: K3's argmax).
-    ///
-    /// Default 0, or with --demo the demo's generation_config.json.
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_temperature, help_heading = "Generation")]
-    pub temperature: Option<f64>,
-    /// Nucleus sampling: keep the most likely tokens up to this probability mass (0 to 1).
-    ///
-    /// Default 1, or with --demo the demo's generation_config.json.
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p, help_heading = "Generation")]
-    pub top_p: Option<f64>,
-    /// Keep only the K most likely tokens when sampling (default 0: off, or the demo's).
-    #[arg(long, value_name = "K", help_heading = "Generation")]
-    pub top_k: Option<usize>,
-    /// Keep only tokens at least P times as likely as the most likely when sampling (0 to 1).
-    ///
-    /// Default 0: off, or the demo's.
-    #[arg(long, value_name = "P", allow_negative_numbers = true, value_parser = super::parse_min_p, help_heading = "Generation")]
-    pub min_p: Option<f64>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs<RunWords>,
     /// Seed of the sampler (default: a fresh one, printed).
     ///
     /// The same seed gives the same output.
@@ -135,12 +123,82 @@ pub struct RunArgs {
 
 impl RunArgs {
     /// `--thinking`, else the model's default (its generation_config.json, else the template's).
-    pub fn thinking(&self, dir: &std::path::Path) -> anyhow::Result<Thinking> {
+    pub fn thinking(&self, dir: &Path) -> Result<Thinking> {
         Ok(match self.thinking {
             Some(t) => t,
             None => crate::model::generation::default_thinking(dir)?,
         })
     }
+
+    /// No prompt given at all.
+    pub fn no_input(&self) -> bool {
+        self.prompt.is_empty()
+            && self.prompt_file.is_empty()
+            && self.prompt_lines.is_none()
+            && self.prompt_ids.is_none()
+    }
+
+    /// The prompts' texts, in order.
+    pub fn prompt_texts(&self) -> Result<Vec<String>> {
+        if let Some(f) = &self.prompt_lines {
+            let all = read_text(&f.to_string_lossy(), true)?;
+            let lines: Vec<String> = all.lines().filter(|l| !l.trim().is_empty()).map(str::to_string).collect();
+            if lines.is_empty() {
+                bail!("--prompt-lines {}: no prompt in it (one prompt a line)", f.display());
+            }
+            return Ok(lines);
+        }
+        if !self.prompt.is_empty() {
+            return self.prompt.iter().map(|p| read_text(p, false)).collect();
+        }
+        self.prompt_file.iter().map(|f| read_text(&f.to_string_lossy(), true)).collect()
+    }
+
+    /// Prompt ids from the arguments (and the tokenizer / chat template when text is given), one
+    /// list per prompt.
+    pub fn prompt_ids(&self, dir: &Path, tok: Option<&Tokenizer>) -> Result<Vec<Vec<u32>>> {
+        if let Some(ids) = &self.prompt_ids {
+            if self.chat {
+                bail!("--chat needs a text prompt (--prompt or --prompt-file), not --prompt-ids");
+            }
+            return Ok(vec![ids.0.clone()]);
+        }
+        self.prompt_texts()?.iter().map(|t| self.text_ids(dir, tok, t)).collect()
+    }
+
+    /// One text prompt's ids.
+    fn text_ids(&self, dir: &Path, tok: Option<&Tokenizer>, text: &str) -> Result<Vec<u32>> {
+        let tok = tok.context("text prompts need a tokenizer")?;
+        let ids = if self.chat {
+            let chat = ChatTemplate::load(dir, tok).context("cannot load the chat template")?;
+            let mut messages = Vec::new();
+            if let Some(s) = &self.system {
+                messages.push(serde_json::json!({"role": "system", "content": s}));
+            }
+            messages.push(serde_json::json!({"role": "user", "content": text}));
+            let opts = ChatOptions { thinking: self.thinking(dir)?, ..ChatOptions::default() };
+            chat.encode(tok, &serde_json::Value::Array(messages), &opts)?
+        } else {
+            tok.encode(text)
+        };
+        if ids.is_empty() {
+            bail!("the prompt is empty");
+        }
+        Ok(ids)
+    }
+}
+
+/// A prompt argument's text: itself, or (`from_file`) the file it names; "-" reads standard input.
+fn read_text(arg: &str, from_file: bool) -> Result<String> {
+    if arg == "-" {
+        let mut s = String::new();
+        std::io::stdin().read_to_string(&mut s).context("cannot read the prompt from standard input")?;
+        return Ok(s);
+    }
+    if from_file {
+        return std::fs::read_to_string(arg).with_context(|| format!("cannot read the prompt file {arg}"));
+    }
+    Ok(arg.to_string())
 }
 
 /// Token ids given on the command line as "1,2,3".

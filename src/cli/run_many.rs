@@ -18,7 +18,7 @@ use super::run_args::{Format, RunArgs};
 use crate::draft::DraftKind;
 use crate::engine::{Engine, GenerateOptions, Generation, Lane, LaneError, LaneHost};
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
-use crate::sample::{Sampler, SamplingParams};
+use crate::sample::{Sampler, SamplingSpec};
 use anyhow::{Context, Result, bail};
 use std::io::Write;
 use std::path::PathBuf;
@@ -30,7 +30,7 @@ struct Prompts<'a> {
     engine: &'a Arc<Engine>,
     prompts: &'a [Vec<u32>],
     opts: GenerateOptions,
-    sampling: SamplingParams,
+    sampling: SamplingSpec,
     draft: DraftKind,
     next: usize,
     gens: Vec<Option<Generation>>,
@@ -84,7 +84,7 @@ pub(super) fn run_many(
     dir: PathBuf,
     tok: Option<Tokenizer>,
     prompts: Vec<Vec<u32>>,
-    sampling: SamplingParams,
+    sampling: SamplingSpec,
 ) -> Result<()> {
     let parallel = a.parallel.map_or(prompts.len(), |p| p as usize).max(1);
     // Rows in flight: prompt chunks up to --prefill-rows, and a decode step's rows (a verify
@@ -133,7 +133,7 @@ pub(super) fn run_many(
     if !a.quiet {
         eprintln!("{}", super::report::startup(&engine, super::report::verbose(a.verbose)));
         eprintln!("deltafin: {} prompts ({total} tokens), {parallel} at a time", prompts.len());
-        if let Some(line) = load::sampling_line(&sampling, true) {
+        if let Some(line) = super::sampling_args::sampling_line(&sampling, true) {
             eprintln!("{line}");
         }
     }
@@ -194,7 +194,7 @@ fn print_answers(
     stops: &[u32],
     stats: &crate::stats::Stats,
     engine: &Engine,
-    sampling: SamplingParams,
+    sampling: SamplingSpec,
 ) -> Result<()> {
     let mut out = std::io::stdout().lock();
     let n = prompts.len();
@@ -202,7 +202,7 @@ fn print_answers(
         // A chat answer: its response channel, its reasoning apart, no tag (as `run` alone).
         let (text, reasoning) = match (tok, thinking) {
             (Some(t), Some(th)) => {
-                let (c, r) = crate::serve::answer::Answer::chat_text(Arc::clone(t), &g.tokens, stops, th);
+                let (c, r) = crate::service::answer::Answer::chat_text(Arc::clone(t), &g.tokens, stops, th);
                 (Some(c), Some(r))
             }
             _ => (tok.map(|t| answer_text(t, &g.tokens, stops)).transpose()?, None),

@@ -3,9 +3,10 @@
 //! stops it cleanly.
 
 use super::load;
+use super::sampling_args::{SamplingArgs, ServeWords, sampling_line};
 use crate::draft::DraftKind;
 use crate::serve::ServeOptions;
-use crate::serve::generator::GenConfig;
+use crate::service::generator::GenConfig;
 use anyhow::Result;
 use clap::Args;
 use std::path::PathBuf;
@@ -69,19 +70,8 @@ pub struct ServeArgs {
     /// Entries of the exact-response memo for repeated greedy requests (0: off).
     #[arg(long, default_value_t = 64)]
     pub memo: usize,
-    /// Temperature of requests that set none (default 0: greedy; with --demo, the demo's
-    /// generation_config.json).
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_temperature)]
-    pub temperature: Option<f64>,
-    /// top_p of requests that set none (default 1; with --demo, the demo's generation_config.json).
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_top_p)]
-    pub top_p: Option<f64>,
-    /// top_k of requests that set none (default 0: off; with --demo, the demo's generation_config.json).
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// min_p of requests that set none (default 0: off; with --demo, the demo's generation_config.json).
-    #[arg(long, allow_negative_numbers = true, value_parser = super::parse_min_p)]
-    pub min_p: Option<f64>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs<ServeWords>,
     /// Most tokens a chat request that sets no max_tokens gets (fewer when the context has less
     /// room; 0: up to the context bound, as vLLM and llama-server).
     #[arg(long, default_value_t = DEFAULT_MAX_TOKENS)]
@@ -104,9 +94,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     }
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
-    let flags = load::SamplingFlags { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, min_p: a.min_p };
-    let mut sampling = load::sampling(&dir, a.demo, flags)?;
-    sampling.max_tokens = (a.max_tokens_default > 0).then_some(a.max_tokens_default);
+    let sampling = a.sampling.spec(&dir, a.demo)?;
     // Verify batches need k + 1 rows; prompts are chunked at --prefill-rows.
     let rows = a.engine.prefill_rows.max(8);
     let mut config = a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0);
@@ -129,8 +117,8 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     if let Some(note) = load::random_weights_note(&dir) {
         eprintln!("{note}");
     }
-    if let Some(line) = load::sampling_line(&load::params(&sampling, 0)?, false) {
-        let line = line.trim_end_matches(" seed 0").replace("sampling:", "requests that set no sampling use");
+    if let Some(line) = sampling_line(&sampling, false) {
+        let line = line.replace("sampling:", "requests that set no sampling use");
         eprintln!("{line} (a request's own seed, else a fresh one per request)");
     }
     let opts = ServeOptions {
@@ -149,6 +137,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             state_dir: a.state_dir.clone().map(|d| (d, (a.state_dir_gb * 1e9) as u64)),
         },
         sampling,
+        max_tokens: (a.max_tokens_default > 0).then_some(a.max_tokens_default),
         access_log: !a.quiet,
     };
     if opts.api_key.is_none() && !crate::serve::access::is_loopback(&a.host) {

@@ -10,7 +10,7 @@ use super::run_args::RunArgs;
 use crate::engine::{Engine, SamplerPosition, Session, SessionNotes};
 use crate::model::chat::{ChatOptions, ChatTemplate};
 use crate::model::tokenizer::Tokenizer;
-use crate::sample::{Sampler, SamplingParams};
+use crate::sample::{Sampler, SamplingSpec};
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -115,8 +115,8 @@ impl SessionFile {
     }
 
     /// The saved sampler, unless the flags choose anew.
-    pub fn sampler(&self, a: &RunArgs, fresh: SamplingParams) -> Sampler {
-        match (&self.notes.sampler, a.temperature, a.seed) {
+    pub fn sampler(&self, a: &RunArgs, fresh: SamplingSpec) -> Sampler {
+        match (&self.notes.sampler, a.sampling.temperature, a.seed) {
             (Some(p), None, None) => p.sampler(),
             _ => Sampler::new(fresh),
         }

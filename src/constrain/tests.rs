@@ -1,6 +1,6 @@
 use super::*;
 use crate::model::tool_calls::{Piece, ToolCallParser, ToolEvent};
-use crate::sample::{Sampler, SamplingParams, splitmix64};
+use crate::sample::{Sampler, SamplingSpec, splitmix64};
 use serde_json::{Value, json};
 
 fn demo_tokenizer() -> Tokenizer {
@@ -16,7 +16,7 @@ fn grammars(tok: &Tokenizer) -> (Grammars, Vec<u32>) {
 /// Tokens sampled from random logits under `spec` until a stop token (None past `limit`).
 fn sample_under(g: &Grammars, spec: &Spec, stops: &[u32], seed: u64, limit: usize) -> Option<Vec<u32>> {
     let vocab = g.vocab;
-    let mut s = Sampler::new(SamplingParams::new(1.0, 1.0, seed).unwrap());
+    let mut s = Sampler::new(SamplingSpec::new(1.0, 1.0, seed).unwrap());
     s.constrain(g.mask(spec).unwrap());
     let mut rng = seed ^ 0x55;
     let mut out = Vec::new();

@@ -52,7 +52,7 @@ pub fn verdict(p: &[f64], q: &[f64], d: u32, sampler: &mut Sampler) -> Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sample::SamplingParams;
+    use crate::sample::SamplingSpec;
 
     /// Chi-square of `counts` against `probs` (categories with mass only).
     fn chi2(probs: &[f64], counts: &[f64]) -> f64 {
@@ -64,7 +64,7 @@ mod tests {
     fn emitted_tokens_follow_p_for_any_draft_distribution() {
         let p = [0.5, 0.2, 0.2, 0.1, 0.0];
         let q = [0.1, 0.6, 0.1, 0.1, 0.1];
-        let mut s = Sampler::new(SamplingParams::new(1.0, 1.0, 7).unwrap());
+        let mut s = Sampler::new(SamplingSpec::new(1.0, 1.0, 7).unwrap());
         let mut counts = [0.0; 5];
         let mut accepted = 0;
         let n = 40_000;
@@ -92,7 +92,7 @@ mod tests {
     fn a_point_mass_draft_is_accepted_with_probability_p_of_it() {
         let p = [0.3, 0.6, 0.1];
         let q = [0.0, 1.0, 0.0];
-        let mut s = Sampler::new(SamplingParams::new(1.0, 1.0, 9).unwrap());
+        let mut s = Sampler::new(SamplingSpec::new(1.0, 1.0, 9).unwrap());
         let mut counts = [0.0; 3];
         for _ in 0..30_000 {
             let t = match verdict(&p, &q, 1, &mut s) {
@@ -111,7 +111,7 @@ mod tests {
     #[test]
     fn a_draft_the_filters_exclude_is_never_kept() {
         let logits = [1.0f32, 3.0, 2.9, 2.8, 0.5];
-        let params = SamplingParams::new(1.0, 1.0, 5).unwrap().with_filters(2, 0.0).unwrap();
+        let params = SamplingSpec::new(1.0, 1.0, 5).unwrap().with_filters(2, 0.0).unwrap();
         let p = crate::sample::probabilities(&logits, &params);
         let mut s = Sampler::new(params);
         for d in [0u32, 3, 4] {

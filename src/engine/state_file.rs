@@ -26,7 +26,7 @@ use crate::k3::kda::KdaState;
 use crate::k3::mla::MlaState;
 use crate::k3::state::{LayerState, SeqState};
 use crate::model::config::AttnKind;
-use crate::sample::{Sampler, SamplingParams};
+use crate::sample::{Sampler, SamplingSpec};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -80,7 +80,7 @@ pub struct SessionNotes {
 /// A sampler's parameters and generator state ([`Sampler::position`]).
 #[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 pub struct SamplerPosition {
-    pub params: SamplingParams,
+    pub params: SamplingSpec,
     pub rng: u64,
     pub picks: u64,
 }

@@ -13,19 +13,17 @@
 
 use super::ModelError;
 use super::chat::Thinking;
+use crate::sample::SamplingDefaults;
 use std::path::Path;
 
 /// The file's name in a model directory.
 pub const FILE: &str = "generation_config.json";
 
-/// Sampling defaults a model suggests (None: the file does not say).
+/// The defaults a model suggests (None: the file does not say).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GenerationDefaults {
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    /// 0: off (as HF's and vLLM's `top_k: 0`).
-    pub top_k: Option<usize>,
-    pub min_p: Option<f64>,
+    /// Its sampling.
+    pub sampling: SamplingDefaults,
     /// The chat template's thinking when a request does not say (None: the template's default).
     pub thinking: Option<Thinking>,
 }
@@ -81,7 +79,7 @@ impl GenerationDefaults {
                 f => bad(&format!("chat_template_kwargs.{f}"), msg),
             })?,
         };
-        Ok(GenerationDefaults { temperature, top_p, top_k, min_p, thinking })
+        Ok(GenerationDefaults { sampling: SamplingDefaults { temperature, top_p, top_k, min_p }, thinking })
     }
 }
 
@@ -134,9 +132,10 @@ mod tests {
     #[test]
     fn reads_hf_fields_and_names_bad_ones() {
         let g = parse(r#"{"temperature": 0.7, "top_p": 0.9, "bos_token_id": 1}"#).unwrap();
-        assert_eq!(g, GenerationDefaults { temperature: Some(0.7), top_p: Some(0.9), ..Default::default() });
+        let sampling = SamplingDefaults { temperature: Some(0.7), top_p: Some(0.9), ..Default::default() };
+        assert_eq!(g, GenerationDefaults { sampling, ..Default::default() });
         let g = parse(r#"{"top_k": 40, "min_p": 0.05, "chat_template_kwargs": {"thinking": false}}"#).unwrap();
-        assert_eq!((g.top_k, g.min_p, g.thinking), (Some(40), Some(0.05), Some(Thinking::Off)));
+        assert_eq!((g.sampling.top_k, g.sampling.min_p, g.thinking), (Some(40), Some(0.05), Some(Thinking::Off)));
         for (kw, want) in [
             (r#"{"thinking": true}"#, Some(Thinking::Max)),
             (r#"{"thinking_effort": "low"}"#, Some(Thinking::Low)),
@@ -148,7 +147,7 @@ mod tests {
         }
         assert_eq!(parse("{}").unwrap(), GenerationDefaults::default());
         let g = parse(r#"{"temperature": 0.7, "do_sample": false}"#).unwrap();
-        assert_eq!(g.temperature, Some(0.0));
+        assert_eq!(g.sampling.temperature, Some(0.0));
         for (t, field) in [
             (r#"{"temperature": -1}"#, "temperature"),
             (r#"{"temperature": "hot"}"#, "temperature"),

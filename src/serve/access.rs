@@ -10,7 +10,7 @@
 //! stream, disconnect). [`is_loopback`] tells whether a listening host is reachable only from this
 //! machine.
 
-use super::generator::Output;
+use crate::api::Output;
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Request};
 use axum::middleware::Next;

@@ -21,7 +21,7 @@
 //! that writes its whole body before reading (Python's http.client) reads the 413 instead of a
 //! broken pipe.
 
-use super::api::ApiError;
+use crate::api::ApiError;
 use axum::Router;
 use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::Request;

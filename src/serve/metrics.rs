@@ -4,13 +4,20 @@
 //! only grow. Request counts by endpoint and status, queue depth, 429s, tokens (prompt, reused,
 //! generated), memo hits, cancellations, the TTFT histogram, drafts, and the expert source's
 //! live counters (per-drive bytes, reads and read latency; cache hits and hit rate).
+//!
+//! Requests are counted in one place, [`count`], a layer around the API's routes (outside the
+//! key check): by path and status, every answer of a route marked with [`counted`] (the model's
+//! endpoints) and every request refused for its key; handlers count nothing themselves.
 
-use super::generator::Totals;
+use crate::service::generator::Totals;
 use crate::store::SourceReport;
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::Response;
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// Upper bounds (seconds) of the TTFT histogram's buckets.
 const TTFT_BUCKETS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0, 600.0];
@@ -31,8 +38,30 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// An answer of a route whose every answer [`count`] counts.
+#[derive(Clone, Copy)]
+struct Counted;
+
+/// Marks the answers of the routes it wraps as counted (see the module contract).
+pub async fn counted(req: Request, next: Next) -> Response {
+    let mut r = next.run(req).await;
+    r.extensions_mut().insert(Counted);
+    r
+}
+
+/// Counts a request by its path and its answer's status (see the module contract).
+pub async fn count(State(m): State<Arc<Metrics>>, req: Request, next: Next) -> Response {
+    let path = req.uri().path().to_string();
+    let r = next.run(req).await;
+    let status = r.status().as_u16();
+    if status == 401 || r.extensions().get::<Counted>().is_some() {
+        m.request(&path, status);
+    }
+    r
+}
+
 impl Metrics {
-    pub fn request(&self, endpoint: &str, status: u16) {
+    fn request(&self, endpoint: &str, status: u16) {
         *lock(&self.requests).entry((endpoint.to_string(), status)).or_default() += 1;
     }
 

@@ -1,6 +1,9 @@
-//! `serve --parallel N`: the generation thread runs up to N requests as one running batch.
+//! The generation thread: one request at a time, or with `serve --parallel N` up to N as one
+//! running batch.
 //!
-//! Contract: the worker is a host of the engine's lane driver (`Engine::run_continuous`): between
+//! Contract: alone ([`worker`] with N <= 1), requests run in arrival order, each streaming its
+//! deltas as they come; a panic in one is a 500 for it. With N > 1 the worker is a host of the
+//! engine's lane driver (`Engine::run_continuous`): between
 //! steps it admits waiting requests (up to N running; the HTTP side queues `queue` more and
 //! answers 429 beyond), each becoming a lane on a fresh session (`Generator::start_lane`, with
 //! its own drafter when the server drafts), and every lane advances in one forward per step — a
@@ -10,18 +13,21 @@
 //! on or off: the forward's bits do not depend on the rows beside a row and each request samples
 //! with its own seed. Requests in a running batch start from fresh sessions (no conversation
 //! reuse); the memo still answers a repeated greedy request. `deltafin.batch` in an answer is the
-//! most requests that shared a step with it (its counters: `serve::parallel`). A failed or
-//! panicking step fails every running request (500); the server goes on.
+//! most requests that shared a step with it (its counters: `service::parallel`). A failed or
+//! panicking step fails every running request (500); the server goes on. Either way a request's
+//! place in the queue is freed before its last message goes, and the generator's totals are
+//! published for `/metrics` as each request leaves.
 
-use super::api::ApiError;
-use super::generator::{Delta, GenError, Generator};
 use super::metrics::Metrics;
-use super::parallel::{LaneRequest, Started};
 use super::{Job, Msg};
+use crate::api::{ApiError, Delta};
 use crate::engine::{Lane, LaneError, LaneHost};
+use crate::service::generator::{GenError, Generator};
+use crate::service::parallel::{LaneRequest, Started};
 use serde_json::Value;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
+use std::time::Instant;
 
 /// What the worker shares with the HTTP side.
 pub(super) struct Shared {
@@ -147,9 +153,75 @@ impl Host {
     }
 }
 
-/// The generation thread of `serve --parallel N` (see the module contract).
+/// The generation thread (see the module contract): `parallel` requests at most at once.
 pub(super) fn worker(gen_: Generator, jobs: mpsc::Receiver<Job>, sh: Shared, parallel: usize) {
+    if parallel <= 1 {
+        return one_at_a_time(gen_, jobs, sh);
+    }
     let engine = Arc::clone(gen_.engine());
     let mut host = Host { gen_, jobs, sh };
     engine.run_continuous(parallel, &mut host);
+}
+
+/// One job at a time, in arrival order.
+fn one_at_a_time(mut gen_: Generator, jobs: mpsc::Receiver<Job>, sh: Shared) {
+    let Shared { metrics, stop, last_gen_s } = sh;
+    while let Ok(job) = jobs.recv() {
+        let t0 = Instant::now();
+        if stop.load(Ordering::SeqCst) {
+            let _ = job.tx.send(Msg::Failed(ApiError::new(
+                503,
+                "server_error",
+                "shutting_down",
+                "The server is shutting down.",
+            )));
+        } else if job.tx.is_closed() {
+            // The client left while waiting.
+            gen_.totals.cancelled += 1;
+            if let Ok(mut t) = metrics.totals.lock() {
+                *t = gen_.totals.clone();
+            }
+        } else {
+            let queued = job.arrived.elapsed().as_secs_f64();
+            let tx = &job.tx;
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                gen_.generate_prepared(&job.req, job.prepared.clone(), queued, &mut |d| {
+                    !stop.load(Ordering::SeqCst) && tx.send(Msg::Delta(d.clone())).is_ok()
+                })
+            }));
+            let msg = match run {
+                Ok(Ok(out)) => {
+                    if let Some(t) = out.ext.get("ttft_s").and_then(Value::as_f64) {
+                        metrics.ttft(t);
+                    }
+                    Msg::Done(Box::new(out))
+                }
+                Ok(Err(GenError::Request(e))) => Msg::Failed(e),
+                Ok(Err(e @ GenError::Forward(_))) => {
+                    Msg::Failed(ApiError::new(500, "server_error", "generation_failed", e.to_string()))
+                }
+                Err(_) => {
+                    tracing::error!("a generation panicked; its request gets a 500");
+                    Msg::Failed(ApiError::new(
+                        500,
+                        "server_error",
+                        "internal_error",
+                        "The generation failed unexpectedly.",
+                    ))
+                }
+            };
+            if let Ok(mut t) = metrics.totals.lock() {
+                *t = gen_.totals.clone();
+            }
+            if let Ok(mut s) = last_gen_s.lock() {
+                *s = t0.elapsed().as_secs_f64();
+            }
+            // Free the place first: a client that sends its next request as soon as this answer
+            // arrives must not find the queue still full.
+            metrics.pending.fetch_sub(1, Ordering::SeqCst);
+            let _ = job.tx.send(msg);
+            continue;
+        }
+        metrics.pending.fetch_sub(1, Ordering::SeqCst);
+    }
 }

@@ -12,7 +12,9 @@
 //! Nothing here panics on any input. A body is taken apart, not copied: the server hands its
 //! parsed document over ([`JsonBody`]); how it was parsed within a memory bound is `json`'s.
 
+use super::ApiError;
 use crate::model::chat::Thinking;
+use crate::sample::SamplingSpec;
 use serde_json::{Map, Value};
 pub use tools::{ResponseFormat, ToolChoice, template_vars};
 
@@ -25,50 +27,6 @@ pub const MAX_STOP_BYTES: usize = 1024;
 /// accepted and ignored: platform bookkeeping, and a speed hint (`prediction`).
 pub const IGNORED: [&str; 7] =
     ["store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key", "prediction"];
-
-/// An error response: HTTP status and OpenAI's `{"error": {message, type, param, code}}`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ApiError {
-    pub status: u16,
-    pub message: String,
-    pub kind: &'static str,
-    pub param: Option<String>,
-    pub code: Option<&'static str>,
-}
-
-impl ApiError {
-    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
-        ApiError {
-            status: 400,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: Some(param.into()),
-            code: Some("invalid_value"),
-        }
-    }
-
-    pub fn new(status: u16, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into(), kind, param: None, code: Some(code) }
-    }
-
-    pub fn with_code(mut self, code: &'static str) -> Self {
-        self.code = Some(code);
-        self
-    }
-
-    pub fn body(&self) -> Value {
-        serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match &self.param {
-            Some(p) => write!(f, "{p}: {}", self.message),
-            None => write!(f, "{}", self.message),
-        }
-    }
-}
 
 /// What to generate from.
 #[derive(Clone, Debug, PartialEq)]
@@ -97,16 +55,12 @@ pub struct GenRequest {
     /// `default_max_tokens`); a prompt plus these past the context is an error.
     pub max_tokens: Option<usize>,
     /// Without `max_tokens`: at most this many, fewer when the context has less room (a chat
-    /// request's bounded default, the server's `SamplingDefaults::max_tokens`).
+    /// request's bounded default, [`ParseContext::max_tokens`]).
     pub default_max_tokens: Option<usize>,
     pub stop: Vec<String>,
-    pub temperature: f64,
-    pub top_p: f64,
-    /// Keep only the k most likely tokens (0: off).
-    pub top_k: usize,
-    /// Keep only tokens at least this fraction as likely as the most likely (0: off).
-    pub min_p: f64,
-    pub seed: Option<u64>,
+    /// How its tokens are picked: the request's `temperature`, `top_p`, `top_k`, `min_p` and
+    /// `seed` over the server's defaults (no seed: a fresh one when it runs).
+    pub sampling: SamplingSpec,
     /// Log-probabilities with this many alternatives (None: off).
     pub logprobs: Option<usize>,
     pub stream: bool,
@@ -127,28 +81,12 @@ pub struct ParseContext<'a> {
     pub model_id: &'a str,
     /// The chat template mentions `tools`.
     pub template_takes_tools: bool,
-    /// The sampling of a request that sets no `temperature` / `top_p`.
-    pub sampling: SamplingDefaults,
-}
-
-/// What a request that does not say gets: `temperature`, `top_p`, `top_k` and `min_p` are greedy
-/// (0, 1, off, off) unless the server was started with others (`--temperature`, `--top-p`,
-/// `--top-k`, `--min-p`, or the demo's generation_config.json); `max_tokens`: the most tokens
-/// a chat request that sets none gets (fewer where the context has less room; None: up to the
-/// context bound).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SamplingDefaults {
-    pub temperature: f64,
-    pub top_p: f64,
-    pub top_k: usize,
-    pub min_p: f64,
+    /// The sampling of a request that sets no `temperature` / `top_p` / `top_k` / `min_p`: greedy
+    /// unless the server was started with others (its flags, or the demo's generation_config.json).
+    pub sampling: SamplingSpec,
+    /// The most tokens a chat request that sets no `max_tokens` gets (fewer where the context has
+    /// less room; None: up to the context bound).
     pub max_tokens: Option<usize>,
-}
-
-impl Default for SamplingDefaults {
-    fn default() -> Self {
-        SamplingDefaults { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, max_tokens: None }
-    }
 }
 
 /// A request's JSON document: borrowed (a test's or a batch line's, copied first) or [`Owned`]
@@ -293,15 +231,7 @@ fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError
     if r.stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
         return Err(ApiError::invalid(f.name("stop"), format!("'stop' sequences are at most {MAX_STOP_BYTES} bytes")));
     }
-    r.temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(r.temperature);
-    r.top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(r.top_p);
-    // vLLM's and llama.cpp's extensions; -1 is vLLM's "off", as 0 is.
-    if let Some(k) = f.integer("top_k", -1, i64::MAX)? {
-        r.top_k = usize::try_from(k).unwrap_or(0);
-    }
-    r.min_p = f.number("min_p", 0.0, 1.0)?.unwrap_or(r.min_p);
-    // OpenAI seeds are signed 64-bit; the bits seed the sampler.
-    r.seed = f.integer("seed", i64::MIN, i64::MAX)?.map(|s| s as u64);
+    sampling(f, &mut r.sampling)?;
     if let Some(n) = f.integer("n", i64::MIN, i64::MAX)?
         && n != 1
     {
@@ -344,6 +274,21 @@ fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError
     Ok(())
 }
 
+/// The sampling fields over `s` (the server's defaults): `temperature`, `top_p`, vLLM's and
+/// llama.cpp's `top_k` and `min_p`, and `seed`.
+fn sampling(f: &mut Fields, s: &mut SamplingSpec) -> Result<(), ApiError> {
+    s.temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(s.temperature);
+    s.top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(s.top_p);
+    // -1 is vLLM's "off", as 0 is.
+    if let Some(k) = f.integer("top_k", -1, i64::MAX)? {
+        s.top_k = usize::try_from(k).unwrap_or(0);
+    }
+    s.min_p = f.number("min_p", 0.0, 1.0)?.unwrap_or(s.min_p);
+    // OpenAI seeds are signed 64-bit; the bits seed the sampler.
+    s.seed = f.integer("seed", i64::MIN, i64::MAX)?.map(|s| s as u64);
+    Ok(())
+}
+
 fn model(f: &mut Fields, ctx: &ParseContext, required: bool) -> Result<(), ApiError> {
     match f.string("model")? {
         None if required => {
@@ -361,27 +306,23 @@ fn model(f: &mut Fields, ctx: &ParseContext, required: bool) -> Result<(), ApiEr
     }
 }
 
-/// A request with every option at its default (the context's sampling defaults).
+/// A request with every option at its default (the context's sampling and `max_tokens`).
 fn empty_request(kind: Kind, prompt: Prompt, ctx: &ParseContext) -> GenRequest {
-    GenRequest::new(kind, prompt, &ctx.sampling)
+    GenRequest::new(kind, prompt, ctx.sampling, ctx.max_tokens)
 }
 
 impl GenRequest {
-    /// A request with every option at its default: `d`'s sampling (and, for chat, its
-    /// `max_tokens` as the default bound), no stop strings, no log-probabilities, not streamed,
-    /// the model's thinking.
-    pub fn new(kind: Kind, prompt: Prompt, d: &SamplingDefaults) -> Self {
+    /// A request with every option at its default: `sampling` (without its seed), for chat
+    /// `max_tokens` as the default bound, no stop strings, no log-probabilities, not streamed, the
+    /// model's thinking.
+    pub fn new(kind: Kind, prompt: Prompt, sampling: SamplingSpec, max_tokens: Option<usize>) -> Self {
         GenRequest {
             kind,
             prompt,
             max_tokens: None,
-            default_max_tokens: if kind == Kind::Chat { d.max_tokens } else { None },
+            default_max_tokens: if kind == Kind::Chat { max_tokens } else { None },
             stop: Vec::new(),
-            temperature: d.temperature,
-            top_p: d.top_p,
-            top_k: d.top_k,
-            min_p: d.min_p,
-            seed: None,
+            sampling: SamplingSpec { seed: None, ..sampling },
             logprobs: None,
             stream: false,
             include_usage: false,

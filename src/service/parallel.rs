@@ -19,8 +19,8 @@
 //! A request that ran alone has them as its own, as without `--parallel`.
 
 use super::answer::Answer;
-use super::api::GenRequest;
-use super::generator::{Begin, Delta, GenError, Generator, Output, Prepared, Ran, Reads};
+use super::generator::{Begin, GenError, Generator, Prepared, Ran, Reads};
+use crate::api::{Delta, GenRequest, Output};
 use crate::engine::{GenerateOptions, Lane};
 use crate::sample::Sampler;
 use serde_json::{Value, json};

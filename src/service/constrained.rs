@@ -8,8 +8,8 @@
 //! and `none` and response format `text` ask for none. The grammar engine over the model's
 //! tokenizer is built on first use, once per server, and shared.
 
-use super::api::{ApiError, GenRequest, Kind, ResponseFormat, ToolChoice};
 use super::generator::Encoder;
+use crate::api::{ApiError, GenRequest, Kind, ResponseFormat, ToolChoice};
 use crate::constrain::{ConstrainError, Grammars, Payload, Spec, parameters_schema};
 use crate::model::chat::Thinking;
 use crate::sample::TokenMask;

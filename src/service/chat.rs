@@ -12,10 +12,11 @@
 //! [`Conversation::save`] writes the transcript (OpenAI's message shape, so it can be sent to
 //! `serve` as is), atomically, and never over a file that is not a transcript.
 
-use super::api::{GenRequest, Kind, Prompt, SamplingDefaults};
-use super::generator::{Delta, GenConfig, GenError, Generator, Output};
+use super::generator::{GenConfig, GenError, Generator};
+use crate::api::{ApiError, Delta, GenRequest, Kind, Output, Prompt};
 use crate::engine::Engine;
 use crate::model::chat::Thinking;
+use crate::sample::SamplingSpec;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,10 +30,11 @@ const MAX_TRANSCRIPT_BYTES: u64 = 256 << 20;
 /// What every turn is generated with.
 #[derive(Clone, Debug)]
 pub struct ChatSettings {
-    /// Temperature, top-p, top-k, min-p, and `max_tokens` (None: up to the context bound).
-    pub sampling: SamplingDefaults,
-    /// Turn n samples with seed + n (None: a fresh seed each turn).
-    pub seed: Option<u64>,
+    /// Temperature, top-p, top-k, min-p, and the seed: turn n samples with seed + n (None: a
+    /// fresh seed each turn).
+    pub sampling: SamplingSpec,
+    /// Tokens an answer may take (None: up to the context bound).
+    pub max_tokens: Option<usize>,
     /// None: the model's default.
     pub thinking: Option<Thinking>,
 }
@@ -66,19 +68,24 @@ impl Conversation {
 
     /// Whether the model can chat at all (a tokenizer, a chat template that renders): the error a
     /// first message would get, found before any.
-    pub fn check(&self) -> Result<(), super::api::ApiError> {
+    pub fn check(&self) -> Result<(), ApiError> {
         let probe = Prompt::Messages(json!([{"role": "user", "content": "Hi"}]));
-        let mut req = GenRequest::new(Kind::Chat, probe, &self.settings.sampling);
-        req.thinking = self.settings.thinking;
-        self.gen_.encoder().encode(&req).map(|_| ())
+        self.gen_.encoder().encode(&self.request(probe)).map(|_| ())
     }
 
     /// The thinking the next turn runs with.
     pub fn thinking(&self) -> Thinking {
         use super::answer::Tokens;
-        let mut req = GenRequest::new(Kind::Chat, Prompt::Messages(Value::Null), &self.settings.sampling);
-        req.thinking = self.settings.thinking;
+        let req = self.request(Prompt::Messages(Value::Null));
         self.gen_.encoder().thinking(&req)
+    }
+
+    /// A turn's request for `prompt` with the settings (its seed not drawn yet).
+    fn request(&self, prompt: Prompt) -> GenRequest {
+        let s = &self.settings;
+        let mut req = GenRequest::new(Kind::Chat, prompt, s.sampling, s.max_tokens);
+        req.thinking = s.thinking;
+        req
     }
 
     /// The system message, if any.
@@ -111,9 +118,8 @@ impl Conversation {
     pub fn say(&mut self, text: &str, sink: &mut dyn FnMut(&Delta) -> bool) -> Result<Output, GenError> {
         let mut messages = self.messages();
         messages.push(json!({"role": "user", "content": text}));
-        let mut req = GenRequest::new(Kind::Chat, Prompt::Messages(Value::Array(messages)), &self.settings.sampling);
-        req.thinking = self.settings.thinking;
-        req.seed = self.settings.seed.map(|s| s.wrapping_add(self.asked));
+        let mut req = self.request(Prompt::Messages(Value::Array(messages)));
+        req.sampling.seed = self.settings.sampling.seed.map(|s| s.wrapping_add(self.asked));
         self.asked += 1;
         let out = self.gen_.generate(&req, 0.0, sink)?;
         if !(out.content.is_empty() && out.reasoning.is_empty()) {
@@ -127,18 +133,18 @@ impl Conversation {
         Ok(out)
     }
 
-    /// The transcript: the messages in OpenAI's shape with the settings they were generated with.
+    /// The transcript: the messages in OpenAI's shape with the settings they were generated with
+    /// (the sampling as its spec has it, then `max_tokens`, the seed and the thinking).
     pub fn transcript(&self, model: &str) -> Value {
-        let s = &self.settings.sampling;
-        json!({
-            "object": TRANSCRIPT,
-            "model": model,
-            "settings": {
-                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
-                "max_tokens": s.max_tokens, "seed": self.settings.seed, "thinking": thinking_name(self.thinking()),
-            },
-            "messages": self.messages(),
-        })
+        let s = &self.settings;
+        let mut settings = serde_json::to_value(s.sampling).unwrap_or_default();
+        if let Some(m) = settings.as_object_mut() {
+            let seed = m.shift_remove("seed").unwrap_or_default();
+            m.insert("max_tokens".into(), json!(s.max_tokens));
+            m.insert("seed".into(), seed);
+            m.insert("thinking".into(), json!(thinking_name(self.thinking())));
+        }
+        json!({"object": TRANSCRIPT, "model": model, "settings": settings, "messages": self.messages()})
     }
 
     /// Writes the transcript to `path` (see the module contract).
@@ -186,7 +192,7 @@ impl Conversation {
                 format!("(thinking {})", thinking_name(self.thinking()))
             }
             Command::MaxTokens(n) => {
-                s.sampling.max_tokens = n;
+                s.max_tokens = n;
                 String::new()
             }
             Command::Save(p) => match self.save(&p, model) {

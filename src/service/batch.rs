@@ -7,19 +7,20 @@
 //! (`Engine::run_continuous`, each request a lane: `Generator::start_lane`): when one finishes its
 //! record is written and the next request joins at the next step, its prompt's rows in the same
 //! forward as the running ones' decode rows; records come in the order requests finish.
-//! [`longest_request`] is the context the longest line of an input needs; [`input_lines`] an
-//! input's lines (a line that is not UTF-8 is that line's error, not the batch's); [`read_output`]
-//! what an output already holds, and whether a file is a batch output at all (a run appends only
-//! to its own kind of file).
+//! [`walk_line`] is what becomes of each input line (skipped when the output holds it, a record,
+//! or a checked request); [`longest_request`] is the context the longest line of an input needs;
+//! [`input_lines`] an input's lines (a line that is not UTF-8 is that line's error, not the
+//! batch's); [`read_output`] what an output already holds, and whether a file is a batch output
+//! at all (a run appends only to its own kind of file).
 
-use super::api::{ApiError, GenRequest, ParseContext};
-use super::generator::{GenError, Generator, Output, Prepared, PromptCodec};
+use super::generator::{Encoder, GenError, Generator, Prepared, PromptCodec};
 use super::parallel::{LaneRequest, Started};
+use crate::api::{ApiError, GenRequest, Output, ParseContext};
 use crate::engine::{Lane, LaneError, LaneHost};
 use crate::memory::SequencesError;
 use crate::stats::Stats;
 use serde_json::{Value, json};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 /// A line waiting for its group: its id as given, its line number, the request and its prompt.
@@ -41,7 +42,7 @@ pub fn longest_request(dir: &Path, lines: &[&str], ctx: &ParseContext, max_token
     let codec = PromptCodec::load(dir).ok()?;
     let need = |line: &str| -> Option<usize> {
         let v: Value = serde_json::from_str(line).ok()?;
-        let req = super::api::parse_batch_line(&v, ctx).1.ok()?;
+        let req = crate::api::parse_batch_line(&v, ctx).1.ok()?;
         codec.prompt_len(&req, most)?.checked_add(req.max_tokens.unwrap_or(max_tokens))
     };
     Some(lines.iter().filter(|l| !l.trim().is_empty()).filter_map(|l| need(l)).max().unwrap_or(1))
@@ -133,7 +134,7 @@ pub fn result_record(id: &Value, line: u64, out: &Output, logprobs: bool, text: 
         "line": line,
         "text": out.content,
         "finish_reason": out.finish_reason,
-        "usage": crate::serve::sse::usage(out),
+        "usage": crate::api::response::usage(out),
         "deltafin": out.ext,
     });
     if !out.reasoning.is_empty() {
@@ -164,6 +165,62 @@ pub fn result_record(id: &Value, line: u64, out: &Output, logprobs: bool, text: 
 pub enum Line {
     Record(Value),
     Job(Box<Waiting>),
+}
+
+/// What a batch does with one input line ([`walk_line`]).
+pub enum Step {
+    /// The output holds it already (true: as an error record): skipped.
+    Skip(bool),
+    /// Its record now, or its request to run.
+    Take(Line),
+}
+
+/// Line `n` of a batch's input (its text, or where its bytes stop being UTF-8), for a run whose
+/// output already holds `done`: skipped (its id, or for a line without one its number, is
+/// done), an error record (not JSON, not UTF-8, a bad field, no id, an id `seen` before, a prompt
+/// that does not encode), or a checked request (`max_tokens` when the line sets none).
+pub fn walk_line(
+    n: u64,
+    line: Result<&str, usize>,
+    done: &Done,
+    seen: &mut HashSet<String>,
+    ctx: &ParseContext,
+    enc: &Encoder,
+    max_tokens: usize,
+) -> Step {
+    let parsed = match line {
+        Ok(l) => serde_json::from_str::<Value>(l).map_err(|e| format!("line {n} is not JSON: {e}")),
+        Err(at) => Err(format!("line {n} is not UTF-8 text (invalid bytes at byte {} of the line)", at + 1)),
+    };
+    let v = match parsed {
+        Err(_) if done.lines.contains_key(&n) => return Step::Skip(done.lines[&n]),
+        Err(e) => {
+            let code = if line.is_ok() { "invalid_json" } else { "invalid_utf8" };
+            let e = ApiError::new(400, "invalid_request_error", code, e);
+            return Step::Take(Line::Record(error_record(&Value::Null, n, &e)));
+        }
+        Ok(v) => v,
+    };
+    let (id, req) = crate::api::parse_batch_line(&v, ctx);
+    // Records carry the id as given (a string or a number).
+    let id_val = v.get("id").filter(|_| id.is_some()).cloned().unwrap_or(Value::Null);
+    let record = match (&id, req) {
+        (Some(id), _) if done.ids.contains_key(id) => return Step::Skip(done.ids[id]),
+        (None, _) if done.lines.contains_key(&n) => return Step::Skip(done.lines[&n]),
+        (_, Err(e)) => error_record(&id_val, n, &e),
+        (Some(id), Ok(_)) if !seen.insert(id.clone()) => {
+            error_record(&id_val, n, &ApiError::invalid("id", format!("id {id} appears twice in the input")))
+        }
+        (Some(_), Ok(mut req)) => {
+            req.max_tokens = req.max_tokens.or(Some(max_tokens));
+            match enc.prepare(&req) {
+                Ok(p) => return Step::Take(Line::Job(Box::new(Waiting { id: id_val, line: n, req, prepared: p }))),
+                Err(e) => error_record(&id_val, n, &e),
+            }
+        }
+        (None, Ok(_)) => error_record(&Value::Null, n, &ApiError::invalid("id", "the line has no id")),
+    };
+    Step::Take(Line::Record(record))
 }
 
 /// Why [`run_lanes`] stopped before the end.

@@ -1,15 +1,43 @@
-//! Response shapes of the OpenAI API: whole responses, streamed chunks (server-sent events, one
-//! `data: {json}` event per chunk, then `data: [DONE]`), usage and log-probabilities.
+//! Answers of the OpenAI API: what a finished request holds ([`Output`]) and what each token adds
+//! to it ([`Delta`]), and their shapes: whole responses, streamed chunks, usage and
+//! log-probabilities.
 //!
 //! Contract: a stream is the role chunk (chat), one chunk per token that has text or
 //! log-probabilities, a final chunk with `finish_reason` (carrying the deltafin extension object
 //! when usage is not asked for), then — with `stream_options.include_usage` — a chunk with empty
-//! `choices`, `usage` and the extension object, then `[DONE]`.
+//! `choices`, `usage` and the extension object; how chunks travel (server-sent events, then
+//! `[DONE]`) is the transport's.
 
-use super::api::Kind;
-use super::generator::{Delta, Output};
+use super::Kind;
+use crate::model::tool_calls::ToolCall;
 use crate::sample::TokenLogprob;
 use serde_json::{Value, json};
+
+/// A finished request.
+#[derive(Clone, Debug)]
+pub struct Output {
+    pub tokens: Vec<u32>,
+    pub content: String,
+    pub reasoning: String,
+    /// The model's tool calls (a chat answer to a request with tools).
+    pub tool_calls: Vec<ToolCall>,
+    /// "stop", "length", "tool_calls", "cancelled", or "error" (the output constraint failed).
+    pub finish_reason: &'static str,
+    pub logprobs: Vec<TokenLogprob>,
+    pub prompt_tokens: usize,
+    /// The deltafin extension object.
+    pub ext: Value,
+}
+
+/// One token's visible text, split into the chat template's channels.
+#[derive(Clone, Debug, Default)]
+pub struct Delta {
+    pub content: String,
+    pub reasoning: String,
+    pub logprobs: Option<TokenLogprob>,
+    /// Tool calls made whole at this token, with their index in the answer.
+    pub tool_calls: Vec<(usize, ToolCall)>,
+}
 
 /// Identity of one response: id, creation time, model.
 #[derive(Clone, Debug)]
@@ -173,9 +201,4 @@ pub fn finish_chunk(m: &Meta, out: &Output, with_ext: bool) -> Value {
 /// The usage chunk of `stream_options.include_usage`.
 pub fn usage_chunk(m: &Meta, out: &Output) -> Value {
     json!({"id": m.id, "object": object(m.kind, true), "created": m.created, "model": m.model, "choices": [], "usage": usage(out), "deltafin": out.ext})
-}
-
-/// One server-sent event.
-pub fn event(data: &str) -> String {
-    format!("data: {data}\n\n")
 }

@@ -13,8 +13,8 @@
 //! [`Generator::share_prefix`] returns (counted once). A generator whose drafter reads K3's
 //! hidden rows (DSpark) prefills every prompt whole: the drafter must see every prompt row.
 
-use super::api::{ParseContext, parse_batch_line};
 use super::generator::{GenError, Generator, PromptCodec, Reads};
+use crate::api::{ParseContext, parse_batch_line};
 use crate::engine::{PrefillWatcher, Session};
 use crate::stats::Stats;
 use serde_json::Value;

@@ -8,9 +8,9 @@
 //! Contract: [`parse`] returns the document serde_json would (same values, numbers, duplicate keys
 //! resolved the same way, its nesting limit) or an [`ApiError`]: 400 `invalid_json` for bytes
 //! that are not one JSON document, 400 `too_many_values` naming the top-level field being read
-//! when the budget ran out. It knows no field names: which fields a request takes is `api`'s.
+//! when the budget ran out. It knows no field names: which fields a request takes is `request`'s.
 
-use super::api::ApiError;
+use super::ApiError;
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 use std::cell::{Cell, RefCell};

@@ -7,7 +7,7 @@
 //! field; nothing here runs the model.
 
 use super::answer::Tokens;
-use super::api::{ApiError, GenRequest, Kind, Prompt};
+use crate::api::{ApiError, GenRequest, Kind, Prompt};
 use crate::engine::Engine;
 use crate::model::chat::{ChatError, ChatOptions, ChatTemplate, Thinking};
 use crate::model::tokenizer::Tokenizer;
@@ -18,7 +18,7 @@ use std::sync::Arc;
 pub struct Encoder {
     pub(super) engine: Arc<Engine>,
     pub(super) codec: PromptCodec,
-    /// The grammar engine of enforced output (serve/constrained.rs), built on first use.
+    /// The grammar engine of enforced output (service/constrained.rs), built on first use.
     pub(super) grammars: std::sync::OnceLock<Result<crate::constrain::Grammars, String>>,
 }
 
@@ -106,7 +106,7 @@ impl PromptCodec {
                 if least > most {
                     return Err(least);
                 }
-                let (tool_choice, response_format) = super::api::template_vars(req);
+                let (tool_choice, response_format) = crate::api::template_vars(req);
                 let opts = ChatOptions {
                     thinking: self.thinking(req),
                     add_generation_prompt: true,

@@ -13,23 +13,13 @@
 //! A chat answer never shows a special token: tags, channel markers and end-of-message tokens
 //! route or end the text, and are not part of it.
 
-use super::api::{GenRequest, Kind, Prompt, SamplingDefaults, ToolChoice};
+use crate::api::{Delta, GenRequest, Kind, Prompt, ToolChoice};
 use crate::model::chat::Thinking;
 use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::model::tool_calls::{Piece, ToolCall, ToolCallParser, ToolEvent};
-use crate::sample::TokenLogprob;
+use crate::sample::{SamplingSpec, TokenLogprob};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-
-/// One token's visible text, split into the chat template's channels.
-#[derive(Clone, Debug, Default)]
-pub struct Delta {
-    pub content: String,
-    pub reasoning: String,
-    pub logprobs: Option<TokenLogprob>,
-    /// Tool calls made whole at this token, with their index in the answer.
-    pub tool_calls: Vec<(usize, ToolCall)>,
-}
 
 /// Where an answer finds the model's tokenizer (the server's request encoder).
 pub trait Tokens: Send + Sync {
@@ -129,7 +119,7 @@ impl Answer {
     /// as `thinking` opened them, the model's end tokens `stops`, no stop strings.
     pub fn chat(tok: Arc<Tokenizer>, stops: Vec<u32>, thinking: Thinking) -> Self {
         let mut req =
-            GenRequest::new(Kind::Chat, Prompt::Messages(serde_json::Value::Null), &SamplingDefaults::default());
+            GenRequest::new(Kind::Chat, Prompt::Messages(serde_json::Value::Null), SamplingSpec::GREEDY, None);
         req.thinking = Some(thinking);
         Answer::new(&req, tok, stops, Instant::now(), None)
     }
@@ -342,15 +332,11 @@ mod tests {
     fn thinking_answer(stop: &[&str]) -> (String, String, u32) {
         let req = GenRequest {
             kind: Kind::Chat,
-            prompt: crate::serve::api::Prompt::Ids(vec![1]),
+            prompt: Prompt::Ids(vec![1]),
             max_tokens: None,
             default_max_tokens: None,
             stop: stop.iter().map(|s| s.to_string()).collect(),
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            seed: None,
+            sampling: SamplingSpec::GREEDY,
             logprobs: None,
             stream: false,
             include_usage: false,

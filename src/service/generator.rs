@@ -1,5 +1,5 @@
-//! The generation core shared by `serve` and `batch`: one request in, text (streamed as deltas)
-//! and an [`Output`] with usage and the deltafin extension object out.
+//! The generation core every front end shares (`serve`, `batch`, `chat`): one request in, text
+//! (streamed as deltas) and an [`Output`] with usage and the deltafin extension object out.
 //!
 //! Contract: [`Generator::generate`] tokenises the request (chat template for messages), picks
 //! the session to run it on and generates with the request's sampling, stop strings and
@@ -14,13 +14,12 @@
 //! token's visible text; returning false cancels the generation at that token.
 
 use super::answer::Answer;
-pub use super::answer::Delta;
-use super::api::{ApiError, GenRequest, Kind};
 pub use super::encoder::{Encoder, Prepared, PromptCodec, template_takes_tools};
+use crate::api::{ApiError, Delta, GenRequest, Kind, Output};
 use crate::draft::DraftKind;
 use crate::engine::{Engine, ForwardError, GenerateOptions, Generation, Session, StopReason};
 use crate::model::chat::Thinking;
-use crate::sample::{Sampler, SamplingParams, TokenLogprob};
+use crate::sample::{Sampler, SamplingSpec};
 use crate::stats::Stats;
 use crate::store::SourceReport;
 use serde_json::{Value, json};
@@ -45,22 +44,6 @@ impl Default for GenConfig {
     fn default() -> Self {
         GenConfig { draft: DraftKind::Off, reuse: true, memo_entries: 64, state_dir: None }
     }
-}
-
-/// A finished request.
-#[derive(Clone, Debug)]
-pub struct Output {
-    pub tokens: Vec<u32>,
-    pub content: String,
-    pub reasoning: String,
-    /// The model's tool calls (a chat answer to a request with tools).
-    pub tool_calls: Vec<crate::model::tool_calls::ToolCall>,
-    /// "stop", "length", "tool_calls", "cancelled", or "error" (the output constraint failed).
-    pub finish_reason: &'static str,
-    pub logprobs: Vec<TokenLogprob>,
-    pub prompt_tokens: usize,
-    /// The deltafin extension object.
-    pub ext: Value,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -300,10 +283,9 @@ impl Generator {
     /// memo key (when the memo may answer it: greedy, no log-probabilities).
     pub(super) fn begin(&mut self, req: &GenRequest, prompt: &[u32], max_new: usize) -> Result<Begin, GenError> {
         self.totals.requests += 1;
-        let seed = req.seed.unwrap_or_else(crate::util::fresh_seed);
-        let params = SamplingParams::new(req.temperature, req.top_p, seed)
-            .and_then(|p| p.with_filters(req.top_k, req.min_p))
-            .map_err(|e| GenError::Request(ApiError::invalid("temperature", e.to_string())))?;
+        let seed = req.sampling.seed.unwrap_or_else(crate::util::fresh_seed);
+        let params = SamplingSpec { seed: Some(seed), ..req.sampling };
+        params.check().map_err(|e| GenError::Request(ApiError::invalid("temperature", e.to_string())))?;
         let memo_ok = params.is_greedy() && req.logprobs.is_none() && self.cfg.memo_entries > 0;
         let tools = format!("{:?}{:?}{:?}{}", req.tools, req.tool_choice, req.response_format, req.parallel_tool_calls);
         let key =
@@ -426,7 +408,7 @@ impl Generator {
 /// A request's sampling and memo key, fixed when it starts ([`Generator::begin`]).
 pub(super) struct Begin {
     pub seed: u64,
-    pub params: SamplingParams,
+    pub params: SamplingSpec,
     pub key: Option<MemoKey>,
 }
 

@@ -1,13 +1,10 @@
-//! Unit tests of `serve::api` (a file of their own to keep the module under the file-size guide).
+//! Unit tests of `api::request` (a file of their own to keep the module under the file-size guide).
 
 use super::*;
 use serde_json::json;
 
-const CTX: ParseContext = ParseContext {
-    model_id: "m",
-    template_takes_tools: false,
-    sampling: SamplingDefaults { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, max_tokens: None },
-};
+const CTX: ParseContext =
+    ParseContext { model_id: "m", template_takes_tools: false, sampling: SamplingSpec::GREEDY, max_tokens: None };
 
 fn chat(v: Value) -> Result<GenRequest, ApiError> {
     parse_chat(&v, &CTX)
@@ -20,7 +17,7 @@ fn a_full_chat_request_parses() {
         "stream": true, "stream_options": {"include_usage": true}, "reasoning_effort": "none", "n": 1, "user": "u"}))
     .unwrap();
     assert_eq!(r.max_tokens, Some(5));
-    assert_eq!(r.seed, Some(u64::MAX));
+    assert_eq!(r.sampling.seed, Some(u64::MAX));
     assert_eq!(r.logprobs, Some(3));
     assert_eq!(r.thinking, Some(Thinking::Off));
     assert!(r.include_usage);
@@ -86,10 +83,10 @@ fn standard_fields_are_honoured_ignored_or_refused() {
     b["min_p"] = json!(0.05);
     b["chat_template_kwargs"] = json!({"thinking": false});
     let r = chat(b).unwrap();
-    assert_eq!((r.top_k, r.min_p, r.thinking), (40, 0.05, Some(Thinking::Off)));
+    assert_eq!((r.sampling.top_k, r.sampling.min_p, r.thinking), (40, 0.05, Some(Thinking::Off)));
     let mut b = base();
     b["top_k"] = json!(-1);
-    assert_eq!(chat(b).unwrap().top_k, 0);
+    assert_eq!(chat(b).unwrap().sampling.top_k, 0);
     // Ignored: bookkeeping and hints that cannot change the answer.
     let mut b = base();
     for (k, v) in [
@@ -111,7 +108,7 @@ fn standard_fields_are_honoured_ignored_or_refused() {
     b["stream"] = json!(true);
     b["stream_options"] = json!({"include_usage": true, "include_obfuscation": false});
     let r = chat(b).unwrap();
-    assert_eq!((r.top_k, r.min_p, r.thinking), (0, 0.0, None));
+    assert_eq!((r.sampling.top_k, r.sampling.min_p, r.thinking), (0, 0.0, None));
     // Refused: they would change the answer.
     for (k, v) in [
         ("repetition_penalty", json!(1.1)),
@@ -140,13 +137,12 @@ fn standard_fields_are_honoured_ignored_or_refused() {
     // Completions take the standard ones too.
     let r =
         parse_completion(&json!({"model": "m", "prompt": "a", "store": false, "top_k": 5, "user": "u"}), &CTX).unwrap();
-    assert_eq!(r.top_k, 5);
+    assert_eq!(r.sampling.top_k, 5);
 }
 
 #[test]
 fn a_chat_without_max_tokens_gets_the_servers_default() {
-    let ctx =
-        ParseContext { sampling: SamplingDefaults { max_tokens: Some(2048), ..SamplingDefaults::default() }, ..CTX };
+    let ctx = ParseContext { max_tokens: Some(2048), ..CTX };
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let r = parse_chat(&json!({"model": "m", "messages": msgs}), &ctx).unwrap();
     assert_eq!((r.max_tokens, r.default_max_tokens), (None, Some(2048)));
