@@ -1,9 +1,10 @@
 //! The crate's structure, from its own source: no import cycle among the top-level modules of
-//! `src/`, none among the direct submodules of any of them, and imports run downhill — `cli` ->
-//! `serve` -> `service` / `bench` -> `engine` -> `sched` / `hub` / `memory` / `demo` / `draft` /
-//! `api` -> `k3` / `stats` / `constrain` -> `model` / `store` / `sample` -> `backend` -> `util` —
-//! with no exception. A module that is not on a floor yet fails the test until it is given one.
-//! The HTTP server is a front end of its own: no other CLI file than `cli/serve.rs` imports it.
+//! `src/`, none among the direct submodules of any module at any depth, and imports run downhill
+//! — `cli` -> `serve` -> `service` / `bench` -> `engine` -> `sched` / `hub` / `memory` / `demo` /
+//! `draft` / `api` -> `k3` / `stats` / `constrain` -> `model` / `store` / `sample` -> `backend` ->
+//! `util` — with no exception. A module that is not on a floor yet fails the test until it is
+//! given one. The HTTP server is a front end of its own: no other CLI file than `cli/serve.rs`
+//! imports it.
 //!
 //! Imports are the `crate::` and `super::` paths of each file (use declarations, grouped `{..}`
 //! imports and paths in code), comments and string literals left out; a file's test module
@@ -441,25 +442,56 @@ fn no_import_cycle_among_top_level_modules() {
     assert!(found.is_empty(), "import cycles among top-level modules: {found:?}\n(imports: {top:#?})");
 }
 
-#[test]
-fn no_import_cycle_among_the_submodules_of_a_module() {
-    let g = graph();
-    // For each top-level module, its direct submodules and the imports between them (an import
-    // of or from the module's own file is not one: a parent and its children are one room).
+/// For every module at any depth (the crate's root included, as ""), its direct submodules and the
+/// imports between them: an import from `a::x::..` to `a::y::..` (x != y) is an arrow x -> y among
+/// the submodules of `a`, the module both sit in (an import of or from a module's own file is not
+/// one: a parent and its children are one room).
+fn within_every_module(g: &Graph) -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
     let mut within: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
     for (from, tos) in &g.edges {
         for to in tos {
-            if let ([a, x, ..], [b, y, ..]) = (from.as_slice(), to.as_slice())
-                && a == b
-                && x != y
-            {
-                within.entry(a.clone()).or_default().entry(x.clone()).or_default().insert(y.clone());
+            let k = from.iter().zip(to).take_while(|(a, b)| a == b).count();
+            if k < from.len() && k < to.len() {
+                let module = from[..k].join("::");
+                within.entry(module).or_default().entry(from[k].clone()).or_default().insert(to[k].clone());
             }
         }
     }
+    within
+}
+
+#[test]
+fn no_import_cycle_among_the_submodules_of_any_module() {
+    let within = within_every_module(&graph());
     let found: Vec<(String, Vec<Vec<String>>)> =
         within.iter().map(|(m, sub)| (m.clone(), cycles(sub))).filter(|(_, c)| !c.is_empty()).collect();
-    assert!(found.is_empty(), "import cycles among submodules: {found:?}");
+    assert!(found.is_empty(), "import cycles among the submodules of a module (\"\" is the crate): {found:?}");
+}
+
+#[test]
+fn the_cycle_check_sees_every_depth() {
+    // a::b::c::x <-> a::b::c::y three levels down, and a::p -> a::q::r -> a::p::s one level down.
+    let path = |s: &str| s.split("::").map(str::to_string).collect::<Vec<String>>();
+    let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+    for (from, to) in [
+        ("a::b::c::x", "a::b::c::y::z"),
+        ("a::b::c::y::z", "a::b::c::x"),
+        ("a::p", "a::q::r"),
+        ("a::q::r", "a::p::s"),
+        ("a::b", "a::b::c::x"),
+    ] {
+        edges.entry(path(from)).or_default().insert(path(to));
+    }
+    let within = within_every_module(&Graph { edges });
+    let found: BTreeMap<String, Vec<Vec<String>>> =
+        within.iter().map(|(m, sub)| (m.clone(), cycles(sub))).filter(|(_, c)| !c.is_empty()).collect();
+    let want: BTreeMap<String, Vec<Vec<String>>> = [
+        ("a".to_string(), vec![vec!["p".to_string(), "q".to_string()]]),
+        ("a::b::c".to_string(), vec![vec!["x".to_string(), "y".to_string()]]),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(found, want);
 }
 
 #[test]

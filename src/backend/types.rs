@@ -5,7 +5,7 @@
 //!
 //! Contract: these are plain data — every backend reads them the same way, and none holds device
 //! state. They describe tensors and operations, never the model that uses them; the CPU kernels'
-//! math on them lives in `cpu/` (e.g. `impl Situ` in `cpu::ops`).
+//! math on them lives in `cpu/` (e.g. `impl Situ` in `cpu::situ` and `cpu::ops`).
 
 use super::coded::CodedMat;
 use super::int8::Int8Mat;

@@ -15,6 +15,10 @@
 //! bits) or the 4-bit index it replaced (12 bits, 76% of bf16): it decodes with no bit-serial
 //! dependency — 64 values per step from three mask loads, one byte permute and one expand-load of
 //! the escapes — and it is at most 72% of bf16 on trained weights (measured in docs/trunk.md).
+//! The decoders: [`portable`] here (the reference) and each instruction set's block decoder with
+//! its kernels (`cpu/x86/coded.rs`, `cpu/neon/coded.rs`); `CodedMat::decode_row_bf16` (in
+//! `cpu::coded`) runs a row through the best one the CPU has.
+//!
 //! Contract: [`CodedMat::decode_row_bf16`] returns exactly the bf16 bits that
 //! [`CodedMat::encode`] was given, for every row (tested on every exponent and on escapes), and
 //! [`CodedMat::check`] accepts only parts the decoders can read without going out of bounds.
@@ -22,9 +26,7 @@
 use super::SharedBytes;
 use rayon::prelude::*;
 
-pub mod decode;
-#[cfg(target_arch = "aarch64")]
-pub mod neon;
+pub mod portable;
 
 /// The escape index.
 pub const ESCAPE: u8 = 7;
@@ -249,13 +251,6 @@ impl CodedMat {
         let ir = idx_row(self.cols);
         let (a, b) = (u32_at(&self.esc_start, r) as usize, u32_at(&self.esc_start, r + 1) as usize);
         (&self.sm[r * self.cols..(r + 1) * self.cols], &self.idx[r * ir..(r + 1) * ir], &self.esc[a..b])
-    }
-
-    /// Row `r` as bf16 bytes (little endian) into `out` (`2 * cols` bytes): the original bits.
-    pub fn decode_row_bf16(&self, r: usize, out: &mut [u8]) {
-        assert_eq!(out.len(), 2 * self.cols);
-        let (sm, idx, esc) = self.row_parts(r);
-        decode::decode_bf16(&self.table, sm, idx, esc, out);
     }
 
     /// Bytes held by the coded form.

@@ -1,20 +1,45 @@
-//! CPU kernels over the coded and int8 trunk matrices (`backend::coded`, `backend::int8`).
+//! CPU kernels over the coded and int8 trunk matrices (`backend::coded`, `backend::int8`), and the
+//! coded row decoder ([`CodedMat::decode_row_bf16`]).
 //!
 //! Contract: with AVX-512 (VBMI2) or NEON a matrix-vector product decodes coded rows in registers
-//! straight into the FMAs (`x86::dot4_coded_avx512`, `neon::dot4_coded`); otherwise a coded row is
-//! decoded
-//! (`backend::coded::decode`) to its bf16 bits in a small per-task scratch (four rows at a time,
-//! in cache) and the bf16 kernels run on it unchanged — the same operations in the same
-//! order on the same bits, so every product is bit-identical to the bf16 trunk's on every
-//! instruction set. There is never a bf16 copy of a matrix, only of the rows in flight. An int8
-//! row is expanded to f32 (`q * scale`) the same way and dotted with the fixed 16-lane order (with
-//! NEON, expanded in registers: `neon::dot4_int8`, the same values and order).
+//! straight into the FMAs (the `dot4_coded` family: `x86::dot4_coded_avx512`, `neon::dot4_coded`);
+//! otherwise a coded row is decoded ([`CodedMat::decode_row_bf16`]) to its bf16 bits in a small
+//! per-task scratch (four rows at a time, in cache) and the bf16 kernels run on it unchanged — the
+//! same operations in the same order on the same bits, so every product is bit-identical to the
+//! bf16 trunk's on every instruction set. There is never a bf16 copy of a matrix, only of the rows
+//! in flight. A row decodes through the best block decoder the CPU has (the `decode_coded`
+//! family, whatever instruction set was chosen: they all give the portable decoder's bytes), its
+//! last partial block through the portable decoder. An int8 row is expanded to f32 (`q * scale`)
+//! the same way and dotted with the fixed 16-lane order (with NEON, expanded in registers:
+//! `neon::dot4_int8`, the same values and order).
 
-use super::{Isa, dot4_bf16, dot4_f32};
-use crate::backend::coded::CodedMat;
+use super::dispatch::{DECODE_CODED, DOT4_BF16, DOT4_CODED, DOT4_F32, DOT4_INT8};
+use super::{Isa, matvec_quads};
+use crate::backend::coded::portable::decode_portable;
+use crate::backend::coded::{BLOCK, BLOCK_BYTES, CodedMat};
 use crate::backend::int8::Int8Mat;
 use crate::backend::types::{Bf16Mat, MatStore};
 use rayon::prelude::*;
+
+// Here rather than in `coded` (which the CPU kernels import): the block decoders are CPU kernels.
+impl CodedMat {
+    /// Row `r` as bf16 bytes (little endian) into `out` (`2 * cols` bytes): the original bits.
+    pub fn decode_row_bf16(&self, r: usize, out: &mut [u8]) {
+        assert_eq!(out.len(), 2 * self.cols);
+        let (sm, idx, esc) = self.row_parts(r);
+        assert_eq!(idx.len(), self.cols.div_ceil(BLOCK) * BLOCK_BYTES);
+        let whole = self.cols / BLOCK;
+        if whole > 0
+            && let Some(blocks) = DECODE_CODED.native(Isa::best())
+        {
+            // The whole blocks in registers, the last partial one by the portable decoder from
+            // the escapes the blocks left.
+            let used = blocks.call(&self.table, sm, idx, esc, out, whole);
+            return decode_portable(&self.table, sm, idx, &esc[used..], out, whole * BLOCK);
+        }
+        decode_portable(&self.table, sm, idx, esc, out, 0)
+    }
+}
 
 // Here rather than in `types` (which the CPU kernels import): the f32 decode is CPU math.
 impl Bf16Mat {
@@ -78,40 +103,57 @@ fn quads<T: Copy + Default + Send>(
 /// out[r] = W[r] . x for a coded matrix: bit-identical to `matvec_bf16` on the original bf16.
 pub fn matvec_coded(isa: Isa, w: &CodedMat, x: &[f32], out: &mut [f32]) {
     assert_eq!(x.len(), w.cols);
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && crate::backend::coded::decode::has_avx512_decode() {
+    if let Some(dot4) = DOT4_CODED.native(isa) {
         // Rows decoded in registers straight into the FMAs: no scratch (the same bits as below).
-        // SAFETY: the features were detected; the matrix passed `CodedMat::check` when it was
-        // built or read, matvec_quads passes row indices below `w.rows`, and x has `w.cols`.
-        return super::matvec_quads(w.rows, w.cols, out, |r| unsafe { super::x86::dot4_coded_avx512(w, r, x) });
+        // The matrix passed `CodedMat::check` when it was built or read.
+        return matvec_quads(w.rows, w.cols, out, |r| dot4.call(w, r, x));
     }
-    #[cfg(target_arch = "aarch64")]
-    if isa == Isa::Neon {
-        // SAFETY: Isa::Neon is only chosen when neon was detected; the matrix passed
-        // `CodedMat::check`, matvec_quads passes row indices below `w.rows`, and x has `w.cols`.
-        return super::matvec_quads(w.rows, w.cols, out, |r| unsafe { super::neon::dot4_coded(w, r, x) });
-    }
-    quads(
-        w.rows,
-        w.cols,
-        2 * w.cols,
-        out,
-        |r, dst: &mut [u8]| w.decode_row_bf16(r, dst),
-        |rows| dot4_bf16(isa, rows, x),
-    );
+    let dot4 = DOT4_BF16.get(isa);
+    quads(w.rows, w.cols, 2 * w.cols, out, |r, dst: &mut [u8]| w.decode_row_bf16(r, dst), |rows| dot4.call(rows, x));
 }
 
 /// out[r] = W[r] . x for an int8 matrix (`q * scale` per value, then the 16-lane f32 dot).
 pub fn matvec_int8(isa: Isa, w: &Int8Mat, x: &[f32], out: &mut [f32]) {
     assert_eq!(x.len(), w.cols);
-    #[cfg(target_arch = "aarch64")]
-    if isa == Isa::Neon {
+    if let Some(dot4) = DOT4_INT8.native(isa) {
         let row = |r: usize| &w.q[r * w.cols..(r + 1) * w.cols];
-        // SAFETY: Isa::Neon is only chosen when neon was detected; every row has `w.cols` codes,
-        // x has `w.cols` values, and matvec_quads passes row indices below `w.rows`.
-        return super::matvec_quads(w.rows, w.cols, out, |r| unsafe {
-            super::neon::dot4_int8(r.map(row), r.map(|i| w.scales[i]), x)
-        });
+        return matvec_quads(w.rows, w.cols, out, |r| dot4.call(r.map(row), r.map(|i| w.scales[i]), x));
     }
-    quads(w.rows, w.cols, w.cols, out, |r, dst: &mut [f32]| w.decode_row(r, dst), |rows| dot4_f32(isa, x, rows))
+    let dot4 = DOT4_F32.get(isa);
+    quads(w.rows, w.cols, w.cols, out, |r, dst: &mut [f32]| w.decode_row(r, dst), |rows| dot4.call(x, rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn simd_and_portable_decoders_agree() {
+        // Trained-like values (a few common exponents) with every 97th value anything at all, in
+        // rows of whole blocks plus a tail.
+        let cols: usize = 64 * 5 + 7;
+        let rows = 9;
+        let v: Vec<u8> = (0..rows * cols)
+            .flat_map(|i| {
+                let b = if i % 97 == 0 {
+                    (i as u16).wrapping_mul(40503)
+                } else {
+                    half::bf16::from_f32(((i * 7919 % 2001) as f32 - 1000.0) * 1e-4).to_bits()
+                };
+                b.to_le_bytes()
+            })
+            .collect();
+        let m = CodedMat::encode(&v, rows, cols);
+        m.check().unwrap();
+        assert!(m.escape_count() > 0);
+        for r in 0..rows {
+            let (sm, idx, esc) = m.row_parts(r);
+            let mut a = vec![0u8; 2 * cols];
+            let mut b = vec![0u8; 2 * cols];
+            m.decode_row_bf16(r, &mut a);
+            decode_portable(&m.table, sm, idx, esc, &mut b, 0);
+            assert_eq!(a, b, "row {r}");
+            assert_eq!(a, &v[2 * r * cols..2 * (r + 1) * cols], "row {r}");
+        }
+    }
 }

@@ -2,12 +2,14 @@
 //! that makes a missing form a failing test on any machine, and the probes that run every family
 //! on every instruction set a machine has.
 //!
-//! Contract: [`FAMILIES`] names every kernel family the dispatch in `cpu/` (and `coded/decode.rs`)
-//! has and, per instruction set, the kernel that runs: [`Form::Native`] names a function by its
+//! Contract: [`FAMILIES`] names every kernel family of the tables in `dispatch.rs` and, for every
+//! instruction set ([`Isa::ALL`]), the kernel that runs: [`Form::Native`] names a function by its
 //! path under `src/backend/`; [`Form::Composed`] says which other kernels build the family there;
-//! [`Form::Reference`] is the scalar definition. The tests below hold the list to the code: every
-//! family with a native x86 form has a native NEON form, every named kernel is defined in its file
-//! and called from another, and every `#[target_feature]` kernel of the SIMD files is on the list.
+//! [`Form::Reference`] is the scalar definition. The tests (`families/tests.rs`) hold the list to
+//! the code: every family lists a form for every instruction set, every family with a native x86
+//! form has a native NEON form, every named kernel is defined in its file and called from another,
+//! every `#[target_feature]` kernel of the SIMD files is on the list, and the instruction sets
+//! with a native form are the ones with a kernel in the family's table.
 //! [`Family::probe`] runs the family through its public entry point with a given instruction set
 //! on fixed inputs (shapes with tails) and returns the result's bits, which must equal the scalar
 //! ones (tests/kernels.rs runs every family on every instruction set the machine has).
@@ -33,22 +35,20 @@ pub enum Form {
 pub struct Family {
     pub name: &'static str,
     pub what: &'static str,
-    pub scalar: Form,
-    pub avx2: Form,
-    pub avx512: Form,
-    pub neon: Form,
+    /// The form on each instruction set, every one of [`Isa::ALL`] listed once.
+    pub forms: &'static [(Isa, Form)],
     /// The family's output bits on fixed inputs with `isa` (`None`: nothing bit-comparable).
     pub probe: fn(Isa) -> Option<Vec<u32>>,
 }
 
 impl Family {
+    /// The form on `isa` (a family that lists none fails `every_family_has_a_form_on_every_isa`).
     pub fn form(&self, isa: Isa) -> Form {
-        match isa {
-            Isa::Scalar => self.scalar,
-            Isa::Avx2 => self.avx2,
-            Isa::Avx512 => self.avx512,
-            Isa::Neon => self.neon,
-        }
+        self.forms
+            .iter()
+            .find(|(i, _)| *i == isa)
+            .map(|&(_, f)| f)
+            .unwrap_or_else(|| panic!("{} lists no form on {isa:?}", self.name))
     }
 }
 
@@ -59,127 +59,155 @@ pub const FAMILIES: &[Family] = &[
     Family {
         name: "dot4_bf16",
         what: "bf16 matrix-vector product (trunk projections, decode)",
-        scalar: Reference("cpu/scalar.rs::dot4_bf16"),
-        avx2: Native("cpu/x86.rs::dot4_bf16_avx2"),
-        avx512: Native("cpu/x86.rs::dot4_bf16_avx512"),
-        neon: Native("cpu/neon/dot.rs::dot4_bf16"),
+        forms: &[
+            (Isa::Scalar, Reference("cpu/scalar.rs::dot4_bf16")),
+            (Isa::Avx2, Native("cpu/x86/dot.rs::dot4_bf16_avx2")),
+            (Isa::Avx512, Native("cpu/x86/dot.rs::dot4_bf16_avx512")),
+            (Isa::Neon, Native("cpu/neon/dot.rs::dot4_bf16")),
+        ],
         probe: probes::bf16_matvec,
     },
     Family {
         name: "dot4_f32",
         what: "one f32 row against four (a band's rows below the tile size)",
-        scalar: Reference("cpu/scalar.rs::dot4_f32"),
-        avx2: Native("cpu/x86.rs::dot4_f32_avx2"),
-        avx512: Native("cpu/x86.rs::dot4_f32_avx512"),
-        neon: Native("cpu/neon/dot.rs::dot4_f32"),
+        forms: &[
+            (Isa::Scalar, Reference("cpu/scalar.rs::dot4_f32")),
+            (Isa::Avx2, Native("cpu/x86/dot.rs::dot4_f32_avx2")),
+            (Isa::Avx512, Native("cpu/x86/dot.rs::dot4_f32_avx512")),
+            (Isa::Neon, Native("cpu/neon/dot.rs::dot4_f32")),
+        ],
         probe: probes::dot4_f32,
     },
     Family {
         name: "dot1_f32",
         what: "one f32 dot product (attention scores, norms)",
-        scalar: Reference("cpu/scalar.rs::dot1_f32"),
-        avx2: Native("cpu/x86.rs::dot1_f32_avx2"),
-        avx512: Native("cpu/x86.rs::dot1_f32_avx512"),
-        neon: Native("cpu/neon/dot.rs::dot1_f32"),
+        forms: &[
+            (Isa::Scalar, Reference("cpu/scalar.rs::dot1_f32")),
+            (Isa::Avx2, Native("cpu/x86/dot.rs::dot1_f32_avx2")),
+            (Isa::Avx512, Native("cpu/x86/dot.rs::dot1_f32_avx512")),
+            (Isa::Neon, Native("cpu/neon/dot.rs::dot1_f32")),
+        ],
         probe: probes::dot1,
     },
     Family {
         name: "dot4_mxfp4",
         what: "MXFP4 matrix-vector product, dequantised in registers (an expert, one row)",
-        scalar: Reference("cpu/scalar.rs::dot4_mxfp4"),
-        avx2: Native("cpu/x86.rs::dot4_mxfp4_avx2"),
-        avx512: Native("cpu/x86.rs::dot4_mxfp4_avx512"),
-        neon: Native("cpu/neon/dot.rs::dot4_mxfp4"),
+        forms: &[
+            (Isa::Scalar, Reference("cpu/scalar.rs::dot4_mxfp4")),
+            (Isa::Avx2, Native("cpu/x86/dot.rs::dot4_mxfp4_avx2")),
+            (Isa::Avx512, Native("cpu/x86/dot.rs::dot4_mxfp4_avx512")),
+            (Isa::Neon, Native("cpu/neon/dot.rs::dot4_mxfp4")),
+        ],
         probe: probes::mxfp4_matvec,
     },
     Family {
         name: "dot4xn_mxfp4",
         what: "MXFP4 product of 2..=8 rows, weights decoded in registers once per input quad",
-        scalar: Composed("decode_mxfp4_row into a band, then dot4x4_f32"),
-        avx2: Composed("decode_mxfp4_row into a band, then dot4x4_f32"),
-        avx512: Native("cpu/x86.rs::dot4xn_mxfp4_avx512"),
-        neon: Native("cpu/neon/tiled.rs::dot4xn_mxfp4"),
+        forms: &[
+            (Isa::Scalar, Composed("decode_mxfp4_row into a band, then dot4x4_f32")),
+            (Isa::Avx2, Composed("decode_mxfp4_row into a band, then dot4x4_f32")),
+            (Isa::Avx512, Native("cpu/x86/tiled.rs::dot4xn_mxfp4_avx512")),
+            (Isa::Neon, Native("cpu/neon/tiled.rs::dot4xn_mxfp4")),
+        ],
         probe: probes::mxfp4_matmul_few,
     },
     Family {
         name: "dot4x4_f32",
         what: "4 weight rows x 4 input rows of a decoded band (matmul, under 8 rows)",
-        scalar: Composed("dot4_f32 per weight row"),
-        avx2: Composed("dot4_f32 per weight row"),
-        avx512: Native("cpu/x86.rs::dot4x4_f32_avx512"),
-        neon: Native("cpu/neon/tiled.rs::dot4x4_f32"),
+        forms: &[
+            (Isa::Scalar, Composed("dot4_f32 per weight row")),
+            (Isa::Avx2, Composed("dot4_f32 per weight row")),
+            (Isa::Avx512, Native("cpu/x86/tiled.rs::dot4x4_f32_avx512")),
+            (Isa::Neon, Native("cpu/neon/tiled.rs::dot4x4_f32")),
+        ],
         probe: probes::bf16_matmul_few,
     },
     Family {
         name: "tile_f32",
         what: "tiled multi-row product of a decoded band (prefill, 8 rows and more)",
-        scalar: Composed("dot4x4_f32 over whole rows, untiled"),
-        avx2: Composed("dot4x4_f32 over whole rows, untiled (16 ymm registers cannot hold a 4x4 tile)"),
-        avx512: Native("cpu/x86.rs::dot4x4_tile_avx512"),
-        neon: Native("cpu/neon/tiled.rs::dot4x4_tile"),
+        forms: &[
+            (Isa::Scalar, Composed("dot4x4_f32 over whole rows, untiled")),
+            (Isa::Avx2, Composed("dot4x4_f32 over whole rows, untiled (16 ymm registers cannot hold a 4x4 tile)")),
+            (Isa::Avx512, Native("cpu/x86/tiled.rs::dot4x4_tile_avx512")),
+            (Isa::Neon, Native("cpu/neon/tiled.rs::dot4x4_tile")),
+        ],
         probe: probes::tiled_matmuls,
     },
     Family {
         name: "decode_mxfp4_row",
         what: "an MXFP4 row to f32 (the band a prefill matmul decodes once)",
-        scalar: Reference("cpu/mod.rs::decode_mxfp4_row_scalar"),
-        avx2: Reference("cpu/mod.rs::decode_mxfp4_row_scalar"),
-        avx512: Native("cpu/x86.rs::decode_mxfp4_row_avx512"),
-        neon: Native("cpu/neon/dot.rs::decode_mxfp4_row"),
+        forms: &[
+            (Isa::Scalar, Reference("cpu/scalar.rs::decode_mxfp4_row")),
+            (Isa::Avx2, Reference("cpu/scalar.rs::decode_mxfp4_row")),
+            (Isa::Avx512, Native("cpu/x86/dot.rs::decode_mxfp4_row_avx512")),
+            (Isa::Neon, Native("cpu/neon/dot.rs::decode_mxfp4_row")),
+        ],
         probe: probes::mxfp4_decode,
     },
     Family {
         name: "decode_bf16_row",
         what: "a bf16 row to f32 (the band a prefill matmul decodes once)",
-        scalar: Reference("cpu/mod.rs::decode_bf16_row_scalar"),
-        avx2: Reference("cpu/mod.rs::decode_bf16_row_scalar"),
-        avx512: Native("cpu/x86.rs::decode_bf16_row_avx512"),
-        neon: Native("cpu/neon/dot.rs::decode_bf16_row"),
+        forms: &[
+            (Isa::Scalar, Reference("cpu/scalar.rs::decode_bf16_row")),
+            (Isa::Avx2, Reference("cpu/scalar.rs::decode_bf16_row")),
+            (Isa::Avx512, Native("cpu/x86/dot.rs::decode_bf16_row_avx512")),
+            (Isa::Neon, Native("cpu/neon/dot.rs::decode_bf16_row")),
+        ],
         probe: probes::bf16_decode,
     },
     Family {
         name: "situ",
         what: "SiTU activation (dense and expert MLPs)",
-        scalar: Reference("cpu/ops.rs::situ_rows"),
-        avx2: Native("cpu/situ_x86.rs::situ_rows_avx2"),
-        avx512: Native("cpu/situ_x86.rs::situ_rows_avx512"),
-        neon: Native("cpu/neon/situ.rs::situ_rows"),
+        forms: &[
+            (Isa::Scalar, Reference("cpu/situ.rs::situ_rows")),
+            (Isa::Avx2, Native("cpu/x86/situ.rs::situ_rows_avx2")),
+            (Isa::Avx512, Native("cpu/x86/situ.rs::situ_rows_avx512")),
+            (Isa::Neon, Native("cpu/neon/situ.rs::situ_rows")),
+        ],
         probe: probes::situ,
     },
     Family {
         name: "dot4_coded",
         what: "coded trunk matrix-vector product, rows decoded in registers into the FMAs",
-        scalar: Composed("decode_portable rows into a scratch, then dot4_bf16"),
-        avx2: Composed("decode_portable rows into a scratch, then dot4_bf16"),
-        avx512: Native("cpu/x86.rs::dot4_coded_avx512"),
-        neon: Native("cpu/neon/coded.rs::dot4_coded"),
+        forms: &[
+            (Isa::Scalar, Composed("decode_portable rows into a scratch, then dot4_bf16")),
+            (Isa::Avx2, Composed("decode_portable rows into a scratch, then dot4_bf16")),
+            (Isa::Avx512, Native("cpu/x86/coded.rs::dot4_coded_avx512")),
+            (Isa::Neon, Native("cpu/neon/coded.rs::dot4_coded")),
+        ],
         probe: probes::coded_matvec,
     },
     Family {
         name: "decode_coded",
         what: "a coded row to its bf16 bits (coded matmul bands, GPU upload)",
-        scalar: Reference("coded/decode.rs::decode_portable"),
-        avx2: Reference("coded/decode.rs::decode_portable"),
-        avx512: Native("coded/decode.rs::decode_blocks_avx512"),
-        neon: Native("coded/neon.rs::decode_blocks"),
+        forms: &[
+            (Isa::Scalar, Reference("coded/portable.rs::decode_portable")),
+            (Isa::Avx2, Reference("coded/portable.rs::decode_portable")),
+            (Isa::Avx512, Native("cpu/x86/coded.rs::decode_blocks_avx512")),
+            (Isa::Neon, Native("cpu/neon/coded.rs::decode_blocks")),
+        ],
         probe: probes::coded_matmul,
     },
     Family {
         name: "dot4_int8",
         what: "int8 trunk matrix-vector product",
-        scalar: Composed("Int8Mat::decode_row into a scratch, then dot4_f32"),
-        avx2: Composed("Int8Mat::decode_row into a scratch, then dot4_f32"),
-        avx512: Composed("Int8Mat::decode_row into a scratch, then dot4_f32"),
-        neon: Native("cpu/neon/int8.rs::dot4_int8"),
+        forms: &[
+            (Isa::Scalar, Composed("Int8Mat::decode_row into a scratch, then dot4_f32")),
+            (Isa::Avx2, Composed("Int8Mat::decode_row into a scratch, then dot4_f32")),
+            (Isa::Avx512, Composed("Int8Mat::decode_row into a scratch, then dot4_f32")),
+            (Isa::Neon, Native("cpu/neon/int8.rs::dot4_int8")),
+        ],
         probe: probes::int8_matvec,
     },
     Family {
         name: "fma_peak",
         what: "the measured FMA peak `bench kernels` reports fractions of",
-        scalar: Reference("cpu/peak.rs::run_scalar"),
-        avx2: Native("cpu/peak.rs::run_avx2"),
-        avx512: Native("cpu/peak.rs::run_avx512"),
-        neon: Native("cpu/peak.rs::run_neon"),
+        forms: &[
+            (Isa::Scalar, Reference("cpu/scalar.rs::fma_chains")),
+            (Isa::Avx2, Native("cpu/x86/mod.rs::fma_chains_avx2")),
+            (Isa::Avx512, Native("cpu/x86/mod.rs::fma_chains_avx512")),
+            (Isa::Neon, Native("cpu/neon/mod.rs::fma_chains")),
+        ],
         probe: probes::none,
     },
 ];

@@ -8,7 +8,8 @@
 //! on any instruction set (the kernels share the reference operation order of `cpu/mod.rs`);
 //! parallel tasks split output columns, never a reduction.
 
-use super::{Isa, LANES, dot4_bf16, dot4_mxfp4, dot4x4_f32, isa, reduce16};
+use super::dispatch::{DOT4_BF16, DOT4_MXFP4, DOT4XN_MXFP4, Dot4xnMxfp4, Kernel, TILE_F32, TileF32};
+use super::{Isa, LANES, dot4x4_f32, isa, reduce16};
 use crate::backend::types::{Bf16Mat, MXFP4_BLOCK, MatStore, Mxfp4Mat};
 use rayon::prelude::*;
 
@@ -27,7 +28,8 @@ pub fn matvec_bf16_isa(isa: Isa, w: &Bf16Mat, x: &[f32], out: &mut [f32]) {
     match &w.store {
         MatStore::Bf16(d) => {
             let row = |i: usize| &d[i * w.cols * 2..(i + 1) * w.cols * 2];
-            matvec_quads(w.rows, w.cols, out, |r| dot4_bf16(isa, r.map(row), x))
+            let dot4 = DOT4_BF16.get(isa);
+            matvec_quads(w.rows, w.cols, out, |r| dot4.call(r.map(row), x))
         }
         MatStore::Coded(c) => super::coded::matvec_coded(isa, c, x, out),
         MatStore::Int8(q) => super::coded::matvec_int8(isa, q, x, out),
@@ -41,7 +43,8 @@ pub fn matvec_mxfp4(w: &Mxfp4Mat, xd: &[f32], out: &mut [f32]) {
 
 pub fn matvec_mxfp4_isa(isa: Isa, w: &Mxfp4Mat, xd: &[f32], out: &mut [f32]) {
     assert_eq!(xd.len(), w.cols);
-    matvec_quads(w.rows, w.cols, out, |r| dot4_mxfp4(isa, r.map(|i| w.row(i)), xd));
+    let dot4 = DOT4_MXFP4.get(isa);
+    matvec_quads(w.rows, w.cols, out, |r| dot4.call(r.map(|i| w.row(i)), xd));
 }
 
 /// Fills `out` (one value per weight row) four rows at a time with `dot4`, in parallel bands when
@@ -164,7 +167,7 @@ impl OutColumns {
 /// [nr, n]; every element in the reference order.
 fn band_product(isa: Isa, wdec: &[f32], nr: usize, cols: usize, xs: &[f32], n: usize, res: &mut [f32]) {
     if n >= TILED_MIN_ROWS
-        && let Some(tile) = tile_kernel(isa)
+        && let Some(tile) = TILE_F32.native(isa)
     {
         tiled_band(tile, wdec, nr, cols, xs, n, res);
         return;
@@ -199,27 +202,10 @@ const COL_TILE: usize = 512;
 /// both to L3 and ran 1.2-1.6x slower (this 2-core VM, loaded).
 const X_BLOCK_QUADS: usize = 8;
 
-/// A tile kernel: the 4 x 4 dots of four weight rows and four input rows over one tile of the
-/// columns, continuing from the lane accumulators ([w][x] blocks of 16 lanes) and leaving them
-/// there, every lane in the reference order.
-type TileFn = unsafe fn([&[f32]; 4], [&[f32]; 4], &mut [[f32; LANES]; 16]);
-
-/// The tile kernel of `isa`, where it has one (AVX-512 holds a 16-lane accumulator in one register,
-/// NEON a lane quarter of all 16 at a time; AVX2 has too few registers for a 4 x 4 tile).
-fn tile_kernel(isa: Isa) -> Option<TileFn> {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => Some(super::x86::dot4x4_tile_avx512),
-        #[cfg(target_arch = "aarch64")]
-        Isa::Neon => Some(super::neon::dot4x4_tile),
-        _ => None,
-    }
-}
-
 /// One band of `nr` decoded weight rows against all `n` input rows, [`X_BLOCK_QUADS`] input quads
 /// at a time, tiled over the columns (the lane accumulators carried from tile to tile), into `res`
 /// [nr, n]: bit-identical to the untiled 4x4 kernel, which computes every element in the same order.
-fn tiled_band(tile: TileFn, wdec: &[f32], nr: usize, cols: usize, xs: &[f32], n: usize, res: &mut [f32]) {
+fn tiled_band(tile: Kernel<TileF32>, wdec: &[f32], nr: usize, cols: usize, xs: &[f32], n: usize, res: &mut [f32]) {
     let (nwq, nxq) = (nr.div_ceil(4), n.div_ceil(4));
     let xqb = X_BLOCK_QUADS;
     let mut acc = vec![[[0f32; LANES]; 16]; nwq * xqb.min(nxq)];
@@ -237,9 +223,7 @@ fn tiled_band(tile: TileFn, wdec: &[f32], nr: usize, cols: usize, xs: &[f32], n:
                 for xq in xq0..xq1 {
                     let xrows: [&[f32]; 4] =
                         std::array::from_fn(|k| &xs[(4 * xq + k).min(n - 1) * cols..][..cols][k0..k1]);
-                    // SAFETY: `tile_kernel` gave the kernel of an instruction set this CPU has; the
-                    // eight slices have the same length.
-                    unsafe { tile(wrows, xrows, &mut acc[wq * bq + xq - xq0]) };
+                    tile.call(wrows, xrows, &mut acc[wq * bq + xq - xq0]);
                 }
             }
         }
@@ -277,8 +261,10 @@ pub fn matmul_mxfp4_isa(isa: Isa, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
     if xds.len() == w.cols {
         return matvec_mxfp4_isa(isa, w, xds, out);
     }
-    if has_reg_kernel(isa) && xds.len() <= REG_MAX_ROWS * w.cols {
-        return matmul_mxfp4_regs(isa, w, xds, out);
+    if let Some(kernel) = DOT4XN_MXFP4.native(isa)
+        && xds.len() <= REG_MAX_ROWS * w.cols
+    {
+        return matmul_mxfp4_regs(kernel, w, xds, out);
     }
     matmul_decoded(isa, w, xds, out)
 }
@@ -291,40 +277,11 @@ const REG_MAX_ROWS: usize = 8;
 /// Weight rows per task of [`matmul_mxfp4_regs`].
 const REG_WROWS: usize = 64;
 
-/// Whether `isa` has a register-decoded MXFP4 kernel ([`dot4xn_mxfp4`]).
-fn has_reg_kernel(isa: Isa) -> bool {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => true,
-        #[cfg(target_arch = "aarch64")]
-        Isa::Neon => true,
-        _ => false,
-    }
-}
-
-/// Dots of four MXFP4 weight rows with `NX` deinterleaved inputs, each weight block decoded in
-/// registers once for all of them, with the kernel of `isa` (one that has it: AVX-512 or NEON).
-#[inline]
-fn dot4xn_mxfp4<const NX: usize>(isa: Isa, w: [(&[u8], &[u8]); 4], x: [&[f32]; NX]) -> [[f32; NX]; 4] {
-    let cols = x[0].len();
-    assert!(cols.is_multiple_of(MXFP4_BLOCK) && x.iter().all(|r| r.len() == cols));
-    assert!(w.iter().all(|(p, s)| p.len() * 2 == cols && s.len() * MXFP4_BLOCK == cols));
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: Isa::Avx512 is only chosen when avx512f was detected; lengths checked above.
-        Isa::Avx512 => unsafe { super::x86::dot4xn_mxfp4_avx512::<NX>(w, x) },
-        #[cfg(target_arch = "aarch64")]
-        // SAFETY: Isa::Neon is only chosen when neon was detected; lengths checked above.
-        Isa::Neon => unsafe { super::neon::dot4xn_mxfp4::<NX>(w, x) },
-        _ => unreachable!("no register-decoded MXFP4 kernel for {isa:?}"),
-    }
-}
-
 /// out[i, r] = W[r] . xds[i] for a few input rows (a decode step's rows of one expert): each
 /// quad of weight rows is decoded in registers once per quad of input rows and applied to all
-/// of them ([`dot4xn_mxfp4`]), so the weights are neither decoded per input row nor written out
-/// as f32; each element bit-identical to the one-row product.
-fn matmul_mxfp4_regs(isa: Isa, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
+/// of them (the `dot4xn_mxfp4` kernel), so the weights are neither decoded per input row nor
+/// written out as f32; each element bit-identical to the one-row product.
+fn matmul_mxfp4_regs(kernel: Kernel<Dot4xnMxfp4>, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     assert_eq!(xds.len() % cols, 0);
     assert_eq!(cols % MXFP4_BLOCK, 0);
@@ -344,17 +301,11 @@ fn matmul_mxfp4_regs(isa: Isa, w: &Mxfp4Mat, xds: &[f32], out: &mut [f32]) {
             // A short quad repeats its last row (the extra results are dropped).
             let wr: [(&[u8], &[u8]); 4] = std::array::from_fn(|k| w.row(r0 + q + k.min(nw - 1)));
             for i in (0..n).step_by(4) {
-                let x = |k: usize| &xds[(i + k) * cols..][..cols];
-                let mut put = |d: &[[f32; 4]; 4], nx: usize| {
-                    for (a, da) in d.iter().enumerate().take(nw) {
-                        res[(q + a) * n + i..][..nx].copy_from_slice(&da[..nx]);
-                    }
-                };
-                match n - i {
-                    1 => put(&dot4xn_mxfp4::<1>(isa, wr, [x(0)]).map(|r| [r[0], 0.0, 0.0, 0.0]), 1),
-                    2 => put(&dot4xn_mxfp4::<2>(isa, wr, [x(0), x(1)]).map(|r| [r[0], r[1], 0.0, 0.0]), 2),
-                    3 => put(&dot4xn_mxfp4::<3>(isa, wr, [x(0), x(1), x(2)]).map(|r| [r[0], r[1], r[2], 0.0]), 3),
-                    _ => put(&dot4xn_mxfp4::<4>(isa, wr, [x(0), x(1), x(2), x(3)]), 4),
+                let nx = 4.min(n - i);
+                let x: [&[f32]; 4] = std::array::from_fn(|k| &xds[(i + k.min(nx - 1)) * cols..][..cols]);
+                let d = kernel.call(wr, &x[..nx]);
+                for (a, da) in d.iter().enumerate().take(nw) {
+                    res[(q + a) * n + i..][..nx].copy_from_slice(&da[..nx]);
                 }
             }
         }

@@ -1,10 +1,12 @@
-//! Element-wise and per-row operations in f32: norms, activations, softmax, SiTU.
+//! Element-wise and per-row operations in f32: norms, activations, softmax, SiTU's rows (SiTU
+//! itself is `situ.rs`), the AttnRes mix and routing.
 //! Each is a fixed sequential order of operations, so results never depend on threading.
 //! Transcendentals, reciprocals and square roots come from [`crate::backend::detmath`] (not libm),
 //! and every product that feeds an addition is a `mul_add`, so that the GPU kernels
 //! (`kernels/norm.wgsl` and the others) can repeat each operation exactly.
 
-use super::{Isa, dot_f32, isa};
+use super::dispatch::SITU;
+use super::{Isa, dot_f32};
 use crate::backend::detmath;
 use crate::backend::types::{RouteRule, Situ};
 
@@ -81,53 +83,17 @@ detmath::fma_fn! {
 }
 
 impl Situ {
-    #[inline(always)]
-    pub fn apply(self, g: f32, u: f32) -> f32 {
-        let a = self.beta * detmath::tanh(detmath::div(g, self.beta)) * sigmoid(g);
-        let b = if self.linear_beta > 0.0 {
-            self.linear_beta * detmath::tanh(detmath::div(u, self.linear_beta))
-        } else {
-            u
-        };
-        a * b
-    }
-
     /// out[i] = situ(gate[i], up[i]).
     pub fn apply_rows(self, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        situ_rows_isa(isa(), self, gate, up, out)
+        SITU.chosen().call(self, gate, up, out)
     }
 }
 
-/// out[i] = s.apply(gate[i], up[i]) with the kernels of `isa`: the same bits on every one (the
-/// scalar loop is the definition; AVX-512, AVX2 and NEON run the same operations 16, 8 or 4
-/// elements at a time).
+/// out[i] = s.apply(gate[i], up[i]) with the kernel of `isa`: the same bits on every one (the
+/// loop of `cpu/situ.rs` on one lane is the definition; AVX-512, AVX2 and NEON run it on 16, 8 or
+/// 4 lanes).
 pub fn situ_rows_isa(isa: Isa, s: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
-    assert!(gate.len() == out.len() && up.len() == out.len(), "situ operands of different lengths");
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 {
-        // SAFETY: Isa::Avx512 is only chosen when avx512f was detected; lengths checked above.
-        return unsafe { super::situ_x86::situ_rows_avx512(s, gate, up, out) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: Isa::Avx2 is only chosen when avx2 and fma were detected; lengths checked above.
-        return unsafe { super::situ_x86::situ_rows_avx2(s, gate, up, out) };
-    }
-    #[cfg(target_arch = "aarch64")]
-    if isa == Isa::Neon {
-        // SAFETY: Isa::Neon is only chosen when neon was detected; lengths checked above.
-        return unsafe { super::neon::situ_rows(s, gate, up, out) };
-    }
-    let _ = isa;
-    situ_rows(s, gate, up, out)
-}
-
-detmath::fma_fn! {
-    fn situ_rows(s: Situ, gate: &[f32], up: &[f32], out: &mut [f32]) {
-        for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *o = s.apply(g, u);
-        }
-    }
+    SITU.get(isa).call(s, gate, up, out)
 }
 
 detmath::fma_fn! {

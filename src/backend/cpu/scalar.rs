@@ -1,10 +1,13 @@
 //! Scalar reference kernels: the defining operation order that the SIMD kernels reproduce bit for
-//! bit (16 lanes, fused multiply-add per lane, zero-padded tail, `reduce16`).
+//! bit (16 lanes, fused multiply-add per lane, zero-padded tail, `reduce16`), the row decoders'
+//! exact values, and the scalar FMA peak loop. Each is a family's portable form in
+//! `dispatch.rs`'s tables (SiTU's is in `situ.rs`).
 
 // Lane-indexed loops over several arrays in lockstep read clearer than zipped iterators here.
 #![allow(clippy::needless_range_loop)]
 
 use super::{E2M1, LANES, e8m0, reduce16};
+use crate::backend::types::MXFP4_BLOCK;
 
 #[inline(always)]
 fn bf16_at(row: &[u8], i: usize) -> f32 {
@@ -73,4 +76,36 @@ pub(super) fn dot4_mxfp4(w: [(&[u8], &[u8]); 4], xd: &[f32]) -> [f32; 4] {
         }
     }
     std::array::from_fn(|r| reduce16(&acc[r]))
+}
+
+/// One MXFP4 row to f32 in the deinterleaved order (exact values).
+pub(super) fn decode_mxfp4_row(packed: &[u8], scales: &[u8], out: &mut [f32]) {
+    for (b, (pb, ob)) in packed.chunks_exact(16).zip(out.chunks_exact_mut(MXFP4_BLOCK)).enumerate() {
+        let s = e8m0(scales[b]);
+        for j in 0..16 {
+            ob[j] = E2M1[(pb[j] & 0x0f) as usize] * s;
+            ob[16 + j] = E2M1[(pb[j] >> 4) as usize] * s;
+        }
+    }
+}
+
+/// One bf16 row to f32 (exact).
+pub(super) fn decode_bf16_row(row: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+        *o = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+    }
+}
+
+/// Independent accumulator chains of the scalar FMA peak loop.
+pub(super) const PEAK_CHAINS: usize = 12;
+
+/// The FMA peak loop on scalars: [`PEAK_CHAINS`] chains, `iters` FMAs each.
+pub(super) fn fma_chains(iters: u64) -> f32 {
+    let mut acc = [1.0f32; PEAK_CHAINS];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = x.mul_add(0.999_999, 1e-7);
+        }
+    }
+    acc.iter().sum()
 }

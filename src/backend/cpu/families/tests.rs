@@ -2,6 +2,7 @@
 //! fails here too, not only under an aarch64 runner).
 
 use super::{FAMILIES, Form, Isa};
+use crate::backend::cpu::dispatch::native_kernels;
 use std::path::{Path, PathBuf};
 
 fn backend_dir() -> PathBuf {
@@ -45,15 +46,30 @@ fn words(code: &str, name: &str) -> usize {
         .count()
 }
 
-const ISAS: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon];
+const ISAS: [Isa; 4] = Isa::ALL;
+
+#[test]
+fn every_family_has_a_form_on_every_isa() {
+    let mut bad = Vec::new();
+    for f in FAMILIES {
+        for isa in ISAS {
+            let n = f.forms.iter().filter(|(i, _)| *i == isa).count();
+            if n != 1 {
+                bad.push(format!("{}: {n} forms on {isa:?}", f.name));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "every family lists one form per instruction set: {bad:#?}");
+}
 
 #[test]
 fn every_family_with_an_x86_kernel_has_its_neon_kernel() {
     let mut missing = Vec::new();
+    let native = |f: &super::Family, isa| f.forms.iter().any(|&(i, form)| i == isa && matches!(form, Form::Native(_)));
     for f in FAMILIES {
-        let x86 = [f.avx2, f.avx512].iter().any(|x| matches!(x, Form::Native(_)));
-        if x86 && !matches!(f.neon, Form::Native(_)) {
-            missing.push(format!("{}: {:?} on NEON", f.name, f.neon));
+        let x86 = native(f, Isa::Avx2) || native(f, Isa::Avx512);
+        if x86 && !native(f, Isa::Neon) {
+            missing.push(format!("{}: {:?} on NEON", f.name, f.forms.iter().find(|(i, _)| *i == Isa::Neon)));
         }
     }
     assert!(missing.is_empty(), "x86 kernel families without a NEON kernel: {missing:#?}");
@@ -68,8 +84,8 @@ fn every_listed_kernel_is_defined_in_its_file_and_called() {
     let src = sources();
     let mut bad = Vec::new();
     for f in FAMILIES {
-        for isa in ISAS {
-            let (Form::Native(path) | Form::Reference(path)) = f.form(isa) else { continue };
+        for &(isa, form) in f.forms {
+            let (Form::Native(path) | Form::Reference(path)) = form else { continue };
             let Some((file, name)) = path.split_once("::") else {
                 bad.push(format!("{}/{isa:?}: {path} is not file::function", f.name));
                 continue;
@@ -94,14 +110,18 @@ fn every_listed_kernel_is_defined_in_its_file_and_called() {
 
 /// Public `#[target_feature]` functions of the SIMD files that are parts of a listed kernel, not
 /// kernels a dispatch calls.
-const PARTS: &[&str] =
-    &["coded/decode.rs::block_avx512", "coded/decode.rs::table_avx512", "coded/neon.rs::block", "coded/neon.rs::table"];
+const PARTS: &[&str] = &[
+    "cpu/x86/coded.rs::block_avx512",
+    "cpu/x86/coded.rs::table_avx512",
+    "cpu/neon/coded.rs::block",
+    "cpu/neon/coded.rs::table",
+];
 
 #[test]
 fn every_simd_kernel_is_on_the_list() {
     let listed: Vec<&str> = FAMILIES
         .iter()
-        .flat_map(|f| ISAS.map(|i| f.form(i)))
+        .flat_map(|f| f.forms.iter().map(|&(_, form)| form))
         .filter_map(|form| match form {
             Form::Native(p) | Form::Reference(p) => Some(p),
             Form::Composed(_) => None,
@@ -133,4 +153,30 @@ fn every_simd_kernel_is_on_the_list() {
     }
     assert!(seen >= 20, "found only {seen} SIMD kernels: the scan is broken");
     assert!(unlisted.is_empty(), "SIMD kernels on no family of cpu/families.rs: {unlisted:#?}");
+}
+
+#[test]
+fn the_tables_have_a_kernel_where_the_list_names_a_native_form() {
+    let tables = native_kernels();
+    let mut bad = Vec::new();
+    for f in FAMILIES {
+        let Some((_, natives)) = tables.iter().find(|(name, _)| *name == f.name) else {
+            bad.push(format!("{}: no table in dispatch.rs", f.name));
+            continue;
+        };
+        // The instruction sets of this build's architecture (the tables hold no other).
+        for isa in ISAS.into_iter().filter(|i| i.arch() == Some(std::env::consts::ARCH)) {
+            let form = f.forms.iter().find(|(i, _)| *i == isa).map(|&(_, form)| form);
+            let listed = matches!(form, Some(Form::Native(_)));
+            if listed != natives.contains(&isa) {
+                bad.push(format!("{} on {isa:?}: listed {form:?}, table has a kernel: {}", f.name, !listed));
+            }
+        }
+    }
+    for (name, _) in &tables {
+        if !FAMILIES.iter().any(|f| f.name == *name) {
+            bad.push(format!("{name}: a table of no family in families.rs"));
+        }
+    }
+    assert!(bad.is_empty(), "families.rs and dispatch.rs disagree:\n{}", bad.join("\n"));
 }

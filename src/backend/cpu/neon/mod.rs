@@ -1,7 +1,9 @@
-//! NEON (aarch64) forms of the CPU kernel families: the dot products (`dot.rs`), the tiled
-//! multi-row f32 and register-decoded MXFP4 products (`tiled.rs`), SiTU (`situ.rs`), the coded
-//! trunk decoded inside the matrix-vector product (`coded.rs`) and the int8 trunk product
-//! (`int8.rs`). `cpu/families.rs` lists them beside the x86 forms.
+//! NEON (aarch64) forms of the CPU kernel families: the dot products and the row decoders
+//! (`dot.rs`), the tiled multi-row f32 and register-decoded MXFP4 products (`tiled.rs`), SiTU's
+//! lanes (`situ.rs`), the coded trunk's block decoder and the matrix-vector product that decodes
+//! into its FMAs (`coded.rs`), the int8 trunk product (`int8.rs`) and the FMA peak loop (here).
+//! `cpu/dispatch.rs` puts them in the families' tables; `cpu/families.rs` lists them beside the
+//! x86 forms (`cpu/x86/`, the same file names).
 //!
 //! Contract: each kernel repeats the scalar reference's operations exactly. The 16 lanes of an
 //! accumulator are four q registers (lanes 4q..4q+4 in register q); a lane only ever meets the
@@ -17,7 +19,7 @@ mod int8;
 mod situ;
 mod tiled;
 
-pub(super) use coded::dot4_coded;
+pub(super) use coded::{decode_blocks, dot4_coded};
 pub(super) use dot::{decode_bf16_row, decode_mxfp4_row, dot1_f32, dot4_bf16, dot4_f32, dot4_mxfp4};
 pub(super) use int8::dot4_int8;
 pub(super) use situ::situ_rows;
@@ -150,4 +152,29 @@ unsafe fn mxfp4_codes(p: *const u8) -> (uint8x16_t, uint8x16_t) {
     // SAFETY: the caller's 16 bytes.
     let bytes = unsafe { vld1q_u8(p) };
     (vandq_u8(bytes, vdupq_n_u8(15)), vshrq_n_u8::<4>(bytes))
+}
+
+/// Independent accumulator chains of the FMA peak loop: Apple's performance cores have four FMA
+/// pipes of latency 4 (and 32 vector registers to hold the chains).
+pub(super) const PEAK_CHAINS: usize = 16;
+
+/// The FMA peak loop with NEON: [`PEAK_CHAINS`] register-resident chains, `iters` FMAs each.
+///
+/// # Safety
+/// Requires neon.
+#[target_feature(enable = "neon")]
+pub(super) unsafe fn fma_chains(iters: u64) -> f32 {
+    let a = vdupq_n_f32(0.999_999);
+    let b = vdupq_n_f32(1e-7);
+    let mut acc = [vdupq_n_f32(1.0); PEAK_CHAINS];
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = vfmaq_f32(b, *x, a);
+        }
+    }
+    let mut s = vdupq_n_f32(0.0);
+    for x in acc {
+        s = vaddq_f32(s, x);
+    }
+    vaddvq_f32(s)
 }
