@@ -86,8 +86,10 @@ fn trained_drafter_gets_drafts_accepted_and_changes_no_id() {
     let rate = accepted as f64 / proposed as f64;
     println!("trained drafter: {accepted} of {proposed} drafts accepted ({rate:.3})");
     // Behaviour, not speed: a trained drafter gets a good share of its drafts accepted (a random one
-    // gets almost none). The figure on held-out prompts is bench/trained.py's.
-    assert!(rate >= 0.3, "acceptance {rate:.3}");
+    // gets almost none). The figure on held-out prompts is bench/trained.py's. (0.25: the drafter of
+    // 2026-12-07 is distilled on sampled text, not on greedy loops, and gets 0.28 on these greedy
+    // continuations; the one before, trained on greedy loops, got more here and less on prose.)
+    assert!(rate >= 0.25, "acceptance {rate:.3}");
 }
 
 #[test]

@@ -71,7 +71,7 @@ done
 
 # 3. The run's record.
 mkdir -p "train/runs/$run"
-for f in train_target.json train_dspark.json report.json target.log eval.log dspark.log; do
+for f in train_target.json train_chat.json train_dspark.json report.json target.log eval.log chat.log dspark.log; do
     [ -f "$src/$f" ] && cp "$src/$f" "train/runs/$run/"
 done
 echo "record: train/runs/$run/ ($(ls "train/runs/$run" | tr '\n' ' '))"
