@@ -273,8 +273,8 @@ fn bad_draft_checkpoints_are_refused_naming_the_problem() {
 #[test]
 fn every_drafter_gives_the_same_bits_over_drive_layouts_and_cache_sizes() {
     use deltafin::store::ExpertSource;
+    use deltafin::store::io::reader::ReaderKind;
     use deltafin::store::placement::{Policy, ShardUse};
-    use deltafin::store::reader::ReaderKind;
     let target = repeating_copy(TARGET);
     let r = reference(TARGET);
     let prompt = &r.prompt[..10];

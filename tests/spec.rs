@@ -11,7 +11,7 @@ use common::*;
 use deltafin::backend::BackendError;
 use deltafin::draft::{Drafter, NgramDrafter, Speculator};
 use deltafin::engine::{Engine, GenerateOptions, Generation, Session};
-use deltafin::sched::RowsOut;
+use deltafin::forward::RowsOut;
 use std::sync::Arc;
 
 /// What a generation left behind, to compare bit for bit.

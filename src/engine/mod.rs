@@ -7,27 +7,20 @@
 //! budget. An `Engine` is `Send + Sync` and is shared across threads behind an `Arc`; all
 //! per-sequence state lives in [`Session`]s. Every path that feeds rows — a session's prefill,
 //! score, generation with or without drafts, several sessions together, continuous batching —
-//! runs the one step core (`step.rs`): the rows of every active sequence through one layer loop
+//! runs the one step core (`scheduler/step.rs`): the rows of every active sequence through one layer loop
 //! (one expert-union read per layer for all of them), then each picks or accepts and commits.
 
-pub mod compare;
 mod config;
-mod continuous;
 mod facts;
 mod kernel_rate;
-mod lane;
 mod parts;
-pub mod perplexity;
-mod run;
+mod scheduler;
 pub(crate) mod session;
 pub mod state_file;
-mod step;
-pub mod trunk;
+mod trunk;
 
 pub use config::{EngineConfig, ExpertHeat, ExpertsFrom};
-pub use continuous::{LaneError, LaneHost};
-pub use lane::Lane;
-pub use run::{BatchSeq, prefill_passes};
+pub use scheduler::{BatchSeq, Lane, LaneError, LaneHost, prefill_passes};
 pub use session::{GenerateOptions, Generation, PrefillProgress, PrefillWatcher, Session, StopReason};
 pub use state_file::{SamplerPosition, SessionNotes, StateFileError};
 // The settings and errors of the engine's API that are defined further down.
@@ -37,13 +30,13 @@ pub use crate::k3::{ForwardError, KdaMode};
 
 use crate::backend::{DeviceTraffic, OpTime, SequenceState};
 use crate::draft::{DraftError, DraftKind, Drafter, Speculator};
+use crate::forward;
 use crate::k3::dspark::DSparkModel;
 use crate::k3::{K3, LoadError};
 use crate::memory::{BudgetError, MemoryPlan, Split, activation_bytes, machine_available, state_reserve};
 use crate::model::config::{AttnKind, FfnKind};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{Checkpoint, K3Config, ModelError, Roster};
-use crate::sched;
 use crate::setting::{Action, Setting};
 use crate::store::expert_store::{self, ExpertStore, StoreOptions, StoreSpec};
 use crate::store::placement::{Manifest, PlacementError, manifest_path, manifest_spec, restrict_drives, shard_spec};
@@ -263,7 +256,8 @@ impl Engine {
             (None, Some(l)) => expert_store::slot_size(l.len) as u64,
             (None, None) => 0,
         };
-        let read_ahead_slots = spec.as_ref().map_or(0, |sp| sched::moe::read_ahead_slots(&sp.drives, config.sequences));
+        let read_ahead_slots =
+            spec.as_ref().map_or(0, |sp| forward::moe::read_ahead_slots(&sp.drives, config.sequences));
         let staging = spec.as_ref().map_or(0, |sp| expert_store::staging_slots(&sp.drives, prefetch_depth) as u64);
         let staging = (staging + read_ahead_slots as u64) * slot;
         let split = Split {
@@ -368,9 +362,9 @@ impl Engine {
         self.source.as_ref().map(|s| s.report()).unwrap_or_default()
     }
 
-    pub(crate) fn sched_options(&self) -> sched::Options {
+    pub(crate) fn forward_options(&self) -> forward::Options {
         let queue_depth = self.store.as_ref().map_or(self.config.qd, |s| s.queue_depth());
-        sched::Options { kda_mode: self.config.kda, prefetch: self.config.prefetch, queue_depth }
+        forward::Options { kda_mode: self.config.kda, prefetch: self.config.prefetch, queue_depth }
     }
 
     /// Checks that a tokenizer fits this model's vocabulary.

@@ -10,9 +10,9 @@
 //! nothing like any other failure.
 
 use super::Engine;
+use crate::forward::{LogitRows, RowsOut, SeqRows};
 use crate::k3::ForwardError;
 use crate::k3::state::SeqState;
-use crate::sched::{LogitRows, RowsOut, SeqRows};
 use crate::stats::Stats;
 use std::sync::Arc;
 use std::time::Instant;

@@ -5,7 +5,7 @@
 use super::*;
 
 /// The reader thread of drive `d`.
-pub(super) fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn crate::store::reader::DriveIo>) {
+pub(super) fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn crate::store::io::reader::DriveIo>) {
     let qd = sh.spec.drives[d].qd.max(1);
     let mut done: Vec<Done> = Vec::new();
     let mut errors = 0u32;

@@ -265,7 +265,7 @@ impl ExpertSource for ExpertStore {
                     "{} ({}{})",
                     d.root,
                     d.reader,
-                    if d.direct_io { format!(", {}", crate::store::reader::UNCACHED) } else { String::new() }
+                    if d.direct_io { format!(", {}", crate::store::io::reader::UNCACHED) } else { String::new() }
                 )
             })
             .collect();

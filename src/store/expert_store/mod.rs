@@ -29,7 +29,7 @@
 use super::cache::{EvictionOrder, Slab};
 use super::counters::{DriveCounters, DriveReport, SourceReport};
 use super::heat::Heat;
-use super::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader, widen};
+use super::io::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader, widen};
 use super::sums::Verdict;
 use super::{ExpertSink, ExpertSource, Flow, Landed, StoreError};
 use crate::model::roster::ExpertLayout;
@@ -389,7 +389,7 @@ impl ExpertStore {
                 continue;
             }
             let qd = store.shared.spec.drives[d].qd.max(1);
-            let table: super::reader::FileTable =
+            let table: super::io::reader::FileTable =
                 store.shared.files.iter().map(|f| f.as_ref().map_or(-1, |f| f.fd())).collect();
             let reader = new_reader(opts.reader, qd, &store.shared.slab.iovecs(), table)
                 .map_err(|e| StoreError::Setup(format!("{} reader for drive {d}: {e}", opts.reader.name())))?;

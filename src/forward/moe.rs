@@ -62,7 +62,7 @@ pub struct StoreSchedule<'a> {
     predicted: Option<Vec<u32>>,
     stats: &'a mut Stats,
     clock: PhaseClock,
-    /// Told after each MoE layer (`super::forward`); false stops the forward.
+    /// Told after each MoE layer (`super::run`); false stops the forward.
     watch: Option<&'a mut super::LayerWatch<'a>>,
     moe_done: usize,
 }
@@ -90,7 +90,7 @@ impl<'a> StoreSchedule<'a> {
         }
     }
 
-    /// The schedule telling `watch` after each MoE layer (see `super::forward`).
+    /// The schedule telling `watch` after each MoE layer (see `super::run`).
     pub fn watched(mut self, watch: &'a mut super::LayerWatch<'a>) -> Self {
         self.watch = Some(watch);
         self

@@ -32,11 +32,12 @@
 //!
 //! [`Engine::forward_rows`] is the only place a forward runs (tests/structure.rs checks it).
 
+use super::lane::Lane;
 use super::lane::{Counting, Feed, Seq};
-use super::{Engine, Lane, PrefillProgress};
 use crate::draft::{ForwardCost, Speculator};
+use crate::engine::{Engine, PrefillProgress};
+use crate::forward::{self, LayerWatch, RowsOut, SeqRows};
 use crate::k3::ForwardError;
-use crate::sched::{self, LayerWatch, RowsOut, SeqRows};
 use crate::stats::Stats;
 use crate::store::SourceReport;
 use std::time::Instant;
@@ -197,13 +198,13 @@ impl Engine {
 
     /// Runs the rows of `batch` (each sequence's tokens, which logits, which taps) through one
     /// forward and leaves them pending in each sequence's state: the only place a forward runs.
-    pub(super) fn forward_rows(
+    pub(in crate::engine) fn forward_rows(
         &self,
         batch: &mut [SeqRows],
         stats: &mut Stats,
         watch: &mut LayerWatch<'_>,
     ) -> Result<Vec<RowsOut>, ForwardError> {
-        sched::forward(&self.model, &*self.device, self.source(), self.sched_options(), batch, stats, watch)
+        forward::run(&self.model, &*self.device, self.source(), self.forward_options(), batch, stats, watch)
     }
 
     /// One step of a running batch (see the module contract); the shared forward's counters are
@@ -220,8 +221,8 @@ impl Engine {
 }
 
 /// The logits a decode feed of `rows` rows needs: every row's for a verify block.
-fn rows_logits(rows: usize) -> sched::LogitRows {
-    if rows > 1 { sched::LogitRows::All } else { sched::LogitRows::Last }
+fn rows_logits(rows: usize) -> forward::LogitRows {
+    if rows > 1 { forward::LogitRows::All } else { forward::LogitRows::Last }
 }
 
 /// `a + b` where either is known.

@@ -15,8 +15,8 @@
 //! the counters of every step (each forward counted once) and the finished lanes' own tokens and
 //! drafts.
 
-use super::Engine;
 use super::lane::Lane;
+use crate::engine::Engine;
 use crate::k3::ForwardError;
 use crate::memory::SequencesError;
 use crate::stats::Stats;

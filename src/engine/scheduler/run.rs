@@ -18,8 +18,8 @@
 //! return.
 
 use super::lane::{Counting, PromptUse, Seq, Track};
-use super::{Engine, GenerateOptions, Generation, Session};
 use crate::draft::Speculator;
+use crate::engine::{Engine, GenerateOptions, Generation, Session};
 use crate::k3::ForwardError;
 use crate::sample::Sampler;
 use crate::stats::Stats;

@@ -18,12 +18,12 @@
 //! [`Lane`] owns its parts, for front ends that keep sequences running over many steps
 //! (continuous batching); the `Session` and `Engine` methods of `run.rs` lend theirs for a call.
 
-use super::{GenerateOptions, Generation, Session, StopReason};
 use crate::backend::Backend;
 use crate::draft::Speculator;
+use crate::engine::{GenerateOptions, Generation, Session, StopReason};
+use crate::forward::{LogitRows, RowsOut};
 use crate::k3::ForwardError;
 use crate::sample::Sampler;
-use crate::sched::{LogitRows, RowsOut};
 use crate::stats::Stats;
 use std::time::Instant;
 
