@@ -314,13 +314,9 @@ impl Engine {
                 };
                 let store = Arc::new(ExpertStore::open(spec, opts)?);
                 let source: Arc<dyn ExpertSource> = match stream {
-                    Some(st) => Arc::new(crate::hub::stream::StreamSource::new(
-                        st,
-                        Arc::clone(&store),
-                        held,
-                        Arc::clone(&ck),
-                        &roster,
-                    )?),
+                    Some(st) => {
+                        Arc::new(crate::hub::stream::source(st, Arc::clone(&store), held, Arc::clone(&ck), &roster)?)
+                    }
                     None => store.clone(),
                 };
                 (Some(source), Some(store))

@@ -25,6 +25,7 @@ pub mod pack;
 pub mod placement;
 pub mod probe;
 pub mod replay;
+pub mod stream;
 pub mod sums;
 
 pub use counters::SourceReport;
