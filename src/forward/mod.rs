@@ -79,17 +79,17 @@ impl PhaseClock {
         let now = Instant::now();
         let dt = (now - self.since).as_secs_f64();
         match self.phase {
-            Some(Phase::Attention) => stats.attention_s += dt,
-            Some(Phase::DenseMlp) => stats.dense_mlp_s += dt,
-            Some(Phase::Router) => stats.router_s += dt,
+            Some(Phase::Attention) => stats.phases.attention_s += dt,
+            Some(Phase::DenseMlp) => stats.phases.dense_mlp_s += dt,
+            Some(Phase::Router) => stats.phases.router_s += dt,
             // The routed input counts as expert work (the experts themselves are timed by the
             // expert schedule, their reads apart).
-            Some(Phase::Experts) => stats.expert_kernel_s += dt,
+            Some(Phase::Experts) => stats.phases.expert_kernel_s += dt,
             Some(Phase::Combine) => {
-                stats.expert_kernel_s += dt;
-                stats.moe_combine_s += dt;
+                stats.phases.expert_kernel_s += dt;
+                stats.phases.moe_combine_s += dt;
             }
-            Some(Phase::Output) | None => stats.other_s += dt,
+            Some(Phase::Output) | None => stats.phases.other_s += dt,
         }
         self.since = now;
         self.phase = next;

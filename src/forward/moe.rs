@@ -130,7 +130,7 @@ impl Schedule for StoreSchedule<'_> {
         }
         let ahead = self.look_ahead(layer, xn, n)?;
         let t_routed = Instant::now();
-        self.stats.router_s += (t_routed - t_start).as_secs_f64();
+        self.stats.phases.router_s += (t_routed - t_start).as_secs_f64();
         let mut pass = self.run_experts(src, layer, routes, zd, &union, &ahead)?;
         self.count_pass(layer, union, &mut pass, t_routed);
         self.predicted = ahead.predicted.map(|(_, p)| p);
@@ -227,7 +227,11 @@ impl StoreSchedule<'_> {
         let layout = src.layout().clone();
         let mut work = RoutedExperts::new(&*model.be, c, layer, &layout, routes, zd);
         let n = ahead.rows;
-        let rows_of: Vec<u32> = if n > 1 { work.rows_of().iter().map(|&r| r as u32).collect() } else { Vec::new() };
+        // The rows of each expert, for the traces when they are kept (nothing made otherwise).
+        let rows_of: Vec<u32> = match n > 1 && self.stats.keeps_traces() {
+            true => work.rows_of().iter().map(|&r| r as u32).collect(),
+            false => Vec::new(),
+        };
         if n > 1 {
             src.note_routes(layer, work.union(), &work.rows_of(), n);
         }
@@ -302,23 +306,22 @@ impl StoreSchedule<'_> {
     /// traces when they are kept, and its expert time (setting up the experts counts as expert
     /// work, as the experts themselves do).
     fn count_pass(&mut self, layer: usize, union: Vec<u32>, p: &mut Pass, t_routed: Instant) {
-        let stats = &mut *self.stats;
-        stats.layer_passes += 1;
-        stats.device_expert_hits += p.held as u64;
-        stats.device_expert_staged_bytes += p.uploaded.expert_staged_bytes;
-        stats.device_expert_in_place_bytes += p.uploaded.expert_in_place_bytes;
-        stats.experts_fetched += union.len() as u64;
-        stats.expert_rows += p.expert_rows as u64;
-        stats.expert_bytes_requested += ((union.len() - p.held) * p.expert_len) as u64;
-        stats.expert_bytes = p.expert_len as u64;
-        stats.distinct_experts.extend(union.iter().map(|&e| (layer as u32, e)));
-        stats.read_wait_s += (p.fetch_s - p.kernel_s).max(0.0);
-        *stats.layer_read_wait_s.entry(layer as u32).or_insert(0.0) += (p.fetch_s - p.kernel_s).max(0.0);
-        stats.fetch_trace.push((layer as u32, union));
-        stats.layer_fetch_s.push(p.fetch_s as f32);
-        stats.fetch_rows.push(std::mem::take(&mut p.rows_of));
+        let reads = &mut self.stats.reads;
+        reads.layer_passes += 1;
+        reads.device_expert_hits += p.held as u64;
+        reads.device_expert_staged_bytes += p.uploaded.expert_staged_bytes;
+        reads.device_expert_in_place_bytes += p.uploaded.expert_in_place_bytes;
+        reads.experts_fetched += union.len() as u64;
+        reads.expert_rows += p.expert_rows as u64;
+        reads.expert_bytes_requested += ((union.len() - p.held) * p.expert_len) as u64;
+        reads.expert_bytes = p.expert_len as u64;
+        reads.distinct_experts.extend(union.iter().map(|&e| (layer as u32, e)));
+        let phases = &mut self.stats.phases;
+        phases.read_wait_s += (p.fetch_s - p.kernel_s).max(0.0);
+        *phases.layer_read_wait_s.entry(layer as u32).or_insert(0.0) += (p.fetch_s - p.kernel_s).max(0.0);
         // Setting up the experts counts as expert work, as the experts themselves do.
-        stats.expert_kernel_s += p.kernel_s + (p.t_fetch - t_routed).as_secs_f64();
-        stats.moe_experts_s += p.kernel_s - p.sum_s;
+        phases.expert_kernel_s += p.kernel_s + (p.t_fetch - t_routed).as_secs_f64();
+        phases.moe_experts_s += p.kernel_s - p.sum_s;
+        self.stats.trace_fetch(layer, union, p.fetch_s, std::mem::take(&mut p.rows_of));
     }
 }
