@@ -237,20 +237,13 @@ pub fn state_reserve(c: &K3Config, context: usize, sequences: usize) -> u64 {
 }
 
 impl MemoryPlan {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        c: &K3Config,
-        budget: u64,
-        trunk: u64,
-        draft: u64,
-        expert_cache: u64,
-        staging: u64,
-        prefill_rows: usize,
-        outputs: u64,
-    ) -> Result<Self, BudgetError> {
+    /// The plan of `split` with `expert_cache` bytes of expert cache (`Split::expert_cache` or
+    /// `Split::with_cache`); one sequence's state counted at its fixed size, the context it may hold
+    /// from what is left.
+    pub fn new(c: &K3Config, split: &Split, expert_cache: u64) -> Result<Self, BudgetError> {
+        let Split { budget, trunk, draft, staging, activations, .. } = *split;
         let (fixed, per_token) = SeqState::footprint(c);
         let (state_fixed, state_per_token) = (fixed as u64, per_token.max(1) as u64);
-        let activations = activation_bytes(c, prefill_rows.max(1)) + outputs;
         let committed = trunk + draft + expert_cache + staging + state_fixed + activations;
         if committed > budget {
             return Err(BudgetError {

@@ -11,7 +11,7 @@
 //! everywhere. The math is single-threaded f64 in a fixed order and the generator is a splitmix64
 //! stream from `seed`, so the same logits, parameters and seed give the same tokens bit for bit on
 //! any thread count. Every pick draws exactly one uniform number, which is what lets speculative
-//! sampling ([`crate::draft`]; verified where `engine/lane.rs` picks) reproduce plain sampling
+//! sampling ([`crate::draft`]; verified where `engine/scheduler/lane.rs` picks) reproduce plain sampling
 //! token for token: it draws from the same filtered distribution.
 //!
 //! A [`TokenMask`] (a grammar: `crate::constrain`) restricts the pick without changing it when it

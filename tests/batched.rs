@@ -70,7 +70,7 @@ fn a_batched_prefill_equals_each_prompt_alone_and_reads_each_union_once_per_pass
             assert_eq!(bits(s.logits().unwrap()), alone[i], "prompt {i} differs in a batch (rows {rows})");
         }
         let passes = prefill_passes(&ps.iter().map(Vec::len).collect::<Vec<_>>(), rows).len() as u64;
-        assert_eq!(stats.layer_passes, passes * moe, "one pass per MoE layer per sweep (rows {rows})");
+        assert_eq!(stats.reads.layer_passes, passes * moe, "one pass per MoE layer per sweep (rows {rows})");
         assert_eq!(stats.prompt_tokens, 130);
         if rows == 4096 {
             // One sweep: each distinct expert of a layer read once for all four prompts.
@@ -139,7 +139,7 @@ fn lockstep_decode_equals_each_sequence_alone_as_they_leave() {
     }
     // The longest runs every step; each step is one forward (one pass per MoE layer).
     let steps = gens.iter().map(|g| g.tokens.len()).max().unwrap() as u64 - 1;
-    assert_eq!(stats.layer_passes, steps * open_model(&dir).cfg.moe_layers() as u64);
+    assert_eq!(stats.reads.layer_passes, steps * open_model(&dir).cfg.moe_layers() as u64);
 }
 
 #[test]

@@ -87,7 +87,7 @@ fn the_cache_gets_what_a_small_context_frees_for_the_sequences_run_together() {
     let m = open_model(&fixture("k3-tiny-a"));
     let spec = deltafin::store::placement::shard_spec(&m.ck, &m.roster, &m.dir, 4, 1.0).unwrap();
     let slot = deltafin::store::expert_store::slot_size_for(&spec) as u64;
-    let ahead = deltafin::sched::moe::read_ahead_depth(4, 8) as u64;
+    let ahead = deltafin::forward::moe::read_ahead_depth(4, 8) as u64;
     assert_eq!(
         narrow.plan().staging - one.plan().staging,
         ahead * slot,

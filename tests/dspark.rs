@@ -85,8 +85,8 @@ fn with_dspark(e: &Arc<Engine>, prompt: &[u32], max_new: usize, cost: bool) -> (
     let mut s = e.new_session();
     s.prefill_with(prompt, &mut spec).unwrap();
     let g = s.generate_speculative(&GenerateOptions { max_new, stop: Vec::new() }, &mut spec, &mut |_| true).unwrap();
-    assert_eq!(s.stats.drafter.as_deref(), Some("dspark"));
-    (g.tokens, bits(s.logits().unwrap()), s.stats.drafts_proposed, s.stats.drafts_accepted)
+    assert_eq!(s.stats.drafts.drafter.as_deref(), Some("dspark"));
+    (g.tokens, bits(s.logits().unwrap()), s.stats.drafts.proposed, s.stats.drafts.accepted)
 }
 
 #[test]
@@ -273,8 +273,8 @@ fn bad_draft_checkpoints_are_refused_naming_the_problem() {
 #[test]
 fn every_drafter_gives_the_same_bits_over_drive_layouts_and_cache_sizes() {
     use deltafin::store::ExpertSource;
+    use deltafin::store::io::reader::ReaderKind;
     use deltafin::store::placement::{Policy, ShardUse};
-    use deltafin::store::reader::ReaderKind;
     let target = repeating_copy(TARGET);
     let r = reference(TARGET);
     let prompt = &r.prompt[..10];
@@ -308,7 +308,7 @@ fn every_drafter_gives_the_same_bits_over_drive_layouts_and_cache_sizes() {
                 .generate_speculative(&GenerateOptions { max_new: 40, stop: Vec::new() }, &mut spec, &mut |_| true)
                 .unwrap();
             assert_eq!((g.tokens, bits(s.logits().unwrap())), want.clone(), "{what}: {kind:?}");
-            assert!(s.stats.drafts_accepted > 0, "{what}: {kind:?} drafts accepted");
+            assert!(s.stats.drafts.accepted > 0, "{what}: {kind:?} drafts accepted");
         }
     }
 }

@@ -56,12 +56,12 @@ fn two_sessions_stepped_together_equal_each_alone_and_share_reads() {
         let nb = deltafin::k3::argmax(b.logits().unwrap());
         ga.push(na);
         gb.push(nb);
-        let passes_before = a.stats.layer_passes;
+        let passes_before = a.stats.reads.layer_passes;
         let out = e.forward_sessions(&mut [&mut a, &mut b], &[&[na], &[nb]]).unwrap();
         ya.extend(bits(&out[0]));
         yb.extend(bits(&out[1]));
         // One pass per MoE layer for both.
-        assert_eq!(a.stats.layer_passes - passes_before, m.cfg.moe_layers() as u64);
+        assert_eq!(a.stats.reads.layer_passes - passes_before, m.cfg.moe_layers() as u64);
     }
     // Each distinct expert of a layer read once a step, plus the reads ahead (a step of two rows
     // reads the next layer's predicted experts ahead) that no fetch demanded.

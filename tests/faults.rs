@@ -4,8 +4,8 @@
 mod common;
 use common::*;
 use deltafin::store::expert_store::{ExpertStore, FaultKind, FaultPlan};
+use deltafin::store::io::reader::ReaderKind;
 use deltafin::store::placement::{Manifest, Policy, ShardUse};
-use deltafin::store::reader::ReaderKind;
 use std::path::PathBuf;
 use std::sync::Arc;
 

@@ -697,7 +697,7 @@ fn the_device_expert_cache_changes_no_bit_and_serves_repeated_experts() {
         let opts = deltafin::engine::GenerateOptions { max_new: 8, stop: Vec::new() };
         let tokens = s.generate(&opts, &mut |_| true).unwrap().tokens;
         let last: Vec<u32> = s.logits().unwrap().iter().map(|v| v.to_bits()).collect();
-        (first, tokens, last, s.stats.device_expert_hits, s.stats.expert_bytes_requested, e)
+        (first, tokens, last, s.stats.reads.device_expert_hits, s.stats.reads.expert_bytes_requested, e)
     };
     let (first, tokens, last, hits, requested, e) = run(None);
     assert_eq!(hits, 0);

@@ -6,8 +6,8 @@
 mod common;
 use common::*;
 use deltafin::store::expert_store::{ExpertStore, FaultKind, FaultPlan, StoreOptions};
+use deltafin::store::io::reader::ReaderKind;
 use deltafin::store::placement::{Manifest, Policy, ShardUse};
-use deltafin::store::reader::ReaderKind;
 use deltafin::store::{ExpertSource, SourceReport};
 use std::sync::Arc;
 use std::time::Duration;

@@ -109,7 +109,7 @@ fn drive(e: &Arc<Engine>, reqs: &[Req], n: usize) -> (Vec<Vec<u32>>, u64, usize)
     let stats = e.run_continuous(n, &mut host);
     let got: Vec<Vec<u32>> = host.got.into_iter().map(Option::unwrap).collect();
     assert_eq!(host.streamed, got, "the callback saw every token once, in order");
-    (got, stats.drafts_accepted, host.peak)
+    (got, stats.drafts.accepted, host.peak)
 }
 
 #[test]

@@ -165,8 +165,8 @@ fn with_drafts_sampled_tokens_follow_k3s_distribution() {
         let mut spec = Speculator::without_cost_model(Box::new(Fixed(vec![d])));
         // max_new 3: after t1 one draft (for t2) fits.
         let g = s.generate_speculative_sampled(&opts(3), &mut spec, &mut sampler, &mut |_| true).unwrap();
-        accepted += s.stats.drafts_accepted;
-        proposed += s.stats.drafts_proposed;
+        accepted += s.stats.drafts.accepted;
+        proposed += s.stats.drafts.proposed;
         let (t1, t2) = (g.tokens[0], g.tokens[1]);
         let cat = cats
             .iter()

@@ -27,7 +27,7 @@ fn expert_major_prefill_equals_token_at_a_time_bit_for_bit() {
         // Whole prompt in one expert-major pass.
         let mut s = e.new_session();
         let whole = s.prefill(&prompt).unwrap().to_vec();
-        assert_eq!(s.stats.layer_passes as usize, m.cfg.moe_layers(), "{name}: one pass per MoE layer");
+        assert_eq!(s.stats.reads.layer_passes as usize, m.cfg.moe_layers(), "{name}: one pass per MoE layer");
         // One token at a time (the decode path).
         let mut s1 = e.new_session();
         let mut last = Vec::new();
@@ -40,7 +40,7 @@ fn expert_major_prefill_equals_token_at_a_time_bit_for_bit() {
         let mut s2 = e50.new_session();
         let chunked = s2.prefill(&prompt).unwrap().to_vec();
         assert_eq!(bits(&whole), bits(&chunked), "{name}: chunked prefill differs");
-        assert_eq!(s2.stats.layer_passes as usize, m.cfg.moe_layers() * prompt.len().div_ceil(50));
+        assert_eq!(s2.stats.reads.layer_passes as usize, m.cfg.moe_layers() * prompt.len().div_ceil(50));
     }
 }
 
@@ -59,7 +59,7 @@ fn a_cold_prefill_reads_each_distinct_expert_once() {
             let reads: u64 = r.drives.iter().map(|d| d.reads).sum();
             assert_eq!(
                 reads as usize,
-                s.stats.distinct_experts.len(),
+                s.stats.reads.distinct_experts.len(),
                 "{name}, cache {cache}: reads != distinct experts"
             );
             // Bytes read = distinct experts x (expert size rounded to the 4 KiB O_DIRECT unit).

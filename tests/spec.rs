@@ -11,7 +11,7 @@ use common::*;
 use deltafin::backend::BackendError;
 use deltafin::draft::{Drafter, NgramDrafter, Speculator};
 use deltafin::engine::{Engine, GenerateOptions, Generation, Session};
-use deltafin::sched::RowsOut;
+use deltafin::forward::RowsOut;
 use std::sync::Arc;
 
 /// What a generation left behind, to compare bit for bit.
@@ -101,9 +101,9 @@ fn ngram_drafts_give_plain_greedy_output_with_1_and_2_threads() {
                         let (got, st) = speculative(&e, prompt, &o, &mut spec, None);
                         assert_eq!(got, want, "{name}, {threads} threads, prompt {pi}, max_new {max_new}");
                         assert!(got.tokens.len() <= max_new);
-                        accepted += st.drafts_accepted;
-                        proposed += st.drafts_proposed;
-                        assert_eq!(st.drafts_proposed_at.first().copied().unwrap_or(0), st.verify_calls);
+                        accepted += st.drafts.accepted;
+                        proposed += st.drafts.proposed;
+                        assert_eq!(st.drafts.proposed_at.first().copied().unwrap_or(0), st.drafts.verify_calls);
                     }
                 }
                 (accepted, proposed)
@@ -145,9 +145,9 @@ fn ngram_drafts_are_accepted_on_models_that_repeat_and_change_nothing() {
                                 format!("{name}, {threads} threads, prompt {pi}, max_new {max_new}, policy {policy}");
                             assert_eq!(got, want, "{what}");
                             if !cost_model {
-                                accepted += st.drafts_accepted;
-                                proposed += st.drafts_proposed;
-                                deepest = deepest.max(st.drafts_accepted_at.iter().filter(|&&a| a > 0).count());
+                                accepted += st.drafts.accepted;
+                                proposed += st.drafts.proposed;
+                                deepest = deepest.max(st.drafts.accepted_at.iter().filter(|&&a| a > 0).count());
                             }
                         }
                     }
@@ -248,10 +248,10 @@ fn partial_acceptance_stops_and_cancels_end_as_in_plain_greedy() {
                         let what = format!("{name}: stop {si}, max_new {max_new}, cancel {cancel:?}, wrong 1/{wrong}");
                         assert_eq!(got, want, "{what}");
                         if wrong == 0 {
-                            assert_eq!(st.drafts_accepted, st.drafts_proposed, "{what}: perfect drafts all accepted");
+                            assert_eq!(st.drafts.accepted, st.drafts.proposed, "{what}: perfect drafts all accepted");
                         }
-                        accepted += st.drafts_accepted;
-                        rejected += st.drafts_proposed - st.drafts_accepted;
+                        accepted += st.drafts.accepted;
+                        rejected += st.drafts.proposed - st.drafts.accepted;
                     }
                 }
             }
@@ -288,10 +288,10 @@ fn perfect_drafts_hand_over_fewer_expert_bytes_per_token() {
     }));
     let (got, st) = speculative(&e, prompt, &opts(n, Vec::new()), &mut spec, None);
     assert_eq!(got.tokens, g.tokens);
-    assert_eq!(st.drafts_accepted, st.drafts_proposed);
+    assert_eq!(st.drafts.accepted, st.drafts.proposed);
     // Widened to 7 after the probe: positions 1..=7 were all proposed and accepted.
-    assert_eq!(st.drafts_accepted_at.len(), 7);
-    assert_eq!(st.drafts_accepted_at, st.drafts_proposed_at);
+    assert_eq!(st.drafts.accepted_at.len(), 7);
+    assert_eq!(st.drafts.accepted_at, st.drafts.proposed_at);
     let spec_bytes = st.decode_expert_bytes_per_token().unwrap();
     assert!(spec_bytes < plain_bytes, "{spec_bytes} bytes per token with drafts, {plain_bytes} without");
     let j = st.to_json();

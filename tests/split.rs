@@ -7,8 +7,8 @@ mod common;
 use common::*;
 use deltafin::store::ExpertSource;
 use deltafin::store::expert_store::{ExpertStore, FaultKind, FaultPlan, StoreOptions};
+use deltafin::store::io::reader::ReaderKind;
 use deltafin::store::placement::{Manifest, Policy, ShardUse};
-use deltafin::store::reader::ReaderKind;
 use std::sync::Arc;
 
 /// Ranges down to one page, so that the test model's 51 KiB experts split.

@@ -7,8 +7,8 @@
 mod common;
 use common::*;
 use deltafin::store::expert_store::ExpertStore;
+use deltafin::store::io::reader::ReaderKind;
 use deltafin::store::placement::{Manifest, Policy, RouteTrace, ShardUse};
-use deltafin::store::reader::ReaderKind;
 use deltafin::store::{ExpertSource, StoreError};
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,10 +1,10 @@
 //! The crate's structure, from its own source: no import cycle among the top-level modules of
 //! `src/`, none among the direct submodules of any module at any depth, and imports run downhill
-//! — `cli` -> `serve` -> `service` / `bench` -> `engine` -> `sched` / `hub` / `memory` / `demo` /
-//! `draft` / `api` -> `k3` / `stats` / `constrain` -> `model` / `store` / `sample` -> `backend` ->
-//! `util` — with no exception. A module that is not on a floor yet fails the test until it is
-//! given one. The HTTP server is a front end of its own: no other CLI file than `cli/serve.rs`
-//! imports it.
+//! — `cli` -> `serve` -> `service` / `bench` / `tools` -> `engine` -> `forward` / `hub` / `memory` /
+//! `demo` / `draft` / `api` -> `k3` / `stats` / `constrain` -> `model` / `store` / `sample` ->
+//! `backend` -> `util` — with no exception. A module that is not on a floor yet fails the test
+//! until it is given one. The HTTP server is a front end of its own: no other CLI file than
+//! `cli/serve.rs` imports it.
 //!
 //! Imports are the `crate::` and `super::` paths of each file (use declarations, grouped `{..}`
 //! imports and paths in code), comments and string literals left out; a file's test module
@@ -14,10 +14,10 @@
 //! [`MAX_CLI_FILE_LINES`] (argument parsing and printing; the work is in the library). Front ends
 //! (the CLI's subcommands, the server, the generation service they share and the protocol it
 //! speaks) reach the model only through `Engine` / `Session`: they import nothing of `k3`,
-//! `backend` or `sched`, and touch none of the engine's parts.
+//! `backend` or `forward`, and touch none of the engine's parts.
 //!
-//! One step core: a forward runs in one place (`Engine::forward_rows`, engine/step.rs), a token is
-//! picked and rows are kept in one place (engine/lane.rs), and drafting has one trait
+//! One step core: a forward runs in one place (`Engine::forward_rows`, engine/scheduler/step.rs), a
+//! token is picked and rows are kept in one place (engine/scheduler/lane.rs), and drafting has one trait
 //! (`draft::Drafter`): a second decode loop or drafting trait fails a test.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -29,9 +29,9 @@ const FLOORS: &[&[&str]] = &[
     &["backend"],
     &["model", "store", "sample"],
     &["k3", "stats", "constrain"],
-    &["sched", "hub", "memory", "demo", "draft", "api"],
+    &["forward", "hub", "memory", "demo", "draft", "api"],
     &["engine"],
-    &["service", "bench"],
+    &["service", "bench", "tools"],
     &["serve"],
     &["cli"],
 ];
@@ -58,8 +58,9 @@ const MAX_CLI_FILE_LINES: usize = 300;
 /// the model's modules directly: `synth --dspark` writes a DSpark checkpoint (`k3::dspark::synth`).
 const FILE_TOOLS: &[&str] = &["cli/synth.rs"];
 
-/// Top-level modules a front end must not import: the model math, the backend, the schedules.
-const ENGINE_INSIDES: &[&str] = &["k3", "backend", "sched"];
+/// Top-level modules a front end must not import: the model math, the backend, the forward and its
+/// expert schedule.
+const ENGINE_INSIDES: &[&str] = &["k3", "backend", "forward"];
 
 /// Parts of an `Engine` a front end must not touch (`engine.<part>` / `engine().<part>`); it asks
 /// the engine's methods instead (`engine/facts.rs`).
@@ -69,10 +70,10 @@ const ENGINE_PARTS: &[&str] =
 /// Calls that make a decode loop, and the one file each may appear in (besides its definition):
 /// a forward (the step core's), a token picked from logits and rows kept (a lane's).
 const ONE_PLACE_CALLS: &[(&str, &str)] = &[
-    ("sched::forward(", "engine/step.rs"),
-    ("forward::forward(", "sched/mod.rs"),
-    (".pick_on(", "engine/lane.rs"),
-    (".commit_rows(", "engine/lane.rs"),
+    ("forward::run(", "engine/scheduler/step.rs"),
+    ("forward::forward(", "forward/mod.rs"),
+    (".pick_on(", "engine/scheduler/lane.rs"),
+    (".commit_rows(", "engine/scheduler/lane.rs"),
 ];
 
 /// The one drafting trait: the only trait that proposes tokens or is named for drafts.

@@ -80,8 +80,8 @@ fn trained_drafter_gets_drafts_accepted_and_changes_no_id() {
             .generate_speculative(&GenerateOptions { max_new: 48, stop: Vec::new() }, &mut spec, &mut |_| true)
             .unwrap();
         assert_eq!(g.tokens, want, "drafting changed the output");
-        proposed += s.stats.drafts_proposed;
-        accepted += s.stats.drafts_accepted;
+        proposed += s.stats.drafts.proposed;
+        accepted += s.stats.drafts.accepted;
     }
     let rate = accepted as f64 / proposed as f64;
     println!("trained drafter: {accepted} of {proposed} drafts accepted ({rate:.3})");

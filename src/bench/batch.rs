@@ -125,7 +125,14 @@ pub fn run(
     let max_new = decode.max(1);
     let lens: Vec<usize> = prompts.iter().map(|p| p.len() + max_new).collect();
     let engine = open_fitting(config, &lens)?;
-    let mut sessions: Vec<Session> = (0..n).map(|_| engine.new_session()).collect();
+    // Sessions that keep the per-layer traces (and so do the shared calls' totals): the unions per
+    // layer and the rows of each expert the record reports.
+    let traced = || {
+        let mut s = engine.new_session();
+        s.keep_traces(true);
+        s
+    };
+    let mut sessions: Vec<Session> = (0..n).map(|_| traced()).collect();
     let lists: Vec<&[u32]> = prompts.iter().map(|p| &p[..]).collect();
     let m = |measure: &mut dyn FnMut() -> Result<Option<f64>, String>| measure().map_err(BatchBenchError::Ceiling);
     let c0 = m(measure)?;
@@ -174,7 +181,7 @@ pub fn run(
             && logits.iter().zip(&first_logits[i]).all(|(a, b)| a.to_bits() == b.to_bits());
         same_logits && *toks == gens[i].tokens
     });
-    let expert_bytes = pre.expert_bytes.max(dec.expert_bytes);
+    let expert_bytes = pre.reads.expert_bytes.max(dec.reads.expert_bytes);
     let prefill_ceiling = mean(c0, c1);
     let decode_mean_ceiling = mean(c1, c2);
     let decode_read_gbps = (probes_on(c0, c1, c2) && decode_wall > 0.0)
@@ -182,28 +189,32 @@ pub fn run(
         .filter(|g| *g > 0.0);
     let decode_ceiling = decode_ceiling(&[c0, c1, c2], decode_read_gbps);
     let union_bytes = pre.expert_bytes_unique();
-    let rate = kernel_rate(&grid, rate_before, rate_after, &pre.fetch_rows);
+    let rate = kernel_rate(&grid, rate_before, rate_after, &pre.traces().rows);
     // Phases of the trunk (none waits for a read); the expert phases less the kernels themselves
     // are the routed input, the setup of each layer's experts and the combine.
-    let trunk_s = pre.attention_s
-        + pre.dense_mlp_s
-        + pre.router_s
-        + pre.other_s
-        + (pre.expert_kernel_s - pre.moe_experts_s).max(0.0);
-    let compute = rate.as_ref().map_or((prefill_wall - pre.read_wait_s).max(0.0), |r| r.bound_s + trunk_s);
+    let trunk_s = pre.phases.attention_s
+        + pre.phases.dense_mlp_s
+        + pre.phases.router_s
+        + pre.phases.other_s
+        + (pre.phases.expert_kernel_s - pre.phases.moe_experts_s).max(0.0);
+    let compute = rate.as_ref().map_or((prefill_wall - pre.phases.read_wait_s).max(0.0), |r| r.bound_s + trunk_s);
     let prefill_read_s = prefill_ceiling.map(|c| union_bytes as f64 / (c * 1e9));
     let prefill_bound = prefill_read_s.map(|r| r.max(compute));
     // The same bound with every expert at its row count's fastest timing: a stricter reading.
     let bound_fastest = rate.as_ref().zip(prefill_read_s).map(|(r, read)| read.max(r.bound_fastest_s + trunk_s));
     let steps = dec.forward_calls;
-    let dec_unions = union_sizes(&dec.fetch_trace);
+    let dec_unions = union_sizes(&dec.traces().fetches);
     let dec_union_bytes = dec_unions.iter().sum::<usize>() as u64 * expert_bytes;
     let decode_bound = decode_ceiling.map(|c| dec_union_bytes as f64 / (c * 1e9));
     let decode_bound_mean = decode_mean_ceiling.map(|c| dec_union_bytes as f64 / (c * 1e9));
     let trunk = |s: &crate::stats::Stats| {
-        s.attention_s + s.dense_mlp_s + s.router_s + s.other_s + (s.expert_kernel_s - s.moe_experts_s).max(0.0)
+        s.phases.attention_s
+            + s.phases.dense_mlp_s
+            + s.phases.router_s
+            + s.phases.other_s
+            + (s.phases.expert_kernel_s - s.phases.moe_experts_s).max(0.0)
     };
-    let moe_layers = pre.layer_passes.checked_div(prefill_passes(&engine, prompts)).unwrap_or(0).max(1);
+    let moe_layers = pre.reads.layer_passes.checked_div(prefill_passes(&engine, prompts)).unwrap_or(0).max(1);
     let per_layer_mean = |u: &[usize]| if u.is_empty() { 0.0 } else { u.iter().sum::<usize>() as f64 / u.len() as f64 };
     let generated: usize = gens.iter().map(|g| g.tokens.len()).sum();
     let cold = super::cold::is_cold(emptied, &rep2.drives);
@@ -236,27 +247,27 @@ pub fn run(
                 "expert_rate_points_fastest": rate.as_ref().map(|r| &r.fastest),
                 "expert_rate_after_over_before": rate.as_ref().map(|r| r.after_over_before),
                 "ratio_at_fastest_rate": bound_fastest.map(|b| prefill_wall / b),
-                "expert_rows": pre.expert_rows,
+                "expert_rows": pre.reads.expert_rows,
                 "peak_rss_bytes": peak_rss,
                 "rss_before_bytes": rss_before,
                 "ops": (!prefill_ops.is_empty()).then_some(&prefill_ops),
-                "read_wait_s": pre.read_wait_s,
-                "expert_kernel_s": pre.expert_kernel_s,
-                "attention_s": pre.attention_s,
+                "read_wait_s": pre.phases.read_wait_s,
+                "expert_kernel_s": pre.phases.expert_kernel_s,
+                "attention_s": pre.phases.attention_s,
                 "phases": {
-                    "attention_s": pre.attention_s,
-                    "dense_mlp_s": pre.dense_mlp_s,
-                    "router_s": pre.router_s,
-                    "experts_s": pre.moe_experts_s,
-                    "expert_phase_s": pre.expert_kernel_s,
-                    "combine_s": pre.moe_combine_s,
-                    "other_s": pre.other_s,
+                    "attention_s": pre.phases.attention_s,
+                    "dense_mlp_s": pre.phases.dense_mlp_s,
+                    "router_s": pre.phases.router_s,
+                    "experts_s": pre.phases.moe_experts_s,
+                    "expert_phase_s": pre.phases.expert_kernel_s,
+                    "combine_s": pre.phases.moe_combine_s,
+                    "other_s": pre.phases.other_s,
                 },
-                "layer_passes": pre.layer_passes,
+                "layer_passes": pre.reads.layer_passes,
                 "union_expert_bytes": union_bytes,
                 "expert_bytes_read": read1.saturating_sub(read0),
                 "expert_bytes": expert_bytes,
-                "distinct_experts_per_layer": per_layer_mean(&union_sizes(&pre.fetch_trace)),
+                "distinct_experts_per_layer": per_layer_mean(&union_sizes(&pre.traces().fetches)),
                 "tok_s": prompts.iter().map(Vec::len).sum::<usize>() as f64 / prefill_wall,
                 "alone_wall_s": alone.iter().map(|a| a.2).collect::<Vec<_>>(),
             },
@@ -273,7 +284,7 @@ pub fn run(
                 "read_gbps": decode_read_gbps,
                 "bound_s_mean_ceiling": decode_bound_mean,
                 "bound_over_wall_mean_ceiling": decode_bound_mean.map(|b| b / decode_wall),
-                "expert_kernel_s": dec.moe_experts_s,
+                "expert_kernel_s": dec.phases.moe_experts_s,
                 "trunk_s": trunk(&dec),
                 "reads_ahead": rep2.prefetch_issued.saturating_sub(rep1.prefetch_issued),
                 "reads_ahead_used": rep2.prefetch_used.saturating_sub(rep1.prefetch_used),
@@ -286,7 +297,7 @@ pub fn run(
                 "distinct_experts_per_layer": per_layer_mean(&dec_unions),
                 "distinct_experts_per_layer_alone": per_layer_mean(&alone.iter().flat_map(|a| union_sizes(&a.3)).collect::<Vec<_>>()),
                 "moe_layers": moe_layers,
-                "read_wait_s": dec.read_wait_s,
+                "read_wait_s": dec.phases.read_wait_s,
                 "tok_s": generated as f64 / decode_wall,
                 "s_per_step": if steps > 0 { Some(decode_wall / steps as f64) } else { None },
             },
@@ -427,12 +438,13 @@ fn alone_runs(
     let mut out = Vec::with_capacity(prompts.len());
     for p in prompts {
         let mut s = engine.new_session();
+        s.keep_traces(true);
         let t = Instant::now();
         let logits = s.prefill(p)?.to_vec();
         let wall = t.elapsed().as_secs_f64();
-        let before = s.stats.fetch_trace.len();
+        let before = s.stats.traces().fetches.len();
         let g = s.generate(opts, &mut |_| true)?;
-        let trace: Vec<(u32, Vec<u32>)> = s.stats.fetch_trace.get(before..).unwrap_or_default().to_vec();
+        let trace: Vec<(u32, Vec<u32>)> = s.stats.traces().fetches.get(before..).unwrap_or_default().to_vec();
         out.push((logits, g.tokens, wall, trace));
     }
     Ok(out)

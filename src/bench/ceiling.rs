@@ -8,9 +8,9 @@
 
 use super::BenchError;
 use crate::model::ModelFiles;
+use crate::store::io::reader::widen;
 use crate::store::placement::Manifest;
 use crate::store::probe;
-use crate::store::reader::widen;
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -70,7 +70,7 @@ impl CeilingProbe {
             &self.ranges,
             self.read_len,
             self.qd,
-            crate::store::reader::ReaderKind::Auto,
+            crate::store::io::reader::ReaderKind::Auto,
             Duration::from_secs_f64(self.secs),
         )?))
     }

@@ -157,6 +157,8 @@ fn one_run(
     };
     let plan = engine.plan().clone();
     let mut session = engine.new_session();
+    // The per-layer traces: the decode layers' fetch times, the fetch trace and the cache's optimum.
+    session.keep_traces(true);
     let ceiling_before = probe.measure()?;
     let traffic_start = engine.device_traffic();
     let unix = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
@@ -199,12 +201,12 @@ fn one_run(
     stats.source = Some(engine.source_report());
     let steps = out_ids.len().saturating_sub(1);
     let decode_read = stats.bytes_read().unwrap_or(0).saturating_sub(prefill_read);
-    let compute = ttft - pre.read_wait_s;
+    let compute = ttft - pre.phases.read_wait_s;
     let prefill_read_s = prefill_ceiling.map(|c| unique as f64 / (c * 1e9));
     let ttft_bound = prefill_read_s.map(|r| r + compute);
     let ttft_bound_max = prefill_read_s.map(|r| r.max(compute));
     // A decode layer's fetch times (the straggler and hedging measure: its p99).
-    let mut decode_layers: Vec<f32> = stats.layer_fetch_s.get(pre.layer_fetch_s.len()..).unwrap_or(&[]).to_vec();
+    let mut decode_layers: Vec<f32> = stats.traces().fetch_s.get(pre.traces().fetch_s.len()..).unwrap_or(&[]).to_vec();
     decode_layers.sort_by(f32::total_cmp);
     let layer_q = |q: f64| {
         let n = decode_layers.len();
@@ -222,7 +224,7 @@ fn one_run(
     }
     if let Some(p) = &a.fetch_trace {
         let body = serde_json::to_vec(
-            &json!({"cache_slots": engine.source_report().cache_slots, "prefill_passes": pre.fetch_trace.len(), "trace": stats.fetch_trace, "rows_of": stats.fetch_rows}),
+            &json!({"cache_slots": engine.source_report().cache_slots, "prefill_passes": pre.traces().fetches.len(), "trace": stats.traces().fetches, "rows_of": stats.traces().rows}),
         )
         .map_err(|source| BenchError::Json { path: p.clone(), source })?;
         crate::util::write_atomic(p, &body).map_err(|source| BenchError::Io { path: p.clone(), source })?;
@@ -232,8 +234,9 @@ fn one_run(
     let report = engine.source_report();
     let cold = cold::is_cold(emptied, &report.drives);
     let device_slots = engine.device_expert_slots();
-    let cache_opt =
-        report.cache_slots.map(|slots| crate::store::cache::belady_misses(&stats.fetch_trace, slots + device_slots));
+    let cache_opt = report
+        .cache_slots
+        .map(|slots| crate::store::cache::belady_misses(&stats.traces().fetches, slots + device_slots));
     let cache_vs_opt = match (report.cache_misses, cache_opt) {
         (Some(ours), Some(opt)) if opt > 0 => Some(ours as f64 / opt as f64),
         _ => None,
@@ -242,13 +245,13 @@ fn one_run(
     let decode_phases = (steps > 0).then(|| {
         let n = steps as f64;
         json!({
-            "read_wait_s": (stats.read_wait_s - pre.read_wait_s) / n,
-            "attention_s": (stats.attention_s - pre.attention_s) / n,
-            "router_s": (stats.router_s - pre.router_s) / n,
-            "moe_experts_s": (stats.moe_experts_s - pre.moe_experts_s) / n,
-            "moe_combine_s": (stats.moe_combine_s - pre.moe_combine_s) / n,
-            "dense_mlp_s": (stats.dense_mlp_s - pre.dense_mlp_s) / n,
-            "other_s": (stats.other_s - pre.other_s) / n,
+            "read_wait_s": (stats.phases.read_wait_s - pre.phases.read_wait_s) / n,
+            "attention_s": (stats.phases.attention_s - pre.phases.attention_s) / n,
+            "router_s": (stats.phases.router_s - pre.phases.router_s) / n,
+            "moe_experts_s": (stats.phases.moe_experts_s - pre.phases.moe_experts_s) / n,
+            "moe_combine_s": (stats.phases.moe_combine_s - pre.phases.moe_combine_s) / n,
+            "dense_mlp_s": (stats.phases.dense_mlp_s - pre.phases.dense_mlp_s) / n,
+            "other_s": (stats.phases.other_s - pre.phases.other_s) / n,
         })
     });
     // A device backend's operations per decode token: calls and wall seconds of each.
@@ -290,18 +293,18 @@ fn one_run(
             "ttft_s": ttft,
             "prefill_tok_s": prompt.len() as f64 / ttft,
             "prefill": {
-                "layer_passes": pre.layer_passes,
+                "layer_passes": pre.reads.layer_passes,
                 "layer_passes_expected": layers_moe * chunks,
                 "expert_bytes_read": prefill_read,
                 "expert_bytes_unique": unique,
                 "read_amplification": if unique > 0 { Some(prefill_read as f64 / unique as f64) } else { None },
-                "read_wait_s": pre.read_wait_s,
-                "expert_kernel_s": pre.expert_kernel_s,
-                "moe_experts_s": pre.moe_experts_s,
-                "moe_combine_s": pre.moe_combine_s,
-                "attention_s": pre.attention_s,
-                "router_s": pre.router_s,
-                "other_s": pre.other_s,
+                "read_wait_s": pre.phases.read_wait_s,
+                "expert_kernel_s": pre.phases.expert_kernel_s,
+                "moe_experts_s": pre.phases.moe_experts_s,
+                "moe_combine_s": pre.phases.moe_combine_s,
+                "attention_s": pre.phases.attention_s,
+                "router_s": pre.phases.router_s,
+                "other_s": pre.phases.other_s,
                 "compute_s": compute,
             },
             "ttft_bound_s": ttft_bound,
@@ -319,10 +322,10 @@ fn one_run(
                 "layer_s_p99": layer_q(0.99),
                 "layer_s_max": layer_q(1.0),
                 "draft": spec.as_ref().map_or("off", |s| s.drafter.name()),
-                "drafts_proposed": stats.drafts_proposed,
-                "drafts_accepted": stats.drafts_accepted,
+                "drafts_proposed": stats.drafts.proposed,
+                "drafts_accepted": stats.drafts.accepted,
                 "draft_acceptance": stats.acceptance(),
-                "verify_calls": stats.verify_calls,
+                "verify_calls": stats.drafts.verify_calls,
                 "cost_model_pauses": spec.as_ref().and_then(|s| s.cost.as_ref()).map(|c| c.pauses),
                 "expert_bytes_requested_per_token": stats.decode_expert_bytes_per_token(),
                 "phase_s_per_token": decode_phases,

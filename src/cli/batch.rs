@@ -253,9 +253,10 @@ fn one(generator: &mut Generator, l: Line) -> Value {
 /// shared prefix's counted once; a running batch's shared forwards once).
 fn counters(t: &Totals, batch: Option<&Stats>, shared: Option<&Stats>, prefix: usize) -> String {
     let mb = |b: u64| b as f64 / 1e6;
-    let asked = batch.map_or(t.expert_bytes_requested, |s| s.expert_bytes_requested);
-    let read = batch.map_or(Some(t.expert_bytes_read), |s| s.expert_bytes_read);
-    let (p_asked, p_read) = shared.map_or((0, 0), |p| (p.expert_bytes_requested, p.expert_bytes_read.unwrap_or(0)));
+    let asked = batch.map_or(t.expert_bytes_requested, |s| s.reads.expert_bytes_requested);
+    let read = batch.map_or(Some(t.expert_bytes_read), |s| s.reads.expert_bytes_read);
+    let (p_asked, p_read) =
+        shared.map_or((0, 0), |p| (p.reads.expert_bytes_requested, p.reads.expert_bytes_read.unwrap_or(0)));
     let rows = match shared {
         Some(_) => format!("{} ({prefix} of them the shared prefix, once)", t.prefill_rows + prefix as u64),
         None => t.prefill_rows.to_string(),

@@ -7,7 +7,7 @@ use super::load;
 use crate::bench::kernels_gpu::{self, GpuKernelOptions};
 use crate::bench::{io, kernels};
 use crate::engine::BackendKind;
-use crate::store::reader::ReaderKind;
+use crate::store::io::reader::ReaderKind;
 use anyhow::{Result, bail};
 use clap::{Args, Subcommand};
 use std::io::Write;

@@ -4,7 +4,7 @@
 //! knobs under "Engine tuning", shown by `--help` only (not `-h`).
 
 use crate::engine::{BackendKind, EngineConfig, ExpertHeat, ExpertsFrom, KdaMode, Trunk};
-use crate::store::reader::ReaderKind;
+use crate::store::io::reader::ReaderKind;
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 

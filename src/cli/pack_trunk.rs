@@ -37,7 +37,7 @@ pub struct PackTrunkArgs {
 pub fn run(a: PackTrunkArgs) -> Result<()> {
     let dir = load::model_dir(&a.model, a.demo)?;
     let mut bar = super::progress::Progress::new(super::progress::mode(false), "coding the trunk");
-    let sum = crate::engine::trunk::pack(&dir, &mut |done, all| {
+    let sum = crate::tools::pack_trunk::pack(&dir, &mut |done, all| {
         bar.update(done as u64, all as u64, |d, t, _| format!("{d}/{t} files"))
     })
     .with_context(|| format!("cannot write the coded trunk of {}", dir.display()))?;
@@ -63,7 +63,7 @@ pub fn run(a: PackTrunkArgs) -> Result<()> {
         "files_kept": report.files_kept,
     });
     if let Some(r) = a.time_products {
-        let t = crate::engine::trunk::time_products(&dir, r).context("timing the coded products")?;
+        let t = crate::tools::pack_trunk::time_products(&dir, r).context("timing the coded products")?;
         v["products"] = serde_json::to_value(&t)?;
         if !a.json {
             writeln!(

@@ -15,7 +15,7 @@ pub(crate) fn parse_threads(s: &str) -> Result<usize, String> {
 
 /// `--qd N` (reads in flight per drive): 1..=MAX_QD.
 pub(crate) fn parse_qd(s: &str) -> Result<usize, String> {
-    use crate::store::reader::MAX_QD;
+    use crate::store::io::reader::MAX_QD;
     let n: usize = s.parse().map_err(|_| format!("`{s}` is not a queue depth (expected 1..={MAX_QD})"))?;
     if !(1..=MAX_QD).contains(&n) {
         return Err(format!("queue depth {n} is outside 1..={MAX_QD}"));

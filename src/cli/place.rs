@@ -7,9 +7,9 @@
 
 use super::load;
 use super::progress::{self, Progress};
+use crate::store::io::reader::ReaderKind;
 use crate::store::placement::{self, MANIFEST, Manifest, PlaceOptions, PlacementError, Policy, RouteTrace, ShardUse};
 use crate::store::probe;
-use crate::store::reader::ReaderKind;
 use crate::util::human_bytes;
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
@@ -165,7 +165,7 @@ pub fn run(a: PlaceArgs) -> Result<()> {
             if c.direct {
                 String::new()
             } else {
-                format!(" (no {} on this file system)", crate::store::reader::UNCACHED)
+                format!(" (no {} on this file system)", crate::store::io::reader::UNCACHED)
             }
         );
         Ok(c.gbps)

@@ -86,7 +86,7 @@ pub fn summary(s: &Stats) -> String {
 pub fn stats_text(s: &Stats, prefetch_on: bool) -> String {
     let j = s.to_json();
     let zero = |k: &str| j.get(k).is_none_or(|v| v.is_null() || v.as_f64() == Some(0.0));
-    let drafting = s.drafter.is_some() || s.drafts_proposed > 0;
+    let drafting = s.drafts.drafter.is_some() || s.drafts.proposed > 0;
     let hide = |k: &str| match k {
         "drafts_proposed" | "drafts_accepted" | "drafter" | "verify_calls" | "draft_acceptance" | "verify_s"
         | "draft_s" => !drafting,

@@ -1,15 +1,15 @@
 //! `deltafin score`: logits at every prompt position, written as the f32 tensor `logits` [T, vocab]
 //! (`--prompt-ids`), or the perplexity of a text (`--text`; the definition is in
-//! `crate::engine::perplexity`), as a short summary or one JSON object (`ppl`, `bits_per_byte`,
+//! `crate::tools::perplexity`), as a short summary or one JSON object (`ppl`, `bits_per_byte`,
 //! `tokens`, ...) on stdout, with a progress bar on stderr while windows run; with `--compare
-//! BASE`, how far its distributions are from BASE's on that text (`crate::engine::compare`).
+//! BASE`, how far its distributions are from BASE's on that text (`crate::tools::compare`).
 
 use super::KdaArg;
 use super::load;
 use super::progress::{self, Progress};
 use crate::engine::Trunk;
-use crate::engine::perplexity;
 use crate::model::tokenizer::Tokenizer;
+use crate::tools::perplexity;
 use anyhow::{Context, Result};
 use clap::{ArgGroup, Args, ValueEnum};
 use std::io::Read;
@@ -125,7 +125,7 @@ fn tokens_done(bar: &mut Progress, phase: &str, done: usize, total: usize) {
 }
 
 fn compare(a: &ScoreArgs, dir: PathBuf, path: &std::path::Path) -> Result<()> {
-    use crate::engine::compare;
+    use crate::tools::compare;
     let base_arg = a.compare.clone().unwrap_or_default();
     // BASE is an encoding of this model's trunk, or another model directory.
     let base_trunk = match base_arg.to_str() {

@@ -1,7 +1,7 @@
 //! `deltafin setup --fetch-routes`: streams ahead, into a stream install, every routed expert a
 //! route trace (`run --trace-routes`) used, so later runs of such prompts read none from the hub.
 
-use crate::hub::stream::{self, StreamInstall, StreamSource};
+use crate::hub::stream::{self, StreamInstall};
 use crate::model::{Checkpoint, K3Config, Roster};
 use crate::store::expert_store::{ExpertStore, StoreOptions};
 use crate::store::placement::RouteTrace;
@@ -25,7 +25,7 @@ pub fn fetch_routes(dir: &Path, trace: &Path, json: bool) -> Result<()> {
     let layout = roster.expert_layout.clone().context("the model has no routed experts")?;
     let (spec, held) = stream::local_spec(&install, &ck, &roster, &layout)?;
     let store = Arc::new(ExpertStore::open(spec, StoreOptions { cache_bytes: 0, ..Default::default() })?);
-    let src = StreamSource::new(install, store, held, Arc::clone(&ck), &roster)?;
+    let src = stream::source(install, store, held, Arc::clone(&ck), &roster)?;
     let before = src.local_count();
     let t0 = std::time::Instant::now();
     let mut used = 0usize;

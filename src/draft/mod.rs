@@ -10,7 +10,7 @@
 //! (for A/B runs) the published probe-2 / widen-to-7 [`WidthPolicy`] under the [`CostModel`]
 //! (whether drafting pays, measured on its own steps; in a step shared with other sequences, on
 //! its share of it: [`StepCost`]). This module only proposes and learns: the engine's
-//! step core (`engine/step.rs`) feeds the pending token with the drafts as one verify block,
+//! step core (`engine/scheduler/step.rs`) feeds the pending token with the drafts as one verify block,
 //! accepts the longest prefix equal to K3's own picks (for a sampling sequence, K3's draws: the
 //! speculative-sampling rule for point-mass drafts, [`sampling`]) and commits those rows. Drafts
 //! change only speed, never output. The engine builds a sequence's drafter from a [`DraftKind`]

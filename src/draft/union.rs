@@ -65,13 +65,13 @@ impl ForwardCost {
     pub fn from_stats(rows: usize, secs: f64, s: &Stats) -> Self {
         ForwardCost {
             rows,
-            layers: s.layer_passes,
-            experts: s.experts_fetched,
-            expert_rows: s.expert_rows,
-            expert_bytes: s.expert_bytes,
-            bytes_read: s.expert_bytes_read,
-            read_wait_s: s.read_wait_s,
-            kernel_s: s.expert_kernel_s,
+            layers: s.reads.layer_passes,
+            experts: s.reads.experts_fetched,
+            expert_rows: s.reads.expert_rows,
+            expert_bytes: s.reads.expert_bytes,
+            bytes_read: s.reads.expert_bytes_read,
+            read_wait_s: s.phases.read_wait_s,
+            kernel_s: s.phases.expert_kernel_s,
             secs,
         }
     }

@@ -6,7 +6,7 @@
 
 use super::{BackendKind, EngineError, KdaMode, Trunk};
 use crate::setting::Setting;
-use crate::store::reader::ReaderKind;
+use crate::store::io::reader::ReaderKind;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 

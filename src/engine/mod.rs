@@ -1,33 +1,27 @@
 //! The engine: one opened model, shared by every front end (run, score, bench, the server, batch
 //! runs, draft verification).
 //!
-//! Contract: [`Engine::open`] turns an [`EngineConfig`] into a ready engine — config, checkpoint
-//! (`Arc`, memory-mapped), checked roster, resident trunk (loaded once), backend, expert source and
-//! memory plan — or a typed error naming the file and field; nothing is allocated past the memory
-//! budget. An `Engine` is `Send + Sync` and is shared across threads behind an `Arc`; all
+//! Contract: [`Engine::open`] (`open.rs`, in named phases) turns an [`EngineConfig`] into a ready
+//! engine — config, checkpoint (`Arc`, memory-mapped), checked roster, resident trunk (loaded once),
+//! backend, expert source and memory plan — or a typed error naming the file and field; nothing is
+//! allocated past the memory budget. An `Engine` is `Send + Sync` and is shared across threads behind an `Arc`; all
 //! per-sequence state lives in [`Session`]s. Every path that feeds rows — a session's prefill,
 //! score, generation with or without drafts, several sessions together, continuous batching —
-//! runs the one step core (`step.rs`): the rows of every active sequence through one layer loop
+//! runs the one step core (`scheduler/step.rs`): the rows of every active sequence through one layer loop
 //! (one expert-union read per layer for all of them), then each picks or accepts and commits.
 
-pub mod compare;
 mod config;
-mod continuous;
 mod facts;
 mod kernel_rate;
-mod lane;
+mod open;
 mod parts;
-pub mod perplexity;
-mod run;
+mod scheduler;
 pub(crate) mod session;
 pub mod state_file;
-mod step;
-pub mod trunk;
+mod trunk;
 
 pub use config::{EngineConfig, ExpertHeat, ExpertsFrom};
-pub use continuous::{LaneError, LaneHost};
-pub use lane::Lane;
-pub use run::{BatchSeq, prefill_passes};
+pub use scheduler::{BatchSeq, Lane, LaneError, LaneHost, prefill_passes};
 pub use session::{GenerateOptions, Generation, PrefillProgress, PrefillWatcher, Session, StopReason};
 pub use state_file::{SamplerPosition, SessionNotes, StateFileError};
 // The settings and errors of the engine's API that are defined further down.
@@ -35,19 +29,19 @@ pub use crate::backend::BackendKind;
 pub use crate::k3::weights::Trunk;
 pub use crate::k3::{ForwardError, KdaMode};
 
-use crate::backend::{DeviceTraffic, OpTime, SequenceState};
+use crate::backend::{DeviceTraffic, OpTime};
 use crate::draft::{DraftError, DraftKind, Drafter, Speculator};
+use crate::forward;
 use crate::k3::dspark::DSparkModel;
 use crate::k3::{K3, LoadError};
-use crate::memory::{BudgetError, MemoryPlan, Split, activation_bytes, machine_available, state_reserve};
+use crate::memory::{BudgetError, MemoryPlan};
 use crate::model::config::{AttnKind, FfnKind};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{Checkpoint, K3Config, ModelError, Roster};
-use crate::sched;
-use crate::setting::{Action, Setting};
-use crate::store::expert_store::{self, ExpertStore, StoreOptions, StoreSpec};
-use crate::store::placement::{Manifest, PlacementError, manifest_path, manifest_spec, restrict_drives, shard_spec};
-use crate::store::{ExpertSource, ShardExperts, SourceReport, StoreError};
+use crate::setting::Setting;
+use crate::store::expert_store::ExpertStore;
+use crate::store::placement::PlacementError;
+use crate::store::{ExpertSource, SourceReport, StoreError};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -120,223 +114,7 @@ pub struct Engine {
     plan: MemoryPlan,
 }
 
-/// Where the store reads experts: the placement's holders (restricted to `--use-drives`) or the
-/// shards; None when experts come from the mapped shards or the model has none.
-fn store_spec(
-    config: &EngineConfig,
-    dir: &Path,
-    ck: &Arc<Checkpoint>,
-    roster: &Roster,
-) -> Result<Option<StoreSpec>, EngineError> {
-    let manifest_path = manifest_path(config.placement.as_deref(), dir);
-    let manifest = match &manifest_path {
-        Some(p) if config.experts_from == ExpertsFrom::Store => {
-            Some(Manifest::load(p).map_err(|source| EngineError::Placement { path: p.clone(), source })?)
-        }
-        _ => None,
-    };
-    if config.use_drives.is_some() && manifest.is_none() {
-        let list = config.use_drives.iter().flatten().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
-        return Err(EngineError::Setting {
-            setting: Setting::UseDrives,
-            value: list,
-            problem: format!(
-                "selects drives of a placement, but there is none (run {}, or drop {})",
-                Action::Place,
-                Setting::UseDrives
-            ),
-        });
-    }
-    let (Some(layout), ExpertsFrom::Store) = (&roster.expert_layout, config.experts_from) else { return Ok(None) };
-    Ok(Some(match (&manifest, &manifest_path) {
-        (Some(m), Some(mp)) => {
-            let mut spec = manifest_spec(m, ck, roster, layout.clone())
-                .map_err(|source| EngineError::Placement { path: mp.clone(), source })?;
-            if let Some(keep) = &config.use_drives {
-                restrict_drives(&mut spec, keep, m.drives.len()).map_err(|e| EngineError::Setting {
-                    setting: Setting::UseDrives,
-                    value: e.value,
-                    problem: e.problem,
-                })?;
-            }
-            spec
-        }
-        _ => shard_spec(ck, roster, dir, config.qd, 1.0)
-            .ok_or_else(|| EngineError::NoRoutedExperts(dir.to_path_buf()))?,
-    }))
-}
-
 impl Engine {
-    /// Opens the model and builds the backend, expert source and memory plan.
-    pub fn open(config: EngineConfig) -> Result<Arc<Engine>, EngineError> {
-        Self::open_inner(config, None)
-    }
-
-    /// Opens the model with an expert source built elsewhere (a test's fault-injecting source, a
-    /// remote holder); the config's store options are not used.
-    pub fn open_with_source(config: EngineConfig, source: Arc<dyn ExpertSource>) -> Result<Arc<Engine>, EngineError> {
-        Self::open_inner(config, Some(source))
-    }
-
-    fn open_inner(config: EngineConfig, given: Option<Arc<dyn ExpertSource>>) -> Result<Arc<Engine>, EngineError> {
-        crate::cpu::requested_isa()?;
-        tracing::info!("engine config {}", serde_json::to_string(&config).unwrap_or_default());
-        let dir = config.model.clone();
-        if !dir.is_dir() {
-            return Err(EngineError::NoModelDir(dir));
-        }
-        config.check()?;
-        // A stream install (`setup --stream`) has holes where the experts are: only its stream
-        // source may deliver them. An unfinished one is refused before its files are read.
-        let stream = if given.is_some() { None } else { crate::hub::stream::StreamInstall::load(&dir)? };
-        if let Some(st) = &stream {
-            st.check_complete()?;
-        }
-        let cfg = K3Config::load(&dir)?;
-        let context = crate::memory::reserved_context(&cfg, config.context).map_err(|problem| {
-            let value = config.context.unwrap_or_default().to_string();
-            EngineError::Setting { setting: Setting::Context, value, problem }
-        })?;
-        let ck = Arc::new(Checkpoint::open(&dir)?);
-        if let Some(e) = ck.damaged_error() {
-            return Err(e.into());
-        }
-        let roster = Roster::build(&cfg, &ck)?;
-        let trunk = trunk::resolve(&config, &dir)?;
-        let device_cache_bytes = config.gpu_cache_gb.map_or(0, |g| (g * 1e9) as u64);
-        let backend = crate::backend::open(config.backend, crate::backend::BackendOptions { device_cache_bytes })?;
-        let model = trunk::load(trunk, &cfg, &dir, &ck, &backend)?;
-        if let Some(l) = &roster.expert_layout {
-            backend.plan_experts(l, cfg.moe_layers() * cfg.experts)?;
-            if device_cache_bytes > 0 && backend.device_expert_bytes() == 0 {
-                tracing::warn!(
-                    "{}: {} has no device memory for experts; ignored",
-                    Setting::GpuCacheGb,
-                    backend.describe()
-                );
-            }
-        }
-        {
-            let kda_layers = cfg.attn.iter().filter(|a| **a == AttnKind::Kda).count();
-            let state = cfg.kda_heads * cfg.kda_head_dim * cfg.kda_head_dim;
-            backend.plan_sequence_state(SequenceState {
-                kda_layers,
-                kda_state_floats: state,
-                kda_head_dim: cfg.kda_head_dim,
-                mla_layers: cfg.layers - kda_layers,
-                mla_token_floats: cfg.kv_lora + cfg.qk_rope,
-            });
-        }
-        let trunk_bytes = model.w.resident_bytes() as u64;
-        let draft = match &config.draft_model {
-            Some(d) => {
-                Some(Arc::new(DSparkModel::open(d, &cfg, &model.w, Arc::clone(&model.be)).map_err(EngineError::Draft)?))
-            }
-            None => None,
-        };
-        let draft_bytes = draft.as_ref().map_or(0, |d| d.weight_bytes() + d.cache_bytes());
-        let c = &cfg;
-        let budget = config.memory_gb.map_or_else(machine_available, |g| (g * 1e9) as u64);
-        let layout = roster.expert_layout.clone();
-        let prefetch_depth = usize::from(config.prefetch);
-        let mut held = Vec::new();
-        // A source given by the caller replaces the store: no placement, no holder map.
-        let spec = match (&stream, &layout) {
-            _ if given.is_some() => None,
-            (Some(_), _) if config.experts_from == ExpertsFrom::Mmap || config.placement.is_some() => {
-                let (setting, value) = match &config.placement {
-                    Some(p) => (Setting::Placement, p.display().to_string()),
-                    None => (Setting::ExpertsFrom, "mmap".into()),
-                };
-                return Err(EngineError::StreamInstall { dir: dir.clone(), setting, value });
-            }
-            (Some(st), Some(l)) => {
-                let (spec, h) = crate::hub::stream::local_spec(st, &ck, &roster, l)?;
-                held = h;
-                Some(spec)
-            }
-            _ => store_spec(&config, &dir, &ck, &roster)?,
-        };
-        let rows = config.batch_rows.unwrap_or(config.prefill_rows).max(1);
-        let slot = match (&spec, &layout) {
-            (Some(sp), _) => expert_store::slot_size_for(sp) as u64,
-            (None, Some(l)) => expert_store::slot_size(l.len) as u64,
-            (None, None) => 0,
-        };
-        let read_ahead_slots = spec.as_ref().map_or(0, |sp| sched::moe::read_ahead_slots(&sp.drives, config.sequences));
-        let staging = spec.as_ref().map_or(0, |sp| expert_store::staging_slots(&sp.drives, prefetch_depth) as u64);
-        let staging = (staging + read_ahead_slots as u64) * slot;
-        let split = Split {
-            budget,
-            trunk: trunk_bytes,
-            draft: draft_bytes,
-            staging,
-            states: state_reserve(c, context, config.sequences),
-            activations: activation_bytes(c, rows) + config.output_bytes,
-            slot,
-            experts: (c.moe_layers() * c.experts) as u64,
-        };
-        let cache = match (&spec, config.expert_cache_gb) {
-            (None, _) => 0,
-            (Some(_), Some(g)) => split.with_cache((g * 1e9) as u64),
-            (Some(_), None) => split.expert_cache(),
-        };
-        let plan = MemoryPlan::new(c, budget, trunk_bytes, draft_bytes, cache, staging, rows, config.output_bytes)?
-            .with_context(context, config.sequences);
-        // On a Mac the GPU's memory (what it holds now, and at most every sequence's state and the
-        // activations) must stay wired: say so when the plan passes the limit.
-        let on_gpu = backend.device_memory_bytes();
-        if on_gpu > 0 {
-            let per_seq = plan.state_fixed + plan.state_per_token * plan.context as u64;
-            let gpu = on_gpu + plan.sequences as u64 * per_seq + plan.activations;
-            if let Some(msg) = crate::memory::wired_limit_warning(gpu) {
-                tracing::warn!("{msg}");
-            }
-        }
-        let (source, store): (Option<Arc<dyn ExpertSource>>, Option<Arc<ExpertStore>>) = match spec {
-            None if given.is_some() => (given, None),
-            None => match ShardExperts::new(Arc::clone(&ck), &roster) {
-                Some(m) => (Some(Arc::new(m)), None),
-                None => (None, None),
-            },
-            Some(spec) => {
-                let heat = match &config.expert_heat {
-                    ExpertHeat::Off => None,
-                    ExpertHeat::At(p) => Some(p.clone()),
-                    ExpertHeat::Auto => {
-                        let manifest = manifest_path(config.placement.as_deref(), &dir);
-                        Some(crate::store::heat::default_path(&dir, manifest.as_deref()))
-                    }
-                };
-                let opts = StoreOptions {
-                    cache_bytes: cache,
-                    reader: config.reader,
-                    prefetch_depth,
-                    record_reads: false,
-                    heat,
-                    hedge: config.hedge,
-                    split_min: config.split_reads.then_some(crate::store::expert_store::SPLIT_MIN),
-                    read_ahead_slots,
-                };
-                let store = Arc::new(ExpertStore::open(spec, opts)?);
-                let source: Arc<dyn ExpertSource> = match stream {
-                    Some(st) => Arc::new(crate::hub::stream::StreamSource::new(
-                        st,
-                        Arc::clone(&store),
-                        held,
-                        Arc::clone(&ck),
-                        &roster,
-                    )?),
-                    None => store.clone(),
-                };
-                (Some(source), Some(store))
-            }
-        };
-        // A large directory never seen: its checksums are recorded while the engine runs.
-        ck.record_in_background();
-        Ok(Arc::new(Engine { config, dir, cfg, ck, roster, model, trunk, device: backend, draft, source, store, plan }))
-    }
-
     /// The drafter `kind` names (None for `Off`); DSpark drafts with this engine's draft model.
     pub fn drafter(&self, kind: DraftKind) -> Result<Option<Box<dyn Drafter>>, DraftError> {
         crate::draft::drafter_for(kind, self.draft.as_ref())
@@ -368,9 +146,9 @@ impl Engine {
         self.source.as_ref().map(|s| s.report()).unwrap_or_default()
     }
 
-    pub(crate) fn sched_options(&self) -> sched::Options {
+    pub(crate) fn forward_options(&self) -> forward::Options {
         let queue_depth = self.store.as_ref().map_or(self.config.qd, |s| s.queue_depth());
-        sched::Options { kda_mode: self.config.kda, prefetch: self.config.prefetch, queue_depth }
+        forward::Options { kda_mode: self.config.kda, prefetch: self.config.prefetch, queue_depth }
     }
 
     /// Checks that a tokenizer fits this model's vocabulary.

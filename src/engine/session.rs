@@ -10,9 +10,9 @@
 //! nothing like any other failure.
 
 use super::Engine;
+use crate::forward::{LogitRows, RowsOut, SeqRows};
 use crate::k3::ForwardError;
 use crate::k3::state::SeqState;
-use crate::sched::{LogitRows, RowsOut, SeqRows};
 use crate::stats::Stats;
 use std::sync::Arc;
 use std::time::Instant;
@@ -94,8 +94,17 @@ impl Session {
         let mut state = engine.model.new_state();
         // The context reserved for a sequence is its cap: the forward refuses rows past it.
         state.cap = engine.plan.context_bound;
-        let stats = Stats { trunk: Some((engine.trunk.name(), engine.trunk.exact())), ..Stats::default() };
+        let mut stats = Stats::default();
+        stats.trunk = Some((engine.trunk.name(), engine.trunk.exact()));
         Session { engine, state, tokens: Vec::new(), last_logits: None, verifying: None, stats, watcher: None }
+    }
+
+    /// Keeps the per-layer-pass traces in this session's `stats` from now on (`Stats::traces`: every
+    /// MoE layer pass's expert union, fetch time and rows), or drops them. Off by default: they grow
+    /// with every token run, and only benchmarks that replay or time them ask for them. A fork
+    /// keeps them as this session does.
+    pub fn keep_traces(&mut self, on: bool) {
+        self.stats.keep_traces(on);
     }
 
     /// Calls `w` after every MoE layer of every chunk of the next prefills and scores (progress
@@ -170,7 +179,7 @@ impl Session {
         let e = Arc::clone(&self.engine);
         self.verifying = None;
         let t0 = Instant::now();
-        let mut stats = Stats::default();
+        let mut stats = Stats::traced(self.stats.keeps_traces());
         let ran = {
             let mut batch = [SeqRows { state: &mut self.state, tokens, logits: LogitRows::All, taps }];
             e.forward_rows(&mut batch, &mut stats, &mut |_, _, _| true)
@@ -178,7 +187,7 @@ impl Session {
         self.stats.merge(&stats);
         let out = ran?.into_iter().next().unwrap_or_default();
         self.verifying = Some((tokens.to_vec(), out.logits.clone()));
-        self.stats.verify_s += t0.elapsed().as_secs_f64();
+        self.stats.drafts.verify_s += t0.elapsed().as_secs_f64();
         Ok(out)
     }
 
@@ -198,8 +207,8 @@ impl Session {
         Ok(())
     }
 
-    /// An independent copy of this sequence (state, tokens, logits) with fresh counters: what a
-    /// server keeps to resume a conversation from, or a test branches from. Fails only when a
+    /// An independent copy of this sequence (state, tokens, logits) with fresh counters (keeping
+    /// the per-layer traces when this session does): what a server keeps to resume a conversation from, or a test branches from. Fails only when a
     /// state kept in device memory cannot be read back.
     pub fn fork(&self) -> Result<Session, ForwardError> {
         Ok(Session {
@@ -208,7 +217,7 @@ impl Session {
             tokens: self.tokens.clone(),
             last_logits: self.last_logits.clone(),
             verifying: None,
-            stats: Stats::default(),
+            stats: Stats::traced(self.stats.keeps_traces()),
             watcher: None,
         })
     }
@@ -223,6 +232,7 @@ impl Session {
         self.state.rollback();
         let keep = self.tokens[..pos].to_vec();
         let mut fresh = Session::new(Arc::clone(&self.engine));
+        fresh.keep_traces(self.stats.keeps_traces());
         if !keep.is_empty() {
             fresh.prefill(&keep)?;
         }
@@ -236,13 +246,13 @@ impl Session {
 
     /// The clock and counters a generation's decode figures start from.
     pub(super) fn decode_start(&self) -> (Instant, u64) {
-        (Instant::now(), self.stats.expert_bytes_requested)
+        (Instant::now(), self.stats.reads.expert_bytes_requested)
     }
 
     /// Adds a finished generation of `emitted` tokens to the decode counters.
     pub(super) fn decode_end(&mut self, (t0, bytes0): (Instant, u64), emitted: usize) {
         self.stats.decode_s += t0.elapsed().as_secs_f64();
         self.stats.generated_tokens += emitted as u64;
-        self.stats.decode_expert_bytes += self.stats.expert_bytes_requested - bytes0;
+        self.stats.decode_expert_bytes += self.stats.reads.expert_bytes_requested - bytes0;
     }
 }

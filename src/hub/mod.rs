@@ -1,7 +1,8 @@
 //! Hugging Face-compatible hub: the client (`client`), resumable verified downloads (`download`),
-//! Hugging Face's own cache (`hfcache`), the local layout of a stream install (`layout`) and the
-//! expert source that streams routed experts on demand (`stream`). `deltafin setup` drives them;
-//! the engine opens a stream install through [`stream::StreamSource`]. See docs/setup.md.
+//! Hugging Face's own cache (`hfcache`), the local layout of a stream install (`layout`) and its
+//! records and origin (`stream`: where the expert source of a stream install,
+//! `store::stream::StreamSource`, streams routed experts from on demand). `deltafin setup` drives
+//! them; the engine opens a stream install's source through [`stream::source`]. See docs/setup.md.
 
 pub mod against;
 pub mod client;

@@ -1,12 +1,12 @@
-//! Stream mode at run time: the expert source of a `setup --stream` install, which reads experts
-//! already streamed from local pack files through the expert store and fetches the others from
-//! the hub by HTTP range, keeping each one locally the first time it is needed.
+//! Stream mode's hub side: the record of a `setup --stream` install, the registry of the experts
+//! it has streamed, and the origin its expert source (`store::stream::StreamSource`) streams the
+//! others from, by HTTP range, keeping each one locally the first time it is needed.
 //!
 //! Contract:
 //! - A stream install is a model directory with `stream.json` ([`StreamInstall`]): the engine
 //!   opens it like a full checkpoint (its shards are sparse files whose routed-expert ranges are
-//!   holes), but experts come only from this source. An install whose `complete` is false is
-//!   refused (a `setup --stream` was interrupted).
+//!   holes), but experts come only from its stream source ([`source`]). An install whose `complete`
+//!   is false is refused (a `setup --stream` was interrupted).
 //! - Streamed experts live in pack files (`store::pack` format, version 2, with the model's
 //!   fingerprint) under `DRIVE/<fingerprint prefix>/stream/`, and are registered in
 //!   `stream-placement.json` ([`StreamPlacement`]) in the model directory. A pack is complete
@@ -16,10 +16,9 @@
 //!   `Content-Range` of a file of the size the hub listed, the length) and its hub ETag, when sent,
 //!   must be the file's LFS sha256 (the same file version as at setup). Each streamed expert's
 //!   bytes must hash to the xxh3 of its records that setup recorded while checking the whole
-//!   shard's sha256 (`layout`, `model::checksums`), ETag or not: a mismatch is asked once more,
-//!   then is an error. Its pack records its xxh3 and every later read is checked against that (by
-//!   the store, on every run; within the run that streamed it, by `read_kept`); a pack that fails
-//!   is a failed copy: the expert is streamed again.
+//!   shard's sha256 (`layout`, `model::checksums`), ETag or not (checked by the source). Its pack
+//!   records its xxh3 and every later read is checked against that (by the store, on every run;
+//!   within the run that streamed it, by the source).
 //! - Experts of one layer that are adjacent in a shard are fetched in one request (up to
 //!   [`MAX_REQUEST`] bytes); requests of one fetch run in parallel.
 
@@ -27,11 +26,10 @@ use super::client::{Hub, HubError, HubOptions, RepoFile};
 use crate::model::Checkpoint;
 use crate::model::fingerprint;
 use crate::model::roster::{ExpertLayout, ExpertLoc, Roster};
-use crate::store::counters::{DriveReport, SourceReport};
 use crate::store::expert_store::{DriveSpec, ExpertStore, Holder, StoreSpec};
-use crate::store::{ExpertSink, ExpertSource, Flow, Landed, StoreError, pack};
+use crate::store::pack;
+use crate::store::stream::{Held, Kept, OriginError, StreamOrigin, StreamSource};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -213,110 +211,56 @@ pub fn local_spec(
     Ok((StoreSpec { layout: layout.clone(), drives, files, holders, checksums }, held))
 }
 
-/// [layer] -> [expert] -> held locally (None for layers without routed experts).
-pub type Held = Vec<Option<Vec<bool>>>;
-
 /// One range request's outcome.
 type Slot = Mutex<Option<Result<Vec<u8>, HubError>>>;
 
-/// An expert streamed by this process: where its pack record is.
-#[derive(Clone)]
-struct Kept {
-    path: PathBuf,
-    offset: u64,
-    xxh3: u64,
+/// The expert source of the stream install `install`: the store `local` over its registered packs
+/// (`held`: their experts, from [`local_spec`]), streaming the rest from the install's hub.
+pub fn source(
+    install: StreamInstall,
+    local: Arc<ExpertStore>,
+    held: Held,
+    ck: Arc<Checkpoint>,
+    roster: &Roster,
+) -> Result<StreamSource, HubError> {
+    let layout =
+        roster.expert_layout.clone().ok_or_else(|| HubError::Other("the model has no routed experts".into()))?;
+    let sums = crate::store::sums::ExpertSums::records(&ck, roster);
+    let experts = roster.experts.iter().flatten().map(Vec::len).sum();
+    let origin = HubOrigin::new(install, ck, roster, layout.len);
+    Ok(StreamSource::new(Box::new(origin), layout, experts, local, held, sums))
 }
 
-/// The expert source of a stream install; see the module contract.
-pub struct StreamSource {
+/// Where a stream install's experts come from: its hub, by HTTP range; streamed experts are kept
+/// in packs on the install's drives and registered in its registry.
+pub struct HubOrigin {
     install: StreamInstall,
     hub: Hub,
     fp: String,
     ck: Arc<Checkpoint>,
-    layout: ExpertLayout,
+    /// Bytes of one expert.
+    expert_len: usize,
     locs: Vec<Option<Vec<ExpertLoc>>>,
-    local: Arc<ExpertStore>,
-    held: Held,
-    /// What each expert's bytes must hash to (the checkpoint's records from setup).
-    sums: Option<crate::store::sums::ExpertSums>,
-    /// Experts streamed by this process; the lock also serialises streaming, so one expert is never
-    /// fetched twice by concurrent fetches.
-    kept: Mutex<HashMap<(usize, u32), Kept>>,
     requests: AtomicU64,
     http_bytes: AtomicU64,
-    streamed: AtomicU64,
-    reread: AtomicU64,
 }
 
-impl StreamSource {
-    pub fn new(
-        install: StreamInstall,
-        local: Arc<ExpertStore>,
-        held: Held,
-        ck: Arc<Checkpoint>,
-        roster: &Roster,
-    ) -> Result<Self, HubError> {
-        let layout =
-            roster.expert_layout.clone().ok_or_else(|| HubError::Other("the model has no routed experts".into()))?;
+impl HubOrigin {
+    /// The origin of `install`'s experts (the hub token from the environment).
+    pub fn new(install: StreamInstall, ck: Arc<Checkpoint>, roster: &Roster, expert_len: usize) -> Self {
         let token = super::client::env_token();
         let hub = Hub::new(&install.endpoint, token, HubOptions::from_env());
         let fp = fingerprint::fingerprint(&ck);
-        Ok(StreamSource {
-            sums: crate::store::sums::ExpertSums::records(&ck, roster),
+        HubOrigin {
             install,
             hub,
             fp,
             ck,
-            layout,
+            expert_len,
             locs: roster.experts.clone(),
-            local,
-            held,
-            kept: Mutex::new(HashMap::new()),
             requests: AtomicU64::new(0),
             http_bytes: AtomicU64::new(0),
-            streamed: AtomicU64::new(0),
-            reread: AtomicU64::new(0),
-        })
-    }
-
-    fn is_held(&self, layer: usize, e: u32) -> bool {
-        self.held.get(layer).and_then(|l| l.as_ref()).and_then(|l| l.get(e as usize)).copied().unwrap_or(false)
-    }
-
-    /// Experts registered locally (at open, plus streamed since).
-    pub fn local_count(&self) -> usize {
-        let at_open: usize = self.held.iter().flatten().map(|l| l.iter().filter(|h| **h).count()).sum();
-        at_open + self.kept.lock().map_or(0, |k| k.len())
-    }
-
-    /// Bytes fetched over HTTP and range requests made by this process.
-    pub fn http_counts(&self) -> (u64, u64) {
-        (self.http_bytes.load(Ordering::Relaxed), self.requests.load(Ordering::Relaxed))
-    }
-
-    /// Fetches `missing` experts of `layer` from the hub, checks each against its recorded
-    /// checksums (asking once more for one that does not match), writes them into a new pack and
-    /// registers it; returns their bytes.
-    fn stream_in(&self, layer: usize, missing: &[u32]) -> Result<Vec<(u32, Vec<u8>)>, HubError> {
-        use crate::store::sums::Verdict;
-        let mut images = self.fetch_images(layer, missing)?;
-        let check = |e: u32, b: &[u8]| self.sums.as_ref().map_or(Verdict::Unknown, |s| s.check(layer, e, b));
-        for (i, &e) in missing.iter().enumerate() {
-            if let Verdict::Bad(what) = check(e, &images[i]) {
-                tracing::warn!("expert {e} of layer {layer} from {}: {what}; asking again", self.install.endpoint);
-                let again = self.fetch_images(layer, &[e])?.pop().unwrap_or_default();
-                if let Verdict::Bad(what) = check(e, &again) {
-                    return Err(HubError::Other(format!(
-                        "expert {e} of layer {layer} as {} sends it is not the model's: {what} (the checksum recorded from the shard whose sha256 matched the hub's at setup); twice, so it is not used",
-                        self.install.endpoint
-                    )));
-                }
-                images[i] = again;
-            }
         }
-        self.keep(layer, missing, &images)?;
-        self.streamed.fetch_add(missing.len() as u64, Ordering::Relaxed);
-        Ok(missing.iter().copied().zip(images).collect())
     }
 
     /// The images of `missing` experts of `layer`, by HTTP range (adjacent ones in one request).
@@ -341,8 +285,7 @@ impl StreamSource {
                 _ => reqs.push((p.0, p.1, p.1 + p.2, vec![pi])),
             }
         }
-        let len = self.layout.len;
-        let mut images: Vec<Vec<u8>> = vec![vec![0u8; len]; missing.len()];
+        let mut images: Vec<Vec<u8>> = vec![vec![0u8; self.expert_len]; missing.len()];
         let next = std::sync::atomic::AtomicUsize::new(0);
         let out: Vec<Slot> = reqs.iter().map(|_| Mutex::new(None)).collect();
         std::thread::scope(|s| {
@@ -386,7 +329,7 @@ impl StreamSource {
 
     /// Writes the experts into a new pack on the layer's drive and registers it (atomically, under
     /// the install's lock, merged with what other processes registered meanwhile).
-    fn keep(&self, layer: usize, ids: &[u32], images: &[Vec<u8>]) -> Result<(), HubError> {
+    fn keep_pack(&self, layer: usize, ids: &[u32], images: &[Vec<u8>]) -> Result<Vec<Kept>, HubError> {
         let d = layer % self.install.drives.len();
         let dir = self.install.pack_dir(d, &self.fp);
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
@@ -398,7 +341,7 @@ impl StreamSource {
             &name,
             &raw,
             layer,
-            self.layout.len as u64,
+            self.expert_len as u64,
             ids.iter().zip(images).map(|(&e, b)| (e, std::borrow::Cow::Borrowed(b.as_slice()))),
             &mut |_| {},
         )
@@ -424,165 +367,36 @@ impl StreamSource {
         let body = serde_json::to_vec_pretty(&reg).map_err(|e| HubError::Other(e.to_string()))?;
         crate::util::write_atomic(&p, &body).map_err(io(&p))?;
         drop(lock);
-        if let Ok(mut k) = self.kept.lock() {
-            for e in &h.entries {
-                k.insert((layer, e.expert), Kept { path: dir.join(&name), offset: e.offset, xxh3: e.xxh3 });
-            }
-        }
-        Ok(())
-    }
-
-    /// An expert this process streamed before, read back from its pack and checked.
-    fn read_kept(&self, layer: usize, e: u32, k: &Kept) -> Result<Vec<u8>, StoreError> {
-        use std::os::unix::fs::FileExt;
-        let mut buf = vec![0u8; self.layout.len];
-        let r = std::fs::File::open(&k.path).and_then(|f| f.read_exact_at(&mut buf, k.offset));
-        match r {
-            Ok(()) if pack::checksum(&buf) == k.xxh3 => {
-                self.reread.fetch_add(1, Ordering::Relaxed);
-                Ok(buf)
-            }
-            Ok(()) => Err(StoreError::NoHolderLeft(format!(
-                "expert {e} of layer {layer}: {} does not hold the bytes just written (checksum mismatch)",
-                k.path.display()
-            ))),
-            Err(err) => {
-                Err(StoreError::NoHolderLeft(format!("expert {e} of layer {layer}: {}: {err}", k.path.display())))
-            }
-        }
+        let path = dir.join(&name);
+        Ok(h.entries
+            .iter()
+            .map(|e| Kept { expert: e.expert, path: path.clone(), offset: e.offset, xxh3: e.xxh3 })
+            .collect())
     }
 }
 
-impl ExpertSource for StreamSource {
-    fn layout(&self) -> &ExpertLayout {
-        &self.layout
-    }
-
-    fn fetch<'s>(&'s self, layer: usize, experts: &[u32], sink: &mut dyn ExpertSink<'s>) -> Result<(), StoreError> {
-        let (local, mut rest): (Vec<u32>, Vec<u32>) = experts.iter().partition(|&&e| self.is_held(layer, e));
-        if !local.is_empty() {
-            let stopped = std::cell::Cell::new(false);
-            let sink_failed = std::cell::Cell::new(false);
-            let landed = std::cell::RefCell::new(Vec::new());
-            let mut wrap = |e: u32, b: Landed<'s>| -> Result<Flow, StoreError> {
-                let f = sink.land(e, b).inspect_err(|_| sink_failed.set(true))?;
-                landed.borrow_mut().push(e);
-                stopped.set(stopped.get() || f == Flow::Stop);
-                Ok(f)
-            };
-            if let Err(e) = self.local.fetch(layer, &local, &mut wrap) {
-                if sink_failed.get() {
-                    return Err(e);
-                }
-                // A local copy failed (a damaged pack): the hub holds another. Each expert not
-                // landed is read alone, and streamed again where its local copy fails.
-                tracing::warn!("{e}; such experts are streamed again from {}", self.install.endpoint);
-                let left: Vec<u32> = local.iter().copied().filter(|x| !landed.borrow().contains(x)).collect();
-                for x in left {
-                    if stopped.get() {
-                        break;
-                    }
-                    if let Err(e) = self.local.fetch(layer, &[x], &mut wrap) {
-                        if sink_failed.get() {
-                            return Err(e);
-                        }
-                        rest.push(x);
-                    }
-                }
-            }
-            if stopped.get() {
-                return Ok(());
-            }
-        }
-        if rest.is_empty() {
-            return Ok(());
-        }
-        let mut ready: Vec<(u32, Vec<u8>)> = Vec::with_capacity(rest.len());
-        {
-            // Held while streaming: a concurrent fetch of the same experts waits, then re-reads them.
-            let _one = STREAMING.lock();
-            let kept: Vec<Option<Kept>> = {
-                let k = self.kept.lock().map_err(|_| StoreError::Setup("stream state poisoned".into()))?;
-                rest.iter().map(|&e| k.get(&(layer, e)).cloned()).collect()
-            };
-            let mut missing = Vec::new();
-            for (&e, k) in rest.iter().zip(kept) {
-                match k {
-                    Some(k) => ready.push((e, self.read_kept(layer, e, &k)?)),
-                    None => missing.push(e),
-                }
-            }
-            if !missing.is_empty() {
-                let got = self.stream_in(layer, &missing).map_err(|err| {
-                    StoreError::NoHolderLeft(format!(
-                        "experts {missing:?} of layer {layer} are not local and streaming them from {} failed: {err}",
-                        self.install.endpoint
-                    ))
-                })?;
-                ready.extend(got);
-            }
-        }
-        for (e, bytes) in ready {
-            if sink.land(e, Landed::owned(bytes))? == Flow::Stop {
-                break;
-            }
-        }
-        Ok(())
-    }
-
-    fn note_routes(&self, layer: usize, experts: &[u32], rows_of: &[usize], rows: usize) {
-        self.local.note_routes(layer, experts, rows_of, rows)
-    }
-
-    fn health(&self) -> crate::store::StorageHealth {
-        self.local.health()
-    }
-
-    fn report(&self) -> SourceReport {
-        let mut r = self.local.report();
-        let (bytes, reqs) = self.http_counts();
-        let reread = self.reread.load(Ordering::Relaxed) * self.layout.len as u64;
-        r.expert_bytes_requested += self.streamed.load(Ordering::Relaxed) * self.layout.len as u64 + reread;
-        // Bytes over HTTP and re-reads of packs written in this run count as reads, so read
-        // amplification stays bytes read / distinct bytes needed.
-        r.expert_bytes_read = Some(r.expert_bytes_read.unwrap_or(0) + bytes + reread);
-        r.drives.push(DriveReport {
-            drive: r.drives.len(),
-            root: format!(
-                "{}/{}@{}",
-                self.install.endpoint,
-                self.install.repo,
-                fingerprint::short(&self.install.commit)
-            ),
-            reader: "http".into(),
-            direct_io: false,
-            bytes_read: bytes,
-            reads: reqs,
-            read_ms_p50: None,
-            read_ms_p99: None,
-            read_ms_max: None,
-            lands_last: 0,
-            failures: 0,
-            failed: None,
-            last_failure: None,
-            rate_gbps: 0.0,
-        });
-        r
+impl StreamOrigin for HubOrigin {
+    fn endpoint(&self) -> &str {
+        &self.install.endpoint
     }
 
     fn describe(&self) -> String {
-        let total: usize = self.locs.iter().flatten().map(Vec::len).sum();
-        let sums = self.sums.as_ref().map_or_else(|| "UNVERIFIED".to_string(), |s| s.describe());
-        format!(
-            "experts streamed: {} of {total} local, the rest on demand from {}/{}, {sums} | {}",
-            self.local_count(),
-            self.install.endpoint,
-            self.install.repo,
-            self.local.describe()
-        )
+        format!("{}/{}", self.install.endpoint, self.install.repo)
+    }
+
+    fn report_root(&self) -> String {
+        format!("{}/{}@{}", self.install.endpoint, self.install.repo, fingerprint::short(&self.install.commit))
+    }
+
+    fn fetch(&self, layer: usize, missing: &[u32]) -> Result<Vec<Vec<u8>>, OriginError> {
+        Ok(self.fetch_images(layer, missing)?)
+    }
+
+    fn keep(&self, layer: usize, ids: &[u32], images: &[Vec<u8>]) -> Result<Vec<Kept>, OriginError> {
+        Ok(self.keep_pack(layer, ids, images)?)
+    }
+
+    fn counts(&self) -> (u64, u64) {
+        (self.http_bytes.load(Ordering::Relaxed), self.requests.load(Ordering::Relaxed))
     }
 }
-
-/// One stream-in at a time per process: the registry and the drives see one writer, and a fetch
-/// of experts another thread is streaming waits for them instead of fetching them again.
-static STREAMING: Mutex<()> = Mutex::new(());

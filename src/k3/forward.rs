@@ -7,7 +7,7 @@
 //! Contract: [`forward`] runs the rows of every sequence of a batch through one layer loop: every
 //! row passes layer L before any row enters layer L+1, and results do not depend on how rows are
 //! grouped into batches or calls, on thread count or on expert arrival order. It reads no bytes
-//! and keeps no clock: a MoE layer's routed experts come from the [`Schedule`] (`sched`
+//! and keeps no clock: a MoE layer's routed experts come from the [`Schedule`] (`crate::forward`
 //! implements it with the expert store), which is also told when each [`Phase`] starts. The
 //! forward leaves its rows *pending* in each sequence's state (see `state`); the caller commits
 //! them (all, or the first j after a verification). If it fails, every sequence is rolled back:

@@ -7,7 +7,7 @@
 //! Contract: [`K3`] owns the resident trunk and the backend operations that compute with it; it
 //! holds no sequence state, reads no bytes and keeps no clock. The schedules that drive it over
 //! rows of one or several sequences (which rows run together, which experts to fetch and when,
-//! prefetch, timers) live in `sched`, behind `forward::Schedule`.
+//! prefetch, timers) live in `crate::forward`, behind `forward::Schedule`.
 
 pub mod attn_res;
 pub mod dspark;

@@ -355,12 +355,12 @@ impl Generator {
             "prompt_tokens_reused": ran.reused,
             "memo_hit": false,
             "bytes_read": bytes_read,
-            "expert_bytes_requested": st.expert_bytes_requested,
+            "expert_bytes_requested": st.reads.expert_bytes_requested,
             "read_amplification": bytes_read.filter(|_| unique > 0).map(|b| b as f64 / unique as f64),
             "cache_hits": ran.reads.cache_hits,
             "cache_misses": ran.reads.cache_misses,
-            "drafts_proposed": st.drafts_proposed,
-            "drafts_accepted": st.drafts_accepted,
+            "drafts_proposed": st.drafts.proposed,
+            "drafts_accepted": st.drafts.accepted,
             "seed": begin.seed,
         });
         if let Some(e) = failed {
@@ -372,9 +372,9 @@ impl Generator {
         t.prompt_tokens_reused += ran.reused as u64;
         t.completion_tokens += g.tokens.len() as u64;
         t.cancelled += u64::from(cancelled);
-        t.drafts_proposed += st.drafts_proposed;
-        t.drafts_accepted += st.drafts_accepted;
-        t.expert_bytes_requested += st.expert_bytes_requested;
+        t.drafts_proposed += st.drafts.proposed;
+        t.drafts_accepted += st.drafts.accepted;
+        t.expert_bytes_requested += st.reads.expert_bytes_requested;
         t.expert_bytes_read += ran.reads.bytes_read.unwrap_or(0);
         t.prefill_rows += ran.prompt_len.saturating_sub(ran.reused) as u64;
         t.ttft_s_sum += ttft_s;

@@ -109,12 +109,15 @@ impl Generator {
         // Alone, the forwards' counters are its own.
         let mut own = st.clone();
         if alone {
-            own.expert_bytes_requested = sh.expert_bytes_requested;
-            own.distinct_experts.clone_from(&sh.distinct_experts);
-            own.expert_bytes = sh.expert_bytes;
+            own.reads.expert_bytes_requested = sh.reads.expert_bytes_requested;
+            own.reads.distinct_experts.clone_from(&sh.reads.distinct_experts);
+            own.reads.expert_bytes = sh.reads.expert_bytes;
         }
-        let reads =
-            Reads { bytes_read: sh.expert_bytes_read, cache_hits: sh.cache_hits, cache_misses: sh.cache_misses };
+        let reads = Reads {
+            bytes_read: sh.reads.expert_bytes_read,
+            cache_hits: sh.reads.cache_hits,
+            cache_misses: sh.reads.cache_misses,
+        };
         let ran = Ran { prompt_len, reused, queued_s, prefilled_s: st.prefill_s, reads };
         let mut out = self.output(&begin, answer, lane.generation(), &own, &ran, lane.sampler.constraint_error());
         out.ext["batch"] = json!(lane.peak_batch());
@@ -124,10 +127,10 @@ impl Generator {
             }
             out.ext["shared"] = json!({
                 "forwards": sh.forward_calls,
-                "bytes_read": sh.expert_bytes_read,
-                "expert_bytes_requested": sh.expert_bytes_requested,
-                "cache_hits": sh.cache_hits,
-                "cache_misses": sh.cache_misses,
+                "bytes_read": sh.reads.expert_bytes_read,
+                "expert_bytes_requested": sh.reads.expert_bytes_requested,
+                "cache_hits": sh.reads.cache_hits,
+                "cache_misses": sh.reads.cache_misses,
             });
         }
         self.remember(begin, &out);

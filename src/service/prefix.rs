@@ -73,7 +73,7 @@ impl Generator {
         s.watch_prefill(None);
         prefilled?;
         let mut st = std::mem::take(&mut s.stats);
-        st.expert_bytes_read = Reads::between(&src0, &self.engine.source_report()).bytes_read;
+        st.reads.expert_bytes_read = Reads::between(&src0, &self.engine.source_report()).bytes_read;
         self.shared = Some(s);
         Ok(st)
     }

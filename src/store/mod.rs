@@ -18,18 +18,15 @@
 
 pub mod cache;
 pub mod counters;
-pub mod drive_io;
 pub mod expert_store;
 pub mod heat;
+pub mod io;
 pub mod pack;
 pub mod placement;
-pub mod pread;
 pub mod probe;
-pub mod reader;
 pub mod replay;
+pub mod stream;
 pub mod sums;
-#[cfg(target_os = "linux")]
-pub mod uring;
 
 pub use counters::SourceReport;
 pub use expert_store::StorageHealth;

@@ -2,7 +2,7 @@
 //! readers the store uses, over a probe file (or over existing data, e.g. the shards).
 
 use super::cache::Slab;
-use super::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader};
+use super::io::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -73,7 +73,7 @@ pub fn measure_dir(
     {
         let mut f = std::fs::File::create(&path).map_err(io)?;
         // macOS: cached pages of the probe file would be what its F_NOCACHE reads measure.
-        super::reader::keep_writes_uncached(&f);
+        super::io::reader::keep_writes_uncached(&f);
         // Incompressible, non-zero content so no layer can shortcut the reads.
         let mut rng = crate::util::XorShift(0x9E37_79B9_7F4A_7C15);
         let chunk: Vec<u8> = (0..(1 << 20)).map(|_| rng.next_u64() as u8).collect();
@@ -124,7 +124,7 @@ pub fn measure_ranges(
     let direct = files.iter().all(|(_, f)| f.direct);
     let qd = qd.max(1);
     let slab = Slab::new(qd, len as usize).map_err(|source| ProbeError::Buffers { slots: qd, len, source })?;
-    let table: super::reader::FileTable = files.iter().map(|(_, f)| f.fd()).collect();
+    let table: super::io::reader::FileTable = files.iter().map(|(_, f)| f.fd()).collect();
     let mut rd =
         new_reader(reader, qd, &slab.iovecs(), table).map_err(|source| ProbeError::Reader { kind: reader, source })?;
     // The file each slot's read is of (for a failed read's message).

@@ -368,8 +368,8 @@ pub fn synth_small(dir: &Path, seed: Option<&str>) {
 }
 
 use deltafin::store::expert_store::{ExpertStore, StoreOptions};
+use deltafin::store::io::reader::ReaderKind;
 use deltafin::store::placement::{Manifest, PlaceOptions, Policy, RouteTrace, ShardUse};
-use deltafin::store::reader::ReaderKind;
 
 /// Places `m`'s experts on `drives` (drive i given `gbps(i)` GB/s, queue depth 2).
 pub fn place_model(

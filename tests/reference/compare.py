@@ -1,6 +1,6 @@
 """`deltafin score --compare` independently of deltafin: token ids from Python's `tiktoken`
 (perplexity.py's encoding), logits of both models from the fp64 reference (k3_reference.py), and
-llama.cpp's `llama-perplexity --kl-divergence` statistics as src/engine/compare.rs defines them:
+llama.cpp's `llama-perplexity --kl-divergence` statistics as src/tools/compare.rs defines them:
 
     per predicted token (the windows of `score --text`): lp_b, lp = log_softmax of the base's and
     the judged model's logits; kl = sum exp(lp_b) * (lp_b - lp); same top = argmax equal (first max);

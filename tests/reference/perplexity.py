@@ -1,7 +1,7 @@
 """Perplexity of a text under a K3-layout model, independently of deltafin: token ids from the
 Python `tiktoken` library (Kimi's split pattern, ordinary-text encoding) and logits from the fp64
 reference (k3_reference.py), with the definition `deltafin score --text` documents
-(src/engine/perplexity.rs) and the demo's training code uses:
+(src/tools/perplexity.rs) and the demo's training code uses:
 
     ids = [BOS] + encode(text); windows s = 0, W, 2W, ... while s < N - 1, each a fresh sequence
     feeding ids[s:e], e = min(s + W, N - 1), predicting ids[s + 1:e + 1];

@@ -5,7 +5,7 @@
 use super::*;
 
 /// The reader thread of drive `d`.
-pub(super) fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn crate::store::reader::DriveIo>) {
+pub(super) fn drive_loop(sh: Arc<Shared>, d: usize, mut reader: Box<dyn crate::store::io::reader::DriveIo>) {
     let qd = sh.spec.drives[d].qd.max(1);
     let mut done: Vec<Done> = Vec::new();
     let mut errors = 0u32;
@@ -204,108 +204,166 @@ fn fail_key(sh: &Shared, st: &mut State, key: Key, waiters: u32, d: usize, msg: 
     }
 }
 
+/// A read whose last part has landed: what its checks need.
+struct Finished {
+    r: usize,
+    key: Key,
+    slot: usize,
+    start: usize,
+    /// Its parts (none when its hedged twin landed first: nothing to check).
+    parts: Vec<Part>,
+    /// The first failure of a part: (drive, file, message).
+    error: Option<(u16, Option<u32>, String)>,
+    bytes_got: u64,
+}
+
+/// Who failed a read: the drive (None: no one drive read every part), the file (None: this copy
+/// of the expert), and why.
+type Blame = (Option<u16>, Option<u32>, String);
+
+/// A finished read taken out of the table, with its hedged twin (if one is still running), whether
+/// it lost to that twin, and whether it is the key's read (the one holding the waiters).
+struct Taken {
+    req: Req,
+    twin: Option<usize>,
+    lost: bool,
+    primary: bool,
+    now: Instant,
+}
+
 /// Checks a finished part; with the request's last part, checks the expert and moves it to Ready,
 /// or fails over.
 fn complete(sh: &Shared, d: usize, c: Done) {
+    let Some(f) = record_part(sh, d, c) else { return };
+    assemble(sh, &f);
+    let (verdict, files) = verify(sh, &f);
+    let now = Instant::now();
+    let mut st = lock(sh);
+    let st = &mut *st;
+    let Some(req) = st.reqs[f.r].take() else { return };
+    st.free_reqs.push(f.r);
+    let (twin, lost) = st.hedges.forget(f.r);
+    let twin = twin.filter(|&t| st.reqs[t].is_some());
+    if req.prefetch {
+        st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
+    }
+    // The key's read (the first one issued) holds the waiters; a hedge that wins takes them.
+    let primary = matches!(st.keys.get(&f.key), Some(KeyState::Loading { req }) if *req == f.r);
+    let taken = Taken { req, twin, lost, primary, now };
+    match verdict {
+        Ok(_) => publish(sh, st, d, &f, taken, &files),
+        Err(blame) => fail_over(sh, st, &f, taken, blame),
+    }
+    sh.done_cv.notify_all();
+}
+
+/// Counts part `c` of a read on drive `d` (an injected fault applied) under the lock; with the
+/// read's last part, the read as it finished (None before, or when it is gone).
+fn record_part(sh: &Shared, d: usize, c: Done) -> Option<Finished> {
     let (r, part) = untag(c.tag as usize);
-    let len = sh.spec.layout.len;
-    // Each part is checked as it lands; the request completes with its last part.
-    let (key, slot, start, parts, first_error, bytes_got) = {
-        let mut st = lock(sh);
-        let fault = st.faults.iter_mut().find(|f| f.drive == d && f.times > 0).and_then(|f| {
-            if f.skip > 0 {
-                f.skip -= 1;
-                None
-            } else {
-                f.times -= 1;
-                Some(f.kind)
-            }
-        });
-        let st = &mut *st;
-        let now = Instant::now();
-        let dr = &mut st.drives[d];
-        dr.in_flight = dr.in_flight.saturating_sub(1);
-        let Some(req) = st.reqs[r].as_mut() else { return };
-        let Some(p) = req.parts.get(part).copied().filter(|p| !p.done && p.drive as usize == d) else { return };
-        let dr = &mut st.drives[d];
-        dr.flight_bytes = dr.flight_bytes.saturating_sub(p.op_len);
-        dr.queued_bytes = dr.queued_bytes.saturating_sub(p.op_len);
-        let result = match (fault, c.result) {
-            (Some(FaultKind::Eio), _) => Err(std::io::Error::from_raw_os_error(libc::EIO)),
-            (Some(FaultKind::Short), Ok(_)) => Ok((p.skip + p.len / 2) as usize),
-            (_, r) => r,
-        };
-        let file = || sh.spec.files[p.file as usize].1.display();
-        match result {
-            Err(e) => {
-                req.part_error.get_or_insert((d as u16, Some(p.file), format!("{}: I/O error: {e}", file())));
-            }
-            Ok(n) if (n as u64) < p.skip + p.len => {
-                let got = (n as u64).saturating_sub(p.skip);
-                let msg = format!("{}: short read: got {got} of {} bytes", file(), p.len);
-                req.part_error.get_or_insert((d as u16, Some(p.file), msg));
-            }
-            Ok(n) => {
-                let n = n as u64;
-                req.bytes_got += n;
-                if let Some(t0) = p.at {
-                    dr.counters.latency.record((now - t0).as_secs_f64());
-                    let busy_since = dr.last_completion.map_or(t0, |l| l.max(t0));
-                    if let Some(rate) = dr.samples.record(n, (now - busy_since).as_secs_f64()) {
-                        dr.rate = rate;
-                    }
-                }
-                dr.last_completion = Some(now);
-                dr.counters.bytes_read += n;
-                dr.counters.reads += 1;
-                if req.prefetch {
-                    dr.counters.prefetch_reads += 1;
-                }
-                st.read += n;
-            }
-        }
-        req.parts[part].done = true;
-        req.parts_left = req.parts_left.saturating_sub(1);
-        if req.parts_left > 0 {
-            return;
-        }
-        let parts = req.parts.clone();
-        let (key, slot, start, error, got) =
-            (req.key, req.slot, req.start as usize, req.part_error.clone(), req.bytes_got);
-        if st.hedges.lost.contains(&r) {
-            // Its twin landed first (and parts of it may never have been read): nothing to check.
-            (key, slot, start, Vec::new(), None, 0)
+    let mut st = lock(sh);
+    let fault = st.faults.iter_mut().find(|f| f.drive == d && f.times > 0).and_then(|f| {
+        if f.skip > 0 {
+            f.skip -= 1;
+            None
         } else {
-            (key, slot, start, parts, error, got)
+            f.times -= 1;
+            Some(f.kind)
         }
+    });
+    let st = &mut *st;
+    let now = Instant::now();
+    let dr = &mut st.drives[d];
+    dr.in_flight = dr.in_flight.saturating_sub(1);
+    let req = st.reqs[r].as_mut()?;
+    let p = req.parts.get(part).copied().filter(|p| !p.done && p.drive as usize == d)?;
+    let dr = &mut st.drives[d];
+    dr.flight_bytes = dr.flight_bytes.saturating_sub(p.op_len);
+    dr.queued_bytes = dr.queued_bytes.saturating_sub(p.op_len);
+    let result = match (fault, c.result) {
+        (Some(FaultKind::Eio), _) => Err(std::io::Error::from_raw_os_error(libc::EIO)),
+        (Some(FaultKind::Short), Ok(_)) => Ok((p.skip + p.len / 2) as usize),
+        (_, r) => r,
     };
-    // Assemble and verify outside the lock: the slot is still Loading and owned by this read.
-    if first_error.is_none() && parts.len() > 1 {
-        // Pieces sit in image order at aligned positions >= their destinations, so moving each
-        // left in order never overwrites a piece not yet moved (split ranges are in place).
-        for p in parts.iter().filter(|p| p.pos + p.skip != p.dest) {
-            // SAFETY: every read into this slot has completed; both ranges lie inside the slot.
-            unsafe {
-                let base = sh.slab.slot_ptr(slot);
-                std::ptr::copy(base.add((p.pos + p.skip) as usize), base.add(p.dest as usize), p.len as usize);
+    let file = || sh.spec.files[p.file as usize].1.display();
+    match result {
+        Err(e) => {
+            req.part_error.get_or_insert((d as u16, Some(p.file), format!("{}: I/O error: {e}", file())));
+        }
+        Ok(n) if (n as u64) < p.skip + p.len => {
+            let got = (n as u64).saturating_sub(p.skip);
+            let msg = format!("{}: short read: got {got} of {} bytes", file(), p.len);
+            req.part_error.get_or_insert((d as u16, Some(p.file), msg));
+        }
+        Ok(n) => {
+            let n = n as u64;
+            req.bytes_got += n;
+            if let Some(t0) = p.at {
+                dr.counters.latency.record((now - t0).as_secs_f64());
+                let busy_since = dr.last_completion.map_or(t0, |l| l.max(t0));
+                if let Some(rate) = dr.samples.record(n, (now - busy_since).as_secs_f64()) {
+                    dr.rate = rate;
+                }
             }
+            dr.last_completion = Some(now);
+            dr.counters.bytes_read += n;
+            dr.counters.reads += 1;
+            if req.prefetch {
+                dr.counters.prefetch_reads += 1;
+            }
+            st.read += n;
         }
     }
+    req.parts[part].done = true;
+    req.parts_left = req.parts_left.saturating_sub(1);
+    if req.parts_left > 0 {
+        return None;
+    }
+    let (key, slot, start) = (req.key, req.slot, req.start as usize);
+    Some(if st.hedges.lost.contains(&r) {
+        // Its twin landed first (and parts of it may never have been read): nothing to check.
+        Finished { r, key, slot, start, parts: Vec::new(), error: None, bytes_got: 0 }
+    } else {
+        let (parts, error, bytes_got) = (req.parts.clone(), req.part_error.clone(), req.bytes_got);
+        Finished { r, key, slot, start, parts, error, bytes_got }
+    })
+}
+
+/// Moves a split read's pieces to their places in the slot (outside the lock: the slot is still
+/// Loading and owned by this read).
+fn assemble(sh: &Shared, f: &Finished) {
+    if f.error.is_some() || f.parts.len() <= 1 {
+        return;
+    }
+    // Pieces sit in image order at aligned positions >= their destinations, so moving each
+    // left in order never overwrites a piece not yet moved (split ranges are in place).
+    for p in f.parts.iter().filter(|p| p.pos + p.skip != p.dest) {
+        // SAFETY: every read into this slot has completed; both ranges lie inside the slot.
+        unsafe {
+            let base = sh.slab.slot_ptr(f.slot);
+            std::ptr::copy(base.add((p.pos + p.skip) as usize), base.add(p.dest as usize), p.len as usize);
+        }
+    }
+}
+
+/// The read's verdict (outside the lock): its bytes, or the failure and who is to blame — a file
+/// (I/O error, short read), or this expert's holder on one drive (bytes that are not the recorded
+/// ones); and the files it was read from.
+fn verify(sh: &Shared, f: &Finished) -> (Result<u64, Blame>, Vec<u32>) {
+    let (key, parts) = (f.key, &f.parts);
     // A checksum mismatch names a drive only when one drive read every part.
     let one_drive = parts.first().map(|p0| p0.drive).filter(|&d0| parts.iter().all(|p| p.drive == d0));
     let mut files: Vec<u32> = parts.iter().map(|p| p.file).collect();
     files.dedup();
-    // The failure and who is to blame: a file (I/O error, short read), or this expert's holder on
-    // one drive (bytes that are not the recorded ones).
-    let verdict: Result<u64, (Option<u16>, Option<u32>, String)> = match first_error {
-        Some((bad, file, e)) => Err((Some(bad), file, e)),
+    let verdict = match &f.error {
+        Some((bad, file, e)) => Err((Some(*bad), *file, e.clone())),
         None if parts.is_empty() => Ok(0),
         None => match &sh.spec.checksums {
             Some(c) => {
                 // SAFETY: the read into this slot has completed and nobody else touches it.
-                let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
+                let bytes = unsafe { sh.slab.slot_bytes(f.slot, f.start, sh.spec.layout.len) };
                 match c.check(key.0 as usize, key.1, bytes) {
-                    Verdict::Ok | Verdict::Unknown => Ok(bytes_got),
+                    Verdict::Ok | Verdict::Unknown => Ok(f.bytes_got),
                     Verdict::Bad(what) => {
                         let names: Vec<String> =
                             files.iter().map(|&f| sh.spec.files[f as usize].1.display().to_string()).collect();
@@ -314,103 +372,97 @@ fn complete(sh: &Shared, d: usize, c: Done) {
                     }
                 }
             }
-            None => Ok(bytes_got),
+            None => Ok(f.bytes_got),
         },
     };
-    let now = Instant::now();
-    let mut st = lock(sh);
-    let st = &mut *st;
-    let Some(req) = st.reqs[r].take() else { return };
-    st.free_reqs.push(r);
-    let (twin, lost) = st.hedges.forget(r);
-    let twin = twin.filter(|&t| st.reqs[t].is_some());
+    (verdict, files)
+}
+
+/// A read that checked clean: its slot Ready for its waiters (or cached, when prefetched), its
+/// holder's suspicion cleared, a hedged twin abandoned; nothing when the twin landed first.
+fn publish(sh: &Shared, st: &mut State, d: usize, f: &Finished, t: Taken, files: &[u32]) {
+    let (key, slot) = (f.key, f.slot);
+    for was in if f.parts.is_empty() { Vec::new() } else { st.suspects.clear(key, d as u16, files) } {
+        tracing::info!("expert {} of layer {} read clean again; restored after: {was}", key.1, key.0);
+    }
+    if t.lost {
+        // Its twin landed first: these bytes are not used.
+        st.slots[slot] = Slot::Free;
+        st.free.push(slot);
+        return;
+    }
+    let (mut waiters, mut sure_read) = (t.req.waiters, t.req.sure);
+    if let Some(tw) = t.twin {
+        if !t.primary
+            && let Some(tq) = st.reqs[tw].as_ref()
+        {
+            (waiters, sure_read) = (tq.waiters, tq.sure);
+            st.hedges.wins += 1;
+        }
+        hedge::abandon(sh, st, tw);
+    }
+    let prefetched = waiters == 0;
+    let sure = sure_read && prefetched;
+    st.slots[slot] =
+        Slot::Ready { key, pins: waiters, start: f.start as u32, drive: d as u16, at: t.now, prefetched, sure };
+    st.keys.insert(key, KeyState::Ready { slot });
+    if waiters == 0 {
+        // Prefetched: evictable until demanded.
+        cache_slot(st, slot);
+    }
+}
+
+/// A read that failed: the blamed drive's file or copy marked suspect, then the expert read again
+/// from another holder (into a fresh slot when a lost part may still write this one), handed to a
+/// hedged twin, or failed.
+fn fail_over(sh: &Shared, st: &mut State, f: &Finished, t: Taken, (bad, file, msg): Blame) {
+    let (key, req) = (f.key, t.req);
+    if let Some(b) = bad {
+        let dr = &mut st.drives[b as usize];
+        dr.counters.failures += 1;
+        let what = format!("expert {} of layer {}: {msg}", key.1, key.0);
+        dr.last_failure = Some(what.clone());
+        tracing::warn!(
+            "drive {b} ({}): {what}; {} is avoided for a while, then tried again",
+            sh.spec.drives[b as usize].root.display(),
+            if file.is_some() { "the file" } else { "this copy of the expert" }
+        );
+        match file {
+            Some(fl) => st.suspects.mark_file(fl, key, msg.clone(), t.now),
+            None => st.suspects.mark_expert(key, b, msg.clone(), t.now),
+        }
+    }
+    // A part lost in flight on a drive given up may still write the slot.
+    let mut slot = f.slot;
+    if req.poison {
+        st.slots[slot] = Slot::Poisoned;
+    }
+    if t.lost || t.twin.is_some() {
+        // A hedged read: the other copy serves (or served) the expert.
+        if let Some(tw) = t.twin.filter(|_| !t.lost) {
+            hedge::hand_over(st, &req, f.r, tw);
+        }
+        if !req.poison {
+            st.slots[slot] = Slot::Free;
+            st.free.push(slot);
+        }
+        return;
+    }
     if req.prefetch {
-        st.prefetch_outstanding = st.prefetch_outstanding.saturating_sub(1);
+        // Counted again by start_read's retry only if it stays a prefetch.
+        st.prefetch_outstanding += usize::from(req.waiters == 0);
     }
-    // The key's read (the first one issued) holds the waiters; a hedge that wins takes them.
-    let primary = matches!(st.keys.get(&key), Some(KeyState::Loading { req }) if *req == r);
-    match verdict {
-        Ok(_) => {
-            for was in if parts.is_empty() { Vec::new() } else { st.suspects.clear(key, d as u16, &files) } {
-                tracing::info!("expert {} of layer {} read clean again; restored after: {was}", key.1, key.0);
-            }
-            if lost {
-                // Its twin landed first: these bytes are not used.
-                st.slots[slot] = Slot::Free;
-                st.free.push(slot);
-                sh.done_cv.notify_all();
+    if req.poison {
+        match alloc_slot(st) {
+            Some(s) => slot = s,
+            None => {
+                st.prefetch_outstanding =
+                    st.prefetch_outstanding.saturating_sub(usize::from(req.prefetch && req.waiters == 0));
+                fail_key(sh, st, req.key, req.waiters, bad.unwrap_or(req.drive) as usize, &msg);
                 return;
             }
-            let (mut waiters, mut sure_read) = (req.waiters, req.sure);
-            if let Some(t) = twin {
-                if !primary && let Some(tq) = st.reqs[t].as_ref() {
-                    (waiters, sure_read) = (tq.waiters, tq.sure);
-                    st.hedges.wins += 1;
-                }
-                hedge::abandon(sh, st, t);
-            }
-            let prefetched = waiters == 0;
-            let sure = sure_read && prefetched;
-            st.slots[slot] =
-                Slot::Ready { key, pins: waiters, start: start as u32, drive: d as u16, at: now, prefetched, sure };
-            st.keys.insert(key, KeyState::Ready { slot });
-            if waiters == 0 {
-                // Prefetched: evictable until demanded.
-                cache_slot(st, slot);
-            }
-        }
-        Err((bad, file, msg)) => {
-            if let Some(b) = bad {
-                let dr = &mut st.drives[b as usize];
-                dr.counters.failures += 1;
-                let what = format!("expert {} of layer {}: {msg}", key.1, key.0);
-                dr.last_failure = Some(what.clone());
-                tracing::warn!(
-                    "drive {b} ({}): {what}; {} is avoided for a while, then tried again",
-                    sh.spec.drives[b as usize].root.display(),
-                    if file.is_some() { "the file" } else { "this copy of the expert" }
-                );
-                match file {
-                    Some(f) => st.suspects.mark_file(f, key, msg.clone(), now),
-                    None => st.suspects.mark_expert(key, b, msg.clone(), now),
-                }
-            }
-            // A part lost in flight on a drive given up may still write the slot.
-            let mut slot = slot;
-            if req.poison {
-                st.slots[slot] = Slot::Poisoned;
-            }
-            if lost || twin.is_some() {
-                // A hedged read: the other copy serves (or served) the expert.
-                if let Some(t) = twin.filter(|_| !lost) {
-                    hedge::hand_over(st, &req, r, t);
-                }
-                if !req.poison {
-                    st.slots[slot] = Slot::Free;
-                    st.free.push(slot);
-                }
-                sh.done_cv.notify_all();
-                return;
-            }
-            if req.prefetch {
-                // Counted again by start_read's retry only if it stays a prefetch.
-                st.prefetch_outstanding += usize::from(req.waiters == 0);
-            }
-            if req.poison {
-                match alloc_slot(st) {
-                    Some(s) => slot = s,
-                    None => {
-                        st.prefetch_outstanding =
-                            st.prefetch_outstanding.saturating_sub(usize::from(req.prefetch && req.waiters == 0));
-                        fail_key(sh, st, req.key, req.waiters, bad.unwrap_or(req.drive) as usize, &msg);
-                        sh.done_cv.notify_all();
-                        return;
-                    }
-                }
-            }
-            let blamed = bad.unwrap_or(req.drive) as usize;
-            retry_or_fail(sh, st, req, slot, blamed, bad.is_some(), &msg);
         }
     }
-    sh.done_cv.notify_all();
+    let blamed = bad.unwrap_or(req.drive) as usize;
+    retry_or_fail(sh, st, req, slot, blamed, bad.is_some(), &msg);
 }

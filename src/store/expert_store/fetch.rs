@@ -5,6 +5,7 @@
 
 use super::*;
 
+#[derive(Clone, Copy)]
 enum Want {
     /// Pinned and ready to land.
     Ready(usize),
@@ -15,6 +16,9 @@ enum Want {
     /// Landed (or abandoned after an error).
     Done,
 }
+
+/// An expert ready to land: (expert, slot, start of its bytes in the slot).
+type ReadyExpert = (u32, usize, usize);
 
 impl ExpertSource for ExpertStore {
     fn layout(&self) -> &ExpertLayout {
@@ -32,207 +36,12 @@ impl ExpertSource for ExpertStore {
         then: Option<(usize, &[u32])>,
         sink: &mut dyn ExpertSink<'s>,
     ) -> Result<(), StoreError> {
-        let sh = &*self.shared;
-        let len = sh.spec.layout.len;
-        let l = layer as u32;
-        let mut wants: Vec<(u32, Want)> = experts.iter().map(|&e| (e, Want::Deferred)).collect();
-        {
-            let mut st = lock(sh);
-            let st = &mut *st;
-            demote_read_ahead(st, layer);
-            if !experts.is_empty() {
-                st.replay.record(l, experts);
-            }
-            for &e in experts {
-                add_uses(st, (l, e), 1, policy::RANK_UNIT);
-            }
+        let mut f = Fetch::begin(&self.shared, layer, experts);
+        while f.remaining > 0 {
+            let ready = f.next_ready(then);
+            f.land(&ready, sink);
         }
-        let mut remaining = wants.len();
-        let mut started: Vec<u32> = Vec::new();
-        let mut last_land: Option<(Instant, u16)> = None;
-        let mut error: Option<StoreError> = None;
-        let mut stopped = false;
-        let mut first_pass = true;
-        let mut ahead_armed = false;
-        // Where the read-ahead resumes in `then`'s list.
-        let mut ahead_at = 0;
-        while remaining > 0 {
-            let mut ready: Vec<(u32, usize, usize)> = Vec::new();
-            {
-                let mut st = lock(sh);
-                loop {
-                    let st_ref = &mut *st;
-                    // Whether a read of this fetch is still to land (its slot then comes back, or
-                    // the cache's order changes): else a miss may evict to make progress.
-                    let mut in_flight = !ready.is_empty() || wants.iter().any(|(_, w)| matches!(w, Want::Waiting));
-                    // Hits are pinned (and reads in flight joined) before any miss may allocate.
-                    for phase in [0, 1] {
-                        for (e, w) in wants.iter_mut() {
-                            let key = (l, *e);
-                            // Resolve Deferred entries against what other fetches and prefetches did.
-                            if let Want::Deferred = w {
-                                if phase == 0 && !st_ref.keys.contains_key(&key) {
-                                    continue;
-                                }
-                                if error.is_some() || stopped {
-                                    *w = Want::Done;
-                                    remaining -= 1;
-                                    continue;
-                                }
-                                match st_ref.keys.get(&key) {
-                                    Some(KeyState::Ready { slot }) => {
-                                        let slot = *slot;
-                                        // An expert read ahead for this fetch was read, not
-                                        // kept: a miss for the cache's count.
-                                        let ahead = matches!(st_ref.slots[slot], Slot::Ready { sure: true, .. });
-                                        pin_ready(st_ref, slot);
-                                        if first_pass {
-                                            if ahead {
-                                                st_ref.misses += 1;
-                                            } else {
-                                                st_ref.hits += 1;
-                                            }
-                                        }
-                                        *w = Want::Ready(slot);
-                                    }
-                                    Some(KeyState::Loading { req }) => {
-                                        let r = *req;
-                                        let ahead = st_ref.reqs[r].as_ref().is_some_and(|q| q.sure);
-                                        join_read(st_ref, r);
-                                        if first_pass {
-                                            if ahead {
-                                                st_ref.misses += 1;
-                                            } else {
-                                                st_ref.joins += 1;
-                                            }
-                                        }
-                                        *w = Want::Waiting;
-                                    }
-                                    Some(KeyState::Failed { msg, .. }) => {
-                                        error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
-                                        *w = Want::Done;
-                                        remaining -= 1;
-                                        continue;
-                                    }
-                                    None => {
-                                        if first_pass {
-                                            st_ref.misses += 1;
-                                        }
-                                        if let Some(slot) = alloc_demand_slot(st_ref, key, !in_flight) {
-                                            if start_read(sh, st_ref, key, slot, false, &[]) {
-                                                if let Some(KeyState::Loading { req }) = st_ref.keys.get(&key) {
-                                                    let r = *req;
-                                                    if let Some(q) = st_ref.reqs[r].as_mut() {
-                                                        q.waiters += 1;
-                                                    }
-                                                }
-                                                started.push(*e);
-                                                *w = Want::Waiting;
-                                                in_flight = true;
-                                            } else {
-                                                st_ref.free.push(slot);
-                                                error = Some(no_holder(sh, st_ref, layer, *e));
-                                                *w = Want::Done;
-                                                remaining -= 1;
-                                                continue;
-                                            }
-                                        }
-                                    }
-                                }
-                            }
-                            match w {
-                                Want::Ready(slot) => {
-                                    if let Slot::Ready { start, .. } = st_ref.slots[*slot] {
-                                        ready.push((*e, *slot, start as usize));
-                                    }
-                                    *w = Want::Done;
-                                    remaining -= 1;
-                                }
-                                Want::Waiting => match st_ref.keys.get_mut(&key) {
-                                    Some(KeyState::Ready { slot }) => {
-                                        let slot = *slot;
-                                        if let Slot::Ready { start, drive, at, .. } = st_ref.slots[slot] {
-                                            if started.contains(e) && last_land.is_none_or(|(t, _)| at > t) {
-                                                last_land = Some((at, drive));
-                                            }
-                                            ready.push((*e, slot, start as usize));
-                                        }
-                                        *w = Want::Done;
-                                        remaining -= 1;
-                                    }
-                                    Some(KeyState::Failed { msg, waiters }) => {
-                                        error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
-                                        *waiters = waiters.saturating_sub(1);
-                                        if *waiters == 0 {
-                                            st_ref.keys.remove(&key);
-                                        }
-                                        *w = Want::Done;
-                                        remaining -= 1;
-                                    }
-                                    Some(KeyState::Loading { .. }) => {}
-                                    // The read we joined vanished (cancelled): start over.
-                                    None => *w = Want::Deferred,
-                                },
-                                Want::Deferred | Want::Done => {}
-                            }
-                        }
-                    }
-                    first_pass = false;
-                    // Once every read of this fetch has a slot, the next layer's reads start, as
-                    // many as slots allow now and more as this layer's experts are released.
-                    ahead_armed = ahead_armed || !wants.iter().any(|(_, w)| matches!(w, Want::Deferred));
-                    if let Some((nl, next)) = then.filter(|_| ahead_armed) {
-                        ahead_at = read_ahead(sh, st_ref, layer, nl, next, ahead_at);
-                    }
-                    if !ready.is_empty() || remaining == 0 {
-                        break;
-                    }
-                    // Reads late on their drive get a second copy; wake when the next one is due.
-                    let wake = if sh.hedge {
-                        let waiting: Vec<u32> =
-                            wants.iter().filter(|(_, w)| matches!(w, Want::Waiting)).map(|(e, _)| *e).collect();
-                        hedge::hedge_late(sh, st_ref, l, &waiting)
-                    } else {
-                        None
-                    };
-                    st = match wake {
-                        Some(t) => sh.done_cv.wait_timeout(st, t).map_or_else(|p| p.into_inner().0, |(g, _)| g),
-                        None => sh.done_cv.wait(st).unwrap_or_else(|p| p.into_inner()),
-                    };
-                }
-            }
-            // Land outside the lock; each slot stays pinned until the sink drops its bytes.
-            for &(e, slot, start) in &ready {
-                let release = move || {
-                    let mut st = lock(sh);
-                    unpin(sh, &mut st, (l, e), slot);
-                };
-                if error.is_some() || stopped {
-                    release();
-                    continue;
-                }
-                // SAFETY: the slot is pinned Ready; no reader writes it until it is unpinned,
-                // which happens only when `Landed` is dropped.
-                let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
-                lock(sh).requested += len as u64;
-                match sink.land(e, Landed::with_release(bytes, Box::new(release))) {
-                    Ok(Flow::Continue) => {}
-                    Ok(Flow::Stop) => stopped = true,
-                    Err(err) => error = Some(err),
-                }
-            }
-        }
-        if let Some((_, drive)) = last_land {
-            lock(sh).drives[drive as usize].counters.lands_last += 1;
-        }
-        // Every expert of this layer has been released by now: read ahead into what it frees.
-        if let Some((nl, next)) = then.filter(|_| error.is_none() && !stopped) {
-            read_ahead(sh, &mut lock(sh), layer, nl, next, ahead_at);
-        }
-        match error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        f.finish(then)
     }
 
     fn report(&self) -> SourceReport {
@@ -265,7 +74,7 @@ impl ExpertSource for ExpertStore {
                     "{} ({}{})",
                     d.root,
                     d.reader,
-                    if d.direct_io { format!(", {}", crate::store::reader::UNCACHED) } else { String::new() }
+                    if d.direct_io { format!(", {}", crate::store::io::reader::UNCACHED) } else { String::new() }
                 )
             })
             .collect();
@@ -279,6 +88,280 @@ impl ExpertSource for ExpertStore {
             drives.join(", "),
             self.slots()
         )
+    }
+}
+
+/// One fetch in progress: what each wanted expert waits for, and what the fetch has seen.
+struct Fetch<'s> {
+    sh: &'s Shared,
+    layer: usize,
+    l: u32,
+    wants: Vec<(u32, Want)>,
+    /// Wanted experts not landed (or abandoned) yet.
+    remaining: usize,
+    /// Experts whose reads this fetch started.
+    started: Vec<u32>,
+    /// When and on which drive the last of those reads landed.
+    last_land: Option<(Instant, u16)>,
+    error: Option<StoreError>,
+    stopped: bool,
+    /// Whether the cache's hits and misses are still to be counted (the first pass only).
+    first_pass: bool,
+    /// Whether every read of this fetch has a slot (the next layer's reads may start).
+    ahead_armed: bool,
+    /// Where the read-ahead resumes in `then`'s list.
+    ahead_at: usize,
+}
+
+impl<'s> Fetch<'s> {
+    /// A fetch of `experts` of `layer`: its uses counted, the layer's read-ahead demoted.
+    fn begin(sh: &'s Shared, layer: usize, experts: &[u32]) -> Self {
+        let l = layer as u32;
+        {
+            let mut st = lock(sh);
+            let st = &mut *st;
+            demote_read_ahead(st, layer);
+            if !experts.is_empty() {
+                st.replay.record(l, experts);
+            }
+            for &e in experts {
+                add_uses(st, (l, e), 1, policy::RANK_UNIT);
+            }
+        }
+        Fetch {
+            sh,
+            layer,
+            l,
+            wants: experts.iter().map(|&e| (e, Want::Deferred)).collect(),
+            remaining: experts.len(),
+            started: Vec::new(),
+            last_land: None,
+            error: None,
+            stopped: false,
+            first_pass: true,
+            ahead_armed: false,
+            ahead_at: 0,
+        }
+    }
+
+    /// Waits under the lock until some wanted experts are ready (or none remain): hits are pinned
+    /// and reads in flight joined before any miss may allocate, misses read as slots allow, the
+    /// next layer's reads started once every read of this one has a slot, late reads hedged.
+    fn next_ready(&mut self, then: Option<(usize, &[u32])>) -> Vec<ReadyExpert> {
+        let sh = self.sh;
+        let mut ready: Vec<ReadyExpert> = Vec::new();
+        let mut st = lock(sh);
+        loop {
+            let st_ref = &mut *st;
+            // Whether a read of this fetch is still to land (its slot then comes back, or
+            // the cache's order changes): else a miss may evict to make progress.
+            let mut in_flight = !ready.is_empty() || self.wants.iter().any(|(_, w)| matches!(w, Want::Waiting));
+            // Hits are pinned (and reads in flight joined) before any miss may allocate.
+            for phase in [0, 1] {
+                for i in 0..self.wants.len() {
+                    let (e, w) = self.wants[i];
+                    self.wants[i].1 = self.visit(st_ref, e, w, phase, &mut in_flight, &mut ready);
+                }
+            }
+            self.first_pass = false;
+            // Once every read of this fetch has a slot, the next layer's reads start, as
+            // many as slots allow now and more as this layer's experts are released.
+            self.ahead_armed = self.ahead_armed || !self.wants.iter().any(|(_, w)| matches!(w, Want::Deferred));
+            if let Some((nl, next)) = then.filter(|_| self.ahead_armed) {
+                self.ahead_at = read_ahead(sh, st_ref, self.layer, nl, next, self.ahead_at);
+            }
+            if !ready.is_empty() || self.remaining == 0 {
+                return ready;
+            }
+            // Reads late on their drive get a second copy; wake when the next one is due.
+            let wake = if sh.hedge {
+                let waiting: Vec<u32> =
+                    self.wants.iter().filter(|(_, w)| matches!(w, Want::Waiting)).map(|(e, _)| *e).collect();
+                hedge::hedge_late(sh, st_ref, self.l, &waiting)
+            } else {
+                None
+            };
+            st = match wake {
+                Some(t) => sh.done_cv.wait_timeout(st, t).map_or_else(|p| p.into_inner().0, |(g, _)| g),
+                None => sh.done_cv.wait(st).unwrap_or_else(|p| p.into_inner()),
+            };
+        }
+    }
+
+    /// Marks one wanted expert landed or abandoned.
+    fn done(&mut self) -> Want {
+        self.remaining -= 1;
+        Want::Done
+    }
+
+    /// Expert `e`'s turn in a pass (`phase` 0: only experts the cache or a read in flight already
+    /// knows; 1: misses too): a deferred one resolved, then one that is ready collected into
+    /// `ready`. Returns its new state.
+    fn visit(
+        &mut self,
+        st: &mut State,
+        e: u32,
+        w: Want,
+        phase: usize,
+        in_flight: &mut bool,
+        ready: &mut Vec<ReadyExpert>,
+    ) -> Want {
+        let w = match w {
+            Want::Deferred => match self.resolve(st, e, phase, in_flight) {
+                Ok(w) => w,
+                // Settled, or left for the next phase: nothing to collect this turn.
+                Err(w) => return w,
+            },
+            w => w,
+        };
+        self.collect(st, e, w, ready)
+    }
+
+    /// Resolves a deferred expert against what other fetches and prefetches did: a hit pinned, a
+    /// read in flight joined, a failed one the fetch's error, a miss read into a slot when one is
+    /// free. Ok: the state to collect from now; Err: the state to keep this turn.
+    fn resolve(&mut self, st: &mut State, e: u32, phase: usize, in_flight: &mut bool) -> Result<Want, Want> {
+        let key = (self.l, e);
+        if phase == 0 && !st.keys.contains_key(&key) {
+            return Err(Want::Deferred);
+        }
+        if self.error.is_some() || self.stopped {
+            return Err(self.done());
+        }
+        match st.keys.get(&key) {
+            Some(KeyState::Ready { slot }) => {
+                let slot = *slot;
+                // An expert read ahead for this fetch was read, not kept: a miss for the cache's count.
+                let ahead = matches!(st.slots[slot], Slot::Ready { sure: true, .. });
+                pin_ready(st, slot);
+                if self.first_pass {
+                    if ahead {
+                        st.misses += 1;
+                    } else {
+                        st.hits += 1;
+                    }
+                }
+                Ok(Want::Ready(slot))
+            }
+            Some(KeyState::Loading { req }) => {
+                let r = *req;
+                let ahead = st.reqs[r].as_ref().is_some_and(|q| q.sure);
+                join_read(st, r);
+                if self.first_pass {
+                    if ahead {
+                        st.misses += 1;
+                    } else {
+                        st.joins += 1;
+                    }
+                }
+                Ok(Want::Waiting)
+            }
+            Some(KeyState::Failed { msg, .. }) => {
+                self.error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
+                Err(self.done())
+            }
+            None => {
+                if self.first_pass {
+                    st.misses += 1;
+                }
+                let Some(slot) = alloc_demand_slot(st, key, !*in_flight) else { return Ok(Want::Deferred) };
+                if !start_read(self.sh, st, key, slot, false, &[]) {
+                    st.free.push(slot);
+                    self.error = Some(no_holder(self.sh, st, self.layer, e));
+                    return Err(self.done());
+                }
+                if let Some(KeyState::Loading { req }) = st.keys.get(&key) {
+                    let r = *req;
+                    if let Some(q) = st.reqs[r].as_mut() {
+                        q.waiters += 1;
+                    }
+                }
+                self.started.push(e);
+                *in_flight = true;
+                Ok(Want::Waiting)
+            }
+        }
+    }
+
+    /// Collects expert `e` into `ready` when its slot is ready; a failed read is the fetch's error,
+    /// a joined read that vanished (cancelled) starts over.
+    fn collect(&mut self, st: &mut State, e: u32, w: Want, ready: &mut Vec<ReadyExpert>) -> Want {
+        let key = (self.l, e);
+        match w {
+            Want::Ready(slot) => {
+                if let Slot::Ready { start, .. } = st.slots[slot] {
+                    ready.push((e, slot, start as usize));
+                }
+                self.done()
+            }
+            Want::Waiting => match st.keys.get_mut(&key) {
+                Some(KeyState::Ready { slot }) => {
+                    let slot = *slot;
+                    if let Slot::Ready { start, drive, at, .. } = st.slots[slot] {
+                        if self.started.contains(&e) && self.last_land.is_none_or(|(t, _)| at > t) {
+                            self.last_land = Some((at, drive));
+                        }
+                        ready.push((e, slot, start as usize));
+                    }
+                    self.done()
+                }
+                Some(KeyState::Failed { msg, waiters }) => {
+                    self.error.get_or_insert_with(|| StoreError::NoHolderLeft(msg.clone()));
+                    *waiters = waiters.saturating_sub(1);
+                    if *waiters == 0 {
+                        st.keys.remove(&key);
+                    }
+                    self.done()
+                }
+                Some(KeyState::Loading { .. }) => Want::Waiting,
+                // The read we joined vanished (cancelled): start over.
+                None => Want::Deferred,
+            },
+            w @ (Want::Deferred | Want::Done) => w,
+        }
+    }
+
+    /// Lands `ready` outside the lock in order; each slot stays pinned until the sink drops its
+    /// bytes. After an error or a stop the rest are released unlanded.
+    fn land(&mut self, ready: &[ReadyExpert], sink: &mut dyn ExpertSink<'s>) {
+        let sh = self.sh;
+        let (l, len) = (self.l, sh.spec.layout.len);
+        for &(e, slot, start) in ready {
+            let release = move || {
+                let mut st = lock(sh);
+                unpin(sh, &mut st, (l, e), slot);
+            };
+            if self.error.is_some() || self.stopped {
+                release();
+                continue;
+            }
+            // SAFETY: the slot is pinned Ready; no reader writes it until it is unpinned,
+            // which happens only when `Landed` is dropped.
+            let bytes = unsafe { sh.slab.slot_bytes(slot, start, len) };
+            lock(sh).requested += len as u64;
+            match sink.land(e, Landed::with_release(bytes, Box::new(release))) {
+                Ok(Flow::Continue) => {}
+                Ok(Flow::Stop) => self.stopped = true,
+                Err(err) => self.error = Some(err),
+            }
+        }
+    }
+
+    /// Ends the fetch: the drive that landed its last read counted, the next layer read ahead into
+    /// what this layer's experts freed; the fetch's error, if any.
+    fn finish(self, then: Option<(usize, &[u32])>) -> Result<(), StoreError> {
+        let sh = self.sh;
+        if let Some((_, drive)) = self.last_land {
+            lock(sh).drives[drive as usize].counters.lands_last += 1;
+        }
+        // Every expert of this layer has been released by now: read ahead into what it frees.
+        if let Some((nl, next)) = then.filter(|_| self.error.is_none() && !self.stopped) {
+            read_ahead(sh, &mut lock(sh), self.layer, nl, next, self.ahead_at);
+        }
+        match self.error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 

@@ -29,7 +29,7 @@
 use super::cache::{EvictionOrder, Slab};
 use super::counters::{DriveCounters, DriveReport, SourceReport};
 use super::heat::Heat;
-use super::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader, widen};
+use super::io::reader::{DirectFile, Done, ReadOp, ReaderKind, new_reader, widen};
 use super::sums::Verdict;
 use super::{ExpertSink, ExpertSource, Flow, Landed, StoreError};
 use crate::model::roster::ExpertLayout;
@@ -273,75 +273,67 @@ pub fn staging_slots(drives: &[DriveSpec], prefetch_depth: usize) -> usize {
     drives.iter().map(|d| d.qd.max(1) + prefetch_depth).sum::<usize>() + 2
 }
 
-impl ExpertStore {
-    /// Opens every holder file and starts one reader thread per usable drive.
-    pub fn open(spec: StoreSpec, opts: StoreOptions) -> Result<Self, StoreError> {
-        if spec.max_pieces() > 1 << PART_BITS {
-            return Err(StoreError::Setup(format!(
-                "an expert is held in {} pieces; at most {} are supported",
-                spec.max_pieces(),
-                1 << PART_BITS
-            )));
+/// Each drive's state, and every holder file opened for uncached reads (None where its drive's
+/// directory is missing or the file cannot be opened: that drive is failed, the other holders serve).
+fn open_drives(spec: &StoreSpec) -> (Vec<DriveState>, Vec<Option<DirectFile>>) {
+    let mut drives: Vec<DriveState> = spec
+        .drives
+        .iter()
+        .map(|d| DriveState {
+            demand: VecDeque::new(),
+            prefetch: VecDeque::new(),
+            queued_bytes: 0,
+            flight_bytes: 0,
+            rate: (d.gbps.max(0.01)) * 1e9,
+            samples: split::Rate::default(),
+            failed: None,
+            last_failure: None,
+            in_flight: 0,
+            last_completion: None,
+            counters: DriveCounters::default(),
+            reader: None,
+        })
+        .collect();
+    for (i, d) in spec.drives.iter().enumerate() {
+        if !d.root.is_dir() {
+            let msg = format!("directory {} is missing", d.root.display());
+            tracing::warn!("drive {i} ({}): {msg}; using the remaining holders", d.root.display());
+            drives[i].failed = Some(msg);
         }
-        let slot_size = slot_size_for(&spec);
-        let staging = staging_slots(&spec.drives, opts.prefetch_depth) + opts.read_ahead_slots;
-        let cache_slots = (opts.cache_bytes / slot_size as u64) as usize;
-        let slab =
-            Slab::new(cache_slots + staging, slot_size).map_err(|e| StoreError::Setup(format!("expert cache: {e}")))?;
-
-        let mut drives: Vec<DriveState> = spec
-            .drives
-            .iter()
-            .map(|d| DriveState {
-                demand: VecDeque::new(),
-                prefetch: VecDeque::new(),
-                queued_bytes: 0,
-                flight_bytes: 0,
-                rate: (d.gbps.max(0.01)) * 1e9,
-                samples: split::Rate::default(),
-                failed: None,
-                last_failure: None,
-                in_flight: 0,
-                last_completion: None,
-                counters: DriveCounters::default(),
-                reader: None,
-            })
-            .collect();
-        for (i, d) in spec.drives.iter().enumerate() {
-            if !d.root.is_dir() {
-                let msg = format!("directory {} is missing", d.root.display());
-                tracing::warn!("drive {i} ({}): {msg}; using the remaining holders", d.root.display());
-                drives[i].failed = Some(msg);
-            }
+    }
+    let mut files = Vec::with_capacity(spec.files.len());
+    for (drive, path) in &spec.files {
+        let d = *drive as usize;
+        if drives[d].failed.is_some() {
+            files.push(None);
+            continue;
         }
-        let mut files = Vec::with_capacity(spec.files.len());
-        for (drive, path) in &spec.files {
-            let d = *drive as usize;
-            if drives[d].failed.is_some() {
+        match DirectFile::open(path) {
+            Ok(f) => files.push(Some(f)),
+            Err(e) => {
+                let msg = format!("cannot open {}: {e}", path.display());
+                tracing::warn!("drive {d} ({}): {msg}; avoiding this drive", spec.drives[d].root.display());
+                drives[d].failed = Some(msg);
+                drives[d].counters.failures += 1;
                 files.push(None);
-                continue;
-            }
-            match DirectFile::open(path) {
-                Ok(f) => files.push(Some(f)),
-                Err(e) => {
-                    let msg = format!("cannot open {}: {e}", path.display());
-                    tracing::warn!("drive {d} ({}): {msg}; avoiding this drive", spec.drives[d].root.display());
-                    drives[d].failed = Some(msg);
-                    drives[d].counters.failures += 1;
-                    files.push(None);
-                }
             }
         }
-        let n_slots = slab.slots;
-        let heat = opts.heat.as_deref().map(|path| {
-            let layers: Vec<u32> =
-                spec.holders.iter().enumerate().filter(|(_, h)| h.is_some()).map(|(l, _)| l as u32).collect();
-            let experts = spec.holders.iter().flatten().map(|h| h.len()).max().unwrap_or(0);
-            Heat::open(path, &layers, experts)
-        });
-        let uses = heat.as_ref().map(Heat::seed).unwrap_or_default();
-        let moe_layers = spec.holders.iter().filter(|h| h.is_some()).count();
-        let st = State {
+    }
+    (drives, files)
+}
+
+impl State {
+    /// The state of a store of `n_slots` slots, all free, over `drives`: the cache's ranks seeded
+    /// from `uses` (the route heat of earlier runs), reads logged when `record_reads`.
+    fn new(
+        drives: Vec<DriveState>,
+        n_slots: usize,
+        uses: HashMap<Key, u32>,
+        moe_layers: usize,
+        record_reads: bool,
+    ) -> Self {
+        let n_drives = drives.len();
+        State {
             slots: vec![Slot::Free; n_slots],
             keys: HashMap::new(),
             free: (0..n_slots).rev().collect(),
@@ -362,11 +354,40 @@ impl ExpertStore {
             prefetch_outstanding: 0,
             sure_slots: Vec::new(),
             shutdown: false,
-            read_log: opts.record_reads.then(Vec::new),
+            read_log: record_reads.then(Vec::new),
             faults: Vec::new(),
-            hedges: hedge::Hedges::new(spec.drives.len()),
+            hedges: hedge::Hedges::new(n_drives),
             suspects: heal::Suspects::default(),
-        };
+        }
+    }
+}
+
+impl ExpertStore {
+    /// Opens every holder file and starts one reader thread per usable drive.
+    pub fn open(spec: StoreSpec, opts: StoreOptions) -> Result<Self, StoreError> {
+        if spec.max_pieces() > 1 << PART_BITS {
+            return Err(StoreError::Setup(format!(
+                "an expert is held in {} pieces; at most {} are supported",
+                spec.max_pieces(),
+                1 << PART_BITS
+            )));
+        }
+        let slot_size = slot_size_for(&spec);
+        let staging = staging_slots(&spec.drives, opts.prefetch_depth) + opts.read_ahead_slots;
+        let cache_slots = (opts.cache_bytes / slot_size as u64) as usize;
+        let slab =
+            Slab::new(cache_slots + staging, slot_size).map_err(|e| StoreError::Setup(format!("expert cache: {e}")))?;
+
+        let (drives, files) = open_drives(&spec);
+        let heat = opts.heat.as_deref().map(|path| {
+            let layers: Vec<u32> =
+                spec.holders.iter().enumerate().filter(|(_, h)| h.is_some()).map(|(l, _)| l as u32).collect();
+            let experts = spec.holders.iter().flatten().map(|h| h.len()).max().unwrap_or(0);
+            Heat::open(path, &layers, experts)
+        });
+        let uses = heat.as_ref().map(Heat::seed).unwrap_or_default();
+        let moe_layers = spec.holders.iter().filter(|h| h.is_some()).count();
+        let st = State::new(drives, slab.slots, uses, moe_layers, opts.record_reads);
         let n_drives = spec.drives.len();
         let prefetch_cap = 2 * n_drives * opts.prefetch_depth;
         let shared = Arc::new(Shared {
@@ -384,24 +405,30 @@ impl ExpertStore {
         });
         // Threads are owned by the store as they start, so an error below still shuts them down.
         let mut store = ExpertStore { shared, threads: Vec::new(), heat: Mutex::new(heat) };
-        for d in 0..n_drives {
-            if lock(&store.shared).drives[d].failed.is_some() {
+        store.start_readers(opts.reader)?;
+        Ok(store)
+    }
+
+    /// Starts one reader thread of kind `kind` per usable drive.
+    fn start_readers(&mut self, kind: ReaderKind) -> Result<(), StoreError> {
+        for d in 0..self.shared.spec.drives.len() {
+            if lock(&self.shared).drives[d].failed.is_some() {
                 continue;
             }
-            let qd = store.shared.spec.drives[d].qd.max(1);
-            let table: super::reader::FileTable =
-                store.shared.files.iter().map(|f| f.as_ref().map_or(-1, |f| f.fd())).collect();
-            let reader = new_reader(opts.reader, qd, &store.shared.slab.iovecs(), table)
-                .map_err(|e| StoreError::Setup(format!("{} reader for drive {d}: {e}", opts.reader.name())))?;
-            lock(&store.shared).drives[d].reader = Some(reader.kind());
-            let sh = Arc::clone(&store.shared);
+            let qd = self.shared.spec.drives[d].qd.max(1);
+            let table: super::io::reader::FileTable =
+                self.shared.files.iter().map(|f| f.as_ref().map_or(-1, |f| f.fd())).collect();
+            let reader = new_reader(kind, qd, &self.shared.slab.iovecs(), table)
+                .map_err(|e| StoreError::Setup(format!("{} reader for drive {d}: {e}", kind.name())))?;
+            lock(&self.shared).drives[d].reader = Some(reader.kind());
+            let sh = Arc::clone(&self.shared);
             let t = std::thread::Builder::new()
                 .name(format!("deltafin-drive{d}"))
                 .spawn(move || drive_loop(sh, d, reader))
                 .map_err(|e| StoreError::Setup(format!("cannot start the reader thread for drive {d}: {e}")))?;
-            store.threads.push(t);
+            self.threads.push(t);
         }
-        Ok(store)
+        Ok(())
     }
 
     /// Starts reading experts a later layer will probably need, into idle drive capacity only.

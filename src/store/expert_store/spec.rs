@@ -6,7 +6,7 @@
 //! [`super::ExpertStore::open`] checks it. Nothing here reads a file.
 
 use crate::model::roster::ExpertLayout;
-use crate::store::reader::ReaderKind;
+use crate::store::io::reader::ReaderKind;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -85,7 +85,7 @@ pub struct StoreOptions {
     /// this many bytes across them (see `split`); None reads every expert whole from one drive.
     pub split_min: Option<u64>,
     /// Read slots beyond [`staging_slots`] for a batch's reads ahead of its next MoE layer (a
-    /// decode step of several sequences: `sched::moe::read_ahead_depth`), so they need not evict
+    /// decode step of several sequences: `forward::moe::read_ahead_depth`), so they need not evict
     /// cached experts; 0: none.
     pub read_ahead_slots: usize,
 }

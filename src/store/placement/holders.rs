@@ -28,11 +28,11 @@ pub fn shard_read_ranges(ck: &Checkpoint, roster: &Roster) -> (Vec<(PathBuf, u64
         .map(|loc| {
             (
                 ck.shard_path(loc.extents[0].shard).to_path_buf(),
-                crate::store::reader::widen(loc.extents[0].start, len).0,
+                crate::store::io::reader::widen(loc.extents[0].start, len).0,
             )
         })
         .collect();
-    (ranges, crate::store::reader::widen(0, len).1 + crate::store::reader::DIRECT_ALIGN)
+    (ranges, crate::store::io::reader::widen(0, len).1 + crate::store::io::reader::DIRECT_ALIGN)
 }
 
 /// The shards as a holder of one expert (file index = shard index): one range, or its pieces.

@@ -234,8 +234,12 @@ impl Manifest {
             )));
         }
         for (d, drive) in m.drives.iter().chain(std::iter::once(&m.shard_drive)).enumerate() {
-            if !(1..=super::reader::MAX_QD).contains(&drive.qd) {
-                return Err(invalid(format!("drive {d}: qd {} is outside 1..={}", drive.qd, super::reader::MAX_QD)));
+            if !(1..=super::io::reader::MAX_QD).contains(&drive.qd) {
+                return Err(invalid(format!(
+                    "drive {d}: qd {} is outside 1..={}",
+                    drive.qd,
+                    super::io::reader::MAX_QD
+                )));
             }
             if !(drive.gbps.is_finite() && drive.gbps >= 0.0) {
                 return Err(invalid(format!("drive {d}: gbps {} is not a speed", drive.gbps)));

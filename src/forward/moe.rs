@@ -62,7 +62,7 @@ pub struct StoreSchedule<'a> {
     predicted: Option<Vec<u32>>,
     stats: &'a mut Stats,
     clock: PhaseClock,
-    /// Told after each MoE layer (`super::forward`); false stops the forward.
+    /// Told after each MoE layer (`super::run`); false stops the forward.
     watch: Option<&'a mut super::LayerWatch<'a>>,
     moe_done: usize,
 }
@@ -90,7 +90,7 @@ impl<'a> StoreSchedule<'a> {
         }
     }
 
-    /// The schedule telling `watch` after each MoE layer (see `super::forward`).
+    /// The schedule telling `watch` after each MoE layer (see `super::run`).
     pub fn watched(mut self, watch: &'a mut super::LayerWatch<'a>) -> Self {
         self.watch = Some(watch);
         self
@@ -118,7 +118,7 @@ impl Schedule for StoreSchedule<'_> {
         self.clock.enter(None, self.stats);
         let t_start = Instant::now();
         let src = self.source.ok_or(ForwardError::NoExpertSource)?;
-        let (model, c) = (self.model, &self.model.cfg);
+        let c = &self.model.cfg;
         let n = xn.len() / c.hidden;
         self.stats.record_routes(layer, &routes.experts, c.experts);
         let union = routes.union();
@@ -128,15 +128,68 @@ impl Schedule for StoreSchedule<'_> {
             self.stats.record_prediction(layer, pred.len(), union.len(), hit);
             src.cancel_prefetch(layer, &union);
         }
+        let ahead = self.look_ahead(layer, xn, n)?;
+        let t_routed = Instant::now();
+        self.stats.phases.router_s += (t_routed - t_start).as_secs_f64();
+        let mut pass = self.run_experts(src, layer, routes, zd, &union, &ahead)?;
+        self.count_pass(layer, union, &mut pass, t_routed);
+        self.predicted = ahead.predicted.map(|(_, p)| p);
+        // Everything since the routed input was counted above.
+        self.clock.restart(Phase::Experts);
+        self.moe_done += 1;
+        let layers = c.moe_layers();
+        if let Some(w) = self.watch.as_mut()
+            && !w(self.moe_done, layers, self.stats)
+        {
+            return Err(ForwardError::Cancelled);
+        }
+        Ok(pass.routed)
+    }
+}
+
+/// The next MoE layer as this one's input predicts it: its layer and expert union (to prefetch,
+/// and to score against its real route), and the experts a batch reads ahead with this layer's
+/// fetch, most-named first.
+struct Lookahead {
+    /// Rows of this layer's pass.
+    rows: usize,
+    predicted: Option<(usize, Vec<u32>)>,
+    read_ahead: Option<(usize, Vec<u32>)>,
+}
+
+/// What one MoE layer pass ran and how long it took.
+struct Pass {
+    /// The routed experts' weighted sum, [n, hidden].
+    routed: Vec<f32>,
+    /// Rows routed to each expert of the union (empty for one row).
+    rows_of: Vec<u32>,
+    /// Experts the device held (run from its memory, not fetched).
+    held: usize,
+    expert_rows: usize,
+    /// Bytes of one expert.
+    expert_len: usize,
+    /// From the fetch's start to the last expert run; of that, the experts' kernels (the weighted
+    /// sum included) and the weighted sum alone.
+    t_fetch: Instant,
+    fetch_s: f64,
+    kernel_s: f64,
+    sum_s: f64,
+    uploaded: crate::backend::DeviceTraffic,
+}
+
+impl StoreSchedule<'_> {
+    /// The next MoE layer's route on this layer's input `xn` of `n` rows (when prefetching, or for
+    /// a batch of two rows or more), and what a batch reads ahead of it: a large one the experts
+    /// named for several rows, a decode step of a few rows the first few.
+    fn look_ahead(&self, layer: usize, xn: &[f32], n: usize) -> Result<Lookahead, ForwardError> {
+        let (model, c) = (self.model, &self.model.cfg);
         let next = if self.opts.prefetch || self.rows >= 2 { model.next_moe(layer) } else { None };
         let next_routes = match next {
             Some((nl, nw)) => Some((nl, moe::route(&*model.be, c, nw, xn)?)),
             None => None,
         };
-        let predicted_next = next_routes.as_ref().map(|(nl, r)| (*nl, r.union()));
-        // A batch reads ahead the next layer's experts its router names, the most-named first: a
-        // large one those named for several rows, a decode step of a few rows the first few.
-        let read_ahead: Option<(usize, Vec<u32>)> = match (&next_routes, &predicted_next) {
+        let predicted = next_routes.as_ref().map(|(nl, r)| (*nl, r.union()));
+        let read_ahead = match (&next_routes, &predicted) {
             (Some((_, r)), Some((nl, pred))) if n >= 2 => {
                 let mut count = vec![0usize; c.experts];
                 for &e in &r.experts {
@@ -155,12 +208,30 @@ impl Schedule for StoreSchedule<'_> {
             }
             _ => None,
         };
-        let t_routed = Instant::now();
-        self.stats.router_s += (t_routed - t_start).as_secs_f64();
+        Ok(Lookahead { rows: n, predicted, read_ahead })
+    }
 
+    /// Runs the layer's routed experts: those the device holds from its memory, the rest of
+    /// `union` each on its rows as it lands from `src`'s fetch (the next layer's reads ahead riding
+    /// on it, or its prediction prefetched into idle capacity once every demanded read is queued).
+    fn run_experts(
+        &self,
+        src: &dyn ExpertSource,
+        layer: usize,
+        routes: &Routes,
+        zd: &[f32],
+        union: &[u32],
+        ahead: &Lookahead,
+    ) -> Result<Pass, ForwardError> {
+        let (model, c) = (self.model, &self.model.cfg);
         let layout = src.layout().clone();
         let mut work = RoutedExperts::new(&*model.be, c, layer, &layout, routes, zd);
-        let rows_of: Vec<u32> = if n > 1 { work.rows_of().iter().map(|&r| r as u32).collect() } else { Vec::new() };
+        let n = ahead.rows;
+        // The rows of each expert, for the traces when they are kept (nothing made otherwise).
+        let rows_of: Vec<u32> = match n > 1 && self.stats.keeps_traces() {
+            true => work.rows_of().iter().map(|&r| r as u32).collect(),
+            false => Vec::new(),
+        };
         if n > 1 {
             src.note_routes(layer, work.union(), &work.rows_of(), n);
         }
@@ -174,8 +245,9 @@ impl Schedule for StoreSchedule<'_> {
         kernel_s += t.elapsed().as_secs_f64();
         let held_n = held.iter().filter(|h| **h).count();
         let wanted: Vec<u32> = union.iter().zip(&held).filter(|(_, h)| !**h).map(|(&e, _)| e).collect();
-        let mut prefetch_pending =
-            predicted_next.as_ref().filter(|_| read_ahead.is_none()).map(|(nl, pred)| (*nl, self.not_held(*nl, pred)));
+        let mut prefetch_pending = (ahead.predicted.as_ref())
+            .filter(|_| ahead.read_ahead.is_none())
+            .map(|(nl, pred)| (*nl, self.not_held(*nl, pred)));
         if wanted.is_empty()
             && let Some((nl, pred)) = prefetch_pending.take()
         {
@@ -183,7 +255,7 @@ impl Schedule for StoreSchedule<'_> {
         }
         let t_fetch = Instant::now();
         let traffic = self.device.device_traffic();
-        let then = read_ahead.as_ref().map(|(nl, sure)| (*nl, sure.as_slice()));
+        let then = ahead.read_ahead.as_ref().map(|(nl, sure)| (*nl, sure.as_slice()));
         // A backend failure stops the fetch (reads in flight complete and are released) and is
         // the layer's error.
         let mut failed = None;
@@ -216,34 +288,40 @@ impl Schedule for StoreSchedule<'_> {
         kernel_s += sum_s;
         let fetch_s = t_fetch.elapsed().as_secs_f64();
         let uploaded = self.device.device_traffic().since(traffic);
-        let stats = &mut *self.stats;
-        stats.layer_passes += 1;
-        stats.device_expert_hits += held_n as u64;
-        stats.device_expert_staged_bytes += uploaded.expert_staged_bytes;
-        stats.device_expert_in_place_bytes += uploaded.expert_in_place_bytes;
-        stats.experts_fetched += union.len() as u64;
-        stats.expert_rows += expert_rows as u64;
-        stats.expert_bytes_requested += ((union.len() - held_n) * layout.len) as u64;
-        stats.expert_bytes = layout.len as u64;
-        stats.distinct_experts.extend(union.iter().map(|&e| (layer as u32, e)));
-        stats.read_wait_s += (fetch_s - kernel_s).max(0.0);
-        *stats.layer_read_wait_s.entry(layer as u32).or_insert(0.0) += (fetch_s - kernel_s).max(0.0);
-        stats.fetch_trace.push((layer as u32, union));
-        stats.layer_fetch_s.push(fetch_s as f32);
-        stats.fetch_rows.push(rows_of);
+        Ok(Pass {
+            routed,
+            rows_of,
+            held: held_n,
+            expert_rows,
+            expert_len: layout.len,
+            t_fetch,
+            fetch_s,
+            kernel_s,
+            sum_s,
+            uploaded,
+        })
+    }
+
+    /// Counts one layer pass: its expert union, rows, bytes and device hits, its read wait, the
+    /// traces when they are kept, and its expert time (setting up the experts counts as expert
+    /// work, as the experts themselves do).
+    fn count_pass(&mut self, layer: usize, union: Vec<u32>, p: &mut Pass, t_routed: Instant) {
+        let reads = &mut self.stats.reads;
+        reads.layer_passes += 1;
+        reads.device_expert_hits += p.held as u64;
+        reads.device_expert_staged_bytes += p.uploaded.expert_staged_bytes;
+        reads.device_expert_in_place_bytes += p.uploaded.expert_in_place_bytes;
+        reads.experts_fetched += union.len() as u64;
+        reads.expert_rows += p.expert_rows as u64;
+        reads.expert_bytes_requested += ((union.len() - p.held) * p.expert_len) as u64;
+        reads.expert_bytes = p.expert_len as u64;
+        reads.distinct_experts.extend(union.iter().map(|&e| (layer as u32, e)));
+        let phases = &mut self.stats.phases;
+        phases.read_wait_s += (p.fetch_s - p.kernel_s).max(0.0);
+        *phases.layer_read_wait_s.entry(layer as u32).or_insert(0.0) += (p.fetch_s - p.kernel_s).max(0.0);
         // Setting up the experts counts as expert work, as the experts themselves do.
-        stats.expert_kernel_s += kernel_s + (t_fetch - t_routed).as_secs_f64();
-        stats.moe_experts_s += kernel_s - sum_s;
-        self.predicted = predicted_next.map(|(_, p)| p);
-        // Everything since the routed input was counted above.
-        self.clock.restart(Phase::Experts);
-        self.moe_done += 1;
-        let layers = c.moe_layers();
-        if let Some(w) = self.watch.as_mut()
-            && !w(self.moe_done, layers, self.stats)
-        {
-            return Err(ForwardError::Cancelled);
-        }
-        Ok(routed)
+        phases.expert_kernel_s += p.kernel_s + (p.t_fetch - t_routed).as_secs_f64();
+        phases.moe_experts_s += p.kernel_s - p.sum_s;
+        self.stats.trace_fetch(layer, union, p.fetch_s, std::mem::take(&mut p.rows_of));
     }
 }

@@ -20,11 +20,13 @@
 //! that feeds its prompt; one returning false cancels the step (`ForwardError::Cancelled`).
 //!
 //! Counters: each forward's once to the `total` the caller passes; a lane counting its own
-//! (`Counting::Own`: `Session` and `Engine` calls) gets them in its session's `stats`, per-layer
-//! traces included; a lane of a running batch (`Counting::Shared`) keeps in its session's `stats`
-//! only what is its own (prompt and generated tokens, its prefill and decode time, its drafts) and
-//! gets the forwards' counters — with the source's reads over them — in `Lane::shared`, traces
-//! left out (a lane holding every shared step's trace would repeat it N times). A drafting lane's
+//! (`Counting::Own`: `Session` and `Engine` calls) gets them in its session's `stats`; a lane of a
+//! running batch (`Counting::Shared`) keeps in its session's `stats` only what is its own (prompt
+//! and generated tokens, its prefill and decode time, its drafts) and gets the forwards' counters —
+//! with the source's reads over them — in `Lane::shared`. The per-layer traces are recorded only
+//! when the total or a session counting its own keeps them (`Stats::traced`), and go only to those
+//! (never to a lane's shared counters: a lane holding every shared step's trace would repeat it N
+//! times). A drafting lane's
 //! width policy learns from each step's counters (`draft::ForwardCost`: rows, expert union, bytes read
 //! — the source's reads are taken over every forward a drafting lane takes part in — read wait,
 //! kernel time) and, under the published policy, judges its drafts by its share of each step
@@ -32,11 +34,12 @@
 //!
 //! [`Engine::forward_rows`] is the only place a forward runs (tests/structure.rs checks it).
 
+use super::lane::Lane;
 use super::lane::{Counting, Feed, Seq};
-use super::{Engine, Lane, PrefillProgress};
 use crate::draft::{ForwardCost, Speculator};
+use crate::engine::{Engine, PrefillProgress};
+use crate::forward::{self, LayerWatch, RowsOut, SeqRows};
 use crate::k3::ForwardError;
-use crate::sched::{self, LayerWatch, RowsOut, SeqRows};
 use crate::stats::Stats;
 use crate::store::SourceReport;
 use std::time::Instant;
@@ -84,7 +87,7 @@ impl Engine {
                 used += d.len();
                 rows.extend(d);
                 *draft_s = t0.elapsed().as_secs_f64();
-                s.session.stats.draft_s += *draft_s;
+                s.session.stats.drafts.draft_s += *draft_s;
             }
         }
         let running = feeds.iter().flatten().count();
@@ -98,7 +101,13 @@ impl Engine {
         let drafting = seqs.iter().zip(&feeds).any(|(s, f)| f.is_some() && s.drafts.is_some());
         let src0 = (shared || drafting).then(|| self.source_report());
         let t0 = Instant::now();
-        let mut stats = Stats::default();
+        // The traces are made only for counters that keep them.
+        let traced = total.keeps_traces()
+            || seqs
+                .iter()
+                .zip(&feeds)
+                .any(|(s, f)| f.is_some() && s.track.counting == Counting::Own && s.session.stats.keeps_traces());
+        let mut stats = Stats::traced(traced);
         let outs = self.forward_fed(seqs, &feeds, &mut stats)?;
         let secs = t0.elapsed().as_secs_f64();
         if let Some(a) = src0 {
@@ -107,23 +116,14 @@ impl Engine {
         // Each lane picks or accepts and commits its own rows.
         let vocab = self.cfg.vocab;
         let mut outs = outs.into_iter();
-        // The per-layer traces go to a lane of its own and to the total, never to shared counters.
-        let traces = Stats {
-            fetch_trace: std::mem::take(&mut stats.fetch_trace),
-            layer_fetch_s: std::mem::take(&mut stats.layer_fetch_s),
-            fetch_rows: std::mem::take(&mut stats.fetch_rows),
-            ..Stats::default()
-        };
         let mut failed = None;
         for (i, (s, f)) in seqs.iter_mut().zip(feeds).enumerate() {
             let Some(f) = f else { continue };
             let out = outs.next().unwrap_or_default();
             s.track.peak_batch = s.track.peak_batch.max(running);
             match s.track.counting {
-                Counting::Own => {
-                    s.session.stats.merge(&stats);
-                    s.session.stats.merge(&traces);
-                }
+                // The per-layer traces go where they are kept: never to shared counters.
+                Counting::Own => s.session.stats.merge(&stats),
                 Counting::Shared => add_forward(&mut s.track.shared, &stats),
             }
             if let Some(d) = s.drafts.as_deref_mut() {
@@ -134,8 +134,6 @@ impl Engine {
                 failed.get_or_insert(e);
             }
         }
-        (stats.fetch_trace, stats.layer_fetch_s, stats.fetch_rows) =
-            (traces.fetch_trace, traces.layer_fetch_s, traces.fetch_rows);
         add_forward(total, &stats);
         failed.map_or(Ok(()), Err)
     }
@@ -162,8 +160,12 @@ impl Engine {
         let mut watch = |layers_done: usize, layers: usize, st: &Stats| {
             let mut go = true;
             for (_, w, p, bytes0) in watching.iter_mut() {
-                let p =
-                    PrefillProgress { layers_done, layers, expert_bytes: *bytes0 + st.expert_bytes_requested, ..*p };
+                let p = PrefillProgress {
+                    layers_done,
+                    layers,
+                    expert_bytes: *bytes0 + st.reads.expert_bytes_requested,
+                    ..*p
+                };
                 go &= w(&p);
             }
             go
@@ -188,7 +190,7 @@ impl Engine {
         if ran.is_ok() {
             for (s, f) in seqs.iter_mut().zip(feeds) {
                 if let Some(Feed::Prompt(_)) = f {
-                    s.track.prompt_bytes += stats.expert_bytes_requested;
+                    s.track.prompt_bytes += stats.reads.expert_bytes_requested;
                 }
             }
         }
@@ -197,13 +199,13 @@ impl Engine {
 
     /// Runs the rows of `batch` (each sequence's tokens, which logits, which taps) through one
     /// forward and leaves them pending in each sequence's state: the only place a forward runs.
-    pub(super) fn forward_rows(
+    pub(in crate::engine) fn forward_rows(
         &self,
         batch: &mut [SeqRows],
         stats: &mut Stats,
         watch: &mut LayerWatch<'_>,
     ) -> Result<Vec<RowsOut>, ForwardError> {
-        sched::forward(&self.model, &*self.device, self.source(), self.sched_options(), batch, stats, watch)
+        forward::run(&self.model, &*self.device, self.source(), self.forward_options(), batch, stats, watch)
     }
 
     /// One step of a running batch (see the module contract); the shared forward's counters are
@@ -220,8 +222,8 @@ impl Engine {
 }
 
 /// The logits a decode feed of `rows` rows needs: every row's for a verify block.
-fn rows_logits(rows: usize) -> sched::LogitRows {
-    if rows > 1 { sched::LogitRows::All } else { sched::LogitRows::Last }
+fn rows_logits(rows: usize) -> forward::LogitRows {
+    if rows > 1 { forward::LogitRows::All } else { forward::LogitRows::Last }
 }
 
 /// `a + b` where either is known.
@@ -235,15 +237,16 @@ fn add_known(a: Option<u64>, b: Option<u64>) -> Option<u64> {
 /// The source's reads between two reports, as a forward's counters.
 fn reads_between(a: &SourceReport, b: &SourceReport, into: &mut Stats) {
     let diff = |x: Option<u64>, y: Option<u64>| x.zip(y).map(|(x, y)| y.saturating_sub(x));
-    into.expert_bytes_read = diff(a.expert_bytes_read, b.expert_bytes_read);
-    into.cache_hits = diff(a.cache_hits, b.cache_hits);
-    into.cache_misses = diff(a.cache_misses, b.cache_misses);
+    into.reads.expert_bytes_read = diff(a.expert_bytes_read, b.expert_bytes_read);
+    into.reads.cache_hits = diff(a.cache_hits, b.cache_hits);
+    into.reads.cache_misses = diff(a.cache_misses, b.cache_misses);
 }
 
 /// Adds a forward's counters, its reads included.
 pub(super) fn add_forward(into: &mut Stats, s: &Stats) {
     into.merge(s);
-    into.expert_bytes_read = add_known(into.expert_bytes_read, s.expert_bytes_read);
-    into.cache_hits = add_known(into.cache_hits, s.cache_hits);
-    into.cache_misses = add_known(into.cache_misses, s.cache_misses);
+    let (to, from) = (&mut into.reads, &s.reads);
+    to.expert_bytes_read = add_known(to.expert_bytes_read, from.expert_bytes_read);
+    to.cache_hits = add_known(to.cache_hits, from.cache_hits);
+    to.cache_misses = add_known(to.cache_misses, from.cache_misses);
 }

@@ -18,12 +18,12 @@
 //! [`Lane`] owns its parts, for front ends that keep sequences running over many steps
 //! (continuous batching); the `Session` and `Engine` methods of `run.rs` lend theirs for a call.
 
-use super::{GenerateOptions, Generation, Session, StopReason};
 use crate::backend::Backend;
 use crate::draft::Speculator;
+use crate::engine::{GenerateOptions, Generation, Session, StopReason};
+use crate::forward::{LogitRows, RowsOut};
 use crate::k3::ForwardError;
 use crate::sample::Sampler;
-use crate::sched::{LogitRows, RowsOut};
 use crate::stats::Stats;
 use std::time::Instant;
 
@@ -270,7 +270,7 @@ impl Seq<'_> {
                     accepted += 1;
                 }
                 self.session.stats.record_drafts(drafts.len(), accepted);
-                self.session.stats.verify_s += secs;
+                self.session.stats.drafts.verify_s += secs;
                 // Emit the accepted drafts exactly as plain decoding would; an end among them
                 // keeps only the rows it would have fed (the ending token itself is not fed).
                 let mut keep = 1 + accepted;
@@ -360,7 +360,7 @@ impl Lane {
     /// This lane drafts with `drafts` (before its first step: a tapping drafter must see the
     /// prompt's rows).
     pub fn with_drafts(mut self, drafts: Speculator) -> Lane {
-        self.session.stats.drafter = Some(drafts.name().to_string());
+        self.session.stats.drafts.drafter = Some(drafts.name().to_string());
         self.drafts = Some(drafts);
         self
     }

@@ -15,7 +15,7 @@
 //! error: the forward refuses non-finite logits, and a token's log-likelihood that still is not
 //! finite is [`PerplexityError::NotFinite`], never a NaN printed as a result.
 
-use super::Engine;
+use crate::engine::Engine;
 use crate::k3::ForwardError;
 use crate::model::K3Config;
 use crate::model::tokenizer::Tokenizer;
@@ -101,7 +101,7 @@ pub fn score_ids(
     if spans.is_empty() {
         return Err(PerplexityError::Empty);
     }
-    let vocab = engine.cfg.vocab;
+    let vocab = engine.vocab();
     let (mut nll, mut tokens) = (0f64, 0usize);
     for &(s, e) in &spans {
         let logits = engine.new_session().score(&ids[s..e])?;

@@ -15,11 +15,11 @@
 //! sessions together, one row each a step (a sequence leaves at the step where it stops); each
 //! one's tokens equal its `generate_sampled` alone. The counters of every forward go to each
 //! session that took part (its `stats`), and those of the shared calls also to the `Stats` they
-//! return.
+//! return (with the per-layer traces when a session taking part keeps its own).
 
 use super::lane::{Counting, PromptUse, Seq, Track};
-use super::{Engine, GenerateOptions, Generation, Session};
 use crate::draft::Speculator;
+use crate::engine::{Engine, GenerateOptions, Generation, Session};
 use crate::k3::ForwardError;
 use crate::sample::Sampler;
 use crate::stats::Stats;
@@ -145,7 +145,7 @@ impl Engine {
             .zip(&mut samplers)
             .map(|((session, track), sampler)| Seq { session, sampler, drafts: None, track })
             .collect();
-        let mut total = Stats::default();
+        let mut total = Stats::traced(seqs.iter().any(|s| s.session.stats.keeps_traces()));
         self.run(&mut seqs, &mut |_, _| true, &mut total, true)?;
         Ok(total)
     }
@@ -165,7 +165,7 @@ impl Engine {
             calls.push(&mut *b.on_token);
             views.push(Seq { session: &mut *b.session, sampler: &mut *b.sampler, drafts: None, track });
         }
-        let mut total = Stats::default();
+        let mut total = Stats::traced(views.iter().any(|s| s.session.stats.keeps_traces()));
         self.run(&mut views, &mut |i, t| calls[i](t), &mut total, false)?;
         total.decode_s += t0.elapsed().as_secs_f64();
         let gens: Vec<Generation> = tracks.iter().map(Track::generation).collect();
@@ -279,7 +279,7 @@ impl Session {
         let e = Arc::clone(self.engine());
         let mut track = Track::new(self, Vec::new(), PromptUse::Prefill, opts.clone(), Counting::Own)?;
         if let Some(d) = &drafts {
-            self.stats.drafter = Some(d.name().to_string());
+            self.stats.drafts.drafter = Some(d.name().to_string());
         }
         let mut one = [Seq { session: self, sampler, drafts, track: &mut track }];
         e.run(&mut one, &mut |_, t| on_token(t), &mut Stats::default(), false)?;

@@ -1,7 +1,8 @@
-//! Schedules: which rows run through the model together, which experts are read and when, and
-//! the phase timers. The model itself is `k3::forward`; this module drives it.
+//! One forward over a batch, and its MoE expert schedule: which experts are read and when, and
+//! the phase timers. The model itself is `k3::forward`; this module drives it (the request
+//! scheduler, which decides whose rows go into a forward, is `engine::scheduler`).
 //!
-//! Contract of [`forward`]: the rows of every sequence in the batch (a prompt's chunk of up to
+//! Contract of [`run`]: the rows of every sequence in the batch (a prompt's chunk of up to
 //! `prefill_rows` rows — the chunking is `engine::Session`'s —, one row per sequence of a decode
 //! step, a verify block of k+1 rows) go through one pass of `k3::forward`, whose contract holds:
 //! every row passes layer L before any row enters layer L+1, results do not depend on grouping,
@@ -34,14 +35,14 @@ pub struct Options {
 }
 
 /// Told after each MoE layer of a forward: (MoE layers done, MoE layers, counters so far); false
-/// stops the forward ([`forward`]).
+/// stops the forward ([`run`]).
 pub type LayerWatch<'a> = dyn FnMut(usize, usize, &Stats) -> bool + 'a;
 
 /// Runs every sequence's rows through the model; see the module contract. `device` is the
 /// backend the model computes on, as the engine holds it (its device expert cache). `watch` is
 /// called after each MoE layer (a long prefill's progress); returning false fails the forward
 /// there with [`ForwardError::Cancelled`] (every sequence as it was, as for any failure).
-pub fn forward(
+pub fn run(
     model: &K3,
     device: &dyn Device,
     source: Option<&dyn ExpertSource>,
@@ -51,9 +52,9 @@ pub fn forward(
     watch: &mut LayerWatch<'_>,
 ) -> Result<Vec<RowsOut>, ForwardError> {
     let rows: usize = batch.iter().map(|s| s.tokens.len()).sum();
-    let mut sched = moe::StoreSchedule::new(model, device, source, opts, rows, stats).watched(watch);
-    let out = crate::k3::forward::forward(model, batch, opts.kda_mode, &mut sched);
-    let stats = sched.close();
+    let mut schedule = moe::StoreSchedule::new(model, device, source, opts, rows, stats).watched(watch);
+    let out = crate::k3::forward::forward(model, batch, opts.kda_mode, &mut schedule);
+    let stats = schedule.close();
     if out.is_ok() {
         stats.forward_calls += 1;
         stats.rows += rows as u64;
@@ -78,17 +79,17 @@ impl PhaseClock {
         let now = Instant::now();
         let dt = (now - self.since).as_secs_f64();
         match self.phase {
-            Some(Phase::Attention) => stats.attention_s += dt,
-            Some(Phase::DenseMlp) => stats.dense_mlp_s += dt,
-            Some(Phase::Router) => stats.router_s += dt,
+            Some(Phase::Attention) => stats.phases.attention_s += dt,
+            Some(Phase::DenseMlp) => stats.phases.dense_mlp_s += dt,
+            Some(Phase::Router) => stats.phases.router_s += dt,
             // The routed input counts as expert work (the experts themselves are timed by the
             // expert schedule, their reads apart).
-            Some(Phase::Experts) => stats.expert_kernel_s += dt,
+            Some(Phase::Experts) => stats.phases.expert_kernel_s += dt,
             Some(Phase::Combine) => {
-                stats.expert_kernel_s += dt;
-                stats.moe_combine_s += dt;
+                stats.phases.expert_kernel_s += dt;
+                stats.phases.moe_combine_s += dt;
             }
-            Some(Phase::Output) | None => stats.other_s += dt,
+            Some(Phase::Output) | None => stats.phases.other_s += dt,
         }
         self.since = now;
         self.phase = next;

@@ -15,11 +15,11 @@
 //! the counters of every step (each forward counted once) and the finished lanes' own tokens and
 //! drafts.
 
-use super::Engine;
 use super::lane::Lane;
+use crate::engine::Engine;
 use crate::k3::ForwardError;
 use crate::memory::SequencesError;
-use crate::stats::Stats;
+use crate::stats::{Drafts, Stats};
 
 /// What a front end gives [`Engine::run_continuous`]: newcomers, and what to do with their tokens
 /// and their ends. `Tag` is the front end's own record of a request.
@@ -51,17 +51,18 @@ pub enum LaneError {
 fn add_own(total: &mut Stats, s: &Stats) {
     total.prompt_tokens += s.prompt_tokens;
     total.generated_tokens += s.generated_tokens;
-    let own = Stats {
-        drafts_proposed: s.drafts_proposed,
-        drafts_accepted: s.drafts_accepted,
-        drafts_proposed_at: s.drafts_proposed_at.clone(),
-        drafts_accepted_at: s.drafts_accepted_at.clone(),
-        verify_calls: s.verify_calls,
-        draft_s: s.draft_s,
-        drafter: s.drafter.clone(),
-        ..Stats::default()
+    let d = &s.drafts;
+    let own = Drafts {
+        proposed: d.proposed,
+        accepted: d.accepted,
+        proposed_at: d.proposed_at.clone(),
+        accepted_at: d.accepted_at.clone(),
+        verify_calls: d.verify_calls,
+        draft_s: d.draft_s,
+        drafter: d.drafter.clone(),
+        ..Drafts::default()
     };
-    total.merge(&own);
+    total.drafts.merge(&own);
 }
 
 impl Engine {

@@ -23,8 +23,8 @@
 //! Every figure is finite or the comparison is an error naming the position
 //! ([`PerplexityError::NotFinite`]): no NaN is printed as a result.
 
-use super::Engine;
 use super::perplexity::{self, PerplexityError};
+use crate::engine::Engine;
 use std::io::{Read, Seek, Write};
 use std::sync::Arc;
 
@@ -181,7 +181,7 @@ pub fn base_pass(
         progress(done);
     }
     w.flush()?;
-    Ok(engine.cfg.vocab)
+    Ok(engine.vocab())
 }
 
 /// The judged side: runs every window of `ids` and compares each position with the base's logits
@@ -194,7 +194,7 @@ pub fn judged_pass(
     base_vocab: usize,
     progress: &mut dyn FnMut(usize),
 ) -> Result<Vec<TokenCompare>, CompareError> {
-    let vocab = engine.cfg.vocab;
+    let vocab = engine.vocab();
     if vocab != base_vocab {
         return Err(CompareError::Vocab { base: base_vocab, judged: vocab });
     }
