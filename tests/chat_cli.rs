@@ -215,8 +215,17 @@ fn on_a_terminal_ctrl_c_stops_the_answer_and_a_second_one_at_the_prompt_leaves()
         return;
     }
     // `script` runs the chat on a pseudo-terminal; what it is given goes to the terminal as typed.
+    // A random-weight model (synth: tokenizer and template included) answers until its context
+    // is full: the chat-tuned demo ends its answers before a Ctrl-C could reach them.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    synth_small(&model, Some("9"));
     let chat = deltafin_cmd();
-    let mut line = format!("{} chat --demo -q --max-tokens 0 --temperature 0", chat.get_program().to_string_lossy());
+    let mut line = format!(
+        "{} chat --model {} -q --max-tokens 0 --temperature 0",
+        chat.get_program().to_string_lossy(),
+        model.display()
+    );
     line.insert_str(0, "exec ");
     let mut c = Command::new("script");
     for (k, v) in chat.get_envs() {
