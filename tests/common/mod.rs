@@ -234,6 +234,9 @@ pub fn test_home() -> &'static Path {
         }
         let home = tmp.join(format!("home-{}", std::process::id()));
         std::fs::create_dir_all(&home).unwrap();
+        // Library calls in this process (a model opened in-process records its checksums in the
+        // cache) use the same cache as the binary it starts: never the user's.
+        deltafin::util::use_cache_dir(home.join("deltafin-cache"));
         home
     })
 }
@@ -257,6 +260,7 @@ pub struct Model {
 }
 
 pub fn open_model(dir: &Path) -> Model {
+    hermetic();
     let cfg = K3Config::load(dir).unwrap();
     let ck = Arc::new(Checkpoint::open(dir).unwrap());
     let roster = Roster::build(&cfg, &ck).unwrap();
@@ -272,6 +276,7 @@ impl Model {
 
 /// Engine options for tests: experts from the mapped shards, a fixed 4 GB budget.
 pub fn test_config(dir: &Path, kda: KdaMode) -> EngineConfig {
+    hermetic();
     EngineConfig {
         model: dir.to_path_buf(),
         experts_from: ExpertsFrom::Mmap,
@@ -283,11 +288,13 @@ pub fn test_config(dir: &Path, kda: KdaMode) -> EngineConfig {
 
 /// An engine over the mapped shards.
 pub fn engine(dir: &Path) -> Arc<Engine> {
+    hermetic();
     Engine::open(test_config(dir, KdaMode::Recurrent)).unwrap()
 }
 
 /// An engine that reads experts from `src`.
 pub fn engine_with(dir: &Path, src: Arc<dyn ExpertSource>) -> Arc<Engine> {
+    hermetic();
     Engine::open_with_source(test_config(dir, KdaMode::Recurrent), src).unwrap()
 }
 
@@ -323,6 +330,7 @@ pub fn bits(v: &[f32]) -> Vec<u32> {
 /// started together do not race) and every later call reuses it. The base interpreter is
 /// `$PYTHON`, else `python3`.
 pub fn python() -> std::process::Command {
+    hermetic();
     static PYTHON: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     let path = PYTHON.get_or_init(|| {
         let base = std::env::var_os("PYTHON").unwrap_or_else(|| "python3".into());
@@ -359,6 +367,7 @@ pub fn reference_rel_error(dir: &Path, prompt: &[u32], logits_file: &Path) -> f6
 
 /// Writes a small random model with `deltafin synth` (3 layers, 8 experts, top-2; `seed` as given).
 pub fn synth_small(dir: &Path, seed: Option<&str>) {
+    hermetic();
     let mut c = deltafin_cmd();
     c.args(["synth", "--out"]).arg(dir).args(["--layers", "3", "--experts", "8", "--top-k", "2"]);
     if let Some(s) = seed {
@@ -380,6 +389,7 @@ pub fn place_model(
     shards: ShardUse,
     trace: Option<RouteTrace>,
 ) -> Manifest {
+    hermetic();
     let o = PlaceOptions {
         model_dir: &m.dir,
         drives: drives.iter().enumerate().map(|(i, d)| (d.clone(), Some(gbps(i)))).collect(),
@@ -402,6 +412,7 @@ pub fn manifest_store(
     reader: ReaderKind,
     prefetch_depth: usize,
 ) -> Arc<ExpertStore> {
+    hermetic();
     let spec =
         deltafin::store::placement::manifest_spec(man, &m.ck, &m.roster, m.roster.expert_layout.clone().unwrap())
             .unwrap();
@@ -418,6 +429,7 @@ pub fn readers() -> &'static [ReaderKind] {
 
 /// The store over the model's own shards (one drive).
 pub fn shard_store(m: &Model, cache_bytes: u64, qd: usize, prefetch_depth: usize) -> Arc<ExpertStore> {
+    hermetic();
     shard_store_with_heat(m, cache_bytes, qd, prefetch_depth, None)
 }
 
@@ -459,6 +471,7 @@ pub fn corrupt_pack(man: &Manifest, drive: usize, layer: usize) {
 
 /// `n` drive directories `ROOT/d0 .. ROOT/d{n-1}` (created by `place`).
 pub fn drive_dirs(root: &Path, n: usize) -> Vec<PathBuf> {
+    hermetic();
     (0..n).map(|i| root.join(format!("d{i}"))).collect()
 }
 
