@@ -46,6 +46,9 @@ pub fn use_cache_dir(dir: PathBuf) {
 /// deltafin's cache directory: the one [`use_cache_dir`] set, else `$DELTAFIN_CACHE`, else
 /// `$XDG_CACHE_HOME/deltafin`, else `~/.cache/deltafin`.
 pub fn cache_dir() -> std::path::PathBuf {
+    // The library's own unit tests never touch the user's cache (.ci/run checks it).
+    #[cfg(test)]
+    use_cache_dir(std::env::temp_dir().join(format!("deltafin-unit-tests-{}", std::process::id())));
     if let Some(d) = CACHE_DIR.get() {
         return d.clone();
     }
