@@ -33,8 +33,11 @@
 //! (goal >= 0.9). Timings of the alone runs come after the batch on a warm engine, so they are
 //! context, not a bound.
 
-use crate::engine::{BatchSeq, Engine, EngineConfig, EngineError, ForwardError, GenerateOptions, Session};
+use crate::backend::OpTime;
+use crate::engine::{BatchSeq, Engine, EngineConfig, EngineError, ForwardError, GenerateOptions, Generation, Session};
 use crate::sample::Sampler;
+use crate::stats::Stats;
+use crate::store::SourceReport;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Instant;
@@ -110,7 +113,9 @@ fn union_sizes(trace: &[(u32, Vec<u32>)]) -> Vec<usize> {
 }
 
 /// Runs the batch and returns its record (see the module contract); `emptied`: what emptied the
-/// page cache before it, for its `cold` label.
+/// page cache before it, for its `cold` label. In phases: the engine and its traced sessions,
+/// [`prefill_batch`] and [`decode_batch`] (each between disk-ceiling probes), each prompt alone
+/// ([`alone_runs`]), then the record and its bounds ([`Batch::record`]).
 pub fn run(
     config: EngineConfig,
     prompts: &[Vec<u32>],
@@ -133,9 +138,60 @@ pub fn run(
         s
     };
     let mut sessions: Vec<Session> = (0..n).map(|_| traced()).collect();
+    let pre = prefill_batch(&engine, &mut sessions, prompts, measure)?;
+    let opts = GenerateOptions { max_new, stop: Vec::new() };
+    let dec = decode_batch(&engine, &mut sessions, &opts, measure)?;
+    // Each prompt alone: the batch must give each the same logits and tokens.
+    let alone = alone_runs(&engine, prompts, &opts)?;
+    let ids_identical = alone.iter().enumerate().all(|(i, (logits, toks, _, _))| {
+        let same_logits = logits.len() == pre.first_logits[i].len()
+            && logits.iter().zip(&pre.first_logits[i]).all(|(a, b)| a.to_bits() == b.to_bits());
+        same_logits && *toks == dec.gens[i].tokens
+    });
+    Ok(Batch { engine: &engine, prompts, emptied, pre, dec, alone, ids_identical }.record())
+}
+
+/// A disk-ceiling probe's GB/s (None when probes are off), its failure a [`BatchBenchError`].
+fn probe(measure: Measure) -> Result<Option<f64>, BatchBenchError> {
+    measure().map_err(BatchBenchError::Ceiling)
+}
+
+/// What the batch's prefill saw, from the probe before it to the probe after it.
+struct Prefilled {
+    /// The ceiling probed before the prefill (GB/s).
+    c0: Option<f64>,
+    /// The source's expert bytes read before the prefill.
+    read0: u64,
+    /// The row counts the kernels are timed at, and their timings before and after the prefill.
+    grid: Vec<usize>,
+    rate_before: Option<Vec<Vec<f64>>>,
+    rate_after: Option<Vec<Vec<f64>>>,
+    rss_before: Option<u64>,
+    /// The shared calls' counters.
+    stats: Stats,
+    wall: f64,
+    peak_rss: Option<u64>,
+    /// A device backend's operations during the prefill (empty on the CPU).
+    ops: Vec<OpTime>,
+    /// The source's report after the prefill, and its expert bytes read.
+    rep: SourceReport,
+    read1: u64,
+    /// Each session's logits after the prefill.
+    first_logits: Vec<Vec<f32>>,
+    /// The ceiling probed after the prefill (GB/s).
+    c1: Option<f64>,
+}
+
+/// Phase 1: the ceiling probed, the kernels timed, the prompts prefilled together (timed, with the
+/// peak resident set), the kernels timed again, the counters taken, the ceiling probed again.
+fn prefill_batch(
+    engine: &Arc<Engine>,
+    sessions: &mut [Session],
+    prompts: &[Vec<u32>],
+    measure: Measure,
+) -> Result<Prefilled, BatchBenchError> {
     let lists: Vec<&[u32]> = prompts.iter().map(|p| &p[..]).collect();
-    let m = |measure: &mut dyn FnMut() -> Result<Option<f64>, String>| measure().map_err(BatchBenchError::Ceiling);
-    let c0 = m(measure)?;
+    let c0 = probe(measure)?;
     let read0 = engine.source_report().expert_bytes_read.unwrap_or(0);
     // The kernels' rate is timed on both sides of the prefill (half the rounds each): a shared
     // VM's speed drifts by ~17% over minutes, and one moment's timing follows the drift.
@@ -143,24 +199,62 @@ pub fn run(
     let rate_before = engine.expert_seconds(&grid, RATE_REPS / 2).map_err(ForwardError::from)?;
     let rss_before = reset_peak_rss();
     let t0 = Instant::now();
-    let pre = {
+    let stats = {
         let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
         engine.prefill_sessions(&mut refs, &lists)?
     };
-    let prefill_wall = t0.elapsed().as_secs_f64();
+    let wall = t0.elapsed().as_secs_f64();
     let peak_rss = proc_status_bytes("VmHWM:");
     let rate_after = engine.expert_seconds(&grid, RATE_REPS - RATE_REPS / 2).map_err(ForwardError::from)?;
-    // A device backend's operations during the prefill (empty on the CPU).
-    let prefill_ops = engine.op_times();
-    let rep1 = engine.source_report();
-    let read1 = rep1.expert_bytes_read.unwrap_or(0);
+    let ops = engine.op_times();
+    let rep = engine.source_report();
+    let read1 = rep.expert_bytes_read.unwrap_or(0);
     let first_logits: Vec<Vec<f32>> =
         sessions.iter().map(|s| s.logits().map(<[f32]>::to_vec).unwrap_or_default()).collect();
-    let c1 = m(measure)?;
-    let opts = GenerateOptions { max_new, stop: Vec::new() };
+    let c1 = probe(measure)?;
+    Ok(Prefilled {
+        c0,
+        read0,
+        grid,
+        rate_before,
+        rate_after,
+        rss_before,
+        stats,
+        wall,
+        peak_rss,
+        ops,
+        rep,
+        read1,
+        first_logits,
+        c1,
+    })
+}
+
+/// What the batch's decode saw, to the probe after it.
+struct Decoded {
+    gens: Vec<Generation>,
+    /// The shared calls' counters.
+    stats: Stats,
+    wall: f64,
+    /// The source's report after the decode, and its expert bytes read.
+    rep: SourceReport,
+    read2: u64,
+    /// The ceiling probed after the decode (GB/s).
+    c2: Option<f64>,
+}
+
+/// Phase 2: the sequences decoded together (greedy, each to `opts.max_new` tokens) and timed, the
+/// counters taken, the ceiling probed after them.
+fn decode_batch(
+    engine: &Arc<Engine>,
+    sessions: &mut [Session],
+    opts: &GenerateOptions,
+    measure: Measure,
+) -> Result<Decoded, BatchBenchError> {
+    let n = sessions.len();
     let mut samplers: Vec<Sampler> = (0..n).map(|_| Sampler::greedy()).collect();
     let t1 = Instant::now();
-    let (gens, dec) = {
+    let (gens, stats) = {
         // Every sequence takes every token (it stops at `max_new`).
         let mut each: Vec<fn(u32) -> bool> = vec![|_| true; n];
         let mut seqs: Vec<BatchSeq> = sessions
@@ -171,139 +265,176 @@ pub fn run(
             .collect();
         engine.generate_sessions(&mut seqs)?
     };
-    let decode_wall = t1.elapsed().as_secs_f64();
-    let rep2 = engine.source_report();
-    let read2 = rep2.expert_bytes_read.unwrap_or(0);
-    let c2 = m(measure)?;
-    let alone = alone_runs(&engine, prompts, &opts)?;
-    let ids_identical = alone.iter().enumerate().all(|(i, (logits, toks, _, _))| {
-        let same_logits = logits.len() == first_logits[i].len()
-            && logits.iter().zip(&first_logits[i]).all(|(a, b)| a.to_bits() == b.to_bits());
-        same_logits && *toks == gens[i].tokens
-    });
-    let expert_bytes = pre.reads.expert_bytes.max(dec.reads.expert_bytes);
-    let prefill_ceiling = mean(c0, c1);
-    let decode_mean_ceiling = mean(c1, c2);
-    let decode_read_gbps = (probes_on(c0, c1, c2) && decode_wall > 0.0)
-        .then(|| read2.saturating_sub(read1) as f64 / decode_wall / 1e9)
-        .filter(|g| *g > 0.0);
-    let decode_ceiling = decode_ceiling(&[c0, c1, c2], decode_read_gbps);
-    let union_bytes = pre.expert_bytes_unique();
-    let rate = kernel_rate(&grid, rate_before, rate_after, &pre.traces().rows);
-    // Phases of the trunk (none waits for a read); the expert phases less the kernels themselves
-    // are the routed input, the setup of each layer's experts and the combine.
-    let trunk_s = pre.phases.attention_s
-        + pre.phases.dense_mlp_s
-        + pre.phases.router_s
-        + pre.phases.other_s
-        + (pre.phases.expert_kernel_s - pre.phases.moe_experts_s).max(0.0);
-    let compute = rate.as_ref().map_or((prefill_wall - pre.phases.read_wait_s).max(0.0), |r| r.bound_s + trunk_s);
-    let prefill_read_s = prefill_ceiling.map(|c| union_bytes as f64 / (c * 1e9));
-    let prefill_bound = prefill_read_s.map(|r| r.max(compute));
-    // The same bound with every expert at its row count's fastest timing: a stricter reading.
-    let bound_fastest = rate.as_ref().zip(prefill_read_s).map(|(r, read)| read.max(r.bound_fastest_s + trunk_s));
-    let steps = dec.forward_calls;
-    let dec_unions = union_sizes(&dec.traces().fetches);
-    let dec_union_bytes = dec_unions.iter().sum::<usize>() as u64 * expert_bytes;
-    let decode_bound = decode_ceiling.map(|c| dec_union_bytes as f64 / (c * 1e9));
-    let decode_bound_mean = decode_mean_ceiling.map(|c| dec_union_bytes as f64 / (c * 1e9));
-    let trunk = |s: &crate::stats::Stats| {
-        s.phases.attention_s
-            + s.phases.dense_mlp_s
-            + s.phases.router_s
-            + s.phases.other_s
-            + (s.phases.expert_kernel_s - s.phases.moe_experts_s).max(0.0)
-    };
-    let moe_layers = pre.reads.layer_passes.checked_div(prefill_passes(&engine, prompts)).unwrap_or(0).max(1);
-    let per_layer_mean = |u: &[usize]| if u.is_empty() { 0.0 } else { u.iter().sum::<usize>() as f64 / u.len() as f64 };
-    let generated: usize = gens.iter().map(|g| g.tokens.len()).sum();
-    let cold = super::cold::is_cold(emptied, &rep2.drives);
-    Ok(crate::stats::bench_record(
-        "run",
+    let wall = t1.elapsed().as_secs_f64();
+    let rep = engine.source_report();
+    let read2 = rep.expert_bytes_read.unwrap_or(0);
+    let c2 = probe(measure)?;
+    Ok(Decoded { gens, stats, wall, rep, read2, c2 })
+}
+
+/// A measured batch, for its record.
+struct Batch<'a> {
+    engine: &'a Arc<Engine>,
+    prompts: &'a [Vec<u32>],
+    emptied: super::cold::Emptied,
+    pre: Prefilled,
+    dec: Decoded,
+    /// Each prompt alone ([`alone_runs`]).
+    alone: Vec<Alone>,
+    ids_identical: bool,
+}
+
+/// The seconds of the trunk's phases in `s`: attention, dense MLP, router, the rest, and the
+/// expert phases less the expert kernels themselves.
+fn trunk(s: &Stats) -> f64 {
+    s.phases.attention_s
+        + s.phases.dense_mlp_s
+        + s.phases.router_s
+        + s.phases.other_s
+        + (s.phases.expert_kernel_s - s.phases.moe_experts_s).max(0.0)
+}
+
+/// Mean distinct experts per layer pass of `u` (0 without passes).
+fn per_layer_mean(u: &[usize]) -> f64 {
+    if u.is_empty() { 0.0 } else { u.iter().sum::<usize>() as f64 / u.len() as f64 }
+}
+
+impl Batch<'_> {
+    /// Phase 3: the batch's record, its prefill's and decode's bounds computed by
+    /// [`Batch::prefill_json`] and [`Batch::decode_json`].
+    fn record(&self) -> Value {
+        let (engine, prompts, emptied, rep2) = (self.engine, self.prompts, self.emptied, &self.dec.rep);
+        let cold = super::cold::is_cold(emptied, &rep2.drives);
+        crate::stats::bench_record(
+            "run",
+            json!({
+                "model": engine.dir().display().to_string(),
+                "engine_config": engine.config(),
+                "backend_used": engine.backend_used(),
+                "expert_bytes_total": engine.expert_bytes_total(),
+                "memory_budget": engine.plan().budget,
+                "expert_cache_bytes": engine.plan().expert_cache,
+                "page_cache": emptied,
+                "cold": cold,
+                "cold_note": super::cold::warm_note(cold, emptied, &rep2.drives),
+                "batch": prompts.len(),
+                "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
+                "ids_identical": self.ids_identical,
+                "ceilings_gbps": {"before_prefill": self.pre.c0, "after_prefill": self.pre.c1, "after_decode": self.dec.c2},
+                "prefill": self.prefill_json(),
+                "decode": self.decode_json(),
+                "output_ids": self.dec.gens.iter().map(|g| &g.tokens).collect::<Vec<_>>(),
+            }),
+        )
+    }
+
+    /// Expert bytes (the larger of the prefill's and decode's record of it).
+    fn expert_bytes(&self) -> u64 {
+        self.pre.stats.reads.expert_bytes.max(self.dec.stats.reads.expert_bytes)
+    }
+
+    /// The record's `prefill`: wall, bounds, kernel rates, memory, phases and reads.
+    fn prefill_json(&self) -> Value {
+        let (p, pre, prefill_wall) = (&self.pre, &self.pre.stats, self.pre.wall);
+        let prefill_ceiling = mean(p.c0, p.c1);
+        let union_bytes = pre.expert_bytes_unique();
+        let rate = kernel_rate(&p.grid, p.rate_before.clone(), p.rate_after.clone(), &pre.traces().rows);
+        // Phases of the trunk (none waits for a read); the expert phases less the kernels themselves
+        // are the routed input, the setup of each layer's experts and the combine.
+        let trunk_s = trunk(pre);
+        let compute = rate.as_ref().map_or((prefill_wall - pre.phases.read_wait_s).max(0.0), |r| r.bound_s + trunk_s);
+        let prefill_read_s = prefill_ceiling.map(|c| union_bytes as f64 / (c * 1e9));
+        let prefill_bound = prefill_read_s.map(|r| r.max(compute));
+        // The same bound with every expert at its row count's fastest timing: a stricter reading.
+        let bound_fastest = rate.as_ref().zip(prefill_read_s).map(|(r, read)| read.max(r.bound_fastest_s + trunk_s));
         json!({
-            "model": engine.dir().display().to_string(),
-            "engine_config": engine.config(),
-            "backend_used": engine.backend_used(),
-            "expert_bytes_total": engine.expert_bytes_total(),
-            "memory_budget": engine.plan().budget,
-            "expert_cache_bytes": engine.plan().expert_cache,
-            "page_cache": emptied,
-            "cold": cold,
-            "cold_note": super::cold::warm_note(cold, emptied, &rep2.drives),
-            "batch": n,
-            "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
-            "ids_identical": ids_identical,
-            "ceilings_gbps": {"before_prefill": c0, "after_prefill": c1, "after_decode": c2},
-            "prefill": {
-                "wall_s": prefill_wall,
-                "bound_s": prefill_bound,
-                "ratio": prefill_bound.map(|b| prefill_wall / b),
-                "read_bound_s": prefill_read_s,
-                "compute_s": compute,
-                "expert_kernel_bound_s": rate.as_ref().map(|r| r.bound_s),
-                "trunk_s": trunk_s,
-                "expert_rate_points": rate.as_ref().map(|r| &r.points),
-                "expert_kernel_bound_fastest_s": rate.as_ref().map(|r| r.bound_fastest_s),
-                "expert_rate_points_fastest": rate.as_ref().map(|r| &r.fastest),
-                "expert_rate_after_over_before": rate.as_ref().map(|r| r.after_over_before),
-                "ratio_at_fastest_rate": bound_fastest.map(|b| prefill_wall / b),
-                "expert_rows": pre.reads.expert_rows,
-                "peak_rss_bytes": peak_rss,
-                "rss_before_bytes": rss_before,
-                "ops": (!prefill_ops.is_empty()).then_some(&prefill_ops),
-                "read_wait_s": pre.phases.read_wait_s,
-                "expert_kernel_s": pre.phases.expert_kernel_s,
+            "wall_s": prefill_wall,
+            "bound_s": prefill_bound,
+            "ratio": prefill_bound.map(|b| prefill_wall / b),
+            "read_bound_s": prefill_read_s,
+            "compute_s": compute,
+            "expert_kernel_bound_s": rate.as_ref().map(|r| r.bound_s),
+            "trunk_s": trunk_s,
+            "expert_rate_points": rate.as_ref().map(|r| &r.points),
+            "expert_kernel_bound_fastest_s": rate.as_ref().map(|r| r.bound_fastest_s),
+            "expert_rate_points_fastest": rate.as_ref().map(|r| &r.fastest),
+            "expert_rate_after_over_before": rate.as_ref().map(|r| r.after_over_before),
+            "ratio_at_fastest_rate": bound_fastest.map(|b| prefill_wall / b),
+            "expert_rows": pre.reads.expert_rows,
+            "peak_rss_bytes": p.peak_rss,
+            "rss_before_bytes": p.rss_before,
+            "ops": (!p.ops.is_empty()).then_some(&p.ops),
+            "read_wait_s": pre.phases.read_wait_s,
+            "expert_kernel_s": pre.phases.expert_kernel_s,
+            "attention_s": pre.phases.attention_s,
+            "phases": {
                 "attention_s": pre.phases.attention_s,
-                "phases": {
-                    "attention_s": pre.phases.attention_s,
-                    "dense_mlp_s": pre.phases.dense_mlp_s,
-                    "router_s": pre.phases.router_s,
-                    "experts_s": pre.phases.moe_experts_s,
-                    "expert_phase_s": pre.phases.expert_kernel_s,
-                    "combine_s": pre.phases.moe_combine_s,
-                    "other_s": pre.phases.other_s,
-                },
-                "layer_passes": pre.reads.layer_passes,
-                "union_expert_bytes": union_bytes,
-                "expert_bytes_read": read1.saturating_sub(read0),
-                "expert_bytes": expert_bytes,
-                "distinct_experts_per_layer": per_layer_mean(&union_sizes(&pre.traces().fetches)),
-                "tok_s": prompts.iter().map(Vec::len).sum::<usize>() as f64 / prefill_wall,
-                "alone_wall_s": alone.iter().map(|a| a.2).collect::<Vec<_>>(),
+                "dense_mlp_s": pre.phases.dense_mlp_s,
+                "router_s": pre.phases.router_s,
+                "experts_s": pre.phases.moe_experts_s,
+                "expert_phase_s": pre.phases.expert_kernel_s,
+                "combine_s": pre.phases.moe_combine_s,
+                "other_s": pre.phases.other_s,
             },
-            "decode": {
-                "wall_s": decode_wall,
-                "bound_s": decode_bound,
-                "bound_over_wall": decode_bound.map(|b| b / decode_wall),
-                "ceiling_gbps": decode_ceiling,
-                "ceiling_is": match (decode_ceiling, decode_read_gbps) {
-                    (None, _) => None,
-                    (Some(c), Some(r)) if c == r => Some("decode's own read rate (above every probe)"),
-                    _ => Some("the run's fastest probe"),
-                },
-                "read_gbps": decode_read_gbps,
-                "bound_s_mean_ceiling": decode_bound_mean,
-                "bound_over_wall_mean_ceiling": decode_bound_mean.map(|b| b / decode_wall),
-                "expert_kernel_s": dec.phases.moe_experts_s,
-                "trunk_s": trunk(&dec),
-                "reads_ahead": rep2.prefetch_issued.saturating_sub(rep1.prefetch_issued),
-                "reads_ahead_used": rep2.prefetch_used.saturating_sub(rep1.prefetch_used),
-                "prediction_recall": dec.prediction_quality().map(|q| q.0),
-                "prediction_precision": dec.prediction_quality().map(|q| q.1),
-                "steps": steps,
-                "generated_tokens": generated,
-                "union_expert_bytes": dec_union_bytes,
-                "expert_bytes_read": read2.saturating_sub(read1),
-                "distinct_experts_per_layer": per_layer_mean(&dec_unions),
-                "distinct_experts_per_layer_alone": per_layer_mean(&alone.iter().flat_map(|a| union_sizes(&a.3)).collect::<Vec<_>>()),
-                "moe_layers": moe_layers,
-                "read_wait_s": dec.phases.read_wait_s,
-                "tok_s": generated as f64 / decode_wall,
-                "s_per_step": if steps > 0 { Some(decode_wall / steps as f64) } else { None },
+            "layer_passes": pre.reads.layer_passes,
+            "union_expert_bytes": union_bytes,
+            "expert_bytes_read": p.read1.saturating_sub(p.read0),
+            "expert_bytes": self.expert_bytes(),
+            "distinct_experts_per_layer": per_layer_mean(&union_sizes(&pre.traces().fetches)),
+            "tok_s": self.prompts.iter().map(Vec::len).sum::<usize>() as f64 / prefill_wall,
+            "alone_wall_s": self.alone.iter().map(|a| a.2).collect::<Vec<_>>(),
+        })
+    }
+
+    /// The record's `decode`: wall, bounds and their ceiling, reads ahead, unions and rates.
+    fn decode_json(&self) -> Value {
+        let (pre, dec, decode_wall) = (&self.pre.stats, &self.dec.stats, self.dec.wall);
+        let (rep1, rep2, read1, read2) = (&self.pre.rep, &self.dec.rep, self.pre.read1, self.dec.read2);
+        let (c0, c1, c2) = (self.pre.c0, self.pre.c1, self.dec.c2);
+        let decode_mean_ceiling = mean(c1, c2);
+        let decode_read_gbps = (probes_on(c0, c1, c2) && decode_wall > 0.0)
+            .then(|| read2.saturating_sub(read1) as f64 / decode_wall / 1e9)
+            .filter(|g| *g > 0.0);
+        let decode_ceiling = decode_ceiling(&[c0, c1, c2], decode_read_gbps);
+        let dec_unions = union_sizes(&dec.traces().fetches);
+        let dec_union_bytes = dec_unions.iter().sum::<usize>() as u64 * self.expert_bytes();
+        let decode_bound = decode_ceiling.map(|c| dec_union_bytes as f64 / (c * 1e9));
+        let decode_bound_mean = decode_mean_ceiling.map(|c| dec_union_bytes as f64 / (c * 1e9));
+        let steps = dec.forward_calls;
+        let moe_layers =
+            pre.reads.layer_passes.checked_div(prefill_passes(self.engine, self.prompts)).unwrap_or(0).max(1);
+        let generated: usize = self.dec.gens.iter().map(|g| g.tokens.len()).sum();
+        json!({
+            "wall_s": decode_wall,
+            "bound_s": decode_bound,
+            "bound_over_wall": decode_bound.map(|b| b / decode_wall),
+            "ceiling_gbps": decode_ceiling,
+            "ceiling_is": match (decode_ceiling, decode_read_gbps) {
+                (None, _) => None,
+                (Some(c), Some(r)) if c == r => Some("decode's own read rate (above every probe)"),
+                _ => Some("the run's fastest probe"),
             },
-            "output_ids": gens.iter().map(|g| &g.tokens).collect::<Vec<_>>(),
-        }),
-    ))
+            "read_gbps": decode_read_gbps,
+            "bound_s_mean_ceiling": decode_bound_mean,
+            "bound_over_wall_mean_ceiling": decode_bound_mean.map(|b| b / decode_wall),
+            "expert_kernel_s": dec.phases.moe_experts_s,
+            "trunk_s": trunk(dec),
+            "reads_ahead": rep2.prefetch_issued.saturating_sub(rep1.prefetch_issued),
+            "reads_ahead_used": rep2.prefetch_used.saturating_sub(rep1.prefetch_used),
+            "prediction_recall": dec.prediction_quality().map(|q| q.0),
+            "prediction_precision": dec.prediction_quality().map(|q| q.1),
+            "steps": steps,
+            "generated_tokens": generated,
+            "union_expert_bytes": dec_union_bytes,
+            "expert_bytes_read": read2.saturating_sub(read1),
+            "distinct_experts_per_layer": per_layer_mean(&dec_unions),
+            "distinct_experts_per_layer_alone": per_layer_mean(&self.alone.iter().flat_map(|a| union_sizes(&a.3)).collect::<Vec<_>>()),
+            "moe_layers": moe_layers,
+            "read_wait_s": dec.phases.read_wait_s,
+            "tok_s": generated as f64 / decode_wall,
+            "s_per_step": if steps > 0 { Some(decode_wall / steps as f64) } else { None },
+        })
+    }
 }
 
 /// The expert kernels' measured time for a run's passes: `points` (rows, mean seconds of one
@@ -427,14 +558,13 @@ fn prefill_passes(engine: &Arc<Engine>, prompts: &[Vec<u32>]) -> u64 {
     crate::engine::prefill_passes(&lens, engine.config().prefill_rows).len() as u64
 }
 
+/// One prompt alone: its prefill logits, its greedy tokens, its prefill wall and its decode fetch
+/// trace.
+type Alone = (Vec<f32>, Vec<u32>, f64, Vec<(u32, Vec<u32>)>);
+
 /// Each prompt alone on a fresh session: its prefill logits, its greedy tokens, its prefill wall
 /// and its decode fetch trace.
-#[allow(clippy::type_complexity)]
-fn alone_runs(
-    engine: &Arc<Engine>,
-    prompts: &[Vec<u32>],
-    opts: &GenerateOptions,
-) -> Result<Vec<(Vec<f32>, Vec<u32>, f64, Vec<(u32, Vec<u32>)>)>, ForwardError> {
+fn alone_runs(engine: &Arc<Engine>, prompts: &[Vec<u32>], opts: &GenerateOptions) -> Result<Vec<Alone>, ForwardError> {
     let mut out = Vec::with_capacity(prompts.len());
     for p in prompts {
         let mut s = engine.new_session();

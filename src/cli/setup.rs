@@ -124,53 +124,7 @@ fn run_setup(a: SetupArgs) -> Result<()> {
     out.insert("commit".into(), info.commit.clone().into());
     out.insert("mode".into(), if stream { "stream" } else { "full" }.into());
     if stream {
-        let drives = if a.drives.is_empty() { vec![a.dir.clone()] } else { a.drives.clone() };
-        // Recorded absolute: later runs may start anywhere.
-        let mut abs = Vec::with_capacity(drives.len());
-        for d in &drives {
-            std::fs::create_dir_all(d).with_context(|| format!("--drive {}", d.display()))?;
-            abs.push(std::fs::canonicalize(d).with_context(|| format!("--drive {}", d.display()))?);
-        }
-        let drives = abs;
-        let r = layout::install_stream(
-            &hub,
-            &info,
-            &a.dir,
-            cache.as_ref(),
-            &StreamOptions { download: dl.clone(), drives: drives.clone() },
-        )?;
-        eprintln!(
-            "deltafin setup: stream install in {}: {} small files ({} downloaded), {} shards ({} already done) with {} of trunk in {} requests; {} of routed experts stream on demand",
-            a.dir.display(),
-            r.small_files.files,
-            human_bytes(r.small_files.bytes_downloaded),
-            r.shards,
-            r.shards_skipped,
-            human_bytes(r.trunk_bytes),
-            r.requests,
-            human_bytes(r.expert_bytes)
-        );
-        // Streamed experts accumulate on the drives: say early if they cannot all fit.
-        let free: u64 = {
-            let mut seen = Vec::new();
-            let mut sum = 0;
-            for d in &drives {
-                let dev = std::os::unix::fs::MetadataExt::dev(&std::fs::metadata(d)?);
-                if !seen.contains(&dev) {
-                    seen.push(dev);
-                    sum += download::free_bytes(d).unwrap_or(0);
-                }
-            }
-            sum
-        };
-        if r.expert_bytes > free {
-            eprintln!(
-                "deltafin setup: note: all routed experts take {} but the --drive file systems have {} free; runs stop with a clear error once they fill",
-                human_bytes(r.expert_bytes),
-                human_bytes(free)
-            );
-        }
-        out.insert("stream".into(), serde_json::to_value(&r)?);
+        out.insert("stream".into(), stream_install(&hub, &a, &info, cache.as_ref(), &dl)?);
     } else {
         if StreamInstall::load(&a.dir)?.is_some() {
             bail!("{} is a stream install; give `setup --full` another --dir", a.dir.display());
@@ -204,6 +158,64 @@ fn run_setup(a: SetupArgs) -> Result<()> {
         writeln!(std::io::stdout(), "{}", serde_json::Value::Object(out))?;
     }
     Ok(())
+}
+
+/// `--stream`: the drives made absolute, the stream install, a note when the routed experts cannot
+/// all fit the drives; its report for `--json`.
+fn stream_install(
+    hub: &Hub,
+    a: &SetupArgs,
+    info: &RepoInfo,
+    cache: Option<&HfRepoCache>,
+    dl: &DownloadOptions,
+) -> Result<serde_json::Value> {
+    let drives = if a.drives.is_empty() { vec![a.dir.clone()] } else { a.drives.clone() };
+    // Recorded absolute: later runs may start anywhere.
+    let mut abs = Vec::with_capacity(drives.len());
+    for d in &drives {
+        std::fs::create_dir_all(d).with_context(|| format!("--drive {}", d.display()))?;
+        abs.push(std::fs::canonicalize(d).with_context(|| format!("--drive {}", d.display()))?);
+    }
+    let drives = abs;
+    let r = layout::install_stream(
+        hub,
+        info,
+        &a.dir,
+        cache,
+        &StreamOptions { download: dl.clone(), drives: drives.clone() },
+    )?;
+    eprintln!(
+        "deltafin setup: stream install in {}: {} small files ({} downloaded), {} shards ({} already done) with {} of trunk in {} requests; {} of routed experts stream on demand",
+        a.dir.display(),
+        r.small_files.files,
+        human_bytes(r.small_files.bytes_downloaded),
+        r.shards,
+        r.shards_skipped,
+        human_bytes(r.trunk_bytes),
+        r.requests,
+        human_bytes(r.expert_bytes)
+    );
+    // Streamed experts accumulate on the drives: say early if they cannot all fit.
+    let free: u64 = {
+        let mut seen = Vec::new();
+        let mut sum = 0;
+        for d in &drives {
+            let dev = std::os::unix::fs::MetadataExt::dev(&std::fs::metadata(d)?);
+            if !seen.contains(&dev) {
+                seen.push(dev);
+                sum += download::free_bytes(d).unwrap_or(0);
+            }
+        }
+        sum
+    };
+    if r.expert_bytes > free {
+        eprintln!(
+            "deltafin setup: note: all routed experts take {} but the --drive file systems have {} free; runs stop with a clear error once they fill",
+            human_bytes(r.expert_bytes),
+            human_bytes(free)
+        );
+    }
+    Ok(serde_json::to_value(&r)?)
 }
 
 fn report_download(what: &str, dir: &Path, r: &download::DownloadReport) {

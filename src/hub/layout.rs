@@ -139,7 +139,10 @@ pub struct StreamOptions {
     pub drives: Vec<PathBuf>,
 }
 
-/// Installs `info` in `dir` as a stream install; see the module contract.
+/// Installs `info` in `dir` as a stream install; see the module contract. In phases: a full
+/// checkpoint refused, the small files downloaded, the record written (incomplete), the shards
+/// planned ([`plan_shard`]) and the room checked, the unfinished shards written ([`write_shards`]),
+/// then the record set complete.
 pub fn install_stream(
     hub: &Hub,
     info: &RepoInfo,
@@ -166,18 +169,7 @@ pub fn install_stream(
         .collect();
     let partial = dir.join(download::PARTIAL_DIR);
     report.small_files = download::download_all(hub, &info.repo, &info.commit, small, &partial, cache, &opts.download)?;
-    let names = shard_names(info, dir)?;
-    let shards: Vec<RepoFile> = names
-        .iter()
-        .map(|n| {
-            info.file(n).cloned().ok_or_else(|| HubError::MissingShard {
-                index: INDEX,
-                shard: n.clone(),
-                repo: info.repo.clone(),
-                revision: info.revision.clone(),
-            })
-        })
-        .collect::<Result<_, _>>()?;
+    let shards = shard_files(info, dir)?;
     let mut record = StreamInstall {
         version: 1,
         complete: false,
@@ -214,9 +206,39 @@ pub fn install_stream(
     // Every shard passes through whole once: its sha256 must be the hub's, and it yields every
     // tensor's checksum (the experts' too), against which each streamed range is checked later.
     let download: u64 = plans.iter().map(|p| p.file.size).sum();
+    let bar = shards_bar(download, opts.download.progress);
+    report.requests += write_shards(hub, info, dir, &plans, opts.download.workers, &bar)?;
+    report.bytes_downloaded = download;
+    report.trunk_bytes =
+        plans.iter().map(|p| p.header.len() as u64 + p.ranges.iter().map(|r| r.1 - r.0).sum::<u64>()).sum();
+    bar.finish_and_clear();
+    record.complete = true;
+    record.save()?;
+    let _ = std::fs::remove_dir(&partial);
+    Ok(report)
+}
+
+/// The repo files of the shards [`shard_names`] lists; each must be in the repo.
+fn shard_files(info: &RepoInfo, dir: &Path) -> Result<Vec<RepoFile>, HubError> {
+    let names = shard_names(info, dir)?;
+    names
+        .iter()
+        .map(|n| {
+            info.file(n).cloned().ok_or_else(|| HubError::MissingShard {
+                index: INDEX,
+                shard: n.clone(),
+                repo: info.repo.clone(),
+                revision: info.revision.clone(),
+            })
+        })
+        .collect()
+}
+
+/// The shards' progress bar over `download` bytes (drawn when `progress`).
+fn shards_bar(download: u64, progress: bool) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(
         Some(download),
-        if opts.download.progress { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
+        if progress { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() },
     );
     bar.set_style(
         ProgressStyle::with_template(
@@ -225,18 +247,31 @@ pub fn install_stream(
         .unwrap_or_else(|_| ProgressStyle::default_bar())
         .progress_chars("=> "),
     );
+    bar
+}
+
+/// Writes the shards of `plans` ([`write_shard`]) on up to `workers` threads (at most 16); the
+/// first error stops them and is returned; else the requests made.
+fn write_shards(
+    hub: &Hub,
+    info: &RepoInfo,
+    dir: &Path,
+    plans: &[ShardPlan],
+    workers: usize,
+    bar: &ProgressBar,
+) -> Result<u64, HubError> {
     let next = AtomicUsize::new(0);
     let failed: Mutex<Option<HubError>> = Mutex::new(None);
     let requests = std::sync::atomic::AtomicU64::new(0);
     std::thread::scope(|s| {
-        for _ in 0..opts.download.workers.clamp(1, 16).min(plans.len()) {
+        for _ in 0..workers.clamp(1, 16).min(plans.len()) {
             s.spawn(|| {
                 loop {
                     if failed.lock().map_or(true, |e| e.is_some()) {
                         break;
                     }
                     let Some(p) = plans.get(next.fetch_add(1, Ordering::Relaxed)) else { break };
-                    match write_shard(hub, info, dir, p, &bar) {
+                    match write_shard(hub, info, dir, p, bar) {
                         Ok(n) => {
                             requests.fetch_add(n, Ordering::Relaxed);
                         }
@@ -253,122 +288,99 @@ pub fn install_stream(
     if let Some(e) = failed.into_inner().ok().flatten() {
         return Err(e);
     }
-    report.requests += requests.load(Ordering::Relaxed);
-    report.bytes_downloaded = download;
-    report.trunk_bytes =
-        plans.iter().map(|p| p.header.len() as u64 + p.ranges.iter().map(|r| r.1 - r.0).sum::<u64>()).sum();
-    bar.finish_and_clear();
-    record.complete = true;
-    record.save()?;
-    let _ = std::fs::remove_dir(&partial);
-    Ok(report)
+    Ok(requests.load(Ordering::Relaxed))
 }
 
 /// Builds one sparse shard as `NAME.partial` from one pass over the whole file — every byte into
 /// its sha256 and its tensors' xxh3, the kept ranges written at their offsets — publishes it once
 /// the sha256 is the hub's and records the tensors' checksums; returns the requests made. A broken
 /// transfer resumes where it stopped (the hashes carry on); a sha256 mismatch starts the shard over.
+/// In phases: the partial file created at its full size, [`ShardWrite::download`] (passes until
+/// one is the hub's), then the header written, the file synced, renamed and its checksums recorded.
 fn write_shard(hub: &Hub, info: &RepoInfo, dir: &Path, p: &ShardPlan, bar: &ProgressBar) -> Result<u64, HubError> {
-    use sha2::Digest;
-    use std::io::Read;
     use std::os::unix::fs::FileExt;
     let dest = dir.join(&p.file.path);
-    let tmp = dir.join(format!("{}.partial", p.file.path));
-    let io = |source: std::io::Error| -> HubError {
-        if source.raw_os_error() == Some(libc::ENOSPC) {
-            HubError::DiskFull { path: tmp.clone(), file: p.file.path.clone(), written: 0, size: p.file.size }
-        } else {
-            HubError::Io { path: tmp.clone(), source }
+    let w = ShardWrite {
+        hub,
+        info,
+        p,
+        bar,
+        url: hub.file_url(&info.repo, &info.commit, &p.file.path),
+        what: format!("file {} of repo {} at commit {}", p.file.path, info.repo, info.commit),
+        tmp: dir.join(format!("{}.partial", p.file.path)),
+    };
+    let f = std::fs::File::create(&w.tmp).map_err(|e| w.io(e))?;
+    f.set_len(p.file.size).map_err(|e| w.io(e))?;
+    let mut requests = 0u64;
+    let (digest, head) = match w.download(&f, &mut requests) {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = std::fs::remove_file(&w.tmp);
+            return Err(e);
         }
     };
-    let f = std::fs::File::create(&tmp).map_err(io)?;
-    f.set_len(p.file.size).map_err(io)?;
-    let url = hub.file_url(&info.repo, &info.commit, &p.file.path);
-    let what = format!("file {} of repo {} at commit {}", p.file.path, info.repo, info.commit);
-    let proto = |msg: String| HubError::Protocol { url: url.clone(), msg };
-    let size = p.file.size;
-    let mut requests = 0u64;
-    let mut bad_sums = 0u32;
-    let result = (|| -> Result<(checksums::ShardDigest, Vec<u8>), HubError> {
+    // The header as the verified stream had it (the kept ranges cover only its first window).
+    f.write_all_at(&head, 0).map_err(|e| w.io(e))?;
+    crate::util::sync_file(&f).map_err(|e| w.io(e))?;
+    std::fs::rename(&w.tmp, &dest).map_err(|source| HubError::Io { path: dest.clone(), source })?;
+    crate::util::sync_dir(dir);
+    super::download::record_verified(&dest, &p.file, &digest);
+    Ok(requests)
+}
+
+/// A shard being written ([`write_shard`]): where it comes from, what its errors name, where it
+/// is built.
+struct ShardWrite<'a> {
+    hub: &'a Hub,
+    info: &'a RepoInfo,
+    p: &'a ShardPlan,
+    bar: &'a ProgressBar,
+    url: String,
+    /// The file as a transfer's errors name it.
+    what: String,
+    /// `NAME.partial`: the shard while it is built.
+    tmp: PathBuf,
+}
+
+/// One pass over a shard's bytes: the sha256 and the tensors' xxh3 so far, the header as this
+/// (verified) stream has it, and the ranges kept, from it.
+struct Pass {
+    sha: sha2::Sha256,
+    tensors: TensorHasher,
+    head: Vec<u8>,
+    keep: Option<Vec<(u64, u64)>>,
+}
+
+impl ShardWrite<'_> {
+    /// An I/O error on the partial file (a full disk named as such).
+    fn io(&self, source: std::io::Error) -> HubError {
+        let p = self.p;
+        if source.raw_os_error() == Some(libc::ENOSPC) {
+            HubError::DiskFull { path: self.tmp.clone(), file: p.file.path.clone(), written: 0, size: p.file.size }
+        } else {
+            HubError::Io { path: self.tmp.clone(), source }
+        }
+    }
+
+    /// A response that is not what was asked for.
+    fn proto(&self, msg: String) -> HubError {
+        HubError::Protocol { url: self.url.clone(), msg }
+    }
+
+    /// Passes over the whole file ([`ShardWrite::pass`]) until one's sha256 is the hub's (a
+    /// mismatch starts over, at most the retries): its tensors' checksums and its header.
+    fn download(&self, f: &std::fs::File, requests: &mut u64) -> Result<(checksums::ShardDigest, Vec<u8>), HubError> {
+        use sha2::Digest;
+        let p = self.p;
+        let mut bad_sums = 0u32;
         loop {
-            let mut sha = sha2::Sha256::new();
-            let mut tensors = TensorHasher::new();
-            // The header as this (verified) stream has it, and the ranges kept, from it.
-            let mut head: Vec<u8> = Vec::new();
-            let mut keep: Option<Vec<(u64, u64)>> = None;
-            let (mut got, mut tries, mut shown) = (0u64, 0u32, 0u64);
-            let mut buf = vec![0u8; 1 << 20];
-            while got < size {
-                tries += 1;
-                requests += 1;
-                let resp = hub.open(&url, (got > 0).then_some((got, None)), &info.repo, &what)?;
-                super::client::check_etag(&url, &resp, &p.file)?;
-                match resp.status {
-                    200 if got > 0 => {
-                        return Err(proto("HTTP 200 (the whole file) for a resumed range".into()));
-                    }
-                    200 => {}
-                    206 => {
-                        let want = format!("bytes {got}-{}/{size}", size - 1);
-                        if resp.content_range.as_deref().map(str::trim) != Some(want.as_str()) {
-                            return Err(proto(format!("Content-Range {:?}, expected `{want}`", resp.content_range)));
-                        }
-                    }
-                    s => return Err(proto(format!("HTTP {s} for a shard download"))),
-                }
-                let mut rd = resp.body.into_reader();
-                let err = loop {
-                    if got >= size {
-                        break None;
-                    }
-                    let want = buf.len().min((size - got) as usize);
-                    match rd.read(&mut buf[..want]) {
-                        Ok(0) => break Some(format!("connection closed after {got} of {size} bytes")),
-                        Ok(n) => {
-                            let b = &buf[..n];
-                            sha.update(b);
-                            tensors.update(b);
-                            // Until the header is whole, every byte is the header's.
-                            let hdr_len = |h: &[u8]| {
-                                8 + u64::from_le_bytes(h[..8].try_into().unwrap_or_default()).min(100 << 20) as usize
-                            };
-                            let mut off = 0;
-                            while keep.is_none() && off < b.len() {
-                                let need = if head.len() < 8 { 8 } else { hdr_len(&head) };
-                                let take = (need - head.len()).min(b.len() - off);
-                                head.extend_from_slice(&b[off..off + take]);
-                                off += take;
-                                if head.len() >= 8 && head.len() == hdr_len(&head) {
-                                    keep = Some(kept_ranges(&head, size).map_err(&proto)?.0);
-                                }
-                            }
-                            if let Some(k) = &keep {
-                                write_kept(&f, k, got, b).map_err(io)?;
-                            }
-                            got += n as u64;
-                            if got > shown {
-                                bar.inc(got - shown);
-                                shown = got;
-                            }
-                            tries = 0;
-                        }
-                        Err(e) => break Some(e.to_string()),
-                    }
-                };
-                if let Some(msg) = err {
-                    if tries > hub.opts.retries {
-                        return Err(HubError::Transport { url: url.clone(), msg, tries });
-                    }
-                    tracing::info!("{url}: {msg}; resuming");
-                    hub.opts.pause(tries.max(1));
-                }
-            }
+            let Pass { sha, tensors, head, .. } = self.pass(f, requests)?;
             let got_sha = crate::model::fingerprint::hex(&sha.finalize());
             match &p.file.sha256 {
                 Some(w) if !got_sha.eq_ignore_ascii_case(w) => {
                     bad_sums += 1;
                     tracing::warn!("{}: sha256 {got_sha} is not the hub's {w}; fetching it again", p.file.path);
-                    if bad_sums > hub.opts.retries.max(1) {
+                    if bad_sums > self.hub.opts.retries.max(1) {
                         return Err(HubError::Checksum {
                             file: p.file.path.clone(),
                             what: "sha256",
@@ -385,27 +397,95 @@ fn write_shard(hub: &Hub, info: &RepoInfo, dir: &Path, p: &ShardPlan, bar: &Prog
                             p.file.path
                         );
                     }
-                    let d = tensors.finish().map_err(|e| proto(format!("shard {}: {e}", p.file.path)))?;
+                    let d = tensors.finish().map_err(|e| self.proto(format!("shard {}: {e}", p.file.path)))?;
                     return Ok((d, head));
                 }
                 None => return Err(HubError::NoChecksum(p.file.path.clone())),
             }
         }
-    })();
-    let (digest, head) = match result {
-        Ok(d) => d,
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
+    }
+
+    /// One pass over the whole file into `f` (a broken transfer resumed where it stopped, within
+    /// the retries); `requests` counts the requests made.
+    fn pass(&self, f: &std::fs::File, requests: &mut u64) -> Result<Pass, HubError> {
+        use sha2::Digest;
+        use std::io::Read;
+        let (hub, url, size) = (self.hub, &self.url, self.p.file.size);
+        let mut pass = Pass { sha: sha2::Sha256::new(), tensors: TensorHasher::new(), head: Vec::new(), keep: None };
+        let (mut got, mut tries, mut shown) = (0u64, 0u32, 0u64);
+        let mut buf = vec![0u8; 1 << 20];
+        while got < size {
+            tries += 1;
+            *requests += 1;
+            let resp = hub.open(url, (got > 0).then_some((got, None)), &self.info.repo, &self.what)?;
+            super::client::check_etag(url, &resp, &self.p.file)?;
+            match resp.status {
+                200 if got > 0 => {
+                    return Err(self.proto("HTTP 200 (the whole file) for a resumed range".into()));
+                }
+                200 => {}
+                206 => {
+                    let want = format!("bytes {got}-{}/{size}", size - 1);
+                    if resp.content_range.as_deref().map(str::trim) != Some(want.as_str()) {
+                        return Err(self.proto(format!("Content-Range {:?}, expected `{want}`", resp.content_range)));
+                    }
+                }
+                s => return Err(self.proto(format!("HTTP {s} for a shard download"))),
+            }
+            let mut rd = resp.body.into_reader();
+            let err = loop {
+                if got >= size {
+                    break None;
+                }
+                let want = buf.len().min((size - got) as usize);
+                match rd.read(&mut buf[..want]) {
+                    Ok(0) => break Some(format!("connection closed after {got} of {size} bytes")),
+                    Ok(n) => {
+                        self.take(&mut pass, f, got, &buf[..n])?;
+                        got += n as u64;
+                        if got > shown {
+                            self.bar.inc(got - shown);
+                            shown = got;
+                        }
+                        tries = 0;
+                    }
+                    Err(e) => break Some(e.to_string()),
+                }
+            };
+            if let Some(msg) = err {
+                if tries > hub.opts.retries {
+                    return Err(HubError::Transport { url: url.clone(), msg, tries });
+                }
+                tracing::info!("{url}: {msg}; resuming");
+                hub.opts.pause(tries.max(1));
+            }
         }
-    };
-    // The header as the verified stream had it (the kept ranges cover only its first window).
-    f.write_all_at(&head, 0).map_err(io)?;
-    crate::util::sync_file(&f).map_err(io)?;
-    std::fs::rename(&tmp, &dest).map_err(|source| HubError::Io { path: dest.clone(), source })?;
-    crate::util::sync_dir(dir);
-    super::download::record_verified(&dest, &p.file, &digest);
-    Ok(requests)
+        Ok(pass)
+    }
+
+    /// The file's bytes `b` from offset `at`, into `pass`: hashed, the header collected until it is
+    /// whole (then the ranges kept, from it), the kept ranges written to `f`.
+    fn take(&self, pass: &mut Pass, f: &std::fs::File, at: u64, b: &[u8]) -> Result<(), HubError> {
+        use sha2::Digest;
+        pass.sha.update(b);
+        pass.tensors.update(b);
+        // Until the header is whole, every byte is the header's.
+        let hdr_len = |h: &[u8]| 8 + u64::from_le_bytes(h[..8].try_into().unwrap_or_default()).min(100 << 20) as usize;
+        let mut off = 0;
+        while pass.keep.is_none() && off < b.len() {
+            let need = if pass.head.len() < 8 { 8 } else { hdr_len(&pass.head) };
+            let take = (need - pass.head.len()).min(b.len() - off);
+            pass.head.extend_from_slice(&b[off..off + take]);
+            off += take;
+            if pass.head.len() >= 8 && pass.head.len() == hdr_len(&pass.head) {
+                pass.keep = Some(kept_ranges(&pass.head, self.p.file.size).map_err(|m| self.proto(m))?.0);
+            }
+        }
+        if let Some(k) = &pass.keep {
+            write_kept(f, k, at, b).map_err(|e| self.io(e))?;
+        }
+        Ok(())
+    }
 }
 
 /// Writes the parts of `b` (the file's bytes from `at`) that fall in `ranges` (sorted) at their

@@ -177,6 +177,153 @@ impl Fields<'_> {
     }
 }
 
+/// `parse`'s KDA phase: `linear_attn_config` read and checked, and every layer's attention kind
+/// from its 1-based `kda_layers` / `full_attn_layers` (each layer in exactly one); with the KDA
+/// gate's lower bound.
+fn layer_split(t: &Fields, layers: usize) -> Result<(Vec<AttnKind>, LinearAttnConfig, f32), ModelError> {
+    let lac_val = t.get("linear_attn_config").ok_or_else(|| t.err("linear_attn_config", "missing"))?;
+    let lac: LinearAttnConfig =
+        serde_json::from_value(lac_val.clone()).map_err(|e| t.err("linear_attn_config", format!("malformed: {e}")))?;
+    let lf = |f: &str, m: String| t.err(&format!("linear_attn_config.{f}"), m);
+    let mut attn = vec![None; layers];
+    for (list, kind, name) in
+        [(&lac.kda_layers, AttnKind::Kda, "kda_layers"), (&lac.full_attn_layers, AttnKind::Mla, "full_attn_layers")]
+    {
+        for &l1 in list {
+            if l1 == 0 || l1 > layers {
+                return Err(lf(name, format!("layer {l1} is outside 1..={layers} (the lists are 1-based)")));
+            }
+            if attn[l1 - 1].is_some() {
+                return Err(lf(name, format!("layer {l1} is listed twice")));
+            }
+            attn[l1 - 1] = Some(kind);
+        }
+    }
+    let attn: Vec<AttnKind> = attn
+        .into_iter()
+        .enumerate()
+        .map(|(i, a)| {
+            a.ok_or_else(|| lf("kda_layers", format!("layer {} is in neither kda_layers nor full_attn_layers", i + 1)))
+        })
+        .collect::<Result<_, _>>()?;
+    if lac.num_heads == 0 || lac.head_dim == 0 {
+        return Err(lf("num_heads", "num_heads and head_dim must be > 0".into()));
+    }
+    if lac.short_conv_kernel_size < 1 {
+        return Err(lf("short_conv_kernel_size", "must be >= 1".into()));
+    }
+    // Products of these sizes (projection widths, state sizes) must not overflow.
+    for (f, v) in [
+        ("num_heads", lac.num_heads),
+        ("head_dim", lac.head_dim),
+        ("short_conv_kernel_size", lac.short_conv_kernel_size),
+    ] {
+        if v > MAX_HIDDEN {
+            return Err(lf(f, format!("{v} is implausibly large (at most {MAX_HIDDEN} is accepted)")));
+        }
+    }
+    if lac.use_full_rank_gate == Some(false) {
+        return Err(lf("use_full_rank_gate", "only K3's full-rank output gate is supported".into()));
+    }
+    let kda_gate_lower_bound = lac
+        .gate_lower_bound
+        .ok_or_else(|| lf("gate_lower_bound", "missing: K3's KDA gate is lower_bound * sigmoid(...)".into()))?;
+    if kda_gate_lower_bound >= 0.0 {
+        return Err(lf("gate_lower_bound", format!("expected a negative bound, found {kda_gate_lower_bound}")));
+    }
+    Ok((attn, lac, kda_gate_lower_bound))
+}
+
+/// `parse`'s MLA phase: the MLA sizes (heads, q and kv LoRA ranks, nope / rope / v head dims) when
+/// some layer is MLA (`has_mla`), else zeros.
+fn mla_sizes(t: &Fields, has_mla: bool) -> Result<(usize, usize, usize, usize, usize, usize), ModelError> {
+    Ok(if has_mla {
+        if !t.bool_or("mla_use_nope", false)? {
+            return Err(t.err("mla_use_nope", "K3's MLA has no RoPE; expected true"));
+        }
+        if !t.bool_or("mla_use_output_gate", true)? {
+            return Err(t.err("mla_use_output_gate", "K3's MLA is gated; expected true"));
+        }
+        (
+            t.bounded("num_attention_heads", MAX_HIDDEN)?,
+            t.bounded("q_lora_rank", MAX_HIDDEN)?,
+            t.bounded("kv_lora_rank", MAX_HIDDEN)?,
+            t.bounded("qk_nope_head_dim", MAX_HIDDEN)?,
+            match t.usize("qk_rope_head_dim")? {
+                r if r > MAX_HIDDEN => {
+                    return Err(t.err("qk_rope_head_dim", format!("{r} is implausibly large")));
+                }
+                r => r,
+            },
+            t.bounded("v_head_dim", MAX_HIDDEN)?,
+        )
+    } else {
+        (0, 0, 0, 0, 0, 0)
+    })
+}
+
+/// `parse`'s feed-forward split: each layer dense or MoE, and their sizes.
+struct Ffn {
+    ffn: Vec<FfnKind>,
+    dense_inter: usize,
+    experts: usize,
+    top_k: usize,
+    shared_experts: usize,
+    expert_inter: usize,
+    expert_latent: usize,
+}
+
+/// `parse`'s feed-forward phase: which layers are MoE (`first_k_dense_replace`, `moe_layer_freq`,
+/// `num_experts`), the dense and expert sizes, and the router's settings checked.
+fn ffn_split(t: &Fields, layers: usize) -> Result<Ffn, ModelError> {
+    let first_dense = t.usize_or("first_k_dense_replace", 0)?;
+    let moe_freq = t.usize_or("moe_layer_freq", 1)?.max(1);
+    let experts = t.usize_or("num_experts", 0)?;
+    if experts > MAX_EXPERTS {
+        return Err(t.err("num_experts", format!("{experts} is implausibly large (at most {MAX_EXPERTS} is accepted)")));
+    }
+    let ffn: Vec<FfnKind> = (0..layers)
+        .map(|l| if experts > 0 && l >= first_dense && l % moe_freq == 0 { FfnKind::Moe } else { FfnKind::Dense })
+        .collect();
+    let dense_inter = if ffn.contains(&FfnKind::Dense) { t.bounded("intermediate_size", MAX_HIDDEN)? } else { 0 };
+    let has_moe = ffn.contains(&FfnKind::Moe);
+    let (top_k, shared_experts, expert_inter, expert_latent) = if has_moe {
+        let k = t.pos("num_experts_per_token")?;
+        if k > experts {
+            return Err(t.err("num_experts_per_token", format!("{k} is more than num_experts = {experts}")));
+        }
+        let inter = t.bounded("moe_intermediate_size", MAX_HIDDEN)?;
+        let latent = t.bounded("routed_expert_hidden_size", MAX_HIDDEN)?;
+        for (f, v) in [("moe_intermediate_size", inter), ("routed_expert_hidden_size", latent)] {
+            if v % 32 != 0 {
+                return Err(t.err(f, format!("{v} is not a multiple of 32 (the MXFP4 block)")));
+            }
+        }
+        let shared = t.usize_or("num_shared_experts", 0)?;
+        if shared > MAX_EXPERTS {
+            return Err(t.err("num_shared_experts", format!("{shared} is implausibly large")));
+        }
+        (k, shared, inter, latent)
+    } else {
+        (0, 0, 0, 0)
+    };
+    if has_moe {
+        if let Some(f) = t.str_opt("moe_router_activation_func")?
+            && f != "sigmoid"
+        {
+            return Err(t.err("moe_router_activation_func", format!("expected \"sigmoid\", found \"{f}\"")));
+        }
+        for f in ["num_expert_group", "topk_group"] {
+            if let Some(v) = t.get(f)
+                && v.as_u64() != Some(1)
+            {
+                return Err(t.err(f, format!("group-limited routing is not supported (expected 1, found {v})")));
+            }
+        }
+    }
+    Ok(Ffn { ffn, dense_inter, experts, top_k, shared_experts, expert_inter, expert_latent })
+}
+
 impl K3Config {
     /// Reads and validates `dir/config.json`.
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
@@ -185,7 +332,9 @@ impl K3Config {
         Self::parse(&path, &text)
     }
 
-    /// Parses config text; `path` is only used in error messages.
+    /// Parses config text; `path` is only used in error messages. In phases: the model types and
+    /// the quantization, the trunk's sizes and scalars, the attention layer split (`layer_split`,
+    /// `mla_sizes`), the feed-forward split (`ffn_split`), the special tokens.
     pub fn parse(path: &Path, text: &str) -> Result<Self, ModelError> {
         let root: Value =
             serde_json::from_str(text).map_err(|source| ModelError::Json { path: path.to_path_buf(), source })?;
@@ -241,133 +390,12 @@ impl K3Config {
         let max_context = t.usize_or("max_position_embeddings", 1 << 20)?;
 
         // Linear attention (KDA) and the layer split.
-        let lac_val = t.get("linear_attn_config").ok_or_else(|| t.err("linear_attn_config", "missing"))?;
-        let lac: LinearAttnConfig = serde_json::from_value(lac_val.clone())
-            .map_err(|e| t.err("linear_attn_config", format!("malformed: {e}")))?;
-        let lf = |f: &str, m: String| t.err(&format!("linear_attn_config.{f}"), m);
-        let mut attn = vec![None; layers];
-        for (list, kind, name) in
-            [(&lac.kda_layers, AttnKind::Kda, "kda_layers"), (&lac.full_attn_layers, AttnKind::Mla, "full_attn_layers")]
-        {
-            for &l1 in list {
-                if l1 == 0 || l1 > layers {
-                    return Err(lf(name, format!("layer {l1} is outside 1..={layers} (the lists are 1-based)")));
-                }
-                if attn[l1 - 1].is_some() {
-                    return Err(lf(name, format!("layer {l1} is listed twice")));
-                }
-                attn[l1 - 1] = Some(kind);
-            }
-        }
-        let attn: Vec<AttnKind> = attn
-            .into_iter()
-            .enumerate()
-            .map(|(i, a)| {
-                a.ok_or_else(|| {
-                    lf("kda_layers", format!("layer {} is in neither kda_layers nor full_attn_layers", i + 1))
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        if lac.num_heads == 0 || lac.head_dim == 0 {
-            return Err(lf("num_heads", "num_heads and head_dim must be > 0".into()));
-        }
-        if lac.short_conv_kernel_size < 1 {
-            return Err(lf("short_conv_kernel_size", "must be >= 1".into()));
-        }
-        // Products of these sizes (projection widths, state sizes) must not overflow.
-        for (f, v) in [
-            ("num_heads", lac.num_heads),
-            ("head_dim", lac.head_dim),
-            ("short_conv_kernel_size", lac.short_conv_kernel_size),
-        ] {
-            if v > MAX_HIDDEN {
-                return Err(lf(f, format!("{v} is implausibly large (at most {MAX_HIDDEN} is accepted)")));
-            }
-        }
-        if lac.use_full_rank_gate == Some(false) {
-            return Err(lf("use_full_rank_gate", "only K3's full-rank output gate is supported".into()));
-        }
-        let kda_gate_lower_bound = lac
-            .gate_lower_bound
-            .ok_or_else(|| lf("gate_lower_bound", "missing: K3's KDA gate is lower_bound * sigmoid(...)".into()))?;
-        if kda_gate_lower_bound >= 0.0 {
-            return Err(lf("gate_lower_bound", format!("expected a negative bound, found {kda_gate_lower_bound}")));
-        }
-
+        let (attn, lac, kda_gate_lower_bound) = layer_split(&t, layers)?;
         // MLA.
-        let has_mla = attn.contains(&AttnKind::Mla);
-        let (mla_heads, q_lora, kv_lora, qk_nope, qk_rope, v_head) = if has_mla {
-            if !t.bool_or("mla_use_nope", false)? {
-                return Err(t.err("mla_use_nope", "K3's MLA has no RoPE; expected true"));
-            }
-            if !t.bool_or("mla_use_output_gate", true)? {
-                return Err(t.err("mla_use_output_gate", "K3's MLA is gated; expected true"));
-            }
-            (
-                t.bounded("num_attention_heads", MAX_HIDDEN)?,
-                t.bounded("q_lora_rank", MAX_HIDDEN)?,
-                t.bounded("kv_lora_rank", MAX_HIDDEN)?,
-                t.bounded("qk_nope_head_dim", MAX_HIDDEN)?,
-                match t.usize("qk_rope_head_dim")? {
-                    r if r > MAX_HIDDEN => {
-                        return Err(t.err("qk_rope_head_dim", format!("{r} is implausibly large")));
-                    }
-                    r => r,
-                },
-                t.bounded("v_head_dim", MAX_HIDDEN)?,
-            )
-        } else {
-            (0, 0, 0, 0, 0, 0)
-        };
-
+        let (mla_heads, q_lora, kv_lora, qk_nope, qk_rope, v_head) = mla_sizes(&t, attn.contains(&AttnKind::Mla))?;
         // Feed-forward split.
-        let first_dense = t.usize_or("first_k_dense_replace", 0)?;
-        let moe_freq = t.usize_or("moe_layer_freq", 1)?.max(1);
-        let experts = t.usize_or("num_experts", 0)?;
-        if experts > MAX_EXPERTS {
-            return Err(
-                t.err("num_experts", format!("{experts} is implausibly large (at most {MAX_EXPERTS} is accepted)"))
-            );
-        }
-        let ffn: Vec<FfnKind> = (0..layers)
-            .map(|l| if experts > 0 && l >= first_dense && l % moe_freq == 0 { FfnKind::Moe } else { FfnKind::Dense })
-            .collect();
-        let dense_inter = if ffn.contains(&FfnKind::Dense) { t.bounded("intermediate_size", MAX_HIDDEN)? } else { 0 };
-        let has_moe = ffn.contains(&FfnKind::Moe);
-        let (top_k, shared_experts, expert_inter, expert_latent) = if has_moe {
-            let k = t.pos("num_experts_per_token")?;
-            if k > experts {
-                return Err(t.err("num_experts_per_token", format!("{k} is more than num_experts = {experts}")));
-            }
-            let inter = t.bounded("moe_intermediate_size", MAX_HIDDEN)?;
-            let latent = t.bounded("routed_expert_hidden_size", MAX_HIDDEN)?;
-            for (f, v) in [("moe_intermediate_size", inter), ("routed_expert_hidden_size", latent)] {
-                if v % 32 != 0 {
-                    return Err(t.err(f, format!("{v} is not a multiple of 32 (the MXFP4 block)")));
-                }
-            }
-            let shared = t.usize_or("num_shared_experts", 0)?;
-            if shared > MAX_EXPERTS {
-                return Err(t.err("num_shared_experts", format!("{shared} is implausibly large")));
-            }
-            (k, shared, inter, latent)
-        } else {
-            (0, 0, 0, 0)
-        };
-        if has_moe {
-            if let Some(f) = t.str_opt("moe_router_activation_func")?
-                && f != "sigmoid"
-            {
-                return Err(t.err("moe_router_activation_func", format!("expected \"sigmoid\", found \"{f}\"")));
-            }
-            for f in ["num_expert_group", "topk_group"] {
-                if let Some(v) = t.get(f)
-                    && v.as_u64() != Some(1)
-                {
-                    return Err(t.err(f, format!("group-limited routing is not supported (expected 1, found {v})")));
-                }
-            }
-        }
+        let Ffn { ffn, dense_inter, experts, top_k, shared_experts, expert_inter, expert_latent } =
+            ffn_split(&t, layers)?;
         let latent_norm = t.bool_or("latent_moe_use_norm", true)?;
         let renormalize = t.bool_or("moe_renormalize", true)?;
         let routed_scaling = t.f32_or("routed_scaling_factor", 1.0)?;

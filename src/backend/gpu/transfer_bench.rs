@@ -42,8 +42,10 @@ impl Gpu {
         self.wait_idle();
     }
 
+    /// In phases, three rounds of: [`Gpu::time_writes`], [`Gpu::time_readback`],
+    /// [`time_host_copies`], then the mapped staging buffer written on threads; each rate from
+    /// its step's best round.
     pub fn transfer_rates(&self, bytes: usize) -> TransferRates {
-        use rayon::prelude::*;
         let bytes = bytes / 16 * 16;
         let gb = |s: f64| bytes as f64 / s / 1e9;
         let src: Vec<u8> = (0..bytes).map(|i| (i % 251) as u8).collect();
@@ -59,111 +61,156 @@ impl Gpu {
         let up = self.device.create_buffer(&usage(wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC));
         let down = self.device.create_buffer(&usage(wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST));
         let mut r = TransferRates { bytes: bytes as u64, ..Default::default() };
-        let best = |v: &mut f64, x: f64| *v = if *v == 0.0 { x } else { v.min(x) };
-        let (mut qw, mut wc, mut wm, mut wd, mut rd, mut rm, mut rc, mut rt, mut hf, mut hr) =
-            (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
-        let (mut ft, mut fh, mut wt) = (0.0, 0.0, 0.0);
+        let mut b = Best::default();
         let mut reused = vec![0u8; bytes];
         for _ in 0..3 {
-            let t = Instant::now();
-            self.queue.write_buffer(&dst, 0, &src);
-            self.queue.submit([]);
-            self.wait_idle();
-            best(&mut qw, t.elapsed().as_secs_f64());
-
-            let t = Instant::now();
-            self.map_wait(&up, wgpu::MapMode::Write);
-            best(&mut wm, t.elapsed().as_secs_f64());
-            let t = Instant::now();
-            if let Ok(mut view) = up.get_mapped_range_mut(..) {
-                view.copy_from_slice(&src);
-            }
-            best(&mut wc, t.elapsed().as_secs_f64());
-            up.unmap();
-            let t = Instant::now();
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            enc.copy_buffer_to_buffer(&up, 0, &dst, 0, bytes as u64);
-            self.queue.submit([enc.finish()]);
-            self.wait_idle();
-            best(&mut wd, t.elapsed().as_secs_f64());
-
-            let t = Instant::now();
-            let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-            enc.copy_buffer_to_buffer(&dst, 0, &down, 0, bytes as u64);
-            self.queue.submit([enc.finish()]);
-            self.wait_idle();
-            best(&mut rd, t.elapsed().as_secs_f64());
-            let t = Instant::now();
-            self.map_wait(&down, wgpu::MapMode::Read);
-            best(&mut rm, t.elapsed().as_secs_f64());
-            if let Ok(view) = down.get_mapped_range(..) {
-                let t = Instant::now();
-                let mut fresh = vec![0u8; bytes];
-                fresh.copy_from_slice(&view);
-                best(&mut rc, t.elapsed().as_secs_f64());
-                let t = Instant::now();
-                reused.par_chunks_mut(1 << 20).zip(view.par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
-                best(&mut rt, t.elapsed().as_secs_f64());
-                std::hint::black_box(&fresh);
-            }
-            down.unmap();
-
-            let t = Instant::now();
-            let mut fresh = vec![0u8; bytes];
-            fresh.copy_from_slice(&src);
-            best(&mut hf, t.elapsed().as_secs_f64());
-            std::hint::black_box(&fresh);
-            let t = Instant::now();
-            reused.copy_from_slice(&src);
-            best(&mut hr, t.elapsed().as_secs_f64());
-            let t = Instant::now();
-            let mut fresh = vec![0u8; bytes];
-            fresh.par_chunks_mut(1 << 20).zip(src.par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
-            best(&mut ft, t.elapsed().as_secs_f64());
-            std::hint::black_box(&fresh);
-            drop(fresh);
-            let t = Instant::now();
-            // SAFETY: a private anonymous mapping of `len` bytes, written only inside it and unmapped once.
-            unsafe {
-                let len = bytes.div_ceil(2 << 20) * (2 << 20);
-                let p = libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                );
-                if p != libc::MAP_FAILED {
-                    // Transparent huge pages are Linux's (macOS: a plain fresh mapping).
-                    #[cfg(target_os = "linux")]
-                    libc::madvise(p, len, libc::MADV_HUGEPAGE);
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), p as *mut u8, bytes);
-                    best(&mut fh, t.elapsed().as_secs_f64());
-                    libc::munmap(p, len);
-                }
-            }
+            self.time_writes(&src, &dst, &up, &mut b);
+            self.time_readback(&dst, &down, &mut reused, &mut b);
+            time_host_copies(&src, &mut reused, &mut b);
+            // The mapped staging buffer written on threads (`write_mapped`).
             self.map_wait(&up, wgpu::MapMode::Write);
             let t = Instant::now();
             if let Ok(mut view) = up.get_mapped_range_mut(..) {
                 super::device::write_mapped(&mut view, 0, &src);
             }
-            best(&mut wt, t.elapsed().as_secs_f64());
+            best(&mut b.wt, t.elapsed().as_secs_f64());
             up.unmap();
         }
-        r.host_memcpy_fresh_threads_gb_s = gb(ft);
-        r.host_memcpy_fresh_huge_gb_s = gb(fh);
-        r.mapped_write_copy_threads_gb_s = gb(wt);
-        r.queued_write_gb_s = gb(qw);
-        r.mapped_write_map_s = wm;
-        r.mapped_write_copy_gb_s = gb(wc);
-        r.mapped_write_dma_gb_s = gb(wd);
-        r.readback_dma_gb_s = gb(rd);
-        r.readback_map_s = rm;
-        r.readback_copy_out_gb_s = gb(rc);
-        r.readback_copy_out_threads_gb_s = gb(rt);
-        r.host_memcpy_fresh_gb_s = gb(hf);
-        r.host_memcpy_reused_gb_s = gb(hr);
+        r.host_memcpy_fresh_threads_gb_s = gb(b.ft);
+        r.host_memcpy_fresh_huge_gb_s = gb(b.fh);
+        r.mapped_write_copy_threads_gb_s = gb(b.wt);
+        r.queued_write_gb_s = gb(b.qw);
+        r.mapped_write_map_s = b.wm;
+        r.mapped_write_copy_gb_s = gb(b.wc);
+        r.mapped_write_dma_gb_s = gb(b.wd);
+        r.readback_dma_gb_s = gb(b.rd);
+        r.readback_map_s = b.rm;
+        r.readback_copy_out_gb_s = gb(b.rc);
+        r.readback_copy_out_threads_gb_s = gb(b.rt);
+        r.host_memcpy_fresh_gb_s = gb(b.hf);
+        r.host_memcpy_reused_gb_s = gb(b.hr);
         r
+    }
+
+    /// A round's writes of `src`: queued into `dst` (`qw`); `up` mapped (`wm`), `src` copied into
+    /// it (`wc`), then `up` copied into `dst` on the device (`wd`).
+    fn time_writes(&self, src: &[u8], dst: &wgpu::Buffer, up: &wgpu::Buffer, b: &mut Best) {
+        let bytes = src.len();
+        let t = Instant::now();
+        self.queue.write_buffer(dst, 0, src);
+        self.queue.submit([]);
+        self.wait_idle();
+        best(&mut b.qw, t.elapsed().as_secs_f64());
+
+        let t = Instant::now();
+        self.map_wait(up, wgpu::MapMode::Write);
+        best(&mut b.wm, t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        if let Ok(mut view) = up.get_mapped_range_mut(..) {
+            view.copy_from_slice(src);
+        }
+        best(&mut b.wc, t.elapsed().as_secs_f64());
+        up.unmap();
+        let t = Instant::now();
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        enc.copy_buffer_to_buffer(up, 0, dst, 0, bytes as u64);
+        self.queue.submit([enc.finish()]);
+        self.wait_idle();
+        best(&mut b.wd, t.elapsed().as_secs_f64());
+    }
+
+    /// A round's readback: `dst` copied into `down` on the device (`rd`), `down` mapped (`rm`),
+    /// its bytes copied out into a fresh vector (`rc`) and, on threads, into `reused` (`rt`).
+    fn time_readback(&self, dst: &wgpu::Buffer, down: &wgpu::Buffer, reused: &mut [u8], b: &mut Best) {
+        use rayon::prelude::*;
+        let bytes = reused.len();
+        let t = Instant::now();
+        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        enc.copy_buffer_to_buffer(dst, 0, down, 0, bytes as u64);
+        self.queue.submit([enc.finish()]);
+        self.wait_idle();
+        best(&mut b.rd, t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        self.map_wait(down, wgpu::MapMode::Read);
+        best(&mut b.rm, t.elapsed().as_secs_f64());
+        if let Ok(view) = down.get_mapped_range(..) {
+            let t = Instant::now();
+            let mut fresh = vec![0u8; bytes];
+            fresh.copy_from_slice(&view);
+            best(&mut b.rc, t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            reused.par_chunks_mut(1 << 20).zip(view.par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
+            best(&mut b.rt, t.elapsed().as_secs_f64());
+            std::hint::black_box(&fresh);
+        }
+        down.unmap();
+    }
+}
+
+/// The best (least) seconds of each step over the rounds, 0 until a round has run: queued write
+/// (`qw`); mapped write: map (`wm`), copy (`wc`), DMA (`wd`), copy on threads (`wt`); readback:
+/// DMA (`rd`), map (`rm`), copy-out (`rc`), on threads (`rt`); host memcpy: fresh (`hf`), reused
+/// (`hr`), fresh on threads (`ft`), fresh huge-page mapping (`fh`).
+#[derive(Default)]
+struct Best {
+    qw: f64,
+    wc: f64,
+    wm: f64,
+    wd: f64,
+    rd: f64,
+    rm: f64,
+    rc: f64,
+    rt: f64,
+    hf: f64,
+    hr: f64,
+    ft: f64,
+    fh: f64,
+    wt: f64,
+}
+
+/// Keeps the least of `v` and `x` in `v` (`x` when `v` is still 0).
+fn best(v: &mut f64, x: f64) {
+    *v = if *v == 0.0 { x } else { v.min(x) };
+}
+
+/// A round's host copies of `src`: into a fresh vector (`hf`), into `reused` (`hr`), into a fresh
+/// vector on threads (`ft`), into a fresh mapping advised to use huge pages (`fh`).
+fn time_host_copies(src: &[u8], reused: &mut [u8], b: &mut Best) {
+    use rayon::prelude::*;
+    let bytes = src.len();
+    let t = Instant::now();
+    let mut fresh = vec![0u8; bytes];
+    fresh.copy_from_slice(src);
+    best(&mut b.hf, t.elapsed().as_secs_f64());
+    std::hint::black_box(&fresh);
+    let t = Instant::now();
+    reused.copy_from_slice(src);
+    best(&mut b.hr, t.elapsed().as_secs_f64());
+    let t = Instant::now();
+    let mut fresh = vec![0u8; bytes];
+    fresh.par_chunks_mut(1 << 20).zip(src.par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
+    best(&mut b.ft, t.elapsed().as_secs_f64());
+    std::hint::black_box(&fresh);
+    drop(fresh);
+    let t = Instant::now();
+    // SAFETY: a private anonymous mapping of `len` bytes, written only inside it and unmapped once.
+    unsafe {
+        let len = bytes.div_ceil(2 << 20) * (2 << 20);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if p != libc::MAP_FAILED {
+            // Transparent huge pages are Linux's (macOS: a plain fresh mapping).
+            #[cfg(target_os = "linux")]
+            libc::madvise(p, len, libc::MADV_HUGEPAGE);
+            std::ptr::copy_nonoverlapping(src.as_ptr(), p as *mut u8, bytes);
+            best(&mut b.fh, t.elapsed().as_secs_f64());
+            libc::munmap(p, len);
+        }
     }
 }

@@ -14,7 +14,7 @@ use super::{
     Policy, ShardUse, VERSION,
 };
 use crate::model::fingerprint;
-use crate::model::roster::Roster;
+use crate::model::roster::{ExpertLoc, Roster};
 use crate::model::{Checkpoint, K3Config};
 use crate::store::pack;
 use serde::{Deserialize, Serialize};
@@ -53,11 +53,68 @@ pub struct PlaceOptions<'a> {
     pub progress: &'a dyn Fn(u64, u64),
 }
 
-/// Runs (or resumes) a placement and writes `placement.json`.
+/// Runs (or resumes) a placement and writes `placement.json`, in phases: `claim` (the drives
+/// checked, the locks taken, an interrupted run's leftovers removed, the shards checked),
+/// `resume_or_plan` (the saved plan, else the drives measured and a new plan saved), the room on
+/// every drive, `Packing::write_packs` (each pack reused when intact, else written),
+/// `fill_checksums`, then `write_manifest`.
 pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -> Result<Manifest, PlacementError> {
     let layout =
         roster.expert_layout.clone().ok_or_else(|| PlacementError::NoRoutedExperts(o.model_dir.to_path_buf()))?;
     let layers: Vec<usize> = (0..c.layers).filter(|&l| roster.experts[l].is_some()).collect();
+    // Its locks are held until we return.
+    let claim = claim(ck, o)?;
+    let plan_path = o.model_dir.join(PLAN);
+    let plan = resume_or_plan(c, o, &claim.fp, &layers, &plan_path)?;
+
+    // Room on every drive before writing anything.
+    let len = layout.len as u64;
+    let need = room_needed(&plan, len);
+    check_room(&plan, &need, &claim.ns, &layers)?;
+
+    let mut packing = Packing {
+        ck,
+        roster,
+        o,
+        ns: &claim.ns,
+        raw_fp: &claim.raw_fp,
+        experts: c.experts,
+        len,
+        total: need.iter().sum(),
+        done: 0,
+        checksums: HashMap::new(),
+        damaged_shard: Vec::new(),
+    };
+    packing.write_packs(&plan)?;
+    let Packing { mut checksums, damaged_shard, .. } = packing;
+    fill_checksums(ck, roster, &plan, &mut checksums)?;
+    if !damaged_shard.is_empty() {
+        eprintln!(
+            "deltafin place: warning: the shards' copies of {} expert(s) are damaged (e.g. expert {} of layer {}); the placement keeps its good copies; {} lists the damage",
+            damaged_shard.len(),
+            damaged_shard[0].1,
+            damaged_shard[0].0,
+            crate::setting::Action::Verify
+        );
+    }
+    let manifest = write_manifest(c, o, &plan, &claim, len, &checksums)?;
+    let _ = std::fs::remove_file(&plan_path);
+    Ok(manifest)
+}
+
+/// What [`claim`] established: the model's identity and the locks a `place` holds while it runs.
+struct Claim {
+    fp: String,
+    /// The model's namespace on the drives (its short fingerprint).
+    ns: String,
+    raw_fp: [u8; 32],
+    _locks: Vec<std::fs::File>,
+}
+
+/// Phase 1: the drives created and checked to be distinct (and none the model directory), the
+/// model fingerprinted (and the route trace checked against it), the locks taken, an interrupted
+/// run's leftovers removed, the shards checked.
+fn claim(ck: &Checkpoint, o: &PlaceOptions) -> Result<Claim, PlacementError> {
     for (root, _) in &o.drives {
         std::fs::create_dir_all(root).map_err(|source| PlacementError::Io { path: root.clone(), source })?;
     }
@@ -78,7 +135,7 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
         t.check_model(&fp, o.model_dir)?;
     }
     // One place per model directory, and per model directory on each drive (two copies of one
-    // model in different directories share the drive's namespace). Held until we return.
+    // model in different directories share the drive's namespace). Held until `place` returns.
     let mut _locks = vec![take_lock(&o.model_dir.join(LOCK))?];
     for p in crate::util::remove_stale_temps(o.model_dir, &[".placement-plan.json.tmp.", ".placement.json.tmp."]) {
         eprintln!("deltafin place: removed {} (left by an interrupted place)", p.display());
@@ -90,8 +147,20 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
         remove_partials(&dir);
     }
     check_shards(ck, o)?;
-    let plan_path = o.model_dir.join(PLAN);
-    let saved: Option<Plan> = std::fs::read_to_string(&plan_path).ok().and_then(|t| serde_json::from_str(&t).ok());
+    Ok(Claim { fp, ns, raw_fp, _locks })
+}
+
+/// Phase 2: the plan saved at `plan_path` when it was made for this model, policy, shard use,
+/// layers, drives and queue depth (and given rates), else the drives measured, the experts
+/// assigned and the new plan saved there.
+fn resume_or_plan(
+    c: &K3Config,
+    o: &PlaceOptions,
+    fp: &str,
+    layers: &[usize],
+    plan_path: &Path,
+) -> Result<Plan, PlacementError> {
+    let saved: Option<Plan> = std::fs::read_to_string(plan_path).ok().and_then(|t| serde_json::from_str(&t).ok());
     let roots: Vec<PathBuf> = o.drives.iter().map(|(r, _)| canonical(r)).collect();
     let plan = match saved {
         Some(p)
@@ -121,121 +190,183 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
             let shard_drive =
                 ManifestDrive { root: canonical(o.model_dir), gbps: shard_gbps, qd: o.qd, measured: true };
             let rates: Vec<f64> = drives.iter().map(|d| d.gbps).collect();
-            let assign = plan_assignment(o.policy, &rates, &layers, c.experts, o.trace.as_ref());
+            let assign = plan_assignment(o.policy, &rates, layers, c.experts, o.trace.as_ref());
             let p = Plan {
-                model: fp.clone(),
+                model: fp.to_string(),
                 policy: o.policy,
                 shards: o.shards,
                 drives,
                 shard_drive,
-                layers: layers.clone(),
+                layers: layers.to_vec(),
                 assign,
             };
             let body = serde_json::to_vec_pretty(&p).map_err(|e| PlacementError::Other(e.to_string()))?;
-            crate::util::write_atomic(&plan_path, &body)
-                .map_err(|source| PlacementError::Io { path: plan_path.clone(), source })?;
+            crate::util::write_atomic(plan_path, &body)
+                .map_err(|source| PlacementError::Io { path: plan_path.to_path_buf(), source })?;
             p
         }
     };
+    Ok(plan)
+}
 
-    // Room on every drive before writing anything.
-    let len = layout.len as u64;
-    let need = room_needed(&plan, len);
-    check_room(&plan, &need, &ns, &layers)?;
+/// Phase 4's state: what the packs are written from, the progress, and each expert's checksum as
+/// its pack holds it.
+struct Packing<'a> {
+    ck: &'a Checkpoint,
+    roster: &'a Roster,
+    o: &'a PlaceOptions<'a>,
+    ns: &'a str,
+    raw_fp: &'a [u8; 32],
+    /// Experts per layer.
+    experts: usize,
+    /// Bytes of one expert.
+    len: u64,
+    /// Bytes to write in all (progress).
+    total: u64,
+    done: u64,
+    checksums: HashMap<(usize, u32), u64>,
+    /// Experts whose shard copy is damaged but that a good pack holds: kept, reported at the end.
+    damaged_shard: Vec<(usize, u32)>,
+}
 
-    let total: u64 = need.iter().sum();
-    let mut done = 0u64;
-    let mut checksums: HashMap<(usize, u32), u64> = HashMap::new();
-    // Experts whose shard copy is damaged but that a good pack holds: kept, reported at the end.
-    let mut damaged_shard: Vec<(usize, u32)> = Vec::new();
-    for (li, &l) in plan.layers.iter().enumerate() {
-        let locs =
-            roster.experts[l].as_ref().ok_or_else(|| PlacementError::NoRoutedExperts(o.model_dir.to_path_buf()))?;
-        for (d, drive) in plan.drives.iter().enumerate() {
-            let ids: Vec<u32> =
-                (0..c.experts as u32).filter(|&e| plan.assign[li][e as usize].contains(&(d as u16))).collect();
-            if ids.is_empty() {
-                continue;
-            }
-            let dir = drive.root.join(&ns);
-            let path = dir.join(pack::pack_name(l));
-            let mut shard_sum =
-                |e: u32| *checksums.entry((l, e)).or_insert_with(|| pack::checksum(&locs[e as usize].bytes(ck)));
-            let bad_shard = |e: u32| super::shard_copy_damaged(ck, l, e as usize);
-            // Reuse a complete pack only if it is this model's and every record's bytes (read back,
-            // not just the recorded checksums) hash to the shards' checksum: a resumed run must not
-            // trust a pack another run rewrote, and a flipped byte is repaired by rewriting. A
-            // record whose shard copy is damaged is kept when its own bytes are intact: a good
-            // pack is never rewritten from a bad shard.
-            let header = pack::read_header(&path);
-            if let Ok(h) = &header
-                && h.model != raw_fp
-            {
-                eprintln!(
-                    "deltafin place: {} belongs to model {}; rewriting it with this model's experts",
-                    path.display(),
-                    fingerprint::short(&fingerprint::hex(&h.model))
-                );
-            }
-            let mut keep_from_pack: HashMap<u32, pack::PackEntry> = HashMap::new();
-            if let Ok(h) = header
-                && h.model == raw_fp
-                && h.layer as usize == l
-                && h.expert_len == len
-                && h.entries.iter().map(|e| e.expert).eq(ids.iter().copied())
-            {
-                let bad = pack::bad_records(&path, &h).unwrap_or_else(|_| ids.clone());
-                let mut stale: Vec<u32> = Vec::new();
-                for x in &h.entries {
-                    if let Some(err) = bad_shard(x.expert) {
-                        if bad.contains(&x.expert) {
-                            return Err(no_good_copy(&path, l, x.expert, err));
-                        }
-                        keep_from_pack.insert(x.expert, *x);
-                        damaged_shard.push((l, x.expert));
-                    } else if bad.contains(&x.expert) || x.xxh3 != shard_sum(x.expert) {
-                        stale.push(x.expert);
-                    }
-                }
-                if stale.is_empty() {
-                    for x in &h.entries {
-                        checksums.insert((l, x.expert), x.xxh3);
-                    }
-                    done += ids.len() as u64 * pack::align_up(len);
-                    (o.progress)(done, total);
+impl Packing<'_> {
+    /// Phase 4: each drive's pack of each layer of `plan`, reused when it is intact
+    /// ([`Packing::check_pack`]), else written ([`Packing::rewrite_pack`]).
+    fn write_packs(&mut self, plan: &Plan) -> Result<(), PlacementError> {
+        for (li, &l) in plan.layers.iter().enumerate() {
+            let roster = self.roster;
+            let locs = roster.experts[l]
+                .as_ref()
+                .ok_or_else(|| PlacementError::NoRoutedExperts(self.o.model_dir.to_path_buf()))?;
+            for (d, drive) in plan.drives.iter().enumerate() {
+                let ids: Vec<u32> =
+                    (0..self.experts as u32).filter(|&e| plan.assign[li][e as usize].contains(&(d as u16))).collect();
+                if ids.is_empty() {
                     continue;
                 }
-                eprintln!(
-                    "deltafin place: {}: {} record(s) differ from the shards (experts {}); rewriting it",
-                    path.display(),
-                    stale.len(),
-                    stale.iter().take(8).map(|e| e.to_string()).collect::<Vec<_>>().join(", ")
-                );
-            }
-            // Each record from the shards, or, where the shard copy is damaged, from the old pack.
-            let mut images: Vec<(u32, std::borrow::Cow<[u8]>)> = Vec::with_capacity(ids.len());
-            for &e in &ids {
-                match keep_from_pack.get(&e) {
-                    Some(x) => images.push((e, read_record(&path, x)?.into())),
-                    None => {
-                        if let Some(err) = bad_shard(e) {
-                            return Err(no_good_copy(&path, l, e, err));
-                        }
-                        images.push((e, locs[e as usize].bytes(ck)));
-                    }
-                }
-            }
-            let mut on_bytes = |n: u64| {
-                done += pack::align_up(n);
-                (o.progress)(done, total);
-            };
-            let h = pack::write_pack(&dir, &raw_fp, l, len, images.into_iter(), &mut on_bytes)?;
-            for e in &h.entries {
-                checksums.insert((l, e.expert), e.xxh3);
+                let dir = drive.root.join(self.ns);
+                let path = dir.join(pack::pack_name(l));
+                let Some(keep_from_pack) = self.check_pack(l, locs, &path, &ids)? else { continue };
+                self.rewrite_pack(l, locs, &dir, &path, &ids, &keep_from_pack)?;
             }
         }
+        Ok(())
     }
-    // Every expert's checksum, from the shards (all are on some drive, but do not rely on it).
+
+    /// The pack of layer `l` at `path`, meant to hold experts `ids`: None when it is complete and
+    /// intact (its checksums taken, its bytes counted done), else the records to keep from it
+    /// when it is rewritten (those whose shard copy is damaged).
+    ///
+    /// Reuse a complete pack only if it is this model's and every record's bytes (read back, not
+    /// just the recorded checksums) hash to the shards' checksum: a resumed run must not trust a
+    /// pack another run rewrote, and a flipped byte is repaired by rewriting. A record whose shard
+    /// copy is damaged is kept when its own bytes are intact: a good pack is never rewritten from
+    /// a bad shard.
+    fn check_pack(
+        &mut self,
+        l: usize,
+        locs: &[ExpertLoc],
+        path: &Path,
+        ids: &[u32],
+    ) -> Result<Option<HashMap<u32, pack::PackEntry>>, PlacementError> {
+        let ck = self.ck;
+        let mut shard_sum =
+            |e: u32| *self.checksums.entry((l, e)).or_insert_with(|| pack::checksum(&locs[e as usize].bytes(ck)));
+        let bad_shard = |e: u32| super::shard_copy_damaged(ck, l, e as usize);
+        let header = pack::read_header(path);
+        if let Ok(h) = &header
+            && h.model != *self.raw_fp
+        {
+            eprintln!(
+                "deltafin place: {} belongs to model {}; rewriting it with this model's experts",
+                path.display(),
+                fingerprint::short(&fingerprint::hex(&h.model))
+            );
+        }
+        let mut keep_from_pack: HashMap<u32, pack::PackEntry> = HashMap::new();
+        if let Ok(h) = header
+            && h.model == *self.raw_fp
+            && h.layer as usize == l
+            && h.expert_len == self.len
+            && h.entries.iter().map(|e| e.expert).eq(ids.iter().copied())
+        {
+            let bad = pack::bad_records(path, &h).unwrap_or_else(|_| ids.to_vec());
+            let mut stale: Vec<u32> = Vec::new();
+            for x in &h.entries {
+                if let Some(err) = bad_shard(x.expert) {
+                    if bad.contains(&x.expert) {
+                        return Err(no_good_copy(path, l, x.expert, err));
+                    }
+                    keep_from_pack.insert(x.expert, *x);
+                    self.damaged_shard.push((l, x.expert));
+                } else if bad.contains(&x.expert) || x.xxh3 != shard_sum(x.expert) {
+                    stale.push(x.expert);
+                }
+            }
+            if stale.is_empty() {
+                for x in &h.entries {
+                    self.checksums.insert((l, x.expert), x.xxh3);
+                }
+                self.done += ids.len() as u64 * pack::align_up(self.len);
+                (self.o.progress)(self.done, self.total);
+                return Ok(None);
+            }
+            eprintln!(
+                "deltafin place: {}: {} record(s) differ from the shards (experts {}); rewriting it",
+                path.display(),
+                stale.len(),
+                stale.iter().take(8).map(|e| e.to_string()).collect::<Vec<_>>().join(", ")
+            );
+        }
+        Ok(Some(keep_from_pack))
+    }
+
+    /// Writes the pack of layer `l` (experts `ids`) in `dir`: each record from the shards, or,
+    /// where the shard copy is damaged, from the old pack at `path` (`keep_from_pack`).
+    fn rewrite_pack(
+        &mut self,
+        l: usize,
+        locs: &[ExpertLoc],
+        dir: &Path,
+        path: &Path,
+        ids: &[u32],
+        keep_from_pack: &HashMap<u32, pack::PackEntry>,
+    ) -> Result<(), PlacementError> {
+        let ck = self.ck;
+        let mut images: Vec<(u32, std::borrow::Cow<[u8]>)> = Vec::with_capacity(ids.len());
+        for &e in ids {
+            match keep_from_pack.get(&e) {
+                Some(x) => images.push((e, read_record(path, x)?.into())),
+                None => {
+                    if let Some(err) = super::shard_copy_damaged(ck, l, e as usize) {
+                        return Err(no_good_copy(path, l, e, err));
+                    }
+                    images.push((e, locs[e as usize].bytes(ck)));
+                }
+            }
+        }
+        let (o, total) = (self.o, self.total);
+        let done = &mut self.done;
+        let mut on_bytes = |n: u64| {
+            *done += pack::align_up(n);
+            (o.progress)(*done, total);
+        };
+        let h = pack::write_pack(dir, self.raw_fp, l, self.len, images.into_iter(), &mut on_bytes)?;
+        for e in &h.entries {
+            self.checksums.insert((l, e.expert), e.xxh3);
+        }
+        Ok(())
+    }
+}
+
+/// Phase 5: every expert's checksum, from the shards (all are on some drive, but do not rely on
+/// it).
+fn fill_checksums(
+    ck: &Checkpoint,
+    roster: &Roster,
+    plan: &Plan,
+    checksums: &mut HashMap<(usize, u32), u64>,
+) -> Result<(), PlacementError> {
     for &l in &plan.layers {
         if let Some(locs) = roster.experts[l].as_ref() {
             for (e, loc) in locs.iter().enumerate() {
@@ -248,19 +379,23 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
             }
         }
     }
-    if !damaged_shard.is_empty() {
-        eprintln!(
-            "deltafin place: warning: the shards' copies of {} expert(s) are damaged (e.g. expert {} of layer {}); the placement keeps its good copies; {} lists the damage",
-            damaged_shard.len(),
-            damaged_shard[0].1,
-            damaged_shard[0].0,
-            crate::setting::Action::Verify
-        );
-    }
+    Ok(())
+}
+
+/// Phase 6: the manifest of `plan` with every expert's checksum, written atomically (the last
+/// file a placement writes).
+fn write_manifest(
+    c: &K3Config,
+    o: &PlaceOptions,
+    plan: &Plan,
+    claim: &Claim,
+    len: u64,
+    checksums: &HashMap<(usize, u32), u64>,
+) -> Result<Manifest, PlacementError> {
     let mut manifest = Manifest {
         version: VERSION,
-        model: ManifestModel { fingerprint: fp.clone(), experts_sha256: String::new() },
-        namespace: ns.clone(),
+        model: ManifestModel { fingerprint: claim.fp.clone(), experts_sha256: String::new() },
+        namespace: claim.ns.clone(),
         policy: plan.policy,
         shards: plan.shards,
         expert_bytes: len,
@@ -286,7 +421,6 @@ pub fn place(c: &K3Config, ck: &Checkpoint, roster: &Roster, o: &PlaceOptions) -
     let path = o.model_dir.join(MANIFEST);
     let body = serde_json::to_vec_pretty(&manifest).map_err(|e| PlacementError::Other(e.to_string()))?;
     crate::util::write_atomic(&path, &body).map_err(|source| PlacementError::Io { path: path.clone(), source })?;
-    let _ = std::fs::remove_file(&plan_path);
     Ok(manifest)
 }
 
