@@ -666,3 +666,40 @@ fn list_and_info_show_the_models_seen_and_what_one_is() {
     let j: serde_json::Value = serde_json::from_str(&j).unwrap();
     assert_eq!(j["experts"], 64);
 }
+
+/// llama.cpp's habits: `-m`, `-p`, `-n` (`--n-predict`), `-c` (`--ctx-size`) and the prompt as
+/// the words after the options (as `ollama run` takes it) give what the long flags give; help
+/// lists them on run, chat and serve.
+#[test]
+fn run_takes_a_positional_prompt_and_the_short_flags_of_llama_cpp() {
+    let json = |args: &[&str]| -> serde_json::Value {
+        let (out, _) =
+            run_ok(deltafin_cmd().arg("run").args(args).args(["--format", "json", "-q", "--temperature", "0"]));
+        serde_json::from_str(&out).unwrap()
+    };
+    let long = json(&["--demo", "--prompt", "Why is the sky blue", "--max-new", "4", "--context", "256"]);
+    for short in [
+        &["--demo", "-p", "Why is the sky blue", "-n", "4", "-c", "256"][..],
+        &["--demo", "-n", "4", "--ctx-size", "256", "Why", "is", "the", "sky", "blue"],
+        &["--demo", "Why is the sky blue", "--n-predict", "4", "-c", "256"],
+    ] {
+        let v = json(short);
+        for k in ["prompt_ids", "output_ids"] {
+            assert_eq!(v[k], long[k], "{short:?}: {k}");
+        }
+        assert_eq!(v["engine_config"]["context"], 256, "{short:?}");
+    }
+    let (out, _) =
+        run_ok(deltafin_cmd().args(["run", "-m"]).arg(fixture("k3-tiny-a")).args(["--prompt-ids", "1,2", "-n", "3", "--ignore-eos", "-q"]));
+    assert_eq!(out.trim().split(',').count(), 3, "{out}");
+    for (words, flags) in [
+        (&["run"][..], &["-m, --model", "-p, --prompt", "-n, --max-new", "-c, --context", "[PROMPT]"][..]),
+        (&["chat"], &["-m, --model", "-p, --prompt", "-n, --max-tokens", "-c, --context", "-v, --verbose"]),
+        (&["serve"], &["-m, --model", "-n, --max-tokens-default", "-c, --context"]),
+    ] {
+        let text = help(words);
+        for f in flags {
+            assert!(text.contains(f), "{words:?} --help lacks {f}:\n{text}");
+        }
+    }
+}
