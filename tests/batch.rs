@@ -424,8 +424,7 @@ fn ctrl_c_on_a_batch_says_what_is_done_and_a_rerun_goes_on() {
     let out = tmp.path().join("out.jsonl");
     for parallel in ["1", "3"] {
         let _ = std::fs::remove_file(&out);
-        let mut child =
-            batch(&dir, &input, &out).args(["--parallel", parallel]).stderr(Stdio::piped()).spawn().unwrap();
+        let child = batch(&dir, &input, &out).args(["--parallel", parallel]).stderr(Stdio::piped()).spawn().unwrap();
         let t0 = Instant::now();
         while std::fs::read_to_string(&out).map_or(0, |s| s.lines().count()) < 2 {
             assert!(t0.elapsed() < Duration::from_secs(60), "no progress");

@@ -380,25 +380,27 @@ fn chat_at_the_end_of_its_context_drops_the_oldest_turns_and_says_why_answers_en
 }
 
 /// A `run --chat` answer cut by `--max-new` says so on stderr: still in its reasoning (no answer
-/// yet), or with its text so far; the flag to raise is named.
+/// yet), or with its text so far; the flag to raise is named. (On a random-weight model: the
+/// chat-tuned demo does not think, it ends its answers at once.)
 #[test]
 fn a_chat_answer_cut_by_max_new_says_so() {
-    for hide in [false, true] {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    synth_small(&model, None);
+    let run = |args: &[&str]| {
         let mut c = deltafin_cmd();
-        c.args(["run", "--demo", "--chat", "--thinking", "high", "--temperature", "0", "-n", "3", "-q"]);
-        c.arg("Why is the sky blue?");
-        if hide {
-            c.arg("--hide-reasoning");
-        }
-        let (out, err) = run_ok(&mut c);
+        c.args(["run", "--model"]).arg(&model).args(["--chat", "--temperature", "0", "--ignore-eos", "-q"]);
+        run_ok(c.args(args).arg("Why is the sky blue?"))
+    };
+    for hide in [&[][..], &["--hide-reasoning"]] {
+        let (out, err) = run(&[&["--thinking", "high", "-n", "3"][..], hide].concat());
         assert!(out.trim().is_empty(), "{out}");
-        assert!(err.contains("cut by --max-new 3 while still reasoning: no answer yet") && err.contains("-n/--max-new"), "{err}");
+        let said = "cut by --max-new 3 while still reasoning: no answer yet (raise -n/--max-new";
+        assert!(err.contains(said), "{err}");
     }
-    let (out, err) = run_ok(deltafin_cmd().args([
-        "run", "--demo", "--chat", "--thinking", "off", "--temperature", "0", "-n", "4", "-q", "Tell me a long story.",
-    ]));
+    let (out, err) = run(&["--thinking", "off", "-n", "6"]);
     assert!(!out.trim().is_empty(), "the partial answer is printed");
-    assert!(err.contains("the answer was cut by --max-new 4"), "{err}");
+    assert!(err.contains("the answer was cut by --max-new 6 (raise -n/--max-new"), "{err}");
 }
 
 /// `chat` starts with one short line (the engine's long one under -v), and takes llama.cpp's

@@ -326,5 +326,9 @@ fn outputs_never_replace_an_input_or_a_file_deltafin_did_not_write() {
     // Two outputs on one file.
     let both = t.join("both.json");
     let b = both.to_str().unwrap();
-    expect(&mut run(&["--stats-json", b, "--trace-routes", b]), 1, &["--trace-routes", "is the same file as --stats-json"]);
+    expect(
+        &mut run(&["--stats-json", b, "--trace-routes", b]),
+        1,
+        &["--trace-routes", "is the same file as --stats-json"],
+    );
 }

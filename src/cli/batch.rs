@@ -99,7 +99,11 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     batch_io::check_paths(&a.input, &a.output)?;
     use super::outputs::{Kind, Outputs};
     let input = Some(a.input.as_path());
-    Outputs::new(a.force).write("--out", Some(a.output.as_path()), Kind::Batch).engine(&a.engine).read("--in", input).check()?;
+    Outputs::new(a.force)
+        .write("--out", Some(a.output.as_path()), Kind::Batch)
+        .engine(&a.engine)
+        .read("--in", input)
+        .check()?;
     super::signals::catch_ctrl_c();
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;

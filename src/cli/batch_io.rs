@@ -161,7 +161,8 @@ impl Keys {
             if !text.trim().is_empty() {
                 k.lines.insert(*n);
             }
-            if let Some(id) = l.ok().and_then(|t| serde_json::from_str::<Value>(t).ok()).and_then(|v| id_key(&v["id"])) {
+            if let Some(id) = l.ok().and_then(|t| serde_json::from_str::<Value>(t).ok()).and_then(|v| id_key(&v["id"]))
+            {
                 k.ids.insert(id);
             }
         }
@@ -271,7 +272,9 @@ pub fn interrupted_note(r: &Results, skipped: u64, out: &Path) -> String {
     let left = r.lines.saturating_sub(done + skipped);
     let resume = match is_std(out) {
         true => "the results went to standard output".to_string(),
-        false => format!("run the same command again to do the other {left} ({} holds every finished line)", out.display()),
+        false => {
+            format!("run the same command again to do the other {left} ({} holds every finished line)", out.display())
+        }
     };
     format!(
         "deltafin: batch: interrupted (Ctrl-C): {done} line(s) done in this run ({} failed), {skipped} before it, \

@@ -81,9 +81,10 @@ impl Kind {
             Kind::FetchTrace => obj().is_some_and(|v| has(&v, &["cache_slots", "trace"])),
             Kind::Heat => obj().is_some_and(|v| v["format"] == crate::store::heat::FORMAT),
             Kind::Logits => safetensors_logits(bytes),
-            Kind::BenchRecords => bytes.split(|&b| b == b'\n').filter(|l| !l.iter().all(u8::is_ascii_whitespace)).all(
-                |l| serde_json::from_slice::<Value>(l).is_ok_and(|v| has(&v, &["bench", "date", "machine"])),
-            ),
+            Kind::BenchRecords => bytes
+                .split(|&b| b == b'\n')
+                .filter(|l| !l.iter().all(u8::is_ascii_whitespace))
+                .all(|l| serde_json::from_slice::<Value>(l).is_ok_and(|v| has(&v, &["bench", "date", "machine"]))),
             Kind::Plot => bytes.starts_with(b"<svg") && memfind(bytes, b"xmlns=\"http://www.w3.org/2000/svg\""),
             Kind::Batch => crate::service::batch::read_output(bytes).is_ok(),
         }
@@ -157,7 +158,9 @@ impl<'a> Outputs<'a> {
                     } else {
                         format!("{in_flag} {}", input.display())
                     };
-                    bail!("{flag} {at} is the same file as {input}: refusing to write over an input; give another {flag}");
+                    bail!(
+                        "{flag} {at} is the same file as {input}: refusing to write over an input; give another {flag}"
+                    );
                 }
             }
             if let Some((other, p, _)) = self.outs[..i].iter().find(|(_, p, _)| same_path(p, path)) {

@@ -76,12 +76,12 @@ fn parse_window(s: &str) -> Result<usize, String> {
 
 pub fn run(a: ScoreArgs) -> Result<()> {
     use super::outputs::{Kind, Outputs};
-    let compare = a.compare.as_deref().filter(|p| p.is_file());
+    let base = a.compare.as_deref().filter(|p| p.is_file());
     Outputs::new(a.force)
         .write("--logits-out", a.logits_out.as_deref(), Kind::Logits)
         .engine(&a.engine)
         .read("--text", a.text.as_deref())
-        .read("--compare", compare)
+        .read("--compare", base)
         .check()?;
     let dir = load::model_dir(&a.model, a.demo)?;
     match (&a.prompt_ids, &a.logits_out, &a.text) {

@@ -162,8 +162,7 @@ impl Conversation {
                 (Ok(p), Some(n)) if p.prompt.len().saturating_add(room) > bound => from = n,
                 (Err(e), Some(n)) if e.code == Some("context_length_exceeded") => from = n,
                 (Ok(prepared), _) => {
-                    let dropped =
-                        self.messages[self.seen_from..from].iter().filter(|m| m["role"] == "user").count();
+                    let dropped = self.messages[self.seen_from..from].iter().filter(|m| m["role"] == "user").count();
                     let limited = prepared.max_new < self.settings.max_tokens.unwrap_or(usize::MAX);
                     return Ok(Plan { text: text.to_string(), req, prepared, from, dropped, limited });
                 }
@@ -285,7 +284,9 @@ pub fn turn_note(out: &Output, stopped: bool) -> Option<String> {
     if stopped || out.finish_reason == "cancelled" {
         Some("(stopped)".into())
     } else if let Some(ctx) = out.ext.get("cut_by_context").and_then(Value::as_u64) {
-        Some(format!("(cut at {n} tokens: the context of {ctx} tokens is full; the next message drops the oldest turns)"))
+        Some(format!(
+            "(cut at {n} tokens: the context of {ctx} tokens is full; the next message drops the oldest turns)"
+        ))
     } else if out.finish_reason == "length" {
         Some(format!("(cut at {n} tokens: /max N allows more)"))
     } else {
@@ -296,7 +297,9 @@ pub fn turn_note(out: &Output, stopped: bool) -> Option<String> {
 /// What to say before an answer whose turn dropped `dropped` turns to fit the context.
 pub fn shift_note(dropped: usize, context: usize) -> String {
     let turns = if dropped == 1 { "turn".to_string() } else { format!("{dropped} turns") };
-    format!("(the context of {context} tokens is full: the oldest {turns} left the model's view; the system message stays)")
+    format!(
+        "(the context of {context} tokens is full: the oldest {turns} left the model's view; the system message stays)"
+    )
 }
 
 /// An answer's numbers: its tokens, the prompt's and how many of them were resumed, TTFT, rate.
