@@ -156,8 +156,9 @@ impl Conversation {
         loop {
             let req = self.turn_request(text, from);
             let fits = enc.prepare(&req);
-            // The next turn boundary: the next user message.
-            let next = (from + 1..self.messages.len()).find(|&i| self.messages[i]["role"] == "user");
+            // The next turn boundary: the next user message, else past the last turn.
+            let len = self.messages.len();
+            let next = (from + 1..len).find(|&i| self.messages[i]["role"] == "user").or((from < len).then_some(len));
             match (fits, next) {
                 (Ok(p), Some(n)) if p.prompt.len().saturating_add(room) > bound => from = n,
                 (Err(e), Some(n)) if e.code == Some("context_length_exceeded") => from = n,
