@@ -440,7 +440,7 @@ fn ctrl_c_on_a_batch_says_what_is_done_and_a_rerun_goes_on() {
         assert!(done.iter().all(|r| r["finish_reason"] != "cancelled" && r.get("text").is_some()), "{done:?}");
         assert!(err.contains("interrupted (Ctrl-C)") && err.contains("run the same command again"), "{err}");
         assert!(err.contains(&format!("{} line(s) done in this run", done.len())), "{err}");
-        let (_, err) = run_ok(&mut batch(&dir, &input, &out).args(["--parallel", parallel]));
+        let (_, err) = run_ok(batch(&dir, &input, &out).args(["--parallel", parallel]));
         assert!(err.contains(&format!("{} already in the output", done.len())), "{err}");
         let mut ids: Vec<String> = records(&out).iter().map(|r| r["id"].as_str().unwrap().to_string()).collect();
         ids.sort();
