@@ -1,8 +1,9 @@
 //! `deltafin batch`: prompts and messages with the server's option names, error records for bad
 //! lines while the batch goes on (a line that is not UTF-8 included) and exit 1 naming them, the
 //! same text as `deltafin run`, resumable reruns (also after kill -9 and with a torn last line),
-//! `-` for standard input and output, and files never damaged: the output is never the input,
-//! a device, a FIFO or a file that is not a batch output.
+//! `-` for standard input and output, errored lines run again on a rerun, Ctrl-C saying what is
+//! done, and files never damaged: the output is never the input, a device, a FIFO or a file that
+//! is not a batch output (unless `--force`).
 
 mod common;
 use common::*;
@@ -97,11 +98,26 @@ fn lines_errors_and_reruns() {
     ]));
     let run: Value = serde_json::from_str(&run_out).unwrap();
     assert_eq!(r[5]["text"], run["text"], "sampling with a seed matches run");
-    // A rerun has nothing left to do, and still says which lines failed (exit 1).
+    // A rerun runs the failed lines again (the user may have fixed them): unfixed, they fail
+    // again, each keeping one record (exit 1).
     let err = run_failing(&mut batch(&dir, &input, &out));
-    assert!(err.contains("0 done, 0 failed, 6 already in the output"), "{err}");
-    assert!(err.contains("(3 of them recorded by an earlier run): lines 4, 5, 6"), "{err}");
+    assert!(err.contains("0 done, 3 failed, 3 already in the output"), "{err}");
+    assert!(err.contains("3 of the batch's requests failed: lines 4, 5, 6"), "{err}");
     assert_eq!(records(&out).len(), 6);
+    // Fixed, they run: every line has its result, once, and the batch is clean (exit 0).
+    let fixed = std::fs::read_to_string(&input)
+        .unwrap()
+        .replace("{broken", r#"{"id": "b", "prompt": "Hi", "max_tokens": 2}"#)
+        .replace(r#""n": 3"#, r#""max_tokens": 2"#)
+        .replace(r#"{"prompt": "no id"}"#, r#"{"id": "e", "prompt": "no id", "max_tokens": 2}"#);
+    std::fs::write(&input, fixed).unwrap();
+    let (_, err) = run_ok(&mut batch(&dir, &input, &out));
+    assert!(err.contains("3 done, 0 failed, 3 already in the output"), "{err}");
+    let r = records(&out);
+    assert!(r.iter().all(|x| x.get("error").is_none()), "{r:?}");
+    let mut numbers: Vec<u64> = r.iter().map(|x| x["line"].as_u64().unwrap()).collect();
+    numbers.sort_unstable();
+    assert_eq!(numbers, [1, 2, 4, 5, 6, 7], "each line once");
     // A second run on an output another run is writing (it holds the lock) refuses, touching nothing.
     let before = std::fs::read(&out).unwrap();
     let holder = std::fs::OpenOptions::new().append(true).open(&out).unwrap();
@@ -386,6 +402,51 @@ fn the_output_is_never_the_input_a_device_a_fifo_or_someone_elses_file() {
     assert!(!t.join("out.jsonl").exists());
     let o = batch(&dir, &input, Path::new("-")).output().unwrap();
     assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("\"id\":\"a\""));
+    // --force replaces someone else's file with the results; the input never, even so.
+    let o = batch(&dir, &input, &input).arg("--force").output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("is the same file as --in"));
+    assert_eq!(std::fs::read_to_string(&input).unwrap(), requests);
+    run_ok(batch(&dir, &input, &precious).arg("--force"));
+    assert_eq!(records(&precious).len(), 1);
+}
+
+/// Ctrl-C on a batch: no new request starts, the running ones are cancelled and not recorded,
+/// stderr says how many lines are done and how to go on (exit 130); the same command again
+/// finishes the rest, each id once.
+#[test]
+fn ctrl_c_on_a_batch_says_what_is_done_and_a_rerun_goes_on() {
+    let tmp = model();
+    let dir = tmp.path().join("m");
+    let input = tmp.path().join("in.jsonl");
+    let lines: Vec<String> =
+        (0..12).map(|i| format!(r#"{{"id": "q{i}", "prompt": "Prompt number {i}", "max_tokens": 300}}"#)).collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = tmp.path().join("out.jsonl");
+    for parallel in ["1", "3"] {
+        let _ = std::fs::remove_file(&out);
+        let child = batch(&dir, &input, &out).args(["--parallel", parallel]).stderr(Stdio::piped()).spawn().unwrap();
+        let t0 = Instant::now();
+        while std::fs::read_to_string(&out).map_or(0, |s| s.lines().count()) < 2 {
+            assert!(t0.elapsed() < Duration::from_secs(60), "no progress");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // SAFETY: signalling the child we started.
+        unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+        let o = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(130), "--parallel {parallel}: {err}");
+        let done = records(&out);
+        assert!(done.len() < 12, "interrupted before the end");
+        assert!(done.iter().all(|r| r["finish_reason"] != "cancelled" && r.get("text").is_some()), "{done:?}");
+        assert!(err.contains("interrupted (Ctrl-C)") && err.contains("run the same command again"), "{err}");
+        assert!(err.contains(&format!("{} line(s) done in this run", done.len())), "{err}");
+        let (_, err) = run_ok(batch(&dir, &input, &out).args(["--parallel", parallel]));
+        assert!(err.contains(&format!("{} already in the output", done.len())), "{err}");
+        let mut ids: Vec<String> = records(&out).iter().map(|r| r["id"].as_str().unwrap().to_string()).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!((ids.len(), records(&out).len()), (12, 12), "each id once");
+    }
 }
 
 #[test]

@@ -2,8 +2,10 @@
 //! the demo model (one message a line on stdin; answers in order; each turn resuming the previous
 //! one's session; the same seed replays the same conversation; /save writes a transcript and
 //! refuses to overwrite another file); an interactive chat on a pseudo-terminal (`script`): Ctrl-C
-//! stops an answer and the chat goes on, a second Ctrl-C at the prompt leaves; and chat text never
-//! showing a tag token, on a random-weight model that emits them all the time.
+//! stops an answer and the chat goes on, a second Ctrl-C at the prompt leaves; chat text never
+//! showing a tag token, on a random-weight model that emits them all the time; the same
+//! conversation with cut answers in `run --session --chat`, `chat` and `serve`; a chat at the end
+//! of its context; cut answers said; one short startup line and llama.cpp's short flags.
 
 mod common;
 use common::*;
@@ -271,4 +273,149 @@ fn on_a_terminal_ctrl_c_stops_the_answer_and_a_second_one_at_the_prompt_leaves()
     assert!(status.success(), "{status:?}:\n{text}");
     let answer = text.split("Tell me a long story").nth(1).unwrap().split("(stopped)").next().unwrap();
     assert!(answer.trim().len() > 1, "some of the answer was shown before Ctrl-C: {text}");
+}
+
+/// The same greedy conversation, every answer cut by the token limit, gives the same answers from
+/// the same prompts in `run --session --chat` (one process a turn), `chat` (piped) and `serve`
+/// (the history sent back with each request): each closes a cut answer the way the chat template
+/// renders it (`<|close|>response...<|end_of_msg|>`) before the next user message.
+#[test]
+fn a_conversation_with_cut_answers_is_the_same_in_run_session_chat_and_serve() {
+    use common::served::Served;
+    use serde_json::{Value, json};
+    const MAX: usize = 10;
+    let questions = ["Tell me a long story about a ship at sea.", "What did the sailors do then?", "And in the end?"];
+    let tmp = tempfile::tempdir().unwrap();
+    // chat, piped, its transcript saved.
+    let saved = tmp.path().join("t.json");
+    let input = format!("{}\n/save {}\n", questions.join("\n"), saved.display());
+    let (_, err) = scripted(&["--max-tokens", &MAX.to_string(), "--temperature", "0", "--stats"], &input);
+    let chat_prompts: Vec<usize> = turns(&err).iter().map(|t| t.0).collect();
+    let v: Value = serde_json::from_slice(&std::fs::read(&saved).unwrap()).unwrap();
+    let chat_answers: Vec<String> = v["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "assistant")
+        .map(|m| m["content"].as_str().unwrap().to_string())
+        .collect();
+    // run --session --chat, a process a turn; the prompt a turn runs on is what its session file
+    // holds after it, less the answer (its last token is not fed).
+    let file = tmp.path().join("c.dfstate");
+    let (mut run_answers, mut run_prompts) = (Vec::new(), Vec::new());
+    for q in questions {
+        let (out, _) = run_ok(deltafin_cmd().args(["run", "--demo", "--chat", "--session"]).arg(&file).args([
+            "--prompt",
+            q,
+            "-n",
+            &MAX.to_string(),
+            "--temperature",
+            "0",
+            "--format",
+            "json",
+            "-q",
+        ]));
+        let v: Value = serde_json::from_str(&out).unwrap();
+        let held = deltafin::engine::state_file::peek(&file, false).unwrap().tokens;
+        run_prompts.push(held + 1 - v["output_ids"].as_array().unwrap().len());
+        run_answers.push(v["text"].as_str().unwrap().to_string());
+    }
+    // serve, the history sent with each request.
+    let s = Served::start(&["--demo", "--model-name", "m"]);
+    let (mut messages, mut serve_answers, mut serve_prompts) = (Vec::new(), Vec::new(), Vec::new());
+    for q in questions {
+        messages.push(json!({"role": "user", "content": q}));
+        let body = json!({"model": "m", "messages": messages, "max_tokens": MAX, "temperature": 0});
+        let (status, text) = s.post("/v1/chat/completions", &body.to_string());
+        assert_eq!(status, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "every answer is cut: {text}");
+        let answer = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        serve_prompts.push(v["usage"]["prompt_tokens"].as_u64().unwrap() as usize);
+        messages.push(json!({"role": "assistant", "content": answer}));
+        serve_answers.push(answer);
+    }
+    assert_eq!(chat_answers, serve_answers, "chat and serve");
+    assert_eq!(chat_prompts, serve_prompts, "chat and serve");
+    assert_eq!(run_answers, serve_answers, "run --session --chat and serve");
+    assert_eq!(run_prompts, serve_prompts, "run --session --chat and serve");
+}
+
+/// `chat` at the end of its context goes on: the oldest turns stop being sent (the system
+/// message kept) and a line says so; an answer the context cut says the context, not /max; a
+/// message too long even alone is an error, and a piped chat with a failed turn exits 1.
+#[test]
+fn chat_at_the_end_of_its_context_drops_the_oldest_turns_and_says_why_answers_end() {
+    let questions: Vec<String> = (0..8).map(|i| format!("Tell me something new about the sea, number {i}.")).collect();
+    let input = questions.join("\n") + "\n";
+    let args = ["--context", "256", "--max-tokens", "40", "--temperature", "0", "--stats", "--system", "Be kind."];
+    let (out, err) = scripted(&args, &input);
+    let t = turns(&err);
+    assert_eq!(t.len(), 8, "every message answered:\n{err}");
+    assert!(err.contains("left the model's view; the system message stays"), "{err}");
+    assert!(!err.contains("exceeds the context"), "{err}");
+    assert!(t.iter().all(|&(prompt, _, _)| prompt + 40 <= 256), "room for each answer: {t:?}");
+    assert!(!out.trim().is_empty());
+    // A random-weight model answers until the context is full: the note says the context.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    synth_small(&model, Some("9"));
+    let chat = |args: &[&str], input: &str| {
+        let mut c = deltafin_cmd();
+        c.args(["chat", "--model"]).arg(&model).args(["-q", "--temperature", "0"]).args(args);
+        let mut child = c.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let o = chat(&["--context", "128", "--max-tokens", "0"], "Hi\nHello again\n");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("the context of 128 tokens is full") && !err.contains("/max N allows more"), "{err}");
+    // A message that cannot fit even alone: said, and the piped run exits 1.
+    let long = "word ".repeat(400);
+    let o = chat(&["--context", "64"], &format!("{long}\n"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("exceeds the context") && err.contains("got no answer"), "{err}");
+}
+
+/// A `run --chat` answer cut by `--max-new` says so on stderr: still in its reasoning (no answer
+/// yet), or with its text so far; the flag to raise is named. (On a random-weight model: the
+/// chat-tuned demo does not think, it ends its answers at once.)
+#[test]
+fn a_chat_answer_cut_by_max_new_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    synth_small(&model, None);
+    let run = |args: &[&str]| {
+        let mut c = deltafin_cmd();
+        c.args(["run", "--model"]).arg(&model).args(["--chat", "--temperature", "0", "--ignore-eos", "-q"]);
+        run_ok(c.args(args).arg("Why is the sky blue?"))
+    };
+    for hide in [&[][..], &["--hide-reasoning"]] {
+        let (out, err) = run(&[&["--thinking", "high", "-n", "3"][..], hide].concat());
+        assert!(out.trim().is_empty(), "{out}");
+        let said = "cut by --max-new 3 while still reasoning: no answer yet (raise -n/--max-new";
+        assert!(err.contains(said), "{err}");
+    }
+    let (out, err) = run(&["--thinking", "off", "-n", "6"]);
+    assert!(!out.trim().is_empty(), "the partial answer is printed");
+    assert!(err.contains("the answer was cut by --max-new 6 (raise -n/--max-new"), "{err}");
+}
+
+/// `chat` starts with one short line (the engine's long one under -v), and takes llama.cpp's
+/// short flags: -m, -c, -n and -p (a first message).
+#[test]
+fn chat_says_one_short_line_at_start_and_takes_the_short_flags() {
+    let mut c = deltafin_cmd();
+    c.args(["chat", "--demo", "-c", "512", "-n", "5", "--temperature", "0", "-p", "Hi"]);
+    let (out, err) = run_ok(c.stdin(Stdio::null()));
+    // (The demo's first use may say it lays the demo out; nothing else is said.)
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains("chatting with") || l.contains("layers (")).collect();
+    assert_eq!(lines.len(), 1, "one startup line:\n{err}");
+    assert!(lines[0].contains("context 512"), "{err}");
+    assert!(lines[0].chars().count() < 120, "{} characters: {}", lines[0].chars().count(), lines[0]);
+    assert!(!out.trim().is_empty(), "-p sent a first message: {out}");
+    let (_, err) = run_ok(deltafin_cmd().args(["chat", "--demo", "-v"]).stdin(Stdio::null()));
+    assert!(err.contains("layers (") && err.contains("chatting with"), "-v: the engine's line too:\n{err}");
 }

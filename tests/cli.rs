@@ -666,3 +666,75 @@ fn list_and_info_show_the_models_seen_and_what_one_is() {
     let j: serde_json::Value = serde_json::from_str(&j).unwrap();
     assert_eq!(j["experts"], 64);
 }
+
+/// llama.cpp's habits: `-m`, `-p`, `-n` (`--n-predict`), `-c` (`--ctx-size`) and the prompt as
+/// the words after the options (as `ollama run` takes it) give what the long flags give; help
+/// lists them on run, chat and serve.
+#[test]
+fn run_takes_a_positional_prompt_and_the_short_flags_of_llama_cpp() {
+    let json = |args: &[&str]| -> serde_json::Value {
+        let (out, _) =
+            run_ok(deltafin_cmd().arg("run").args(args).args(["--format", "json", "-q", "--temperature", "0"]));
+        serde_json::from_str(&out).unwrap()
+    };
+    let long = json(&["--demo", "--prompt", "Why is the sky blue", "--max-new", "4", "--context", "256"]);
+    for short in [
+        &["--demo", "-p", "Why is the sky blue", "-n", "4", "-c", "256"][..],
+        &["--demo", "-n", "4", "--ctx-size", "256", "Why", "is", "the", "sky", "blue"],
+        &["--demo", "Why is the sky blue", "--n-predict", "4", "-c", "256"],
+    ] {
+        let v = json(short);
+        for k in ["prompt_ids", "output_ids"] {
+            assert_eq!(v[k], long[k], "{short:?}: {k}");
+        }
+        assert_eq!(v["engine_config"]["context"], 256, "{short:?}");
+    }
+    let (out, _) = run_ok(deltafin_cmd().args(["run", "-m"]).arg(fixture("k3-tiny-a")).args([
+        "--prompt-ids",
+        "1,2",
+        "-n",
+        "3",
+        "--ignore-eos",
+        "-q",
+    ]));
+    assert_eq!(out.trim().split(',').count(), 3, "{out}");
+    for (words, flags) in [
+        (&["run"][..], &["-m, --model", "-p, --prompt", "-n, --max-new", "-c, --context", "[PROMPT]"][..]),
+        (&["chat"], &["-m, --model", "-p, --prompt", "-n, --max-tokens", "-c, --context", "-v, --verbose"]),
+        (&["serve"], &["-m, --model", "-n, --max-tokens-default", "-c, --context"]),
+    ] {
+        let text = help(words);
+        for f in flags {
+            assert!(text.contains(f), "{words:?} --help lacks {f}:\n{text}");
+        }
+    }
+}
+
+/// A `--draft-model` that cannot be used is named as the flag gave it, never as a fault of the
+/// model it drafts for (nor of the demo, when the model is not the demo).
+#[test]
+fn a_draft_model_that_cannot_be_used_is_what_the_error_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = tmp.path().join("m");
+    synth_small(&m, None);
+    let none = tmp.path().join("none");
+    for model in [&["--model", m.to_str().unwrap()][..], &["--demo"]] {
+        for draft in [&none, &m] {
+            let o = deltafin_cmd()
+                .arg("run")
+                .args(model)
+                .args(["--prompt", "Hi", "-n", "2", "--draft", "dspark", "--draft-model"])
+                .arg(draft)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(1), "{err}");
+            let line = err.lines().find(|l| l.starts_with("error:")).unwrap_or_default();
+            assert!(line.contains(&format!("--draft-model {}", draft.display())), "{model:?}: {err}");
+            assert!(!line.contains("cannot open the model in"), "{model:?}: {err}");
+            if model[0] == "--model" {
+                assert!(!line.contains("demo"), "the demo named for a model that is not it: {err}");
+            }
+        }
+    }
+}

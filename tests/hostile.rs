@@ -1,6 +1,6 @@
 //! Hostile input to the real binary: output paths that are devices, FIFOs, links or directories;
 //! numbers at the edge of their type; configs with absurd sizes; `synth --force` over directories
-//! it did not write. Each must be a clear error (exit 1, or 2 for usage), never a panic, an abort
+//! it did not write; outputs over inputs or over files deltafin did not write. Each must be a clear error (exit 1, or 2 for usage), never a panic, an abort
 //! or a destroyed file.
 
 mod common;
@@ -94,7 +94,10 @@ fn outputs_write_through_links_to_their_target() {
     std::fs::write(&real, b"old").unwrap();
     let link = tmp.path().join("link.safetensors");
     std::os::unix::fs::symlink("real.safetensors", &link).unwrap();
-    run_ok(&mut score_to(&link));
+    // A link to a file deltafin did not write is refused as the file itself is; --force replaces.
+    expect(&mut score_to(&link), 1, &["--logits-out", "link.safetensors", "not overwritten", "--force"]);
+    assert_eq!(std::fs::read(&real).unwrap(), b"old");
+    run_ok(score_to(&link).arg("--force"));
     assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link stays a link");
     let (_, shape) = read_f32_tensor(&real, "logits");
     assert_eq!(shape[0], 3, "the target got the logits");
@@ -249,4 +252,83 @@ fn synth_refuses_unrunnable_or_oversized_models_and_cleans_stale_temps() {
     let err = run_ok(&mut synth(&out, &[])).1;
     assert!(err.contains("left by an interrupted synth"), "{err}");
     assert!(!stale.exists() && live.exists());
+}
+
+/// No output is ever written over a user's file (`src/cli/outputs.rs`): a file deltafin did not
+/// write is refused by every output flag, naming the flag and the file, unless `--force`; an
+/// output that is one of the command's inputs (by any path, or standard input) or another output
+/// is refused even with `--force`; an earlier output of deltafin's own, or an empty file, is
+/// replaced. Everything is checked before any work.
+#[test]
+fn outputs_never_replace_an_input_or_a_file_deltafin_did_not_write() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let notes = t.join("notes.txt");
+    let precious = "precious, not deltafin's\n";
+    std::fs::write(&notes, precious).unwrap();
+    let n = notes.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut c = deltafin_cmd();
+        c.args(["run", "--model"]).arg(fixture("k3-tiny-a")).args(["--prompt-ids", "1,2,3", "--max-new", "2", "-q"]);
+        c.args(extra);
+        c
+    };
+    for flag in ["--stats-json", "--trace-routes", "--expert-heat"] {
+        let err = expect(&mut run(&[flag, n]), 1, &[flag, n, "not overwritten", "--force"]);
+        assert!(!err.contains("context <="), "refused before the model opened:\n{err}");
+        assert_eq!(std::fs::read_to_string(&notes).unwrap(), precious, "{flag}");
+    }
+    expect(&mut score_to(&notes), 1, &["--logits-out", n, "not overwritten"]);
+    let bench = |extra: &[&str]| {
+        let mut c = deltafin_cmd();
+        c.args(["bench", "run", "--model"]).arg(fixture("k3-tiny-a")).args(extra);
+        c
+    };
+    expect(&mut bench(&["--out", n]), 1, &["--out", n, "not appended to"]);
+    expect(&mut bench(&["--fetch-trace", n]), 1, &["--fetch-trace", n]);
+    std::fs::write(t.join("ladder.svg"), precious).unwrap();
+    expect(&mut bench(&["--plot", t.to_str().unwrap()]), 1, &["--plot", "ladder.svg", "not overwritten"]);
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), precious);
+
+    // --force replaces it; it is deltafin's then, and a later run replaces it without asking.
+    run_ok(&mut run(&["--stats-json", n, "--force"]));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&notes).unwrap()).unwrap();
+    assert_eq!(v["generated_tokens"], 2);
+    run_ok(&mut run(&["--stats-json", n]));
+    let logits = t.join("logits.safetensors");
+    run_ok(&mut score_to(&logits));
+    run_ok(&mut score_to(&logits));
+    // An empty file (mktemp's) holds nothing to lose.
+    let empty = t.join("empty.json");
+    std::fs::write(&empty, b"").unwrap();
+    run_ok(&mut run(&["--trace-routes", empty.to_str().unwrap()]));
+    assert!(std::fs::metadata(&empty).unwrap().len() > 0);
+
+    // An input, by its own path, a link or standard input: refused even with --force.
+    let prompt = t.join("p.txt");
+    std::fs::write(&prompt, "Hello").unwrap();
+    let link = t.join("link.txt");
+    std::os::unix::fs::symlink(&prompt, &link).unwrap();
+    let p = prompt.to_str().unwrap();
+    for out in [p, link.to_str().unwrap()] {
+        let mut c = deltafin_cmd();
+        c.args(["run", "--demo", "--prompt-file", p, "--stats-json", out, "--force"]);
+        expect(&mut c, 1, &["--stats-json", "is the same file as --prompt-file", "refusing to write over an input"]);
+    }
+    let mut c = deltafin_cmd();
+    c.args(["run", "--demo", "--prompt-file", "-", "--stats-json", p]).stdin(std::fs::File::open(&prompt).unwrap());
+    expect(&mut c, 1, &["is the same file as standard input"]);
+    let session = t.join("s.dfstate");
+    let s = session.to_str().unwrap();
+    expect(&mut run(&["--session", s, "--stats-json", s]), 1, &["is the same file as --session"]);
+    assert_eq!(std::fs::read_to_string(&prompt).unwrap(), "Hello");
+    assert!(!session.exists());
+    // Two outputs on one file.
+    let both = t.join("both.json");
+    let b = both.to_str().unwrap();
+    expect(
+        &mut run(&["--stats-json", b, "--trace-routes", b]),
+        1,
+        &["--trace-routes", "is the same file as --stats-json"],
+    );
 }

@@ -5,14 +5,17 @@
 //! names (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`, `logprobs`, `reasoning_effort`,
 //! ...). Each result is one line appended with a single write (and synced) as soon as it is done,
 //! so a batch killed at any moment leaves only whole lines — at worst one torn last line, which the
-//! next run cuts off. A rerun skips the ids already in the output (resumable after kill -9); the
-//! output is locked while a run writes it, so a second run on it refuses instead of repeating. A bad
-//! line (not JSON, not UTF-8, a bad field) gets an error record (`{"id", "line", "error": {...}}`)
-//! and the batch goes on; the run then exits 1, naming the failed lines (also those an earlier run
-//! recorded), so a script never takes a batch with failures for a clean one. `-` is standard
-//! input / standard output. The files are checked first (`batch_io`): the output is never the
-//! input, a device or FIFO, or a file that is not a batch output. Progress (done, rate, ETA) goes
-//! to stderr.
+//! next run cuts off. A rerun skips the ids that have a result in the output (resumable after kill
+//! -9) and runs again the lines whose record is an error (the user may have fixed them): their
+//! error records are taken out of the output first (rewritten atomically). The output is locked
+//! while a run writes it, so a second run on it refuses instead of repeating. A bad line (not
+//! JSON, not UTF-8, a bad field) gets an error record (`{"id", "line", "error": {...}}`) and the
+//! batch goes on; the run then exits 1, naming the failed lines, so a script never takes a batch
+//! with failures for a clean one. Ctrl-C stops it: no new request starts, the running ones are
+//! cancelled and not recorded, and a line says how many are done and how to go on (the same
+//! command again); exit 130. `-` is standard input / standard output. The files are checked first
+//! (`batch_io`, `outputs`): the output is never the input, a device or FIFO, or a file that is not
+//! a batch output (unless `--force`, which empties it). Progress (done, rate, ETA) goes to stderr.
 //!
 //! `--parallel N` runs up to N requests as a running batch (`service::batch::run_lanes`, the
 //! engine's lane driver): each step reads each layer's experts once for all of them; when one
@@ -28,6 +31,7 @@ use super::batch_io::{self, Results, is_std, line_list};
 use super::load;
 use super::progress::{self, Progress};
 use super::sampling_args::{BatchWords, SamplingArgs};
+use super::signals::interrupted;
 use crate::api::{ApiError, ParseContext};
 use crate::draft::DraftKind;
 use crate::engine::EngineConfig;
@@ -46,7 +50,7 @@ use std::time::Instant;
 #[derive(Args)]
 pub struct BatchArgs {
     /// Model directory (config.json, safetensors shards, tokenizer files).
-    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    #[arg(long, short, required_unless_present = "demo", conflicts_with = "demo")]
     pub model: Option<PathBuf>,
     /// Use the built-in demo model (K3 layout, laid out on first use; its generation_config.json
     /// gives the sampling defaults).
@@ -58,6 +62,10 @@ pub struct BatchArgs {
     /// Output JSONL, appended to; ids already in it are skipped ("-" for standard output).
     #[arg(long = "out", value_name = "FILE")]
     pub output: PathBuf,
+    /// Replace an existing --out (or --expert-heat) file that is not deltafin's (without it such a
+    /// file is refused, untouched).
+    #[arg(long)]
+    pub force: bool,
     /// Tokens per request when a line gives no max_tokens.
     #[arg(long, default_value_t = 256)]
     pub max_tokens: usize,
@@ -89,6 +97,14 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
         a.output = std::path::PathBuf::from("-");
     }
     batch_io::check_paths(&a.input, &a.output)?;
+    use super::outputs::{Kind, Outputs};
+    let input = Some(a.input.as_path());
+    Outputs::new(a.force)
+        .write("--out", Some(a.output.as_path()), Kind::Batch)
+        .engine(&a.engine)
+        .read("--in", input)
+        .check()?;
+    super::signals::catch_ctrl_c();
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
     let sampling = a.sampling.spec(&dir, a.demo)?;
@@ -97,7 +113,7 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     let (file, done) = match is_std(&a.output) {
         true => (None, Default::default()),
         false => {
-            let (f, d) = batch_io::open_output(&a.output)?;
+            let (f, d) = batch_io::open_output(&a.output, a.force, &batch_io::Keys::of(&lines))?;
             (Some(f), d)
         }
     };
@@ -145,6 +161,10 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
     // The walk over the input: each line's record or checked request, skipping what is done.
     let mut walk = || -> Option<Line> {
         loop {
+            // Ctrl-C: no new request starts.
+            if interrupted() {
+                return None;
+            }
             let (n, line) = todo.next()?;
             match walk_line(n, line, &done, &mut seen, &ctx, &enc, a.max_tokens) {
                 Step::Take(l) => return Some(l),
@@ -172,8 +192,12 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
         None
     };
     out.progress.finish();
-    let summary = counters(&generator.totals, stats.as_ref(), shared.as_ref(), prefix);
     let skipped = skipped.get();
+    if interrupted() {
+        eprintln!("{}", batch_io::interrupted_note(&out, skipped, &a.output));
+        return Ok(());
+    }
+    let summary = counters(&generator.totals, stats.as_ref(), shared.as_ref(), prefix);
     let (ok, errors) = (out.ok, out.failed.len());
     eprintln!(
         "deltafin: batch: {ok} done, {errors} failed, {skipped} already in the output, in {:.1} s{summary}",
@@ -239,7 +263,8 @@ fn open(
 fn one(generator: &mut Generator, l: Line) -> Value {
     match l {
         Line::Record(r) => r,
-        Line::Job(w) => match generator.generate_prepared(&w.req, w.prepared, 0.0, &mut |_| true) {
+        // Ctrl-C cancels the request: its record is not written (`Results::write`).
+        Line::Job(w) => match generator.generate_prepared(&w.req, w.prepared, 0.0, &mut |_| !interrupted()) {
             Ok(o) => result_record(&w.id, w.line, &o, w.req.logprobs.is_some(), &|t| generator.token_text(t)),
             Err(GenError::Request(e)) => error_record(&w.id, w.line, &e),
             Err(e) => {

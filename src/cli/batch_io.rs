@@ -96,8 +96,9 @@ pub fn read_input(input: &Path) -> Result<Vec<u8>> {
 }
 
 /// Opens `out` for appending, locked against a second run appending the same results, and reads
-/// what it holds: refused (untouched) unless it is a batch output; a torn last line is cut.
-pub fn open_output(out: &Path) -> Result<(std::fs::File, Done)> {
+/// what it holds: refused (untouched) unless it is a batch output (`force`: emptied instead); a
+/// torn last line is cut.
+pub fn open_output(out: &Path, force: bool, input: &Keys) -> Result<(std::fs::File, Done)> {
     let mut f = std::fs::OpenOptions::new()
         .read(true)
         .append(true)
@@ -117,10 +118,14 @@ pub fn open_output(out: &Path) -> Result<(std::fs::File, Done)> {
     }
     let mut bytes = Vec::new();
     f.read_to_end(&mut bytes).with_context(|| format!("cannot read {}", out.display()))?;
+    if force && read_output(&bytes).is_err() {
+        f.set_len(0).with_context(|| format!("cannot empty {}", out.display()))?;
+        bytes.clear();
+    }
     let (done, torn) = read_output(&bytes).map_err(|e| {
         anyhow::anyhow!(
-            "--out {} exists and is not a batch output ({e}); refusing to append to it. Give a new file, or the output \
-             of an earlier run to resume it",
+            "--out {} exists and is not a batch output ({e}); refusing to append to it. Give a new file, the output \
+             of an earlier run to resume it, or --force to replace it",
             out.display()
         )
     })?;
@@ -131,7 +136,89 @@ pub fn open_output(out: &Path) -> Result<(std::fs::File, Done)> {
         f.seek(std::io::SeekFrom::End(0))?;
         eprintln!("deltafin: batch: cut a torn last line ({torn} bytes) from {}", out.display());
     }
+    bytes.truncate(bytes.len() - torn);
+    let (kept, dropped, done) = without_errors(&bytes, done, input);
+    if dropped > 0 {
+        f = rewrite(out, &kept)?;
+        eprintln!("deltafin: batch: {dropped} line(s) an earlier run failed run again (their error records replaced)");
+    }
     Ok((f, done))
+}
+
+/// The ids of an input's lines and the numbers of its lines that hold anything: which error
+/// records of an earlier run name a line this run can run again.
+#[derive(Default)]
+pub struct Keys {
+    ids: std::collections::HashSet<String>,
+    lines: std::collections::HashSet<u64>,
+}
+
+impl Keys {
+    pub fn of(lines: &[(u64, Result<&str, usize>)]) -> Keys {
+        let mut k = Keys::default();
+        for (n, l) in lines {
+            let text = l.as_ref().map_or("x", |t| *t);
+            if !text.trim().is_empty() {
+                k.lines.insert(*n);
+            }
+            if let Some(id) = l.ok().and_then(|t| serde_json::from_str::<Value>(t).ok()).and_then(|v| id_key(&v["id"]))
+            {
+                k.ids.insert(id);
+            }
+        }
+        k
+    }
+}
+
+/// A record's or a line's id as the output keys it (a string, or a number's digits).
+fn id_key(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// A batch output's records less the errors of lines to run again — an error record whose id
+/// has no result and is in `input` (an id-less one: whose line is), a line the user may have
+/// fixed since — how many went, and what is done: the ids with a result. Other error records
+/// stay (an id repeated in the input beside its result, a line of another input).
+fn without_errors(bytes: &[u8], mut done: Done, input: &Keys) -> (Vec<u8>, usize, Done) {
+    done.ids.retain(|_, error| !*error);
+    let mut kept = Vec::with_capacity(bytes.len());
+    let mut dropped = 0;
+    for line in bytes.split_inclusive(|&b| b == b'\n') {
+        let v: Value = serde_json::from_slice(line).unwrap_or_default();
+        let again = match id_key(&v["id"]) {
+            Some(id) => !done.ids.contains_key(&id) && input.ids.contains(&id),
+            None => v["line"].as_u64().is_some_and(|n| input.lines.contains(&n)),
+        };
+        if v.get("error").is_some() && again {
+            dropped += 1;
+            if let Some(n) = v["line"].as_u64() {
+                done.lines.remove(&n);
+            }
+        } else {
+            kept.extend_from_slice(line);
+        }
+    }
+    (kept, dropped, done)
+}
+
+/// Replaces `out` with `bytes` atomically and returns the new file, locked before it takes the
+/// name (so no second run can slip in) and positioned for appending.
+fn rewrite(out: &Path, bytes: &[u8]) -> Result<std::fs::File> {
+    let mut new = None;
+    crate::util::write_atomic_with(out, &mut |f| {
+        f.try_lock().map_err(|e| std::io::Error::other(e.to_string()))?;
+        f.write_all(bytes)?;
+        new = Some(f.try_clone()?);
+        Ok(())
+    })
+    .with_context(|| format!("cannot rewrite {}", out.display()))?;
+    let mut f = new.context("the rewritten output")?;
+    f.seek(std::io::SeekFrom::End(0))?;
+    Ok(f)
 }
 
 /// Where result records go: the output file (one synced write each) or standard output; what
@@ -157,6 +244,10 @@ impl Results {
     }
 
     pub fn write(&mut self, record: &Value) -> std::io::Result<()> {
+        // Stopped by Ctrl-C: not done, so not recorded (a rerun runs it).
+        if record["finish_reason"] == "cancelled" {
+            return Ok(());
+        }
         if record.get("error").is_some() {
             self.failed.push(record["line"].as_u64().unwrap_or(0));
         } else {
@@ -173,6 +264,23 @@ impl Results {
             }
         }
     }
+}
+
+/// What Ctrl-C on a batch leaves: the lines done (this run and before) and how to go on.
+pub fn interrupted_note(r: &Results, skipped: u64, out: &Path) -> String {
+    let done = r.ok + r.failed.len() as u64;
+    let left = r.lines.saturating_sub(done + skipped);
+    let resume = match is_std(out) {
+        true => "the results went to standard output".to_string(),
+        false => {
+            format!("run the same command again to do the other {left} ({} holds every finished line)", out.display())
+        }
+    };
+    format!(
+        "deltafin: batch: interrupted (Ctrl-C): {done} line(s) done in this run ({} failed), {skipped} before it, \
+         {left} not done; {resume}",
+        r.failed.len()
+    )
 }
 
 /// "lines 4, 5 and 9" (the first 10, then how many more).

@@ -66,6 +66,10 @@ pub struct RunBenchArgs {
     /// for studying cache policies offline (the repository's cache simulator replays it).
     #[arg(long, value_name = "FILE")]
     fetch_trace: Option<PathBuf>,
+    /// Write over an existing --out, --fetch-trace, --plot or --expert-heat file that deltafin
+    /// did not write.
+    #[arg(long)]
+    force: bool,
     #[command(flatten)]
     cold: ColdArgs,
     #[command(flatten)]
@@ -75,7 +79,17 @@ pub struct RunBenchArgs {
 }
 
 pub fn run(a: RunBenchArgs) -> Result<()> {
-    super::check_outputs([("--out", a.out.as_deref())])?;
+    use super::outputs::{Kind, Outputs};
+    let plot = |name: &str| a.plot.as_ref().map(|d| d.join(name));
+    let (ladder, wait) = (plot("ladder.svg"), plot("read_wait.svg"));
+    Outputs::new(a.force)
+        .write("--out", a.out.as_deref(), Kind::BenchRecords)
+        .write("--fetch-trace", a.fetch_trace.as_deref(), Kind::FetchTrace)
+        .write("--plot", ladder.as_deref(), Kind::Plot)
+        .write("--plot", wait.as_deref(), Kind::Plot)
+        .engine(&a.engine)
+        .read("--prompt-ids", a.prompt_ids.as_deref().and_then(|p| p.strip_prefix('@')).map(std::path::Path::new))
+        .check()?;
     if a.prompt_tokens == 0 {
         bail!("--prompt-tokens must be > 0");
     }
@@ -119,8 +133,7 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         note_warm("bench run", &rec);
         writeln!(std::io::stdout(), "{rec}")?;
         if let Some(p) = &a.out {
-            let mut f = std::fs::OpenOptions::new().create(true).append(true).open(p);
-            writeln!(f.as_mut().map_err(|e| anyhow::anyhow!("cannot open {}: {e}", p.display()))?, "{rec}")?;
+            writeln!(open_out(p, a.force)?, "{rec}")?;
         }
         return Ok(());
     }
@@ -135,16 +148,7 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         fetch_trace: a.fetch_trace.clone(),
         assume_purged: a.cold.assume_purged,
     };
-    let mut out = match &a.out {
-        Some(p) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(p)
-                .with_context(|| format!("cannot open {}", p.display()))?,
-        ),
-        None => None,
-    };
+    let mut out = a.out.as_deref().map(|p| open_out(p, a.force)).transpose()?;
     let records = crate::bench::run::runs(&files, &config, &prompt, &o, &mut |rec| {
         note_warm("bench run", rec);
         writeln!(std::io::stdout(), "{rec}")?;
@@ -160,6 +164,17 @@ pub fn run(a: RunBenchArgs) -> Result<()> {
         eprintln!("deltafin bench: wrote {}/ladder.svg and {}/read_wait.svg", dir.display(), dir.display());
     }
     Ok(())
+}
+
+/// `--out`, opened to append records; with `--force` a file that holds no records of ours is
+/// emptied first (`outputs` refused it without).
+fn open_out(p: &std::path::Path, force: bool) -> Result<std::fs::File> {
+    let f = std::fs::OpenOptions::new().create(true).append(true).open(p);
+    let f = f.with_context(|| format!("cannot open {}", p.display()))?;
+    if force && super::outputs::foreign(p, super::outputs::Kind::BenchRecords) {
+        f.set_len(0).with_context(|| format!("cannot empty {}", p.display()))?;
+    }
+    Ok(f)
 }
 
 /// How a benchmark that reads cold knows the page cache was emptied.

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 #[derive(Args)]
 pub struct ChatArgs {
     /// Model directory (config.json, safetensors shards, tokenizer files, chat template).
-    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    #[arg(long, short, required_unless_present = "demo", conflicts_with = "demo")]
     pub model: Option<PathBuf>,
     /// Use the built-in demo model (laid out on first use; its generation_config.json gives the
     /// sampling defaults and turns thinking off).
@@ -32,11 +32,14 @@ pub struct ChatArgs {
     /// System message (/system changes it).
     #[arg(long)]
     pub system: Option<String>,
+    /// A first message, sent before any input is read (as llama-cli's -p in conversation mode).
+    #[arg(long, short)]
+    pub prompt: Option<String>,
     /// Thinking effort (default: the model's, from its generation_config.json, else max).
     #[arg(long, value_enum)]
     pub thinking: Option<Thinking>,
-    /// Tokens an answer may take (0: up to the context bound; /max changes it).
-    #[arg(long, default_value_t = 2048)]
+    /// Tokens an answer may take (0: up to the context bound; /max changes it; llama.cpp's -n).
+    #[arg(long, short = 'n', visible_alias = "max-new", default_value_t = 2048)]
     pub max_tokens: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs<ChatWords>,
@@ -57,6 +60,9 @@ pub struct ChatArgs {
     /// No startup line.
     #[arg(long, short)]
     pub quiet: bool,
+    /// The engine's full startup line (layers, memory plan, expert source).
+    #[arg(long, short, conflicts_with = "quiet")]
+    pub verbose: bool,
     #[command(flatten)]
     pub threads: super::Threads,
 }
@@ -175,6 +181,7 @@ impl Input {
 }
 
 pub fn run(mut a: ChatArgs) -> Result<()> {
+    super::outputs::Outputs::new(false).engine(&a.engine).check()?;
     // SAFETY: the handler touches only atomics and calls _exit, both async-signal-safe.
     unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
     let dir = load::model_dir(&a.model, a.demo)?;
@@ -185,7 +192,7 @@ pub fn run(mut a: ChatArgs) -> Result<()> {
     let engine = load::open_engine(a.engine.config(dir.clone(), crate::engine::KdaMode::Recurrent, rows, 0))?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
     engine.drafter(a.draft)?;
-    if !a.quiet {
+    if a.verbose {
         eprintln!("{}", engine.startup_line());
     }
     if let Some(note) = load::random_weights_note(&dir) {
@@ -202,15 +209,22 @@ pub fn run(mut a: ChatArgs) -> Result<()> {
     chat.set_system(a.system.clone());
     chat.check().map_err(|e| anyhow::anyhow!("{} cannot chat: {}", dir.display(), e.message))?;
     let interactive = std::io::stdin().is_terminal();
-    let mut input = if interactive {
+    if !a.quiet {
+        // One short line; -v adds the engine's.
         let think = conversation::thinking_name(chat.thinking());
-        eprintln!("deltafin: chatting with {model} (thinking {think}); /help for commands, Ctrl-D to leave");
-        Input::Editor(Box::new(rustyline::DefaultEditor::new()?))
-    } else {
-        Input::Pipe(std::io::stdin().lock())
+        let keys = if interactive { "; /help, Ctrl-D to leave" } else { "" };
+        let more = if a.verbose { "" } else { " (-v: details)" };
+        eprintln!("deltafin: chatting with {model} (thinking {think}, context {}){keys}{more}", chat.context());
+    }
+    let mut input = match interactive {
+        true => Input::Editor(Box::new(rustyline::DefaultEditor::new()?)),
+        false => Input::Pipe(std::io::stdin().lock()),
     };
     let mut printer = Printer::new(!a.hide_reasoning);
-    while let Some(line) = input.next()? {
+    let mut first = a.prompt.take();
+    // Turns that failed (piped: the run then exits 1).
+    let mut failed = 0usize;
+    while let Some(line) = first.take().map_or_else(|| input.next(), |p| Ok(Some(p)))? {
         let text = match Command::parse(&line) {
             Ok(Command::Say(t)) if t.trim().is_empty() => continue,
             Ok(Command::Say(t)) => t,
@@ -232,8 +246,13 @@ pub fn run(mut a: ChatArgs) -> Result<()> {
         GENERATING.store(true, Ordering::SeqCst);
         let mut out = std::io::stdout().lock();
         let mut closed = false;
-        let turn = chat.say(&text, &mut |d| {
-            !STOP.load(Ordering::SeqCst) && printer.delta(&mut out, d).map_err(|_| closed = true).is_ok()
+        let turn = chat.plan(&text).and_then(|plan| {
+            if plan.dropped > 0 {
+                eprintln!("{}", conversation::shift_note(plan.dropped, chat.context()));
+            }
+            chat.run(plan, &mut |d| {
+                !STOP.load(Ordering::SeqCst) && printer.delta(&mut out, d).map_err(|_| closed = true).is_ok()
+            })
         });
         GENERATING.store(false, Ordering::SeqCst);
         printer.end();
@@ -254,7 +273,9 @@ pub fn run(mut a: ChatArgs) -> Result<()> {
                 }
             }
             Err(GenError::Request(e)) => {
-                let hint = if e.code == Some("context_length_exceeded") { " (/reset starts over)" } else { "" };
+                failed += 1;
+                let alone = e.code == Some("context_length_exceeded");
+                let hint = if alone { " (even alone: a shorter message, or a smaller /max)" } else { "" };
                 eprintln!("deltafin: {e}{hint}");
             }
             Err(e) => {
@@ -267,6 +288,9 @@ pub fn run(mut a: ChatArgs) -> Result<()> {
         if stopped && !interactive {
             std::process::exit(130);
         }
+    }
+    if failed > 0 && !interactive {
+        anyhow::bail!("{failed} of the chat's messages got no answer (the errors above)");
     }
     Ok(())
 }

@@ -18,7 +18,9 @@ pub struct EngineArgs {
     /// Default: for `run`, `batch` and `bench run` what the longest prompt and its new tokens
     /// need, else the model's maximum, up to 32768. The memory budget holds this much state for every sequence run together and gives the
     /// rest to the expert cache: a small context leaves a bigger cache.
-    #[arg(long, value_name = "TOKENS", help_heading = "Engine")]
+    ///
+    /// `-c` and `--ctx-size` as llama.cpp spells it.
+    #[arg(long, short = 'c', visible_alias = "ctx-size", value_name = "TOKENS", help_heading = "Engine")]
     pub context: Option<usize>,
     /// Backend: cpu, gpu (any Vulkan/Metal adapter, lavapipe included), or auto (a real GPU if present).
     #[arg(long, value_enum, ignore_case = true, default_value_t = BackendKind::Cpu, help_heading = "Engine")]

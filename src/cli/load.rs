@@ -31,9 +31,14 @@ pub fn open_engine(cfg: EngineConfig) -> Result<Arc<Engine>> {
     let dir = cfg.model.clone();
     let name = dir.file_name().map_or_else(|| dir.display().to_string(), |n| n.to_string_lossy().into_owned());
     let _wait = Progress::spinner(progress::mode(false), &format!("loading {name}"));
+    let draft = cfg.draft_model.clone().unwrap_or_default();
     match Engine::open(cfg) {
         Ok(e) => Ok(e),
         Err(e @ crate::engine::EngineError::Setting { .. }) => Err(e.into()),
+        // The draft model is at fault, not the model it drafts for: named as the flag gave it.
+        Err(crate::engine::EngineError::Draft(e)) => {
+            Err(anyhow::anyhow!("--draft-model {}: not a DSpark draft model this model can use: {e}", draft.display()))
+        }
         Err(e) => Err(anyhow::Error::new(e).context(format!("cannot open the model in {}", dir.display()))),
     }
 }

@@ -14,6 +14,7 @@ mod load;
 mod log;
 mod models;
 mod names;
+mod outputs;
 mod pack_trunk;
 mod parse;
 mod place;
@@ -251,15 +252,13 @@ pub(crate) fn error_text(e: &anyhow::Error) -> String {
     out
 }
 
-/// Refuses, before any compute, an output path that `util::write_atomic` would refuse at the end.
-pub(crate) fn check_outputs<'a>(
-    paths: impl IntoIterator<Item = (&'a str, Option<&'a std::path::Path>)>,
-) -> anyhow::Result<()> {
-    use anyhow::Context;
-    for (flag, p) in paths {
-        if let Some(p) = p {
-            crate::util::check_output_path(p).with_context(|| format!("{flag} {}", p.display()))?;
-        }
+#[cfg(test)]
+mod tests {
+    /// clap's own checks of the definitions (no short flag taken twice in a command, groups and
+    /// conflicts naming real arguments), which release builds skip unless asked.
+    #[test]
+    fn the_command_line_definitions_are_consistent() {
+        use clap::CommandFactory;
+        super::Cli::command().debug_assert();
     }
-    Ok(())
 }

@@ -110,3 +110,16 @@ pub fn stats_text(s: &Stats, prefetch_on: bool) -> String {
     }
     out
 }
+
+/// Why a chat answer (`run --chat`) ended before its end of message: `--max-new` cut it, with
+/// the answer so far (`content`, printed) or, when it had not left its reasoning yet, no answer
+/// at all; either way the flag to raise.
+pub fn cut_note(max_new: usize, content: &str, reasoning: &str) -> String {
+    match (content.trim().is_empty(), reasoning.trim().is_empty()) {
+        (true, false) => format!(
+            "deltafin: cut by --max-new {max_new} while still reasoning: no answer yet (raise -n/--max-new, or \
+             --thinking low|off)"
+        ),
+        _ => format!("deltafin: the answer was cut by --max-new {max_new} (raise -n/--max-new for the rest)"),
+    }
+}

@@ -27,7 +27,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub fn run(mut a: RunArgs) -> Result<()> {
-    super::check_outputs([("--stats-json", a.stats_json.as_deref()), ("--trace-routes", a.trace_routes.as_deref())])?;
+    a.take_words();
+    a.check_outputs()?;
     signals::catch_ctrl_c();
     progress::set_quiet(a.quiet);
     let dir = load::model_dir(&a.model, a.demo)?;
@@ -120,6 +121,8 @@ struct Done {
     reasoning: Option<String>,
     pipe_closed: bool,
     stats: Stats,
+    /// `--max-new` ended the answer.
+    cut: bool,
 }
 
 /// Prefills the prompt and generates, streaming the text to stdout (`--format text`); saves the
@@ -201,12 +204,14 @@ fn generate(
         !signals::interrupted()
     };
     let mut sampler = saved.as_ref().map_or_else(|| Sampler::new(sampling), |f| f.sampler(a, sampling));
+    let mut cut = false;
     if !signals::interrupted() {
-        match &mut spec {
+        let g = match &mut spec {
             Some(sp) => session.generate_speculative_sampled(&opts, sp, &mut sampler, &mut on_token),
             None => session.generate_sampled(&opts, &mut sampler, &mut on_token),
         }
         .context("decode failed")?;
+        cut = g.reason == crate::engine::StopReason::Length;
     }
     // A closed pipe ends the output, not the rest (stats, files); any other write error is one.
     let pipe_closed = match write_error {
@@ -228,14 +233,17 @@ fn generate(
     }
     let mut stats = session.stats.clone();
     stats.source = Some(engine.source_report());
-    Ok(Done { ids, text, reasoning, pipe_closed, stats })
+    Ok(Done { ids, text, reasoning, pipe_closed, stats, cut })
 }
 
 /// The end of a run: the answer's end (`--format json`: the whole record), the summary, the
 /// counters and the files asked for; a closed pipe ends the process here.
 fn finish(a: &RunArgs, engine: &Engine, prompt: &[u32], has_tok: bool, sampling: SamplingSpec, d: Done) -> Result<()> {
-    let Done { ids, text, reasoning, pipe_closed, stats } = d;
+    let Done { ids, text, reasoning, pipe_closed, stats, cut } = d;
     let interrupted = signals::interrupted();
+    if let (true, false, Some(r)) = (cut, interrupted, &reasoning) {
+        eprintln!("{}", report::cut_note(a.max_new, &text, r));
+    }
     let mut out = std::io::stdout().lock();
     let written = match (a.format, pipe_closed) {
         (_, true) => Ok(()),

@@ -21,10 +21,10 @@ pub enum Format {
 }
 
 #[derive(Args)]
-#[command(group(ArgGroup::new("input").args(["prompt", "prompt_file", "prompt_lines", "prompt_ids"])))]
+#[command(group(ArgGroup::new("input").args(["words", "prompt", "prompt_file", "prompt_lines", "prompt_ids"])))]
 pub struct RunArgs {
     /// Model directory (config.json, safetensors shards, tokenizer files).
-    #[arg(long, required_unless_present = "demo", conflicts_with = "demo", help_heading = "Model")]
+    #[arg(long, short, required_unless_present = "demo", conflicts_with = "demo", help_heading = "Model")]
     pub model: Option<PathBuf>,
     /// Use the built-in demo model (no download).
     ///
@@ -32,8 +32,12 @@ pub struct RunArgs {
     /// generation_config.json gives the sampling defaults.
     #[arg(long, help_heading = "Model")]
     pub demo: bool,
+    /// The prompt, as words after the options (`deltafin run --demo Why is the sky blue`): joined
+    /// by spaces into one prompt, as `ollama run MODEL why is the sky blue` takes it.
+    #[arg(value_name = "PROMPT", help_heading = "Prompt")]
+    pub words: Vec<String>,
     /// Prompt text ("-" reads standard input); repeated, several prompts run together.
-    #[arg(long, help_heading = "Prompt")]
+    #[arg(long, short, help_heading = "Prompt")]
     pub prompt: Vec<String>,
     /// Read the prompt text from a file ("-" for standard input); repeated, one prompt a file.
     #[arg(long, help_heading = "Prompt")]
@@ -69,8 +73,8 @@ pub struct RunArgs {
     /// When one finishes the next joins at the next step. Answers are identical whatever it is.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096), help_heading = "Prompt")]
     pub parallel: Option<u64>,
-    /// Maximum number of tokens to generate.
-    #[arg(long, default_value_t = 256, help_heading = "Generation")]
+    /// Maximum number of tokens to generate (llama.cpp's -n).
+    #[arg(long, short = 'n', visible_alias = "n-predict", default_value_t = 256, help_heading = "Generation")]
     pub max_new: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs<RunWords>,
@@ -104,6 +108,10 @@ pub struct RunArgs {
     /// Record how often each expert is routed (input for `place --policy hot`).
     #[arg(long, help_heading = "Output", hide_short_help = true)]
     pub trace_routes: Option<PathBuf>,
+    /// Replace an existing output file (--stats-json, --trace-routes, --expert-heat) that
+    /// deltafin did not write; without it such a file is never overwritten.
+    #[arg(long, help_heading = "Output", hide_short_help = true)]
+    pub force: bool,
     /// No startup line, progress or summary (errors and --stats still print).
     #[arg(long, short, help_heading = "Output")]
     pub quiet: bool,
@@ -128,6 +136,27 @@ impl RunArgs {
             Some(t) => t,
             None => crate::model::generation::default_thinking(dir)?,
         })
+    }
+
+    /// The files this run writes and reads, checked before any work (`outputs`).
+    pub fn check_outputs(&self) -> Result<()> {
+        use super::outputs::{Kind, Outputs};
+        Outputs::new(self.force)
+            .write("--stats-json", self.stats_json.as_deref(), Kind::Stats)
+            .write("--trace-routes", self.trace_routes.as_deref(), Kind::Routes)
+            .engine(&self.engine)
+            .read_all("--prompt-file", self.prompt_file.iter().map(PathBuf::as_path))
+            .read("--prompt-lines", self.prompt_lines.as_deref())
+            .read("--session", self.session.as_deref())
+            .read("--prompt", self.prompt.iter().any(|p| p == "-").then_some(Path::new("-")))
+            .check()
+    }
+
+    /// The positional words become the prompt (`-p`/`--prompt` given another way).
+    pub fn take_words(&mut self) {
+        if !self.words.is_empty() {
+            self.prompt = vec![std::mem::take(&mut self.words).join(" ")];
+        }
     }
 
     /// No prompt given at all.

@@ -207,6 +207,9 @@ fn print_answers(
             }
             _ => (tok.map(|t| answer_text(t, &g.tokens, stops)).transpose()?, None),
         };
+        if let (Some(c), Some(r), crate::engine::StopReason::Length) = (&text, &reasoning, g.reason) {
+            eprintln!("{} (prompt {})", super::report::cut_note(a.max_new, c, r), i + 1);
+        }
         match a.format {
             Format::Text => {
                 // Which prompt: its first line, shortened (not with --chat: the template's text).

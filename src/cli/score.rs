@@ -28,7 +28,7 @@ pub enum Format {
 #[command(group(ArgGroup::new("what").required(true).args(["prompt_ids", "text"])))]
 pub struct ScoreArgs {
     /// Model directory (config.json + safetensors shards).
-    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    #[arg(long, short, required_unless_present = "demo", conflicts_with = "demo")]
     model: Option<PathBuf>,
     /// Use the built-in demo model.
     #[arg(long)]
@@ -55,6 +55,9 @@ pub struct ScoreArgs {
     /// Output of --text.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
+    /// Replace an existing --logits-out (or --expert-heat) file that deltafin did not write.
+    #[arg(long)]
+    force: bool,
     /// How KDA processes the prompt: auto (chunked form), chunked, or recurrent (token by token).
     #[arg(long, value_enum, default_value_t = KdaArg::Auto, hide = true)]
     kda: KdaArg,
@@ -72,6 +75,14 @@ fn parse_window(s: &str) -> Result<usize, String> {
 }
 
 pub fn run(a: ScoreArgs) -> Result<()> {
+    use super::outputs::{Kind, Outputs};
+    let base = a.compare.as_deref().filter(|p| p.is_file());
+    Outputs::new(a.force)
+        .write("--logits-out", a.logits_out.as_deref(), Kind::Logits)
+        .engine(&a.engine)
+        .read("--text", a.text.as_deref())
+        .read("--compare", base)
+        .check()?;
     let dir = load::model_dir(&a.model, a.demo)?;
     match (&a.prompt_ids, &a.logits_out, &a.text) {
         (Some(ids), Some(out), _) => logits(&a, dir, &ids.0, out),
@@ -82,7 +93,6 @@ pub fn run(a: ScoreArgs) -> Result<()> {
 }
 
 fn logits(a: &ScoreArgs, dir: PathBuf, ids: &[u32], out: &std::path::Path) -> Result<()> {
-    super::check_outputs([("--logits-out", Some(out))])?;
     let n = ids.len();
     // Every position's logits are kept until written: they count in the memory budget.
     let vocab = crate::model::K3Config::load(&dir).map(|c| c.vocab).unwrap_or(0);

@@ -18,7 +18,7 @@ const DEFAULT_MAX_TOKENS: usize = 2048;
 #[derive(Args)]
 pub struct ServeArgs {
     /// Model directory (config.json, safetensors shards, tokenizer files).
-    #[arg(long, required_unless_present = "demo", conflicts_with = "demo")]
+    #[arg(long, short, required_unless_present = "demo", conflicts_with = "demo")]
     pub model: Option<PathBuf>,
     /// Use the built-in demo model (K3 layout, laid out on first use; its generation_config.json
     /// gives the sampling defaults).
@@ -73,8 +73,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub sampling: SamplingArgs<ServeWords>,
     /// Most tokens a chat request that sets no max_tokens gets (fewer when the context has less
-    /// room; 0: up to the context bound, as vLLM and llama-server).
-    #[arg(long, default_value_t = DEFAULT_MAX_TOKENS)]
+    /// room; 0: up to the context bound, as vLLM and llama-server; llama-server's -n).
+    #[arg(long, short = 'n', default_value_t = DEFAULT_MAX_TOKENS)]
     pub max_tokens_default: usize,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
@@ -92,6 +92,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             a.parallel
         );
     }
+    super::outputs::Outputs::new(false).engine(&a.engine).check()?;
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
     let sampling = a.sampling.spec(&dir, a.demo)?;

@@ -5,6 +5,13 @@
 //! messages) — so its output is what one uninterrupted process would have produced. Without a
 //! prompt it goes on generating where the last run stopped, with the saved sampler (unless
 //! `--temperature` or `--seed` is given anew).
+//!
+//! With `--chat` the next turn is what `chat` and `serve` would feed: the whole conversation as
+//! the template renders it (each answer closed, `<|close|>response...<|end_of_msg|>`, also one cut
+//! by `--max-new`), of which the session's tokens are a prefix; only the rest is fed. Where they
+//! are not (an answer the template renders otherwise than it was generated), the conversation is
+//! prefilled anew in a fresh session, as the server does when no kept session is a prefix: the
+//! same greedy conversation gives the same tokens in all three.
 
 use super::run_args::RunArgs;
 use crate::engine::{Engine, SamplerPosition, Session, SessionNotes};
@@ -23,6 +30,10 @@ pub struct SessionFile {
     pub tokens: usize,
     pub notes: SessionNotes,
     pub exists: bool,
+    /// The saved session's tokens (read for `--chat`).
+    ids: Vec<u32>,
+    /// The saved session is not a prefix of the next chat turn: a fresh session runs it whole.
+    fresh: bool,
     /// Held while this process uses the file: a second `run --session FILE` fails at once.
     _lock: crate::util::FileLock,
 }
@@ -46,10 +57,12 @@ impl SessionFile {
             crate::util::check_output_path(path)
                 .with_context(|| format!("cannot create the session file {}", path.display()))?;
             let notes = SessionNotes::default();
-            return Ok(SessionFile { path: path.into(), tokens: 0, notes, exists: false, _lock: lock });
+            let (ids, fresh) = (Vec::new(), false);
+            return Ok(SessionFile { path: path.into(), tokens: 0, notes, exists: false, ids, fresh, _lock: lock });
         }
-        let p = crate::engine::state_file::peek(path, false)?;
-        Ok(SessionFile { path: path.into(), tokens: p.tokens, notes: p.notes, exists: true, _lock: lock })
+        let p = crate::engine::state_file::peek(path, true)?;
+        let (tokens, notes, ids, fresh) = (p.tokens, p.notes, p.ids, false);
+        Ok(SessionFile { path: path.into(), tokens, notes, exists: true, ids, fresh, _lock: lock })
     }
 
     /// The saved chat messages.
@@ -80,19 +93,18 @@ impl SessionFile {
                 }
                 all.push(json!({"role": "user", "content": text}));
                 let full = chat.encode(tok, &Value::Array(all.clone()), &opts)?;
-                let base = match old.is_empty() {
-                    true => Vec::new(),
-                    false => {
-                        chat.encode(tok, &Value::Array(old), &ChatOptions { add_generation_prompt: false, ..opts })?
+                let held: Vec<u32> = self.ids.iter().chain(&self.notes.unfed).copied().collect();
+                match (old.is_empty(), full.strip_prefix(&held[..])) {
+                    // Not a chat session yet: the conversation starts after what it holds.
+                    (true, _) => out.extend_from_slice(&full),
+                    // Its unfed tokens, then the rest of the conversation.
+                    (false, Some(_)) => out = full[self.ids.len()..].to_vec(),
+                    (false, None) => {
+                        self.fresh = true;
+                        self.tokens = 0;
+                        out = full;
                     }
-                };
-                let Some(turn) = full.strip_prefix(&base[..]) else {
-                    bail!(
-                        "{}: the chat template does not render the saved conversation as a prefix of the next one; start a new session file",
-                        self.path.display()
-                    );
-                };
-                out.extend_from_slice(turn);
+                }
                 self.notes.meta = json!({"messages": all});
             }
             (true, None, _) if !self.exists => bail!("--chat --session needs a prompt for a new session"),
@@ -108,7 +120,7 @@ impl SessionFile {
 
     /// The file's session (loaded and checked), or a new one.
     pub fn open(&self, engine: &Arc<Engine>) -> Result<Session> {
-        if !self.exists {
+        if !self.exists || self.fresh {
             return Ok(engine.new_session());
         }
         Ok(engine.load_session(&self.path)?.0)

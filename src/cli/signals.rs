@@ -1,9 +1,10 @@
 //! Ending at the user's word: Ctrl-C and a reader that closed the pipe.
 //!
-//! Contract: [`catch_ctrl_c`] (called by subcommands that can stop cleanly: `run`, `synth`)
-//! turns the first SIGINT into a cancel request (`util::request_cancel`) that the work polls —
-//! `run` stops generating and prints what it has with `"interrupted": true`, `synth` removes its
-//! temporary directory — and the process then exits [`INTERRUPTED`] (130, 128 + SIGINT); a second
+//! Contract: [`catch_ctrl_c`] (called by subcommands that can stop cleanly: `run`, `synth`,
+//! `batch`) turns the first SIGINT into a cancel request (`util::request_cancel`) that the work
+//! polls — `run` stops generating and prints what it has with `"interrupted": true`, `synth`
+//! removes its temporary directory, `batch` cancels its running requests (not recorded) and says
+//! how many lines are done and how to go on — and the process then exits [`INTERRUPTED`] (130, 128 + SIGINT); a second
 //! Ctrl-C kills at once as usual. A write to standard output that fails with a broken pipe (the
 //! reader, e.g. `head`, has what it wanted) ends the process quietly by the SIGPIPE convention:
 //! no message, killed by SIGPIPE as `cat` would be (the shell sees 141), after the work's other

@@ -297,8 +297,9 @@ impl LaneHost for Host<'_> {
     }
 
     fn token(&mut self, (_, req): &mut Self::Tag, id: u32) -> bool {
-        // A stopped run cancels what still runs.
-        self.stopped.is_none() && req.token(id, &mut |_| true)
+        // A stopped run cancels what still runs; so does a cancel request (Ctrl-C): the answer
+        // then ends "cancelled", which the batch does not record as done.
+        self.stopped.is_none() && req.token(id, &mut |_| !crate::util::cancel_requested())
     }
 
     fn finished(&mut self, (w, req): Self::Tag, lane: Lane) {

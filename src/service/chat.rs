@@ -6,9 +6,17 @@
 //! kept after the previous turn (so a turn prefills only its own new tokens, and its answer is the
 //! one a fresh session would give), streaming the answer's deltas to the sink (false stops the
 //! answer at that token). The answer joins the history — cut short or not, as long as it has
-//! text; a turn that fails (the conversation no longer fits the context, a forward error) or is
-//! stopped before any text leaves the history as it was. With a seed, turn n (from 0) samples with
-//! seed + n, so a scripted conversation replays exactly. [`Command::parse`] reads one input line;
+//! text; a turn that fails (a forward error, a message too long for the context even alone) or
+//! is stopped before any text leaves the history as it was. With a seed, turn n (from 0) samples
+//! with seed + n, so a scripted conversation replays exactly.
+//!
+//! The context's end ([`Conversation::plan`]): a turn keeps room for an answer of `max_tokens`
+//! (at most a quarter of the context, at least one token); when the conversation leaves less, its
+//! oldest turns (a user message and its answer) stop being sent, one turn at a time, the system
+//! message always kept — llama.cpp's context shift and Ollama's truncation, at turn boundaries
+//! (the model then reads the rest anew: one prefill, bit-identical to a fresh session's). The
+//! turns dropped stay in the transcript. An answer the context cut is told from one `max_tokens`
+//! cut ([`turn_note`]). [`Command::parse`] reads one input line;
 //! [`Conversation::save`] writes the transcript (OpenAI's message shape, so it can be sent to
 //! `serve` as is), atomically, and never over a file that is not a transcript.
 
@@ -45,6 +53,9 @@ pub struct Conversation {
     system: Option<String>,
     /// The user's and the model's messages, in order.
     messages: Vec<Value>,
+    /// Where the messages the model still sees start (those before were dropped to fit the
+    /// context; the transcript keeps them).
+    seen_from: usize,
     /// Turns asked for (each takes the next seed).
     asked: u64,
 }
@@ -63,7 +74,8 @@ impl Conversation {
         cfg: GenConfig,
         settings: ChatSettings,
     ) -> Result<Self, crate::engine::EngineError> {
-        Ok(Conversation { gen_: Generator::new(engine, cfg)?, settings, system: None, messages: Vec::new(), asked: 0 })
+        let gen_ = Generator::new(engine, cfg)?;
+        Ok(Conversation { gen_, settings, system: None, messages: Vec::new(), seen_from: 0, asked: 0 })
     }
 
     /// Whether the model can chat at all (a tokenizer, a chat template that renders): the error a
@@ -101,6 +113,12 @@ impl Conversation {
     /// Forgets the messages (the system message stays).
     pub fn reset(&mut self) {
         self.messages.clear();
+        self.seen_from = 0;
+    }
+
+    /// The context each conversation may fill, in tokens.
+    pub fn context(&self) -> usize {
+        self.gen_.engine().context_bound()
     }
 
     /// Turns taken (answers in the history).
@@ -114,15 +132,58 @@ impl Conversation {
         system.into_iter().chain(self.messages.iter().cloned()).collect()
     }
 
-    /// One turn (see the module contract).
+    /// One turn (see the module contract): [`Conversation::plan`], then [`Conversation::run`].
     pub fn say(&mut self, text: &str, sink: &mut dyn FnMut(&Delta) -> bool) -> Result<Output, GenError> {
-        let mut messages = self.messages();
+        let plan = self.plan(text)?;
+        self.run(plan, sink)
+    }
+
+    /// The request of a turn saying `text`, the messages before `from` left out.
+    fn turn_request(&self, text: &str, from: usize) -> GenRequest {
+        let system = self.system.as_ref().map(|s| json!({"role": "system", "content": s}));
+        let mut messages: Vec<Value> = system.into_iter().chain(self.messages[from..].iter().cloned()).collect();
         messages.push(json!({"role": "user", "content": text}));
-        let mut req = self.request(Prompt::Messages(Value::Array(messages)));
+        self.request(Prompt::Messages(Value::Array(messages)))
+    }
+
+    /// A turn saying `text`, fitted to the context (see the module contract): the oldest turns
+    /// left out until the prompt leaves room for the answer, or none is left to drop.
+    pub fn plan(&self, text: &str) -> Result<Plan, GenError> {
+        let bound = self.context();
+        let room = self.settings.max_tokens.unwrap_or(usize::MAX).min(bound / 4).max(1);
+        let enc = self.gen_.encoder();
+        let mut from = self.seen_from;
+        loop {
+            let req = self.turn_request(text, from);
+            let fits = enc.prepare(&req);
+            // The next turn boundary: the next user message, else past the last turn.
+            let len = self.messages.len();
+            let next = (from + 1..len).find(|&i| self.messages[i]["role"] == "user").or((from < len).then_some(len));
+            match (fits, next) {
+                (Ok(p), Some(n)) if p.prompt.len().saturating_add(room) > bound => from = n,
+                (Err(e), Some(n)) if e.code == Some("context_length_exceeded") => from = n,
+                (Ok(prepared), _) => {
+                    let dropped = self.messages[self.seen_from..from].iter().filter(|m| m["role"] == "user").count();
+                    let limited = prepared.max_new < self.settings.max_tokens.unwrap_or(usize::MAX);
+                    return Ok(Plan { text: text.to_string(), req, prepared, from, dropped, limited });
+                }
+                (Err(e), _) => return Err(GenError::Request(e)),
+            }
+        }
+    }
+
+    /// Runs a planned turn: its answer streamed to `sink`, then joined to the history (and the
+    /// turns the plan dropped no longer sent), as the module contract says.
+    pub fn run(&mut self, plan: Plan, sink: &mut dyn FnMut(&Delta) -> bool) -> Result<Output, GenError> {
+        let Plan { text, mut req, prepared, from, limited, .. } = plan;
         req.sampling.seed = self.settings.sampling.seed.map(|s| s.wrapping_add(self.asked));
         self.asked += 1;
-        let out = self.gen_.generate(&req, 0.0, sink)?;
+        let mut out = self.gen_.generate_prepared(&req, prepared, 0.0, sink)?;
+        if limited && out.finish_reason == "length" {
+            out.ext["cut_by_context"] = json!(self.context());
+        }
         if !(out.content.is_empty() && out.reasoning.is_empty()) {
+            self.seen_from = from;
             self.messages.push(json!({"role": "user", "content": text}));
             let mut answer = json!({"role": "assistant", "content": out.content});
             if !out.reasoning.is_empty() {
@@ -204,15 +265,42 @@ impl Conversation {
     }
 }
 
-/// What to say after an answer: why it ended early (`stopped`: the user stopped it), if it did.
+/// A turn fitted to the context ([`Conversation::plan`]), to run with [`Conversation::run`].
+pub struct Plan {
+    text: String,
+    req: GenRequest,
+    prepared: super::generator::Prepared,
+    /// The first message still sent.
+    from: usize,
+    /// Turns this one stops sending (the oldest), to fit.
+    pub dropped: usize,
+    /// The context, not `max_tokens`, bounds the answer.
+    limited: bool,
+}
+
+/// What to say after an answer: why it ended early (`stopped`: the user stopped it), if it did —
+/// the user, `max_tokens` (/max), or the context.
 pub fn turn_note(out: &Output, stopped: bool) -> Option<String> {
+    let n = out.tokens.len();
     if stopped || out.finish_reason == "cancelled" {
         Some("(stopped)".into())
+    } else if let Some(ctx) = out.ext.get("cut_by_context").and_then(Value::as_u64) {
+        Some(format!(
+            "(cut at {n} tokens: the context of {ctx} tokens is full; the next message drops the oldest turns)"
+        ))
     } else if out.finish_reason == "length" {
-        Some(format!("(cut at {} tokens: /max N allows more)", out.tokens.len()))
+        Some(format!("(cut at {n} tokens: /max N allows more)"))
     } else {
         None
     }
+}
+
+/// What to say before an answer whose turn dropped `dropped` turns to fit the context.
+pub fn shift_note(dropped: usize, context: usize) -> String {
+    let turns = if dropped == 1 { "turn".to_string() } else { format!("{dropped} turns") };
+    format!(
+        "(the context of {context} tokens is full: the oldest {turns} left the model's view; the system message stays)"
+    )
 }
 
 /// An answer's numbers: its tokens, the prompt's and how many of them were resumed, TTFT, rate.

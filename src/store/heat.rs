@@ -16,7 +16,8 @@ use std::path::{Path, PathBuf};
 
 /// Weight of the earlier runs' heat against this run's counts when the file is rewritten.
 pub const DECAY: f64 = 0.5;
-const FORMAT: &str = "deltafin-expert-heat";
+/// The `format` of a heat file (what tells one from any other file).
+pub const FORMAT: &str = "deltafin-expert-heat";
 
 type Key = (u32, u32);
 
