@@ -466,9 +466,11 @@ fn a_line_that_is_not_utf8_is_that_lines_error_record() {
     assert_eq!(bad["code"], "invalid_utf8", "{bad}");
     assert!(bad["message"].as_str().unwrap().contains("line 2 is not UTF-8 text (invalid bytes at byte 27"), "{bad}");
     assert!(r[r#""a""#].get("text").is_some() && r[r#""c""#].get("text").is_some());
-    // A rerun skips it (it has its record) and still exits 1.
+    // A rerun runs it again (it may have been fixed): still not UTF-8, it fails again (exit 1),
+    // its record replaced.
     let err = run_failing(&mut batch(&dir, &input, &out));
-    assert!(err.contains("0 done, 0 failed, 3 already in the output"), "{err}");
+    assert!(err.contains("0 done, 1 failed, 2 already in the output"), "{err}");
+    assert_eq!(records(&out).len(), 3, "one record a line");
 }
 
 #[test]
