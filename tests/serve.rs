@@ -211,23 +211,23 @@ fn drafts_in_a_running_batch_answer_each_stream_as_alone_on_the_demo_model() {
     };
     let a = alone.as_array().unwrap();
     // 16 streams started together, 3 or 8 at a time, each drafting with the demo's DSpark drafter.
-    for n in [3u64, 8] {
+    for (n, draft) in [(3u64, "dspark"), (8, "dspark"), (3, "auto")] {
         let queue = (16 - n).to_string();
         let batched: serde_json::Value = {
-            let s = Server::start_demo(&["--parallel", &n.to_string(), "--queue", &queue, "--draft", "dspark"]);
+            let s = Server::start_demo(&["--parallel", &n.to_string(), "--queue", &queue, "--draft", draft]);
             serde_json::from_str(s.client("parallel", None).trim()).unwrap()
         };
         let b = batched.as_array().unwrap();
         assert_eq!(b.len(), 16);
         for (i, (x, y)) in b.iter().zip(a).enumerate() {
             for k in ["text", "finish", "logprobs"] {
-                assert_eq!(x[k], y[k], "--parallel {n}, request {i}: {k} differs from it alone without drafts");
+                assert_eq!(x[k], y[k], "--parallel {n} --draft {draft}, request {i}: {k} differs from it alone without drafts");
             }
         }
         let peak = b.iter().map(|x| x["batch"].as_u64().unwrap()).max().unwrap();
         assert_eq!(peak, n, "{batched}");
         let accepted: u64 = b.iter().map(|x| x["drafts_accepted"].as_u64().unwrap()).sum();
-        assert!(accepted > 0, "--parallel {n}: no draft accepted in the batch: {batched}");
+        assert!(accepted > 0, "--parallel {n} --draft {draft}: no draft accepted in the batch: {batched}");
     }
 }
 
@@ -452,12 +452,15 @@ fn conversation_reuse_and_memo_give_identical_output_and_are_counted() {
     let reuse = Server::start(&[]);
     let fresh = Server::start(&["--no-reuse", "--memo", "0"]);
     let drafted = Server::start(&["--draft", "ngram"]);
+    let auto = Server::start(&["--draft", "auto"]);
     let a = conversation(&reuse);
     let b = conversation(&fresh);
     let d = conversation(&drafted);
+    let au = conversation(&auto);
     for k in ["turn1", "turn2", "turn2_logprobs", "repeat", "prompt_tokens"] {
         assert_eq!(a[k], b[k], "{k}: reuse {a} vs fresh {b}");
         assert_eq!(d[k], b[k], "{k}: drafts {d} vs none {b}");
+        assert_eq!(au[k], b[k], "{k}: --draft auto {au} vs none {b}");
     }
     assert_eq!(a["turn2"], a["repeat"]);
     let cached = a["cached"].as_u64().unwrap();

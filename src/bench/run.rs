@@ -321,7 +321,7 @@ fn one_run(
                 "layer_s_p50": layer_q(0.5),
                 "layer_s_p99": layer_q(0.99),
                 "layer_s_max": layer_q(1.0),
-                "draft": spec.as_ref().map_or("off", |s| s.drafter.name()),
+                "draft": spec.as_ref().map_or("off", |s| s.name()),
                 "drafts_proposed": stats.drafts.proposed,
                 "drafts_accepted": stats.drafts.accepted,
                 "draft_acceptance": stats.acceptance(),
