@@ -124,6 +124,8 @@ pub struct Offer {
 #[derive(Clone, Debug, Default)]
 struct Arm {
     accept: Vec<Vec<f64>>,
+    /// Verifies that reached each position, per class (the average's weight while few).
+    trials: Vec<Vec<u32>>,
     block_s: Avg,
     row_s: Avg,
 }
@@ -154,6 +156,8 @@ pub struct UnionPolicy {
     trunk_mean: Avg,
     zeros: usize,
     explore_every: usize,
+    /// The last choice was a probe (not verified yet).
+    probing: bool,
     /// Seconds of the steps it took part in, and what its probes cost over single steps.
     pub run_s: f64,
     pub probe_s: f64,
@@ -183,6 +187,7 @@ impl UnionPolicy {
             trunk_mean: Avg::default(),
             zeros: 0,
             explore_every: EXPLORE_FIRST,
+            probing: false,
             run_s: 0.0,
             probe_s: 0.0,
             widths: vec![0; max + 1],
@@ -251,10 +256,24 @@ impl UnionPolicy {
     /// A verify of `proposed` drafts of drafter `arm` (proposal class `class`) kept the first
     /// `accepted`.
     pub fn verified_by(&mut self, arm: usize, class: usize, proposed: usize, accepted: usize) {
-        for (i, a) in self.accept_mut(arm, class).iter_mut().enumerate().take(proposed.min(accepted + 1)) {
-            let hit = if i < accepted { 1.0 } else { 0.0 };
-            *a += W_ACCEPT * (hit - *a);
+        let max = self.max;
+        self.accept_mut(arm, class);
+        let a = &mut self.arms[arm];
+        if a.trials.len() <= class {
+            a.trials.resize_with(class + 1, || vec![0; max]);
         }
+        let (acc, trials) = (&mut a.accept[class], &mut a.trials[class]);
+        for (i, (a, n)) in acc.iter_mut().zip(trials.iter_mut()).enumerate().take(proposed.min(accepted + 1)) {
+            let hit = if i < accepted { 1.0 } else { 0.0 };
+            // The mean of the verifies with the prior as one, until it is a moving average.
+            *n += 1;
+            *a += W_ACCEPT.max(1.0 / (*n as f64 + 1.0)) * (hit - *a);
+        }
+        if self.probing && accepted == proposed && proposed > 0 {
+            // A probe kept whole: probe again at once (it cost nothing), so a loop is learnt fast.
+            self.zeros = self.explore_every;
+        }
+        self.probing = false;
     }
 
     /// A verify of `proposed` drafts kept the first `accepted` (the one-drafter form).
@@ -483,6 +502,7 @@ impl UnionPolicy {
             self.explore_every = EXPLORE_FIRST;
         }
         self.widths[pick.1] += 1;
+        self.probing = probe;
         (pick.0, pick.1, probe)
     }
 
@@ -580,9 +600,13 @@ mod tests {
         assert_eq!(p.emitted(0), 1.0);
         assert!((p.emitted(2) - (1.0 + 0.5 + 0.25)).abs() < 1e-12);
         p.verified(3, 1);
-        // Position 1 kept, position 2 rejected, position 3 not seen.
+        // Position 1 kept, position 2 rejected, position 3 not seen: the mean with the prior as
+        // one verify.
         let a = p.acceptance().to_vec();
-        assert!((a[0] - 0.6).abs() < 1e-12 && (a[1] - 0.4).abs() < 1e-12 && a[2] == PRIOR_ACCEPT, "{a:?}");
+        assert!((a[0] - 0.75).abs() < 1e-12 && (a[1] - 0.25).abs() < 1e-12 && a[2] == PRIOR_ACCEPT, "{a:?}");
+        p.verified(3, 1);
+        let a = p.acceptance().to_vec();
+        assert!((a[0] - (0.75 + 0.25 / 3.0)).abs() < 1e-12, "{a:?}");
     }
 
     #[test]
