@@ -104,8 +104,8 @@ def aggregate(runs, offs):
     # Forward passes of decode: all but the prompt's (one per prefill chunk; one chunk here).
     fwd = sum(r["stats"].get("forward_calls", 0) - 1 for r in runs)
     byt = sum(r["stats"].get("decode_expert_bytes", 0) for r in runs)
-    tok_s = tok / dec_s if dec_s else None
-    off_tok_s = off_tok / off_s if off_s else None
+    rate = tok / dec_s if dec_s else None
+    off_rate = off_tok / off_s if off_s else None
     widths = []
     for r in runs:
         for i, c in enumerate(r["stats"].get("draft_widths") or []):
@@ -133,8 +133,8 @@ def aggregate(runs, offs):
         "verify_calls": ver, "accepted_per_verify": round(acc / ver, 4) if ver else None,
         "forward_passes_per_token": round(fwd / tok, 4) if tok else None,
         "expert_bytes_per_token": round(byt / tok) if tok else None,
-        "decode_tok_s": round(tok_s, 2) if tok_s else None,
-        "tok_s_ratio_to_off": round(tok_s / off_tok_s, 4) if tok_s and off_tok_s else None,
+        "decode_tok_s": round(rate, 2) if rate else None,
+        "tok_s_ratio_to_off": round(rate / off_rate, 4) if rate and off_rate else None,
         "repeated_4gram_share_mean": round(sum(rep4(r["output_ids"]) for r in runs) / max(1, len(runs)), 4),
         "ids_identical_to_off": all(r["output_ids"] == o["output_ids"] for r, o in zip(runs, offs)),
     }
@@ -200,6 +200,10 @@ def main():
             for i, w in enumerate(wins):
                 for d in (drafts if i % 2 == 0 else drafts[::-1]):
                     per[d].append(run(a, w, d, t, cache))
+                    if a.out:
+                        with open(a.out + ".runs", "a") as f:
+                            f.write(json.dumps({"label": a.label, "cache": cache, "temperature": t, "window": i,
+                                                "source": w["source"], "draft": d, **per[d][-1]}) + "\n")
                 line = " ".join(f"{d} {tok_s(per[d][-1]) / tok_s(per['off'][-1]):.2f}x "
                                 f"{per[d][-1]['stats'].get('drafts_accepted', 0)}/{per[d][-1]['stats'].get('drafts_proposed', 0)}"
                                 for d in drafts[1:])

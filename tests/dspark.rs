@@ -209,17 +209,16 @@ fn a_dspark_drafter_the_policy_does_not_ask_runs_no_forward() {
     let prompt = &r.prompt[..20];
     let (want, _) = plain(&e, prompt, 150);
     let spec = || Speculator::union(Box::new(DSparkDrafter::new(Arc::clone(e.dspark_model().unwrap()))), 0);
-    let gen = |spec: &mut Speculator, max_new: usize| {
+    let generate = |spec: &mut Speculator, max_new: usize| {
         let mut s = e.new_session();
         s.prefill_with(prompt, spec).unwrap();
-        let g =
-            s.generate_speculative(&GenerateOptions { max_new, stop: Vec::new() }, spec, &mut |_| true).unwrap();
+        let g = s.generate_speculative(&GenerateOptions { max_new, stop: Vec::new() }, spec, &mut |_| true).unwrap();
         (g.tokens, s)
     };
     // 15 tokens: a drafter whose call was never timed is asked only by a probe, and a probe only
     // once its expected cost fits in 1% of the seconds run: width 0 throughout.
     let mut quiet = spec();
-    let (tokens, s) = gen(&mut quiet, 15);
+    let (tokens, s) = generate(&mut quiet, 15);
     assert_eq!(tokens, want[..15]);
     assert_eq!(s.stats.drafts.widths.iter().skip(1).sum::<u64>(), 0, "{:?}", s.stats.drafts.widths);
     assert_eq!((s.stats.drafts.drafter_forwards, s.stats.drafts.drafter_rows), (0, 0), "no drafter forward at width 0");
@@ -228,7 +227,7 @@ fn a_dspark_drafter_the_policy_does_not_ask_runs_no_forward() {
     // Longer: probes ask it, and each of its forwards is one of its drafts, after folding the rows
     // that waited.
     let mut asked = spec();
-    let (tokens, s) = gen(&mut asked, 150);
+    let (tokens, s) = generate(&mut asked, 150);
     assert_eq!(tokens, want);
     let d = &s.stats.drafts;
     let verifies = d.by_drafter.get("dspark").map_or(0, |v| v[0]);
@@ -248,9 +247,8 @@ fn auto_drafts_by_lookup_where_the_text_repeats_and_changes_nothing() {
     assert_eq!(spec.drafters.iter().map(|d| d.name()).collect::<Vec<_>>(), ["ngram", "dspark"]);
     let mut s = e.new_session();
     s.prefill_with(prompt, &mut spec).unwrap();
-    let g = s
-        .generate_speculative(&GenerateOptions { max_new: 90, stop: Vec::new() }, &mut spec, &mut |_| true)
-        .unwrap();
+    let g =
+        s.generate_speculative(&GenerateOptions { max_new: 90, stop: Vec::new() }, &mut spec, &mut |_| true).unwrap();
     assert_eq!((g.tokens, bits(s.logits().unwrap())), (want, want_logits));
     let d = &s.stats.drafts;
     let by = |name: &str| d.by_drafter.get(name).copied().unwrap_or_default();

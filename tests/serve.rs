@@ -221,7 +221,10 @@ fn drafts_in_a_running_batch_answer_each_stream_as_alone_on_the_demo_model() {
         assert_eq!(b.len(), 16);
         for (i, (x, y)) in b.iter().zip(a).enumerate() {
             for k in ["text", "finish", "logprobs"] {
-                assert_eq!(x[k], y[k], "--parallel {n} --draft {draft}, request {i}: {k} differs from it alone without drafts");
+                assert_eq!(
+                    x[k], y[k],
+                    "--parallel {n} --draft {draft}, request {i}: {k} differs from it alone without drafts"
+                );
             }
         }
         let peak = b.iter().map(|x| x["batch"].as_u64().unwrap()).max().unwrap();

@@ -281,7 +281,10 @@ impl Speculator {
     pub fn describe(&self) -> String {
         let policy = match (&self.union, &self.cost) {
             (Some(u), _) if self.drafters.len() > 1 => {
-                format!("per step a single step or a draft of width 1..{}, whichever gives most tokens per second", u.max)
+                format!(
+                    "per step a single step or a draft of width 1..{}, whichever gives most tokens per second",
+                    u.max
+                )
             }
             (Some(u), _) => format!("width 0..{} where expected tokens per second are most", u.max),
             (None, Some(_)) => format!("width {}..{}, pauses while it does not pay", self.width.probe, self.width.max),
@@ -396,7 +399,8 @@ impl Speculator {
             None => {
                 let t0 = Instant::now();
                 let p = d.propose(context, w)?;
-                let c = d.last_call().unwrap_or(CallCost { block_s: t0.elapsed().as_secs_f64(), ..CallCost::default() });
+                let c =
+                    d.last_call().unwrap_or(CallCost { block_s: t0.elapsed().as_secs_f64(), ..CallCost::default() });
                 u.called(o.arm, c.rows, c.fold_s, c.block_s);
                 p
             }
