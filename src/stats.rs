@@ -114,6 +114,13 @@ pub struct Drafts {
     pub verify_s: f64,
     /// Time drafters spent proposing.
     pub draft_s: f64,
+    /// The drafters' own forwards: DSpark draft blocks run, and context rows folded into its
+    /// latents (none while the policy asks for no DSpark draft; the rows wait as taps).
+    pub drafter_forwards: u64,
+    pub drafter_rows: u64,
+    /// Per drafter that made drafts (`--draft auto` chooses among several): verifies, drafts
+    /// proposed, drafts accepted.
+    pub by_drafter: BTreeMap<String, [u64; 3]>,
 }
 
 /// Routing per layer: written by the forward's expert schedule.
@@ -183,6 +190,12 @@ impl Drafts {
         add_at(&mut self.accepted_at, &o.accepted_at);
         add_at(&mut self.widths, &o.widths);
         self.verify_calls += o.verify_calls;
+        self.drafter_forwards += o.drafter_forwards;
+        self.drafter_rows += o.drafter_rows;
+        for (k, v) in &o.by_drafter {
+            let e = self.by_drafter.entry(k.clone()).or_default();
+            e.iter_mut().zip(v).for_each(|(a, b)| *a += b);
+        }
         if self.drafter.is_none() {
             self.drafter.clone_from(&o.drafter);
         }
@@ -268,6 +281,14 @@ impl Stats {
         let ones = |n: usize| vec![1u64; n];
         add_at(&mut self.drafts.proposed_at, &ones(proposed));
         add_at(&mut self.drafts.accepted_at, &ones(accepted));
+    }
+
+    /// A verify of `proposed` drafts made by drafter `name` kept `accepted`.
+    pub fn record_drafter(&mut self, name: &str, proposed: usize, accepted: usize) {
+        let e = self.drafts.by_drafter.entry(name.to_string()).or_default();
+        e[0] += 1;
+        e[1] += proposed as u64;
+        e[2] += accepted as u64;
     }
 
     /// A drafting sequence's decision: `width` drafts asked for this step.
@@ -368,6 +389,12 @@ impl Stats {
                 .collect();
             m.insert("draft_acceptance_by_position".into(), Value::Array(by_pos));
             m.insert("draft_widths".into(), json!(self.drafts.widths));
+            m.insert("drafter_forwards".into(), json!(self.drafts.drafter_forwards));
+            m.insert("drafter_context_rows".into(), json!(self.drafts.drafter_rows));
+            let by: serde_json::Map<String, Value> = (self.drafts.by_drafter.iter())
+                .map(|(k, v)| (k.clone(), json!({"verifies": v[0], "proposed": v[1], "accepted": v[2]})))
+                .collect();
+            m.insert("drafts_by_drafter".into(), Value::Object(by));
             m.insert("decode_expert_bytes".into(), json!(self.decode_expert_bytes));
             m.insert("decode_expert_bytes_per_token".into(), json!(self.decode_expert_bytes_per_token()));
         }

@@ -63,7 +63,9 @@ impl Server {
             .args(model)
             .args(["--port", "0", "--prefill-rows", "256", "--memory-gb", "2"])
             .args(if quiet { &["-q"][..] } else { &[] })
-            .args(extra)
+            // `env:NAME=VALUE` in `extra` sets the server's environment instead.
+            .args(extra.iter().filter(|a| !a.starts_with("env:")))
+            .envs(extra.iter().filter_map(|a| a.strip_prefix("env:")?.split_once('=')))
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -211,23 +213,32 @@ fn drafts_in_a_running_batch_answer_each_stream_as_alone_on_the_demo_model() {
     };
     let a = alone.as_array().unwrap();
     // 16 streams started together, 3 or 8 at a time, each drafting with the demo's DSpark drafter.
-    for n in [3u64, 8] {
+    for (n, draft) in [(3u64, "dspark"), (8, "dspark"), (3, "auto")] {
         let queue = (16 - n).to_string();
         let batched: serde_json::Value = {
-            let s = Server::start_demo(&["--parallel", &n.to_string(), "--queue", &queue, "--draft", "dspark"]);
+            // The published width policy drafts whenever it may, so drafts really ride in the batch.
+            // `auto` under its own policy.
+            let policy = if draft == "dspark" { "env:DELTAFIN_DRAFT_POLICY=published" } else { "env:" };
+            let s = Server::start_demo(&["--parallel", &n.to_string(), "--queue", &queue, "--draft", draft, policy]);
             serde_json::from_str(s.client("parallel", None).trim()).unwrap()
         };
         let b = batched.as_array().unwrap();
         assert_eq!(b.len(), 16);
         for (i, (x, y)) in b.iter().zip(a).enumerate() {
             for k in ["text", "finish", "logprobs"] {
-                assert_eq!(x[k], y[k], "--parallel {n}, request {i}: {k} differs from it alone without drafts");
+                assert_eq!(
+                    x[k], y[k],
+                    "--parallel {n} --draft {draft}, request {i}: {k} differs from it alone without drafts"
+                );
             }
         }
         let peak = b.iter().map(|x| x["batch"].as_u64().unwrap()).max().unwrap();
         assert_eq!(peak, n, "{batched}");
         let accepted: u64 = b.iter().map(|x| x["drafts_accepted"].as_u64().unwrap()).sum();
-        assert!(accepted > 0, "--parallel {n}: no draft accepted in the batch: {batched}");
+        assert!(
+            accepted > 0 || draft == "auto",
+            "--parallel {n} --draft {draft}: no draft accepted in the batch: {batched}"
+        );
     }
 }
 
@@ -452,12 +463,15 @@ fn conversation_reuse_and_memo_give_identical_output_and_are_counted() {
     let reuse = Server::start(&[]);
     let fresh = Server::start(&["--no-reuse", "--memo", "0"]);
     let drafted = Server::start(&["--draft", "ngram"]);
+    let auto = Server::start(&["--draft", "auto"]);
     let a = conversation(&reuse);
     let b = conversation(&fresh);
     let d = conversation(&drafted);
+    let au = conversation(&auto);
     for k in ["turn1", "turn2", "turn2_logprobs", "repeat", "prompt_tokens"] {
         assert_eq!(a[k], b[k], "{k}: reuse {a} vs fresh {b}");
         assert_eq!(d[k], b[k], "{k}: drafts {d} vs none {b}");
+        assert_eq!(au[k], b[k], "{k}: --draft auto {au} vs none {b}");
     }
     assert_eq!(a["turn2"], a["repeat"]);
     let cached = a["cached"].as_u64().unwrap();

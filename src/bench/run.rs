@@ -515,7 +515,7 @@ impl Run<'_> {
             "layer_s_p50": b.layer_q(0.5),
             "layer_s_p99": b.layer_q(0.99),
             "layer_s_max": b.layer_q(1.0),
-            "draft": spec.map_or("off", |s| s.drafter.name()),
+            "draft": spec.map_or("off", |s| s.name()),
             "drafts_proposed": stats.drafts.proposed,
             "drafts_accepted": stats.drafts.accepted,
             "draft_acceptance": stats.acceptance(),

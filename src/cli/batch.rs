@@ -229,8 +229,10 @@ fn open(
 ) -> Result<(Generator, Option<Stats>, usize)> {
     let engine = load::open_engine(config)?;
     // A drafter that cannot be built is a startup error, not a silent fallback.
-    // One that reads K3's hidden rows sees every prompt row: no shared prefix (`service::prefix`).
-    if engine.drafter(a.draft)?.is_some_and(|d| !d.taps().is_empty()) {
+    // One that drafts only from K3's hidden rows sees every prompt row: no shared prefix
+    // (`service::prefix`); beside n-gram lookup (`auto`), a request on the prefix drafts by lookup.
+    engine.drafter(a.draft)?;
+    if engine.speculator(a.draft)?.is_some_and(|s| s.needs_whole_prompt()) {
         prefix.clear();
     }
     if !a.quiet {

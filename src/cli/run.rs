@@ -97,8 +97,8 @@ fn open(
     if !a.quiet {
         eprintln!("{}", report::startup(&engine, report::verbose(a.verbose)));
         if let Some(s) = &spec {
-            let memory = match (engine.draft_model_description(), s.drafter.name()) {
-                (Some(d), "dspark") => d,
+            let memory = match engine.draft_model_description() {
+                Some(d) if s.uses_draft_model() => d,
                 _ => "drafter memory: none".into(),
             };
             eprintln!("deltafin: drafting: {} | {memory}", s.describe());

@@ -15,11 +15,13 @@ use crate::backend::BackendError;
 pub struct NgramDrafter {
     n_max: usize,
     n_min: usize,
+    /// The length of the suffix the last proposal matched (0: none).
+    last_n: usize,
 }
 
 impl Default for NgramDrafter {
     fn default() -> Self {
-        NgramDrafter { n_max: 4, n_min: 1 }
+        NgramDrafter { n_max: 4, n_min: 1, last_n: 0 }
     }
 }
 
@@ -27,7 +29,7 @@ impl NgramDrafter {
     /// Matches suffixes of `n_max` down to `n_min` tokens (both at least 1).
     pub fn new(n_max: usize, n_min: usize) -> Self {
         let n_min = n_min.max(1);
-        NgramDrafter { n_max: n_max.max(n_min), n_min }
+        NgramDrafter { n_max: n_max.max(n_min), n_min, last_n: 0 }
     }
 
     /// Start of the most recent earlier occurrence of the longest matching suffix, and its length.
@@ -53,7 +55,12 @@ impl Drafter for NgramDrafter {
     }
 
     fn propose(&mut self, context: &[u32], k: usize) -> Result<Vec<u32>, BackendError> {
+        self.last_n = 0;
+        if k == 0 {
+            return Ok(Vec::new());
+        }
         let Some((i, n)) = self.find(context) else { return Ok(Vec::new()) };
+        self.last_n = n;
         let start = i + n;
         let mut out: Vec<u32> = Vec::with_capacity(k);
         for j in 0..k {
@@ -63,6 +70,16 @@ impl Drafter for NgramDrafter {
             out.push(t);
         }
         Ok(out)
+    }
+
+    fn cheap(&self) -> bool {
+        true
+    }
+
+    /// Acceptance is learnt per matched suffix length: a 4-token match is kept far more often
+    /// than a 1-token one.
+    fn class(&self) -> usize {
+        self.last_n.saturating_sub(1)
     }
 }
 

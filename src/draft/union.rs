@@ -1,30 +1,40 @@
-//! The union-aware draft width: per verify, the width w in 0..=max that maximises expected emitted
+//! The union-aware draft policy: per step, which drafter (a single step, or one of the sequence's
+//! drafters: n-gram lookup, DSpark) and how many drafts, the choice that maximises expected emitted
 //! tokens per expected second (bench/results/2026-12-05-route-overlap/README.md, "What the live
-//! union-aware policy needs").
+//! union-aware policy needs"; bench/results/2026-12-07-drafts-auto/).
 //!
-//! Contract: [`UnionPolicy::decide`] is the drafts to ask for now (0: a single step), from what it
-//! learnt of its own sequence: [`UnionPolicy::observe`] takes every forward it took part in
-//! ([`ForwardCost`]: rows, expert union, bytes read, read wait, kernel time), [`UnionPolicy::verified`]
-//! each verify's outcome and [`UnionPolicy::drafted`] what asking the drafter cost. It decides only
-//! how many tokens are drafted, never which tokens are emitted.
+//! Contract: [`UnionPolicy::choose`] picks among the drafts on offer now ([`Offer`]: a drafter, the
+//! class of its proposal, the most drafts it gives, what asking it would cost) or a single step
+//! (none), from what it learnt of its own sequence: [`UnionPolicy::observe`] takes every forward it
+//! took part in ([`ForwardCost`]: rows, expert union, bytes read, read wait, kernel time),
+//! [`UnionPolicy::verified_by`] each verify's outcome per drafter and class, [`UnionPolicy::called`]
+//! what a drafter's call cost (its block pass and the context rows it folded first),
+//! [`UnionPolicy::ran`] each step's seconds (the probes' budget). It decides only how many tokens
+//! are drafted and by whom, never which tokens are emitted. [`UnionPolicy::decide`] is the one-drafter
+//! form (a drafter always on offer, its call cost learnt from `drafted`).
 //!
 //! The model: E_w = 1 + sum over r = 1..w of a_1 x ... x a_r, with a_i the conditional acceptance
-//! at draft position i (a moving average over this sequence's verifies, from a prior). C(n), the
-//! seconds of a forward of n rows, is trunk(n) + L x [kernel(U(n), n) + M(n) x expert bytes x
-//! seconds per byte read], with L the MoE layers a forward passes; U(n) the expert union per layer
-//! of n rows (a moving average per row count from the forwards seen; a row count not seen yet
-//! scaled from the nearest one seen as independent routing over `n_experts` would); M(n) the part
-//! of it not resident: the single steps' missing share of the first row's experts plus the verifies'
-//! missing share of the experts the other rows add (read from drives: bytes read over one expert's
-//! bytes, so RAM- and device-cache hits count as resident); seconds per byte from the forwards'
-//! read waits over their bytes read (what a read costs after overlap with compute); kernel time
-//! a fit of per-layer expert kernel seconds against (union, expert rows); trunk time (the rest of a
-//! forward) a fit against rows (`StepCost`). A lane's verify costs C(others + 1 + w) − C(others)
-//! (`others`: the rows other lanes feed in the same step) plus, for w > 0, the drafter's seconds a
-//! call (a moving average).
-//! w = 0 when a single step is best; after `EXPLORE_FIRST` single steps in a row (doubling to
-//! `EXPLORE_MOST`) it drafts one token anyway, so a sequence whose text turns predictable (or whose
-//! costs change) is found again.
+//! at draft position i for that drafter and class (a moving average over this sequence's verifies,
+//! from a prior: 0.5 greedy, 0.3 sampled — a sampled pick agrees with a point-mass draft less
+//! often). C(n), the seconds of a forward of n rows, is trunk(n) + L x [kernel(U(n), n) + M(n) x
+//! expert bytes x seconds per byte read], with L the MoE layers a forward passes; U(n) the expert
+//! union per layer of n rows (a moving average per row count from the forwards seen; a row count
+//! not seen yet scaled from the nearest one seen as independent routing over `n_experts` would);
+//! M(n) the part of it not resident: the single steps' missing share of the first row's experts
+//! plus the verifies' missing share of the experts the other rows add (read from drives: bytes read
+//! over one expert's bytes, so RAM- and device-cache hits count as resident); seconds per byte from
+//! the forwards' read waits over their bytes read (what a read costs after overlap with compute);
+//! kernel time a fit of per-layer expert kernel seconds against (union, expert rows); trunk time
+//! (the rest of a forward) a fit against rows (`StepCost`). A verify of w drafts costs
+//! C(others + 1 + w) − C(others) (`others`: the rows other lanes feed in the same step) plus the
+//! drafter's call: nothing for a proposal already made (n-gram lookup is made to see whether it
+//! matches), else its block's seconds (a moving average) plus its backlog of context rows at its
+//! measured seconds a row (a DSpark drafter folds the rows it has not seen yet before it drafts).
+//! A drafter whose call has not been timed yet is chosen only by a probe.
+//! Single step when it is best; after `EXPLORE_FIRST` single steps in a row (doubling to
+//! `EXPLORE_MOST`) it probes two drafts with the offer closest to paying, so text that turns
+//! predictable (or costs that change) is found again — but only while the probes' measured cost
+//! over the single steps they replaced stays within [`PROBE_SHARE`] of the sequence's seconds.
 
 use super::StepCost;
 use crate::stats::Stats;
@@ -37,8 +47,14 @@ const W: f64 = 0.2;
 const W_ACCEPT: f64 = 0.2;
 /// Conditional acceptance per position before any verify of this sequence.
 pub const PRIOR_ACCEPT: f64 = 0.5;
-/// Single steps in a row before a probe (two drafts), then doubling up to the most.
-const EXPLORE_FIRST: usize = 16;
+/// The same for a sampling sequence.
+pub const PRIOR_ACCEPT_SAMPLED: f64 = 0.3;
+/// The most the probes may cost (their seconds over the single steps they replaced) as a share of
+/// the seconds of the steps the sequence took part in.
+pub const PROBE_SHARE: f64 = 0.01;
+/// Single steps in a row before a probe (two drafts), then doubling up to the most (each within
+/// the probes' budget).
+const EXPLORE_FIRST: usize = 4;
 const EXPLORE_MOST: usize = 256;
 
 /// One forward's cost and reads, the policy's observation.
@@ -89,13 +105,40 @@ impl Avg {
     }
 }
 
-/// The union-aware width policy of one sequence (see the module contract).
+/// A draft on offer this step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Offer {
+    /// Which drafter (its index in the sequence's drafters).
+    pub arm: usize,
+    /// Which kind of proposal (an n-gram lookup: the length of the suffix it matched, less one).
+    pub class: usize,
+    /// The most drafts it gives now.
+    pub most: usize,
+    /// Its proposal is already made (asking costs nothing more).
+    pub sunk: bool,
+    /// Context rows it folds before it drafts.
+    pub backlog: usize,
+}
+
+/// What one drafter has shown: acceptance per class and position, and its call's cost.
+#[derive(Clone, Debug, Default)]
+struct Arm {
+    accept: Vec<Vec<f64>>,
+    /// Verifies that reached each position, per class (the average's weight while few).
+    trials: Vec<Vec<u32>>,
+    block_s: Avg,
+    row_s: Avg,
+}
+
+/// The union-aware draft policy of one sequence (see the module contract).
 #[derive(Clone, Debug)]
 pub struct UnionPolicy {
     pub max: usize,
     /// Routed experts per MoE layer (for scaling unions to row counts not seen; 0: unknown).
     pub n_experts: usize,
-    accept: Vec<f64>,
+    /// The conditional acceptance a class starts from.
+    prior: f64,
+    arms: Vec<Arm>,
     /// Union per layer by rows (index = rows).
     union: Vec<Avg>,
     layers: Avg,
@@ -111,9 +154,13 @@ pub struct UnionPolicy {
     k: [Avg; 5],
     trunk: StepCost,
     trunk_mean: Avg,
-    draft_s: Avg,
     zeros: usize,
     explore_every: usize,
+    /// The last choice was a probe (not verified yet).
+    probing: bool,
+    /// Seconds of the steps it took part in, and what its probes cost over single steps.
+    pub run_s: f64,
+    pub probe_s: f64,
     /// Decisions made at each width (index = width) and probes among them.
     pub widths: Vec<u64>,
     pub probes: u64,
@@ -125,7 +172,8 @@ impl UnionPolicy {
         UnionPolicy {
             max,
             n_experts,
-            accept: vec![PRIOR_ACCEPT; max],
+            prior: PRIOR_ACCEPT,
+            arms: Vec::new(),
             union: vec![Avg::default(); MAX_ROWS + 1],
             layers: Avg::default(),
             topk: Avg::default(),
@@ -137,9 +185,11 @@ impl UnionPolicy {
             k: [Avg::default(); 5],
             trunk: StepCost::default(),
             trunk_mean: Avg::default(),
-            draft_s: Avg::default(),
             zeros: 0,
             explore_every: EXPLORE_FIRST,
+            probing: false,
+            run_s: 0.0,
+            probe_s: 0.0,
             widths: vec![0; max + 1],
             probes: 0,
         }
@@ -185,36 +235,114 @@ impl UnionPolicy {
         self.trunk_mean.add(rest.max(0.0), W);
     }
 
-    /// A verify of `proposed` drafts kept the first `accepted`.
-    pub fn verified(&mut self, proposed: usize, accepted: usize) {
-        for (i, a) in self.accept.iter_mut().enumerate().take(proposed.min(accepted + 1)) {
+    /// A sampling sequence: classes not seen yet start from the lower prior.
+    pub fn set_sampled(&mut self, sampled: bool) {
+        self.prior = if sampled { PRIOR_ACCEPT_SAMPLED } else { PRIOR_ACCEPT };
+    }
+
+    /// The acceptance per position of drafter `arm`'s class `class` (made at the prior).
+    fn accept_mut(&mut self, arm: usize, class: usize) -> &mut Vec<f64> {
+        if self.arms.len() <= arm {
+            self.arms.resize_with(arm + 1, Arm::default);
+        }
+        let (max, prior) = (self.max, self.prior);
+        let a = &mut self.arms[arm].accept;
+        if a.len() <= class {
+            a.resize_with(class + 1, || vec![prior; max]);
+        }
+        &mut a[class]
+    }
+
+    /// A verify of `proposed` drafts of drafter `arm` (proposal class `class`) kept the first
+    /// `accepted`.
+    pub fn verified_by(&mut self, arm: usize, class: usize, proposed: usize, accepted: usize) {
+        let max = self.max;
+        self.accept_mut(arm, class);
+        let a = &mut self.arms[arm];
+        if a.trials.len() <= class {
+            a.trials.resize_with(class + 1, || vec![0; max]);
+        }
+        let (acc, trials) = (&mut a.accept[class], &mut a.trials[class]);
+        for (i, (a, n)) in acc.iter_mut().zip(trials.iter_mut()).enumerate().take(proposed.min(accepted + 1)) {
             let hit = if i < accepted { 1.0 } else { 0.0 };
-            *a += W_ACCEPT * (hit - *a);
+            // The mean of the verifies with the prior as one, until it is a moving average.
+            *n += 1;
+            *a += W_ACCEPT.max(1.0 / (*n as f64 + 1.0)) * (hit - *a);
+        }
+        if self.probing && accepted == proposed && proposed > 0 {
+            // A probe kept whole: probe again at once (it cost nothing), so a loop is learnt fast.
+            self.zeros = self.explore_every;
+        }
+        self.probing = false;
+    }
+
+    /// A verify of `proposed` drafts kept the first `accepted` (the one-drafter form).
+    pub fn verified(&mut self, proposed: usize, accepted: usize) {
+        self.verified_by(0, 0, proposed, accepted);
+    }
+
+    /// Drafter `arm`'s call folded `rows` context rows in `fold_s` and ran its block in `block_s`.
+    pub fn called(&mut self, arm: usize, rows: usize, fold_s: f64, block_s: f64) {
+        if self.arms.len() <= arm {
+            self.arms.resize_with(arm + 1, Arm::default);
+        }
+        let a = &mut self.arms[arm];
+        a.block_s.add(block_s, W);
+        if rows > 0 {
+            a.row_s.add(fold_s / rows as f64, W);
         }
     }
 
-    /// Asking the drafter for `asked` drafts took `secs` (a call's cost: DSpark drafts its whole
-    /// block in one pass whatever the width, n-gram lookup costs next to nothing).
+    /// Asking the (only) drafter for `asked` drafts took `secs` in all (the one-drafter form: a
+    /// call's cost, whatever the width).
     pub fn drafted(&mut self, asked: usize, secs: f64) {
         if asked > 0 {
-            self.draft_s.add(secs, W);
+            self.called(0, 0, 0.0, secs);
         }
     }
 
-    /// The conditional acceptance it holds for each draft position.
-    pub fn acceptance(&self) -> &[f64] {
-        &self.accept
+    /// A step it took part in cost it `secs` (its share and its drafting); `probe`: the step was
+    /// a probe that emitted `emitted` tokens, a single step costing `single_s`.
+    pub fn ran(&mut self, secs: f64, probe: Option<(usize, f64)>) {
+        if !secs.is_finite() {
+            return;
+        }
+        self.run_s += secs;
+        if let Some((emitted, single_s)) = probe {
+            self.probe_s += (secs - emitted as f64 * single_s).max(0.0);
+        }
     }
 
-    /// Expected tokens a verify of `w` drafts emits.
+    /// The conditional acceptance the first drafter holds for each draft position (its first class).
+    pub fn acceptance(&self) -> Vec<f64> {
+        self.arms.first().and_then(|a| a.accept.first()).cloned().unwrap_or_else(|| vec![self.prior; self.max])
+    }
+
+    /// Expected tokens a verify of `w` drafts of the first drafter emits.
     pub fn emitted(&self, w: usize) -> f64 {
+        self.emitted_by(0, 0, w)
+    }
+
+    /// Expected tokens a verify of `w` drafts of drafter `arm`'s class `class` emits.
+    pub fn emitted_by(&self, arm: usize, class: usize, w: usize) -> f64 {
+        let acc = self.arms.get(arm).and_then(|a| a.accept.get(class));
         let mut p = 1.0;
         let mut e = 1.0;
-        for a in self.accept.iter().take(w) {
-            p *= a;
+        for i in 0..w.min(self.max) {
+            p *= acc.map_or(self.prior, |a| a[i]);
             e += p;
         }
         e
+    }
+
+    /// Expected seconds of asking for `o`'s drafts (None: its call was never timed).
+    fn call_s(&self, o: &Offer) -> Option<f64> {
+        if o.sunk {
+            return Some(0.0);
+        }
+        let a = self.arms.get(o.arm)?;
+        let block = a.block_s.0?;
+        Some(block + o.backlog as f64 * a.row_s.0.unwrap_or(0.0))
     }
 
     /// The union per layer of `n` rows: seen, or scaled from the nearest row count seen.
@@ -275,16 +403,44 @@ impl UnionPolicy {
         Some(trunk + l * (ke * u + kr * k * n as f64 + missing * self.expert_bytes * per_byte))
     }
 
-    /// The width that maximises E_w / cost_w with `others` rows of other lanes in the step, and
-    /// its score (tokens per second) for each width: None before a forward has been seen.
-    pub fn best(&self, others: usize) -> Option<(usize, Vec<f64>)> {
-        let base = self.forward_s(others)?;
-        let draft = self.draft_s.0.unwrap_or(0.0);
-        let mut scores = Vec::with_capacity(self.max + 1);
-        for w in 0..=self.max {
-            let c = self.forward_s(others + 1 + w)? - base + if w > 0 { draft } else { 0.0 };
-            scores.push(self.emitted(w) / c.max(1e-12));
+    /// The seconds a single step adds to a step of `others` rows of other lanes.
+    pub fn single_s(&self, others: usize) -> Option<f64> {
+        Some(self.forward_s(others + 1)? - self.forward_s(others)?)
+    }
+
+    /// Seconds a verify of `w` drafts of offer `o` adds to a step of `others` rows of other
+    /// lanes, its call included (a call never timed: `untimed` seconds).
+    fn verify_s(&self, others: usize, o: &Offer, w: usize, untimed: f64) -> Option<f64> {
+        let call = if w > 0 { self.call_s(o).unwrap_or(untimed) } else { 0.0 };
+        Some(self.forward_s(others + 1 + w)? - self.forward_s(others)? + call)
+    }
+
+    /// Whether drafter `arm` has been verified in class `class` (a class never verified is tried
+    /// only by a probe).
+    fn seen(&self, arm: usize, class: usize) -> bool {
+        self.arms.get(arm).is_some_and(|a| a.accept.get(class).is_some())
+    }
+
+    /// Tokens per second of each width 0..=o.most for offer `o` (index 0: a single step), or None
+    /// before a forward has been seen; `probe`: a call never timed counts as free.
+    fn scores(&self, others: usize, o: &Offer, probe: bool) -> Option<Vec<f64>> {
+        let untimed = if probe { 0.0 } else { f64::INFINITY };
+        let mut scores = Vec::with_capacity(o.most.min(self.max) + 1);
+        for w in 0..=o.most.min(self.max) {
+            let c = self.verify_s(others, o, w, untimed)?;
+            scores.push(self.emitted_by(o.arm, o.class, w) / c.max(1e-12));
         }
+        Some(scores)
+    }
+
+    /// The width that maximises E_w / cost_w for the one drafter (always on offer, `max` wide)
+    /// with `others` rows of other lanes in the step, and its score (tokens per second) for each
+    /// width: None before a forward has been seen.
+    pub fn best(&self, others: usize) -> Option<(usize, Vec<f64>)> {
+        let o = Offer { arm: 0, class: 0, most: self.max, sunk: false, backlog: 0 };
+        // Before its call is timed, the one drafter's call counts as free (as it always did).
+        let probe = self.arms.first().is_none_or(|a| a.block_s.0.is_none());
+        let scores = self.scores(others, &o, probe)?;
         let mut best = 0;
         for (w, &s) in scores.iter().enumerate() {
             if s > scores[best] {
@@ -294,138 +450,72 @@ impl UnionPolicy {
         Some((best, scores))
     }
 
-    /// The drafts to ask for now, `others` rows of other lanes being in the step (see the module
-    /// contract); counted in `widths`.
-    pub fn decide(&mut self, others: usize) -> usize {
-        let best = self.best(others);
-        let mut w = best.as_ref().map_or(0, |(w, _)| *w);
-        if w == 0 && best.is_some() {
+    /// Which offer (its index in `offers`; None: a single step) and how many drafts, `others`
+    /// rows of other lanes being in the step (see the module contract); counted in `widths`. The
+    /// third value says whether the choice is a probe. A drafter whose call was never timed, or a
+    /// class of proposal never verified, is chosen only by a probe; a probe is made only when its
+    /// expected cost over the single steps it would replace (a call never timed taken as one
+    /// single step) fits in what is left of the probes' budget.
+    pub fn choose(&mut self, others: usize, offers: &[Offer]) -> (Option<usize>, usize, bool) {
+        let mut pick = (None, 0);
+        let single = self.single_s(others).filter(|s| s.is_finite() && *s > 0.0);
+        if let Some(single) = single {
+            let mut top = 1.0 / single;
+            for (i, o) in offers.iter().enumerate() {
+                if !self.seen(o.arm, o.class) {
+                    continue;
+                }
+                let Some(sc) = self.scores(others, o, false) else { continue };
+                for (w, &v) in sc.iter().enumerate().skip(1) {
+                    if v > top {
+                        top = v;
+                        pick = (Some(i), w);
+                    }
+                }
+            }
+        }
+        let mut probe = false;
+        if let (0, Some(single)) = (pick.1, single) {
             self.zeros += 1;
             if self.zeros >= self.explore_every && self.max > 0 {
-                self.zeros = 0;
-                self.explore_every = (self.explore_every * 2).min(EXPLORE_MOST);
-                self.probes += 1;
-                // Two wide, so the second position learns too (a one-token probe left it at the prior).
-                w = 2.min(self.max);
+                let left = PROBE_SHARE * self.run_s - self.probe_s;
+                // Two wide, so the second position learns too; the offer expected to cost least.
+                let over = |o: &Offer| {
+                    let w = 2.min(self.max).min(o.most);
+                    let c = self.verify_s(others, o, w, single)?;
+                    Some((c - self.emitted_by(o.arm, o.class, w) * single, w))
+                };
+                let best = (offers.iter().enumerate())
+                    .filter(|(_, o)| o.most >= 1)
+                    .filter_map(|(i, o)| over(o).map(|(x, w)| (i, x, w)))
+                    .min_by(|a, b| a.1.total_cmp(&b.1));
+                if let Some((i, _, w)) = best.filter(|b| b.1 <= left) {
+                    self.zeros = 0;
+                    self.explore_every = (self.explore_every * 2).min(EXPLORE_MOST);
+                    self.probes += 1;
+                    probe = true;
+                    pick = (Some(i), w);
+                }
             }
-        } else if w > 0 {
+        } else if pick.1 > 0 {
             self.zeros = 0;
             self.explore_every = EXPLORE_FIRST;
         }
-        self.widths[w] += 1;
-        w
+        self.widths[pick.1] += 1;
+        self.probing = probe;
+        (pick.0, pick.1, probe)
+    }
+
+    /// The drafts to ask the one drafter for now, `others` rows of other lanes being in the step
+    /// (see the module contract); counted in `widths`.
+    pub fn decide(&mut self, others: usize) -> usize {
+        // Before its call is timed, the one drafter's call counts as free (a probe times it).
+        let timed = self.arms.first().is_some_and(|a| a.block_s.0.is_some());
+        let o = Offer { arm: 0, class: 0, most: self.max, sunk: !timed, backlog: 0 };
+        self.accept_mut(0, 0);
+        self.choose(others, &[o]).1
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const L: u64 = 10;
-    const EB: u64 = 1 << 20;
-
-    /// A forward of `rows` rows with `u` experts per layer, `read` of them read from the drive at
-    /// `per_byte` seconds a byte, kernels at 0.5 ms an expert and 10 us an expert row, and a trunk
-    /// of 20 ms + 1 ms a row.
-    fn forward(rows: usize, u: u64, read: f64, per_byte: f64) -> ForwardCost {
-        let bytes = (read * (u * L * EB) as f64) as u64;
-        let kernel = L as f64 * (0.0005 * u as f64 + 0.00001 * (8 * rows) as f64);
-        let wait = bytes as f64 * per_byte;
-        ForwardCost {
-            rows,
-            layers: L,
-            experts: u * L,
-            expert_rows: 8 * rows as u64 * L,
-            expert_bytes: EB,
-            bytes_read: Some(bytes),
-            read_wait_s: wait,
-            kernel_s: kernel,
-            secs: 0.02 + 0.001 * rows as f64 + kernel + wait,
-        }
-    }
-
-    fn taught(read: f64, per_byte: f64) -> UnionPolicy {
-        let mut p = UnionPolicy::new(7, 64);
-        for _ in 0..4 {
-            for (rows, u) in [(1, 8), (2, 15), (1, 8), (4, 26), (1, 8), (8, 40)] {
-                p.observe(&forward(rows, u, read, per_byte));
-            }
-        }
-        p
-    }
-
-    #[test]
-    fn a_slow_drive_and_low_acceptance_keep_drafts_off() {
-        // Every expert read from a 200 MB/s drive; the drafter's first draft kept once in six.
-        let mut p = taught(1.0, 1.0 / 200e6);
-        assert_eq!(p.best(0).unwrap().0, 0, "even at the prior acceptance a verify's union costs more than it emits");
-        for _ in 0..8 {
-            p.verified(2, 0);
-        }
-        assert!(p.acceptance()[0] < 0.1);
-        assert_eq!(p.decide(0), 0);
-        let c1 = p.forward_s(1).unwrap();
-        let c2 = p.forward_s(2).unwrap();
-        assert!(c2 / c1 > 1.7, "two rows read nearly twice the experts: {c2} / {c1}");
-    }
-
-    #[test]
-    fn everything_resident_and_high_acceptance_draft_wide() {
-        let mut p = taught(0.0, 1.0 / 200e6);
-        for _ in 0..20 {
-            p.verified(7, 7);
-        }
-        let w = p.decide(0);
-        assert!(w >= 5, "resident experts and drafts that are kept: draft wide (got {w})");
-        // The same costs with drafts that miss: single steps.
-        for _ in 0..20 {
-            p.verified(7, 0);
-        }
-        assert_eq!(p.best(0).unwrap().0, 0);
-    }
-
-    #[test]
-    fn resident_experts_on_a_slow_drive_still_pay() {
-        // The drive is slow but nothing is read: only compute counts.
-        let mut p = taught(0.0, 1.0 / 1e6);
-        for _ in 0..20 {
-            p.verified(4, 3);
-        }
-        assert!(p.decide(0) >= 2);
-    }
-
-    #[test]
-    fn expected_tokens_multiply_conditional_acceptance() {
-        let mut p = UnionPolicy::new(3, 0);
-        assert_eq!(p.emitted(0), 1.0);
-        assert!((p.emitted(2) - (1.0 + 0.5 + 0.25)).abs() < 1e-12);
-        p.verified(3, 1);
-        // Position 1 kept, position 2 rejected, position 3 not seen.
-        let a = p.acceptance().to_vec();
-        assert!((a[0] - 0.6).abs() < 1e-12 && (a[1] - 0.4).abs() < 1e-12 && a[2] == PRIOR_ACCEPT, "{a:?}");
-    }
-
-    #[test]
-    fn nothing_seen_no_drafts_and_zeros_probe_now_and_then() {
-        let mut p = UnionPolicy::new(7, 64);
-        assert_eq!(p.decide(0), 0, "no forward seen yet: a single step first");
-        let mut p = taught(1.0, 1.0 / 200e6);
-        let ws: Vec<usize> = (0..48).map(|_| p.decide(0)).collect();
-        let probes: Vec<usize> = (0..48).filter(|&i| ws[i] > 0).collect();
-        assert_eq!(probes, vec![15, 47], "a probe after 16 single steps, then after 32");
-        assert_eq!(p.probes, 2);
-        assert_eq!(p.widths[0], 46);
-    }
-
-    #[test]
-    fn unions_of_rows_not_seen_scale_from_the_nearest_seen() {
-        let mut p = UnionPolicy::new(7, 64);
-        p.observe(&forward(1, 8, 1.0, 1e-9));
-        let u2 = p.union_at(2).unwrap();
-        assert!((u2 - 64.0 * (1.0 - (56.0f64 / 64.0).powi(2))).abs() < 1e-9, "{u2}");
-        p.observe(&forward(4, 20, 1.0, 1e-9));
-        let u3 = p.union_at(3).unwrap();
-        assert!(u3 > 8.0 && u3 < 20.0, "{u3}");
-        assert_eq!(p.union_at(4), Some(20.0));
-    }
-}
+mod tests;

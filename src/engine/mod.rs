@@ -146,6 +146,11 @@ impl Engine {
         self.source.as_ref().map(|s| s.report()).unwrap_or_default()
     }
 
+    /// The source's read counters now (no drive figures: cheap, taken around forwards).
+    pub fn read_counters(&self) -> SourceReport {
+        self.source.as_ref().map(|s| s.read_counters()).unwrap_or_default()
+    }
+
     pub(crate) fn forward_options(&self) -> forward::Options {
         let queue_depth = self.store.as_ref().map_or(self.config.qd, |s| s.queue_depth());
         forward::Options { kda_mode: self.config.kda, prefetch: self.config.prefetch, queue_depth }

@@ -16,7 +16,7 @@
 use super::answer::Answer;
 pub use super::encoder::{Encoder, Prepared, PromptCodec, template_takes_tools};
 use crate::api::{ApiError, Delta, GenRequest, Kind, Output};
-use crate::draft::DraftKind;
+use crate::draft::{DraftKind, Speculator};
 use crate::engine::{Engine, ForwardError, GenerateOptions, Generation, Session, StopReason};
 use crate::model::chat::Thinking;
 use crate::sample::{Sampler, SamplingSpec};
@@ -233,10 +233,12 @@ impl Generator {
             return Ok(out);
         }
         let mut spec = self.engine.speculator(self.cfg.draft).ok().flatten();
-        // A drafter that reads K3's hidden rows (DSpark) must see the whole prompt: no resume.
-        let taps = spec.as_ref().is_some_and(|s| !s.taps().is_empty());
+        // A drafter that drafts only from K3's hidden rows (DSpark) must see the whole prompt: no
+        // resume. With n-gram lookup beside it (`auto`) a resumed session drafts by lookup alone.
+        let whole = spec.as_ref().is_some_and(Speculator::needs_whole_prompt);
         let (mut session, reused) =
-            if self.cfg.reuse && !taps { self.session_for(&prompt) } else { (self.engine.new_session(), 0) };
+            if self.cfg.reuse && !whole { self.session_for(&prompt) } else { (self.engine.new_session(), 0) };
+        let taps = reused == 0 && spec.as_ref().is_some_and(|s| !s.taps().is_empty());
         session.stats = Stats::default();
         let src0 = self.engine.source_report();
         if reused < prompt.len() {

@@ -82,8 +82,8 @@ impl Generator {
         // A drafter that cannot be built was refused at startup; here it only may be absent.
         let spec = self.engine.speculator(self.cfg.draft).ok().flatten();
         // A drafter that reads K3's hidden rows must see the whole prompt: no shared prefix.
-        let taps = spec.as_ref().is_some_and(|s| !s.taps().is_empty());
-        let shared = if taps { 0 } else { self.shared_len(&prompt) };
+        let whole = spec.as_ref().is_some_and(crate::draft::Speculator::needs_whole_prompt);
+        let shared = if whole { 0 } else { self.shared_len(&prompt) };
         let (session, reused) = match (shared > 0).then(|| self.fork_shared()).flatten() {
             Some(s) => (s, shared),
             None => (self.engine.new_session(), 0),

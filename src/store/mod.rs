@@ -141,6 +141,12 @@ pub trait ExpertSource: Send + Sync {
         SourceReport::default()
     }
 
+    /// `report`'s read counters alone (bytes requested and read, cache hits and misses; no drive
+    /// figures): what the step core takes around every forward, so it should cost nothing.
+    fn read_counters(&self) -> SourceReport {
+        self.report()
+    }
+
     /// Whether reads are failing now (a drive given up, holders suspect): `/health`'s storage.
     fn health(&self) -> StorageHealth {
         StorageHealth::default()

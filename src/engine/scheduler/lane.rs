@@ -205,20 +205,21 @@ impl Seq<'_> {
     }
 
     /// Its drafter's proposals after `next`, at most `room` (and never past `max_new`), `others`
-    /// rows of other lanes being in the step.
+    /// rows of other lanes being in the step (the policy may choose a single step: none).
     pub(super) fn propose(&mut self, next: u32, room: usize, others: usize) -> Result<Vec<u32>, ForwardError> {
         let Some(d) = self.drafts.as_deref_mut() else { return Ok(Vec::new()) };
         // Accepting all k drafts emits k + 1 tokens: stay within max_new.
         let left = self.track.opts.max_new - self.track.tokens.len() - 1;
-        let k = d.decide(others).min(left).min(room);
-        self.session.stats.record_width(k);
-        if k == 0 {
-            return Ok(Vec::new());
-        }
         let mut ctx = Vec::with_capacity(self.session.pos() + 1);
         ctx.extend_from_slice(self.session.tokens());
         ctx.push(next);
-        Ok(d.propose(&ctx, k)?)
+        let sampled = !self.sampler.position().0.is_greedy();
+        let (drafts, k) = d.draft(&ctx, others, left.min(room), sampled)?;
+        self.session.stats.record_width(k);
+        let (forwards, rows) = d.take_counters();
+        self.session.stats.drafts.drafter_forwards += forwards;
+        self.session.stats.drafts.drafter_rows += rows;
+        Ok(drafts)
     }
 
     /// Keeps its rows of a step's forward (see the module contract); `step` is the step's
@@ -244,6 +245,9 @@ impl Seq<'_> {
                 t.fed += n;
                 if let Some(d) = self.drafts.as_deref_mut() {
                     d.observe(start, &out, n)?;
+                    let (forwards, rows) = d.take_counters();
+                    self.session.stats.drafts.drafter_forwards += forwards;
+                    self.session.stats.drafts.drafter_rows += rows;
                 }
                 if self.track.prefilled() {
                     self.prefilled();
@@ -254,6 +258,9 @@ impl Seq<'_> {
                 if let Some(d) = self.drafts.as_deref_mut() {
                     d.observe(start, &out, 1)?;
                     d.stepped(lanes, secs, draft_s);
+                    let (forwards, rows) = d.take_counters();
+                    self.session.stats.drafts.drafter_forwards += forwards;
+                    self.session.stats.drafts.drafter_rows += rows;
                 }
             }
             Feed::Decode { rows, draft_s } => {
@@ -270,6 +277,9 @@ impl Seq<'_> {
                     accepted += 1;
                 }
                 self.session.stats.record_drafts(drafts.len(), accepted);
+                if let Some(name) = self.drafts.as_deref().and_then(Speculator::drafted_by) {
+                    self.session.stats.record_drafter(name, drafts.len(), accepted);
+                }
                 self.session.stats.drafts.verify_s += secs;
                 // Emit the accepted drafts exactly as plain decoding would; an end among them
                 // keeps only the rows it would have fed (the ending token itself is not fed).
@@ -287,6 +297,9 @@ impl Seq<'_> {
                 if let Some(d) = self.drafts.as_deref_mut() {
                     d.observe(start, &out, keep)?;
                     d.verified(drafts.len(), accepted, lanes, secs, draft_s);
+                    let (forwards, rows) = d.take_counters();
+                    self.session.stats.drafts.drafter_forwards += forwards;
+                    self.session.stats.drafts.drafter_rows += rows;
                 }
                 if let Some(r) = ended {
                     self.track.picked = None;

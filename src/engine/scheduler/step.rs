@@ -99,7 +99,7 @@ impl Engine {
         // drafters' width policies (what a verify's union costs to read).
         let shared = seqs.iter().zip(&feeds).any(|(s, f)| f.is_some() && s.track.counting == Counting::Shared);
         let drafting = seqs.iter().zip(&feeds).any(|(s, f)| f.is_some() && s.drafts.is_some());
-        let src0 = (shared || drafting).then(|| self.source_report());
+        let src0 = (shared || drafting).then(|| self.read_counters());
         let t0 = Instant::now();
         // The traces are made only for counters that keep them.
         let traced = total.keeps_traces()
@@ -111,7 +111,7 @@ impl Engine {
         let outs = self.forward_fed(seqs, &feeds, &mut stats)?;
         let secs = t0.elapsed().as_secs_f64();
         if let Some(a) = src0 {
-            reads_between(&a, &self.source_report(), &mut stats);
+            reads_between(&a, &self.read_counters(), &mut stats);
         }
         // Each lane picks or accepts and commits its own rows.
         let vocab = self.cfg.vocab;

@@ -30,6 +30,9 @@ use std::sync::Arc;
 
 /// Drafting stops past this many tokens of context (the published runtime's limit).
 pub const MAX_DRAFT_CONTEXT: usize = 8192;
+/// Committed rows whose taps a drafter keeps before it folds them into its latents unasked (it
+/// folds them when it drafts; `draft::DSparkDrafter`).
+pub const MAX_BACKLOG: usize = 256;
 
 pub struct DSparkLayer {
     pub input_norm: Vec<f32>,
@@ -238,9 +241,11 @@ impl DSparkModel {
         total
     }
 
-    /// Bytes of one session's latent cache at the drafting limit.
+    /// Bytes of one session's latent cache at the drafting limit, with its backlog of taps not
+    /// folded yet.
     pub fn cache_bytes(&self) -> u64 {
-        (MAX_DRAFT_CONTEXT * self.cfg.layers * self.cfg.latent_width() * 4) as u64
+        (MAX_DRAFT_CONTEXT * self.cfg.layers * self.cfg.latent_width() * 4 + MAX_BACKLOG * self.cfg.context_width() * 4)
+            as u64
     }
 
     /// "dspark 2 layers, 3 taps [0, 2, 4], block 7, 1.2 MiB weights + 0.5 MiB cache per session"

@@ -48,6 +48,10 @@ impl ExpertSource for ExpertStore {
         ExpertStore::report(self)
     }
 
+    fn read_counters(&self) -> SourceReport {
+        ExpertStore::read_counters(self)
+    }
+
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         ExpertStore::prefetch(self, layer, experts)
     }

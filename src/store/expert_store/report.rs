@@ -47,6 +47,18 @@ impl ExpertStore {
         }
     }
 
+    /// The read counters of [`ExpertStore::report`] alone (no drive figures).
+    pub fn read_counters(&self) -> SourceReport {
+        let st = lock(&self.shared);
+        SourceReport {
+            expert_bytes_requested: st.requested,
+            expert_bytes_read: Some(st.read),
+            cache_hits: Some(st.hits),
+            cache_misses: Some(st.misses),
+            ..Default::default()
+        }
+    }
+
     /// Reads issued so far as (path, offset, length), when `record_reads` was set.
     pub fn read_log(&self) -> Vec<(PathBuf, u64, u64)> {
         let sh = &*self.shared;
