@@ -618,6 +618,10 @@ fn a_server_reachable_from_other_machines_without_a_key_is_warned_about() {
     let warning = "warning: listening on 0.0.0.0 without --api-key";
     let s = Server::start_on(&model, &["--host", "0.0.0.0"]);
     assert!(s.stderr.lock().unwrap().contains(warning), "{}", s.stderr.lock().unwrap());
+    // The address printed is one a browser on this machine opens, with a note for the others.
+    assert!(s.base.starts_with("http://127.0.0.1:"), "{}", s.base);
+    assert!(s.stderr.lock().unwrap().contains("listening on all interfaces (0.0.0.0:"), "{}", s.stderr.lock().unwrap());
+    get(&s.base, "/health", None);
     for extra in [&["--host", "0.0.0.0", "--api-key", "k"][..], &[]] {
         let s = Server::start_on(&model, extra);
         assert!(!s.stderr.lock().unwrap().contains("warning: listening"), "{extra:?}: {}", s.stderr.lock().unwrap());
