@@ -287,8 +287,10 @@ fn cli_sampling_flags_are_reproducible_and_checked() {
         c.args(["--prompt-ids", &ids_arg(&r.prompt[..8])]).args(extra);
         let (out, _) = run_ok(&mut c);
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        v["output_ids"].clone()
+        (v["output_ids"].clone(), v["sampling"].clone())
     };
+    let sampling = |extra: &[&str]| run(extra).1;
+    let run = |extra: &[&str]| run(extra).0;
     let a = run(&["--temperature", "0.8", "--seed", "7"]);
     assert_eq!(a, run(&["--temperature", "0.8", "--seed", "7", "--threads", "1"]));
     assert_eq!(a, run(&["--temperature", "0.8", "--seed", "7", "--draft", "ngram"]));
@@ -297,9 +299,12 @@ fn cli_sampling_flags_are_reproducible_and_checked() {
     assert_eq!(run(&["--temperature", "0.8", "--top-k", "1"]), run(&[]), "top-k 1 is greedy");
     assert_eq!(run(&["--temperature", "0"]), run(&[]), "temperature 0 is greedy");
     let pen = ["--repeat-penalty", "1.3", "--frequency-penalty", "0.4", "--presence-penalty", "0.3"];
-    let g = run(&pen);
-    assert_ne!(g, run(&[]), "the penalties change the greedy tokens here");
-    assert_eq!(g, run(&[&pen[..], &["--draft", "ngram"]].concat()), "drafts change no penalised token");
+    let s = sampling(&pen);
+    let got = (&s["repetition_penalty"], &s["frequency_penalty"], &s["presence_penalty"]);
+    assert_eq!(got, (&1.3.into(), &0.4.into(), &0.3.into()), "{s}");
+    let hot = ["--temperature", "0.9", "--seed", "3", "--repeat-penalty", "1.5", "--presence-penalty", "1"];
+    let g = run(&hot);
+    assert_eq!(g, run(&[&hot[..], &["--draft", "ngram"]].concat()), "drafts change no penalised token");
     let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&dir)

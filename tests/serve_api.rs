@@ -95,11 +95,12 @@ fn n_choices_penalties_and_logit_bias() {
         assert_eq!(finishes.count(), 1, "one finish chunk for choice {i}");
     }
     // Penalties: accepted, and they change a greedy answer of this length.
-    let greedy = with(chat("Count: one, two, three, four"), json!({"temperature": 0, "max_tokens": 48}));
-    let plain = text_of(&ok(&s, "/v1/chat/completions", &greedy)["choices"][0]);
+    let greedy =
+        json!({"model": MODEL, "prompt": "The sea, the sea, the sea and the", "temperature": 0, "max_tokens": 48});
+    let plain = text_of(&ok(&s, "/v1/completions", &greedy)["choices"][0]);
     for pen in [json!({"repetition_penalty": 1.8}), json!({"frequency_penalty": 2.0}), json!({"presence_penalty": 2.0})]
     {
-        let got = text_of(&ok(&s, "/v1/chat/completions", &with(greedy.clone(), pen.clone()))["choices"][0]);
+        let got = text_of(&ok(&s, "/v1/completions", &with(greedy.clone(), pen.clone()))["choices"][0]);
         assert_ne!(got, plain, "{pen} changes the answer");
     }
     // logit_bias: +100 on one token makes every token that one; -100 on the greedy first token
@@ -266,17 +267,20 @@ fn a_client_that_leaves_is_logged_as_cancelled_and_a_bad_schema_is_refused_brief
     drop(t);
     let l = log_line(&s, &["POST /v1/chat/completions 200", "finish=cancelled"]);
     assert!(l.starts_with("deltafin: request "), "{l}");
-    // Not streamed: the client leaves before the answer.
-    let body = with(chat("Tell me a long story."), json!({"max_tokens": 2000})).to_string();
+    // Not streamed: the client leaves before the answer (a continuation kept from ending).
+    let (_, info, _) = s.get("/tokenizer_info");
+    let info: Value = serde_json::from_str(&info).unwrap();
+    let ends = json!({info["eos_token_id"].to_string(): -100, info["end_of_message_token_id"].to_string(): -100});
+    let body = json!({"model": MODEL, "prompt": "Once", "max_tokens": 4000, "logit_bias": ends}).to_string();
     let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     let mut t = std::net::TcpStream::connect(&s.addr).unwrap();
     t.write_all(head.as_bytes()).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     drop(t);
-    log_line(&s, &["POST /v1/chat/completions 499 finish=cancelled"]);
+    log_line(&s, &["POST /v1/completions 499 finish=cancelled"]);
     // A finished answer is not cancelled.
     ok(&s, "/v1/chat/completions", &with(chat("hi"), json!({"max_tokens": 2})));
     log_line(&s, &["POST /v1/chat/completions 200 in=", "finish=length"]);
@@ -286,6 +290,10 @@ fn a_client_that_leaves_is_logged_as_cancelled_and_a_bad_schema_is_refused_brief
     let msg = v["error"]["message"].as_str().unwrap();
     assert_eq!(status, 400, "{v}");
     assert!(msg.len() < 300 && !msg.contains('\n') && !msg.contains("::=") && !msg.contains("%"), "{msg}");
+    assert!(
+        msg.contains("frobnicate") && !msg.contains(" at 3("),
+        "the reason, not the internal grammar's place: {msg}"
+    );
 }
 
 /// Text a user reads must hold no special token or template syntax.
@@ -334,6 +342,16 @@ fn no_special_token_or_template_syntax_reaches_any_text() {
             clean(&format!("forced call streamed, max_tokens {max}"), &e["choices"].to_string());
         }
     }
+    // A continuation that reaches the end of its document (main before the fix printed
+    // `[EOS][BOS]` here): it stops there.
+    let end =
+        json!({"model": MODEL, "prompt": "and so the story ends.", "max_tokens": 600, "temperature": 1.0, "seed": 2});
+    let v = ok(&s, "/v1/completions", &end);
+    clean("completion to its end", &text_of(&v["choices"][0]));
+    let mut c = deltafin_cmd();
+    c.args(["run", "--demo", "-q", "--max-new", "600", "--temperature", "1", "--seed", "2"])
+        .args(["--prompt", "and so the story ends."]);
+    clean("run to its end", &run_ok(&mut c).0);
     // `run` without --chat and `batch`, over the same prompts and seeds.
     for seed in 0..3u64 {
         let mut c = deltafin_cmd();
@@ -355,7 +373,7 @@ fn no_special_token_or_template_syntax_reaches_any_text() {
         .collect();
     std::fs::write(&input, lines.join("\n") + "\n").unwrap();
     let output = dir.path().join("out.jsonl");
-    run_ok(deltafin_cmd().args(["batch", "--demo", "-q", "--input"]).arg(&input).arg("--output").arg(&output));
+    run_ok(deltafin_cmd().args(["batch", "--demo", "-q", "--in"]).arg(&input).arg("--out").arg(&output));
     let out = std::fs::read_to_string(&output).unwrap();
     assert_eq!(out.lines().count(), 6, "{out}");
     for l in out.lines() {

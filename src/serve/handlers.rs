@@ -184,6 +184,8 @@ pub(super) async fn tokenizer_info(State(st): State<Arc<AppState>>) -> Response 
             "tokenizer_class": "TikTokenTokenizer",
             "bos_token": t.special_id("[BOS]").map(|_| "[BOS]"),
             "eos_token": t.special_id("[EOS]").map(|_| "[EOS]"),
+            "eos_token_id": t.special_id("[EOS]"),
+            "end_of_message_token_id": t.special_id("<|end_of_msg|>"),
             "pad_token": t.special_id("[PAD]").map(|_| "[PAD]"),
             "model_max_length": st.engine.context_bound(),
             "vocab_size": st.engine.vocab(),

@@ -79,8 +79,8 @@ pub struct Totals {
     pub ttft_count: u64,
 }
 
-/// Prompt ids, kind, max_new, stop strings, log-probabilities, thinking, and the output constraint
-/// and tool handling (which the prompt does not always show).
+/// Prompt ids, kind, max_new, stop strings, log-probabilities, thinking, and the output constraint,
+/// tool handling (which the prompt does not always show) and the logit bias and penalties.
 pub(super) type MemoKey = (Vec<u32>, Kind, usize, Vec<String>, Option<usize>, Option<Thinking>, String);
 
 pub struct Generator {
@@ -326,7 +326,17 @@ impl Generator {
         let params = SamplingSpec { seed: Some(seed), ..req.sampling.clone() };
         params.check().map_err(|e| GenError::Request(ApiError::invalid(e.field(), e.to_string())))?;
         let memo_ok = params.is_greedy() && req.logprobs.is_none() && !req.echo && self.cfg.memo_entries > 0;
-        let tools = format!("{:?}{:?}{:?}{}", req.tools, req.tool_choice, req.response_format, req.parallel_tool_calls);
+        // Greedy picks still depend on the logit bias and penalties.
+        let (r, f, p, b) =
+            (params.repetition_penalty, params.frequency_penalty, params.presence_penalty, &params.logit_bias);
+        let tools = format!(
+            "{:?}{:?}{:?}{}{:?}",
+            req.tools,
+            req.tool_choice,
+            req.response_format,
+            req.parallel_tool_calls,
+            (r, f, p, b)
+        );
         let key =
             memo_ok.then(|| (prompt.to_vec(), req.kind, max_new, req.stop.clone(), req.logprobs, req.thinking, tools));
         Ok(Begin { seed, params, key })
