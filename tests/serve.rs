@@ -390,8 +390,11 @@ fn clients_that_stall_or_trickle_are_closed_after_the_read_timeout() {
     assert!(out.starts_with("HTTP/1.1 408"), "{out}");
     assert!(out.contains("request_timeout") && out.to_ascii_lowercase().contains("connection: close"), "{out}");
     // Answers are not timed: a stream longer than the read timeout runs to its end.
-    // (5000 tokens take about 3 s here.)
-    let body = format!(r#"{{"model":"{MODEL}","prompt":"Hi","max_tokens":5000,"stream":true}}"#);
+    // (5000 tokens take about 3 s here; the end tokens are kept out by `logit_bias`.)
+    let info: serde_json::Value = serde_json::from_str(&curl(&["-s", &format!("{}/tokenizer_info", s.base)])).unwrap();
+    let (eos, eom) = (&info["eos_token_id"], &info["end_of_message_token_id"]);
+    let bias = format!(r#"{{"{eos}":-100,"{eom}":-100}}"#);
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"Hi","max_tokens":5000,"stream":true,"logit_bias":{bias}}}"#);
     let t0 = Instant::now();
     let out = curl(&["-sN", "-d", &body, &format!("{}/v1/completions", s.base)]);
     let tail = &out[out.len().saturating_sub(1000)..];
