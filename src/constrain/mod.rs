@@ -161,7 +161,7 @@ fn first_line(s: &str) -> String {
         Some((_, rest)) => rest,
         None => first,
     };
-    match lines.last() {
+    match lines.next_back() {
         Some(last) if first.ends_with(':') => format!("{first} {last}"),
         _ => first.to_string(),
     }
