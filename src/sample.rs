@@ -1,8 +1,17 @@
 //! Choosing the next token from K3's logits: greedy argmax, or sampling with temperature and
 //! top-k, min-p and nucleus (top-p) filtering from a seeded generator, with optional
-//! log-probabilities.
+//! log-probabilities; logit biases and repetition, frequency and presence penalties first.
 //!
-//! Contract: temperature 0 picks exactly [`crate::backend::cpu::ops::argmax`] and draws no
+//! Contract: the logits are first adjusted ([`adjusted`], only when a bias or penalty is set;
+//! otherwise they are used as they are, bit for bit), in this fixed order (llama.cpp's and vLLM's):
+//! OpenAI's `logit_bias` added to its tokens; llama.cpp's repeat penalty on every distinct token
+//! of the last [`REPEAT_LAST_N`] tokens of the context (prompt included): a positive logit divided
+//! by it, any other multiplied; then OpenAI's frequency and presence penalties: minus
+//! `count * frequency_penalty + presence_penalty` for each token the generation has emitted so
+//! far (`count` times; the prompt not counted). The arithmetic is f64 rounded once to f32, per
+//! token, in a fixed order. What was emitted before comes as a [`History`], so the same tokens
+//! give the same pick however they were reached (drafts included). Temperature 0 then picks
+//! exactly [`crate::backend::cpu::ops::argmax`] of those logits and draws no
 //! randomness (the filters cannot change the most likely token). Otherwise the token is drawn
 //! from [`probabilities`]: softmax(logits / T), then, in this order, only the `top_k` most likely
 //! tokens (0: all), only the tokens of probability at least `min_p` times the most likely one's
@@ -12,7 +21,9 @@
 //! stream from `seed`, so the same logits, parameters and seed give the same tokens bit for bit on
 //! any thread count. Every pick draws exactly one uniform number, which is what lets speculative
 //! sampling ([`crate::draft`]; verified where `engine/scheduler/lane.rs` picks) reproduce plain sampling
-//! token for token: it draws from the same filtered distribution.
+//! token for token: it draws from the same filtered distribution ([`Sampler::distribution`]: the
+//! adjusted logits' too). Log-probabilities are the model's own (the raw logits, as vLLM's
+//! default), whatever the adjustments.
 //!
 //! A [`TokenMask`] (a grammar: `crate::constrain`) restricts the pick without changing it when it
 //! may stand: the unconstrained pick is made as above, and kept when the mask allows it (the same
@@ -29,7 +40,7 @@ use std::sync::{Arc, Mutex};
 /// ([`Sampler`]), saved whole with a session's sampler. A field a saved or sent value lacks takes
 /// its default here (`#[serde(default)]`: greedy, top-p 1, filters off, no seed), so a session file
 /// written before a field existed still loads.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct SamplingSpec {
     /// 0 is greedy; OpenAI's range is 0..=2.
@@ -43,7 +54,33 @@ pub struct SamplingSpec {
     /// The generator's seed. None: not chosen yet — a front end draws a fresh one (or takes a
     /// request's) before it samples; a sampler made without one starts from 0.
     pub seed: Option<u64>,
+    /// llama.cpp's repeat penalty over the last [`REPEAT_LAST_N`] tokens (1 is off; above 0).
+    #[serde(skip_serializing_if = "is_one")]
+    pub repetition_penalty: f64,
+    /// OpenAI's frequency penalty, -2..=2 (0 is off): per earlier emission of a token.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub frequency_penalty: f64,
+    /// OpenAI's presence penalty, -2..=2 (0 is off): once for a token emitted before.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub presence_penalty: f64,
+    /// OpenAI's `logit_bias`: (token id, bias in -100..=100), ascending ids, each once.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub logit_bias: Vec<(u32, f64)>,
 }
+
+fn is_one(x: &f64) -> bool {
+    *x == 1.0
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
+}
+
+/// The window of llama.cpp's repeat penalty (its `--repeat-last-n` default): the last 64 tokens.
+pub const REPEAT_LAST_N: usize = 64;
+
+/// Most `logit_bias` entries a spec takes.
+pub const MAX_LOGIT_BIAS: usize = 4096;
 
 impl Default for SamplingSpec {
     fn default() -> Self {
@@ -59,11 +96,44 @@ pub enum SampleError {
     TopP(f64),
     #[error("min_p {0} is outside 0..=1")]
     MinP(f64),
+    #[error("repetition_penalty {0} must be above 0 (1 is off)")]
+    RepetitionPenalty(f64),
+    #[error("frequency_penalty {0} is outside -2..=2")]
+    FrequencyPenalty(f64),
+    #[error("presence_penalty {0} is outside -2..=2")]
+    PresencePenalty(f64),
+    #[error("logit_bias: {0}")]
+    LogitBias(String),
+}
+
+impl SampleError {
+    /// The request field (and flag's library name) the error is about.
+    pub fn field(&self) -> &'static str {
+        match self {
+            SampleError::Temperature(_) => "temperature",
+            SampleError::TopP(_) => "top_p",
+            SampleError::MinP(_) => "min_p",
+            SampleError::RepetitionPenalty(_) => "repetition_penalty",
+            SampleError::FrequencyPenalty(_) => "frequency_penalty",
+            SampleError::PresencePenalty(_) => "presence_penalty",
+            SampleError::LogitBias(_) => "logit_bias",
+        }
+    }
 }
 
 impl SamplingSpec {
     /// Greedy: temperature 0, top-p 1, filters off, no seed (the default of every field).
-    pub const GREEDY: SamplingSpec = SamplingSpec { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, seed: None };
+    pub const GREEDY: SamplingSpec = SamplingSpec {
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        min_p: 0.0,
+        seed: None,
+        repetition_penalty: 1.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        logit_bias: Vec::new(),
+    };
 
     pub fn greedy() -> Self {
         SamplingSpec::GREEDY
@@ -77,7 +147,7 @@ impl SamplingSpec {
         if !(top_p.is_finite() && (0.0..=1.0).contains(&top_p)) {
             return Err(SampleError::TopP(top_p));
         }
-        Ok(SamplingSpec { temperature, top_p, top_k: 0, min_p: 0.0, seed: Some(seed) })
+        Ok(SamplingSpec { temperature, top_p, seed: Some(seed), ..SamplingSpec::GREEDY })
     }
 
     /// This spec with top-k (0: off) and min-p (0: off), checked.
@@ -92,7 +162,43 @@ impl SamplingSpec {
     /// accept (for values read from a file, a flag or a request rather than built by them).
     pub fn check(&self) -> Result<(), SampleError> {
         let seed = self.seed.unwrap_or(0);
-        SamplingSpec::new(self.temperature, self.top_p, seed)?.with_filters(self.top_k, self.min_p).map(|_| ())
+        SamplingSpec::new(self.temperature, self.top_p, seed)?.with_filters(self.top_k, self.min_p)?;
+        let r = self.repetition_penalty;
+        if !(r.is_finite() && r > 0.0) {
+            return Err(SampleError::RepetitionPenalty(r));
+        }
+        for (x, e) in [
+            (self.frequency_penalty, SampleError::FrequencyPenalty as fn(f64) -> SampleError),
+            (self.presence_penalty, SampleError::PresencePenalty),
+        ] {
+            if !(x.is_finite() && (-2.0..=2.0).contains(&x)) {
+                return Err(e(x));
+            }
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(SampleError::LogitBias(format!("at most {MAX_LOGIT_BIAS} tokens")));
+        }
+        if let Some(&(t, b)) = self.logit_bias.iter().find(|(_, b)| !(b.is_finite() && (-100.0..=100.0).contains(b))) {
+            return Err(SampleError::LogitBias(format!("token {t}'s bias {b} is outside -100..=100")));
+        }
+        if self.logit_bias.windows(2).any(|w| w[0].0 >= w[1].0) {
+            return Err(SampleError::LogitBias("token ids must be ascending, each once".into()));
+        }
+        Ok(())
+    }
+
+    /// Whether any bias or penalty adjusts the logits before the pick ([`adjusted`]).
+    pub fn adjusts(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || !self.logit_bias.is_empty()
+    }
+
+    /// This spec for the `i`-th of several choices of one request (`n`): seed + i (wrapping), so
+    /// choice 0 is the request's own and each choice's seed is distinct and fixed by the request's.
+    pub fn for_choice(&self, i: usize) -> SamplingSpec {
+        SamplingSpec { seed: self.seed.map(|s| s.wrapping_add(i as u64)), ..self.clone() }
     }
 
     pub fn is_greedy(&self) -> bool {
@@ -110,6 +216,9 @@ pub struct SamplingDefaults {
     /// 0: off (as HF's and vLLM's `top_k: 0`).
     pub top_k: Option<usize>,
     pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
 }
 
 impl SamplingDefaults {
@@ -120,6 +229,9 @@ impl SamplingDefaults {
             top_p: self.top_p.or(under.top_p),
             top_k: self.top_k.or(under.top_k),
             min_p: self.min_p.or(under.min_p),
+            repetition_penalty: self.repetition_penalty.or(under.repetition_penalty),
+            frequency_penalty: self.frequency_penalty.or(under.frequency_penalty),
+            presence_penalty: self.presence_penalty.or(under.presence_penalty),
         }
     }
 
@@ -132,6 +244,10 @@ impl SamplingDefaults {
             top_k: self.top_k.unwrap_or(d.top_k),
             min_p: self.min_p.unwrap_or(d.min_p),
             seed: None,
+            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -162,6 +278,68 @@ impl Rng {
     pub fn uniform(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
+}
+
+/// What came before the token being picked: the context's tokens (`committed`, then `pending`:
+/// rows not yet committed, such as a verify block's), the last `generated` of which this
+/// generation emitted. The default is an empty context.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct History<'a> {
+    pub committed: &'a [u32],
+    pub pending: &'a [u32],
+    pub generated: usize,
+}
+
+impl History<'_> {
+    /// The last `n` tokens of the context, oldest first.
+    fn last(&self, n: usize) -> impl Iterator<Item = u32> + '_ {
+        let len = self.committed.len() + self.pending.len();
+        self.committed.iter().chain(self.pending).copied().skip(len.saturating_sub(n))
+    }
+}
+
+/// (token, count) of `tokens`, ascending ids.
+fn counted(tokens: impl Iterator<Item = u32>) -> Vec<(u32, u32)> {
+    let mut v: Vec<u32> = tokens.collect();
+    v.sort_unstable();
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    for t in v {
+        match out.last_mut() {
+            Some((x, c)) if *x == t => *c += 1,
+            _ => out.push((t, 1)),
+        }
+    }
+    out
+}
+
+/// The logits after `p`'s logit bias and penalties given `h` (see the module contract), or None
+/// when `p` sets none (the logits stand as they are).
+pub fn adjusted(logits: &[f32], p: &SamplingSpec, h: History) -> Option<Vec<f32>> {
+    if !p.adjusts() {
+        return None;
+    }
+    let mut out = logits.to_vec();
+    let at = |out: &mut Vec<f32>, t: u32, f: &dyn Fn(f64) -> f64| {
+        if let Some(l) = out.get_mut(t as usize) {
+            *l = f(*l as f64) as f32;
+        }
+    };
+    for &(t, b) in &p.logit_bias {
+        at(&mut out, t, &|l| l + b);
+    }
+    let r = p.repetition_penalty;
+    if r != 1.0 {
+        for (t, _) in counted(h.last(REPEAT_LAST_N)) {
+            at(&mut out, t, &|l| if l > 0.0 { l / r } else { l * r });
+        }
+    }
+    let (fp, pp) = (p.frequency_penalty, p.presence_penalty);
+    if fp != 0.0 || pp != 0.0 {
+        for (t, c) in counted(h.last(h.generated)) {
+            at(&mut out, t, &|l| l - (c as f64 * fp + pp));
+        }
+    }
+    Some(out)
 }
 
 /// The sampling distribution over the whole vocabulary (zeros outside the nucleus), summing to 1.
@@ -308,7 +486,7 @@ pub struct Sampler {
 impl Sampler {
     /// A sampler from `params`' seed (0 when it has none).
     pub fn new(params: SamplingSpec) -> Self {
-        Sampler { params, rng: Rng::new(params.seed.unwrap_or(0)), mask: None, logprobs: None, picks: 0 }
+        Sampler { rng: Rng::new(params.seed.unwrap_or(0)), params, mask: None, logprobs: None, picks: 0 }
     }
 
     pub fn greedy() -> Self {
@@ -339,23 +517,45 @@ impl Sampler {
         self.picks
     }
 
-    /// The next token after `logits` (the greedy argmax on the CPU).
+    /// The next token after `logits` (the greedy argmax on the CPU), with nothing before it (see
+    /// [`Sampler::pick_after`]).
     pub fn pick(&mut self, logits: &[f32]) -> u32 {
-        self.pick_with(logits, |l| Ok::<u32, std::convert::Infallible>(crate::backend::cpu::ops::argmax(l)))
+        self.pick_after(logits, History::default())
+    }
+
+    /// The next token after `logits`, `h` having come before it (for the penalties).
+    pub fn pick_after(&mut self, logits: &[f32], h: History) -> u32 {
+        self.pick_with(logits, h, |l| Ok::<u32, std::convert::Infallible>(crate::backend::cpu::ops::argmax(l)))
             .unwrap_or_else(|e| match e {})
     }
 
-    /// [`Sampler::pick`] with the greedy argmax run by `be` (the same index on every backend); a
-    /// backend that fails is an error and no pick is made.
+    /// [`Sampler::pick_after`] with the greedy argmax run by `be` (the same index on every
+    /// backend); a backend that fails is an error and no pick is made.
     pub fn pick_on(
         &mut self,
         be: &dyn crate::backend::Backend,
         logits: &[f32],
+        h: History,
     ) -> Result<u32, crate::backend::BackendError> {
-        self.pick_with(logits, |l| be.argmax(l))
+        self.pick_with(logits, h, |l| be.argmax(l))
     }
 
-    fn pick_with<E>(&mut self, logits: &[f32], argmax: impl FnOnce(&[f32]) -> Result<u32, E>) -> Result<u32, E> {
+    /// The distribution this sampler draws from after `logits` with `h` before them: the adjusted
+    /// logits' ([`adjusted`]), filtered ([`probabilities`]); what a sampled draft is judged against
+    /// (`draft::sampling`).
+    pub fn distribution(&self, logits: &[f32], h: History) -> Vec<f64> {
+        let adj = adjusted(logits, &self.params, h);
+        probabilities(adj.as_deref().unwrap_or(logits), &self.params)
+    }
+
+    fn pick_with<E>(
+        &mut self,
+        raw: &[f32],
+        h: History,
+        argmax: impl FnOnce(&[f32]) -> Result<u32, E>,
+    ) -> Result<u32, E> {
+        let adj = adjusted(raw, &self.params, h);
+        let logits = adj.as_deref().unwrap_or(raw);
         let mut t = if self.params.is_greedy() {
             argmax(logits)?
         } else {
@@ -366,7 +566,7 @@ impl Sampler {
             t = masked_pick(&mut **mask, logits, t, &self.params, &mut self.rng);
         }
         if let Some((top, sink)) = &self.logprobs {
-            let lp = logprobs(logits, t, *top);
+            let lp = logprobs(raw, t, *top);
             if let Ok(mut v) = sink.lock() {
                 v.push(lp);
             }
@@ -383,7 +583,7 @@ impl Sampler {
     /// Where this sampler is — parameters, generator state, picks — to resume it later
     /// ([`Sampler::resume`]: a state file, `engine::state_file`).
     pub fn position(&self) -> (SamplingSpec, u64, u64) {
-        (self.params, self.rng.0, self.picks)
+        (self.params.clone(), self.rng.0, self.picks)
     }
 
     /// A sampler that continues where [`Sampler::position`] was taken: the same picks from here on.
@@ -431,180 +631,4 @@ fn masked_pick(mask: &mut dyn TokenMask, logits: &[f32], t: u32, p: &SamplingSpe
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn greedy_is_argmax_and_draws_nothing() {
-        let logits = [0.1f32, 3.0, -1.0, 3.0];
-        let mut s = Sampler::greedy();
-        assert_eq!(s.pick(&logits), argmax(&logits));
-        assert_eq!(probabilities(&logits, &SamplingSpec::greedy())[argmax(&logits) as usize], 1.0);
-    }
-
-    #[test]
-    fn top_p_keeps_the_smallest_nucleus() {
-        let logits = [2.0f32.ln(), 5.0f32.ln(), 3.0f32.ln(), 0.0];
-        let p = SamplingSpec::new(1.0, 0.7, 0).unwrap();
-        let probs = probabilities(&logits, &p);
-        // Masses 2/11, 5/11, 3/11, 1/11: 5 + 3 = 8/11 >= 0.7.
-        assert!((probs[1] - 5.0 / 8.0).abs() < 1e-6 && (probs[2] - 3.0 / 8.0).abs() < 1e-6, "{probs:?}");
-        assert_eq!((probs[0], probs[3]), (0.0, 0.0));
-        let p0 = SamplingSpec::new(1.0, 0.0, 0).unwrap();
-        assert_eq!(probabilities(&logits, &p0)[1], 1.0, "top_p 0 keeps the top token");
-    }
-
-    #[test]
-    fn top_k_and_min_p_keep_a_prefix_before_top_p() {
-        // Masses 2, 5, 3, 1, 3 (of 14).
-        let logits = [2.0f32.ln(), 5.0f32.ln(), 3.0f32.ln(), 0.0, 3.0f32.ln()];
-        let at = |top_k, min_p, top_p| {
-            let p = SamplingSpec::new(1.0, top_p, 0).unwrap().with_filters(top_k, min_p).unwrap();
-            probabilities(&logits, &p)
-        };
-        let close = |got: Vec<f64>, want: [f64; 5]| {
-            assert!(got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-6), "{got:?} vs {want:?}");
-        };
-        close(at(1, 0.0, 1.0), [0.0, 1.0, 0.0, 0.0, 0.0]);
-        // k = 2: 5 and the first of the two 3s (ties go to the lower id).
-        close(at(2, 0.0, 1.0), [0.0, 5.0 / 8.0, 3.0 / 8.0, 0.0, 0.0]);
-        close(at(0, 0.0, 1.0), [2.0 / 14.0, 5.0 / 14.0, 3.0 / 14.0, 1.0 / 14.0, 3.0 / 14.0]);
-        close(at(99, 0.0, 1.0), at(0, 0.0, 1.0).try_into().unwrap());
-        // min_p 0.55 of 5 is 2.75: the 3s stay, 2 and 1 go.
-        close(at(0, 0.55, 1.0), [0.0, 5.0 / 11.0, 3.0 / 11.0, 0.0, 3.0 / 11.0]);
-        close(at(0, 1.0, 1.0), [0.0, 1.0, 0.0, 0.0, 0.0]);
-        // top_p counts the mass the other filters left: of 5 + 3 + 3, 0.7 needs 5 + 3.
-        close(at(0, 0.55, 0.7), [0.0, 5.0 / 8.0, 3.0 / 8.0, 0.0, 0.0]);
-        close(at(3, 0.0, 0.4), [0.0, 1.0, 0.0, 0.0, 0.0]);
-        // The filters never change the greedy pick.
-        let g = SamplingSpec::greedy().with_filters(2, 0.5).unwrap();
-        assert_eq!(Sampler::new(g).pick(&logits), 1);
-        assert_eq!(SamplingSpec::greedy().with_filters(0, 1.5), Err(SampleError::MinP(1.5)));
-        // Off, the distribution is the one without the filters, bit for bit.
-        let p = SamplingSpec::new(0.8, 0.9, 3).unwrap();
-        assert_eq!(probabilities(&logits, &p), probabilities(&logits, &p.with_filters(0, 0.0).unwrap()));
-    }
-
-    #[test]
-    fn same_seed_same_tokens_and_frequencies_follow_the_distribution() {
-        let logits: Vec<f32> = (0..16).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
-        let p = SamplingSpec::new(0.8, 1.0, 42).unwrap();
-        let run = |seed| {
-            let mut s = Sampler::new(SamplingSpec { seed: Some(seed), ..p });
-            (0..20000).map(|_| s.pick(&logits)).collect::<Vec<_>>()
-        };
-        let a = run(42);
-        assert_eq!(a, run(42));
-        assert_ne!(a, run(43));
-        let probs = probabilities(&logits, &p);
-        let mut counts = [0f64; 16];
-        for &t in &a {
-            counts[t as usize] += 1.0;
-        }
-        let n = a.len() as f64;
-        let chi2: f64 =
-            probs.iter().zip(&counts).filter(|(p, _)| **p > 0.0).map(|(p, c)| (c - n * p).powi(2) / (n * p)).sum();
-        // 15 degrees of freedom: the 99.9% point is 37.7.
-        assert!(chi2 < 37.7, "chi2 {chi2}");
-    }
-
-    #[test]
-    fn bad_parameters_are_refused() {
-        assert_eq!(SamplingSpec::new(2.5, 1.0, 0), Err(SampleError::Temperature(2.5)));
-        assert!(SamplingSpec::new(f64::NAN, 1.0, 0).is_err());
-        assert_eq!(SamplingSpec::new(1.0, 1.5, 0), Err(SampleError::TopP(1.5)));
-    }
-
-    #[test]
-    fn a_spec_saved_without_a_field_loads_with_its_default() {
-        // What a session file written before top_k and min_p existed holds.
-        let old: SamplingSpec = serde_json::from_str(r#"{"temperature":0.5,"top_p":0.9,"seed":3}"#).unwrap();
-        assert_eq!(old, SamplingSpec::new(0.5, 0.9, 3).unwrap());
-        assert_eq!(serde_json::from_str::<SamplingSpec>("{}").unwrap(), SamplingSpec::GREEDY);
-        // Written as before: every field, the seed a number.
-        let p = SamplingSpec::new(0.5, 0.9, 3).unwrap().with_filters(40, 0.05).unwrap();
-        let text = serde_json::to_string(&p).unwrap();
-        assert_eq!(text, r#"{"temperature":0.5,"top_p":0.9,"top_k":40,"min_p":0.05,"seed":3}"#);
-        assert_eq!(serde_json::from_str::<SamplingSpec>(&text).unwrap(), p);
-    }
-
-    #[test]
-    fn defaults_lay_over_one_another_then_over_greedy() {
-        let flags = SamplingDefaults { temperature: Some(0.7), ..Default::default() };
-        let model = SamplingDefaults { temperature: Some(1.0), top_k: Some(40), ..Default::default() };
-        let s = flags.or(model).spec();
-        assert_eq!(s, SamplingSpec { temperature: 0.7, top_k: 40, ..SamplingSpec::GREEDY });
-        assert_eq!(SamplingDefaults::default().spec(), SamplingSpec::GREEDY);
-    }
-
-    #[test]
-    fn logprobs_are_log_softmax_with_sorted_alternatives() {
-        let logits = [1.0f32, 2.0, 3.0];
-        let lp = logprobs(&logits, 0, 2);
-        let lse = (1f64.exp() + 2f64.exp() + 3f64.exp()).ln();
-        assert!((lp.logprob - (1.0 - lse)).abs() < 1e-9);
-        assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![2, 1]);
-    }
-
-    /// A mask allowing a fixed set of tokens.
-    struct Only(Vec<bool>, Vec<u32>);
-    impl TokenMask for Only {
-        fn allows(&mut self, t: u32) -> bool {
-            self.0[t as usize]
-        }
-        fn allowed(&mut self, _vocab: usize) -> Option<Vec<bool>> {
-            Some(self.0.clone())
-        }
-        fn accept(&mut self, t: u32) {
-            self.1.push(t);
-        }
-        fn stop_token(&self) -> u32 {
-            0
-        }
-        fn error(&self) -> Option<String> {
-            None
-        }
-    }
-
-    #[test]
-    fn a_mask_keeps_allowed_picks_bit_for_bit_and_conditions_the_rest() {
-        let logits: Vec<f32> = (0..8).map(|i| (i as f32 * 0.9).cos() * 2.0).collect();
-        let best = argmax(&logits);
-        let mut all = vec![true; 8];
-        let mut g = Sampler::greedy();
-        g.constrain(Box::new(Only(all.clone(), vec![])));
-        assert_eq!(g.pick(&logits), best);
-        all[best as usize] = false;
-        let mut g = Sampler::greedy();
-        g.constrain(Box::new(Only(all.clone(), vec![])));
-        let masked: Vec<f32> =
-            logits.iter().enumerate().map(|(i, &l)| if i == best as usize { f32::MIN } else { l }).collect();
-        assert_eq!(g.pick(&logits), argmax(&masked), "greedy takes the best allowed token");
-        // Sampling: while every pick is allowed, the tokens are those of no mask.
-        let p = SamplingSpec::new(1.0, 1.0, 11).unwrap();
-        let (mut a, mut b) = (Sampler::new(p), Sampler::new(p));
-        b.constrain(Box::new(Only(vec![true; 8], vec![])));
-        assert!((0..500).all(|_| a.pick(&logits) == b.pick(&logits)));
-        // Some tokens forbidden: the picks follow the distribution conditioned on the allowed.
-        let ok = [true, false, true, false, true, true, false, true];
-        let mut s = Sampler::new(p);
-        s.constrain(Box::new(Only(ok.to_vec(), vec![])));
-        let probs = probabilities(&logits, &p);
-        let mass: f64 = probs.iter().zip(ok).filter(|(_, a)| *a).map(|(w, _)| w).sum();
-        let want: Vec<f64> = probs.iter().zip(ok).map(|(w, a)| if a { w / mass } else { 0.0 }).collect();
-        let mut counts = [0f64; 8];
-        let n = 20000;
-        for _ in 0..n {
-            counts[s.pick(&logits) as usize] += 1.0;
-        }
-        assert!(ok.iter().zip(&counts).all(|(a, c)| *a || *c == 0.0), "a forbidden token was picked");
-        let chi2: f64 = want
-            .iter()
-            .zip(&counts)
-            .filter(|(w, _)| **w > 0.0)
-            .map(|(w, c)| (c - n as f64 * w).powi(2) / (n as f64 * w))
-            .sum();
-        // 4 degrees of freedom: the 99.9% point is 18.5.
-        assert!(chi2 < 18.5, "chi2 {chi2}");
-    }
-}
+mod tests;

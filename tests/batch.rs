@@ -322,14 +322,14 @@ fn the_context_each_request_gets_is_what_the_longest_needs_unless_told() {
     let lines = [
         r#"{"id": "a", "prompt": "Hello there", "max_tokens": 20}"#,
         r#"{"id": "b", "messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 100}"#,
-        r#"{"id": "c", "prompt": "x", "max_tokens": 0}"#,
+        r#"{"id": "c", "prompt": "x", "max_tokens": -1}"#,
     ];
     std::fs::write(&input, lines.join("\n")).unwrap();
     let go = |name: &str, extra: &[&str]| {
         let out = tmp.path().join(name);
         let mut c = deltafin_cmd();
         c.args(["batch", "--demo", "--temperature", "0", "--parallel", "2", "--in"]).arg(&input).arg("--out").arg(&out);
-        // Line c fails (max_tokens 0): exit 1.
+        // Line c fails (max_tokens -1): exit 1.
         let err = run_failing(c.args(extra));
         (err, by_id(&records(&out)))
     };

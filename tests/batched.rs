@@ -99,19 +99,19 @@ fn lockstep_decode_equals_each_sequence_alone_as_they_leave() {
     // Different lengths (they leave at different steps), one sampled, one stopping on a token.
     let stop_tok = r.greedy[2];
     let setups: Vec<(GenerateOptions, SamplingSpec)> = vec![
-        (GenerateOptions { max_new: 9, stop: vec![] }, greedy),
-        (GenerateOptions { max_new: 3, stop: vec![] }, greedy),
+        (GenerateOptions { max_new: 9, stop: vec![] }, greedy.clone()),
+        (GenerateOptions { max_new: 3, stop: vec![] }, greedy.clone()),
         (GenerateOptions { max_new: 12, stop: vec![] }, warm),
-        (GenerateOptions { max_new: 10, stop: vec![stop_tok] }, greedy),
+        (GenerateOptions { max_new: 10, stop: vec![stop_tok] }, greedy.clone()),
     ];
-    let want: Vec<Vec<u32>> = ps.iter().zip(&setups).map(|(p, (o, sp))| generate_alone(&e, p, o, *sp)).collect();
+    let want: Vec<Vec<u32>> = ps.iter().zip(&setups).map(|(p, (o, sp))| generate_alone(&e, p, o, sp.clone())).collect();
     let mut sessions: Vec<Session> = ps.iter().map(|_| e.new_session()).collect();
     {
         let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
         let lists: Vec<&[u32]> = ps.iter().map(Vec::as_slice).collect();
         e.prefill_sessions(&mut refs, &lists).unwrap();
     }
-    let mut samplers: Vec<Sampler> = setups.iter().map(|(_, p)| Sampler::new(*p)).collect();
+    let mut samplers: Vec<Sampler> = setups.iter().map(|(_, p)| Sampler::new(p.clone())).collect();
     let mut seen = vec![0usize; ps.len()];
     let mut cbs: Vec<_> = seen
         .iter_mut()
@@ -154,7 +154,7 @@ fn a_decode_step_of_several_rows_reads_ahead_and_reads_nothing_twice() {
     // One decode step (the prefill gives the first token), then several.
     for max_new in [2, 5] {
         let opts = GenerateOptions { max_new, stop: vec![] };
-        let want: Vec<Vec<u32>> = ps.iter().map(|p| generate_alone(&plain, p, &opts, greedy)).collect();
+        let want: Vec<Vec<u32>> = ps.iter().map(|p| generate_alone(&plain, p, &opts, greedy.clone())).collect();
         // Placed in a pack (each expert at its own page-aligned offset, so a read names its
         // expert); no cache: a step's experts are read (ahead or on demand) into the read slots.
         let tmp = tempfile::tempdir().unwrap();
@@ -172,7 +172,7 @@ fn a_decode_step_of_several_rows_reads_ahead_and_reads_nothing_twice() {
         }
         let before = store.report();
         let logged = store.read_log().len();
-        let mut samplers: Vec<Sampler> = ps.iter().map(|_| Sampler::new(greedy)).collect();
+        let mut samplers: Vec<Sampler> = ps.iter().map(|_| Sampler::new(greedy.clone())).collect();
         let mut each: Vec<fn(u32) -> bool> = vec![|_| true; ps.len()];
         let mut seqs: Vec<BatchSeq> = sessions
             .iter_mut()
@@ -303,12 +303,12 @@ fn lanes_that_join_and_leave_a_running_batch_equal_each_sequence_alone() {
     let warm = SamplingSpec::new(0.9, 0.95, 11).unwrap();
     let stop_tok = r.greedy[1];
     let setups: Vec<(GenerateOptions, SamplingSpec)> = vec![
-        (GenerateOptions { max_new: 14, stop: vec![] }, greedy),
-        (GenerateOptions { max_new: 4, stop: vec![] }, warm),
-        (GenerateOptions { max_new: 9, stop: vec![stop_tok] }, greedy),
-        (GenerateOptions { max_new: 7, stop: vec![] }, warm),
+        (GenerateOptions { max_new: 14, stop: vec![] }, greedy.clone()),
+        (GenerateOptions { max_new: 4, stop: vec![] }, warm.clone()),
+        (GenerateOptions { max_new: 9, stop: vec![stop_tok] }, greedy.clone()),
+        (GenerateOptions { max_new: 7, stop: vec![] }, warm.clone()),
     ];
-    let want: Vec<Vec<u32>> = ps.iter().zip(&setups).map(|(p, (o, sp))| generate_alone(&e, p, o, *sp)).collect();
+    let want: Vec<Vec<u32>> = ps.iter().zip(&setups).map(|(p, (o, sp))| generate_alone(&e, p, o, sp.clone())).collect();
     // Sequence i joins at step joins[i]; finished ones leave between steps.
     let joins = [0usize, 0, 3, 6];
     let mut lanes: Vec<(usize, Lane)> = Vec::new();
@@ -319,7 +319,8 @@ fn lanes_that_join_and_leave_a_running_batch_equal_each_sequence_alone() {
         for (i, &j) in joins.iter().enumerate() {
             if j == step {
                 let (o, sp) = &setups[i];
-                lanes.push((i, Lane::new(e.new_session(), ps[i].clone(), o.clone(), Sampler::new(*sp)).unwrap()));
+                lanes
+                    .push((i, Lane::new(e.new_session(), ps[i].clone(), o.clone(), Sampler::new(sp.clone())).unwrap()));
             }
         }
         let (ids, mut ls): (Vec<usize>, Vec<Lane>) = lanes.drain(..).unzip();

@@ -37,7 +37,7 @@ struct Req {
 fn alone(e: &Arc<Engine>, r: &Req) -> Vec<u32> {
     let mut s = e.new_session();
     s.prefill(&r.prompt).unwrap();
-    s.generate_sampled(&r.opts, &mut Sampler::new(r.params), &mut |_| true).unwrap().tokens
+    s.generate_sampled(&r.opts, &mut Sampler::new(r.params.clone()), &mut |_| true).unwrap().tokens
 }
 
 /// The requests as the driver's host: each joins when there is room, its tokens kept by index.
@@ -57,7 +57,8 @@ impl LaneHost for Host<'_> {
         let i = self.next;
         let r = self.reqs.get(i)?;
         self.next += 1;
-        let lane = Lane::new(self.e.new_session(), r.prompt.clone(), r.opts.clone(), Sampler::new(r.params)).unwrap();
+        let lane =
+            Lane::new(self.e.new_session(), r.prompt.clone(), r.opts.clone(), Sampler::new(r.params.clone())).unwrap();
         let lane = match r.draft {
             true => {
                 let d = DSparkDrafter::new(Arc::clone(self.e.dspark_model().unwrap()));
@@ -92,7 +93,7 @@ fn requests(e: &Arc<Engine>, draft: bool) -> Vec<Req> {
         .map(|i| Req {
             prompt: ids[7 * i..7 * i + 5 + 6 * i].to_vec(),
             opts: GenerateOptions { max_new: 12 + 3 * i, stop: vec![] },
-            params: if i % 2 == 1 { SamplingSpec::new(0.8, 0.95, 40 + i as u64).unwrap() } else { greedy },
+            params: if i % 2 == 1 { SamplingSpec::new(0.8, 0.95, 40 + i as u64).unwrap() } else { greedy.clone() },
             // Drafting and plain requests share steps.
             draft: draft && i % 3 != 2,
         })

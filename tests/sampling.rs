@@ -3,7 +3,9 @@
 //! distribution computed from the logits, on a tiny fixture, with a drafter whose proposals are
 //! sometimes accepted and sometimes rejected); greedy parameters are plain greedy; top-k and min-p
 //! filter the distribution that drafts are judged against too (same tokens with drafts as without,
-//! same seed); the CLI flags.
+//! same seed); logit biases and repetition, frequency and presence penalties follow their
+//! definitions (computed apart, step by step) and drafts change none of their tokens; the CLI
+//! flags.
 
 mod common;
 use common::*;
@@ -29,9 +31,9 @@ fn opts(max_new: usize) -> GenerateOptions {
     GenerateOptions { max_new, stop: Vec::new() }
 }
 
-fn sampled(base: &Session, params: SamplingSpec, max_new: usize, drafter: Option<Box<dyn Drafter>>) -> Vec<u32> {
+fn sampled(base: &Session, params: &SamplingSpec, max_new: usize, drafter: Option<Box<dyn Drafter>>) -> Vec<u32> {
     let mut s = base.fork().unwrap();
-    let mut sampler = Sampler::new(params);
+    let mut sampler = Sampler::new(params.clone());
     let g = match drafter {
         Some(d) => {
             let mut spec = Speculator::without_cost_model(d);
@@ -59,9 +61,9 @@ fn same_seed_same_tokens_with_any_threads_and_drafts() {
         runs.push(pool.install(|| {
             let e = engine(&fixture("k3-tiny-b"));
             let base = prefilled(&e, prompt);
-            let plain = sampled(&base, p, 24, None);
-            let ngram = sampled(&base, p, 24, Some(Box::new(NgramDrafter::default())));
-            let fixed = sampled(&base, p, 24, Some(Box::new(Fixed(r.greedy[..4].to_vec()))));
+            let plain = sampled(&base, &p, 24, None);
+            let ngram = sampled(&base, &p, 24, Some(Box::new(NgramDrafter::default())));
+            let fixed = sampled(&base, &p, 24, Some(Box::new(Fixed(r.greedy[..4].to_vec()))));
             assert_eq!(ngram, plain, "{threads} threads: n-gram drafts change nothing");
             assert_eq!(fixed, plain, "{threads} threads: fixed drafts change nothing");
             plain
@@ -70,8 +72,12 @@ fn same_seed_same_tokens_with_any_threads_and_drafts() {
     assert_eq!(runs[0], runs[1], "1 and 2 threads");
     let e = engine(&fixture("k3-tiny-b"));
     let base = prefilled(&e, prompt);
-    assert_ne!(sampled(&base, SamplingSpec { seed: Some(99), ..p }, 24, None), runs[0], "another seed, other tokens");
-    let greedy = sampled(&base, SamplingSpec::greedy(), 24, None);
+    assert_ne!(
+        sampled(&base, &SamplingSpec { seed: Some(99), ..p.clone() }, 24, None),
+        runs[0],
+        "another seed, other tokens"
+    );
+    let greedy = sampled(&base, &SamplingSpec::greedy(), 24, None);
     assert_eq!(greedy, greedy_tokens(&e, prompt, 24), "temperature 0 is greedy");
 }
 
@@ -83,27 +89,100 @@ fn top_k_and_min_p_give_the_same_tokens_with_drafts_as_without() {
     let hot = SamplingSpec::new(1.5, 1.0, 77).unwrap();
     let mut seen = Vec::new();
     for (k, m) in [(3, 0.0), (0, 0.2), (5, 0.1), (1, 0.0)] {
-        let p = hot.with_filters(k, m).unwrap();
-        let plain = sampled(&base, p, 24, None);
+        let p = hot.clone().with_filters(k, m).unwrap();
+        let plain = sampled(&base, &p, 24, None);
         assert_eq!(
-            sampled(&base, p, 24, Some(Box::new(NgramDrafter::default()))),
+            sampled(&base, &p, 24, Some(Box::new(NgramDrafter::default()))),
             plain,
             "top_k {k} min_p {m}: n-gram"
         );
         // Drafts K3's greedy tokens: often inside the filtered set, sometimes outside it.
-        let fixed = sampled(&base, p, 24, Some(Box::new(Fixed(r.greedy[..6].to_vec()))));
+        let fixed = sampled(&base, &p, 24, Some(Box::new(Fixed(r.greedy[..6].to_vec()))));
         assert_eq!(fixed, plain, "top_k {k} min_p {m}: fixed drafts");
         seen.push(plain);
     }
     assert_eq!(seen[3], greedy_tokens(&e, &r.prompt[..8], 24), "top_k 1 is greedy");
-    assert_ne!(seen[0], sampled(&base, hot, 24, None), "top_k 3 changes a hot sampler's tokens");
+    assert_ne!(seen[0], sampled(&base, &hot, 24, None), "top_k 3 changes a hot sampler's tokens");
     // Every token drawn with top_k 3 is among the 3 most likely at its position.
-    let p = hot.with_filters(3, 0.0).unwrap();
+    let p = hot.clone().with_filters(3, 0.0).unwrap();
     let mut s = base.fork().unwrap();
     for &t in &seen[0] {
         let probs = probabilities(s.logits().unwrap(), &p);
         assert!(probs[t as usize] > 0.0 && probs.iter().filter(|&&x| x > 0.0).count() <= 3);
         s.step(t).unwrap();
+    }
+}
+
+/// The logits after llama.cpp's repeat penalty (the last 64 tokens of `ctx`) and OpenAI's
+/// frequency and presence penalties (its last `generated` tokens), written apart from
+/// `deltafin::sample`, in f64.
+fn penalised(logits: &[f32], p: &SamplingSpec, ctx: &[u32], generated: usize) -> Vec<f64> {
+    let window = &ctx[ctx.len().saturating_sub(64)..];
+    let emitted = &ctx[ctx.len() - generated..];
+    logits
+        .iter()
+        .enumerate()
+        .map(|(t, &l)| {
+            let t = t as u32;
+            let mut l = l as f64 + p.logit_bias.iter().find(|b| b.0 == t).map_or(0.0, |b| b.1);
+            if window.contains(&t) {
+                l = if l > 0.0 { l / p.repetition_penalty } else { l * p.repetition_penalty };
+            }
+            let c = emitted.iter().filter(|&&x| x == t).count() as f64;
+            l - c * p.frequency_penalty - if c > 0.0 { p.presence_penalty } else { 0.0 }
+        })
+        .collect()
+}
+
+#[test]
+fn penalties_follow_their_definition_and_drafts_change_no_token() {
+    let r = reference("k3-tiny-b");
+    let e = engine(&fixture("k3-tiny-b"));
+    let prompt = &r.prompt[..8];
+    let base = prefilled(&e, prompt);
+    let pen = SamplingSpec {
+        repetition_penalty: 1.3,
+        frequency_penalty: 0.4,
+        presence_penalty: 0.3,
+        logit_bias: vec![(r.greedy[0], -2.0)],
+        ..SamplingSpec::greedy()
+    };
+    // Greedy under penalties is the argmax of the penalised logits, step by step.
+    let got = sampled(&base, &pen, 24, None);
+    let mut s = base.fork().unwrap();
+    let mut ctx = prompt.to_vec();
+    for (i, &t) in got.iter().enumerate() {
+        let l = penalised(s.logits().unwrap(), &pen, &ctx, i);
+        let best = (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b]).then(b.cmp(&a))).unwrap() as u32;
+        assert_eq!(t, best, "token {i}");
+        ctx.push(t);
+        s.step(t).unwrap();
+    }
+    assert_ne!(got, greedy_tokens(&e, prompt, 24), "the penalties change greedy tokens here");
+    // Sampled: each token is drawn from the penalised softmax (its distribution matches by hand).
+    let hot = SamplingSpec { temperature: 1.2, seed: Some(5), ..pen.clone() };
+    let drawn = sampled(&base, &hot, 24, None);
+    let mut s = base.fork().unwrap();
+    let mut ctx = prompt.to_vec();
+    for (i, &t) in drawn.iter().enumerate() {
+        let l = penalised(s.logits().unwrap(), &hot, &ctx, i);
+        let max = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = l.iter().map(|x| ((x - max) / 1.2).exp()).sum();
+        let want: Vec<f64> = l.iter().map(|x| ((x - max) / 1.2).exp() / z).collect();
+        let history = deltafin::sample::History { committed: &ctx, pending: &[], generated: i };
+        let got = Sampler::new(hot.clone()).distribution(s.logits().unwrap(), history);
+        assert!(got.iter().zip(&want).all(|(g, w)| (g - w).abs() < 1e-6), "token {i}");
+        ctx.push(t);
+        s.step(t).unwrap();
+    }
+    // Drafts (accepted and rejected) change no token, greedy or sampled.
+    for p in [pen, hot] {
+        let plain = sampled(&base, &p, 24, None);
+        assert_eq!(sampled(&base, &p, 24, Some(Box::new(NgramDrafter::default()))), plain, "n-gram");
+        let fixed = sampled(&base, &p, 24, Some(Box::new(Fixed(plain[..6].to_vec()))));
+        assert_eq!(fixed, plain, "fixed drafts of its own tokens");
+        let off = sampled(&base, &p, 24, Some(Box::new(Fixed(r.greedy[..6].to_vec()))));
+        assert_eq!(off, plain, "fixed drafts of the unpenalised tokens");
     }
 }
 
@@ -161,7 +240,7 @@ fn with_drafts_sampled_tokens_follow_k3s_distribution() {
     let (mut accepted, mut proposed) = (0, 0);
     for seed in 0..n {
         let mut s = base.fork().unwrap();
-        let mut sampler = Sampler::new(SamplingSpec { seed: Some(seed), ..params });
+        let mut sampler = Sampler::new(SamplingSpec { seed: Some(seed), ..params.clone() });
         let mut spec = Speculator::without_cost_model(Box::new(Fixed(vec![d])));
         // max_new 3: after t1 one draft (for t2) fits.
         let g = s.generate_speculative_sampled(&opts(3), &mut spec, &mut sampler, &mut |_| true).unwrap();
@@ -208,8 +287,10 @@ fn cli_sampling_flags_are_reproducible_and_checked() {
         c.args(["--prompt-ids", &ids_arg(&r.prompt[..8])]).args(extra);
         let (out, _) = run_ok(&mut c);
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        v["output_ids"].clone()
+        (v["output_ids"].clone(), v["sampling"].clone())
     };
+    let sampling = |extra: &[&str]| run(extra).1;
+    let run = |extra: &[&str]| run(extra).0;
     let a = run(&["--temperature", "0.8", "--seed", "7"]);
     assert_eq!(a, run(&["--temperature", "0.8", "--seed", "7", "--threads", "1"]));
     assert_eq!(a, run(&["--temperature", "0.8", "--seed", "7", "--draft", "ngram"]));
@@ -217,6 +298,20 @@ fn cli_sampling_flags_are_reproducible_and_checked() {
     assert_eq!(k, run(&["--temperature", "0.8", "--seed", "7", "--top-k", "2", "--min-p", "0.1", "--draft", "ngram"]));
     assert_eq!(run(&["--temperature", "0.8", "--top-k", "1"]), run(&[]), "top-k 1 is greedy");
     assert_eq!(run(&["--temperature", "0"]), run(&[]), "temperature 0 is greedy");
+    let pen = ["--repeat-penalty", "1.3", "--frequency-penalty", "0.4", "--presence-penalty", "0.3"];
+    let s = sampling(&pen);
+    let got = (&s["repetition_penalty"], &s["frequency_penalty"], &s["presence_penalty"]);
+    assert_eq!(got, (&1.3.into(), &0.4.into(), &0.3.into()), "{s}");
+    let hot = ["--temperature", "0.9", "--seed", "3", "--repeat-penalty", "1.5", "--presence-penalty", "1"];
+    let g = run(&hot);
+    assert_eq!(g, run(&[&hot[..], &["--draft", "ngram"]].concat()), "drafts change no penalised token");
+    let o = deltafin_cmd()
+        .args(["run", "--model"])
+        .arg(&dir)
+        .args(["--prompt-ids", "1,2", "--frequency-penalty", "2.5"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("`2.5` is not a penalty"), "{o:?}");
     let o = deltafin_cmd()
         .args(["run", "--model"])
         .arg(&dir)

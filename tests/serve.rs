@@ -401,8 +401,11 @@ fn clients_that_stall_or_trickle_are_closed_after_the_read_timeout() {
     assert!(out.starts_with("HTTP/1.1 408"), "{out}");
     assert!(out.contains("request_timeout") && out.to_ascii_lowercase().contains("connection: close"), "{out}");
     // Answers are not timed: a stream longer than the read timeout runs to its end.
-    // (5000 tokens take about 3 s here.)
-    let body = format!(r#"{{"model":"{MODEL}","prompt":"Hi","max_tokens":5000,"stream":true}}"#);
+    // (5000 tokens take about 3 s here; the end tokens are kept out by `logit_bias`.)
+    let info: serde_json::Value = serde_json::from_str(&curl(&["-s", &format!("{}/tokenizer_info", s.base)])).unwrap();
+    let (eos, eom) = (&info["eos_token_id"], &info["end_of_message_token_id"]);
+    let bias = format!(r#"{{"{eos}":-100,"{eom}":-100}}"#);
+    let body = format!(r#"{{"model":"{MODEL}","prompt":"Hi","max_tokens":5000,"stream":true,"logit_bias":{bias}}}"#);
     let t0 = Instant::now();
     let out = curl(&["-sN", "-d", &body, &format!("{}/v1/completions", s.base)]);
     let tail = &out[out.len().saturating_sub(1000)..];
@@ -632,6 +635,10 @@ fn a_server_reachable_from_other_machines_without_a_key_is_warned_about() {
     let warning = "warning: listening on 0.0.0.0 without --api-key";
     let s = Server::start_on(&model, &["--host", "0.0.0.0"]);
     assert!(s.stderr.lock().unwrap().contains(warning), "{}", s.stderr.lock().unwrap());
+    // The address printed is one a browser on this machine opens, with a note for the others.
+    assert!(s.base.starts_with("http://127.0.0.1:"), "{}", s.base);
+    assert!(s.stderr.lock().unwrap().contains("listening on all interfaces (0.0.0.0:"), "{}", s.stderr.lock().unwrap());
+    get(&s.base, "/health", None);
     for extra in [&["--host", "0.0.0.0", "--api-key", "k"][..], &[]] {
         let s = Server::start_on(&model, extra);
         assert!(!s.stderr.lock().unwrap().contains("warning: listening"), "{extra:?}: {}", s.stderr.lock().unwrap());

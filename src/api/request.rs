@@ -2,9 +2,9 @@
 //!
 //! Contract: [`parse_chat`], [`parse_completion`] and [`parse_batch_line`] turn a JSON body into a
 //! [`GenRequest`] or an [`ApiError`] in OpenAI's error shape that names the offending field
-//! (`param`): unknown fields, wrong types, out-of-range values and unsupported features (`n > 1`,
-//! image parts, penalties, `echo`, tools when the chat template cannot take them; tools,
-//! `tool_choice` and `response_format` are `tools`') are all 400s.
+//! (`param`): unknown fields, wrong types, out-of-range values and unsupported features (image
+//! parts, `echo` in a stream, `n > 1` in a batch line, tools when the chat template cannot take
+//! them; tools, `tool_choice` and `response_format` are `tools`') are all 400s.
 //! Standard fields that cannot change the answer (`store`, `metadata`, `service_tier`, `user`,
 //! `prediction`, ...: [`IGNORED`]) are accepted and ignored, each named in a debug log line; a
 //! standard field that would change it is honoured (`top_k`, `min_p`, `chat_template_kwargs`'
@@ -14,11 +14,14 @@
 
 use super::ApiError;
 use crate::model::chat::Thinking;
-use crate::sample::SamplingSpec;
+use crate::sample::{MAX_LOGIT_BIAS, SamplingSpec};
 use serde_json::{Map, Value};
 pub use tools::{ResponseFormat, ToolChoice, template_vars};
 
 mod tools;
+
+/// Most choices (`n`) one request may ask for.
+pub const MAX_N: usize = 16;
 
 /// Longest stop sequence accepted.
 pub const MAX_STOP_BYTES: usize = 1024;
@@ -61,8 +64,13 @@ pub struct GenRequest {
     /// How its tokens are picked: the request's `temperature`, `top_p`, `top_k`, `min_p` and
     /// `seed` over the server's defaults (no seed: a fresh one when it runs).
     pub sampling: SamplingSpec,
+    /// Choices to generate (`n`): choice i samples with the seed + i
+    /// ([`SamplingSpec::for_choice`]).
+    pub n: usize,
     /// Log-probabilities with this many alternatives (None: off).
     pub logprobs: Option<usize>,
+    /// A completion's answer starts with its prompt (with `logprobs`: the prompt's too).
+    pub echo: bool,
     pub stream: bool,
     pub include_usage: bool,
     /// The chat template's thinking setting (None: the model's default, from its
@@ -210,7 +218,9 @@ fn unsupported(param: &str, what: &str) -> ApiError {
 
 /// Options shared by chat, completions and batch lines.
 fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError> {
-    let max_tokens = f.integer("max_tokens", 1, i64::MAX)?;
+    // A completion may ask for none (with `echo`: only the prompt's log-probabilities).
+    let least = if kind == Kind::Completion { 0 } else { 1 };
+    let max_tokens = f.integer("max_tokens", least, i64::MAX)?;
     let max_completion = if kind == Kind::Chat { f.integer("max_completion_tokens", 1, i64::MAX)? } else { None };
     r.max_tokens = max_completion.or(max_tokens).map(|n| usize::try_from(n).unwrap_or(usize::MAX));
     r.stop = match f.take("stop") {
@@ -232,29 +242,7 @@ fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError
         return Err(ApiError::invalid(f.name("stop"), format!("'stop' sequences are at most {MAX_STOP_BYTES} bytes")));
     }
     sampling(f, &mut r.sampling)?;
-    if let Some(n) = f.integer("n", i64::MIN, i64::MAX)?
-        && n != 1
-    {
-        return Err(unsupported(&f.name("n"), "n other than 1"));
-    }
-    for k in ["presence_penalty", "frequency_penalty"] {
-        if let Some(x) = f.number(k, -2.0, 2.0)?
-            && x != 0.0
-        {
-            return Err(unsupported(&f.name(k), "a penalty other than 0"));
-        }
-    }
-    // vLLM's and llama.cpp's multiplicative penalty: 1 is none.
-    if let Some(x) = f.number("repetition_penalty", 0.0, f64::MAX)?
-        && x != 1.0
-    {
-        return Err(unsupported(&f.name("repetition_penalty"), "a repetition_penalty other than 1"));
-    }
-    match f.take("logit_bias") {
-        None => {}
-        Some(Value::Object(m)) if m.is_empty() => {}
-        Some(_) => return Err(unsupported(&f.name("logit_bias"), "logit_bias")),
-    }
+    r.n = f.integer("n", 1, MAX_N as i64)?.map_or(1, |n| n as usize);
     r.stream = f.bool("stream")?.unwrap_or(false);
     if let Some(o) = f.take("stream_options") {
         if !r.stream {
@@ -274,8 +262,34 @@ fn common(f: &mut Fields, kind: Kind, r: &mut GenRequest) -> Result<(), ApiError
     Ok(())
 }
 
+/// OpenAI's `logit_bias`: {"token id": bias in -100..=100}, at most [`MAX_LOGIT_BIAS`] tokens
+/// (ids past the vocabulary are refused when the request is prepared), as ascending pairs.
+fn logit_bias(v: Value, name: &str) -> Result<Vec<(u32, f64)>, ApiError> {
+    let Value::Object(m) = v else {
+        return Err(ApiError::invalid(name, format!("'{name}' must be an object of token ids to biases")));
+    };
+    if m.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(name, format!("'{name}' takes at most {MAX_LOGIT_BIAS} tokens")));
+    }
+    let mut out = Vec::with_capacity(m.len());
+    for (k, b) in m {
+        let id: u32 =
+            k.parse().map_err(|_| ApiError::invalid(name, format!("'{name}': key '{k}' is not a token id")))?;
+        let b = b.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+            ApiError::invalid(name, format!("'{name}': the bias of {k} must be a number in -100..=100"))
+        })?;
+        out.push((id, b));
+    }
+    out.sort_by_key(|e| e.0);
+    if out.windows(2).any(|w| w[0].0 == w[1].0) {
+        return Err(ApiError::invalid(name, format!("'{name}' names a token twice")));
+    }
+    Ok(out)
+}
+
 /// The sampling fields over `s` (the server's defaults): `temperature`, `top_p`, vLLM's and
-/// llama.cpp's `top_k` and `min_p`, and `seed`.
+/// llama.cpp's `top_k`, `min_p` and `repetition_penalty`, OpenAI's `frequency_penalty`,
+/// `presence_penalty` and `logit_bias`, and `seed`.
 fn sampling(f: &mut Fields, s: &mut SamplingSpec) -> Result<(), ApiError> {
     s.temperature = f.number("temperature", 0.0, 2.0)?.unwrap_or(s.temperature);
     s.top_p = f.number("top_p", 0.0, 1.0)?.unwrap_or(s.top_p);
@@ -284,6 +298,18 @@ fn sampling(f: &mut Fields, s: &mut SamplingSpec) -> Result<(), ApiError> {
         s.top_k = usize::try_from(k).unwrap_or(0);
     }
     s.min_p = f.number("min_p", 0.0, 1.0)?.unwrap_or(s.min_p);
+    // vLLM's and llama.cpp's multiplicative penalty (1 is none), OpenAI's additive ones.
+    if let Some(x) = f.number("repetition_penalty", 0.0, f64::MAX)? {
+        if x <= 0.0 {
+            return Err(ApiError::invalid(f.name("repetition_penalty"), "'repetition_penalty' must be above 0"));
+        }
+        s.repetition_penalty = x;
+    }
+    s.frequency_penalty = f.number("frequency_penalty", -2.0, 2.0)?.unwrap_or(s.frequency_penalty);
+    s.presence_penalty = f.number("presence_penalty", -2.0, 2.0)?.unwrap_or(s.presence_penalty);
+    if let Some(v) = f.take("logit_bias") {
+        s.logit_bias = logit_bias(v, &f.name("logit_bias"))?;
+    }
     // OpenAI seeds are signed 64-bit; the bits seed the sampler.
     s.seed = f.integer("seed", i64::MIN, i64::MAX)?.map(|s| s as u64);
     Ok(())
@@ -308,7 +334,7 @@ fn model(f: &mut Fields, ctx: &ParseContext, required: bool) -> Result<(), ApiEr
 
 /// A request with every option at its default (the context's sampling and `max_tokens`).
 fn empty_request(kind: Kind, prompt: Prompt, ctx: &ParseContext) -> GenRequest {
-    GenRequest::new(kind, prompt, ctx.sampling, ctx.max_tokens)
+    GenRequest::new(kind, prompt, ctx.sampling.clone(), ctx.max_tokens)
 }
 
 impl GenRequest {
@@ -323,7 +349,9 @@ impl GenRequest {
             default_max_tokens: if kind == Kind::Chat { max_tokens } else { None },
             stop: Vec::new(),
             sampling: SamplingSpec { seed: None, ..sampling },
+            n: 1,
             logprobs: None,
+            echo: false,
             stream: false,
             include_usage: false,
             thinking: None,
@@ -517,8 +545,9 @@ pub fn parse_completion(body: impl JsonBody, ctx: &ParseContext) -> Result<GenRe
     // OpenAI's completions default.
     r.max_tokens = r.max_tokens.or(Some(16));
     r.logprobs = f.integer("logprobs", 0, 5)?.map(|n| n as usize);
-    if f.bool("echo")? == Some(true) {
-        return Err(unsupported("echo", "echo"));
+    r.echo = f.bool("echo")?.unwrap_or(false);
+    if r.echo && r.stream {
+        return Err(unsupported("echo", "echo in a stream"));
     }
     if f.string("suffix")?.is_some() {
         return Err(unsupported("suffix", "suffix"));
@@ -566,6 +595,9 @@ pub fn parse_batch_line(line: &Value, ctx: &ParseContext) -> (Option<String>, Re
         common(&mut f, kind, &mut r)?;
         if r.stream {
             return Err(unsupported("stream", "streaming in a batch"));
+        }
+        if r.n != 1 {
+            return Err(unsupported("n", "n other than 1 in a batch line"));
         }
         f.ignore_standard();
         f.finish()?;

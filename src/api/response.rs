@@ -27,6 +27,17 @@ pub struct Output {
     pub prompt_tokens: usize,
     /// The deltafin extension object.
     pub ext: Value,
+    /// The prompt, shown before the answer (a completion's `echo`).
+    pub echo: Option<Echo>,
+}
+
+/// A completion's prompt as `echo` shows it: its text, its tokens and (with `logprobs`) each
+/// token's log-probability after the tokens before it (None for the first, which has none).
+#[derive(Clone, Debug, Default)]
+pub struct Echo {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub logprobs: Option<Vec<Option<TokenLogprob>>>,
 }
 
 /// One token's visible text, split into the chat template's channels.
@@ -84,17 +95,22 @@ fn chat_logprob(l: &TokenLogprob, text: TokenText) -> Value {
     e
 }
 
-fn completion_logprobs(ls: &[TokenLogprob], text: TokenText) -> Value {
+/// OpenAI's completions shape over (token, its log-probability: None for an echoed prompt's
+/// first token, null as vLLM gives it).
+fn completion_logprobs(ls: &[(u32, Option<&TokenLogprob>)], text: TokenText) -> Value {
     let mut offset = 0;
     let mut offsets = Vec::new();
-    for l in ls {
+    for &(t, _) in ls {
         offsets.push(offset);
-        offset += lossy(&text(l.token)).len();
+        offset += lossy(&text(t)).len();
     }
+    let top = |l: &TokenLogprob| {
+        Value::Object(l.top.iter().map(|&(t, lp)| (lossy(&text(t)), json!(lp))).collect::<serde_json::Map<_, _>>())
+    };
     json!({
-        "tokens": ls.iter().map(|l| lossy(&text(l.token))).collect::<Vec<_>>(),
-        "token_logprobs": ls.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-        "top_logprobs": ls.iter().map(|l| l.top.iter().map(|&(t, lp)| (lossy(&text(t)), json!(lp))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+        "tokens": ls.iter().map(|&(t, _)| lossy(&text(t))).collect::<Vec<_>>(),
+        "token_logprobs": ls.iter().map(|(_, l)| l.map_or(Value::Null, |l| json!(l.logprob))).collect::<Vec<_>>(),
+        "top_logprobs": ls.iter().map(|(_, l)| l.map_or(Value::Null, top)).collect::<Vec<_>>(),
         "text_offset": offsets,
     })
 }
@@ -102,14 +118,38 @@ fn completion_logprobs(ls: &[TokenLogprob], text: TokenText) -> Value {
 fn logprobs_value(kind: Kind, ls: &[TokenLogprob], text: TokenText) -> Value {
     match kind {
         Kind::Chat => json!({"content": ls.iter().map(|l| chat_logprob(l, text)).collect::<Vec<_>>()}),
-        Kind::Completion => completion_logprobs(ls, text),
+        Kind::Completion => completion_logprobs(&ls.iter().map(|l| (l.token, Some(l))).collect::<Vec<_>>(), text),
     }
 }
 
-/// The whole (non-streamed) response.
-pub fn response(m: &Meta, out: &Output, want_logprobs: bool, text: TokenText) -> Value {
-    let lp = if want_logprobs { logprobs_value(m.kind, &out.logprobs, text) } else { Value::Null };
-    let choice = match m.kind {
+/// A completion's log-probabilities with its echoed prompt's first.
+fn echoed_logprobs(e: &Echo, ls: &[TokenLogprob], text: TokenText) -> Value {
+    let none = Vec::new();
+    let prompt = e.logprobs.as_ref().unwrap_or(&none);
+    let mut all: Vec<(u32, Option<&TokenLogprob>)> =
+        e.tokens.iter().enumerate().map(|(i, &t)| (t, prompt.get(i).and_then(Option::as_ref))).collect();
+    all.extend(ls.iter().map(|l| (l.token, Some(l))));
+    completion_logprobs(&all, text)
+}
+
+/// The usage of several choices of one request: one prompt, every choice's tokens.
+pub fn usage_of(outs: &[Output]) -> Value {
+    let Some(first) = outs.first() else { return Value::Null };
+    let mut u = usage(first);
+    let completion: usize = outs.iter().map(|o| o.tokens.len()).sum();
+    u["completion_tokens"] = json!(completion);
+    u["total_tokens"] = json!(first.prompt_tokens + completion);
+    u
+}
+
+/// One choice of a whole response.
+fn choice(m: &Meta, index: usize, out: &Output, want_logprobs: bool, text: TokenText) -> Value {
+    let lp = match (&out.echo, want_logprobs) {
+        (_, false) => Value::Null,
+        (Some(e), true) if m.kind == Kind::Completion => echoed_logprobs(e, &out.logprobs, text),
+        (_, true) => logprobs_value(m.kind, &out.logprobs, text),
+    };
+    match m.kind {
         Kind::Chat => {
             let mut msg = json!({"role": "assistant", "content": out.content});
             if !out.reasoning.is_empty() {
@@ -125,15 +165,34 @@ pub fn response(m: &Meta, out: &Output, want_logprobs: bool, text: TokenText) ->
                     .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
                     .collect();
             }
-            json!({"index": 0, "message": msg, "logprobs": lp, "finish_reason": out.finish_reason})
+            json!({"index": index, "message": msg, "logprobs": lp, "finish_reason": out.finish_reason})
         }
         Kind::Completion => {
-            json!({"index": 0, "text": out.content, "logprobs": lp, "finish_reason": out.finish_reason})
+            let shown = match &out.echo {
+                Some(e) => format!("{}{}", e.text, out.content),
+                None => out.content.clone(),
+            };
+            json!({"index": index, "text": shown, "logprobs": lp, "finish_reason": out.finish_reason})
         }
-    };
+    }
+}
+
+/// The whole (non-streamed) response.
+pub fn response(m: &Meta, out: &Output, want_logprobs: bool, text: TokenText) -> Value {
+    responses(m, std::slice::from_ref(out), want_logprobs, text)
+}
+
+/// The whole response of a request's choices (`n`), in order; usage counts the prompt once, and
+/// the extension object is the first choice's (with each choice's `seed` in `seeds`).
+pub fn responses(m: &Meta, outs: &[Output], want_logprobs: bool, text: TokenText) -> Value {
+    let choices: Vec<Value> = outs.iter().enumerate().map(|(i, o)| choice(m, i, o, want_logprobs, text)).collect();
+    let mut ext = outs.first().map_or(Value::Null, |o| o.ext.clone());
+    if outs.len() > 1 {
+        ext["seeds"] = outs.iter().map(|o| o.ext.get("seed").cloned().unwrap_or(Value::Null)).collect();
+    }
     json!({
         "id": m.id, "object": object(m.kind, false), "created": m.created, "model": m.model,
-        "choices": [choice], "usage": usage(out), "deltafin": out.ext,
+        "choices": choices, "usage": usage_of(outs), "deltafin": ext,
     })
 }
 
@@ -198,7 +257,16 @@ pub fn finish_chunk(m: &Meta, out: &Output, with_ext: bool) -> Value {
     c
 }
 
-/// The usage chunk of `stream_options.include_usage`.
-pub fn usage_chunk(m: &Meta, out: &Output) -> Value {
-    json!({"id": m.id, "object": object(m.kind, true), "created": m.created, "model": m.model, "choices": [], "usage": usage(out), "deltafin": out.ext})
+/// The usage chunk of `stream_options.include_usage`, after every choice's last chunk.
+pub fn usage_chunk(m: &Meta, outs: &[Output]) -> Value {
+    let ext = outs.first().map_or(Value::Null, |o| o.ext.clone());
+    json!({"id": m.id, "object": object(m.kind, true), "created": m.created, "model": m.model, "choices": [], "usage": usage_of(outs), "deltafin": ext})
+}
+
+/// `chunk` as choice `index`'s (chunks are made as choice 0's).
+pub fn for_choice(mut chunk: Value, index: usize) -> Value {
+    if let Some(c) = chunk.get_mut("choices").and_then(|c| c.get_mut(0)) {
+        c["index"] = json!(index);
+    }
+    chunk
 }

@@ -56,7 +56,7 @@ pub fn run(mut a: RunArgs) -> Result<()> {
     let tok = tok.map(Arc::new);
     let held = saved.as_ref().map_or(0, |f| f.tokens);
     let (engine, spec) = open(&a, &dir, &prompt, held, tok.as_deref(), &sampling)?;
-    let done = generate(&a, &dir, &engine, spec, tok.as_ref(), &prompt, saved.as_mut(), sampling)?;
+    let done = generate(&a, &dir, &engine, spec, tok.as_ref(), &prompt, saved.as_mut(), sampling.clone())?;
     finish(&a, &engine, &prompt, tok.is_some(), sampling, done)
 }
 
@@ -181,8 +181,8 @@ fn generate(
         }
         let stop = stops.contains(&next);
         let piece = match tok {
-            // Reserved (unnamed) specials carry no text.
-            Some(t) if !stop && !t.is_reserved(next) => match t.token_bytes(next) {
+            // Special tokens carry no text (skip_special_tokens).
+            Some(t) if !stop && !t.is_special(next) => match t.token_bytes(next) {
                 Ok(b) => decoder.push(b),
                 Err(e) => {
                     write_error = Some(e.into());
@@ -203,7 +203,7 @@ fn generate(
         // Ctrl-C: this token is the last.
         !signals::interrupted()
     };
-    let mut sampler = saved.as_ref().map_or_else(|| Sampler::new(sampling), |f| f.sampler(a, sampling));
+    let mut sampler = saved.as_ref().map_or_else(|| Sampler::new(sampling.clone()), |f| f.sampler(a, sampling.clone()));
     let mut cut = false;
     if !signals::interrupted() {
         let g = match &mut spec {

@@ -45,8 +45,12 @@ impl LaneHost for Prompts<'_> {
         let i = self.next;
         let p = self.prompts.get(i).filter(|_| self.failed.is_none())?;
         self.next += 1;
-        let lane = match Lane::new(self.engine.new_session(), p.clone(), self.opts.clone(), Sampler::new(self.sampling))
-        {
+        let lane = match Lane::new(
+            self.engine.new_session(),
+            p.clone(),
+            self.opts.clone(),
+            Sampler::new(self.sampling.clone()),
+        ) {
             Ok(l) => l,
             Err(e) => {
                 self.failed = Some(format!("prompt {}: {e}", i + 1));
@@ -146,7 +150,7 @@ pub(super) fn run_many(
         engine: &engine,
         prompts: &prompts,
         opts: GenerateOptions { max_new: a.max_new, stop: stops.clone() },
-        sampling,
+        sampling: sampling.clone(),
         draft: a.draft,
         next: 0,
         gens: vec![None; prompts.len()],
@@ -249,13 +253,13 @@ fn print_answers(
     Ok(())
 }
 
-/// An answer's text as `run` streams it alone: stop tokens and reserved specials carry no text,
+/// An answer's text as `run` streams it alone: stop tokens and special tokens carry no text,
 /// an unfinished UTF-8 character at the end is dropped.
 fn answer_text(t: &Tokenizer, ids: &[u32], stops: &[u32]) -> Result<String> {
     let mut d = StreamDecoder::default();
     let mut text = String::new();
     for &id in ids {
-        if !stops.contains(&id) && !t.is_reserved(id) {
+        if !stops.contains(&id) && !t.is_special(id) {
             text.push_str(&d.push(t.token_bytes(id)?));
         }
     }

@@ -29,6 +29,12 @@ pub trait Words {
     const MIN_P: &'static str;
     const MIN_P_LONG: Option<&'static str> = None;
     const MIN_P_VALUE: &'static str = "P";
+    const REPEAT_PENALTY: &'static str = "Repeat penalty over the last 64 tokens, prompt included, as llama.cpp's \
+                                          (above 0; default 1: off)";
+    const FREQUENCY_PENALTY: &'static str =
+        "Frequency penalty, -2 to 2, per earlier emission of a token, as OpenAI's (default 0: off)";
+    const PRESENCE_PENALTY: &'static str =
+        "Presence penalty, -2 to 2, for a token emitted before, as OpenAI's (default 0: off)";
 }
 
 /// The sampling flags (see the module contract).
@@ -68,14 +74,61 @@ pub struct SamplingArgs<W: Words> {
         value_parser = super::parse_min_p
     )]
     pub min_p: Option<f64>,
+    // llama.cpp's repeat penalty (1: off).
+    #[arg(long, help = W::REPEAT_PENALTY, value_name = "X", help_heading = W::HEADING, value_parser = parse_repeat_penalty)]
+    pub repeat_penalty: Option<f64>,
+    // OpenAI's frequency penalty (0: off).
+    #[arg(
+        long,
+        help = W::FREQUENCY_PENALTY,
+        value_name = "X",
+        help_heading = W::HEADING,
+        allow_negative_numbers = true,
+        value_parser = parse_penalty
+    )]
+    pub frequency_penalty: Option<f64>,
+    // OpenAI's presence penalty (0: off).
+    #[arg(
+        long,
+        help = W::PRESENCE_PENALTY,
+        value_name = "X",
+        help_heading = W::HEADING,
+        allow_negative_numbers = true,
+        value_parser = parse_penalty
+    )]
+    pub presence_penalty: Option<f64>,
     #[arg(skip)]
     words: PhantomData<W>,
+}
+
+/// A repeat penalty: above 0 (1 is off).
+fn parse_repeat_penalty(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if p.is_finite() && p > 0.0 => Ok(p),
+        _ => Err(format!("`{s}` is not a repeat penalty (expected a number above 0; 1 is off)")),
+    }
+}
+
+/// A frequency or presence penalty: -2 to 2 (0 is off), as the server accepts.
+fn parse_penalty(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(p) if p.is_finite() && (-2.0..=2.0).contains(&p) => Ok(p),
+        _ => Err(format!("`{s}` is not a penalty (expected a number from -2 to 2; 0 is off)")),
+    }
 }
 
 impl<W: Words> SamplingArgs<W> {
     /// The flags given (None: not given).
     pub fn given(&self) -> SamplingDefaults {
-        SamplingDefaults { temperature: self.temperature, top_p: self.top_p, top_k: self.top_k, min_p: self.min_p }
+        SamplingDefaults {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+        }
     }
 
     /// The sampling of the model in `dir` (see the module contract): each flag when given; else,
@@ -93,9 +146,9 @@ impl<W: Words> SamplingArgs<W> {
 }
 
 /// The "sampling: ..." startup line (`each`: one line for several prompts; the seed where chosen),
-/// None when greedy.
+/// None when greedy without penalties.
 pub fn sampling_line(s: &SamplingSpec, each: bool) -> Option<String> {
-    (!s.is_greedy()).then(|| {
+    (!s.is_greedy() || s.adjusts()).then(|| {
         let each = if each { " (each prompt)" } else { "" };
         let mut filters = String::new();
         if s.top_k > 0 {
@@ -103,6 +156,15 @@ pub fn sampling_line(s: &SamplingSpec, each: bool) -> Option<String> {
         }
         if s.min_p > 0.0 {
             filters.push_str(&format!(" min-p {}", s.min_p));
+        }
+        if s.repetition_penalty != 1.0 {
+            filters.push_str(&format!(" repeat-penalty {}", s.repetition_penalty));
+        }
+        if s.frequency_penalty != 0.0 {
+            filters.push_str(&format!(" frequency-penalty {}", s.frequency_penalty));
+        }
+        if s.presence_penalty != 0.0 {
+            filters.push_str(&format!(" presence-penalty {}", s.presence_penalty));
         }
         let seed = s.seed.map_or(String::new(), |n| format!(" seed {n}"));
         format!("deltafin: sampling: temperature {} top-p {}{filters}{seed}{each}", s.temperature, s.top_p)

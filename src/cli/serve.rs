@@ -149,7 +149,9 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     }
     let auth = if opts.api_key.is_some() { "API key required" } else { "no API key" };
     crate::serve::serve(engine, opts, |addr| {
-        eprintln!("deltafin: serving {model_id} on http://{addr} (OpenAI API at /v1, chat page at /, {auth})");
+        let (url, note) = crate::serve::browser_address(addr);
+        let note = note.map_or(String::new(), |n| format!("; {n}"));
+        eprintln!("deltafin: serving {model_id} on http://{url} (OpenAI API at /v1, chat page at /, {auth}{note})");
     })?;
     eprintln!("deltafin: server stopped");
     Ok(())

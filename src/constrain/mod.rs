@@ -151,9 +151,20 @@ impl Grammars {
     }
 }
 
-/// The first line of a grammar engine message (the rest is its internal state).
+/// The first line of a grammar engine message (the rest is its internal state), without the
+/// place in the internal grammar it starts with (`at 3(7): `); a first line that only announces
+/// what follows (`regex parse error:`) gets the message's last line, which says what is wrong.
 fn first_line(s: &str) -> String {
-    s.lines().next().unwrap_or(s).trim().to_string()
+    let mut lines = s.lines().map(str::trim).filter(|l| !l.is_empty());
+    let first = lines.next().unwrap_or_default();
+    let first = match first.strip_prefix("at ").and_then(|r| r.split_once("): ")) {
+        Some((_, rest)) => rest,
+        None => first,
+    };
+    match lines.next_back() {
+        Some(last) if first.ends_with(':') => format!("{first} {last}"),
+        _ => first.to_string(),
+    }
 }
 
 /// One answer's grammar state.

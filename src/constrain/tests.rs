@@ -130,3 +130,17 @@ fn what_cannot_be_enforced_is_refused_with_a_reason() {
     assert!(bad(json!({"type": "object", "properties": huge})).contains("bytes of JSON"));
     g.check(&Spec { payload: Payload::Json(json!({"type": "object"})), thinking: false }).unwrap();
 }
+
+#[test]
+fn first_line_drops_the_grammar_and_its_places() {
+    assert_eq!(
+        super::first_line("at 3(7): failed to compile JSON schema: Invalid type: x\n%llguidance {}\nstart: x"),
+        "failed to compile JSON schema: Invalid type: x"
+    );
+    assert_eq!(
+        super::first_line(
+            "at 3(7): failed to compile JSON schema: regex parse error:\n    ((\n    ^\nerror: unclosed group"
+        ),
+        "failed to compile JSON schema: regex parse error: error: unclosed group"
+    );
+}

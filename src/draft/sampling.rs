@@ -2,8 +2,10 @@
 //! keeps K3's sampling distribution exactly whatever the drafter proposes.
 //!
 //! Contract: for a draft token `d` drawn from the drafter's distribution `q`, with K3's
-//! distribution `p` at the same row (the filtered one that plain sampling draws from:
-//! [`crate::sample::probabilities`] with the request's temperature, top-k, min-p and top-p),
+//! distribution `p` at the same row (the one that plain sampling draws from:
+//! [`crate::sample::Sampler::distribution`], the logits adjusted by the request's logit bias and
+//! penalties given the tokens before that row, then filtered by its temperature, top-k, min-p and
+//! top-p),
 //! [`verdict`] accepts `d` with probability min(1, p(d)/q(d)); on rejection it returns a token
 //! drawn from norm(max(0, p - q)). The emitted token is then distributed exactly as p.
 //!
@@ -11,7 +13,8 @@
 //! point mass on d, so the rule becomes "accept with probability p(d), else draw from p without
 //! d". Drawing x ~ p with the row's one uniform number and accepting iff x == d is that rule
 //! exactly (P(accept) = p(d); given x != d, x ~ p restricted to tokens other than d), and it uses
-//! the same number and the same filtered p plain sampling would (a draft the filters exclude has
+//! the same number and the same adjusted, filtered p plain sampling would (the step core hands
+//! the sampler the same history at a verify row as plain decoding has; a draft the filters exclude has
 //! p(d) = 0 and is never kept) — so [`crate::engine::Session::generate_speculative_sampled`]
 //! emits the tokens of plain sampling with the same seed, bit for bit. [`verdict`] is for a
 //! drafter that samples its proposals (a model drafter at temperature > 0).

@@ -39,9 +39,18 @@ impl Engine {
     }
 
     /// The tokens that end generation: the chat format's end-of-message token (when `tok` has it),
-    /// then the config's `eos_token_id` (when there is one).
+    /// then the config's `eos_token_id` (when there is one), then the tokenizer's `[EOS]`.
     pub fn stop_tokens(&self, tok: Option<&Tokenizer>) -> Vec<u32> {
-        tok.and_then(|t| t.special_id("<|end_of_msg|>")).into_iter().chain(self.cfg.eos_token).collect()
+        let mut stops: Vec<u32> =
+            tok.and_then(|t| t.special_id("<|end_of_msg|>")).into_iter().chain(self.cfg.eos_token).collect();
+        // The document separator ends a plain continuation too (as llama.cpp's end-of-generation
+        // tokens do): past it the model starts another document.
+        if let Some(eos) = tok.and_then(|t| t.special_id("[EOS]"))
+            && !stops.contains(&eos)
+        {
+            stops.push(eos);
+        }
+        stops
     }
 
     /// The DSpark draft model's description (its layers, taps and memory), when one is loaded.

@@ -78,7 +78,7 @@ pub struct SessionNotes {
 }
 
 /// A sampler's parameters and generator state ([`Sampler::position`]).
-#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct SamplerPosition {
     pub params: SamplingSpec,
     pub rng: u64,
@@ -93,7 +93,7 @@ impl SamplerPosition {
 
     /// The sampler, continuing where it was saved.
     pub fn sampler(&self) -> Sampler {
-        Sampler::resume(self.params, self.rng, self.picks)
+        Sampler::resume(self.params.clone(), self.rng, self.picks)
     }
 }
 

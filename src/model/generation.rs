@@ -1,12 +1,13 @@
 //! `generation_config.json`, Hugging Face's file of a model's suggested sampling settings: the
-//! `temperature`, `top_p`, `top_k` and `min_p` that `--demo` uses as defaults (the fields vLLM
-//! reads from it), and the chat defaults every front end takes from any model's file:
+//! `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` that `--demo` uses as
+//! defaults (the fields vLLM reads from it), and the chat defaults every front end takes from any model's file:
 //! `chat_template_kwargs` (named after vLLM's option of that name), here `thinking` (false: the
 //! chat template's thinking channel is off unless a request asks for it) and `thinking_effort`.
 //!
 //! Contract: [`GenerationDefaults::load`] is `Ok(None)` when the file is absent. A file that is
-//! present is checked: malformed JSON, a `temperature` / `top_p` / `top_k` / `min_p` that is not a
-//! number the sampler takes (temperature 0..=2, top_p and min_p 0..=1, top_k a whole number), or a
+//! present is checked: malformed JSON, a `temperature` / `top_p` / `top_k` / `min_p` /
+//! `repetition_penalty` that is not a number the sampler takes (temperature 0..=2, top_p and min_p
+//! 0..=1, top_k a whole number, repetition_penalty above 0), or a
 //! `chat_template_kwargs` other than `{"thinking": bool, "thinking_effort": "low"|"high"|"max"}`
 //! is a [`ModelError`] naming the file and the field. `do_sample: false` (HF's switch for greedy
 //! decoding) makes the temperature 0 whatever the file says. Other fields are ignored.
@@ -79,7 +80,14 @@ impl GenerationDefaults {
                 f => bad(&format!("chat_template_kwargs.{f}"), msg),
             })?,
         };
-        Ok(GenerationDefaults { sampling: SamplingDefaults { temperature, top_p, top_k, min_p }, thinking })
+        let repetition_penalty = match number("repetition_penalty", f64::MAX)? {
+            Some(r) if r <= 0.0 => {
+                return Err(bad("repetition_penalty", format!("expected a number above 0, got {r}")));
+            }
+            r => r,
+        };
+        let sampling = SamplingDefaults { temperature, top_p, top_k, min_p, repetition_penalty, ..Default::default() };
+        Ok(GenerationDefaults { sampling, thinking })
     }
 }
 

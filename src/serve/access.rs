@@ -7,7 +7,9 @@
 //! an API key there), the status of the response head, and for a generation the prompt and
 //! completion tokens, time to first token and why it ended, which the handler records with
 //! [`usage`] while the request runs. A line is written once, whatever the answer's path (error,
-//! stream, disconnect). [`is_loopback`] tells whether a listening host is reachable only from this
+//! stream, disconnect). A request whose client left before its answer was all sent (a
+//! disconnect, a stream stopped) says `finish=cancelled`; one that left before the answer's head
+//! was sent has status 499 (nginx's "client closed request"). [`is_loopback`] tells whether a listening host is reachable only from this
 //! machine.
 
 use crate::api::Output;
@@ -40,20 +42,27 @@ struct State {
     status: u16,
     /// (prompt tokens, completion tokens, seconds to the first token, finish reason).
     usage: Option<(usize, usize, Option<f64>, &'static str)>,
+    /// The answer's body was sent to its end.
+    ended: bool,
 }
 
 impl Entry {
     /// The line (without its end).
     fn line(&self) -> String {
-        let st = self.state.lock().map(|s| (s.status, s.usage)).unwrap_or_default();
+        let st = self.state.lock().map(|s| (s.status, s.usage, s.ended)).unwrap_or_default();
         let client = self.client.map_or("-".to_string(), |a| a.to_string());
-        let mut out = format!("deltafin: request {client} {} {} {}", self.method, self.path, st.0);
+        // No head was sent: the client left while the handler ran.
+        let status = if st.0 == 0 { 499 } else { st.0 };
+        let mut out = format!("deltafin: request {client} {} {} {status}", self.method, self.path);
+        let cancelled = !st.2;
         if let Some((p, c, ttft, finish)) = st.1 {
             out.push_str(&format!(" in={p} out={c}"));
             if let Some(t) = ttft {
                 out.push_str(&format!(" ttft={t:.3}s"));
             }
-            out.push_str(&format!(" finish={finish}"));
+            out.push_str(&format!(" finish={}", if cancelled { "cancelled" } else { finish }));
+        } else if cancelled {
+            out.push_str(" finish=cancelled");
         }
         out.push_str(&format!(" time={:.3}s", self.start.elapsed().as_secs_f64()));
         out
@@ -72,13 +81,16 @@ pub fn current() -> Option<Arc<Entry>> {
     ENTRY.try_with(Arc::clone).ok()
 }
 
-/// Records a finished generation's tokens, TTFT and finish reason in `entry`'s line.
-pub fn usage(entry: &Option<Arc<Entry>>, out: &Output) {
+/// Records a finished generation's tokens, TTFT and finish reason in `entry`'s line (of several
+/// choices: the prompt once, every choice's tokens, the first's TTFT and finish reason).
+pub fn usage(entry: &Option<Arc<Entry>>, outs: &[Output]) {
     if let Some(e) = entry
+        && let Some(out) = outs.first()
         && let Ok(mut s) = e.state.lock()
     {
         let ttft = out.ext.get("ttft_s").and_then(serde_json::Value::as_f64);
-        s.usage = Some((out.prompt_tokens, out.tokens.len(), ttft, out.finish_reason));
+        let tokens = outs.iter().map(|o| o.tokens.len()).sum();
+        s.usage = Some((out.prompt_tokens, tokens, ttft, out.finish_reason));
     }
 }
 
@@ -97,14 +109,14 @@ pub async fn log(req: Request, next: Next) -> Response {
         s.status = res.status().as_u16();
     }
     let (parts, body) = res.into_parts();
-    Response::from_parts(parts, Body::new(Held { body, _entry: entry }))
+    Response::from_parts(parts, Body::new(Held { body, entry }))
 }
 
 /// A response body that holds its request's entry until it is done (or dropped), and is
 /// otherwise the body itself (its length too, so a sized answer keeps its Content-Length).
 struct Held {
     body: Body,
-    _entry: Arc<Entry>,
+    entry: Arc<Entry>,
 }
 
 impl hyper::body::Body for Held {
@@ -112,7 +124,11 @@ impl hyper::body::Body for Held {
     type Error = axum::Error;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let p = Pin::new(&mut self.body).poll_frame(cx);
+        if matches!(p, Poll::Ready(None)) {
+            self.mark_ended();
+        }
+        p
     }
 
     fn is_end_stream(&self) -> bool {
@@ -121,6 +137,23 @@ impl hyper::body::Body for Held {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+impl Held {
+    fn mark_ended(&self) {
+        if let Ok(mut s) = self.entry.state.lock() {
+            s.ended = true;
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // A sized body may be done without a last poll.
+        if hyper::body::Body::is_end_stream(&self.body) {
+            self.mark_ended();
+        }
     }
 }
 
@@ -152,10 +185,16 @@ mod tests {
             method: "POST".into(),
             path: "/v1/chat/completions".into(),
             start: Instant::now(),
-            state: Mutex::new(State { status: 200, usage: Some((12, 64, Some(0.0811), "stop")) }),
+            state: Mutex::new(State { status: 200, usage: Some((12, 64, Some(0.0811), "stop")), ended: true }),
         };
         let l = e.line();
         let want = "deltafin: request 127.0.0.1:5000 POST /v1/chat/completions 200 in=12 out=64 ttft=0.081s";
         assert!(l.starts_with(want) && l.contains(" finish=stop time="), "{l}");
+        // The client left mid-stream; before the answer's head.
+        e.state.lock().unwrap().ended = false;
+        assert!(e.line().contains(" 200 in=12 out=64 ttft=0.081s finish=cancelled time="), "{}", e.line());
+        *e.state.lock().unwrap() = State::default();
+        assert!(e.line().contains("/v1/chat/completions 499 finish=cancelled time="), "{}", e.line());
+        e.state.lock().unwrap().ended = true;
     }
 }

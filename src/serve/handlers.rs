@@ -14,7 +14,7 @@
 use super::access::{self, Entry};
 use super::{AppState, Job, KEEPALIVE, Msg};
 use crate::api::response::{self, Meta, TokenText};
-use crate::api::{self, ApiError, GenRequest, Kind, Owned, ParseContext};
+use crate::api::{self, ApiError, GenRequest, Kind, Output, Owned, ParseContext};
 use crate::service::generator::Prepared;
 use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
@@ -80,12 +80,12 @@ pub(super) async fn health(State(st): State<Arc<AppState>>) -> Response {
     }))
 }
 
-fn model_object(id: &str) -> Value {
-    json!({"id": id, "object": "model", "created": 0, "owned_by": "deltafin"})
+fn model_object(st: &AppState, id: &str) -> Value {
+    json!({"id": id, "object": "model", "created": st.created, "owned_by": "deltafin"})
 }
 
 pub(super) async fn models(State(st): State<Arc<AppState>>) -> Response {
-    json_response(&json!({"object": "list", "data": [model_object(&st.opts.model_id)]}))
+    json_response(&json!({"object": "list", "data": [model_object(&st, &st.opts.model_id)]}))
 }
 
 pub(super) async fn model(
@@ -100,7 +100,98 @@ pub(super) async fn model(
             format!("The model '{id}' does not exist"),
         ));
     }
-    json_response(&model_object(&id))
+    json_response(&model_object(&st, &id))
+}
+
+/// A small JSON body of the tokenizer endpoints (parsed within the value budget).
+fn small_json(body: &[u8], budget: usize) -> Result<serde_json::Map<String, Value>, ApiError> {
+    match api::json::parse(body, budget)? {
+        Value::Object(m) => Ok(m),
+        _ => Err(ApiError::invalid("body", "expected a JSON object")),
+    }
+}
+
+/// The model's tokenizer, or the error of a model without one.
+fn tokenizer(st: &AppState) -> Result<&crate::model::tokenizer::Tokenizer, ApiError> {
+    st.encoder.tokenizer().ok_or_else(|| ApiError::invalid("prompt", "this model has no tokenizer"))
+}
+
+/// `POST /tokenize` (vLLM's): `{"prompt": text}` to `{"tokens", "count", "max_model_len"}`, the
+/// ids the completions endpoint gives that text (special tokens' names are plain text; no BOS
+/// is added, whatever `add_special_tokens` says). Evaluation harnesses (lm-evaluation-harness's
+/// remote tokenizer) count a prompt's tokens with it.
+pub(super) async fn tokenize(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let body = match super::conn::body(req, st.opts.max_request_bytes, st.opts.read_timeout).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&e),
+    };
+    let run = || -> Result<Value, ApiError> {
+        let mut m = small_json(&body, api::json::value_budget(st.engine.context_bound()))?;
+        let tok = tokenizer(&st)?;
+        let _ = m.remove("add_special_tokens");
+        let _ = m.remove("model");
+        let text = match m.remove("prompt") {
+            Some(Value::String(t)) => t,
+            _ => return Err(ApiError::invalid("prompt", "'prompt' must be a string")),
+        };
+        if let Some(k) = m.keys().next() {
+            return Err(ApiError::invalid(k.clone(), format!("Unrecognized request argument supplied: {k}")));
+        }
+        let ids = tok.encode(&text);
+        Ok(json!({"count": ids.len(), "max_model_len": st.engine.context_bound(), "tokens": ids}))
+    };
+    match tokio::task::block_in_place(run) {
+        Ok(v) => json_response(&v),
+        Err(e) => error_response(&e),
+    }
+}
+
+/// `POST /detokenize` (vLLM's): `{"tokens": [ids]}` to `{"prompt": text}` (special tokens by name).
+pub(super) async fn detokenize(State(st): State<Arc<AppState>>, req: Request) -> Response {
+    let body = match super::conn::body(req, st.opts.max_request_bytes, st.opts.read_timeout).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&e),
+    };
+    let run = || -> Result<Value, ApiError> {
+        let mut m = small_json(&body, api::json::value_budget(st.engine.context_bound()))?;
+        let tok = tokenizer(&st)?;
+        let _ = m.remove("model");
+        let bad = || ApiError::invalid("tokens", "'tokens' must be a list of token ids in the vocabulary");
+        let ids: Vec<u32> = match m.remove("tokens") {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+                .collect::<Option<_>>()
+                .ok_or_else(bad)?,
+            _ => return Err(bad()),
+        };
+        if let Some(k) = m.keys().next() {
+            return Err(ApiError::invalid(k.clone(), format!("Unrecognized request argument supplied: {k}")));
+        }
+        let text = tok.decode(&ids).map_err(|_| bad())?;
+        Ok(json!({"prompt": text}))
+    };
+    match tokio::task::block_in_place(run) {
+        Ok(v) => json_response(&v),
+        Err(e) => error_response(&e),
+    }
+}
+
+/// `GET /tokenizer_info` (vLLM's): the tokenizer's special tokens and the context bound.
+pub(super) async fn tokenizer_info(State(st): State<Arc<AppState>>) -> Response {
+    match tokenizer(&st) {
+        Ok(t) => json_response(&json!({
+            "tokenizer_class": "TikTokenTokenizer",
+            "bos_token": t.special_id("[BOS]").map(|_| "[BOS]"),
+            "eos_token": t.special_id("[EOS]").map(|_| "[EOS]"),
+            "eos_token_id": t.special_id("[EOS]"),
+            "end_of_message_token_id": t.special_id("<|end_of_msg|>"),
+            "pad_token": t.special_id("[PAD]").map(|_| "[PAD]"),
+            "model_max_length": st.engine.context_bound(),
+            "vocab_size": st.engine.vocab(),
+        })),
+        Err(e) => error_response(&e),
+    }
 }
 
 pub(super) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
@@ -125,7 +216,7 @@ async fn parse(st: &AppState, kind: Kind, body: Result<Bytes, ApiError>) -> Resu
     let failed = || ApiError::new(500, "server_error", "internal_error", "Parsing the request failed.");
     let place = Arc::clone(&st.parsers).acquire_owned().await.map_err(|_| failed())?;
     let (model_id, template_takes_tools) = (st.opts.model_id.clone(), st.template_takes_tools);
-    let (sampling, max_tokens) = (st.opts.sampling, st.opts.max_tokens);
+    let (sampling, max_tokens) = (st.opts.sampling.clone(), st.opts.max_tokens);
     let budget = api::json::value_budget(st.engine.context_bound());
     let parsed = tokio::task::spawn_blocking(move || {
         let _place = place;
@@ -209,43 +300,83 @@ fn refused(st: &AppState, e: &ApiError) -> Response {
 }
 
 /// A generation request (see the module contract): admitted, queued, then answered whole or
-/// streamed.
+/// streamed. A request for `n` choices is `n` jobs (choice i sampling with the seed + i, a seed
+/// drawn here when the request gives none), answered as one.
 async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, ApiError>) -> Response {
     let arrived = Instant::now();
     let access = access::current();
-    let (req, prepared) = match admit(&st, kind, body).await {
+    let (mut req, prepared) = match admit(&st, kind, body).await {
         Ok(x) => x,
         Err(r) => return r,
     };
-    let (tx, rx) = tmpsc::unbounded_channel();
-    let (stream, include_usage, want_lp) = (req.stream, req.include_usage, req.logprobs.is_some());
-    if let Err(e) = enqueue(&st, Job { req, prepared, arrived, tx }) {
-        return refused(&st, &e);
+    let n = req.n.max(1);
+    if n > 1 && req.sampling.seed.is_none() {
+        req.sampling.seed = Some(crate::util::fresh_seed());
     }
-    let n = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let (stream, include_usage, want_lp) = (req.stream, req.include_usage, req.logprobs.is_some());
+    let (all_tx, rx) = tmpsc::unbounded_channel();
+    for i in 0..n {
+        let mut one = req.clone();
+        one.n = 1;
+        if n > 1 {
+            one.sampling = req.sampling.for_choice(i);
+        }
+        let (tx, mut choice_rx) = tmpsc::unbounded_channel();
+        if let Err(e) = enqueue(&st, Job { req: one, prepared: prepared.clone(), arrived, tx }) {
+            // Choices already queued end at their first token: their answers have no reader.
+            return refused(&st, &e);
+        }
+        // Each choice's messages, tagged, into the answer's one channel; a reader gone ends it
+        // (the choice's generation then ends at its next token).
+        let all_tx = all_tx.clone();
+        tokio::spawn(async move {
+            while let Some(m) = choice_rx.recv().await {
+                if all_tx.send((i, m)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    drop(all_tx);
+    let id = st.next_id.fetch_add(1, Ordering::Relaxed);
     let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
-    let meta = Meta { id: format!("{prefix}-{n}"), created: unix_now(), model: st.opts.model_id.clone(), kind };
+    let meta = Meta {
+        id: format!("{prefix}-{}{id}", st.id_prefix),
+        created: unix_now(),
+        model: st.opts.model_id.clone(),
+        kind,
+    };
     let tt = Arc::clone(&st.token_text);
-    if stream { streamed(rx, meta, tt, include_usage, access) } else { whole(rx, &meta, &*tt, want_lp, &access).await }
+    if stream {
+        streamed(rx, n, meta, tt, include_usage, access)
+    } else {
+        whole(rx, n, &meta, &*tt, want_lp, &access).await
+    }
 }
 
-/// A non-streamed answer: its status is the first message's.
+/// A non-streamed answer of `n` choices: an error of any is the answer's.
 async fn whole(
-    mut rx: tmpsc::UnboundedReceiver<Msg>,
+    mut rx: tmpsc::UnboundedReceiver<(usize, Msg)>,
+    n: usize,
     meta: &Meta,
     tt: &(dyn Fn(u32) -> Vec<u8> + Send + Sync),
     want_lp: bool,
     access: &Option<Arc<Entry>>,
 ) -> Response {
     let mut started = false;
+    let mut outs: Vec<Option<Output>> = vec![None; n];
     loop {
         match rx.recv().await {
-            Some(Msg::Done(out)) => {
-                access::usage(access, &out);
-                return json_response(&response::response(meta, &out, want_lp, tt));
+            Some((i, Msg::Done(out))) => {
+                outs[i] = Some(*out);
+                if outs.iter().all(Option::is_some) {
+                    let outs: Vec<Output> = outs.into_iter().flatten().collect();
+                    access::usage(access, &outs);
+                    return json_response(&response::responses(meta, &outs, want_lp, tt));
+                }
             }
-            Some(Msg::Failed(e)) => return error_response(&e),
-            Some(Msg::Delta(_)) => started = true,
+            Some((_, Msg::Failed(e))) => return error_response(&e),
+            Some((_, Msg::Delta(_))) => started = true,
             None => {
                 let why = if started { "The generation stopped." } else { "The generation ended without an answer." };
                 return error_response(&ApiError::new(500, "server_error", "internal_error", why));
@@ -254,13 +385,19 @@ async fn whole(
     }
 }
 
-/// The events of one message, pushed last first (`pending` is a stack); true when they end the
-/// stream.
+/// A stream's progress: each choice's output once it is done.
+struct Streaming {
+    outs: Vec<Option<Output>>,
+    include_usage: bool,
+}
+
+/// The events of one message of choice `i`, pushed last first (`pending` is a stack); true when
+/// they end the stream.
 fn events(
-    msg: Msg,
+    (i, msg): (usize, Msg),
     meta: &Meta,
     tt: TokenText,
-    include_usage: bool,
+    s: &mut Streaming,
     access: &Option<Arc<Entry>>,
     pending: &mut Vec<String>,
 ) -> bool {
@@ -268,19 +405,25 @@ fn events(
         Msg::Delta(d) => {
             let mut chunks: Vec<_> = response::delta_chunk(meta, &d, tt).into_iter().collect();
             chunks.extend(response::tool_call_chunks(meta, &d));
-            for c in chunks.iter().rev() {
-                pending.push(event(&c.to_string()));
+            for c in chunks.into_iter().rev() {
+                pending.push(event(&response::for_choice(c, i).to_string()));
             }
             false
         }
         Msg::Done(out) => {
-            access::usage(access, &out);
-            pending.push(event("[DONE]"));
-            if include_usage {
-                pending.push(event(&response::usage_chunk(meta, &out).to_string()));
+            let last = s.outs.iter().filter(|o| o.is_none()).count() == 1;
+            let finish = response::finish_chunk(meta, &out, !s.include_usage);
+            s.outs[i] = Some(*out);
+            if last {
+                let outs: Vec<Output> = s.outs.iter().flatten().cloned().collect();
+                access::usage(access, &outs);
+                pending.push(event("[DONE]"));
+                if s.include_usage {
+                    pending.push(event(&response::usage_chunk(meta, &outs).to_string()));
+                }
             }
-            pending.push(event(&response::finish_chunk(meta, &out, !include_usage).to_string()));
-            true
+            pending.push(event(&response::for_choice(finish, i).to_string()));
+            last
         }
         Msg::Failed(e) => {
             pending.push(event(&e.body().to_string()));
@@ -291,7 +434,8 @@ fn events(
 
 /// A streamed answer (see the module contract).
 fn streamed(
-    rx: tmpsc::UnboundedReceiver<Msg>,
+    rx: tmpsc::UnboundedReceiver<(usize, Msg)>,
+    n: usize,
     meta: Meta,
     tt: Arc<dyn Fn(u32) -> Vec<u8> + Send + Sync>,
     include_usage: bool,
@@ -299,22 +443,25 @@ fn streamed(
 ) -> Response {
     let mut pending = vec![];
     if meta.kind == Kind::Chat {
-        pending.push(event(&response::role_chunk(&meta).to_string()));
+        for i in (0..n).rev() {
+            pending.push(event(&response::for_choice(response::role_chunk(&meta), i).to_string()));
+        }
     }
-    let state = (rx, meta, tt, pending, false);
-    let body = futures_util::stream::unfold(state, move |(mut rx, meta, tt, mut pending, mut done)| {
+    let s = Streaming { outs: vec![None; n], include_usage };
+    let state = (rx, meta, tt, pending, false, s);
+    let body = futures_util::stream::unfold(state, move |(mut rx, meta, tt, mut pending, mut done, mut s)| {
         let access = access.clone();
         async move {
             loop {
                 if let Some(ev) = pending.pop() {
-                    let next = (rx, meta, tt, pending, done);
+                    let next = (rx, meta, tt, pending, done, s);
                     return Some((Ok::<_, std::convert::Infallible>(Bytes::from(ev)), next));
                 }
                 if done {
                     return None;
                 }
                 match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
-                    Ok(Some(m)) => done = events(m, &meta, &*tt, include_usage, &access, &mut pending),
+                    Ok(Some(m)) => done = events(m, &meta, &*tt, &mut s, &access, &mut pending),
                     Ok(None) => return None,
                     Err(_) => pending.push(": keep-alive\n\n".to_string()),
                 }

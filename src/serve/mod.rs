@@ -109,7 +109,11 @@ struct AppState {
     encoder: Arc<Encoder>,
     engine: Arc<Engine>,
     token_text: Arc<dyn Fn(u32) -> Vec<u8> + Send + Sync>,
+    /// Response ids: this process's random prefix, then a counter (unique across restarts).
+    id_prefix: String,
     next_id: AtomicU64,
+    /// `/v1/models`' `created`: the model directory's modification time, else the server's start.
+    created: u64,
     /// Seconds the last generation took (for Retry-After).
     last_gen_s: Arc<std::sync::Mutex<f64>>,
     /// Places for bodies being parsed ([`PARSERS`]).
@@ -146,6 +150,7 @@ pub fn serve(engine: Arc<Engine>, opts: ServeOptions, ready: impl FnOnce(SocketA
         .name("deltafin-generate".into())
         .spawn(move || running::worker(gen_, jobs_rx, shared, parallel))
         .map_err(ServeError::Io)?;
+    let engine_dir = engine.dir().to_path_buf();
     let state = Arc::new(AppState {
         opts: opts.clone(),
         jobs: std::sync::Mutex::new(Some(jobs_tx)),
@@ -155,7 +160,9 @@ pub fn serve(engine: Arc<Engine>, opts: ServeOptions, ready: impl FnOnce(SocketA
         encoder,
         engine,
         token_text,
+        id_prefix: format!("{:012x}", crate::util::fresh_seed() >> 16),
         next_id: AtomicU64::new(1),
+        created: model_created(engine_dir.as_path()),
         last_gen_s,
         parsers: Arc::new(tokio::sync::Semaphore::new(PARSERS)),
     });
@@ -169,6 +176,37 @@ pub fn serve(engine: Arc<Engine>, opts: ServeOptions, ready: impl FnOnce(SocketA
     // Connections still open (a client that never reads) must not hold the process.
     rt.shutdown_timeout(Duration::from_secs(2));
     result
+}
+
+/// Unix seconds of the model directory's last change, else now.
+fn model_created(dir: &std::path::Path) -> u64 {
+    let secs = |t: std::time::SystemTime| t.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    std::fs::metadata(dir).and_then(|m| m.modified()).map(secs).unwrap_or_else(|_| secs(std::time::SystemTime::now()))
+}
+
+/// Where a browser on this machine reaches a server bound to `addr` — a loopback address for an
+/// unspecified one (0.0.0.0, ::) — and, for that case, a note naming the other machines' address.
+pub fn browser_address(addr: SocketAddr) -> (SocketAddr, Option<String>) {
+    if !addr.ip().is_unspecified() {
+        return (addr, None);
+    }
+    let local = match addr {
+        SocketAddr::V4(_) => SocketAddr::from(([127, 0, 0, 1], addr.port())),
+        SocketAddr::V6(_) => SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, addr.port())),
+    };
+    let host = hostname().unwrap_or_else(|| "THIS-MACHINE".into());
+    let note = format!("listening on all interfaces ({addr}); from other machines: http://{host}:{}", addr.port());
+    (local, Some(note))
+}
+
+/// This machine's host name.
+fn hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname(2) writes at most `buf.len()` bytes into our buffer.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0)?;
+    let name = String::from_utf8_lossy(&buf[..end]).into_owned();
+    (rc == 0 && !name.is_empty()).then_some(name)
 }
 
 /// Binds the address and serves connections until a signal and its grace period.
@@ -234,6 +272,9 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(handlers::completions))
         .route_layer(from_fn(metrics::counted))
         .route("/v1/models/{id}", get(handlers::model))
+        .route("/tokenize", post(handlers::tokenize))
+        .route("/detokenize", post(handlers::detokenize))
+        .route("/tokenizer_info", get(handlers::tokenizer_info))
         .route("/metrics", get(handlers::metrics))
         .route_layer(from_fn_with_state(Arc::clone(&state), auth))
         .route_layer(from_fn_with_state(Arc::clone(&state.metrics), metrics::count));

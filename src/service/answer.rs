@@ -10,8 +10,11 @@
 //! Each channel's text is held back on its own (a stop string does not span the two); text held in
 //! one is shown once the other speaks. The same tokens give the same text whether the answer was
 //! generated alone or in a batch.
-//! A chat answer never shows a special token: tags, channel markers and end-of-message tokens
-//! route or end the text, and are not part of it.
+//! No answer shows a special token or the template's syntax (as vLLM's `skip_special_tokens`):
+//! in a chat, tags, channel markers and end-of-message tokens route or end the text and are not
+//! part of it, and a tools section that is not whole calls — malformed, or cut off by the end of
+//! the answer (`max_tokens`) — is dropped, not shown as content (the answer says so:
+//! [`Answer::dropped_tools`]); in a plain completion special tokens carry no text.
 
 use crate::api::{Delta, GenRequest, Kind, Prompt, ToolChoice};
 use crate::model::chat::Thinking;
@@ -63,6 +66,8 @@ pub struct Answer {
     pub logprobs: Vec<TokenLogprob>,
     /// The sink refused a delta (the client has gone).
     pub cancelled: bool,
+    /// A tools section that was not whole calls was dropped (see the module contract).
+    pub dropped_tools: bool,
 }
 
 impl Answer {
@@ -102,6 +107,7 @@ impl Answer {
             ttft: None,
             logprobs: Vec::new(),
             cancelled: false,
+            dropped_tools: false,
             enc,
         }
     }
@@ -149,9 +155,7 @@ impl Answer {
             let tok = self.enc.tokenizer();
             let special = tok.is_some_and(|t| t.is_special(id));
             let piece = match tok {
-                Some(t) if special && (self.is_chat || t.is_reserved(id)) => String::new(),
-                // A named special's text goes through the decoder too: its name cuts short an
-                // unfinished character before it, as in `Tokenizer::decode` and `run`.
+                Some(_) if special => String::new(),
                 Some(t) => self.decoder.push(t.token_bytes(id).unwrap_or_default()),
                 None => format!("{}{id}", if n > 1 { "," } else { "" }),
             };
@@ -164,15 +168,15 @@ impl Answer {
                     None => Piece::Text(&piece),
                 });
             }
-            let (mut c, r) =
-                if self.is_chat { self.channels.route(id, piece, special) } else { (piece, String::new()) };
+            let (c, r) = if self.is_chat { self.channels.route(id, piece, special) } else { (piece, String::new()) };
             for e in events {
                 match e {
                     ToolEvent::Call { index, call } => {
                         self.tool_calls.push(call.clone());
                         d.tool_calls.push((index, call));
                     }
-                    ToolEvent::Text(t) => c.push_str(&t),
+                    // Template syntax, never content.
+                    ToolEvent::Text(_) => self.dropped_tools = true,
                 }
             }
             if !r.is_empty() {
@@ -197,13 +201,9 @@ impl Answer {
     /// show as U+FFFD); text held back for a stop string that never came is shown.
     pub fn finish(&mut self, sink: &mut dyn FnMut(&Delta) -> bool) {
         self.decoder.finish();
-        // A tools section cut off by the end: its text is content.
-        for e in self.calls.finish() {
-            if let ToolEvent::Text(t) = e {
-                let shown = self.stop_text.push(&t);
-                self.content.push_str(&shown);
-                sink(&Delta { content: shown, ..Default::default() });
-            }
+        // A tools section cut off by the end is dropped: its text is template syntax.
+        if self.calls.finish().iter().any(|e| matches!(e, ToolEvent::Text(_))) {
+            self.dropped_tools = true;
         }
         let (content, reasoning) = (self.stop_text.release(), self.stop_reasoning.release());
         if !content.is_empty() || !reasoning.is_empty() {
@@ -337,7 +337,9 @@ mod tests {
             default_max_tokens: None,
             stop: stop.iter().map(|s| s.to_string()).collect(),
             sampling: SamplingSpec::GREEDY,
+            n: 1,
             logprobs: None,
+            echo: false,
             stream: false,
             include_usage: false,
             thinking: None,

@@ -95,7 +95,7 @@ impl Conversation {
     /// A turn's request for `prompt` with the settings (its seed not drawn yet).
     fn request(&self, prompt: Prompt) -> GenRequest {
         let s = &self.settings;
-        let mut req = GenRequest::new(Kind::Chat, prompt, s.sampling, s.max_tokens);
+        let mut req = GenRequest::new(Kind::Chat, prompt, s.sampling.clone(), s.max_tokens);
         req.thinking = s.thinking;
         req
     }
@@ -198,7 +198,7 @@ impl Conversation {
     /// (the sampling as its spec has it, then `max_tokens`, the seed and the thinking).
     pub fn transcript(&self, model: &str) -> Value {
         let s = &self.settings;
-        let mut settings = serde_json::to_value(s.sampling).unwrap_or_default();
+        let mut settings = serde_json::to_value(&s.sampling).unwrap_or_default();
         if let Some(m) = settings.as_object_mut() {
             let seed = m.shift_remove("seed").unwrap_or_default();
             m.insert("max_tokens".into(), json!(s.max_tokens));

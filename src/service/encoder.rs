@@ -189,6 +189,13 @@ impl Encoder {
         // The longest prompt that leaves room for max_tokens new tokens (and at least one).
         let most = bound.saturating_sub(req.max_tokens.unwrap_or(0).max(1));
         self.check_constraint(req)?;
+        let vocab = self.engine.vocab();
+        if let Some(&(bad, _)) = req.sampling.logit_bias.iter().find(|&&(t, _)| t as usize >= vocab) {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("'logit_bias': token id {bad} is outside the vocabulary ({vocab})"),
+            ));
+        }
         let prompt = match self.encode_at_most(req, most) {
             Ok(ids) => ids?,
             Err(least) => return Err(self.too_long(req, &format!("at least {least} tokens"), least, bound)),

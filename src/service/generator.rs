@@ -15,7 +15,8 @@
 
 use super::answer::Answer;
 pub use super::encoder::{Encoder, Prepared, PromptCodec, template_takes_tools};
-use crate::api::{ApiError, Delta, GenRequest, Kind, Output};
+use crate::api::response::Echo;
+use crate::api::{ApiError, Delta, GenRequest, Kind, Output, Prompt};
 use crate::draft::{DraftKind, Speculator};
 use crate::engine::{Engine, ForwardError, GenerateOptions, Generation, Session, StopReason};
 use crate::model::chat::Thinking;
@@ -78,8 +79,8 @@ pub struct Totals {
     pub ttft_count: u64,
 }
 
-/// Prompt ids, kind, max_new, stop strings, log-probabilities, thinking, and the output constraint
-/// and tool handling (which the prompt does not always show).
+/// Prompt ids, kind, max_new, stop strings, log-probabilities, thinking, and the output constraint,
+/// tool handling (which the prompt does not always show) and the logit bias and penalties.
 pub(super) type MemoKey = (Vec<u32>, Kind, usize, Vec<String>, Option<usize>, Option<Thinking>, String);
 
 pub struct Generator {
@@ -232,25 +233,32 @@ impl Generator {
         if let Some(out) = self.memo_answer(&begin, prompt.len(), queued_s, t0, sink) {
             return Ok(out);
         }
-        let mut spec = self.engine.speculator(self.cfg.draft).ok().flatten();
+        // The prompt's log-probabilities need its rows' logits: a fresh session, no drafter.
+        let scored = req.echo && req.logprobs.is_some();
+        let mut spec = if scored { None } else { self.engine.speculator(self.cfg.draft).ok().flatten() };
         // A drafter that drafts only from K3's hidden rows (DSpark) must see the whole prompt: no
         // resume. With n-gram lookup beside it (`auto`) a resumed session drafts by lookup alone.
         let whole = spec.as_ref().is_some_and(Speculator::needs_whole_prompt);
-        let (mut session, reused) =
-            if self.cfg.reuse && !whole { self.session_for(&prompt) } else { (self.engine.new_session(), 0) };
+        let (mut session, reused) = if self.cfg.reuse && !whole && !scored {
+            self.session_for(&prompt)
+        } else {
+            (self.engine.new_session(), 0)
+        };
         let taps = reused == 0 && spec.as_ref().is_some_and(|s| !s.taps().is_empty());
         session.stats = Stats::default();
         let src0 = self.engine.source_report();
-        if reused < prompt.len() {
+        let (echo, from) = self.echo(req, &mut session, &prompt)?;
+        let from = from.max(reused);
+        if from < prompt.len() {
             match &mut spec {
                 Some(sp) if taps => session.prefill_with(&prompt, sp)?,
-                _ => session.prefill(&prompt[reused..])?,
+                _ => session.prefill(&prompt[from..])?,
             };
         }
         let prefilled_s = t0.elapsed().as_secs_f64();
         let snapshot =
             (self.cfg.reuse && self.snapshot_fits(prompt.len(), max_new)).then(|| session.fork()).transpose()?;
-        let mut sampler = Sampler::new(begin.params);
+        let mut sampler = Sampler::new(begin.params.clone());
         if let Some(m) = self.enc.constraint(req).map_err(GenError::Request)? {
             sampler.constrain(m);
         }
@@ -265,7 +273,8 @@ impl Generator {
         answer.finish(sink);
         let reads = Reads::between(&src0, &self.engine.source_report());
         let ran = Ran { prompt_len: prompt.len(), reused, queued_s, prefilled_s, reads };
-        let out = self.output(&begin, answer, g, &session.stats, &ran, sampler.constraint_error());
+        let mut out = self.output(&begin, answer, g, &session.stats, &ran, sampler.constraint_error());
+        out.echo = echo;
         if self.cfg.reuse {
             self.kept = snapshot.into_iter().chain(std::iter::once(session)).collect();
             if let Some(d) = &mut self.disk {
@@ -281,15 +290,58 @@ impl Generator {
         Ok(out)
     }
 
+    /// A completion's `echo` (None without it): its prompt's text and tokens and, with
+    /// `logprobs`, the log-probabilities of its tokens, from scoring all of it but the last token
+    /// on `session` (fresh); with them, where the rest of the prompt starts (0 when nothing was
+    /// fed).
+    pub(super) fn echo(
+        &self,
+        req: &GenRequest,
+        session: &mut Session,
+        prompt: &[u32],
+    ) -> Result<(Option<Echo>, usize), ForwardError> {
+        if !req.echo {
+            return Ok((None, 0));
+        }
+        let text = match (&req.prompt, self.enc.tokenizer()) {
+            (Prompt::Text(t), _) => t.clone(),
+            (_, Some(tok)) => tok.decode(prompt).unwrap_or_default(),
+            (_, None) => prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
+        };
+        let Some(top) = req.logprobs else {
+            return Ok((Some(Echo { text, tokens: prompt.to_vec(), logprobs: None }), 0));
+        };
+        let n = prompt.len();
+        let mut lps = vec![None];
+        if n > 1 {
+            let vocab = self.engine.vocab();
+            let rows = session.score(&prompt[..n - 1])?;
+            for (j, row) in rows.chunks_exact(vocab).enumerate() {
+                lps.push(Some(crate::sample::logprobs(row, prompt[j + 1], top)));
+            }
+        }
+        Ok((Some(Echo { text, tokens: prompt.to_vec(), logprobs: Some(lps) }), n.saturating_sub(1)))
+    }
+
     /// Counts a request and fixes its sampling (its seed drawn now when it gives none) and its
     /// memo key (when the memo may answer it: greedy, no log-probabilities).
     pub(super) fn begin(&mut self, req: &GenRequest, prompt: &[u32], max_new: usize) -> Result<Begin, GenError> {
         self.totals.requests += 1;
         let seed = req.sampling.seed.unwrap_or_else(crate::util::fresh_seed);
-        let params = SamplingSpec { seed: Some(seed), ..req.sampling };
-        params.check().map_err(|e| GenError::Request(ApiError::invalid("temperature", e.to_string())))?;
-        let memo_ok = params.is_greedy() && req.logprobs.is_none() && self.cfg.memo_entries > 0;
-        let tools = format!("{:?}{:?}{:?}{}", req.tools, req.tool_choice, req.response_format, req.parallel_tool_calls);
+        let params = SamplingSpec { seed: Some(seed), ..req.sampling.clone() };
+        params.check().map_err(|e| GenError::Request(ApiError::invalid(e.field(), e.to_string())))?;
+        let memo_ok = params.is_greedy() && req.logprobs.is_none() && !req.echo && self.cfg.memo_entries > 0;
+        // Greedy picks still depend on the logit bias and penalties.
+        let (r, f, p, b) =
+            (params.repetition_penalty, params.frequency_penalty, params.presence_penalty, &params.logit_bias);
+        let tools = format!(
+            "{:?}{:?}{:?}{}{:?}",
+            req.tools,
+            req.tool_choice,
+            req.response_format,
+            req.parallel_tool_calls,
+            (r, f, p, b)
+        );
         let key =
             memo_ok.then(|| (prompt.to_vec(), req.kind, max_new, req.stop.clone(), req.logprobs, req.thinking, tools));
         Ok(Begin { seed, params, key })
@@ -369,6 +421,9 @@ impl Generator {
             tracing::warn!("{e}");
             ext["constraint_error"] = json!(e);
         }
+        if answer.dropped_tools {
+            ext["tool_section_dropped"] = json!(true);
+        }
         let t = &mut self.totals;
         t.prompt_tokens += ran.prompt_len as u64;
         t.prompt_tokens_reused += ran.reused as u64;
@@ -391,6 +446,7 @@ impl Generator {
             logprobs,
             prompt_tokens: ran.prompt_len,
             ext,
+            echo: None,
         }
     }
 

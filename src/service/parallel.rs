@@ -20,6 +20,7 @@
 
 use super::answer::Answer;
 use super::generator::{Begin, GenError, Generator, Prepared, Ran, Reads};
+use crate::api::response::Echo;
 use crate::api::{Delta, GenRequest, Output};
 use crate::engine::{GenerateOptions, Lane};
 use crate::sample::Sampler;
@@ -34,6 +35,8 @@ pub struct LaneRequest {
     prompt_len: usize,
     /// Prompt tokens it did not prefill (the shared prefix it was forked from).
     reused: usize,
+    /// Its prompt as `echo` shows it.
+    echo: Option<Echo>,
 }
 
 /// What [`Generator::start_lane`] made of a request.
@@ -69,7 +72,7 @@ impl Generator {
         if let Some(out) = self.memo_answer(&begin, prompt.len(), queued_s, t0, sink) {
             return Started::Answered(Ok(Box::new(out)));
         }
-        let mut sampler = Sampler::new(begin.params);
+        let mut sampler = Sampler::new(begin.params.clone());
         match self.enc.constraint(req) {
             Ok(Some(m)) => sampler.constrain(m),
             Ok(None) => {}
@@ -79,16 +82,23 @@ impl Generator {
         let answer = Answer::new(req, self.enc.clone(), self.stops.clone(), t0, lp).with_call_seed(begin.seed);
         let opts = GenerateOptions { max_new, stop: self.stops.clone() };
         let prompt_len = prompt.len();
+        // The prompt's log-probabilities need its rows' logits: a fresh session, no drafter.
+        let scored = req.echo && req.logprobs.is_some();
         // A drafter that cannot be built was refused at startup; here it only may be absent.
-        let spec = self.engine.speculator(self.cfg.draft).ok().flatten();
+        let spec = if scored { None } else { self.engine.speculator(self.cfg.draft).ok().flatten() };
         // A drafter that reads K3's hidden rows must see the whole prompt: no shared prefix.
         let whole = spec.as_ref().is_some_and(crate::draft::Speculator::needs_whole_prompt);
-        let shared = if whole { 0 } else { self.shared_len(&prompt) };
-        let (session, reused) = match (shared > 0).then(|| self.fork_shared()).flatten() {
+        let shared = if whole || scored { 0 } else { self.shared_len(&prompt) };
+        let (mut session, reused) = match (shared > 0).then(|| self.fork_shared()).flatten() {
             Some(s) => (s, shared),
             None => (self.engine.new_session(), 0),
         };
-        let lane = match Lane::new(session, prompt[reused..].to_vec(), opts, sampler) {
+        // Scoring the prompt's rows runs here, before the lane joins the batch.
+        let (echo, from) = match self.echo(req, &mut session, &prompt) {
+            Ok(x) => x,
+            Err(e) => return Started::Answered(Err(e.into())),
+        };
+        let lane = match Lane::new(session, prompt[reused.max(from)..].to_vec(), opts, sampler) {
             Ok(l) => l,
             Err(e) => return Started::Answered(Err(e.into())),
         };
@@ -96,12 +106,12 @@ impl Generator {
             Some(d) => lane.with_drafts(d),
             None => lane,
         };
-        Started::Lane(Box::new((lane, LaneRequest { begin, answer, queued_s, prompt_len, reused })))
+        Started::Lane(Box::new((lane, LaneRequest { begin, answer, queued_s, prompt_len, reused, echo })))
     }
 
     /// The finished lane's output (see the module contract); its last text goes to `sink`.
     pub fn finish_lane(&mut self, lane: Lane, r: LaneRequest, sink: &mut dyn FnMut(&Delta) -> bool) -> Output {
-        let LaneRequest { begin, mut answer, queued_s, prompt_len, reused } = r;
+        let LaneRequest { begin, mut answer, queued_s, prompt_len, reused, echo } = r;
         answer.finish(sink);
         let st = &lane.session.stats;
         let sh = lane.shared();
@@ -120,6 +130,7 @@ impl Generator {
         };
         let ran = Ran { prompt_len, reused, queued_s, prefilled_s: st.prefill_s, reads };
         let mut out = self.output(&begin, answer, lane.generation(), &own, &ran, lane.sampler.constraint_error());
+        out.echo = echo;
         out.ext["batch"] = json!(lane.peak_batch());
         if !alone {
             for k in ["bytes_read", "expert_bytes_requested", "read_amplification", "cache_hits", "cache_misses"] {

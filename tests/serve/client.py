@@ -79,7 +79,7 @@ def basic():
     r = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, reasoning_effort="low")
     assert r.choices[0].message.model_extra.get("reasoning_content") or r.choices[0].message.content is not None
     # Strict input: each error names its field.
-    expect_error(openai.BadRequestError, "n", lambda: c.chat.completions.create(model=MODEL, messages=USER, n=2))
+    expect_error(openai.BadRequestError, "n", lambda: c.chat.completions.create(model=MODEL, messages=USER, n=17))
     expect_error(openai.BadRequestError, "bogus",
                  lambda: c.chat.completions.create(model=MODEL, messages=USER, extra_body={"bogus": 1}))
     expect_error(openai.BadRequestError, "temperature",
@@ -263,7 +263,7 @@ def demo():
     """The demo model as a newcomer meets it: a chat with nothing but a message answers in
     `content` (thinking is off for the demo), bounded by the server's default max_tokens (the
     server runs with --max-tokens-default 24); standard fields of OpenAI's API and vLLM's sampling
-    extensions are taken; fields that would change the answer are refused by name."""
+    extensions are taken, penalties and `n` too; values out of range are refused by name."""
     c = client()
     r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}])
     m = r.choices[0].message
@@ -285,10 +285,13 @@ def demo():
     t = c.chat.completions.create(**base, reasoning_effort="high")
     assert t.model_extra.get("deltafin") is not None
     assert (t.choices[0].message.model_extra or {}).get("reasoning_content"), t
+    # Penalties are honoured (n choices too); out of range they are refused by name.
+    p = c.chat.completions.create(**base, frequency_penalty=0.5, n=2, extra_body={"repetition_penalty": 1.2})
+    assert [ch.index for ch in p.choices] == [0, 1], p
     expect_error(openai.BadRequestError, "repetition_penalty",
-                 lambda: c.chat.completions.create(**base, extra_body={"repetition_penalty": 1.2}))
+                 lambda: c.chat.completions.create(**base, extra_body={"repetition_penalty": 0}))
     expect_error(openai.BadRequestError, "frequency_penalty",
-                 lambda: c.chat.completions.create(**base, frequency_penalty=0.5))
+                 lambda: c.chat.completions.create(**base, frequency_penalty=2.5))
     print("ok")
 
 

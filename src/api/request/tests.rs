@@ -31,7 +31,8 @@ fn a_full_chat_request_parses() {
 fn bad_fields_are_named() {
     let base = || json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
     let cases = [
-        ("n", json!(2), "n"),
+        ("n", json!(0), "n"),
+        ("n", json!(17), "n"),
         ("bogus", json!(1), "bogus"),
         ("temperature", json!(3), "temperature"),
         ("temperature", json!("hot"), "temperature"),
@@ -64,9 +65,21 @@ fn completions_and_batch_lines() {
         Some("prompt")
     );
     assert_eq!(
-        parse_completion(&json!({"model": "m", "prompt": "a", "echo": true}), &CTX).unwrap_err().param.as_deref(),
+        parse_completion(&json!({"model": "m", "prompt": "a", "echo": true, "stream": true}), &CTX)
+            .unwrap_err()
+            .param
+            .as_deref(),
         Some("echo")
     );
+    // lm-evaluation-harness's loglikelihood request.
+    let r = parse_completion(
+        &json!({"model": "m", "prompt": [[1, 2, 3]], "echo": true, "logprobs": 1, "max_tokens": 0, "temperature": 0, "seed": 1234}),
+        &CTX,
+    )
+    .unwrap();
+    assert_eq!((r.echo, r.logprobs, r.max_tokens), (true, Some(1), Some(0)));
+    let (_, r) = parse_batch_line(&json!({"id": 1, "prompt": "hi", "n": 2}), &CTX);
+    assert_eq!(r.unwrap_err().param.as_deref(), Some("n"));
     let (id, r) = parse_batch_line(&json!({"id": 7, "prompt": "hi", "max_tokens": 3}), &CTX);
     assert_eq!((id.as_deref(), r.unwrap().max_tokens), (Some("7"), Some(3)));
     let (id, r) = parse_batch_line(&json!({"id": "a", "prompt": "hi", "stream": true}), &CTX);
@@ -109,10 +122,24 @@ fn standard_fields_are_honoured_ignored_or_refused() {
     b["stream_options"] = json!({"include_usage": true, "include_obfuscation": false});
     let r = chat(b).unwrap();
     assert_eq!((r.sampling.top_k, r.sampling.min_p, r.thinking), (0, 0.0, None));
-    // Refused: they would change the answer.
+    // Honoured: penalties, logit_bias (ascending ids), n.
+    let mut b = base();
+    b["repetition_penalty"] = json!(1.1);
+    b["frequency_penalty"] = json!(0.5);
+    b["presence_penalty"] = json!(-0.5);
+    b["logit_bias"] = json!({"9": -100, "3": 5.5});
+    b["n"] = json!(3);
+    let r = chat(b).unwrap();
+    let s = &r.sampling;
+    assert_eq!((s.repetition_penalty, s.frequency_penalty, s.presence_penalty), (1.1, 0.5, -0.5));
+    assert_eq!((s.logit_bias.clone(), r.n), (vec![(3, 5.5), (9, -100.0)], 3));
+    // Refused: out of range, or they would change the answer.
     for (k, v) in [
-        ("repetition_penalty", json!(1.1)),
-        ("frequency_penalty", json!(0.5)),
+        ("repetition_penalty", json!(0)),
+        ("frequency_penalty", json!(2.5)),
+        ("logit_bias", json!({"1": 200})),
+        ("logit_bias", json!({"one": 2})),
+        ("logit_bias", json!([1])),
         ("top_k", json!(-2)),
         ("min_p", json!(1.5)),
         ("modalities", json!(["text", "audio"])),

@@ -23,7 +23,7 @@ use crate::draft::Speculator;
 use crate::engine::{GenerateOptions, Generation, Session, StopReason};
 use crate::forward::{LogitRows, RowsOut};
 use crate::k3::ForwardError;
-use crate::sample::Sampler;
+use crate::sample::{History, Sampler};
 use crate::stats::Stats;
 use std::time::Instant;
 
@@ -193,7 +193,11 @@ impl Seq<'_> {
         }
         let next = match t.picked.take() {
             Some(x) => x,
-            None => self.sampler.pick_on(be, self.session.logits().ok_or(ForwardError::Empty)?)?,
+            None => {
+                // Every token emitted so far is committed: the context is the session's.
+                let h = History { committed: self.session.tokens(), pending: &[], generated: t.tokens.len() };
+                self.sampler.pick_on(be, self.session.logits().ok_or(ForwardError::Empty)?, h)?
+            }
         };
         match emit(&mut t.tokens, next, &t.opts, on_token) {
             Some(r) => {
@@ -266,10 +270,17 @@ impl Seq<'_> {
             Feed::Decode { rows, draft_s } => {
                 let drafts = &rows[1..];
                 let t = &mut *self.track;
-                // K3's pick after row i is the check of draft i (row i + 1).
+                // K3's pick after row i is the check of draft i (row i + 1), with what plain
+                // decoding would have had before it: the committed tokens, then rows 0..=i (row 0
+                // was emitted already; rows 1..=i are the drafts accepted so far).
                 let mut accepted = 0;
                 for (i, &d) in drafts.iter().enumerate() {
-                    let x = self.sampler.pick_on(be, &out.logits[i * vocab..(i + 1) * vocab])?;
+                    let h = History {
+                        committed: self.session.tokens(),
+                        pending: &rows[..=i],
+                        generated: t.tokens.len() + i,
+                    };
+                    let x = self.sampler.pick_on(be, &out.logits[i * vocab..(i + 1) * vocab], h)?;
                     if x != d {
                         t.picked = Some(x);
                         break;
