@@ -133,7 +133,7 @@ fn draft_dspark_and_auto_use_the_drafter_beside_the_demo() {
     let drafter = cache.path().join(deltafin::demo::dspark_name());
     for kind in ["dspark", "auto"] {
         let (out, err) = run_demo(cache.path(), &["--temperature", "0", "--format", "json", "--draft", kind]);
-        assert!(err.contains("drafting: drafter dspark"), "--draft {kind}: {err}");
+        assert!(err.contains(&format!("drafting: drafter {kind}")), "--draft {kind}: {err}");
         assert!(err.contains(&format!("dspark {}", drafter.display())), "--draft {kind}: {err}");
         let (a, b): (Value, Value) = (serde_json::from_str(&plain).unwrap(), serde_json::from_str(&out).unwrap());
         assert_eq!(a["output_ids"], b["output_ids"], "--draft {kind} changes no output");
