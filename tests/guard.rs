@@ -193,7 +193,8 @@ fn half_closed_clients_get_their_answer_and_closed_ones_are_cancelled() {
     assert!(body.contains("ended after 8 of its 100 bytes"), "{body}");
     // A client that closes its socket while its (plain) answer is generated: cancelled.
     let before = s.metric("deltafin_cancelled_total");
-    let long = request(&format!(r#"{{"model":"{MODEL}","prompt":"Hi","max_tokens":5000}}"#));
+    let bias = s.end_bias();
+    let long = request(&format!(r#"{{"model":"{MODEL}","prompt":"Hi","max_tokens":5000,"logit_bias":{bias}}}"#));
     let mut t = std::net::TcpStream::connect(&s.addr).unwrap();
     std::io::Write::write_all(&mut t, &long).unwrap();
     std::thread::sleep(Duration::from_millis(200));

@@ -75,10 +75,12 @@ impl Server {
         let (err, log) = (child.stderr.take().unwrap(), Arc::clone(&stderr));
         std::thread::spawn(move || {
             for line in BufReader::new(err).lines().map_while(Result::ok) {
+                // Logged before the address is sent: a test that reads the log once the server is
+                // up sees the line that said so.
+                log.lock().unwrap().push_str(&(line.clone() + "\n"));
                 if let Some(rest) = line.split("on http://").nth(1) {
                     let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_string());
                 }
-                log.lock().unwrap().push_str(&(line + "\n"));
             }
         });
         let addr = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
@@ -634,6 +636,11 @@ fn a_server_reachable_from_other_machines_without_a_key_is_warned_about() {
     let model = ["--model".to_string(), model_dir().display().to_string()];
     let warning = "warning: listening on 0.0.0.0 without --api-key";
     let s = Server::start_on(&model, &["--host", "0.0.0.0"]);
+    // The lines after the address may still be on their way.
+    let t0 = Instant::now();
+    while !s.stderr.lock().unwrap().contains("listening on all interfaces") && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert!(s.stderr.lock().unwrap().contains(warning), "{}", s.stderr.lock().unwrap());
     // The address printed is one a browser on this machine opens, with a note for the others.
     assert!(s.base.starts_with("http://127.0.0.1:"), "{}", s.base);

@@ -84,6 +84,14 @@ impl Served {
     }
 
     /// The value of metric `name`.
+    /// A `logit_bias` that keeps the end tokens out (`[EOS]` ends plain text too): for requests
+    /// that must run long.
+    pub fn end_bias(&self) -> String {
+        let (_, text, _) = self.get("/tokenizer_info");
+        let info: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        format!(r#"{{"{}":-100,"{}":-100}}"#, info["eos_token_id"], info["end_of_message_token_id"])
+    }
+
     pub fn metric(&self, name: &str) -> f64 {
         let (_, text, _) = self.get("/metrics");
         text.lines()
