@@ -278,6 +278,13 @@ fn outputs_never_replace_an_input_or_a_file_deltafin_did_not_write() {
         assert!(!err.contains("context <="), "refused before the model opened:\n{err}");
         assert_eq!(std::fs::read_to_string(&notes).unwrap(), precious, "{flag}");
     }
+    // chat and serve write the route heat too: refused the same way, before a model opens or a
+    // port is taken.
+    for cmd in [&["chat", "--demo"][..], &["serve", "--demo", "--port", "0"]] {
+        let mut c = deltafin_cmd();
+        c.args(cmd).args(["--expert-heat", n]).stdin(std::process::Stdio::null());
+        expect(&mut c, 1, &["--expert-heat", n, "not overwritten", "--force"]);
+    }
     expect(&mut score_to(&notes), 1, &["--logits-out", n, "not overwritten"]);
     let bench = |extra: &[&str]| {
         let mut c = deltafin_cmd();

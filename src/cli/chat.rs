@@ -55,6 +55,10 @@ pub struct ChatArgs {
     /// After each answer, a line on stderr: tokens, prompt tokens reused, TTFT, tokens/s.
     #[arg(long)]
     pub stats: bool,
+    /// Replace an existing --expert-heat file that deltafin did not write; without it such a file
+    /// is never overwritten.
+    #[arg(long, hide_short_help = true)]
+    pub force: bool,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
     /// No startup line.
@@ -181,7 +185,7 @@ impl Input {
 }
 
 pub fn run(mut a: ChatArgs) -> Result<()> {
-    super::outputs::Outputs::new(false).engine(&a.engine).check()?;
+    super::outputs::Outputs::new(a.force).engine(&a.engine).check()?;
     // SAFETY: the handler touches only atomics and calls _exit, both async-signal-safe.
     unsafe { libc::signal(libc::SIGINT, on_sigint as *const () as libc::sighandler_t) };
     let dir = load::model_dir(&a.model, a.demo)?;

@@ -76,6 +76,10 @@ pub struct ServeArgs {
     /// room; 0: up to the context bound, as vLLM and llama-server; llama-server's -n).
     #[arg(long, short = 'n', default_value_t = DEFAULT_MAX_TOKENS)]
     pub max_tokens_default: usize,
+    /// Replace an existing --expert-heat file that deltafin did not write; without it such a file
+    /// is never overwritten.
+    #[arg(long, hide_short_help = true)]
+    pub force: bool,
     #[command(flatten)]
     pub engine: super::engine::EngineArgs,
     /// No startup line and no access log (one line per request on stderr).
@@ -92,7 +96,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             a.parallel
         );
     }
-    super::outputs::Outputs::new(false).engine(&a.engine).check()?;
+    super::outputs::Outputs::new(a.force).engine(&a.engine).check()?;
     let dir = load::model_dir(&a.model, a.demo)?;
     load::demo_draft(a.demo, a.draft, &mut a.engine)?;
     let sampling = a.sampling.spec(&dir, a.demo)?;
