@@ -27,7 +27,8 @@
 //! `--context`, each sequence's context is what the input's longest request needs
 //! (`service::batch::longest_request`), so the rest of the budget goes to the expert cache.
 
-use super::batch_io::{self, Results, is_std, line_list};
+use super::batch_io::{self, is_std};
+use super::batch_results::Results;
 use super::load;
 use super::progress::{self, Progress};
 use super::sampling_args::{BatchWords, SamplingArgs};
@@ -192,31 +193,8 @@ pub fn run(mut a: BatchArgs) -> Result<()> {
         None
     };
     out.progress.finish();
-    let skipped = skipped.get();
-    if interrupted() {
-        eprintln!("{}", batch_io::interrupted_note(&out, skipped, &a.output));
-        return Ok(());
-    }
     let summary = counters(&generator.totals, stats.as_ref(), shared.as_ref(), prefix);
-    let (ok, errors) = (out.ok, out.failed.len());
-    eprintln!(
-        "deltafin: batch: {ok} done, {errors} failed, {skipped} already in the output, in {:.1} s{summary}",
-        t0.elapsed().as_secs_f64(),
-    );
-    let mut failed = out.failed;
-    let earlier = failed_before.len();
-    failed.extend(failed_before);
-    if !failed.is_empty() {
-        let whose =
-            if earlier > 0 { format!(" ({earlier} of them recorded by an earlier run)") } else { String::new() };
-        let at = if is_std(&a.output) { "standard output".to_string() } else { a.output.display().to_string() };
-        anyhow::bail!(
-            "{} of the batch's requests failed{whose}: {} (their error records are in {at})",
-            failed.len(),
-            line_list(&failed)
-        );
-    }
-    Ok(())
+    out.finish(&a.output, skipped.get(), failed_before, &summary, t0)
 }
 
 /// The engine and its generator, the startup lines, and the shared `prefix` prefilled (its

@@ -7,7 +7,8 @@
 //! (`service::batch::read_output`). Anything else is refused before the model is opened, the
 //! file untouched: a FIFO or device would block or never end when read back to resume, and a
 //! file of someone else's would be appended to and its last line cut. `--in` is a file, a pipe
-//! or `-`; a device (`/dev/zero`, a terminal) is refused. Each result is one write, synced.
+//! or `-`; a device (`/dev/zero`, a terminal) is refused. (The results written into it:
+//! `batch_results`.)
 
 use crate::service::batch::{Done, read_output};
 use anyhow::{Context, Result, bail};
@@ -219,75 +220,4 @@ fn rewrite(out: &Path, bytes: &[u8]) -> Result<std::fs::File> {
     let mut f = new.context("the rewritten output")?;
     f.seek(std::io::SeekFrom::End(0))?;
     Ok(f)
-}
-
-/// Where result records go: the output file (one synced write each) or standard output; what
-/// went well and which lines failed.
-pub struct Results {
-    pub file: Option<std::fs::File>,
-    pub ok: u64,
-    pub failed: Vec<u64>,
-    pub progress: super::progress::Progress,
-    /// Lines of the input (for the progress).
-    pub lines: u64,
-}
-
-impl Results {
-    /// Shows the lines done (written, failed, or `skipped` as already in the output).
-    pub fn tick(&mut self, skipped: u64) {
-        let done = self.ok + self.failed.len() as u64 + skipped;
-        let failed = self.failed.len();
-        self.progress.update(done, self.lines, |d, t, rate| {
-            let rate = rate.map(|r| format!(", {r:.2} lines/s")).unwrap_or_default();
-            format!("{d}/{t} lines, {failed} failed{rate}")
-        });
-    }
-
-    pub fn write(&mut self, record: &Value) -> std::io::Result<()> {
-        // Stopped by Ctrl-C: not done, so not recorded (a rerun runs it).
-        if record["finish_reason"] == "cancelled" {
-            return Ok(());
-        }
-        if record.get("error").is_some() {
-            self.failed.push(record["line"].as_u64().unwrap_or(0));
-        } else {
-            self.ok += 1;
-        }
-        // One write per record: a kill leaves whole lines (and at worst one torn last line).
-        let mut text = record.to_string();
-        text.push('\n');
-        match &mut self.file {
-            Some(f) => f.write_all(text.as_bytes()).and_then(|_| crate::util::sync_data(f)),
-            None => {
-                let mut o = std::io::stdout().lock();
-                o.write_all(text.as_bytes()).and_then(|_| o.flush())
-            }
-        }
-    }
-}
-
-/// What Ctrl-C on a batch leaves: the lines done (this run and before) and how to go on.
-pub fn interrupted_note(r: &Results, skipped: u64, out: &Path) -> String {
-    let done = r.ok + r.failed.len() as u64;
-    let left = r.lines.saturating_sub(done + skipped);
-    let resume = match is_std(out) {
-        true => "the results went to standard output".to_string(),
-        false => {
-            format!("run the same command again to do the other {left} ({} holds every finished line)", out.display())
-        }
-    };
-    format!(
-        "deltafin: batch: interrupted (Ctrl-C): {done} line(s) done in this run ({} failed), {skipped} before it, \
-         {left} not done; {resume}",
-        r.failed.len()
-    )
-}
-
-/// "lines 4, 5 and 9" (the first 10, then how many more).
-pub fn line_list(lines: &[u64]) -> String {
-    let mut v = lines.to_vec();
-    v.sort_unstable();
-    let shown: Vec<String> = v.iter().take(10).map(u64::to_string).collect();
-    let more = if v.len() > 10 { format!(" and {} more", v.len() - 10) } else { String::new() };
-    format!("line{} {}{more}", if v.len() == 1 { "" } else { "s" }, shown.join(", "))
 }

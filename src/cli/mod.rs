@@ -5,6 +5,7 @@
 
 mod batch;
 mod batch_io;
+mod batch_results;
 mod bench;
 mod bench_run;
 mod chat;
